@@ -1,0 +1,75 @@
+// ByteBudget: capacity, used and pinned bytes of every pool (agent, tier).
+//
+// A page costs its namespace's bytes_per_page in every pool that holds it, so one pool
+// shared by namespaces of different models is charged correctly (an MLA page of
+// DeepSeek-V3 costs ~71x less than the same tokens in an MHA-shaped cache).
+//
+// Not thread-safe: CacheIndex serialises access.
+#ifndef KVCM_SERVER_CORE_BYTE_BUDGET_H_
+#define KVCM_SERVER_CORE_BYTE_BUDGET_H_
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "server/core/types.h"
+
+namespace kvcm {
+
+struct PoolStats {
+  PoolKey pool;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t pinned_bytes = 0;  // bytes of pages held by at least one pin
+  uint64_t pages = 0;         // page-locations in this pool
+};
+
+class ByteBudget {
+ public:
+  // Id of `pool`, creating it with `capacity_bytes` if new.
+  PoolId Intern(const PoolKey& pool, uint64_t capacity_bytes);
+  std::optional<PoolId> Find(const PoolKey& pool) const;
+  size_t size() const { return pools_.size(); }
+
+  const PoolKey& key(PoolId id) const { return pools_[id].pool; }
+  const PoolStats& stats(PoolId id) const { return pools_[id]; }
+  uint64_t capacity(PoolId id) const { return pools_[id].capacity_bytes; }
+  uint64_t used(PoolId id) const { return pools_[id].used_bytes; }
+  uint64_t pinned(PoolId id) const { return pools_[id].pinned_bytes; }
+  // Bytes not yet used (0 when over capacity after a capacity cut).
+  uint64_t free(PoolId id) const {
+    const PoolStats& p = pools_[id];
+    return p.capacity_bytes > p.used_bytes ? p.capacity_bytes - p.used_bytes : 0;
+  }
+  // Unpinned bytes, all of which eviction can reach (pins cover whole root paths, so an
+  // unpinned page never has a pinned descendant).
+  uint64_t evictable(PoolId id) const { return pools_[id].used_bytes - pools_[id].pinned_bytes; }
+  // Bytes to evict before `need` more fit: max(0, need - free). Exactly the shortfall.
+  uint64_t Shortfall(PoolId id, uint64_t need) const {
+    uint64_t f = free(id);
+    return need > f ? need - f : 0;
+  }
+
+  void SetCapacity(PoolId id, uint64_t capacity_bytes) {
+    pools_[id].capacity_bytes = capacity_bytes;
+  }
+  void Charge(PoolId id, uint64_t pages, uint64_t bytes) {
+    pools_[id].pages += pages;
+    pools_[id].used_bytes += bytes;
+  }
+  void Refund(PoolId id, uint64_t pages, uint64_t bytes) {
+    pools_[id].pages -= pages;
+    pools_[id].used_bytes -= bytes;
+  }
+  void Pin(PoolId id, uint64_t bytes) { pools_[id].pinned_bytes += bytes; }
+  void Unpin(PoolId id, uint64_t bytes) { pools_[id].pinned_bytes -= bytes; }
+
+ private:
+  std::vector<PoolStats> pools_;  // indexed by PoolId
+  absl::flat_hash_map<PoolKey, PoolId> ids_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_BYTE_BUDGET_H_

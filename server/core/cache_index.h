@@ -1,0 +1,244 @@
+// CacheIndex: the manager's global prefix index. One radix tree of page hashes per
+// namespace, each page carrying the pools (agent, tier) that hold it; the lease table of
+// pins; per-pool byte budgets; and the eviction policy that keeps pools within capacity.
+//
+// Thread-safe: every public method may be called concurrently; one mutex serialises them
+// (a match of a 128-page prompt holds it for about a microsecond).
+#ifndef KVCM_SERVER_CORE_CACHE_INDEX_H_
+#define KVCM_SERVER_CORE_CACHE_INDEX_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/core/byte_budget.h"
+#include "server/core/clock.h"
+#include "server/core/eviction_policy.h"
+#include "server/core/lease_table.h"
+#include "server/core/model_spec.h"
+#include "server/core/page_hash.h"
+#include "server/core/radix_tree.h"
+#include "server/core/types.h"
+
+namespace kvcm {
+
+struct CacheIndexOptions {
+  // Secret every namespace's hash key is derived from. Keep it stable across restarts, or
+  // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
+  HashKey hash_secret;
+  // Eviction policy by name (see MakeEvictionPolicy): "lru".
+  std::string policy = "lru";
+  // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
+  // (NOT_FOUND) so that only RegisterPool creates them.
+  uint64_t default_pool_capacity_bytes = 64ULL << 30;
+  // Lease of a pin when the caller asks for none.
+  absl::Duration default_lease_ttl = absl::Seconds(30);
+  // Longest lease a caller may ask for.
+  absl::Duration max_lease_ttl = absl::Minutes(10);
+  // How long an expired pin id is remembered, so that Release answers ABORTED (expired)
+  // rather than NOT_FOUND.
+  absl::Duration expired_pin_memory = absl::Minutes(10);
+  // Time source; RealClock::Get() when null. Not owned.
+  Clock* clock = nullptr;
+
+  absl::Status Validate() const;
+};
+
+// What happened to the index, for WatchEvents subscribers.
+struct CacheEvent {
+  enum class Kind : uint8_t { kStored = 1, kRemoved = 2, kCleared = 3 };
+  Kind kind;
+  NamespaceId ns;
+  PoolKey pool;
+  std::vector<PageHash> pages;
+};
+
+// Called with events in order, under the index's lock: must be quick and must not call back
+// into the CacheIndex.
+using CacheEventListener = std::function<void(const CacheEvent&)>;
+
+struct MatchOptions {
+  // Agent the request will run on; its replicas are listed first. May be empty.
+  std::string requester_agent_id;
+  // Take a pin on the matched pages.
+  bool pin = false;
+  // 0 means CacheIndexOptions::default_lease_ttl.
+  absl::Duration lease_ttl = absl::ZeroDuration();
+  // No recency update, no pin, no counters.
+  bool probe = false;
+};
+
+// A run of matched pages stored in the same pools.
+struct MatchedSegment {
+  struct Replica {
+    PoolKey pool;
+    std::vector<BlockId> block_ids;  // one per page of the segment
+  };
+  uint32_t first_page = 0;
+  uint32_t num_pages = 0;
+  std::vector<Replica> replicas;  // requester's agent first
+};
+
+struct MatchResult {
+  uint32_t matched_pages = 0;
+  uint32_t prompt_pages = 0;
+  uint32_t local_pages = 0;  // leading pages held by the requester's agent
+  std::vector<MatchedSegment> segments;
+  PinId pin_id = 0;  // 0: no pin taken
+  absl::Time lease_expiry = absl::InfinitePast();
+};
+
+struct InsertResult {
+  uint32_t already_present_pages = 0;
+  std::vector<BlockId> existing_block_ids;
+  uint32_t new_pages = 0;
+  uint32_t replicated_pages = 0;
+  uint64_t evicted_bytes = 0;
+};
+
+struct EvictResult {
+  uint64_t evicted_bytes = 0;
+  uint64_t evicted_pages = 0;
+};
+
+struct NamespaceStats {
+  NamespaceId ns;
+  ModelSpec spec;
+  uint64_t pages = 0;
+  uint64_t page_locations = 0;
+  uint64_t radix_nodes = 0;
+};
+
+struct IndexCounters {
+  uint64_t match_requests = 0;
+  uint64_t requested_pages = 0;
+  uint64_t matched_pages = 0;
+  uint64_t inserted_pages = 0;  // page-locations added
+  uint64_t evicted_pages = 0;   // page-locations removed by eviction
+  uint64_t evicted_bytes = 0;
+  uint64_t pins_taken = 0;
+  uint64_t pins_released = 0;
+  uint64_t lease_expiries = 0;
+};
+
+struct IndexStats {
+  std::vector<PoolStats> pools;
+  std::vector<NamespaceStats> namespaces;
+  IndexCounters counters;
+  uint64_t active_pins = 0;
+  std::string policy;
+};
+
+struct RegisterModelResult {
+  ModelSpec spec;  // as stored
+  HashKey hash_key;
+  bool created = false;
+};
+
+class CacheIndex {
+ public:
+  // REQUIRES: options.Validate().ok() (use Create to get an error instead).
+  explicit CacheIndex(CacheIndexOptions options);
+  ~CacheIndex();
+  CacheIndex(const CacheIndex&) = delete;
+  CacheIndex& operator=(const CacheIndex&) = delete;
+
+  static absl::StatusOr<std::unique_ptr<CacheIndex>> Create(CacheIndexOptions options);
+
+  // Replaces the event listener (null to stop). Safe to call at any time.
+  void SetEventListener(CacheEventListener listener) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Creates namespace `ns` or confirms it. FAILED_PRECONDITION when it exists with another
+  // spec; INVALID_ARGUMENT for a bad spec or name.
+  absl::StatusOr<RegisterModelResult> RegisterModel(const NamespaceId& ns, const ModelSpec& spec)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The namespace's spec and hash key; NOT_FOUND when unregistered.
+  absl::StatusOr<RegisterModelResult> GetNamespace(const NamespaceId& ns) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Chained page hashes of `tokens` in namespace `ns` (trailing partial page ignored).
+  absl::StatusOr<std::vector<PageHash>> HashTokens(const NamespaceId& ns,
+                                                   std::span<const int32_t> tokens) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Creates pool `pool` with `capacity_bytes`, or changes its capacity. Lowering capacity
+  // below used bytes evicts the difference; RESOURCE_EXHAUSTED (and no change) when pins
+  // prevent that.
+  absl::Status SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
+  absl::StatusOr<MatchResult> Match(const NamespaceId& ns, std::span<const PageHash> pages,
+                                    const MatchOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Records that `pool` holds pages [0, pages.size()) of a prompt in blocks `block_ids`.
+  // Evicts exactly the shortfall from `pool` when the new pages do not fit; when even that
+  // cannot make room, RESOURCE_EXHAUSTED and nothing changes.
+  // REQUIRES: block_ids.size() == pages.size() (INVALID_ARGUMENT otherwise).
+  absl::StatusOr<InsertResult> Insert(const NamespaceId& ns, std::span<const PageHash> pages,
+                                      const PoolKey& pool, std::span<const BlockId> block_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Drops pin `pin_id` of namespace `ns`. NOT_FOUND for an unknown pin (or one of another
+  // namespace), ABORTED for one whose lease expired.
+  absl::Status Release(const NamespaceId& ns, PinId pin_id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Extends a live pin's lease to now + ttl (0: default). Same errors as Release.
+  absl::StatusOr<absl::Time> RenewLease(const NamespaceId& ns, PinId pin_id, absl::Duration ttl)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Evicts at least `bytes` of unpinned pages from one pool / one namespace, by policy.
+  // All or nothing: OUT_OF_RANGE when the target holds fewer bytes, RESOURCE_EXHAUSTED when
+  // fewer are unpinned; neither changes anything.
+  absl::StatusOr<EvictResult> EvictFromPool(const PoolKey& pool, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<EvictResult> EvictFromNamespace(const NamespaceId& ns, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Releases every pin whose lease ended at or before now. Also done lazily by every
+  // mutating call; the service runs it on a timer so idle managers expire pins too.
+  void ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
+
+  IndexStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  const CacheIndexOptions& options() const { return options_; }
+
+ private:
+  struct Namespace;
+
+  absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PoolId InternPool(const PoolKey& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Duration LeaseTtl(absl::Duration requested) const;
+  // Evicts at least `bytes` from `pool` by policy. REQUIRES: that many bytes are evictable.
+  EvictResult EvictLocked(PoolId pool, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
+            std::vector<PageHash> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const CacheIndexOptions options_;
+  Clock* const clock_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<NamespaceId, std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
+  ByteBudget budget_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
+  LeaseTable leases_ ABSL_GUARDED_BY(mu_);
+  IndexCounters counters_ ABSL_GUARDED_BY(mu_);
+  uint64_t access_clock_ ABSL_GUARDED_BY(mu_) = 0;
+  CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_CACHE_INDEX_H_

@@ -1,0 +1,10 @@
+#include "server/core/clock.h"
+
+namespace kvcm {
+
+Clock* RealClock::Get() {
+  static RealClock* const clock = new RealClock();
+  return clock;
+}
+
+}  // namespace kvcm

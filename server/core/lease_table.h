@@ -1,0 +1,63 @@
+// LeaseTable: live pins, their leases, and recently expired pin ids.
+//
+// A pin holds one radix node (and so its whole path from the root). Leases expire by the
+// injected clock; CacheIndex drops expired pins through Expire().
+//
+// Not thread-safe: CacheIndex serialises access.
+#ifndef KVCM_SERVER_CORE_LEASE_TABLE_H_
+#define KVCM_SERVER_CORE_LEASE_TABLE_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <utility>
+
+#include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/core/radix_tree.h"
+
+namespace kvcm {
+
+using PinId = uint64_t;
+
+struct Lease {
+  PinId id = 0;
+  RadixNode* node = nullptr;  // deepest pinned node
+  absl::Time expiry;
+};
+
+class LeaseTable {
+ public:
+  explicit LeaseTable(absl::Duration expired_memory) : expired_memory_(expired_memory) {}
+
+  PinId Add(RadixNode* node, absl::Time expiry);
+
+  // The live lease `id` of `tree`. NOT_FOUND when unknown or of another tree (namespace),
+  // ABORTED when it expired recently.
+  absl::StatusOr<Lease*> Find(PinId id, const RadixTree* tree);
+
+  void SetExpiry(Lease* lease, absl::Time expiry);
+  // Forgets a released lease. REQUIRES: `id` is live.
+  void Erase(PinId id);
+
+  // Removes every lease with expiry <= now, calling `on_expired` for each (in expiry
+  // order), and remembers their ids as expired.
+  void Expire(absl::Time now, const std::function<void(const Lease&)>& on_expired);
+
+  size_t size() const { return leases_.size(); }
+
+ private:
+  const absl::Duration expired_memory_;
+  PinId next_id_ = 1;
+  absl::flat_hash_map<PinId, Lease> leases_;
+  absl::btree_set<std::pair<absl::Time, PinId>> by_expiry_;
+  // Expired ids and the tree they belonged to, forgotten after expired_memory_.
+  absl::flat_hash_map<PinId, const RadixTree*> expired_;
+  std::deque<std::pair<absl::Time, PinId>> expired_order_;  // (forget at, id)
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_LEASE_TABLE_H_

@@ -1,0 +1,51 @@
+// What one token of KV cache costs, in bytes, for each attention kind and dtype.
+#ifndef KVCM_SERVER_CORE_MODEL_SPEC_H_
+#define KVCM_SERVER_CORE_MODEL_SPEC_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace kvcm {
+
+// Values match kvcm.v1.AttentionKind / kvcm.v1.KvDtype.
+enum class AttentionKind : uint8_t { kMha = 1, kMqa = 2, kGqa = 3, kMla = 4 };
+enum class KvDtype : uint8_t { kBf16 = 1, kFp16 = 2, kFp8 = 3, kInt8 = 4 };
+
+inline constexpr uint32_t kDefaultPageSizeTokens = 64;
+
+// A model's KV geometry. Plain value; Validate() before use.
+struct ModelSpec {
+  AttentionKind attention = AttentionKind::kMla;
+  uint32_t num_layers = 0;
+  uint32_t num_heads = 0;
+  uint32_t num_kv_heads = 0;    // MHA: == num_heads; MQA: 1; GQA: divides num_heads.
+  uint32_t head_dim = 0;        // MHA/MQA/GQA only.
+  uint32_t kv_lora_rank = 0;    // MLA only.
+  uint32_t rope_dim = 0;        // MLA only.
+  KvDtype dtype = KvDtype::kBf16;
+  uint32_t page_size_tokens = kDefaultPageSizeTokens;
+
+  friend bool operator==(const ModelSpec&, const ModelSpec&) = default;
+
+  // INVALID_ARGUMENT naming the offending field when the geometry is impossible.
+  absl::Status Validate() const;
+
+  // KV bytes of one token in one layer:
+  //   MHA      2 * num_heads    * head_dim * elem   (+ scales for int8)
+  //   GQA/MQA  2 * num_kv_heads * head_dim * elem   (+ scales for int8)
+  //   MLA      (kv_lora_rank + rope_dim) * elem; fp8 uses FlashMLA's layout:
+  //            kv_lora_rank fp8 + kv_lora_rank/128 fp32 scales + rope_dim bf16 (656 B for
+  //            DeepSeek-V3); int8 adds one fp32 scale for the latent.
+  // REQUIRES: Validate().ok().
+  uint64_t BytesPerTokenPerLayer() const;
+  uint64_t BytesPerToken() const { return BytesPerTokenPerLayer() * num_layers; }
+  uint64_t BytesPerPage() const { return BytesPerToken() * page_size_tokens; }
+
+  std::string DebugString() const;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_MODEL_SPEC_H_

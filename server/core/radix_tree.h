@@ -1,0 +1,106 @@
+// RadixTree: the compressed radix tree of one namespace's page hashes.
+//
+// A node stands for a run of consecutive pages with no branching inside, all held by the
+// same set of pools (a Replica per pool, with one block id per page). Pages of one pool are
+// prefix-closed: a pool holding page i of a prompt holds pages 0..i-1 too, because Insert
+// always names a prompt from its first page. So "leaf in pool p" means: the node has a
+// replica in p and no child does, which Replica::child_refs counts in O(1).
+//
+// The tree only keeps structure; CacheIndex decides when to split, add and remove, and
+// keeps the budget, the policy and the pins in step. Not thread-safe.
+#ifndef KVCM_SERVER_CORE_RADIX_TREE_H_
+#define KVCM_SERVER_CORE_RADIX_TREE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "server/core/page_hash.h"
+#include "server/core/types.h"
+
+namespace kvcm {
+
+class RadixTree;
+
+struct Replica {
+  PoolId pool = 0;
+  // Children of the node that also have a replica in `pool`.
+  uint32_t child_refs = 0;
+  // Whether the policy currently tracks this replica as an eviction candidate.
+  bool evictable = false;
+  std::vector<BlockId> block_ids;  // one per page of the node
+};
+
+struct RadixNode {
+  RadixTree* tree = nullptr;
+  RadixNode* parent = nullptr;  // null for the root
+  std::vector<PageHash> pages;  // empty only for the root
+  absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>> children;  // by first page
+  absl::InlinedVector<Replica, 1> replicas;
+  // Recency stamp maintained by the eviction policy.
+  uint64_t last_access = 0;
+  // Live pins on this node or any descendant (pins cover the whole path from the root).
+  uint32_t pin_count = 0;
+
+  bool is_root() const { return parent == nullptr; }
+  uint32_t size() const { return static_cast<uint32_t>(pages.size()); }
+  Replica* FindReplica(PoolId pool);
+  const Replica* FindReplica(PoolId pool) const;
+};
+
+// One step of a walk: `matched` leading pages of `node` equal the prompt's pages starting
+// at `first_page`.
+struct PathStep {
+  RadixNode* node;
+  uint32_t first_page;
+  uint32_t matched;
+};
+
+class RadixTree {
+ public:
+  // `owner` is opaque context for CacheIndex (its namespace record).
+  explicit RadixTree(void* owner);
+  RadixTree(const RadixTree&) = delete;
+  RadixTree& operator=(const RadixTree&) = delete;
+
+  void* owner() const { return owner_; }
+  RadixNode* root() { return &root_; }
+
+  // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
+  // first) and returns the matched page count. Changes nothing.
+  uint32_t Walk(std::span<const PageHash> pages, std::vector<PathStep>* path);
+
+  // Splits `node` so that its first `k` pages become a new parent node, which is returned;
+  // `node` keeps the rest, its replicas' child_refs and its identity. The new node copies
+  // pin_count and last_access, and gets child_refs = 1 for every replica.
+  // REQUIRES: !node->is_root(), 0 < k < node->size().
+  RadixNode* Split(RadixNode* node, uint32_t k);
+
+  // Adds a child of `parent` holding `pages` (no replicas yet) and returns it.
+  // REQUIRES: pages non-empty, no child of parent starts with pages[0].
+  RadixNode* AddChild(RadixNode* parent, std::span<const PageHash> pages);
+
+  // Destroys `node`. REQUIRES: a non-root leaf with no replicas and no pins.
+  void Remove(RadixNode* node);
+
+  // Bookkeeping by CacheIndex when it adds or drops replicas.
+  void AddPageLocations(int64_t delta) { page_locations_ += delta; }
+
+  uint64_t nodes() const { return nodes_; }
+  uint64_t pages() const { return pages_; }
+  uint64_t page_locations() const { return page_locations_; }
+
+ private:
+  void* const owner_;
+  RadixNode root_;
+  uint64_t nodes_ = 0;  // excluding the root
+  uint64_t pages_ = 0;
+  uint64_t page_locations_ = 0;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_RADIX_TREE_H_
