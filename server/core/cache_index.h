@@ -47,6 +47,8 @@ struct CacheIndexOptions {
   // How long an expired pin id is remembered, so that Release answers ABORTED (expired)
   // rather than NOT_FOUND.
   absl::Duration expired_pin_memory = absl::Minutes(10);
+  // An eviction counts as regretted when its page is requested again within this window.
+  absl::Duration regret_window = absl::Minutes(5);
   // Time source; RealClock::Get() when null. Not owned.
   Clock* clock = nullptr;
 
@@ -119,9 +121,14 @@ struct NamespaceStats {
 };
 
 struct IndexCounters {
-  uint64_t match_requests = 0;
+  uint64_t match_requests = 0;  // non-probe matches
   uint64_t requested_pages = 0;
   uint64_t matched_pages = 0;
+  uint64_t requested_tokens = 0;  // whole-page tokens of non-probe matches
+  uint64_t matched_tokens = 0;    // = prefill tokens saved
+  // Evicted page-locations whose page was asked for again (and missed) within
+  // CacheIndexOptions::regret_window of its eviction.
+  uint64_t eviction_regret_pages = 0;
   uint64_t inserted_pages = 0;  // page-locations added
   uint64_t evicted_pages = 0;   // page-locations removed by eviction
   uint64_t evicted_bytes = 0;
