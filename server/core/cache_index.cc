@@ -1,1 +1,578 @@
-// Being written.
+#include "server/core/cache_index.h"
+
+#include <algorithm>
+#include <cassert>
+#include <queue>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvcm {
+
+struct CacheIndex::Namespace {
+  Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in)
+      : id(std::move(id_in)),
+        spec(spec_in),
+        key(key_in),
+        bytes_per_page(spec_in.BytesPerPage()),
+        tree(this) {}
+
+  const NamespaceId id;
+  const ModelSpec spec;
+  const HashKey key;
+  const uint64_t bytes_per_page;
+  RadixTree tree;
+  // Page-locations of pinned nodes (pinned bytes = this * bytes_per_page).
+  uint64_t pinned_page_locations = 0;
+};
+
+namespace {
+
+CacheIndex::Namespace* OwnerOf(const RadixNode* node) {
+  return static_cast<CacheIndex::Namespace*>(node->tree->owner());
+}
+
+uint64_t NodeBytes(const RadixNode* node) {
+  return uint64_t{node->size()} * OwnerOf(node)->bytes_per_page;
+}
+
+}  // namespace
+
+absl::Status CacheIndexOptions::Validate() const {
+  if (auto p = MakeEvictionPolicy(policy); !p.ok()) return p.status();
+  if (default_lease_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("default_lease_ttl must be positive");
+  }
+  if (max_lease_ttl < default_lease_ttl) {
+    return absl::InvalidArgumentError("max_lease_ttl must be >= default_lease_ttl");
+  }
+  if (expired_pin_memory < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("expired_pin_memory must not be negative");
+  }
+  if (regret_window < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("regret_window must not be negative");
+  }
+  return absl::OkStatus();
+}
+
+CacheIndex::CacheIndex(CacheIndexOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
+      policy_(*MakeEvictionPolicy(options_.policy)),
+      leases_(options_.expired_pin_memory) {}
+
+CacheIndex::~CacheIndex() = default;
+
+absl::StatusOr<std::unique_ptr<CacheIndex>> CacheIndex::Create(CacheIndexOptions options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  return std::make_unique<CacheIndex>(std::move(options));
+}
+
+void CacheIndex::SetEventListener(CacheEventListener listener) {
+  absl::MutexLock lock(&mu_);
+  listener_ = std::move(listener);
+}
+
+absl::StatusOr<CacheIndex::Namespace*> CacheIndex::FindNamespace(const NamespaceId& ns) const {
+  auto it = namespaces_.find(ns);
+  if (it == namespaces_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace ", ns.ToString(), " is not registered"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId& ns,
+                                                              const ModelSpec& spec) {
+  if (ns.tenant.empty() || ns.model.empty()) {
+    return absl::InvalidArgumentError("namespace.tenant and namespace.model must be set");
+  }
+  if (absl::Status s = spec.Validate(); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  auto it = namespaces_.find(ns);
+  if (it != namespaces_.end()) {
+    const Namespace& existing = *it->second;
+    if (!(existing.spec == spec)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("namespace ", ns.ToString(), " is registered with spec {",
+                       existing.spec.DebugString(), "}, not {", spec.DebugString(), "}"));
+    }
+    return RegisterModelResult{existing.spec, existing.key, false};
+  }
+  HashKey key = DeriveNamespaceKey(options_.hash_secret, ns.tenant, ns.model);
+  namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key));
+  return RegisterModelResult{spec, key, true};
+}
+
+absl::StatusOr<RegisterModelResult> CacheIndex::GetNamespace(const NamespaceId& ns) const {
+  absl::ReaderMutexLock lock(&mu_);
+  absl::StatusOr<Namespace*> found = FindNamespace(ns);
+  if (!found.ok()) return found.status();
+  return RegisterModelResult{(*found)->spec, (*found)->key, false};
+}
+
+absl::StatusOr<std::vector<PageHash>> CacheIndex::HashTokens(
+    const NamespaceId& ns, std::span<const int32_t> tokens) const {
+  absl::StatusOr<RegisterModelResult> info = GetNamespace(ns);
+  if (!info.ok()) return info.status();
+  // Hash outside the lock: it is the expensive part of a token-based request.
+  return HashPages(info->hash_key, tokens, info->spec.page_size_tokens);
+}
+
+absl::StatusOr<absl::Duration> CacheIndex::LeaseTtl(absl::Duration requested) const {
+  if (requested < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("lease_ttl must not be negative");
+  }
+  if (requested == absl::ZeroDuration()) return options_.default_lease_ttl;
+  if (requested > options_.max_lease_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_ttl_ms ", absl::ToInt64Milliseconds(requested), " exceeds max_lease_ttl_ms ",
+        absl::ToInt64Milliseconds(options_.max_lease_ttl)));
+  }
+  return requested;
+}
+
+void CacheIndex::RefreshCandidate(RadixNode* node, Replica& replica) {
+  const bool want = !node->is_root() && node->pin_count == 0 && replica.child_refs == 0;
+  if (want == replica.evictable) return;
+  replica.evictable = want;
+  if (want) {
+    policy_->Add(node, replica.pool);
+  } else {
+    policy_->Remove(node, replica.pool);
+  }
+}
+
+void CacheIndex::PinPath(RadixNode* node) {
+  for (RadixNode* n = node; !n->is_root(); n = n->parent) {
+    if (n->pin_count++ > 0) continue;
+    const uint64_t bytes = NodeBytes(n);
+    OwnerOf(n)->pinned_page_locations += uint64_t{n->size()} * n->replicas.size();
+    for (Replica& r : n->replicas) {
+      budget_.Pin(r.pool, bytes);
+      RefreshCandidate(n, r);
+    }
+  }
+}
+
+void CacheIndex::UnpinPath(RadixNode* node) {
+  for (RadixNode* n = node; !n->is_root(); n = n->parent) {
+    assert(n->pin_count > 0);
+    if (--n->pin_count > 0) continue;
+    const uint64_t bytes = NodeBytes(n);
+    OwnerOf(n)->pinned_page_locations -= uint64_t{n->size()} * n->replicas.size();
+    for (Replica& r : n->replicas) {
+      budget_.Unpin(r.pool, bytes);
+      RefreshCandidate(n, r);
+    }
+  }
+}
+
+void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids) {
+  assert(block_ids.size() == node->size());
+  node->replicas.push_back(
+      Replica{.pool = pool, .block_ids = std::vector<BlockId>(block_ids.begin(), block_ids.end())});
+  const uint64_t bytes = NodeBytes(node);
+  budget_.Charge(pool, node->size(), bytes);
+  node->tree->AddPageLocations(node->size());
+  if (node->pin_count > 0) {
+    budget_.Pin(pool, bytes);
+    OwnerOf(node)->pinned_page_locations += node->size();
+  }
+  if (!node->parent->is_root()) {
+    Replica* up = node->parent->FindReplica(pool);
+    assert(up != nullptr);  // pools are prefix-closed
+    ++up->child_refs;
+    RefreshCandidate(node->parent, *up);
+  }
+  RefreshCandidate(node, node->replicas.back());
+}
+
+uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) {
+  Namespace* ns = OwnerOf(node);
+  auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
+                         [pool](const Replica& r) { return r.pool == pool; });
+  assert(it != node->replicas.end() && it->evictable);
+  policy_->Remove(node, pool);
+  node->replicas.erase(it);
+
+  const uint64_t bytes = NodeBytes(node);
+  budget_.Refund(pool, node->size(), bytes);
+  ns->tree.AddPageLocations(-int64_t{node->size()});
+  counters_.evicted_pages += node->size();
+  counters_.evicted_bytes += bytes;
+  Emit(CacheEvent::Kind::kRemoved, *ns, pool, node->pages);
+
+  RadixNode* parent = node->parent;
+  if (!parent->is_root()) {
+    Replica* up = parent->FindReplica(pool);
+    --up->child_refs;
+    RefreshCandidate(parent, *up);
+  }
+  if (node->replicas.empty()) {
+    // No replica left means no located descendant either (prefix closure): a leaf.
+    if (options_.regret_window > absl::ZeroDuration()) {
+      for (const PageHash& page : node->pages) {
+        evicted_at_[page] = now;
+        evicted_order_.emplace_back(now, page);
+      }
+    }
+    ns->tree.Remove(node);
+  }
+  return bytes;
+}
+
+EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
+  EvictResult result;
+  const absl::Time now = clock_->Now();
+  while (result.evicted_bytes < bytes) {
+    std::optional<EvictionCandidate> victim = policy_->Victim(pool);
+    if (!victim.has_value()) break;
+    result.evicted_pages += victim->node->size();
+    result.evicted_bytes += EvictReplica(victim->node, pool, now);
+  }
+  return result;
+}
+
+void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
+  while (!evicted_order_.empty() && evicted_order_.front().first + options_.regret_window < now) {
+    auto [at, page] = evicted_order_.front();
+    evicted_order_.pop_front();
+    auto it = evicted_at_.find(page);
+    if (it != evicted_at_.end() && it->second == at) evicted_at_.erase(it);
+  }
+  if (evicted_at_.empty()) return;
+  for (const PageHash& page : missed) {
+    auto it = evicted_at_.find(page);
+    if (it == evicted_at_.end()) continue;
+    ++counters_.eviction_regret_pages;
+    evicted_at_.erase(it);  // count each eviction once
+  }
+}
+
+void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
+                      std::span<const PageHash> pages) {
+  if (!listener_) return;
+  listener_(CacheEvent{kind, ns.id, budget_.key(pool), {pages.begin(), pages.end()}});
+}
+
+void CacheIndex::ExpireLeasesLocked(absl::Time now) {
+  leases_.Expire(now, [this](const Lease& lease) {
+    UnpinPath(lease.node);
+    ++counters_.lease_expiries;
+  });
+}
+
+void CacheIndex::ExpireLeases() {
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+}
+
+absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes) {
+  if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
+  absl::MutexLock lock(&mu_);
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (id.has_value() && budget_.used(*id) > capacity_bytes) {
+    const uint64_t excess = budget_.used(*id) - capacity_bytes;
+    if (budget_.evictable(*id) < excess) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool ", pool.ToString(), ": capacity ", capacity_bytes, " would need evicting ", excess,
+          " bytes but only ", budget_.evictable(*id), " are unpinned"));
+    }
+    EvictLocked(*id, excess);
+  }
+  budget_.SetCapacity(id.has_value() ? *id : budget_.Intern(pool, capacity_bytes), capacity_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
+                                              std::span<const PageHash> pages,
+                                              const MatchOptions& options) {
+  if (options.pin && options.probe) {
+    return absl::InvalidArgumentError("probe matches cannot pin (set one of pin, probe)");
+  }
+  absl::Duration ttl;
+  if (options.pin) {
+    absl::StatusOr<absl::Duration> t = LeaseTtl(options.lease_ttl);
+    if (!t.ok()) return t.status();
+    ttl = *t;
+  }
+
+  // A probe only reads, so it shares the lock with other probes.
+  if (options.probe)
+    mu_.ReaderLock();
+  else
+    mu_.Lock();
+  struct Unlock {
+    absl::Mutex& mu;
+    bool shared;
+    ~Unlock() { shared ? mu.ReaderUnlock() : mu.Unlock(); }
+  } unlock{mu_, options.probe};
+
+  const absl::Time now = clock_->Now();
+  if (!options.probe) ExpireLeasesLocked(now);
+  absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
+  if (!found.ok()) return found.status();
+  Namespace& ns = **found;
+
+  thread_local std::vector<PathStep> path;
+  MatchResult result;
+  result.prompt_pages = static_cast<uint32_t>(pages.size());
+  result.matched_pages = ns.tree.Walk(pages, &path);
+
+  if (!options.probe) {
+    // Split a partly matched last node so that stamps and pins cover exactly the match.
+    if (!path.empty() && path.back().matched < path.back().node->size()) {
+      path.back().node = ns.tree.Split(path.back().node, path.back().matched);
+    }
+    const uint64_t stamp = ++access_clock_;
+    for (const PathStep& step : path) policy_->Touch(step.node, stamp);
+    ++counters_.match_requests;
+    counters_.requested_pages += pages.size();
+    counters_.matched_pages += result.matched_pages;
+    counters_.requested_tokens += uint64_t{ns.spec.page_size_tokens} * pages.size();
+    counters_.matched_tokens += uint64_t{ns.spec.page_size_tokens} * result.matched_pages;
+    if (options_.regret_window > absl::ZeroDuration()) {
+      CountRegret(pages.subspan(result.matched_pages), now);
+    }
+    if (options.pin && !path.empty()) {
+      PinPath(path.back().node);
+      result.lease_expiry = now + ttl;
+      result.pin_id = leases_.Add(path.back().node, result.lease_expiry);
+      ++counters_.pins_taken;
+    }
+  }
+
+  bool local = !options.requester_agent_id.empty();
+  result.segments.reserve(path.size());
+  for (const PathStep& step : path) {
+    MatchedSegment& seg = result.segments.emplace_back();
+    seg.first_page = step.first_page;
+    seg.num_pages = step.matched;
+    seg.replicas.reserve(step.node->replicas.size());
+    for (const Replica& r : step.node->replicas) {
+      MatchedSegment::Replica& out = seg.replicas.emplace_back();
+      out.pool = budget_.key(r.pool);
+      out.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + step.matched);
+    }
+    auto mine = std::stable_partition(seg.replicas.begin(), seg.replicas.end(),
+                                      [&](const MatchedSegment::Replica& r) {
+                                        return r.pool.agent_id == options.requester_agent_id;
+                                      });
+    local = local && mine != seg.replicas.begin();
+    if (local) result.local_pages += step.matched;
+  }
+  return result;
+}
+
+absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
+                                                std::span<const PageHash> pages,
+                                                const PoolKey& pool,
+                                                std::span<const BlockId> block_ids) {
+  if (pages.empty()) return absl::InvalidArgumentError("prompt has no whole page to insert");
+  if (block_ids.size() != pages.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("block_ids has ", block_ids.size(),
+                                                   " entries, expected ", pages.size(),
+                                                   " (one per whole page)"));
+  }
+  if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
+
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLeasesLocked(now);
+  absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
+  if (!found.ok()) return found.status();
+  Namespace& ns = **found;
+
+  std::optional<PoolId> pool_id = budget_.Find(pool);
+  if (!pool_id.has_value() && options_.default_pool_capacity_bytes == 0) {
+    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  }
+
+  // Phase 1, read-only: what is already there and what the new page-locations cost.
+  thread_local std::vector<PathStep> path;
+  const uint32_t n = static_cast<uint32_t>(pages.size());
+  const uint32_t in_tree = ns.tree.Walk(pages, &path);
+  uint32_t in_pool = 0;
+  for (const PathStep& step : path) {
+    if (!pool_id.has_value() || step.node->FindReplica(*pool_id) == nullptr) break;
+    in_pool += step.matched;
+  }
+  const uint64_t need = uint64_t{n - in_pool} * ns.bytes_per_page;
+  const uint64_t capacity =
+      pool_id.has_value() ? budget_.capacity(*pool_id) : options_.default_pool_capacity_bytes;
+  if (need > capacity) {
+    return absl::ResourceExhaustedError(absl::StrCat("pool ", pool.ToString(), " has capacity ",
+                                                     capacity, " bytes; the insert needs ", need));
+  }
+
+  InsertResult result;
+  const uint64_t shortfall = pool_id.has_value() ? budget_.Shortfall(*pool_id, need) : 0;
+  if (shortfall > 0) {
+    // Pin the prompt's own path so eviction cannot take the pages being extended.
+    RadixNode* guard = path.empty() ? nullptr : path.back().node;
+    if (guard != nullptr) PinPath(guard);
+    const uint64_t evictable = budget_.evictable(*pool_id);
+    if (evictable < shortfall) {
+      if (guard != nullptr) UnpinPath(guard);
+      return absl::ResourceExhaustedError(absl::StrCat("pool ", pool.ToString(), " is short of ",
+                                                       shortfall, " bytes and only ", evictable,
+                                                       " are evictable (the rest is pinned)"));
+    }
+    result.evicted_bytes = EvictLocked(*pool_id, shortfall).evicted_bytes;
+    if (guard != nullptr) UnpinPath(guard);
+  }
+
+  // Phase 2: apply.
+  const PoolId pid =
+      pool_id.has_value() ? *pool_id : budget_.Intern(pool, options_.default_pool_capacity_bytes);
+  if (in_pool < n && !path.empty() && path.back().matched < path.back().node->size()) {
+    path.back().node = ns.tree.Split(path.back().node, path.back().matched);
+  }
+  RadixNode* parent = ns.tree.root();
+  for (const PathStep& step : path) {
+    if (const Replica* r = step.node->FindReplica(pid); r != nullptr) {
+      result.existing_block_ids.insert(result.existing_block_ids.end(), r->block_ids.begin(),
+                                       r->block_ids.begin() + step.matched);
+    } else {
+      AddReplica(step.node, pid, block_ids.subspan(step.first_page, step.matched));
+    }
+    parent = step.node;
+  }
+  if (in_tree < n) {
+    RadixNode* leaf = ns.tree.AddChild(parent, pages.subspan(in_tree));
+    AddReplica(leaf, pid, block_ids.subspan(in_tree));
+    path.push_back(PathStep{leaf, in_tree, n - in_tree});
+  }
+  const uint64_t stamp = ++access_clock_;
+  for (const PathStep& step : path) policy_->Touch(step.node, stamp);
+
+  result.already_present_pages = in_pool;
+  result.replicated_pages = in_tree - in_pool;
+  result.new_pages = n - in_tree;
+  counters_.inserted_pages += n - in_pool;
+  if (in_pool < n) Emit(CacheEvent::Kind::kStored, ns, pid, pages.subspan(in_pool));
+  return result;
+}
+
+absl::Status CacheIndex::Release(const NamespaceId& ns_id, PinId pin_id) {
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+  absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
+  if (!ns.ok()) return ns.status();
+  absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
+  if (!lease.ok()) return lease.status();
+  UnpinPath((*lease)->node);
+  leases_.Erase(pin_id);
+  ++counters_.pins_released;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinId pin_id,
+                                                  absl::Duration ttl) {
+  absl::StatusOr<absl::Duration> t = LeaseTtl(ttl);
+  if (!t.ok()) return t.status();
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLeasesLocked(now);
+  absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
+  if (!ns.ok()) return ns.status();
+  absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
+  if (!lease.ok()) return lease.status();
+  leases_.SetExpiry(*lease, now + *t);
+  return now + *t;
+}
+
+absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (!id.has_value()) {
+    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  }
+  if (bytes > budget_.used(*id)) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", budget_.used(*id),
+                                              " bytes pool ", pool.ToString(), " holds"));
+  }
+  if (bytes > budget_.evictable(*id)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "bytes ", bytes, " exceeds the ", budget_.evictable(*id), " unpinned bytes of pool ",
+        pool.ToString(), " (", budget_.pinned(*id), " pinned)"));
+  }
+  return EvictLocked(*id, bytes);
+}
+
+absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns_id,
+                                                           uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLeasesLocked(now);
+  absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
+  if (!found.ok()) return found.status();
+  Namespace& ns = **found;
+  const uint64_t used = ns.tree.page_locations() * ns.bytes_per_page;
+  const uint64_t pinned = ns.pinned_page_locations * ns.bytes_per_page;
+  if (bytes > used) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", used,
+                                              " bytes namespace ", ns_id.ToString(), " holds"));
+  }
+  if (bytes > used - pinned) {
+    return absl::ResourceExhaustedError(absl::StrCat("bytes ", bytes, " exceeds the ",
+                                                     used - pinned, " unpinned bytes of namespace ",
+                                                     ns_id.ToString()));
+  }
+
+  // Candidates of every pool, in the policy's cross-pool order.
+  struct Entry {
+    double priority;
+    RadixNode* node;
+    PoolId pool;
+    bool operator>(const Entry& o) const { return priority > o.priority; }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+  std::vector<RadixNode*> stack = {ns.tree.root()};
+  while (!stack.empty()) {
+    RadixNode* node = stack.back();
+    stack.pop_back();
+    for (const Replica& r : node->replicas) {
+      if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});
+    }
+    for (auto& [first, child] : node->children) stack.push_back(child.get());
+  }
+  EvictResult result;
+  while (result.evicted_bytes < bytes && !heap.empty()) {
+    Entry e = heap.top();
+    heap.pop();
+    RadixNode* parent = e.node->parent;
+    result.evicted_pages += e.node->size();
+    result.evicted_bytes += EvictReplica(e.node, e.pool, now);
+    if (!parent->is_root()) {
+      const Replica* up = parent->FindReplica(e.pool);
+      if (up->evictable) heap.push({policy_->Priority(parent, e.pool), parent, e.pool});
+    }
+  }
+  return result;
+}
+
+IndexStats CacheIndex::Stats() const {
+  absl::ReaderMutexLock lock(&mu_);
+  IndexStats stats;
+  stats.pools.reserve(budget_.size());
+  for (PoolId id = 0; id < budget_.size(); ++id) stats.pools.push_back(budget_.stats(id));
+  stats.namespaces.reserve(namespaces_.size());
+  for (const auto& [id, ns] : namespaces_) {
+    stats.namespaces.push_back(NamespaceStats{id, ns->spec, ns->tree.pages(),
+                                              ns->tree.page_locations(), ns->tree.nodes()});
+  }
+  std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);
+  });
+  stats.counters = counters_;
+  stats.active_pins = leases_.size();
+  stats.policy = std::string(policy_->name());
+  return stats;
+}
+
+}  // namespace kvcm

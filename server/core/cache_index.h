@@ -8,6 +8,7 @@
 #define KVCM_SERVER_CORE_CACHE_INDEX_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <span>
@@ -220,18 +221,36 @@ class CacheIndex {
 
   const CacheIndexOptions& options() const { return options_; }
 
- private:
+  // Internal record of one namespace; defined in cache_index.cc.
   struct Namespace;
 
+ private:
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  PoolId InternPool(const PoolKey& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<absl::Duration> LeaseTtl(absl::Duration requested) const;
   void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Duration LeaseTtl(absl::Duration requested) const;
-  // Evicts at least `bytes` from `pool` by policy. REQUIRES: that many bytes are evictable.
+
+  // Keeps (node, replica) registered with the policy exactly when it is an unpinned leaf of
+  // its pool.
+  void RefreshCandidate(RadixNode* node, Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds / drops one pin on `node` and every ancestor, keeping pinned bytes in step.
+  void PinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnpinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives `node` a replica in `pool`. REQUIRES: the parent (unless root) holds `pool`.
+  void AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the candidate (node, pool); removes the node when no replica is left.
+  // Returns the bytes freed.
+  uint64_t EvictReplica(RadixNode* node, PoolId pool, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts at least `bytes` from `pool` in policy order.
+  // REQUIRES: budget_.evictable(pool) >= bytes.
   EvictResult EvictLocked(PoolId pool, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts pages of a missed match that were evicted within the regret window.
+  void CountRegret(std::span<const PageHash> missed, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
-            std::vector<PageHash> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+            std::span<const PageHash> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheIndexOptions options_;
   Clock* const clock_;
@@ -242,7 +261,12 @@ class CacheIndex {
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);
   IndexCounters counters_ ABSL_GUARDED_BY(mu_);
+  // Logical time of the last access; stamps nodes on matched and inserted paths.
   uint64_t access_clock_ ABSL_GUARDED_BY(mu_) = 0;
+  // Pages removed from the index, by hash (keyed per namespace, so never ambiguous), kept
+  // for regret_window to count eviction regret.
+  absl::flat_hash_map<PageHash, absl::Time> evicted_at_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
 };
 

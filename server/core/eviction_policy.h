@@ -11,9 +11,9 @@
 
 #include <memory>
 #include <optional>
-#include <string_view>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "server/core/radix_tree.h"
 #include "server/core/types.h"
 
@@ -28,7 +28,7 @@ class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
 
-  virtual std::string_view name() const = 0;
+  virtual absl::string_view name() const = 0;
 
   // (node, pool) became a candidate / stopped being one.
   virtual void Add(RadixNode* node, PoolId pool) = 0;
@@ -51,7 +51,7 @@ class EvictionPolicy {
 std::unique_ptr<EvictionPolicy> MakeLruPolicy();
 
 // Policy by name; INVALID_ARGUMENT naming the known policies otherwise.
-absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(std::string_view name);
+absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_view name);
 
 }  // namespace kvcm
 

@@ -1,6 +1,7 @@
 #include "server/core/model_spec.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvcm {
 namespace {
@@ -10,7 +11,7 @@ constexpr uint32_t kMaxHeads = 4096;
 constexpr uint32_t kMaxDim = 8192;
 constexpr uint32_t kMaxPageSizeTokens = 4096;
 
-absl::Status OutOfRange(std::string_view field, uint32_t value, uint32_t lo, uint32_t hi) {
+absl::Status OutOfRange(absl::string_view field, uint32_t value, uint32_t lo, uint32_t hi) {
   return absl::InvalidArgumentError(
       absl::StrCat("spec.", field, " must be in [", lo, ", ", hi, "], got ", value));
 }
@@ -27,7 +28,7 @@ uint32_t ElementBytes(KvDtype dtype) {
   return 2;
 }
 
-std::string_view AttentionName(AttentionKind a) {
+absl::string_view AttentionName(AttentionKind a) {
   switch (a) {
     case AttentionKind::kMha:
       return "MHA";
@@ -41,7 +42,7 @@ std::string_view AttentionName(AttentionKind a) {
   return "?";
 }
 
-std::string_view DtypeName(KvDtype d) {
+absl::string_view DtypeName(KvDtype d) {
   switch (d) {
     case KvDtype::kBf16:
       return "bf16";
@@ -102,9 +103,8 @@ absl::Status ModelSpec::Validate() const {
   switch (attention) {
     case AttentionKind::kMha:
       if (num_kv_heads != 0 && num_kv_heads != num_heads) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "spec.num_kv_heads must equal num_heads (", num_heads, ") for MHA, got ",
-            num_kv_heads));
+        return absl::InvalidArgumentError(absl::StrCat("spec.num_kv_heads must equal num_heads (",
+                                                       num_heads, ") for MHA, got ", num_kv_heads));
       }
       break;
     case AttentionKind::kMqa:
@@ -115,9 +115,8 @@ absl::Status ModelSpec::Validate() const {
       break;
     case AttentionKind::kGqa:
       if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "spec.num_kv_heads must divide num_heads (", num_heads, ") for GQA, got ",
-            num_kv_heads));
+        return absl::InvalidArgumentError(absl::StrCat("spec.num_kv_heads must divide num_heads (",
+                                                       num_heads, ") for GQA, got ", num_kv_heads));
       }
       break;
     default:

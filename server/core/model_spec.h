@@ -20,10 +20,10 @@ struct ModelSpec {
   AttentionKind attention = AttentionKind::kMla;
   uint32_t num_layers = 0;
   uint32_t num_heads = 0;
-  uint32_t num_kv_heads = 0;    // MHA: == num_heads; MQA: 1; GQA: divides num_heads.
-  uint32_t head_dim = 0;        // MHA/MQA/GQA only.
-  uint32_t kv_lora_rank = 0;    // MLA only.
-  uint32_t rope_dim = 0;        // MLA only.
+  uint32_t num_kv_heads = 0;  // MHA: == num_heads; MQA: 1; GQA: divides num_heads.
+  uint32_t head_dim = 0;      // MHA/MQA/GQA only.
+  uint32_t kv_lora_rank = 0;  // MLA only.
+  uint32_t rope_dim = 0;      // MLA only.
   KvDtype dtype = KvDtype::kBf16;
   uint32_t page_size_tokens = kDefaultPageSizeTokens;
 

@@ -106,8 +106,7 @@ PageHash SipHash128(const HashKey& key, std::string_view data) {
   return state.Finish();
 }
 
-HashKey DeriveNamespaceKey(const HashKey& secret, std::string_view tenant,
-                           std::string_view model) {
+HashKey DeriveNamespaceKey(const HashKey& secret, std::string_view tenant, std::string_view model) {
   std::string msg = "kvcm/ns/v1";
   AppendLe32(msg, static_cast<uint32_t>(tenant.size()));
   msg.append(tenant);
@@ -117,9 +116,7 @@ HashKey DeriveNamespaceKey(const HashKey& secret, std::string_view tenant,
   return HashKey{h.lo, h.hi};
 }
 
-uint64_t KeyFingerprint(const HashKey& key) {
-  return SipHash128(key, "kvcm/fingerprint/v1").lo;
-}
+uint64_t KeyFingerprint(const HashKey& key) { return SipHash128(key, "kvcm/fingerprint/v1").lo; }
 
 PageHash HashPage(const HashKey& key, const PageHash& prev, std::span<const int32_t> tokens) {
   SipHash128State state(key);

@@ -1,1 +1,92 @@
-// Being written.
+#include "server/core/radix_tree.h"
+
+#include <cassert>
+#include <utility>
+
+namespace kvcm {
+
+Replica* RadixNode::FindReplica(PoolId pool) {
+  for (Replica& r : replicas) {
+    if (r.pool == pool) return &r;
+  }
+  return nullptr;
+}
+
+const Replica* RadixNode::FindReplica(PoolId pool) const {
+  return const_cast<RadixNode*>(this)->FindReplica(pool);
+}
+
+RadixTree::RadixTree(void* owner) : owner_(owner) { root_.tree = this; }
+
+uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
+  path->clear();
+  RadixNode* node = &root_;
+  uint32_t pos = 0;
+  while (pos < pages.size()) {
+    auto it = node->children.find(pages[pos]);
+    if (it == node->children.end()) break;
+    RadixNode* child = it->second.get();
+    // The first page matched through the map lookup; compare the rest of the run.
+    const uint32_t limit = std::min<uint32_t>(child->size(), pages.size() - pos);
+    uint32_t k = 1;
+    while (k < limit && child->pages[k] == pages[pos + k]) ++k;
+    path->push_back(PathStep{child, pos, k});
+    pos += k;
+    if (k < child->size()) break;
+    node = child;
+  }
+  return pos;
+}
+
+RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
+  assert(!node->is_root() && k > 0 && k < node->size());
+  RadixNode* parent = node->parent;
+  auto owned = parent->children.extract(node->pages[0]);
+
+  auto head = std::make_unique<RadixNode>();
+  head->tree = this;
+  head->parent = parent;
+  head->pages.assign(node->pages.begin(), node->pages.begin() + k);
+  head->last_access = node->last_access;
+  head->pin_count = node->pin_count;
+  head->replicas.reserve(node->replicas.size());
+  for (Replica& r : node->replicas) {
+    Replica h;
+    h.pool = r.pool;
+    h.child_refs = 1;
+    h.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + k);
+    r.block_ids.erase(r.block_ids.begin(), r.block_ids.begin() + k);
+    head->replicas.push_back(std::move(h));
+  }
+  node->pages.erase(node->pages.begin(), node->pages.begin() + k);
+  node->parent = head.get();
+
+  RadixNode* head_ptr = head.get();
+  head->children.emplace(node->pages[0], std::move(owned.mapped()));
+  parent->children.emplace(head->pages[0], std::move(head));
+  ++nodes_;
+  return head_ptr;
+}
+
+RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> pages) {
+  assert(!pages.empty());
+  auto child = std::make_unique<RadixNode>();
+  child->tree = this;
+  child->parent = parent;
+  child->pages.assign(pages.begin(), pages.end());
+  RadixNode* ptr = child.get();
+  parent->children.emplace(pages[0], std::move(child));
+  ++nodes_;
+  pages_ += pages.size();
+  return ptr;
+}
+
+void RadixTree::Remove(RadixNode* node) {
+  assert(!node->is_root() && node->children.empty() && node->replicas.empty() &&
+         node->pin_count == 0);
+  pages_ -= node->size();
+  --nodes_;
+  node->parent->children.erase(node->pages[0]);
+}
+
+}  // namespace kvcm

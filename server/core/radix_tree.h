@@ -36,8 +36,8 @@ struct Replica {
 
 struct RadixNode {
   RadixTree* tree = nullptr;
-  RadixNode* parent = nullptr;  // null for the root
-  std::vector<PageHash> pages;  // empty only for the root
+  RadixNode* parent = nullptr;                                         // null for the root
+  std::vector<PageHash> pages;                                         // empty only for the root
   absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>> children;  // by first page
   absl::InlinedVector<Replica, 1> replicas;
   // Recency stamp maintained by the eviction policy.

@@ -2,7 +2,7 @@
 
 namespace kvcm {
 
-std::string_view TierName(Tier tier) {
+absl::string_view TierName(Tier tier) {
   switch (tier) {
     case Tier::kGpu:
       return "gpu";

@@ -4,10 +4,10 @@
 
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvcm {
 
@@ -27,7 +27,7 @@ struct NamespaceId {
 // Memory tier of a pool. Values match kvcm.v1.Tier.
 enum class Tier : uint8_t { kGpu = 1, kHost = 2, kDisk = 3 };
 
-std::string_view TierName(Tier tier);
+absl::string_view TierName(Tier tier);
 
 // One byte-budgeted pool: the blocks of one agent in one tier.
 struct PoolKey {
