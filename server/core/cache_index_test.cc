@@ -1,1 +1,497 @@
-#include <gtest/gtest.h>
+#include "server/core/cache_index.h"
+
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kPage = 4;  // tokens per page in these tests
+
+ModelSpec Mla(uint32_t page = kPage) {
+  return ModelSpec{.attention = AttentionKind::kMla,
+                   .num_layers = 61,
+                   .num_heads = 128,
+                   .kv_lora_rank = 512,
+                   .rope_dim = 64,
+                   .page_size_tokens = page};
+}
+
+ModelSpec Gqa(uint32_t page = kPage) {
+  return ModelSpec{.attention = AttentionKind::kGqa,
+                   .num_layers = 80,
+                   .num_heads = 64,
+                   .num_kv_heads = 8,
+                   .head_dim = 128,
+                   .page_size_tokens = page};
+}
+
+class CacheIndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Reset(CacheIndexOptions{}); }
+
+  void Reset(CacheIndexOptions options) {
+    options.clock = &clock_;
+    options.hash_secret = HashKey{11, 22};
+    index_ = std::make_unique<CacheIndex>(options);
+    ASSERT_TRUE(index_->RegisterModel(ns_, Mla()).ok());
+    bpp_ = Mla().BytesPerPage();
+  }
+
+  // Pages of a prompt whose tokens are `prefix` repeated then `suffix`: equal arguments
+  // give equal pages.
+  std::vector<PageHash> Prompt(std::vector<int32_t> page_ids, const NamespaceId* ns = nullptr) {
+    std::vector<int32_t> tokens;
+    for (int32_t id : page_ids) tokens.insert(tokens.end(), kPage, id);
+    return *index_->HashTokens(ns ? *ns : ns_, tokens);
+  }
+
+  static std::vector<BlockId> Blocks(uint32_t first, size_t n) {
+    std::vector<BlockId> b(n);
+    std::iota(b.begin(), b.end(), first);
+    return b;
+  }
+
+  InsertResult MustInsert(const std::vector<PageHash>& pages, const PoolKey& pool,
+                          uint32_t first_block = 0) {
+    absl::StatusOr<InsertResult> r =
+        index_->Insert(ns_, pages, pool, Blocks(first_block, pages.size()));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : InsertResult{};
+  }
+
+  MatchResult MustMatch(const std::vector<PageHash>& pages, MatchOptions opts = {}) {
+    absl::StatusOr<MatchResult> r = index_->Match(ns_, pages, opts);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : MatchResult{};
+  }
+
+  const PoolStats& Pool(const IndexStats& s, const PoolKey& key) {
+    for (const PoolStats& p : s.pools) {
+      if (p.pool == key) return p;
+    }
+    static PoolStats none;
+    return none;
+  }
+
+  // Everything a failed call must leave untouched.
+  struct Snapshot {
+    std::vector<std::tuple<std::string, uint64_t, uint64_t, uint64_t, uint64_t>> pools;
+    std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> namespaces;
+    uint64_t pins, inserted, evicted;
+    bool operator==(const Snapshot&) const = default;
+  };
+  Snapshot Snap() {
+    IndexStats s = index_->Stats();
+    Snapshot snap{{}, {}, s.active_pins, s.counters.inserted_pages, s.counters.evicted_pages};
+    for (const PoolStats& p : s.pools) {
+      snap.pools.emplace_back(p.pool.ToString(), p.capacity_bytes, p.used_bytes, p.pinned_bytes,
+                              p.pages);
+    }
+    for (const NamespaceStats& n : s.namespaces) {
+      snap.namespaces.emplace_back(n.pages, n.page_locations, n.radix_nodes);
+    }
+    return snap;
+  }
+
+  FakeClock clock_;
+  NamespaceId ns_{"acme", "deepseek-v3"};
+  PoolKey gpu0_{"gpu-0", Tier::kGpu};
+  PoolKey gpu1_{"gpu-1", Tier::kGpu};
+  uint64_t bpp_ = 0;
+  std::unique_ptr<CacheIndex> index_;
+};
+
+TEST_F(CacheIndexTest, MatchesLongestCachedPrefix) {
+  MustInsert(Prompt({1, 2, 3, 4}), gpu0_, 100);
+  MatchResult m = MustMatch(Prompt({1, 2, 3, 9, 9}));
+  EXPECT_EQ(m.matched_pages, 3u);
+  EXPECT_EQ(m.prompt_pages, 5u);
+  ASSERT_EQ(m.segments.size(), 1u);
+  EXPECT_EQ(m.segments[0].num_pages, 3u);
+  ASSERT_EQ(m.segments[0].replicas.size(), 1u);
+  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu0_);
+  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(100, 101, 102));
+  EXPECT_EQ(MustMatch(Prompt({2, 1})).matched_pages, 0u);
+  EXPECT_EQ(MustMatch(Prompt({1, 2, 3, 4, 5, 6})).matched_pages, 4u);
+}
+
+TEST_F(CacheIndexTest, DivergingInsertSplitsTheNode) {
+  MustInsert(Prompt({1, 2, 3, 4}), gpu0_, 0);
+  InsertResult r = MustInsert(Prompt({1, 2, 7, 8}), gpu0_, 10);
+  EXPECT_EQ(r.already_present_pages, 2u);
+  EXPECT_THAT(r.existing_block_ids, ElementsAre(0, 1));
+  EXPECT_EQ(r.new_pages, 2u);
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(s.namespaces[0].radix_nodes, 3u);  // [1,2] -> {[3,4], [7,8]}
+  EXPECT_EQ(s.namespaces[0].pages, 6u);
+
+  MatchResult m = MustMatch(Prompt({1, 2, 7, 8}));
+  EXPECT_EQ(m.matched_pages, 4u);
+  ASSERT_EQ(m.segments.size(), 2u);
+  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(0, 1));
+  EXPECT_THAT(m.segments[1].replicas[0].block_ids, ElementsAre(12, 13));
+  EXPECT_EQ(m.segments[1].first_page, 2u);
+}
+
+TEST_F(CacheIndexTest, InsertIsIdempotent) {
+  MustInsert(Prompt({1, 2, 3}), gpu0_);
+  Snapshot before = Snap();
+  InsertResult again = MustInsert(Prompt({1, 2, 3}), gpu0_, 50);
+  EXPECT_EQ(again.already_present_pages, 3u);
+  EXPECT_EQ(again.new_pages, 0u);
+  EXPECT_THAT(again.existing_block_ids, ElementsAre(0, 1, 2));
+  EXPECT_EQ(Snap(), before);
+  // A shorter prefix of a cached prompt is also already present.
+  EXPECT_EQ(MustInsert(Prompt({1, 2}), gpu0_).already_present_pages, 2u);
+  EXPECT_EQ(Snap(), before);
+}
+
+TEST_F(CacheIndexTest, PagesCarryEveryLocation) {
+  MustInsert(Prompt({1, 2, 3}), gpu0_, 0);
+  InsertResult r = MustInsert(Prompt({1, 2}), gpu1_, 20);
+  EXPECT_EQ(r.replicated_pages, 2u);
+  EXPECT_EQ(r.new_pages, 0u);
+
+  MatchResult m = MustMatch(Prompt({1, 2, 3}), {.requester_agent_id = "gpu-1"});
+  EXPECT_EQ(m.matched_pages, 3u);
+  EXPECT_EQ(m.local_pages, 2u);
+  ASSERT_EQ(m.segments.size(), 2u);
+  ASSERT_EQ(m.segments[0].replicas.size(), 2u);
+  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu1_);  // requester first
+  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(20, 21));
+  EXPECT_THAT(m.segments[0].replicas[1].block_ids, ElementsAre(0, 1));
+  ASSERT_EQ(m.segments[1].replicas.size(), 1u);
+  EXPECT_EQ(m.segments[1].replicas[0].pool, gpu0_);
+
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(Pool(s, gpu0_).used_bytes, 3 * bpp_);
+  EXPECT_EQ(Pool(s, gpu1_).used_bytes, 2 * bpp_);
+  EXPECT_EQ(s.namespaces[0].pages, 3u);
+  EXPECT_EQ(s.namespaces[0].page_locations, 5u);
+
+  // Dropping gpu-0's copy keeps the pages reachable through gpu-1.
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 3 * bpp_).ok());
+  m = MustMatch(Prompt({1, 2, 3}));
+  EXPECT_EQ(m.matched_pages, 2u);
+  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu1_);
+}
+
+TEST_F(CacheIndexTest, ProbeChangesNothing) {
+  MustInsert(Prompt({1, 2, 3, 4}), gpu0_);
+  MustInsert(Prompt({5, 6}), gpu0_);
+  Snapshot before = Snap();
+  IndexCounters counters = index_->Stats().counters;
+  MatchResult m = MustMatch(Prompt({1, 2}), {.probe = true});
+  EXPECT_EQ(m.matched_pages, 2u);
+  EXPECT_EQ(m.pin_id, 0u);
+  EXPECT_EQ(Snap(), before);  // no split, no pin
+  EXPECT_EQ(index_->Stats().counters.match_requests, counters.match_requests);
+  // No recency change: [1..4] is still older than [5,6] and goes first.
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+  EXPECT_EQ(MustMatch(Prompt({5, 6}), {.probe = true}).matched_pages, 2u);
+}
+
+TEST_F(CacheIndexTest, EvictionFollowsLruOrderLeavesFirst) {
+  MustInsert(Prompt({1, 2}), gpu0_);     // t1
+  MustInsert(Prompt({3}), gpu0_);        // t2
+  MustInsert(Prompt({1, 2, 4}), gpu0_);  // t3: touches [1,2] and adds leaf [4]
+  MustMatch(Prompt({3}));                // t4
+  // Leaves: [4] (t3), [3] (t4). [1,2] is an inner node until [4] goes.
+  EvictResult r = *index_->EvictFromPool(gpu0_, 1);
+  EXPECT_EQ(r.evicted_pages, 1u);
+  EXPECT_EQ(MustMatch(Prompt({1, 2, 4}), {.probe = true}).matched_pages, 2u);
+  r = *index_->EvictFromPool(gpu0_, 1);  // now [1,2] (t3) before [3] (t4)
+  EXPECT_EQ(r.evicted_pages, 2u);
+  EXPECT_EQ(r.evicted_bytes, 2 * bpp_);
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+  EXPECT_EQ(MustMatch(Prompt({3}), {.probe = true}).matched_pages, 1u);
+  EXPECT_EQ(index_->Stats().counters.evicted_pages, 3u);
+}
+
+TEST_F(CacheIndexTest, PinnedPagesAreNeverEvicted) {
+  MustInsert(Prompt({1, 2, 3}), gpu0_);
+  MustInsert(Prompt({7}), gpu0_);
+  MatchResult m = MustMatch(Prompt({1, 2}), {.pin = true});
+  ASSERT_NE(m.pin_id, 0u);
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(Pool(s, gpu0_).pinned_bytes, 2 * bpp_);
+  EXPECT_EQ(s.active_pins, 1u);
+
+  // Only [3] and [7] are evictable; asking for more is refused and changes nothing.
+  Snapshot before = Snap();
+  absl::StatusOr<EvictResult> r = index_->EvictFromPool(gpu0_, 3 * bpp_);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Snap(), before);
+
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 2 * bpp_).ok());
+  EXPECT_EQ(MustMatch(Prompt({1, 2, 3}), {.probe = true}).matched_pages, 2u);
+
+  ASSERT_TRUE(index_->Release(ns_, m.pin_id).ok());
+  s = index_->Stats();
+  EXPECT_EQ(Pool(s, gpu0_).pinned_bytes, 0u);
+  EXPECT_EQ(s.active_pins, 0u);
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 2 * bpp_).ok());
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 0u);
+}
+
+TEST_F(CacheIndexTest, LeaseExpiresWithTheClock) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MatchResult m = MustMatch(Prompt({1, 2}), {.pin = true, .lease_ttl = absl::Seconds(10)});
+  EXPECT_EQ(m.lease_expiry, clock_.Now() + absl::Seconds(10));
+  clock_.Advance(absl::Seconds(6));
+  absl::StatusOr<absl::Time> renewed = index_->RenewLease(ns_, m.pin_id, absl::Seconds(10));
+  ASSERT_TRUE(renewed.ok());
+  clock_.Advance(absl::Seconds(6));
+  index_->ExpireLeases();
+  EXPECT_EQ(index_->Stats().active_pins, 1u);  // renewed to t=16
+  clock_.Advance(absl::Seconds(5));
+  index_->ExpireLeases();
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(s.active_pins, 0u);
+  EXPECT_EQ(s.counters.lease_expiries, 1u);
+  EXPECT_EQ(Pool(s, gpu0_).pinned_bytes, 0u);
+
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->Release(ns_, m.pin_id).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(index_->RenewLease(ns_, m.pin_id, absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kAborted);
+  EXPECT_EQ(Snap(), before);
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 2 * bpp_).ok());  // no longer protected
+}
+
+TEST_F(CacheIndexTest, UnknownPinAndNamespaceAreNotFoundAndChangeNothing) {
+  MustInsert(Prompt({1}), gpu0_);
+  MatchResult m = MustMatch(Prompt({1}), {.pin = true});
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->Release(ns_, m.pin_id + 100).code(), absl::StatusCode::kNotFound);
+  NamespaceId other{"other", "deepseek-v3"};
+  ASSERT_TRUE(index_->RegisterModel(other, Mla()).ok());
+  before = Snap();
+  // A pin of one namespace cannot be released through another.
+  EXPECT_EQ(index_->Release(other, m.pin_id).code(), absl::StatusCode::kNotFound);
+  NamespaceId ghost{"ghost", "m"};
+  EXPECT_EQ(index_->Match(ghost, Prompt({1}), {}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->Insert(ghost, Prompt({1}), gpu0_, Blocks(0, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->HashTokens(ghost, std::vector<int32_t>(8)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Snap(), before);
+  EXPECT_TRUE(index_->Release(ns_, m.pin_id).ok());
+  EXPECT_EQ(index_->Release(ns_, m.pin_id).code(), absl::StatusCode::kNotFound);  // twice
+}
+
+TEST_F(CacheIndexTest, TenantsNeverMatchEachOther) {
+  NamespaceId other{"tenant-b", "deepseek-v3"};
+  ASSERT_TRUE(index_->RegisterModel(other, Mla()).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  std::vector<PageHash> theirs = Prompt({1, 2}, &other);  // same tokens, other tenant
+  EXPECT_NE(theirs, Prompt({1, 2}));
+  EXPECT_EQ(index_->Match(other, theirs, {})->matched_pages, 0u);
+}
+
+TEST_F(CacheIndexTest, EvictingMoreThanExistsIsOutOfRangeAndChangesNothing) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->EvictFromPool(gpu0_, 2 * bpp_ + 1).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(index_->EvictFromNamespace(ns_, 2 * bpp_ + 1).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(index_->EvictFromPool(PoolKey{"nobody", Tier::kGpu}, 1).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->EvictFromPool(gpu0_, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Snap(), before);
+}
+
+TEST_F(CacheIndexTest, BadInsertArgumentsChangeNothing) {
+  Snapshot before = Snap();
+  std::vector<PageHash> pages = Prompt({1, 2});
+  EXPECT_EQ(index_->Insert(ns_, pages, gpu0_, Blocks(0, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Insert(ns_, {}, gpu0_, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Match(ns_, pages, {.pin = true, .probe = true}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Match(ns_, pages, {.pin = true, .lease_ttl = absl::Hours(5)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Snap(), before);
+}
+
+TEST_F(CacheIndexTest, RegisterModelIsIdempotentAndRefusesAnotherSpec) {
+  absl::StatusOr<RegisterModelResult> again = index_->RegisterModel(ns_, Mla());
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->created);
+  EXPECT_EQ(again->hash_key, DeriveNamespaceKey(HashKey{11, 22}, "acme", "deepseek-v3"));
+  absl::StatusOr<RegisterModelResult> other = index_->RegisterModel(ns_, Mla(/*page=*/64));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other.status().message(), HasSubstr("page=4"));
+  ModelSpec bad = Mla();
+  bad.num_layers = 0;
+  EXPECT_EQ(index_->RegisterModel({"x", "y"}, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Stats().namespaces.size(), 1u);
+}
+
+TEST_F(CacheIndexTest, BytesFollowTheModelNotTheTokenCount) {
+  NamespaceId llama{"acme", "llama-3-70b"};
+  ASSERT_TRUE(index_->RegisterModel(llama, Gqa()).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  std::vector<PageHash> lp = Prompt({1, 2}, &llama);
+  ASSERT_TRUE(index_->Insert(llama, lp, gpu0_, Blocks(50, 2)).ok());
+  const uint64_t mla_page = 70272ull * kPage, gqa_page = 327680ull * kPage;
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 2 * mla_page + 2 * gqa_page);
+  // Evicting the namespace frees that model's bytes only.
+  EvictResult r = *index_->EvictFromNamespace(llama, 1);
+  EXPECT_EQ(r.evicted_bytes, 2 * gqa_page);
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 2 * mla_page);
+}
+
+TEST_F(CacheIndexTest, InsertEvictsExactlyTheShortfall) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 4 * bpp_).ok());
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({2}), gpu0_);
+  MustInsert(Prompt({3}), gpu0_);
+  // One page free; a two-page insert must evict exactly one page (the LRU one).
+  InsertResult r = MustInsert(Prompt({4, 5}), gpu0_);
+  EXPECT_EQ(r.evicted_bytes, bpp_);
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+  EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(Pool(s, gpu0_).used_bytes, 4 * bpp_);
+  EXPECT_EQ(s.counters.evicted_bytes, bpp_);
+}
+
+TEST_F(CacheIndexTest, InsertNeverEvictsItsOwnPrefix) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({9}), gpu0_);
+  MustMatch(Prompt({9}));  // [1,2] is now the LRU leaf, but it is the prefix being extended
+  InsertResult r = MustInsert(Prompt({1, 2, 3}), gpu0_);
+  EXPECT_EQ(r.already_present_pages, 2u);
+  EXPECT_EQ(r.evicted_bytes, bpp_);
+  EXPECT_EQ(MustMatch(Prompt({1, 2, 3}), {.probe = true}).matched_pages, 3u);
+  EXPECT_EQ(MustMatch(Prompt({9}), {.probe = true}).matched_pages, 0u);
+}
+
+TEST_F(CacheIndexTest, InsertThatCannotFitIsRefusedWithoutChange) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MatchResult pin = MustMatch(Prompt({1, 2}), {.pin = true});
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->Insert(ns_, Prompt({5, 6}), gpu0_, Blocks(0, 2)).status().code(),
+            absl::StatusCode::kResourceExhausted);  // 2 pinned + 2 new > 3
+  EXPECT_EQ(index_->Insert(ns_, Prompt({5, 6, 7, 8}), gpu0_, Blocks(0, 4)).status().code(),
+            absl::StatusCode::kResourceExhausted);  // larger than the pool
+  EXPECT_EQ(Snap(), before);
+  ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+  EXPECT_TRUE(index_->Insert(ns_, Prompt({5, 6}), gpu0_, Blocks(0, 2)).ok());
+}
+
+TEST_F(CacheIndexTest, UnknownPoolIsRefusedWhenDefaultCapacityIsZero) {
+  Reset(CacheIndexOptions{.default_pool_capacity_bytes = 0});
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->Insert(ns_, Prompt({1}), gpu0_, Blocks(0, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Snap(), before);
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 10 * bpp_).ok());
+  EXPECT_TRUE(index_->Insert(ns_, Prompt({1}), gpu0_, Blocks(0, 1)).ok());
+}
+
+TEST_F(CacheIndexTest, CountsEvictionRegret) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 2 * bpp_).ok());
+  MustMatch(Prompt({1, 2, 3}));
+  EXPECT_EQ(index_->Stats().counters.eviction_regret_pages, 2u);
+  MustMatch(Prompt({1, 2, 3}));  // counted once per eviction
+  EXPECT_EQ(index_->Stats().counters.eviction_regret_pages, 2u);
+}
+
+TEST_F(CacheIndexTest, EventsReportStoredAndRemovedPages) {
+  std::vector<CacheEvent> events;
+  index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({1, 2, 3}), gpu0_);
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].kind, CacheEvent::Kind::kStored);
+  EXPECT_EQ(events[0].pages.size(), 2u);
+  EXPECT_EQ(events[1].pages.size(), 1u);  // only the new page
+  EXPECT_EQ(events[2].kind, CacheEvent::Kind::kRemoved);
+  EXPECT_EQ(events[2].pages, std::vector<PageHash>{Prompt({1, 2, 3})[2]});
+  EXPECT_EQ(events[2].pool, gpu0_);
+  EXPECT_EQ(events[2].ns, ns_);
+}
+
+// Random operations across pools, pins and evictions; after each step the accounting must
+// add up: used bytes == pages * bytes_per_page, pinned <= used <= capacity, and the pool
+// totals equal the namespace's page-locations.
+TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
+  std::mt19937 rng(7);
+  const PoolKey pools[] = {gpu0_, gpu1_, {"gpu-0", Tier::kHost}};
+  for (const PoolKey& p : pools) ASSERT_TRUE(index_->SetPoolCapacity(p, 40 * bpp_).ok());
+  std::vector<PinId> pins;
+  for (int step = 0; step < 3000; ++step) {
+    std::vector<int32_t> ids;
+    const int len = 1 + rng() % 8;
+    for (int i = 0; i < len; ++i) ids.push_back(rng() % 3);  // heavy prefix sharing
+    std::vector<PageHash> pages = Prompt(ids);
+    const PoolKey& pool = pools[rng() % 3];
+    switch (rng() % 5) {
+      case 0:
+      case 1: {
+        auto r = index_->Insert(ns_, pages, pool, Blocks(rng() % 1000, pages.size()));
+        ASSERT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kResourceExhausted)
+            << r.status();
+        break;
+      }
+      case 2: {
+        auto m = index_->Match(ns_, pages, {.pin = rng() % 2 == 0});
+        ASSERT_TRUE(m.ok());
+        if (m->pin_id != 0) pins.push_back(m->pin_id);
+        break;
+      }
+      case 3:
+        if (!pins.empty()) {
+          ASSERT_TRUE(index_->Release(ns_, pins.back()).ok());
+          pins.pop_back();
+        }
+        break;
+      case 4: {
+        const PoolStats& p = Pool(index_->Stats(), pool);
+        if (p.used_bytes > p.pinned_bytes) {
+          ASSERT_TRUE(
+              index_->EvictFromPool(pool, 1 + rng() % (p.used_bytes - p.pinned_bytes)).ok());
+        }
+        break;
+      }
+    }
+    IndexStats s = index_->Stats();
+    uint64_t pages_in_pools = 0;
+    for (const PoolStats& p : s.pools) {
+      ASSERT_EQ(p.used_bytes, p.pages * bpp_);
+      ASSERT_LE(p.pinned_bytes, p.used_bytes);
+      ASSERT_LE(p.used_bytes, p.capacity_bytes);
+      pages_in_pools += p.pages;
+    }
+    ASSERT_EQ(pages_in_pools, s.namespaces[0].page_locations);
+    ASSERT_EQ(s.active_pins, pins.size());
+  }
+  for (PinId id : pins) ASSERT_TRUE(index_->Release(ns_, id).ok());
+  for (const PoolKey& p : pools) {
+    const uint64_t used = Pool(index_->Stats(), p).used_bytes;
+    if (used > 0) ASSERT_TRUE(index_->EvictFromPool(p, used).ok());
+  }
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(s.namespaces[0].pages, 0u);
+  EXPECT_EQ(s.namespaces[0].radix_nodes, 0u);
+}
+
+}  // namespace
+}  // namespace kvcm

@@ -1,1 +1,89 @@
-#include <gtest/gtest.h>
+#include "server/core/model_spec.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+ModelSpec DeepSeekV3(KvDtype dtype = KvDtype::kBf16) {
+  return ModelSpec{.attention = AttentionKind::kMla,
+                   .num_layers = 61,
+                   .num_heads = 128,
+                   .kv_lora_rank = 512,
+                   .rope_dim = 64,
+                   .dtype = dtype};
+}
+
+ModelSpec Llama3_70B() {
+  return ModelSpec{.attention = AttentionKind::kGqa,
+                   .num_layers = 80,
+                   .num_heads = 64,
+                   .num_kv_heads = 8,
+                   .head_dim = 128,
+                   .dtype = KvDtype::kBf16};
+}
+
+TEST(ModelSpecTest, DeepSeekV3MlaBytes) {
+  ModelSpec spec = DeepSeekV3();
+  ASSERT_TRUE(spec.Validate().ok());
+  EXPECT_EQ(spec.BytesPerTokenPerLayer(), 1152u);
+  EXPECT_EQ(spec.BytesPerToken(), 70272u);
+  EXPECT_EQ(spec.BytesPerPage(), 70272u * 64);
+}
+
+TEST(ModelSpecTest, DeepSeekV3Fp8UsesFlashMlaLayout) {
+  EXPECT_EQ(DeepSeekV3(KvDtype::kFp8).BytesPerTokenPerLayer(), 656u);
+}
+
+TEST(ModelSpecTest, MlaIsAbout71TimesSmallerThanMhaShape) {
+  // The same model with an MHA-shaped cache: K of nope 128 + rope 64, V of 128 per head.
+  // 128 * (192 + 128) * 2 = 81,920 B per token and layer.
+  const uint64_t mha_shaped = 128 * (192 + 128) * 2;
+  EXPECT_EQ(mha_shaped, 81920u);
+  EXPECT_NEAR(double(mha_shaped) / DeepSeekV3().BytesPerTokenPerLayer(), 71.1, 0.1);
+}
+
+TEST(ModelSpecTest, GqaMhaMqaBytes) {
+  EXPECT_EQ(Llama3_70B().BytesPerTokenPerLayer(), 2u * 8 * 128 * 2);
+  EXPECT_EQ(Llama3_70B().BytesPerToken(), 327680u);
+  ModelSpec mha{.attention = AttentionKind::kMha,
+                .num_layers = 32,
+                .num_heads = 32,
+                .head_dim = 128,
+                .dtype = KvDtype::kFp16};
+  ASSERT_TRUE(mha.Validate().ok());
+  EXPECT_EQ(mha.BytesPerTokenPerLayer(), 2u * 32 * 128 * 2);
+  ModelSpec mqa{.attention = AttentionKind::kMqa,
+                .num_layers = 2,
+                .num_heads = 8,
+                .num_kv_heads = 1,
+                .head_dim = 64,
+                .dtype = KvDtype::kInt8};
+  ASSERT_TRUE(mqa.Validate().ok());
+  EXPECT_EQ(mqa.BytesPerTokenPerLayer(), 2u * 64 + 2 * 4);  // int8 + one fp32 scale per head
+}
+
+TEST(ModelSpecTest, RejectsImpossibleGeometryNamingTheField) {
+  ModelSpec spec = Llama3_70B();
+  spec.num_kv_heads = 7;
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("num_kv_heads"));
+  spec = Llama3_70B();
+  spec.num_layers = 0;
+  EXPECT_EQ(spec.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("num_layers"));
+  spec = DeepSeekV3(KvDtype::kFp8);
+  spec.kv_lora_rank = 500;
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("kv_lora_rank"));
+  spec = DeepSeekV3();
+  spec.page_size_tokens = 0;
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("page_size_tokens"));
+  spec = DeepSeekV3();
+  spec.attention = static_cast<AttentionKind>(9);
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("attention"));
+}
+
+}  // namespace
+}  // namespace kvcm
