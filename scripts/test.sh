@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds kvcm with tests and benchmarks, and runs ctest.
+#   ./scripts/test.sh               # everything
+#   ./scripts/test.sh -R CacheIndex # extra arguments go to ctest
+# Environment: BUILD_DIR (default build/test), JOBS (default: nproc), KVCM_ENABLE_CUDA
+# (AUTO/ON/OFF, default AUTO: CUDA code compiles whenever nvcc is present).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/install-deps.sh
+
+build_dir=${BUILD_DIR:-build/test}
+jobs=${JOBS:-$(nproc)}
+export CCACHE_DIR=${CCACHE_DIR:-$PWD/.ccache}
+
+cmake -S . -B "$build_dir" -G Ninja \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+  -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache \
+  -DKVCM_ENABLE_CUDA="${KVCM_ENABLE_CUDA:-AUTO}" \
+  -DKVCM_BUILD_TESTS=ON \
+  -DKVCM_BUILD_BENCH=ON
+cmake --build "$build_dir" -j "$jobs"
+ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
