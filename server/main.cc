@@ -1,0 +1,131 @@
+// kvcm-manager: serves the CacheManager gRPC API and Prometheus /metrics.
+//
+//   kvcm-manager [--config=path] [--<option>=value ...]
+//
+// Every kvcm::ServerOptions field is a flag of the same name. Precedence: built-in
+// defaults < the config file (`name = value` lines) < flags given on the command line.
+// SIGINT / SIGTERM shut the server down cleanly (exit status 0).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "server/service/log.h"
+#include "server/service/manager_server.h"
+#include "server/service/server_options.h"
+
+namespace {
+const kvcm::ServerOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, config, "",
+          "Config file of `option = value` lines (# comments); flags given on the command line "
+          "override it.");
+ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
+          "gRPC address host:port (port 0 picks a free one) or unix:path.");
+ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
+          "Prometheus /metrics address host:port; empty disables the exporter.");
+ABSL_FLAG(std::string, policy, kDefaults.policy, "Eviction policy: lru.");
+ABSL_FLAG(uint64_t, default_pool_capacity_bytes, kDefaults.default_pool_capacity_bytes,
+          "Capacity given to a pool the first time an Insert names it, in bytes.");
+ABSL_FLAG(uint32_t, default_lease_ttl_ms, kDefaults.default_lease_ttl_ms,
+          "Pin lease when a caller asks for none, in milliseconds.");
+ABSL_FLAG(uint32_t, max_lease_ttl_ms, kDefaults.max_lease_ttl_ms,
+          "Longest pin lease a caller may ask for, in milliseconds.");
+ABSL_FLAG(uint32_t, expired_pin_memory_ms, kDefaults.expired_pin_memory_ms,
+          "How long an expired pin id is remembered (Release answers ABORTED), in ms.");
+ABSL_FLAG(uint32_t, regret_window_ms, kDefaults.regret_window_ms,
+          "An evicted page requested again within this window counts as regret, in ms.");
+ABSL_FLAG(uint32_t, max_tokens_per_request, kDefaults.max_tokens_per_request,
+          "Most token ids one prompt may carry.");
+ABSL_FLAG(uint32_t, max_pages_per_request, kDefaults.max_pages_per_request,
+          "Most whole pages one prompt may span.");
+ABSL_FLAG(uint32_t, max_message_bytes, kDefaults.max_message_bytes,
+          "gRPC receive limit per message, in bytes.");
+ABSL_FLAG(uint32_t, lease_sweep_interval_ms, kDefaults.lease_sweep_interval_ms,
+          "Period of the lease-expiry sweep, in milliseconds.");
+ABSL_FLAG(std::string, hash_secret_hex, kDefaults.hash_secret_hex,
+          "128-bit hash secret as 32 hex digits; empty draws a random one (client hash keys "
+          "then change on every restart).");
+ABSL_FLAG(uint32_t, max_event_queue, kDefaults.max_event_queue,
+          "Events a WatchEvents subscriber may have queued before it is dropped.");
+ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
+          "How long shutdown waits for in-flight calls, in milliseconds.");
+
+namespace {
+
+[[noreturn]] void Fail(absl::string_view message) {
+  kvcm::LogError(message);
+  std::exit(1);
+}
+
+// defaults < config file < flags set on the command line.
+kvcm::ServerOptions OptionsFromFlags() {
+  kvcm::ServerOptions options;
+  if (const std::string config = absl::GetFlag(FLAGS_config); !config.empty()) {
+    if (absl::Status s = options.MergeConfigFile(config); !s.ok()) Fail(s.message());
+  }
+  for (absl::string_view name : kvcm::ServerOptions::Names()) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr) Fail(absl::StrCat("internal error: option ", name, " has no flag"));
+    // Abseil 20220623 keeps CommandLineFlag::IsSpecifiedOnCommandLine private; this is the
+    // function it forwards to (it also sees flags read from --flagfile).
+    if (!absl::flags_internal::WasPresentOnCommandLine(name)) continue;
+    if (absl::Status s = options.Set(name, flag->CurrentValue()); !s.ok()) {
+      Fail(absl::StrCat("--", s.message()));
+    }
+  }
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvcm-manager [--config=path] [--option=value ...]: the kvcm KV-cache prefix manager.");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block SIGINT/SIGTERM before any thread starts, so every thread inherits the mask and the
+  // signals are only ever taken by sigwait below, never by an async handler.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  kvcm::ServerOptions options = OptionsFromFlags();
+  if (absl::Status s = options.Validate(); !s.ok()) Fail(s.message());
+
+  absl::StatusOr<std::unique_ptr<kvcm::ManagerServer>> server = kvcm::ManagerServer::Start(options);
+  if (!server.ok()) Fail(server.status().ToString());
+  kvcm::ManagerServer* manager = server->get();
+
+  std::string metrics =
+      manager->metrics_address().empty()
+          ? std::string("metrics disabled")
+          : absl::StrCat("metrics on http://", manager->metrics_address(), "/metrics");
+  std::printf("kvcm-manager listening on %s (%s)\n", manager->address().c_str(), metrics.c_str());
+  std::fflush(stdout);
+  kvcm::LogInfo(absl::StrCat("options:\n", options.DebugString()));
+
+  std::thread signal_waiter([&stop_signals, manager] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    kvcm::LogInfo(absl::StrCat("received signal ", signal, ", shutting down"));
+    manager->Shutdown();
+  });
+  manager->Wait();
+  signal_waiter.join();
+  server->reset();
+  kvcm::LogInfo("stopped");
+  return 0;
+}

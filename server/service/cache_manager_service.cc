@@ -1,0 +1,279 @@
+#include "server/service/cache_manager_service.h"
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "server/service/status_macros.h"
+
+namespace kvcm {
+namespace {
+
+// At most this many failure lines per period reach the log; the rest are counted.
+constexpr int kFailureLogLines = 20;
+constexpr absl::Duration kFailureLogPeriod = absl::Seconds(10);
+
+// Codes that mean the server, not the caller, is at fault.
+bool IsServerFault(absl::StatusCode code) {
+  return code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown ||
+         code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kUnimplemented;
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+// The server side of one WatchEvents stream: writes the subscription's events one at a
+// time and finishes when the subscriber overflows (RESOURCE_EXHAUSTED), the hub closes
+// (UNAVAILABLE) or the client goes away (CANCELLED).
+//
+// Thread-safe: gRPC reactions and the hub's delivery thread (OnEventsReady) race; every
+// decision is taken under mu_, and StartWrite/Finish are called with no lock held. The
+// reactor owns itself through self_ from Start until OnDone; the delivery thread holds a
+// shared_ptr while it wakes the reactor, so a wake-up never touches a deleted reactor.
+class CacheManagerService::WatchEventsReactor final
+    : public grpc::ServerWriteReactor<v1::CacheEvent>,
+      public EventSink,
+      public std::enable_shared_from_this<WatchEventsReactor> {
+ public:
+  // Starts a stream of `filter`'s events, or one that finishes at once with the filter's
+  // error.
+  static WatchEventsReactor* Start(CacheManagerService* service,
+                                   absl::StatusOr<std::optional<NamespaceId>> filter) {
+    std::shared_ptr<WatchEventsReactor> reactor(new WatchEventsReactor(service));
+    reactor->self_ = reactor;
+    if (!filter.ok()) {
+      {
+        absl::MutexLock lock(&reactor->mu_);
+        reactor->finished_ = true;
+      }
+      reactor->FinishStream(filter.status());
+      return reactor.get();
+    }
+    std::shared_ptr<EventSubscription> sub =
+        service->hub_->Subscribe(*std::move(filter), std::weak_ptr<EventSink>(reactor));
+    {
+      absl::MutexLock lock(&reactor->mu_);
+      reactor->sub_ = std::move(sub);
+    }
+    // Headers go out now, so a client can tell (WaitForInitialMetadata) that it is
+    // subscribed before it triggers events.
+    reactor->StartSendInitialMetadata();
+    reactor->Pump();
+    return reactor.get();
+  }
+
+  void OnEventsReady() override { Pump(); }
+
+  void OnWriteDone(bool ok) override {
+    std::shared_ptr<WatchEventsReactor> keep = shared_from_this();
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      in_flight_.reset();
+      if (!ok) cancelled_ = true;
+    }
+    Pump();
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<WatchEventsReactor> keep = shared_from_this();
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+    }
+    Pump();
+  }
+
+  void OnDone() override {
+    std::shared_ptr<WatchEventsReactor> self;
+    std::shared_ptr<EventSubscription> sub;
+    {
+      absl::MutexLock lock(&mu_);
+      self = std::move(self_);
+      sub = std::move(sub_);
+    }
+    if (sub != nullptr) service_->hub_->Unsubscribe(sub.get());
+    // `self` may hold the last reference: the reactor is destroyed when it goes out of scope.
+  }
+
+ private:
+  explicit WatchEventsReactor(CacheManagerService* service) : service_(service) {}
+
+  // Starts the next write or finishes the stream, whichever is due; nothing when a write
+  // is in flight or the queue is empty (the subscription is then armed).
+  void Pump() ABSL_LOCKS_EXCLUDED(mu_) {
+    const v1::CacheEvent* to_write = nullptr;
+    absl::Status finish_with;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_ || writing_ || sub_ == nullptr) return;
+      if (cancelled_) {
+        finish_with = absl::CancelledError("WatchEvents stream cancelled by the client");
+      } else {
+        EventSubscription::Next next = sub_->Pop();
+        switch (next.state) {
+          case EventSubscription::State::kEvent:
+            in_flight_ = std::move(next.event);
+            writing_ = true;
+            to_write = in_flight_.get();
+            break;
+          case EventSubscription::State::kEmpty:
+            return;
+          case EventSubscription::State::kOverflowed:
+            finish_with = absl::ResourceExhaustedError(
+                "WatchEvents subscriber fell more than max_event_queue events behind; events "
+                "were dropped, resubscribe");
+            break;
+          case EventSubscription::State::kClosed:
+            finish_with = absl::UnavailableError("kvcm-manager is shutting down");
+            break;
+        }
+      }
+      if (to_write == nullptr) finished_ = true;
+    }
+    if (to_write != nullptr) {
+      // in_flight_ stays untouched until OnWriteDone.
+      StartWrite(to_write);
+      return;
+    }
+    FinishStream(finish_with);
+  }
+
+  // Records, logs and finishes. May run OnDone inline: touches nothing afterwards.
+  void FinishStream(const absl::Status& status) {
+    service_->metrics_->RecordStreamEnd(Rpc::kWatchEvents, status.code());
+    if (status.code() != absl::StatusCode::kCancelled) {
+      service_->LogFailure(Rpc::kWatchEvents, status);
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  CacheManagerService* const service_;
+  absl::Mutex mu_;
+  std::shared_ptr<WatchEventsReactor> self_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<EventSubscription> sub_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const v1::CacheEvent> in_flight_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
+                                         RequestLimits limits)
+    : index_(index),
+      hub_(hub),
+      metrics_(metrics),
+      limits_(limits),
+      error_log_(kFailureLogLines, kFailureLogPeriod) {}
+
+template <typename Body>
+grpc::ServerUnaryReactor* CacheManagerService::Unary(grpc::CallbackServerContext* ctx, Rpc rpc,
+                                                     Body&& body) {
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = std::forward<Body>(body)();
+  metrics_->RecordRpc(rpc, status.code(),
+                      absl::FromChrono(std::chrono::steady_clock::now() - start));
+  if (!status.ok()) LogFailure(rpc, status);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void CacheManagerService::LogFailure(Rpc rpc, const absl::Status& status) {
+  error_log_.Log(IsServerFault(status.code()) ? LogSeverity::kError : LogSeverity::kWarning,
+                 absl::StrCat(RpcName(rpc), " failed: ", status.ToString()));
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
+                                                             const v1::RegisterModelRequest* req,
+                                                             v1::RegisterModelResponse* resp) {
+  return Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
+    KVCM_ASSIGN_OR_RETURN(RegisterModelResult result, index_->RegisterModel(call.ns, call.spec));
+    RegisterModelResultToProto(result, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Match(grpc::CallbackServerContext* ctx,
+                                                     const v1::MatchRequest* req,
+                                                     v1::MatchResponse* resp) {
+  return Unary(ctx, Rpc::kMatch, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(MatchCall call, MatchFromProto(*index_, *req, limits_));
+    KVCM_ASSIGN_OR_RETURN(MatchResult result,
+                          index_->Match(call.ns, call.prompt.pages, call.options));
+    MatchResultToProto(result, call.prompt.page_size_tokens, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContext* ctx,
+                                                      const v1::InsertRequest* req,
+                                                      v1::InsertResponse* resp) {
+  return Unary(ctx, Rpc::kInsert, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(InsertCall call, InsertFromProto(*index_, *req, limits_));
+    KVCM_ASSIGN_OR_RETURN(InsertResult result,
+                          index_->Insert(call.ns, call.prompt.pages, call.pool, call.block_ids));
+    InsertResultToProto(result, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Release(grpc::CallbackServerContext* ctx,
+                                                       const v1::ReleaseRequest* req,
+                                                       v1::ReleaseResponse* /*resp*/) {
+  return Unary(ctx, Rpc::kRelease, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(PinCall call, ReleaseFromProto(*req));
+    return index_->Release(call.ns, call.pin_id);
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::RenewLease(grpc::CallbackServerContext* ctx,
+                                                          const v1::RenewLeaseRequest* req,
+                                                          v1::RenewLeaseResponse* resp) {
+  return Unary(ctx, Rpc::kRenewLease, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(PinCall call, RenewLeaseFromProto(*req, limits_));
+    KVCM_ASSIGN_OR_RETURN(absl::Time expiry,
+                          index_->RenewLease(call.ns, call.pin_id, call.lease_ttl));
+    resp->set_lease_expiry_unix_ms(absl::ToUnixMillis(expiry));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Evict(grpc::CallbackServerContext* ctx,
+                                                     const v1::EvictRequest* req,
+                                                     v1::EvictResponse* resp) {
+  return Unary(ctx, Rpc::kEvict, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(EvictCall call, EvictFromProto(*req));
+    absl::StatusOr<EvictResult> result =
+        std::holds_alternative<PoolKey>(call.target)
+            ? index_->EvictFromPool(std::get<PoolKey>(call.target), call.bytes)
+            : index_->EvictFromNamespace(std::get<NamespaceId>(call.target), call.bytes);
+    if (!result.ok()) return result.status();
+    EvictResultToProto(*result, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext* ctx,
+                                                     const v1::StatsRequest* /*req*/,
+                                                     v1::StatsResponse* resp) {
+  return Unary(ctx, Rpc::kStats, [&]() -> absl::Status {
+    StatsToProto(index_->Stats(), limits_, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerWriteReactor<v1::CacheEvent>* CacheManagerService::WatchEvents(
+    grpc::CallbackServerContext* /*ctx*/, const v1::WatchEventsRequest* req) {
+  return WatchEventsReactor::Start(this, WatchFilterFromProto(*req));
+}
+
+}  // namespace kvcm

@@ -1,0 +1,72 @@
+// CacheManagerService: the kvcm.v1.CacheManager gRPC service over a CacheIndex.
+//
+// Every unary handler is one call of Unary(), which times the body, converts its
+// absl::Status to a grpc::Status (same code and message), records the RPC metrics, logs
+// failures at a bounded rate and finishes on the context's default reactor. The bodies
+// validate and convert with proto_convert.h before touching the index, so a rejected
+// request changes nothing. WatchEvents streams EventHub subscriptions.
+//
+// Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
+// (thread-safe) CacheIndex, EventHub and ServiceMetrics.
+#ifndef KVCM_SERVER_SERVICE_CACHE_MANAGER_SERVICE_H_
+#define KVCM_SERVER_SERVICE_CACHE_MANAGER_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "kvcm/v1/cache_manager.grpc.pb.h"
+#include "server/core/cache_index.h"
+#include "server/service/event_hub.h"
+#include "server/service/log.h"
+#include "server/service/metrics.h"
+#include "server/service/proto_convert.h"
+
+namespace kvcm {
+
+// absl::Status -> grpc::Status; the code numbers are the same by definition.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class CacheManagerService final : public v1::CacheManager::CallbackService {
+ public:
+  // None of the pointers is owned; all must outlive the service.
+  CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
+                      RequestLimits limits);
+
+  grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
+                                          const v1::RegisterModelRequest* req,
+                                          v1::RegisterModelResponse* resp) override;
+  grpc::ServerUnaryReactor* Match(grpc::CallbackServerContext* ctx, const v1::MatchRequest* req,
+                                  v1::MatchResponse* resp) override;
+  grpc::ServerUnaryReactor* Insert(grpc::CallbackServerContext* ctx, const v1::InsertRequest* req,
+                                   v1::InsertResponse* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
+                                       const v1::RenewLeaseRequest* req,
+                                       v1::RenewLeaseResponse* resp) override;
+  grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
+                                  v1::EvictResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
+  grpc::ServerWriteReactor<v1::CacheEvent>* WatchEvents(grpc::CallbackServerContext* ctx,
+                                                        const v1::WatchEventsRequest* req) override;
+
+ private:
+  class WatchEventsReactor;
+
+  // Runs `body` (returning absl::Status) and finishes the call with its outcome.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Rpc rpc, Body&& body);
+
+  void LogFailure(Rpc rpc, const absl::Status& status);
+
+  CacheIndex* const index_;
+  EventHub* const hub_;
+  ServiceMetrics* const metrics_;
+  const RequestLimits limits_;
+  LogRateLimiter error_log_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_CACHE_MANAGER_SERVICE_H_

@@ -1,0 +1,132 @@
+#include "server/service/manager_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "prometheus/exposer.h"
+#include "server/service/log.h"
+#include "server/service/status_macros.h"
+
+namespace kvcm {
+namespace {
+
+// Threads of the Prometheus exporter: scrapes are rare and each takes one Stats() snapshot.
+constexpr size_t kExposerThreads = 2;
+
+// "host:port" -> "host"; the caller has validated the form.
+absl::string_view HostOf(absl::string_view address) {
+  return address.substr(0, address.rfind(':'));
+}
+
+}  // namespace
+
+ManagerServer::ManagerServer(ServerOptions options) : options_(std::move(options)) {}
+
+ManagerServer::~ManagerServer() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOptions options) {
+  KVCM_RETURN_IF_ERROR(options.Validate());
+  KVCM_ASSIGN_OR_RETURN(CacheIndexOptions index_options, options.ToCacheIndexOptions());
+  std::unique_ptr<ManagerServer> s(new ManagerServer(std::move(options)));
+  const ServerOptions& opts = s->options_;
+  KVCM_ASSIGN_OR_RETURN(s->index_, CacheIndex::Create(std::move(index_options)));
+  if (opts.hash_secret_hex.empty()) {
+    LogWarning(
+        "hash_secret_hex is not set: using a random secret. Namespace hash keys change on "
+        "every restart, so clients must re-register (they get FAILED_PRECONDITION until they "
+        "do). Set hash_secret_hex to 32 hex digits to keep keys stable.");
+  }
+
+  s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
+  EventHub* hub = s->hub_.get();
+  s->index_->SetEventListener([hub](const CacheEvent& event) { hub->Publish(event); });
+  s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub);
+  RequestLimits limits;
+  limits.max_tokens_per_request = opts.max_tokens_per_request;
+  limits.max_pages_per_request = opts.max_pages_per_request;
+  limits.max_lease_ttl_ms = opts.max_lease_ttl_ms;
+  limits.default_lease_ttl_ms = opts.default_lease_ttl_ms;
+  s->service_ =
+      std::make_unique<CacheManagerService>(s->index_.get(), hub, s->metrics_.get(), limits);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(opts.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  // gRPC sets SO_REUSEPORT by default, which would let a second manager share the port
+  // silently; a busy port must be an error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes));
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  const bool is_unix = absl::StartsWith(opts.listen_address, "unix:");
+  if (s->server_ == nullptr || (!is_unix && s->port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on listen_address ",
+                                               opts.listen_address,
+                                               " (address in use or not local?)"));
+  }
+  s->address_ =
+      is_unix ? opts.listen_address : absl::StrCat(HostOf(opts.listen_address), ":", s->port_);
+  if (grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
+    health->SetServingStatus(v1::CacheManager::service_full_name(), true);
+  }
+
+  if (!opts.metrics_address.empty()) {
+    // prometheus-cpp reports a bind failure by throwing (civetweb); this is the one place
+    // where an exception is turned into a Status.
+    try {
+      s->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, kExposerThreads);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
+                                                 opts.metrics_address, ": ", e.what()));
+    }
+    for (const std::weak_ptr<prometheus::Collectable>& c : s->metrics_->collectables()) {
+      s->exposer_->RegisterCollectable(c);
+    }
+    std::vector<int> ports = s->exposer_->GetListeningPorts();
+    s->metrics_port_ = ports.empty() ? 0 : ports.front();
+    s->metrics_address_ = absl::StrCat(HostOf(opts.metrics_address), ":", s->metrics_port_);
+  }
+
+  s->sweeper_ = std::thread([raw = s.get()] { raw->SweepLeases(); });
+  return s;
+}
+
+void ManagerServer::SweepLeases() {
+  const absl::Duration interval = absl::Milliseconds(options_.lease_sweep_interval_ms);
+  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) index_->ExpireLeases();
+}
+
+void ManagerServer::Shutdown() {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  // Watch streams never end on their own: close them first so the server can drain.
+  if (hub_ != nullptr) hub_->Close();
+  if (server_ != nullptr) {
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+    }
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.shutdown_grace_ms);
+    server_->Shutdown(absl::ToChronoTime(deadline));
+  }
+  exposer_.reset();
+  stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  if (hub_ != nullptr) hub_->Stop();
+  if (index_ != nullptr) index_->SetEventListener(nullptr);
+  shutdown_done_.Notify();
+}
+
+void ManagerServer::Wait() { shutdown_done_.WaitForNotification(); }
+
+}  // namespace kvcm

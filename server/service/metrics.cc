@@ -1,0 +1,238 @@
+#include "server/service/metrics.h"
+
+#include <utility>
+
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/text_serializer.h"
+
+#ifndef KVCM_VERSION
+#define KVCM_VERSION "unknown"
+#endif
+
+namespace kvcm {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+// RPC latency buckets, in seconds: 25 us .. 2.5 s (an in-process match takes about 1 us, a
+// loopback RPC tens of microseconds).
+const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
+  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
+      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
+      10e-3, 25e-3, 50e-3,  100e-3, 250e-3, 1.0,  2.5};
+  return *kBuckets;
+}
+
+MetricFamily Family(std::string name, std::string help, MetricType type) {
+  MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = type;
+  return f;
+}
+
+void AddSample(MetricFamily* family, std::vector<ClientMetric::Label> labels, double value) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  if (family->type == MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  family->metric.push_back(std::move(m));
+}
+
+MetricFamily Scalar(std::string name, std::string help, MetricType type, double value) {
+  MetricFamily f = Family(std::move(name), std::move(help), type);
+  AddSample(&f, {}, value);
+  return f;
+}
+
+}  // namespace
+
+absl::string_view RpcName(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kRegisterModel:
+      return "RegisterModel";
+    case Rpc::kMatch:
+      return "Match";
+    case Rpc::kInsert:
+      return "Insert";
+    case Rpc::kRelease:
+      return "Release";
+    case Rpc::kRenewLease:
+      return "RenewLease";
+    case Rpc::kEvict:
+      return "Evict";
+    case Rpc::kStats:
+      return "Stats";
+    case Rpc::kWatchEvents:
+      return "WatchEvents";
+  }
+  return "unknown";
+}
+
+absl::string_view KvcmVersion() { return KVCM_VERSION; }
+
+// Snapshots the index (and the event hub) at scrape time. Thread-safe: Stats() locks the
+// index; nothing here is cached.
+class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
+ public:
+  IndexCollector(const CacheIndex* index, const EventHub* hub) : index_(index), hub_(hub) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    const IndexStats stats = index_->Stats();
+    std::vector<MetricFamily> out;
+    constexpr MetricType kGauge = MetricType::Gauge;
+    constexpr MetricType kCounter = MetricType::Counter;
+
+    MetricFamily capacity = Family("kvcm_pool_capacity_bytes", "Capacity of a pool.", kGauge);
+    MetricFamily used = Family("kvcm_pool_used_bytes", "Bytes of cached pages in a pool.", kGauge);
+    MetricFamily pinned =
+        Family("kvcm_pool_pinned_bytes", "Bytes of pages held by at least one pin.", kGauge);
+    MetricFamily ratio =
+        Family("kvcm_pool_usage_ratio", "used_bytes / capacity_bytes of a pool.", kGauge);
+    MetricFamily pool_pages = Family("kvcm_pool_pages", "Page-locations in a pool.", kGauge);
+    for (const PoolStats& p : stats.pools) {
+      std::vector<ClientMetric::Label> labels = {{"agent", p.pool.agent_id},
+                                                 {"tier", std::string(TierName(p.pool.tier))}};
+      AddSample(&capacity, labels, static_cast<double>(p.capacity_bytes));
+      AddSample(&used, labels, static_cast<double>(p.used_bytes));
+      AddSample(&pinned, labels, static_cast<double>(p.pinned_bytes));
+      AddSample(&ratio, labels,
+                p.capacity_bytes == 0
+                    ? 0.0
+                    : static_cast<double>(p.used_bytes) / static_cast<double>(p.capacity_bytes));
+      AddSample(&pool_pages, labels, static_cast<double>(p.pages));
+    }
+    for (MetricFamily* f : {&capacity, &used, &pinned, &ratio, &pool_pages}) {
+      out.push_back(std::move(*f));
+    }
+
+    MetricFamily ns_pages =
+        Family("kvcm_namespace_pages", "Distinct pages indexed in a namespace.", kGauge);
+    MetricFamily ns_locations = Family("kvcm_namespace_page_locations",
+                                       "Page-locations of a namespace (replicas count).", kGauge);
+    MetricFamily ns_nodes =
+        Family("kvcm_namespace_radix_nodes", "Radix tree nodes of a namespace.", kGauge);
+    for (const NamespaceStats& n : stats.namespaces) {
+      std::vector<ClientMetric::Label> labels = {{"model", n.ns.model}, {"tenant", n.ns.tenant}};
+      AddSample(&ns_pages, labels, static_cast<double>(n.pages));
+      AddSample(&ns_locations, labels, static_cast<double>(n.page_locations));
+      AddSample(&ns_nodes, labels, static_cast<double>(n.radix_nodes));
+    }
+    for (MetricFamily* f : {&ns_pages, &ns_locations, &ns_nodes}) out.push_back(std::move(*f));
+
+    const IndexCounters& c = stats.counters;
+    auto counter = [&](std::string name, std::string help, uint64_t value) {
+      out.push_back(Scalar(std::move(name), std::move(help), kCounter, static_cast<double>(value)));
+    };
+    counter("kvcm_match_requests_total", "Non-probe Match calls.", c.match_requests);
+    counter("kvcm_requested_pages_total", "Whole pages asked for by non-probe matches.",
+            c.requested_pages);
+    counter("kvcm_matched_pages_total", "Pages found by non-probe matches.", c.matched_pages);
+    counter("kvcm_requested_tokens_total", "Whole-page tokens asked for by non-probe matches.",
+            c.requested_tokens);
+    counter("kvcm_matched_tokens_total", "Tokens found by non-probe matches.", c.matched_tokens);
+    counter("kvcm_prefill_tokens_saved_total",
+            "Prompt tokens whose prefill the cache saved (matched tokens).", c.matched_tokens);
+    counter("kvcm_pages_inserted_total", "Page-locations added by Insert.", c.inserted_pages);
+    counter("kvcm_pages_evicted_total", "Page-locations removed by eviction.", c.evicted_pages);
+    counter("kvcm_evicted_bytes_total", "Bytes freed by eviction.", c.evicted_bytes);
+    counter("kvcm_eviction_regret_pages_total",
+            "Evicted pages requested again within the regret window.", c.eviction_regret_pages);
+    counter("kvcm_pins_taken_total", "Pins taken by Match.", c.pins_taken);
+    counter("kvcm_pins_released_total", "Pins dropped by Release.", c.pins_released);
+    counter("kvcm_lease_expiries_total", "Pins dropped because their lease lapsed.",
+            c.lease_expiries);
+    out.push_back(Scalar(
+        "kvcm_hit_ratio", "matched_tokens_total / requested_tokens_total since start.", kGauge,
+        c.requested_tokens == 0
+            ? 0.0
+            : static_cast<double>(c.matched_tokens) / static_cast<double>(c.requested_tokens)));
+    out.push_back(
+        Scalar("kvcm_pins_active", "Live pins.", kGauge, static_cast<double>(stats.active_pins)));
+
+    out.push_back(Scalar("kvcm_watch_subscribers", "Open WatchEvents streams.", kGauge,
+                         static_cast<double>(hub_->subscribers())));
+    counter("kvcm_events_published_total", "Index events numbered for WatchEvents.",
+            hub_->published());
+    counter("kvcm_watch_overflows_total",
+            "WatchEvents streams ended because the subscriber fell behind.", hub_->overflows());
+
+    MetricFamily build =
+        Family("kvcm_build_info", "Version and eviction policy; always 1.", kGauge);
+    AddSample(&build, {{"policy", stats.policy}, {"version", std::string(KvcmVersion())}}, 1.0);
+    out.push_back(std::move(build));
+    return out;
+  }
+
+ private:
+  const CacheIndex* const index_;
+  const EventHub* const hub_;
+};
+
+ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      index_collector_(std::make_shared<IndexCollector>(index, hub)) {
+  requests_ = &prometheus::BuildCounter()
+                   .Name("kvcm_rpc_requests_total")
+                   .Help("Finished CacheManager calls by rpc and status code.")
+                   .Register(*registry_);
+  durations_ = &prometheus::BuildHistogram()
+                    .Name("kvcm_rpc_duration_seconds")
+                    .Help("Server-side time of unary CacheManager calls, decode to reply.")
+                    .Register(*registry_);
+  for (int i = 0; i < kNumRpcs; ++i) {
+    const Rpc rpc = static_cast<Rpc>(i);
+    if (rpc != Rpc::kWatchEvents) {
+      duration_by_rpc_[i] =
+          &durations_->Add({{"rpc", std::string(RpcName(rpc))}}, LatencyBuckets());
+    }
+    RequestCounter(rpc, absl::StatusCode::kOk);  // so that rates start from a zero sample
+  }
+}
+
+ServiceMetrics::~ServiceMetrics() = default;
+
+prometheus::Counter& ServiceMetrics::RequestCounter(Rpc rpc, absl::StatusCode code) {
+  int c = static_cast<int>(code);
+  if (c < 0 || c >= kNumCodes) c = static_cast<int>(absl::StatusCode::kUnknown);
+  std::atomic<prometheus::Counter*>& slot = request_by_code_[static_cast<int>(rpc)][c];
+  prometheus::Counter* counter = slot.load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    counter =
+        &requests_->Add({{"rpc", std::string(RpcName(rpc))},
+                         {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
+    slot.store(counter, std::memory_order_release);
+  }
+  return *counter;
+}
+
+void ServiceMetrics::RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency) {
+  RequestCounter(rpc, code).Increment();
+  if (prometheus::Histogram* h = duration_by_rpc_[static_cast<int>(rpc)]; h != nullptr) {
+    h->Observe(absl::ToDoubleSeconds(latency));
+  }
+}
+
+void ServiceMetrics::RecordStreamEnd(Rpc rpc, absl::StatusCode code) {
+  RequestCounter(rpc, code).Increment();
+}
+
+std::vector<std::weak_ptr<prometheus::Collectable>> ServiceMetrics::collectables() const {
+  return {registry_, index_collector_};
+}
+
+std::string ServiceMetrics::RenderText() const {
+  std::vector<MetricFamily> families = registry_->Collect();
+  std::vector<MetricFamily> index = index_collector_->Collect();
+  families.insert(families.end(), std::make_move_iterator(index.begin()),
+                  std::make_move_iterator(index.end()));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace kvcm

@@ -1,0 +1,84 @@
+// Prometheus metrics of the manager (prefix kvcm_; see docs in ARCHITECTURE.md section 7).
+//
+// ServiceMetrics owns a prometheus::Registry with the RPC metrics, plus a Collectable that
+// snapshots CacheIndex::Stats() at scrape time (pool bytes, namespace sizes, the index's
+// counters, hit ratio, build info). It never creates an HTTP exposer: ManagerServer does,
+// and registers collectables() with it. Thread-safe.
+#ifndef KVCM_SERVER_SERVICE_METRICS_H_
+#define KVCM_SERVER_SERVICE_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/core/cache_index.h"
+#include "server/service/event_hub.h"
+
+namespace kvcm {
+
+// The CacheManager RPCs, as the `rpc` label of the RPC metrics.
+enum class Rpc : int {
+  kRegisterModel,
+  kMatch,
+  kInsert,
+  kRelease,
+  kRenewLease,
+  kEvict,
+  kStats,
+  kWatchEvents,
+};
+inline constexpr int kNumRpcs = 8;
+absl::string_view RpcName(Rpc rpc);
+
+// Version reported by kvcm_build_info.
+absl::string_view KvcmVersion();
+
+class ServiceMetrics {
+ public:
+  // `index` and `hub` must outlive every scrape of collectables(); not owned.
+  ServiceMetrics(const CacheIndex* index, const EventHub* hub);
+  ~ServiceMetrics();
+  ServiceMetrics(const ServiceMetrics&) = delete;
+  ServiceMetrics& operator=(const ServiceMetrics&) = delete;
+
+  // One finished call: kvcm_rpc_requests_total{rpc,code} += 1 and, for unary calls,
+  // kvcm_rpc_duration_seconds{rpc} observes `latency`.
+  void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency);
+  // A finished streaming call: only kvcm_rpc_requests_total.
+  void RecordStreamEnd(Rpc rpc, absl::StatusCode code);
+
+  // What an exposer should serve: the RPC registry and the index snapshot collector.
+  std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
+
+  // Every metric in the Prometheus text exposition format (what /metrics serves).
+  std::string RenderText() const;
+
+ private:
+  class IndexCollector;
+  static constexpr int kNumCodes = 17;  // absl::StatusCode 0..16
+
+  prometheus::Counter& RequestCounter(Rpc rpc, absl::StatusCode code);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<IndexCollector> index_collector_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* durations_;
+  std::array<prometheus::Histogram*, kNumRpcs> duration_by_rpc_{};
+  // Counters by (rpc, code), created on first use; Family::Add returns the same counter for
+  // the same labels, so a race only stores an equal pointer twice.
+  std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumRpcs> request_by_code_{};
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_METRICS_H_

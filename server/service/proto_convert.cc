@@ -1,0 +1,429 @@
+#include "server/service/proto_convert.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/page_hash.h"
+#include "server/service/status_macros.h"
+
+namespace kvcm {
+namespace {
+
+constexpr size_t kMaxNameBytes = 128;
+constexpr size_t kPageHashBytes = 16;
+
+absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+std::string Path(absl::string_view parent, absl::string_view child) {
+  return absl::StrCat(parent, ".", child);
+}
+
+// The offending value for an error message: escaped and cut to 64 bytes.
+std::string Quoted(absl::string_view value) {
+  constexpr size_t kMaxShown = 64;
+  std::string shown = absl::CHexEscape(value.substr(0, kMaxShown));
+  return absl::StrCat("\"", shown, value.size() > kMaxShown ? "...\"" : "\"");
+}
+
+// 1..128 bytes of [A-Za-z0-9] plus the characters in `extra`.
+absl::Status ValidateName(absl::string_view value, absl::string_view field,
+                          absl::string_view extra) {
+  bool ok = !value.empty() && value.size() <= kMaxNameBytes;
+  for (size_t i = 0; ok && i < value.size(); ++i) {
+    ok = absl::ascii_isalnum(static_cast<unsigned char>(value[i])) ||
+         extra.find(value[i]) != absl::string_view::npos;
+  }
+  if (ok) return absl::OkStatus();
+  return Invalid(
+      absl::StrCat(field, " must be 1..128 bytes of [A-Za-z0-9", extra, "], got ", Quoted(value)));
+}
+
+template <typename Message>
+const Message* IfSet(bool has, const Message& m) {
+  return has ? &m : nullptr;
+}
+
+absl::Status ValidateLeaseTtl(uint32_t lease_ttl_ms, absl::string_view field,
+                              const RequestLimits& limits) {
+  if (lease_ttl_ms > limits.max_lease_ttl_ms) {
+    return Invalid(absl::StrCat(field, " ", lease_ttl_ms, " exceeds max_lease_ttl_ms (",
+                                limits.max_lease_ttl_ms, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePinId(uint64_t pin_id) {
+  if (pin_id == 0) return Invalid("pin_id is required (pin ids are never 0)");
+  return absl::OkStatus();
+}
+
+// Checks of a prompt that need no namespace: presence, emptiness, wire shape, limits.
+absl::Status ValidatePromptShape(const v1::Prompt* prompt, const RequestLimits& limits) {
+  if (prompt == nullptr) return Invalid("prompt is required");
+  switch (prompt->content_case()) {
+    case v1::Prompt::kTokens: {
+      const int n = prompt->tokens().ids_size();
+      if (n == 0) return Invalid("prompt.tokens is empty");
+      if (static_cast<uint64_t>(n) > limits.max_tokens_per_request) {
+        return Invalid(absl::StrCat("prompt.tokens has ", n, " ids, more than ",
+                                    "max_tokens_per_request (", limits.max_tokens_per_request,
+                                    ")"));
+      }
+      return absl::OkStatus();
+    }
+    case v1::Prompt::kPageHashes: {
+      const size_t bytes = prompt->page_hashes().size();
+      if (bytes == 0) return Invalid("prompt.page_hashes is empty");
+      if (bytes % kPageHashBytes != 0) {
+        return Invalid(
+            absl::StrCat("prompt.page_hashes length ", bytes, " is not a multiple of 16"));
+      }
+      if (bytes / kPageHashBytes > limits.max_pages_per_request) {
+        return Invalid(absl::StrCat("prompt.page_hashes has ", bytes / kPageHashBytes,
+                                    " pages, more than max_pages_per_request (",
+                                    limits.max_pages_per_request, ")"));
+      }
+      if (!prompt->has_scheme()) return Invalid("prompt.scheme is required with page_hashes");
+      return absl::OkStatus();
+    }
+    case v1::Prompt::CONTENT_NOT_SET:
+      break;
+  }
+  return Invalid("prompt is empty: set prompt.tokens or prompt.page_hashes");
+}
+
+absl::string_view TierProtoName(int tier) {
+  return v1::Tier_IsValid(tier) ? absl::string_view(v1::Tier_Name(tier)) : absl::string_view();
+}
+
+}  // namespace
+
+absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field) {
+  if (ns == nullptr) return Invalid(absl::StrCat(field, " is required"));
+  KVCM_RETURN_IF_ERROR(ValidateName(ns->tenant(), Path(field, "tenant"), "._-"));
+  KVCM_RETURN_IF_ERROR(ValidateName(ns->model(), Path(field, "model"), "._/-"));
+  return NamespaceId{ns->tenant(), ns->model()};
+}
+
+void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out) {
+  out->set_tenant(ns.tenant);
+  out->set_model(ns.model);
+}
+
+absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field) {
+  return ValidateName(agent_id, field, "._:-");
+}
+
+absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view field) {
+  if (pool == nullptr) return Invalid(absl::StrCat(field, " is required"));
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(pool->agent_id(), Path(field, "agent_id")));
+  PoolKey key{pool->agent_id(), Tier::kGpu};
+  switch (pool->tier()) {
+    case v1::TIER_GPU:
+      key.tier = Tier::kGpu;
+      break;
+    case v1::TIER_HOST:
+      key.tier = Tier::kHost;
+      break;
+    case v1::TIER_DISK:
+      key.tier = Tier::kDisk;
+      break;
+    default: {
+      absl::string_view name = TierProtoName(pool->tier());
+      return Invalid(absl::StrCat(
+          Path(field, "tier"), " must be TIER_GPU, TIER_HOST or TIER_DISK, got ",
+          name.empty() ? "unknown value" : name, " (", static_cast<int>(pool->tier()), ")"));
+    }
+  }
+  return key;
+}
+
+void PoolToProto(const PoolKey& pool, v1::PoolRef* out) {
+  out->set_agent_id(pool.agent_id);
+  out->set_tier(static_cast<v1::Tier>(pool.tier));
+}
+
+absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
+  if (spec == nullptr) return Invalid("spec is required");
+  ModelSpec out;
+  switch (spec->attention()) {
+    case v1::ATTENTION_KIND_MHA:
+    case v1::ATTENTION_KIND_MQA:
+    case v1::ATTENTION_KIND_GQA:
+    case v1::ATTENTION_KIND_MLA:
+      out.attention = static_cast<AttentionKind>(spec->attention());
+      break;
+    default:
+      return Invalid(
+          absl::StrCat("spec.attention must be ATTENTION_KIND_MHA, _MQA, _GQA or _MLA, got ",
+                       static_cast<int>(spec->attention())));
+  }
+  switch (spec->dtype()) {
+    case v1::KV_DTYPE_BF16:
+    case v1::KV_DTYPE_FP16:
+    case v1::KV_DTYPE_FP8:
+    case v1::KV_DTYPE_INT8:
+      out.dtype = static_cast<KvDtype>(spec->dtype());
+      break;
+    default:
+      return Invalid(absl::StrCat("spec.dtype must be KV_DTYPE_BF16, _FP16, _FP8 or _INT8, got ",
+                                  static_cast<int>(spec->dtype())));
+  }
+  out.num_layers = spec->num_layers();
+  out.num_heads = spec->num_heads();
+  out.num_kv_heads = spec->num_kv_heads();
+  out.head_dim = spec->head_dim();
+  out.kv_lora_rank = spec->kv_lora_rank();
+  out.rope_dim = spec->rope_dim();
+  out.page_size_tokens =
+      spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
+  KVCM_RETURN_IF_ERROR(out.Validate());  // its messages already say "spec.<field>"
+  return out;
+}
+
+void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
+  out->set_attention(static_cast<v1::AttentionKind>(spec.attention));
+  out->set_num_layers(spec.num_layers);
+  out->set_num_heads(spec.num_heads);
+  out->set_num_kv_heads(spec.num_kv_heads);
+  out->set_head_dim(spec.head_dim);
+  out->set_kv_lora_rank(spec.kv_lora_rank);
+  out->set_rope_dim(spec.rope_dim);
+  out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));
+  out->set_page_size_tokens(spec.page_size_tokens);
+}
+
+absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,
+                                             const v1::Prompt* prompt,
+                                             const RequestLimits& limits) {
+  KVCM_RETURN_IF_ERROR(ValidatePromptShape(prompt, limits));
+  KVCM_ASSIGN_OR_RETURN(RegisterModelResult info, index.GetNamespace(ns));
+  ResolvedPrompt out;
+  out.page_size_tokens = info.spec.page_size_tokens;
+  if (prompt->has_tokens()) {
+    const auto& ids = prompt->tokens().ids();
+    const uint64_t pages = static_cast<uint64_t>(ids.size()) / out.page_size_tokens;
+    if (pages > limits.max_pages_per_request) {
+      return Invalid(absl::StrCat("prompt.tokens spans ", pages, " pages of ", out.page_size_tokens,
+                                  " tokens, more than ", "max_pages_per_request (",
+                                  limits.max_pages_per_request, ")"));
+    }
+    KVCM_ASSIGN_OR_RETURN(out.pages,
+                          index.HashTokens(ns, std::span<const int32_t>(ids.data(), ids.size())));
+    return out;
+  }
+  const v1::HashScheme& scheme = prompt->scheme();
+  if (scheme.version() != kPageHashVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prompt.scheme.version ", scheme.version(),
+        " is not supported: this manager hashes pages with version ", kPageHashVersion));
+  }
+  if (scheme.page_size_tokens() != out.page_size_tokens) {
+    return Invalid(absl::StrCat("prompt.scheme.page_size_tokens ", scheme.page_size_tokens(),
+                                " does not match the namespace's page_size_tokens ",
+                                out.page_size_tokens));
+  }
+  if (scheme.key_fingerprint() != KeyFingerprint(info.hash_key)) {
+    return absl::FailedPreconditionError(
+        "prompt.scheme.key_fingerprint is not the namespace's hash key (the manager's secret "
+        "changed?); call RegisterModel again to get the current key");
+  }
+  out.pages = DecodePageHashes(prompt->page_hashes());
+  return out;
+}
+
+absl::StatusOr<RegisterModelCall> RegisterModelFromProto(const v1::RegisterModelRequest& req) {
+  RegisterModelCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  KVCM_ASSIGN_OR_RETURN(call.spec, ModelSpecFromProto(IfSet(req.has_spec(), req.spec())));
+  return call;
+}
+
+void RegisterModelResultToProto(const RegisterModelResult& result, v1::RegisterModelResponse* out) {
+  ModelSpecToProto(result.spec, out->mutable_spec());
+  out->set_bytes_per_token(result.spec.BytesPerToken());
+  out->set_bytes_per_page(result.spec.BytesPerPage());
+  out->set_hash_key(result.hash_key.ToBytes());
+  v1::HashScheme* scheme = out->mutable_scheme();
+  scheme->set_version(kPageHashVersion);
+  scheme->set_page_size_tokens(result.spec.page_size_tokens);
+  scheme->set_key_fingerprint(KeyFingerprint(result.hash_key));
+  out->set_created(result.created);
+}
+
+absl::StatusOr<MatchCall> MatchFromProto(const CacheIndex& index, const v1::MatchRequest& req,
+                                         const RequestLimits& limits) {
+  MatchCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  if (!req.requester_agent_id().empty()) {
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req.requester_agent_id(), "requester_agent_id"));
+  }
+  if (req.probe() && req.pin()) {
+    return Invalid("probe and pin are mutually exclusive: a probe takes no pin");
+  }
+  KVCM_RETURN_IF_ERROR(ValidateLeaseTtl(req.lease_ttl_ms(), "lease_ttl_ms", limits));
+  KVCM_ASSIGN_OR_RETURN(
+      call.prompt, ResolvePrompt(index, call.ns, IfSet(req.has_prompt(), req.prompt()), limits));
+  call.options.requester_agent_id = req.requester_agent_id();
+  call.options.pin = req.pin();
+  call.options.probe = req.probe();
+  call.options.lease_ttl = absl::Milliseconds(req.lease_ttl_ms());
+  return call;
+}
+
+void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,
+                        v1::MatchResponse* out) {
+  out->set_matched_pages(result.matched_pages);
+  out->set_matched_tokens(result.matched_pages * page_size_tokens);
+  out->set_prompt_pages(result.prompt_pages);
+  out->set_local_pages(result.local_pages);
+  for (const MatchedSegment& seg : result.segments) {
+    v1::MatchedSegment* s = out->add_segments();
+    s->set_first_page(seg.first_page);
+    s->set_num_pages(seg.num_pages);
+    for (const MatchedSegment::Replica& rep : seg.replicas) {
+      v1::Replica* r = s->add_replicas();
+      PoolToProto(rep.pool, r->mutable_pool());
+      r->mutable_block_ids()->Add(rep.block_ids.begin(), rep.block_ids.end());
+    }
+  }
+  out->set_pin_id(result.pin_id);
+  out->set_lease_expiry_unix_ms(result.pin_id == 0 ? 0 : absl::ToUnixMillis(result.lease_expiry));
+}
+
+absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::InsertRequest& req,
+                                           const RequestLimits& limits) {
+  InsertCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  KVCM_ASSIGN_OR_RETURN(call.pool, PoolFromProto(IfSet(req.has_pool(), req.pool()), "pool"));
+  KVCM_ASSIGN_OR_RETURN(
+      call.prompt, ResolvePrompt(index, call.ns, IfSet(req.has_prompt(), req.prompt()), limits));
+  if (call.prompt.pages.empty()) {
+    return Invalid(absl::StrCat("prompt has no whole page of ", call.prompt.page_size_tokens,
+                                " tokens: nothing to insert"));
+  }
+  if (static_cast<size_t>(req.block_ids_size()) != call.prompt.pages.size()) {
+    return Invalid(absl::StrCat("block_ids has ", req.block_ids_size(), " entries, expected ",
+                                call.prompt.pages.size(), " (one per whole page)"));
+  }
+  call.block_ids.assign(req.block_ids().begin(), req.block_ids().end());
+  return call;
+}
+
+void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out) {
+  out->set_already_present_pages(result.already_present_pages);
+  out->mutable_existing_block_ids()->Add(result.existing_block_ids.begin(),
+                                         result.existing_block_ids.end());
+  out->set_new_pages(result.new_pages);
+  out->set_replicated_pages(result.replicated_pages);
+  out->set_evicted_bytes(result.evicted_bytes);
+}
+
+absl::StatusOr<PinCall> ReleaseFromProto(const v1::ReleaseRequest& req) {
+  PinCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  KVCM_RETURN_IF_ERROR(ValidatePinId(req.pin_id()));
+  call.pin_id = req.pin_id();
+  return call;
+}
+
+absl::StatusOr<PinCall> RenewLeaseFromProto(const v1::RenewLeaseRequest& req,
+                                            const RequestLimits& limits) {
+  PinCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  KVCM_RETURN_IF_ERROR(ValidatePinId(req.pin_id()));
+  KVCM_RETURN_IF_ERROR(ValidateLeaseTtl(req.lease_ttl_ms(), "lease_ttl_ms", limits));
+  call.pin_id = req.pin_id();
+  call.lease_ttl = absl::Milliseconds(req.lease_ttl_ms());
+  return call;
+}
+
+absl::StatusOr<EvictCall> EvictFromProto(const v1::EvictRequest& req) {
+  EvictCall call;
+  switch (req.target_case()) {
+    case v1::EvictRequest::kPool: {
+      KVCM_ASSIGN_OR_RETURN(call.target, PoolFromProto(&req.pool(), "pool"));
+      break;
+    }
+    case v1::EvictRequest::kNamespace: {
+      KVCM_ASSIGN_OR_RETURN(call.target, NamespaceFromProto(&req.namespace_(), "namespace"));
+      break;
+    }
+    case v1::EvictRequest::TARGET_NOT_SET:
+      return Invalid("target is required: set pool or namespace");
+  }
+  if (req.bytes() == 0) return Invalid("bytes must be > 0");
+  call.bytes = req.bytes();
+  return call;
+}
+
+void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out) {
+  out->set_evicted_bytes(result.evicted_bytes);
+  out->set_evicted_pages(result.evicted_pages);
+}
+
+void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::StatsResponse* out) {
+  for (const PoolStats& p : stats.pools) {
+    v1::PoolStats* ps = out->add_pools();
+    PoolToProto(p.pool, ps->mutable_pool());
+    ps->set_capacity_bytes(p.capacity_bytes);
+    ps->set_used_bytes(p.used_bytes);
+    ps->set_pinned_bytes(p.pinned_bytes);
+    ps->set_pages(p.pages);
+  }
+  for (const NamespaceStats& n : stats.namespaces) {
+    v1::NamespaceStats* ns = out->add_namespaces();
+    NamespaceToProto(n.ns, ns->mutable_namespace_());
+    ModelSpecToProto(n.spec, ns->mutable_spec());
+    ns->set_bytes_per_token(n.spec.BytesPerToken());
+    ns->set_bytes_per_page(n.spec.BytesPerPage());
+    ns->set_pages(n.pages);
+    ns->set_page_locations(n.page_locations);
+    ns->set_radix_nodes(n.radix_nodes);
+  }
+  const IndexCounters& c = stats.counters;
+  v1::Counters* pc = out->mutable_counters();
+  pc->set_match_requests(c.match_requests);
+  pc->set_requested_pages(c.requested_pages);
+  pc->set_matched_pages(c.matched_pages);
+  pc->set_inserted_pages(c.inserted_pages);
+  pc->set_evicted_pages(c.evicted_pages);
+  pc->set_evicted_bytes(c.evicted_bytes);
+  pc->set_pins_taken(c.pins_taken);
+  pc->set_pins_released(c.pins_released);
+  pc->set_lease_expiries(c.lease_expiries);
+  pc->set_requested_tokens(c.requested_tokens);
+  pc->set_matched_tokens(c.matched_tokens);
+  pc->set_eviction_regret_pages(c.eviction_regret_pages);
+  out->set_active_pins(stats.active_pins);
+  out->set_policy(stats.policy);
+  v1::Limits* l = out->mutable_limits();
+  l->set_max_tokens_per_request(limits.max_tokens_per_request);
+  l->set_max_pages_per_request(limits.max_pages_per_request);
+  l->set_max_lease_ttl_ms(limits.max_lease_ttl_ms);
+  l->set_default_lease_ttl_ms(limits.default_lease_ttl_ms);
+}
+
+absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req) {
+  if (!req.has_namespace_()) return std::optional<NamespaceId>();
+  KVCM_ASSIGN_OR_RETURN(NamespaceId ns, NamespaceFromProto(&req.namespace_(), "namespace"));
+  return std::optional<NamespaceId>(std::move(ns));
+}
+
+void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEvent* out) {
+  out->set_kind(static_cast<v1::CacheEvent::Kind>(event.kind));
+  NamespaceToProto(event.ns, out->mutable_namespace_());
+  PoolToProto(event.pool, out->mutable_pool());
+  out->set_page_hashes(EncodePageHashes(event.pages));
+  out->set_sequence(sequence);
+}
+
+}  // namespace kvcm

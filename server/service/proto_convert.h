@@ -1,0 +1,120 @@
+// Conversions between the kvcm.v1 protos and the core's types, with the validation that
+// makes bad input INVALID_ARGUMENT (or FAILED_PRECONDITION for a foreign hash scheme) with a
+// message naming the field path, before anything reaches the core.
+//
+// The *FromProto functions for requests check everything a request carries and only then
+// look the namespace up (NOT_FOUND comes from the core), so a rejected request changes
+// nothing. All functions are thread-safe (they only read the CacheIndex).
+#ifndef KVCM_SERVER_SERVICE_PROTO_CONVERT_H_
+#define KVCM_SERVER_SERVICE_PROTO_CONVERT_H_
+
+#include <cstdint>
+#include <optional>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "kvcm/v1/cache_manager.pb.h"
+#include "kvcm/v1/common.pb.h"
+#include "server/core/cache_index.h"
+
+namespace kvcm {
+
+// Per-request size limits (from ServerOptions), enforced on every call and reported by Stats.
+struct RequestLimits {
+  uint32_t max_tokens_per_request = 1u << 20;
+  uint32_t max_pages_per_request = 65'536;
+  uint32_t max_lease_ttl_ms = 600'000;
+  uint32_t default_lease_ttl_ms = 30'000;
+};
+
+// ---- Shared types. `field` is the path used in error messages, e.g. "namespace". ----
+
+// Missing namespace, tenant not 1..128 bytes of [A-Za-z0-9._-], or model not 1..128 bytes of
+// [A-Za-z0-9._/-] -> INVALID_ARGUMENT.
+absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field);
+void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out);
+
+// agent_id 1..128 bytes of [A-Za-z0-9._:-].
+absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field);
+
+// Missing pool, bad agent_id, or tier not GPU/HOST/DISK -> INVALID_ARGUMENT.
+absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view field);
+void PoolToProto(const PoolKey& pool, v1::PoolRef* out);
+
+// Field "spec". Unknown attention or dtype, or impossible geometry -> INVALID_ARGUMENT.
+// page_size_tokens 0 becomes kDefaultPageSizeTokens.
+absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec);
+void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out);
+
+// A prompt as the namespace's chained page hashes.
+struct ResolvedPrompt {
+  std::vector<PageHash> pages;  // whole pages only
+  uint32_t page_size_tokens = 0;
+};
+
+// Field "prompt". In order: shape checks (present, non-empty, page_hashes a multiple of 16
+// bytes, within max_tokens_per_request / max_pages_per_request, scheme present with hashes);
+// namespace lookup (NOT_FOUND); scheme checks (version -> FAILED_PRECONDITION, page size ->
+// INVALID_ARGUMENT, key fingerprint -> FAILED_PRECONDITION); hashing of tokens.
+absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,
+                                             const v1::Prompt* prompt, const RequestLimits& limits);
+
+// ---- Requests and responses, one group per RPC. ----
+
+struct RegisterModelCall {
+  NamespaceId ns;
+  ModelSpec spec;
+};
+absl::StatusOr<RegisterModelCall> RegisterModelFromProto(const v1::RegisterModelRequest& req);
+void RegisterModelResultToProto(const RegisterModelResult& result, v1::RegisterModelResponse* out);
+
+struct MatchCall {
+  NamespaceId ns;
+  ResolvedPrompt prompt;
+  MatchOptions options;
+};
+absl::StatusOr<MatchCall> MatchFromProto(const CacheIndex& index, const v1::MatchRequest& req,
+                                         const RequestLimits& limits);
+void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,
+                        v1::MatchResponse* out);
+
+struct InsertCall {
+  NamespaceId ns;
+  ResolvedPrompt prompt;
+  PoolKey pool;
+  std::vector<BlockId> block_ids;  // one per page of prompt.pages
+};
+// Also INVALID_ARGUMENT when the prompt has no whole page or block_ids is not one per page.
+absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::InsertRequest& req,
+                                           const RequestLimits& limits);
+void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out);
+
+// Release and RenewLease.
+struct PinCall {
+  NamespaceId ns;
+  PinId pin_id = 0;
+  absl::Duration lease_ttl = absl::ZeroDuration();  // RenewLease only; 0: the default
+};
+absl::StatusOr<PinCall> ReleaseFromProto(const v1::ReleaseRequest& req);
+absl::StatusOr<PinCall> RenewLeaseFromProto(const v1::RenewLeaseRequest& req,
+                                            const RequestLimits& limits);
+
+struct EvictCall {
+  std::variant<PoolKey, NamespaceId> target;
+  uint64_t bytes = 0;  // > 0
+};
+absl::StatusOr<EvictCall> EvictFromProto(const v1::EvictRequest& req);
+void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out);
+
+void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::StatsResponse* out);
+
+// The namespace filter of WatchEvents: nullopt (every namespace) when unset.
+absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req);
+void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEvent* out);
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_PROTO_CONVERT_H_

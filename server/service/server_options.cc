@@ -1,0 +1,229 @@
+#include "server/service/server_options.h"
+
+#include <climits>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <variant>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "server/core/eviction_policy.h"
+
+namespace kvcm {
+namespace {
+
+using Member = std::variant<std::string ServerOptions::*, uint32_t ServerOptions::*,
+                            uint64_t ServerOptions::*>;
+
+struct Field {
+  absl::string_view name;
+  Member member;
+};
+
+// Every option, in declaration order. Set, Names and DebugString go through this table.
+const std::vector<Field>& Fields() {
+  static const auto* const kFields = new std::vector<Field>{
+      {"listen_address", &ServerOptions::listen_address},
+      {"metrics_address", &ServerOptions::metrics_address},
+      {"policy", &ServerOptions::policy},
+      {"default_pool_capacity_bytes", &ServerOptions::default_pool_capacity_bytes},
+      {"default_lease_ttl_ms", &ServerOptions::default_lease_ttl_ms},
+      {"max_lease_ttl_ms", &ServerOptions::max_lease_ttl_ms},
+      {"expired_pin_memory_ms", &ServerOptions::expired_pin_memory_ms},
+      {"regret_window_ms", &ServerOptions::regret_window_ms},
+      {"max_tokens_per_request", &ServerOptions::max_tokens_per_request},
+      {"max_pages_per_request", &ServerOptions::max_pages_per_request},
+      {"max_message_bytes", &ServerOptions::max_message_bytes},
+      {"lease_sweep_interval_ms", &ServerOptions::lease_sweep_interval_ms},
+      {"hash_secret_hex", &ServerOptions::hash_secret_hex},
+      {"max_event_queue", &ServerOptions::max_event_queue},
+      {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
+  };
+  return *kFields;
+}
+
+const Field* FindField(absl::string_view name) {
+  for (const Field& f : Fields()) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+bool IsHex(absl::string_view s) {
+  for (char c : s) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+// "host:port" with a decimal port in [0, 65535]; the host may be empty or "[v6]".
+bool IsHostPort(absl::string_view address) {
+  size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  absl::string_view port = address.substr(colon + 1);
+  uint32_t value = 0;
+  return !port.empty() && port.size() <= 5 && absl::ascii_isdigit(port[0]) &&
+         absl::SimpleAtoi(port, &value) && value <= 65535;
+}
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
+}
+
+}  // namespace
+
+absl::Status ServerOptions::Validate() const {
+  if (listen_address.empty() ||
+      !(absl::StartsWith(listen_address, "unix:") || IsHostPort(listen_address))) {
+    return Invalid("listen_address",
+                   absl::StrCat("must be host:port or unix:path, got \"", listen_address, "\""));
+  }
+  if (!metrics_address.empty() && !IsHostPort(metrics_address)) {
+    return Invalid("metrics_address",
+                   absl::StrCat("must be host:port or empty, got \"", metrics_address, "\""));
+  }
+  if (absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy(policy); !p.ok()) {
+    return Invalid("policy", absl::StrCat("\"", policy, "\" is unknown: ", p.status().message()));
+  }
+  if (max_lease_ttl_ms < 1) return Invalid("max_lease_ttl_ms", "must be >= 1");
+  if (default_lease_ttl_ms < 1 || default_lease_ttl_ms > max_lease_ttl_ms) {
+    return Invalid("default_lease_ttl_ms",
+                   absl::StrCat("must be in [1, max_lease_ttl_ms = ", max_lease_ttl_ms, "], got ",
+                                default_lease_ttl_ms));
+  }
+  if (max_tokens_per_request < 1) return Invalid("max_tokens_per_request", "must be >= 1");
+  if (max_pages_per_request < 1) return Invalid("max_pages_per_request", "must be >= 1");
+  if (max_message_bytes < 4096 || max_message_bytes > static_cast<uint32_t>(INT_MAX)) {
+    return Invalid("max_message_bytes",
+                   absl::StrCat("must be in [4096, ", INT_MAX, "], got ", max_message_bytes));
+  }
+  if (lease_sweep_interval_ms < 1) return Invalid("lease_sweep_interval_ms", "must be >= 1");
+  if (!hash_secret_hex.empty() && (hash_secret_hex.size() != 32 || !IsHex(hash_secret_hex))) {
+    return Invalid("hash_secret_hex", absl::StrCat("must be empty or 32 hex digits, got ",
+                                                   hash_secret_hex.size(), " characters"));
+  }
+  if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
+  if (absl::Status s = Validate(); !s.ok()) return s;
+  CacheIndexOptions out;
+  if (hash_secret_hex.empty()) {
+    std::random_device rd;
+    auto draw64 = [&rd] { return (static_cast<uint64_t>(rd()) << 32) | rd(); };
+    out.hash_secret.k0 = draw64();
+    out.hash_secret.k1 = draw64();
+  } else {
+    out.hash_secret = HashKey::FromBytes(absl::HexStringToBytes(hash_secret_hex));
+  }
+  out.policy = policy;
+  out.default_pool_capacity_bytes = default_pool_capacity_bytes;
+  out.default_lease_ttl = absl::Milliseconds(default_lease_ttl_ms);
+  out.max_lease_ttl = absl::Milliseconds(max_lease_ttl_ms);
+  out.expired_pin_memory = absl::Milliseconds(expired_pin_memory_ms);
+  out.regret_window = absl::Milliseconds(regret_window_ms);
+  return out;
+}
+
+absl::Status ServerOptions::Set(absl::string_view name, absl::string_view value) {
+  const Field* field = FindField(name);
+  if (field == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown option \"", name, "\" (known: ", absl::StrJoin(Names(), ", "), ")"));
+  }
+  auto bad_number = [&](absl::string_view type) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": \"", value, "\" is not a ", type, " decimal number"));
+  };
+  if (auto* m = std::get_if<std::string ServerOptions::*>(&field->member)) {
+    this->*(*m) = std::string(value);
+  } else if (auto* m32 = std::get_if<uint32_t ServerOptions::*>(&field->member)) {
+    uint32_t v = 0;
+    if (value.empty() || !absl::ascii_isdigit(value[0]) || !absl::SimpleAtoi(value, &v)) {
+      return bad_number("32-bit unsigned");
+    }
+    this->*(*m32) = v;
+  } else {
+    auto* m64 = std::get_if<uint64_t ServerOptions::*>(&field->member);
+    uint64_t v = 0;
+    if (value.empty() || !absl::ascii_isdigit(value[0]) || !absl::SimpleAtoi(value, &v)) {
+      return bad_number("64-bit unsigned");
+    }
+    this->*(*m64) = v;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ServerOptions::MergeConfigText(absl::string_view text, absl::string_view source) {
+  absl::flat_hash_map<std::string, int> seen;  // name -> line it was set on
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    auto error = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_no, ": ", what));
+    };
+    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty()) continue;
+    size_t eq = line.find('=');
+    if (eq == absl::string_view::npos) {
+      return error(absl::StrCat("expected `name = value`, got \"", line, "\""));
+    }
+    absl::string_view name = absl::StripAsciiWhitespace(line.substr(0, eq));
+    absl::string_view value = absl::StripAsciiWhitespace(line.substr(eq + 1));
+    if (name.empty()) return error("missing option name before '='");
+    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') {
+      value = value.substr(1, value.size() - 2);
+    } else if (!value.empty() && (value.front() == '"' || value.back() == '"')) {
+      return error(absl::StrCat(name, ": unbalanced double quote in ", line.substr(eq + 1)));
+    }
+    if (auto [it, inserted] = seen.emplace(std::string(name), line_no); !inserted) {
+      return error(absl::StrCat(name, " is set twice (first on line ", it->second, ")"));
+    }
+    if (absl::Status s = Set(name, value); !s.ok()) return error(s.message());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ServerOptions::MergeConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("error reading config file ", path));
+  return MergeConfigText(text.str(), path);
+}
+
+std::string ServerOptions::DebugString() const {
+  std::string out;
+  for (const Field& f : Fields()) {
+    std::string value;
+    if (auto* m = std::get_if<std::string ServerOptions::*>(&f.member)) {
+      value = absl::StrCat("\"", this->*(*m), "\"");
+    } else if (auto* m32 = std::get_if<uint32_t ServerOptions::*>(&f.member)) {
+      value = absl::StrCat(this->*(*m32));
+    } else {
+      value = absl::StrCat(this->*(*std::get_if<uint64_t ServerOptions::*>(&f.member)));
+    }
+    if (f.name == "hash_secret_hex") value = hash_secret_hex.empty() ? "(random)" : "(set)";
+    absl::StrAppend(&out, f.name, " = ", value, "\n");
+  }
+  return out;
+}
+
+std::vector<absl::string_view> ServerOptions::Names() {
+  std::vector<absl::string_view> names;
+  for (const Field& f : Fields()) names.push_back(f.name);
+  return names;
+}
+
+}  // namespace kvcm

@@ -1,0 +1,85 @@
+// ServerOptions: every tunable of kvcm-manager, with its unit in its name and its default.
+//
+// Sources, later ones winning: the defaults below < a `name = value` config file
+// (MergeConfigFile) < flags given on the command line (server/main.cc calls Set for each).
+// Plain value type; not thread-safe to mutate concurrently.
+#ifndef KVCM_SERVER_SERVICE_SERVER_OPTIONS_H_
+#define KVCM_SERVER_SERVICE_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/core/cache_index.h"
+
+namespace kvcm {
+
+struct ServerOptions {
+  // gRPC address, "host:port" ("[::]:50051", "127.0.0.1:0" for any free port) or
+  // "unix:/path". ManagerServer::port() reports the port actually bound.
+  std::string listen_address = "127.0.0.1:50051";
+  // Prometheus exporter address, "host:port"; /metrics is served there. Empty disables it.
+  std::string metrics_address = "127.0.0.1:9464";
+  // Eviction policy by name (see kvcm::MakeEvictionPolicy).
+  std::string policy = "lru";
+  // Capacity of a pool the first time an Insert names it. 0 makes Insert into an unknown
+  // pool NOT_FOUND.
+  uint64_t default_pool_capacity_bytes = 64ULL << 30;
+  // Lease of a pin when Match/RenewLease send lease_ttl_ms = 0. 1..max_lease_ttl_ms.
+  uint32_t default_lease_ttl_ms = 30'000;
+  // Longest lease a caller may ask for; larger requests are INVALID_ARGUMENT. >= 1.
+  uint32_t max_lease_ttl_ms = 600'000;
+  // How long an expired pin id is remembered, so Release answers ABORTED, not NOT_FOUND.
+  uint32_t expired_pin_memory_ms = 600'000;
+  // An evicted page asked for again within this window counts as eviction regret.
+  uint32_t regret_window_ms = 300'000;
+  // Most token ids one prompt may carry. >= 1.
+  uint32_t max_tokens_per_request = 1u << 20;
+  // Most whole pages one prompt may span (Match and Insert). >= 1.
+  uint32_t max_pages_per_request = 65'536;
+  // gRPC receive limit per message, in bytes. 4 KiB..2 GiB-1.
+  uint32_t max_message_bytes = 16u << 20;
+  // Period of the timer that expires lapsed leases when no call does it. >= 1.
+  uint32_t lease_sweep_interval_ms = 1'000;
+  // 128-bit secret every namespace hash key derives from, as 32 hex digits. Empty draws a
+  // random one at start: clients' cached hash keys then stop matching after a restart
+  // (they get FAILED_PRECONDITION and must re-register).
+  std::string hash_secret_hex;
+  // Events one WatchEvents subscriber may have queued before it is ended with
+  // RESOURCE_EXHAUSTED. >= 1.
+  uint32_t max_event_queue = 4'096;
+  // How long Shutdown lets in-flight RPCs finish before cancelling them. 0 cancels at once.
+  uint32_t shutdown_grace_ms = 5'000;
+
+  // INVALID_ARGUMENT naming the first bad option.
+  absl::Status Validate() const;
+
+  // The core's options. Draws a random hash secret when hash_secret_hex is empty.
+  // REQUIRES: Validate().ok() (INVALID_ARGUMENT otherwise).
+  absl::StatusOr<CacheIndexOptions> ToCacheIndexOptions() const;
+
+  // Sets option `name` from its text form (decimal for numbers). INVALID_ARGUMENT for an
+  // unknown name or a value that does not parse; range checks are left to Validate().
+  absl::Status Set(absl::string_view name, absl::string_view value);
+
+  // Applies a config file's text: one `name = value` per line, `#` starts a comment, blank
+  // lines are ignored, a value may be wrapped in double quotes, a name may appear once.
+  // Errors are INVALID_ARGUMENT "<source>:<line>: ...". Stops at the first error; lines
+  // before it stay applied, so callers should discard the options on error.
+  absl::Status MergeConfigText(absl::string_view text, absl::string_view source);
+  // Reads `path` and MergeConfigText's it. NOT_FOUND when it cannot be opened.
+  absl::Status MergeConfigFile(const std::string& path);
+
+  // One "name = value" line per option, the secret redacted; for the startup log.
+  std::string DebugString() const;
+
+  // The option names, in declaration order (also the flag names of kvcm-manager).
+  static std::vector<absl::string_view> Names();
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_SERVER_OPTIONS_H_

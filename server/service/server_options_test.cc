@@ -1,0 +1,204 @@
+#include "server/service/server_options.h"
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+void ExpectInvalid(const absl::Status& status, const std::string& message_part) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
+}
+
+TEST(ServerOptionsTest, DefaultsAreValid) {
+  ServerOptions options;
+  EXPECT_TRUE(options.Validate().ok()) << options.Validate();
+  EXPECT_EQ(options.listen_address, "127.0.0.1:50051");
+  EXPECT_EQ(options.metrics_address, "127.0.0.1:9464");
+  EXPECT_EQ(options.policy, "lru");
+  EXPECT_EQ(options.max_tokens_per_request, 1u << 20);
+  EXPECT_EQ(options.max_pages_per_request, 65536u);
+  EXPECT_EQ(options.max_message_bytes, 16u << 20);
+}
+
+TEST(ServerOptionsTest, ValidateNamesTheBadField) {
+  struct Case {
+    std::function<void(ServerOptions&)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](ServerOptions& o) { o.listen_address = ""; }, "listen_address"},
+      {[](ServerOptions& o) { o.listen_address = "localhost"; }, "listen_address"},
+      {[](ServerOptions& o) { o.listen_address = "localhost:99999"; }, "listen_address"},
+      {[](ServerOptions& o) { o.metrics_address = "9464x"; }, "metrics_address"},
+      {[](ServerOptions& o) { o.metrics_address = "host:-1"; }, "metrics_address"},
+      {[](ServerOptions& o) { o.policy = "fifo"; }, "policy"},
+      {[](ServerOptions& o) { o.max_lease_ttl_ms = 0; }, "max_lease_ttl_ms"},
+      {[](ServerOptions& o) { o.default_lease_ttl_ms = 0; }, "default_lease_ttl_ms"},
+      {[](ServerOptions& o) { o.default_lease_ttl_ms = o.max_lease_ttl_ms + 1; },
+       "default_lease_ttl_ms"},
+      {[](ServerOptions& o) { o.max_tokens_per_request = 0; }, "max_tokens_per_request"},
+      {[](ServerOptions& o) { o.max_pages_per_request = 0; }, "max_pages_per_request"},
+      {[](ServerOptions& o) { o.max_message_bytes = 100; }, "max_message_bytes"},
+      {[](ServerOptions& o) { o.max_message_bytes = 0x80000000u; }, "max_message_bytes"},
+      {[](ServerOptions& o) { o.lease_sweep_interval_ms = 0; }, "lease_sweep_interval_ms"},
+      {[](ServerOptions& o) { o.hash_secret_hex = "abc"; }, "hash_secret_hex"},
+      {[](ServerOptions& o) { o.hash_secret_hex = std::string(31, 'a') + "g"; }, "hash_secret_hex"},
+      {[](ServerOptions& o) { o.max_event_queue = 0; }, "max_event_queue"},
+  };
+  for (const Case& c : cases) {
+    ServerOptions options;
+    c.mutate(options);
+    absl::Status status = options.Validate();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << status;
+    EXPECT_THAT(std::string(status.message()), StartsWith(c.field + " ")) << status;
+  }
+}
+
+TEST(ServerOptionsTest, AcceptedAddressForms) {
+  ServerOptions options;
+  for (const char* address : {"[::]:50051", "0.0.0.0:0", ":7000", "unix:/tmp/kvcm.sock"}) {
+    options.listen_address = address;
+    EXPECT_TRUE(options.Validate().ok()) << address;
+  }
+  options.metrics_address = "";
+  EXPECT_TRUE(options.Validate().ok()) << "empty metrics_address disables the exporter";
+}
+
+TEST(ServerOptionsTest, ToCacheIndexOptions) {
+  ServerOptions options;
+  options.hash_secret_hex = "00112233445566778899aabbccddeeff";
+  options.default_lease_ttl_ms = 1500;
+  options.max_lease_ttl_ms = 9000;
+  options.regret_window_ms = 42;
+  options.default_pool_capacity_bytes = 123;
+  absl::StatusOr<CacheIndexOptions> index = options.ToCacheIndexOptions();
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->hash_secret.ToBytes(),
+            std::string("\x00\x11\x22\x33\x44\x55\x66\x77\x88\x99\xaa\xbb\xcc\xdd\xee\xff", 16));
+  EXPECT_EQ(index->default_lease_ttl, absl::Milliseconds(1500));
+  EXPECT_EQ(index->max_lease_ttl, absl::Milliseconds(9000));
+  EXPECT_EQ(index->regret_window, absl::Milliseconds(42));
+  EXPECT_EQ(index->default_pool_capacity_bytes, 123u);
+  EXPECT_EQ(index->policy, "lru");
+  EXPECT_TRUE(index->Validate().ok());
+
+  // An empty secret draws a fresh random one each time.
+  options.hash_secret_hex.clear();
+  absl::StatusOr<CacheIndexOptions> a = options.ToCacheIndexOptions();
+  absl::StatusOr<CacheIndexOptions> b = options.ToCacheIndexOptions();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(a->hash_secret == b->hash_secret);
+
+  options.max_event_queue = 0;
+  ExpectInvalid(options.ToCacheIndexOptions().status(), "max_event_queue");
+}
+
+TEST(ServerOptionsTest, SetParsesEveryKind) {
+  ServerOptions options;
+  ASSERT_TRUE(options.Set("listen_address", "0.0.0.0:1234").ok());
+  ASSERT_TRUE(options.Set("default_pool_capacity_bytes", "1099511627776").ok());
+  ASSERT_TRUE(options.Set("max_event_queue", "17").ok());
+  ASSERT_TRUE(options.Set("metrics_address", "").ok());
+  EXPECT_EQ(options.listen_address, "0.0.0.0:1234");
+  EXPECT_EQ(options.default_pool_capacity_bytes, 1ULL << 40);
+  EXPECT_EQ(options.max_event_queue, 17u);
+  EXPECT_EQ(options.metrics_address, "");
+
+  ExpectInvalid(options.Set("max_widgets", "1"), "unknown option \"max_widgets\"");
+  ExpectInvalid(options.Set("max_event_queue", "12x"),
+                "max_event_queue: \"12x\" is not a 32-bit unsigned decimal number");
+  ExpectInvalid(options.Set("max_event_queue", "-1"), "max_event_queue");
+  ExpectInvalid(options.Set("max_event_queue", ""), "max_event_queue");
+  ExpectInvalid(options.Set("max_event_queue", "4294967296"), "max_event_queue");
+  ExpectInvalid(options.Set("default_pool_capacity_bytes", "1e9"),
+                "default_pool_capacity_bytes: \"1e9\" is not a 64-bit unsigned");
+  EXPECT_EQ(options.max_event_queue, 17u) << "a failed Set changes nothing";
+}
+
+TEST(ServerOptionsTest, EveryNameCanBeSet) {
+  std::vector<absl::string_view> names = ServerOptions::Names();
+  EXPECT_EQ(names.size(), 15u);
+  for (absl::string_view name : names) {
+    ServerOptions options;
+    const bool is_text = name == "listen_address" || name == "metrics_address" ||
+                         name == "policy" || name == "hash_secret_hex";
+    EXPECT_TRUE(options.Set(name, is_text ? "lru" : "5").ok()) << name;
+    EXPECT_THAT(options.DebugString(), HasSubstr(std::string(name) + " = ")) << name;
+  }
+}
+
+TEST(ServerOptionsTest, DebugStringRedactsTheSecret) {
+  ServerOptions options;
+  options.hash_secret_hex = "00112233445566778899aabbccddeeff";
+  const std::string text = options.DebugString();
+  EXPECT_THAT(text, HasSubstr("hash_secret_hex = (set)"));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("00112233")));
+  EXPECT_THAT(text, HasSubstr("listen_address = \"127.0.0.1:50051\""));
+}
+
+TEST(ServerOptionsTest, ConfigText) {
+  ServerOptions options;
+  absl::Status s = options.MergeConfigText(
+      "# kvcm-manager config\n"
+      "\n"
+      "listen_address = 0.0.0.0:6000   # all interfaces\n"
+      "  metrics_address=\"\"\n"
+      "policy = \"lru\"\n"
+      "max_pages_per_request = 128\r\n"
+      "default_pool_capacity_bytes = 4096\n",
+      "kvcm.conf");
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(options.listen_address, "0.0.0.0:6000");
+  EXPECT_EQ(options.metrics_address, "");
+  EXPECT_EQ(options.max_pages_per_request, 128u);
+  EXPECT_EQ(options.default_pool_capacity_bytes, 4096u);
+  EXPECT_TRUE(options.Validate().ok());
+}
+
+TEST(ServerOptionsTest, ConfigErrorsCarryFileAndLine) {
+  ServerOptions options;
+  ExpectInvalid(options.MergeConfigText("policy = lru\n\nmax_cats = 3\n", "a.conf"),
+                "a.conf:3: unknown option \"max_cats\"");
+  ExpectInvalid(options.MergeConfigText("max_event_queue = ten\n", "b.conf"),
+                "b.conf:1: max_event_queue: \"ten\" is not a 32-bit unsigned decimal number");
+  ExpectInvalid(options.MergeConfigText("# ok\nlisten_address\n", "c.conf"),
+                "c.conf:2: expected `name = value`");
+  ExpectInvalid(options.MergeConfigText(" = 5\n", "d.conf"), "d.conf:1: missing option name");
+  ExpectInvalid(options.MergeConfigText("policy = lru\npolicy = lru\n", "e.conf"),
+                "e.conf:2: policy is set twice (first on line 1)");
+  ExpectInvalid(options.MergeConfigText("policy = \"lru\n", "f.conf"),
+                "f.conf:1: policy: unbalanced double quote");
+}
+
+TEST(ServerOptionsTest, ConfigFile) {
+  ServerOptions options;
+  EXPECT_EQ(options.MergeConfigFile("/nonexistent/kvcm.conf").code(), absl::StatusCode::kNotFound);
+
+  const std::string path = ::testing::TempDir() + "/server_options_test.conf";
+  {
+    std::ofstream out(path);
+    out << "max_event_queue = 9\nlease_sweep_interval_ms = 250\n";
+  }
+  ASSERT_TRUE(options.MergeConfigFile(path).ok());
+  EXPECT_EQ(options.max_event_queue, 9u);
+  EXPECT_EQ(options.lease_sweep_interval_ms, 250u);
+  {
+    std::ofstream out(path);
+    out << "max_event_queue = 9\nbogus = 1\n";
+  }
+  ExpectInvalid(options.MergeConfigFile(path), path + ":2: unknown option \"bogus\"");
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace kvcm
