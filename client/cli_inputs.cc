@@ -1,0 +1,156 @@
+#include "client/cli_inputs.h"
+
+#include <cstdint>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace kvcm::cli {
+namespace {
+
+// The CLI spelling of an enum value.
+template <typename E>
+struct Named {
+  absl::string_view name;
+  E value;
+};
+
+constexpr Named<AttentionKind> kAttentionNames[] = {{"mla", AttentionKind::kMla},
+                                                    {"gqa", AttentionKind::kGqa},
+                                                    {"mha", AttentionKind::kMha},
+                                                    {"mqa", AttentionKind::kMqa}};
+constexpr Named<KvDtype> kDtypeNames[] = {{"bf16", KvDtype::kBf16},
+                                          {"fp16", KvDtype::kFp16},
+                                          {"fp8", KvDtype::kFp8},
+                                          {"int8", KvDtype::kInt8}};
+constexpr Named<Tier> kTierNames[] = {
+    {"gpu", Tier::kGpu}, {"host", Tier::kHost}, {"disk", Tier::kDisk}};
+
+// The value spelled `text`; INVALID_ARGUMENT naming --flag and the choices otherwise.
+template <typename E, size_t N>
+absl::StatusOr<E> ParseNamed(const Named<E> (&names)[N], absl::string_view flag,
+                             absl::string_view text) {
+  std::vector<absl::string_view> choices;
+  for (const Named<E>& n : names) {
+    if (n.name == text) {
+      return n.value;
+    }
+    choices.push_back(n.name);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": expected ", absl::StrJoin(choices, "|"), ", got '", text, "'"));
+}
+
+template <typename E, size_t N>
+std::string NameOf(const Named<E> (&names)[N], E value) {
+  for (const Named<E>& n : names) {
+    if (n.value == value) {
+      return {n.name.data(), n.name.size()};
+    }
+  }
+  return "?";
+}
+
+}  // namespace
+
+absl::StatusOr<AttentionKind> ParseAttention(absl::string_view text) {
+  return ParseNamed(kAttentionNames, "attention", text);
+}
+absl::StatusOr<KvDtype> ParseDtype(absl::string_view text) {
+  return ParseNamed(kDtypeNames, "dtype", text);
+}
+absl::StatusOr<Tier> ParseTier(absl::string_view text) {
+  return ParseNamed(kTierNames, "tier", text);
+}
+std::string AttentionName(AttentionKind kind) { return NameOf(kAttentionNames, kind); }
+std::string DtypeName(KvDtype dtype) { return NameOf(kDtypeNames, dtype); }
+
+void DefineNamespace(FlagSet& f) {
+  f.AddString("tenant", "", "tenant of the namespace (required)");
+  f.AddString("model", "", "model of the namespace (required)");
+}
+
+absl::StatusOr<NamespaceId> NamespaceFrom(const FlagSet& f) {
+  if (f.GetString("tenant").empty()) {
+    return absl::InvalidArgumentError("--tenant is required");
+  }
+  if (f.GetString("model").empty()) {
+    return absl::InvalidArgumentError("--model is required");
+  }
+  return NamespaceId{f.GetString("tenant"), f.GetString("model")};
+}
+
+void DefineTokens(FlagSet& f) {
+  f.AddString("tokens", "", "prompt token ids, comma or space separated");
+  f.AddString("tokens_file", "", "file of token ids, comma or whitespace separated");
+  f.AddUint("random_tokens", 0, "use N pseudo-random tokens instead (see --seed, --vocab)");
+  f.AddUint("seed", 1, "seed of --random_tokens; equal seeds give equal prompts");
+  f.AddUint("vocab", 32000, "--random_tokens draws ids from [0, vocab)");
+}
+
+absl::StatusOr<std::vector<int32_t>> TokensFrom(const FlagSet& f) {
+  const int sources = f.IsSet("tokens") + f.IsSet("tokens_file") + f.IsSet("random_tokens");
+  if (sources != 1) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --tokens, --tokens_file, --random_tokens");
+  }
+  if (f.IsSet("tokens")) {
+    return ParseTokenList(f.GetString("tokens"));
+  }
+  if (f.IsSet("tokens_file")) {
+    return ReadTokenFile(f.GetString("tokens_file"));
+  }
+  const uint64_t vocab = f.GetUint("vocab");
+  if (vocab == 0 || vocab > (uint64_t{1} << 31)) {
+    return absl::InvalidArgumentError("--vocab: must be in 1..2^31");
+  }
+  return RandomTokens(f.GetUint("random_tokens"), f.GetUint("seed"), static_cast<uint32_t>(vocab));
+}
+
+void DefineModelSpec(FlagSet& f) {
+  f.AddString("attention", "mla", "attention kind: mla|gqa|mha|mqa");
+  f.AddUint("layers", 0, "transformer layers with a KV cache");
+  f.AddUint("heads", 0, "query heads");
+  f.AddUint("kv_heads", 0, "K/V heads (gqa; mha uses --heads, mqa 1)");
+  f.AddUint("head_dim", 0, "elements per K/V head (mha/mqa/gqa)");
+  f.AddUint("kv_lora_rank", 0, "MLA latent width (DeepSeek-V3: 512)");
+  f.AddUint("rope_dim", 0, "MLA decoupled RoPE width (DeepSeek-V3: 64)");
+  f.AddString("dtype", "bf16", "KV element type: bf16|fp16|fp8|int8");
+  f.AddUint("page_size", kDefaultPageSizeTokens, "tokens per page");
+}
+
+absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
+  ModelSpec spec;
+  absl::StatusOr<AttentionKind> attention = ParseAttention(f.GetString("attention"));
+  if (!attention.ok()) {
+    return attention.status();
+  }
+  spec.attention = *attention;
+  absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("dtype"));
+  if (!dtype.ok()) {
+    return dtype.status();
+  }
+  spec.dtype = *dtype;
+  const std::pair<const char*, uint32_t*> fields[] = {
+      {"layers", &spec.num_layers},         {"heads", &spec.num_heads},
+      {"kv_heads", &spec.num_kv_heads},     {"head_dim", &spec.head_dim},
+      {"kv_lora_rank", &spec.kv_lora_rank}, {"rope_dim", &spec.rope_dim},
+      {"page_size", &spec.page_size_tokens}};
+  for (const auto& [name, field] : fields) {
+    const uint64_t value = f.GetUint(name);
+    if (value > UINT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, ": too large"));
+    }
+    *field = static_cast<uint32_t>(value);
+  }
+  if (spec.attention == AttentionKind::kMha && !f.IsSet("kv_heads")) {
+    spec.num_kv_heads = spec.num_heads;
+  }
+  if (spec.attention == AttentionKind::kMqa && !f.IsSet("kv_heads")) {
+    spec.num_kv_heads = 1;
+  }
+  return spec;
+}
+
+}  // namespace kvcm::cli

@@ -1,0 +1,42 @@
+// What kvcmctl's shared flags mean: a namespace, a prompt's tokens, a model spec, a tier.
+// Each Define* declares flags on a FlagSet; the matching *From reads them after parsing and
+// returns INVALID_ARGUMENT naming the flag when they are missing or wrong.
+#ifndef KVCM_CLIENT_CLI_INPUTS_H_
+#define KVCM_CLIENT_CLI_INPUTS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "client/cli_args.h"
+#include "server/core/model_spec.h"
+#include "server/core/types.h"
+
+namespace kvcm::cli {
+
+// CLI spellings: mla|gqa|mha|mqa, bf16|fp16|fp8|int8, gpu|host|disk.
+absl::StatusOr<AttentionKind> ParseAttention(absl::string_view text);
+absl::StatusOr<KvDtype> ParseDtype(absl::string_view text);
+absl::StatusOr<Tier> ParseTier(absl::string_view text);
+std::string AttentionName(AttentionKind kind);
+std::string DtypeName(KvDtype dtype);
+
+// --tenant, --model (both required).
+void DefineNamespace(FlagSet& f);
+absl::StatusOr<NamespaceId> NamespaceFrom(const FlagSet& f);
+
+// --tokens, --tokens_file, --random_tokens (+ --seed, --vocab): exactly one source.
+void DefineTokens(FlagSet& f);
+absl::StatusOr<std::vector<int32_t>> TokensFrom(const FlagSet& f);
+
+// --attention --layers --heads --kv_heads --head_dim --kv_lora_rank --rope_dim --dtype
+// --page_size. Without --kv_heads, MHA uses --heads and MQA 1. The spec is not validated
+// here: the manager does it and names the field.
+void DefineModelSpec(FlagSet& f);
+absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f);
+
+}  // namespace kvcm::cli
+
+#endif  // KVCM_CLIENT_CLI_INPUTS_H_

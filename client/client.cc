@@ -1,0 +1,498 @@
+#include "client/client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "client/wire.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "kvcm/v1/cache_manager.grpc.pb.h"
+
+namespace kvcm {
+
+struct Client::Rpc {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::CacheManager::Stub> stub;
+};
+
+absl::Status ClientOptions::Validate() const {
+  if (address.empty()) {
+    return absl::InvalidArgumentError("address: must not be empty");
+  }
+  if (default_deadline_ms <= 0) {
+    return absl::InvalidArgumentError("default_deadline_ms: must be > 0");
+  }
+  if (max_attempts < 1 || max_attempts > 100) {
+    return absl::InvalidArgumentError("max_attempts: must be in 1..100");
+  }
+  if (initial_backoff_ms <= 0) {
+    return absl::InvalidArgumentError("initial_backoff_ms: must be > 0");
+  }
+  if (max_backoff_ms < initial_backoff_ms) {
+    return absl::InvalidArgumentError("max_backoff_ms: must be >= initial_backoff_ms");
+  }
+  if (!(backoff_multiplier >= 1.0)) {
+    return absl::InvalidArgumentError("backoff_multiplier: must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------
+// PinnedPrefix
+
+PinnedPrefix::PinnedPrefix(PinnedPrefix&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)),
+      ns_(std::move(other.ns_)),
+      match_(std::move(other.match_)) {
+  other.match_.pin_id = 0;
+}
+
+PinnedPrefix& PinnedPrefix::operator=(PinnedPrefix&& other) noexcept {
+  if (this != &other) {
+    ReleaseQuietly();
+    client_ = std::exchange(other.client_, nullptr);
+    ns_ = std::move(other.ns_);
+    match_ = std::move(other.match_);
+    other.match_.pin_id = 0;
+  }
+  return *this;
+}
+
+PinnedPrefix::~PinnedPrefix() { ReleaseQuietly(); }
+
+void PinnedPrefix::ReleaseQuietly() {
+  if (client_ == nullptr || match_.pin_id == 0) {
+    return;
+  }
+  CallOptions call;
+  call.deadline_ms = std::min(client_->options().default_deadline_ms, kReleaseDeadlineMs);
+  // Best effort by contract: a pin the manager did not hear about lapses with its lease.
+  Release(call).IgnoreError();
+}
+
+absl::Status PinnedPrefix::Release(const CallOptions& call) {
+  if (client_ == nullptr || match_.pin_id == 0) {
+    return absl::OkStatus();
+  }
+  const uint64_t pin_id = std::exchange(match_.pin_id, 0);
+  return client_->Release(ns_, pin_id, call);
+}
+
+absl::Status PinnedPrefix::Renew(uint32_t ttl_ms, const CallOptions& call) {
+  if (client_ == nullptr || match_.pin_id == 0) {
+    return absl::FailedPreconditionError("PinnedPrefix holds no pin");
+  }
+  absl::StatusOr<absl::Time> expiry = client_->RenewLease(ns_, match_.pin_id, ttl_ms, call);
+  if (!expiry.ok()) {
+    return expiry.status();
+  }
+  match_.lease_expiry = *expiry;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------
+// EventWatch
+
+EventWatch::EventWatch() : context_(std::make_unique<grpc::ClientContext>()) {}
+
+EventWatch::~EventWatch() { Cancel(); }
+
+void EventWatch::Cancel() {
+  context_->TryCancel();
+  Join();
+}
+
+absl::Status EventWatch::Wait() {
+  Join();
+  return final_status_;
+}
+
+void EventWatch::Join() {
+  std::call_once(join_once_, [this] {
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Client
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    return s;
+  }
+  grpc::ChannelArguments args;
+  // Reconnect on the same schedule as the retries, so that a retry after a refused
+  // connection is not failed at once by a channel still in gRPC's default 1 s backoff.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::min<int64_t>(options.initial_backoff_ms, INT32_MAX)));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::min<int64_t>(options.max_backoff_ms, INT32_MAX)));
+  auto rpc = std::make_unique<Rpc>();
+  rpc->channel =
+      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  if (rpc->channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("address: cannot open ", options.address));
+  }
+  rpc->stub = v1::CacheManager::NewStub(rpc->channel);
+  return std::unique_ptr<Client>(new Client(std::move(options), std::move(rpc)));
+}
+
+Client::Client(ClientOptions options, std::unique_ptr<Rpc> rpc)
+    : options_(std::move(options)), rpc_(std::move(rpc)) {}
+
+Client::~Client() = default;
+
+absl::Time Client::DeadlineOf(const CallOptions& call) const {
+  const int64_t ms = call.deadline_ms > 0 ? call.deadline_ms : options_.default_deadline_ms;
+  return absl::Now() + absl::Milliseconds(ms);
+}
+
+absl::Status Client::Invoke(absl::Time deadline,
+                            absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
+  calls_.fetch_add(1, std::memory_order_relaxed);
+  double backoff_ms = static_cast<double>(options_.initial_backoff_ms);
+  grpc::Status status;
+  int attempts = 0;
+  while (true) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    ++attempts;
+    attempts_.fetch_add(1, std::memory_order_relaxed);
+    status = attempt(&context);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempts >= options_.max_attempts) {
+      break;
+    }
+    // "Equal jitter": sleep between half and all of the backoff, so that clients that failed
+    // together do not retry together, yet none retries much earlier than planned.
+    absl::BitGen gen;
+    const absl::Duration sleep = absl::Milliseconds(absl::Uniform(gen, backoff_ms / 2, backoff_ms));
+    if (absl::Now() + sleep >= deadline) {
+      break;
+    }
+    absl::SleepFor(sleep);
+    backoff_ms = std::min(backoff_ms * options_.backoff_multiplier,
+                          static_cast<double>(options_.max_backoff_ms));
+    retries_.fetch_add(1, std::memory_order_relaxed);
+  }
+  absl::Status result = wire::FromGrpc(status);
+  if (!result.ok() && attempts > 1) {
+    return absl::Status(result.code(),
+                        absl::StrCat(result.message(), " (after ", attempts, " attempts)"));
+  }
+  return result;
+}
+
+absl::StatusOr<RegisterModelReply> Client::RegisterModel(const NamespaceId& ns,
+                                                         const ModelSpec& spec,
+                                                         const CallOptions& call) {
+  return RegisterModelUntil(ns, spec, DeadlineOf(call));
+}
+
+absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId& ns,
+                                                              const ModelSpec& spec,
+                                                              absl::Time deadline) {
+  v1::RegisterModelRequest request;
+  wire::ToProto(ns, request.mutable_namespace_());
+  wire::ToProto(spec, request.mutable_spec());
+  v1::RegisterModelResponse response;
+  absl::Status status = Invoke(deadline, [&](grpc::ClientContext* context) {
+    return rpc_->stub->RegisterModel(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+
+  RegisterModelReply reply;
+  reply.spec = wire::FromProto(response.spec());
+  reply.bytes_per_token = response.bytes_per_token();
+  reply.bytes_per_page = response.bytes_per_page();
+  reply.key_fingerprint = response.scheme().key_fingerprint();
+  reply.created = response.created();
+
+  // Hash locally only with a key this build provably hashes like the manager: the same
+  // scheme version and a fingerprint that matches the key. Otherwise prompts go as tokens.
+  const v1::HashScheme& scheme = response.scheme();
+  absl::MutexLock lock(&mu_);
+  if (response.hash_key().size() == 16 && scheme.version() == kPageHashVersion &&
+      scheme.page_size_tokens() > 0) {
+    const HashKey key = HashKey::FromBytes(response.hash_key());
+    if (KeyFingerprint(key) == scheme.key_fingerprint()) {
+      keys_[ns] = NamespaceKey{key, scheme.key_fingerprint(), scheme.page_size_tokens(), spec};
+      return reply;
+    }
+  }
+  keys_.erase(ns);
+  return reply;
+}
+
+bool Client::HashesLocally(const NamespaceId& ns) const { return CachedKey(ns).has_value(); }
+
+std::optional<Client::NamespaceKey> Client::CachedKey(const NamespaceId& ns) const {
+  absl::MutexLock lock(&mu_);
+  auto it = keys_.find(ns);
+  if (it == keys_.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::vector<PageHash>> Client::HashPrompt(const NamespaceId& ns,
+                                                         std::span<const int32_t> tokens) const {
+  std::optional<NamespaceKey> key = CachedKey(ns);
+  if (!key.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no hash key for namespace ", ns.ToString(), ": call RegisterModel first"));
+  }
+  return HashPages(key->key, tokens, key->page_size_tokens);
+}
+
+absl::Status Client::SendPrompt(
+    const NamespaceId& ns, absl::Time deadline,
+    absl::FunctionRef<absl::Status(const std::optional<NamespaceKey>&)> send) {
+  const std::optional<NamespaceKey> key = CachedKey(ns);
+  absl::Status status = send(key);
+  if (!key.has_value() || (status.code() != absl::StatusCode::kFailedPrecondition &&
+                           status.code() != absl::StatusCode::kNotFound)) {
+    return status;
+  }
+  absl::StatusOr<RegisterModelReply> refreshed = RegisterModelUntil(ns, key->spec, deadline);
+  if (!refreshed.ok()) {
+    return absl::Status(status.code(),
+                        absl::StrCat(status.message(), "; re-registering namespace ", ns.ToString(),
+                                     " failed: ", refreshed.status().message()));
+  }
+  return send(CachedKey(ns));
+}
+
+namespace {
+
+void FillMatchRequest(const NamespaceId& ns, const MatchParams& params, v1::MatchRequest* request) {
+  wire::ToProto(ns, request->mutable_namespace_());
+  request->set_requester_agent_id(params.requester_agent_id);
+  request->set_pin(params.pin);
+  request->set_lease_ttl_ms(params.lease_ttl_ms);
+  request->set_probe(params.probe);
+}
+
+}  // namespace
+
+absl::StatusOr<MatchReply> Client::Match(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                         const MatchParams& params, const CallOptions& call) {
+  const absl::Time deadline = DeadlineOf(call);
+  v1::MatchResponse response;
+  absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
+    v1::MatchRequest request;
+    FillMatchRequest(ns, params, &request);
+    if (key.has_value()) {
+      wire::SetHashes(HashPages(key->key, tokens, key->page_size_tokens), key->page_size_tokens,
+                      key->fingerprint, request.mutable_prompt());
+    } else {
+      wire::SetTokens(tokens, request.mutable_prompt());
+    }
+    return Invoke(deadline, [&](grpc::ClientContext* context) {
+      return rpc_->stub->Match(context, request, &response);
+    });
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::StatusOr<MatchReply> Client::MatchHashes(const NamespaceId& ns,
+                                               std::span<const PageHash> pages,
+                                               const MatchParams& params, const CallOptions& call) {
+  std::optional<NamespaceKey> key = CachedKey(ns);
+  if (!key.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no hash scheme for namespace ", ns.ToString(),
+                     ": call RegisterModel before sending page hashes"));
+  }
+  v1::MatchRequest request;
+  FillMatchRequest(ns, params, &request);
+  wire::SetHashes(pages, key->page_size_tokens, key->fingerprint, request.mutable_prompt());
+  v1::MatchResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Match(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::StatusOr<PinnedPrefix> Client::MatchAndPin(const NamespaceId& ns,
+                                                 std::span<const int32_t> tokens,
+                                                 MatchParams params, const CallOptions& call) {
+  if (params.probe) {
+    return absl::InvalidArgumentError("probe: a probe cannot take a pin");
+  }
+  params.pin = true;
+  absl::StatusOr<MatchReply> match = Match(ns, tokens, params, call);
+  if (!match.ok()) {
+    return match.status();
+  }
+  return PinnedPrefix(this, ns, *std::move(match));
+}
+
+namespace {
+
+void FillInsertRequest(const NamespaceId& ns, const PoolRef& pool,
+                       std::span<const BlockId> block_ids, v1::InsertRequest* request) {
+  wire::ToProto(ns, request->mutable_namespace_());
+  wire::ToProto(pool, request->mutable_pool());
+  request->mutable_block_ids()->Assign(block_ids.begin(), block_ids.end());
+}
+
+}  // namespace
+
+absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                           const PoolRef& pool, std::span<const BlockId> block_ids,
+                                           const CallOptions& call) {
+  const absl::Time deadline = DeadlineOf(call);
+  v1::InsertResponse response;
+  absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
+    v1::InsertRequest request;
+    FillInsertRequest(ns, pool, block_ids, &request);
+    if (key.has_value()) {
+      wire::SetHashes(HashPages(key->key, tokens, key->page_size_tokens), key->page_size_tokens,
+                      key->fingerprint, request.mutable_prompt());
+    } else {
+      wire::SetTokens(tokens, request.mutable_prompt());
+    }
+    return Invoke(deadline, [&](grpc::ClientContext* context) {
+      return rpc_->stub->Insert(context, request, &response);
+    });
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::StatusOr<InsertReply> Client::InsertHashes(const NamespaceId& ns,
+                                                 std::span<const PageHash> pages,
+                                                 const PoolRef& pool,
+                                                 std::span<const BlockId> block_ids,
+                                                 const CallOptions& call) {
+  std::optional<NamespaceKey> key = CachedKey(ns);
+  if (!key.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no hash scheme for namespace ", ns.ToString(),
+                     ": call RegisterModel before sending page hashes"));
+  }
+  v1::InsertRequest request;
+  FillInsertRequest(ns, pool, block_ids, &request);
+  wire::SetHashes(pages, key->page_size_tokens, key->fingerprint, request.mutable_prompt());
+  v1::InsertResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Insert(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::Status Client::Release(const NamespaceId& ns, uint64_t pin_id, const CallOptions& call) {
+  v1::ReleaseRequest request;
+  wire::ToProto(ns, request.mutable_namespace_());
+  request.set_pin_id(pin_id);
+  v1::ReleaseResponse response;
+  return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Release(context, request, &response);
+  });
+}
+
+absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pin_id,
+                                              uint32_t ttl_ms, const CallOptions& call) {
+  v1::RenewLeaseRequest request;
+  wire::ToProto(ns, request.mutable_namespace_());
+  request.set_pin_id(pin_id);
+  request.set_lease_ttl_ms(ttl_ms);
+  v1::RenewLeaseResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->RenewLease(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return absl::FromUnixMillis(response.lease_expiry_unix_ms());
+}
+
+absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t bytes,
+                                                 const CallOptions& call) {
+  v1::EvictRequest request;
+  wire::ToProto(pool, request.mutable_pool());
+  request.set_bytes(bytes);
+  v1::EvictResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Evict(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uint64_t bytes,
+                                                      const CallOptions& call) {
+  v1::EvictRequest request;
+  wire::ToProto(ns, request.mutable_namespace_());
+  request.set_bytes(bytes);
+  v1::EvictResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Evict(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+absl::StatusOr<ManagerStats> Client::Stats(const CallOptions& call) {
+  v1::StatsRequest request;
+  v1::StatsResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Stats(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
+std::unique_ptr<EventWatch> Client::WatchEvents(const std::optional<NamespaceId>& ns,
+                                                EventWatch::Callback callback) {
+  std::unique_ptr<EventWatch> watch(new EventWatch());
+  v1::WatchEventsRequest request;
+  if (ns.has_value()) {
+    wire::ToProto(*ns, request.mutable_namespace_());
+  }
+  EventWatch* w = watch.get();
+  v1::CacheManager::Stub* stub = rpc_->stub.get();
+  watch->thread_ =
+      std::thread([w, stub, request = std::move(request), callback = std::move(callback)] {
+        std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> reader =
+            stub->WatchEvents(w->context_.get(), request);
+        v1::CacheEvent event;
+        while (reader->Read(&event)) {
+          callback(wire::FromProto(event));
+        }
+        w->final_status_ = wire::FromGrpc(reader->Finish());
+      });
+  return watch;
+}
+
+ClientCounters Client::counters() const {
+  return ClientCounters{calls_.load(std::memory_order_relaxed),
+                        attempts_.load(std::memory_order_relaxed),
+                        retries_.load(std::memory_order_relaxed)};
+}
+
+}  // namespace kvcm

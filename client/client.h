@@ -1,0 +1,381 @@
+// kvcm::Client: the C++ client of the kvcm-manager's CacheManager service, for inference
+// workers, routers and tools.
+//
+// Every call returns absl::Status / absl::StatusOr with the server's gRPC code and message,
+// runs under a deadline (ClientOptions::default_deadline_ms unless CallOptions says
+// otherwise) and is retried with exponential backoff and jitter only when the answer is
+// UNAVAILABLE, at most ClientOptions::max_attempts times and never past the deadline.
+// A retried call whose first reply was lost in transit may run twice on the manager: Insert
+// is idempotent, a duplicated pin lapses with its lease, and a retried Release may answer
+// NOT_FOUND after the first one succeeded.
+//
+// Prompts travel as page hashes when this client registered the namespace (RegisterModel
+// caches the namespace's hash key and page size and hashes locally with kvcm::HashPages),
+// and as tokens otherwise (the manager hashes them). Both give the same match.
+//
+// Result types are named *Reply (and MatchParams) so that they never collide with the core's
+// MatchResult / MatchOptions when a program links both, as tests and the manager do.
+#ifndef KVCM_CLIENT_CLIENT_H_
+#define KVCM_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/core/model_spec.h"
+#include "server/core/page_hash.h"
+#include "server/core/types.h"
+
+namespace grpc {
+class ClientContext;
+class Status;
+}  // namespace grpc
+
+namespace kvcm {
+
+// One pool (agent, tier); the client's name for the core's PoolKey.
+using PoolRef = PoolKey;
+
+struct ClientOptions {
+  // Manager address, "host:port" or any gRPC target ("dns:///kvcm:50051").
+  std::string address = "127.0.0.1:50051";
+  // Deadline of a call, including all its retries, when CallOptions gives none. > 0.
+  int64_t default_deadline_ms = 5000;
+  // Attempts per call, the first included: 1 disables retries. 1..100.
+  int max_attempts = 5;
+  // Backoff before the first retry; also the channel's minimum reconnect backoff, so that a
+  // retry does not find the channel still waiting out gRPC's default 1 s backoff. > 0.
+  int64_t initial_backoff_ms = 20;
+  // Longest backoff between two attempts (and between two reconnects). >= initial.
+  int64_t max_backoff_ms = 1000;
+  // Growth of the backoff per retry. >= 1.
+  double backoff_multiplier = 2.0;
+
+  // INVALID_ARGUMENT naming the first bad field.
+  absl::Status Validate() const;
+};
+
+// Per-call overrides.
+struct CallOptions {
+  // Deadline of this call including retries; 0 uses ClientOptions::default_deadline_ms.
+  int64_t deadline_ms = 0;
+};
+
+struct RegisterModelReply {
+  ModelSpec spec;  // as stored by the manager (page size defaulted)
+  uint64_t bytes_per_token = 0;
+  uint64_t bytes_per_page = 0;
+  // KeyFingerprint of the namespace's hash key (the key itself stays inside the client).
+  uint64_t key_fingerprint = 0;
+  bool created = false;  // false: the namespace already existed with this spec
+};
+
+struct MatchParams {
+  // Agent the request will run on: its replicas come first and count in local_pages.
+  std::string requester_agent_id;
+  // Take a pin (with a lease) on the matched pages.
+  bool pin = false;
+  // Lease of the pin; 0 means the manager's default.
+  uint32_t lease_ttl_ms = 0;
+  // Look without touching anything (no recency, no pin, no counters). Excludes pin.
+  bool probe = false;
+};
+
+struct MatchReply {
+  struct Replica {
+    PoolRef pool;
+    std::vector<BlockId> block_ids;  // one per page of the segment, in prompt order
+  };
+  // A run of consecutive matched pages held by the same pools.
+  struct Segment {
+    uint32_t first_page = 0;
+    uint32_t num_pages = 0;
+    std::vector<Replica> replicas;  // the requester's agent first when it holds the run
+  };
+  uint32_t matched_pages = 0;   // leading whole pages cached somewhere
+  uint32_t matched_tokens = 0;  // matched_pages * page size
+  uint32_t prompt_pages = 0;    // whole pages in the prompt
+  uint32_t local_pages = 0;     // leading pages on the requester's agent
+  std::vector<Segment> segments;
+  uint64_t pin_id = 0;  // 0 when no pin was taken
+  absl::Time lease_expiry = absl::InfinitePast();
+};
+
+struct InsertReply {
+  uint32_t already_present_pages = 0;
+  std::vector<BlockId> existing_block_ids;  // index's blocks of the already present pages
+  uint32_t new_pages = 0;
+  uint32_t replicated_pages = 0;
+  uint64_t evicted_bytes = 0;
+};
+
+struct EvictReply {
+  uint64_t evicted_bytes = 0;
+  uint64_t evicted_pages = 0;
+};
+
+struct ManagerStats {
+  struct Pool {
+    PoolRef pool;
+    uint64_t capacity_bytes = 0;
+    uint64_t used_bytes = 0;
+    uint64_t pinned_bytes = 0;
+    uint64_t pages = 0;
+  };
+  struct Namespace {
+    NamespaceId ns;
+    ModelSpec spec;
+    uint64_t bytes_per_token = 0;
+    uint64_t bytes_per_page = 0;
+    uint64_t pages = 0;           // distinct pages
+    uint64_t page_locations = 0;  // pages x replicas
+    uint64_t radix_nodes = 0;
+  };
+  struct Counters {
+    uint64_t match_requests = 0;
+    uint64_t requested_pages = 0;
+    uint64_t matched_pages = 0;
+    uint64_t requested_tokens = 0;
+    uint64_t matched_tokens = 0;
+    uint64_t inserted_pages = 0;
+    uint64_t evicted_pages = 0;
+    uint64_t evicted_bytes = 0;
+    uint64_t eviction_regret_pages = 0;
+    uint64_t pins_taken = 0;
+    uint64_t pins_released = 0;
+    uint64_t lease_expiries = 0;
+  };
+  struct Limits {
+    uint32_t max_tokens_per_request = 0;
+    uint32_t max_pages_per_request = 0;
+    uint32_t max_lease_ttl_ms = 0;
+    uint32_t default_lease_ttl_ms = 0;
+  };
+  std::vector<Pool> pools;
+  std::vector<Namespace> namespaces;
+  Counters counters;
+  uint64_t active_pins = 0;
+  std::string policy;
+  Limits limits;
+};
+
+// One index change seen by WatchEvents.
+struct WatchedEvent {
+  enum class Kind : uint8_t { kUnspecified = 0, kStored = 1, kRemoved = 2, kCleared = 3 };
+  Kind kind = Kind::kUnspecified;
+  NamespaceId ns;
+  PoolRef pool;
+  std::vector<PageHash> pages;
+  uint64_t sequence = 0;  // +1 per event manager-wide; a gap means events were lost
+};
+
+// What this client has done, for tests and client-side metrics. Monotonic.
+struct ClientCounters {
+  uint64_t calls = 0;     // unary calls started
+  uint64_t attempts = 0;  // RPC attempts sent (calls + retries)
+  uint64_t retries = 0;   // attempts after an UNAVAILABLE answer
+};
+
+class Client;
+
+// A pin on a matched prefix, released when the object dies. Move-only; a moved-from object
+// owns nothing and releases nothing. The Client must outlive it.
+//
+// Not thread-safe: one owner at a time (the Client it calls is thread-safe).
+class PinnedPrefix {
+ public:
+  PinnedPrefix() = default;
+  PinnedPrefix(PinnedPrefix&& other) noexcept;
+  // Releases the pin this object holds (best effort) before taking other's.
+  PinnedPrefix& operator=(PinnedPrefix&& other) noexcept;
+  PinnedPrefix(const PinnedPrefix&) = delete;
+  PinnedPrefix& operator=(const PinnedPrefix&) = delete;
+  // Releases the pin, best effort, with a deadline of at most kReleaseDeadlineMs: if the
+  // manager cannot be reached the lease lapses on its own.
+  ~PinnedPrefix();
+
+  static constexpr int64_t kReleaseDeadlineMs = 1000;
+
+  // 0 when no pin is held (nothing matched, released, or moved from).
+  uint64_t pin_id() const { return match_.pin_id; }
+  const NamespaceId& ns() const { return ns_; }
+  const MatchReply& match() const { return match_; }
+
+  // Drops the pin now. Afterwards the object holds nothing, whatever the outcome (a pin the
+  // manager did not hear about lapses with its lease). OK when nothing is held.
+  absl::Status Release(const CallOptions& call = {});
+  // Extends the lease to now + ttl_ms (0: the manager's default) and updates
+  // match().lease_expiry. FAILED_PRECONDITION when no pin is held; ABORTED when the lease
+  // already expired.
+  absl::Status Renew(uint32_t ttl_ms, const CallOptions& call = {});
+
+ private:
+  friend class Client;
+  PinnedPrefix(Client* client, NamespaceId ns, MatchReply match)
+      : client_(client), ns_(std::move(ns)), match_(std::move(match)) {}
+  void ReleaseQuietly();
+
+  Client* client_ = nullptr;
+  NamespaceId ns_;
+  MatchReply match_;
+};
+
+// A WatchEvents subscription: a thread reads the stream and calls the callback per event.
+// Destroying the handle cancels the stream and waits for the thread.
+//
+// Thread-safe: Cancel, Wait and the destructor may be called concurrently, from any thread
+// but the callback's own.
+class EventWatch {
+ public:
+  using Callback = std::function<void(const WatchedEvent&)>;
+  ~EventWatch();
+  EventWatch(const EventWatch&) = delete;
+  EventWatch& operator=(const EventWatch&) = delete;
+
+  // Ends the stream; the callback is not called after Cancel returns.
+  void Cancel();
+  // Blocks until the stream ends and returns how: CANCELLED after Cancel,
+  // RESOURCE_EXHAUSTED when the manager dropped a slow subscriber, UNAVAILABLE when the
+  // connection was lost.
+  absl::Status Wait();
+
+ private:
+  friend class Client;
+  EventWatch();
+
+  void Join();
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::thread thread_;
+  std::once_flag join_once_;
+  // Written by the reader thread before it ends; read only after joining it.
+  absl::Status final_status_;
+};
+
+// Thread-safe: every method may be called concurrently from any number of threads.
+class Client {
+ public:
+  // Creates the channel; does not wait for the manager (the first call connects, and is
+  // retried while the manager is UNAVAILABLE). INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Creates or confirms namespace `ns` and caches its hash key and page size, so later
+  // calls on `ns` hash prompts locally.
+  absl::StatusOr<RegisterModelReply> RegisterModel(const NamespaceId& ns, const ModelSpec& spec,
+                                                   const CallOptions& call = {});
+
+  // Whether this client holds the hash key of `ns` (RegisterModel succeeded on it).
+  bool HashesLocally(const NamespaceId& ns) const;
+  // Chained page hashes of `tokens` with the cached key of `ns` (trailing partial page
+  // ignored). FAILED_PRECONDITION when RegisterModel was not called for `ns`.
+  absl::StatusOr<std::vector<PageHash>> HashPrompt(const NamespaceId& ns,
+                                                   std::span<const int32_t> tokens) const;
+
+  // Longest cached prefix of `tokens`. Sends page hashes when the key of `ns` is cached and
+  // tokens otherwise. If the manager refuses the hashes (FAILED_PRECONDITION: its secret
+  // changed, e.g. after a restart with a new one), re-registers with the cached spec and
+  // tries once more.
+  absl::StatusOr<MatchReply> Match(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                   const MatchParams& params = {}, const CallOptions& call = {});
+  // Same with page hashes the caller computed (HashPrompt). REQUIRES: RegisterModel on ns.
+  absl::StatusOr<MatchReply> MatchHashes(const NamespaceId& ns, std::span<const PageHash> pages,
+                                         const MatchParams& params = {},
+                                         const CallOptions& call = {});
+  // Match with pin = true, wrapped so the pin is released when the result dies.
+  // params.pin is forced on, and params.probe must be false.
+  absl::StatusOr<PinnedPrefix> MatchAndPin(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                           MatchParams params = {}, const CallOptions& call = {});
+
+  // Records that `pool` holds the whole pages of `tokens` in blocks `block_ids` (exactly one
+  // per whole page). Hashes locally when it can, like Match.
+  absl::StatusOr<InsertReply> Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                     const PoolRef& pool, std::span<const BlockId> block_ids,
+                                     const CallOptions& call = {});
+  absl::StatusOr<InsertReply> InsertHashes(const NamespaceId& ns, std::span<const PageHash> pages,
+                                           const PoolRef& pool, std::span<const BlockId> block_ids,
+                                           const CallOptions& call = {});
+
+  // NOT_FOUND for an unknown pin, ABORTED for one whose lease expired.
+  absl::Status Release(const NamespaceId& ns, uint64_t pin_id, const CallOptions& call = {});
+  // New lease expiry. ttl_ms 0: the manager's default.
+  absl::StatusOr<absl::Time> RenewLease(const NamespaceId& ns, uint64_t pin_id, uint32_t ttl_ms,
+                                        const CallOptions& call = {});
+
+  // Evicts at least `bytes` of unpinned pages (all or nothing; see EvictRequest).
+  absl::StatusOr<EvictReply> EvictFromPool(const PoolRef& pool, uint64_t bytes,
+                                           const CallOptions& call = {});
+  absl::StatusOr<EvictReply> EvictFromNamespace(const NamespaceId& ns, uint64_t bytes,
+                                                const CallOptions& call = {});
+
+  absl::StatusOr<ManagerStats> Stats(const CallOptions& call = {});
+
+  // Subscribes to index changes of `ns` (all namespaces when nullopt). `callback` runs on the
+  // subscription's own thread, one event at a time; it must not destroy the handle. The
+  // stream has no deadline and is not retried: after Wait() returns, subscribe again.
+  std::unique_ptr<EventWatch> WatchEvents(const std::optional<NamespaceId>& ns,
+                                          EventWatch::Callback callback);
+
+  ClientCounters counters() const;
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  struct NamespaceKey {
+    HashKey key;
+    uint64_t fingerprint = 0;  // KeyFingerprint(key)
+    uint32_t page_size_tokens = 0;
+    ModelSpec spec;  // as sent to RegisterModel; re-sent to refresh a stale key
+  };
+
+  // The channel and the generated stub (kept out of this header).
+  struct Rpc;
+
+  Client(ClientOptions options, std::unique_ptr<Rpc> rpc);
+
+  // Absolute deadline of a call started now.
+  absl::Time DeadlineOf(const CallOptions& call) const;
+  // Runs `attempt` until `deadline`, retrying UNAVAILABLE with backoff, and converts the
+  // final grpc::Status. `attempt` gets a fresh context per try with the deadline set.
+  absl::Status Invoke(absl::Time deadline,
+                      absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
+
+  absl::StatusOr<RegisterModelReply> RegisterModelUntil(const NamespaceId& ns,
+                                                        const ModelSpec& spec, absl::Time deadline);
+  std::optional<NamespaceKey> CachedKey(const NamespaceId& ns) const;
+  // Runs `send` with the cached key of `ns` (hash locally) or nullopt (send tokens). When
+  // hashes are refused because the manager changed its secret (FAILED_PRECONDITION) or
+  // forgot the namespace (NOT_FOUND, a restart), re-registers with the cached spec and
+  // sends once more.
+  absl::Status SendPrompt(const NamespaceId& ns, absl::Time deadline,
+                          absl::FunctionRef<absl::Status(const std::optional<NamespaceKey>&)> send);
+
+  const ClientOptions options_;
+  const std::unique_ptr<Rpc> rpc_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<NamespaceId, NamespaceKey> keys_ ABSL_GUARDED_BY(mu_);
+
+  std::atomic<uint64_t> calls_{0};
+  std::atomic<uint64_t> attempts_{0};
+  std::atomic<uint64_t> retries_{0};
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_CLIENT_CLIENT_H_

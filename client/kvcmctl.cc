@@ -1,0 +1,551 @@
+// kvcmctl: command-line client of the kvcm-manager, for operators and demos.
+//
+//   kvcmctl [--addr=127.0.0.1:50051] [--deadline_ms=N] <command> [flags]
+//
+// Exit status: 0 on success; 1 when the manager answered an error or could not be reached
+// (the message names the gRPC code); 2 for a usage error (unknown command or flag, bad value).
+//
+// A separate process has no namespace hash key, so match and insert send tokens and the
+// manager hashes them; the library's local hashing is for long-lived clients.
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "client/cli_args.h"
+#include "client/cli_inputs.h"
+#include "client/client.h"
+
+namespace kvcm {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+// One run of one command: its name (for messages), its parsed flags and the client.
+struct Invocation {
+  absl::string_view command;
+  const cli::FlagSet& flags;
+  Client& client;
+
+  int Usage(absl::string_view message) const {
+    absl::FPrintF(stderr, "kvcmctl %s: %s\nRun 'kvcmctl %s --help' for its flags.\n", command,
+                  message, command);
+    return kExitUsage;
+  }
+  int Failed(const absl::Status& status) const {
+    absl::FPrintF(stderr, "kvcmctl %s: %s: %s\n", command, absl::StatusCodeToString(status.code()),
+                  status.message());
+    return kExitFailed;
+  }
+};
+
+std::string HumanBytes(uint64_t bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  if (bytes < 1024) {
+    return absl::StrCat(bytes, " B");
+  }
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 5) {
+    value /= 1024;
+    ++unit;
+  }
+  return absl::StrFormat("%.2f %s", value, kUnits[unit]);
+}
+
+std::string FormatExpiry(absl::Time t) {
+  if (t == absl::InfinitePast()) {
+    return "none";
+  }
+  return absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", t, absl::UTCTimeZone()), " (in ",
+                      absl::ToInt64Milliseconds(t - absl::Now()), " ms)");
+}
+
+// --- stats --------------------------------------------------------------------------------
+
+void DefineStats(cli::FlagSet&) {}
+
+int RunStats(const Invocation& in) {
+  absl::StatusOr<ManagerStats> stats = in.client.Stats();
+  if (!stats.ok()) {
+    return in.Failed(stats.status());
+  }
+  const ManagerStats::Limits& l = stats->limits;
+  absl::PrintF("manager %s  policy=%s  active_pins=%d\n", in.client.options().address,
+               stats->policy, stats->active_pins);
+  absl::PrintF(
+      "limits: max_tokens_per_request=%u max_pages_per_request=%u max_lease_ttl_ms=%u "
+      "default_lease_ttl_ms=%u\n",
+      l.max_tokens_per_request, l.max_pages_per_request, l.max_lease_ttl_ms,
+      l.default_lease_ttl_ms);
+
+  absl::PrintF("\nPOOLS (%d)\n", stats->pools.size());
+  absl::PrintF("%-24s %-5s %12s %12s %12s %10s %7s\n", "AGENT", "TIER", "CAPACITY", "USED",
+               "PINNED", "PAGES", "USED%");
+  for (const ManagerStats::Pool& p : stats->pools) {
+    const double used_pct = p.capacity_bytes == 0 ? 0.0 : 100.0 * p.used_bytes / p.capacity_bytes;
+    absl::PrintF("%-24s %-5s %12s %12s %12s %10llu %7.2f\n", p.pool.agent_id, TierName(p.pool.tier),
+                 HumanBytes(p.capacity_bytes), HumanBytes(p.used_bytes), HumanBytes(p.pinned_bytes),
+                 p.pages, used_pct);
+  }
+
+  absl::PrintF("\nNAMESPACES (%d)\n", stats->namespaces.size());
+  absl::PrintF("%-32s %-4s %-5s %5s %12s %12s %10s %10s %8s\n", "NAMESPACE", "ATTN", "DTYPE",
+               "PAGE", "BYTES/TOKEN", "BYTES/PAGE", "PAGES", "LOCATIONS", "NODES");
+  for (const ManagerStats::Namespace& n : stats->namespaces) {
+    absl::PrintF("%-32s %-4s %-5s %5u %12llu %12llu %10llu %10llu %8llu\n", n.ns.ToString(),
+                 cli::AttentionName(n.spec.attention), cli::DtypeName(n.spec.dtype),
+                 n.spec.page_size_tokens, n.bytes_per_token, n.bytes_per_page, n.pages,
+                 n.page_locations, n.radix_nodes);
+  }
+
+  const ManagerStats::Counters& c = stats->counters;
+  absl::PrintF("\nCOUNTERS\n");
+  const std::pair<const char*, uint64_t> rows[] = {
+      {"match_requests", c.match_requests},
+      {"requested_pages", c.requested_pages},
+      {"matched_pages", c.matched_pages},
+      {"requested_tokens", c.requested_tokens},
+      {"matched_tokens", c.matched_tokens},
+      {"inserted_pages", c.inserted_pages},
+      {"evicted_pages", c.evicted_pages},
+      {"evicted_bytes", c.evicted_bytes},
+      {"eviction_regret_pages", c.eviction_regret_pages},
+      {"pins_taken", c.pins_taken},
+      {"pins_released", c.pins_released},
+      {"lease_expiries", c.lease_expiries},
+  };
+  for (const auto& [name, value] : rows) {
+    absl::PrintF("%-24s %d\n", name, value);
+  }
+  if (c.requested_tokens > 0) {
+    absl::PrintF("%-24s %.4f\n", "token_hit_ratio",
+                 static_cast<double>(c.matched_tokens) / c.requested_tokens);
+  }
+  return kExitOk;
+}
+
+// --- register-model -----------------------------------------------------------------------
+
+void DefineRegisterModel(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  cli::DefineModelSpec(f);
+}
+
+int RunRegisterModel(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<ModelSpec> spec = cli::ModelSpecFrom(in.flags);
+  if (!spec.ok()) {
+    return in.Usage(spec.status().message());
+  }
+  absl::StatusOr<RegisterModelReply> reply = in.client.RegisterModel(*ns, *spec);
+  if (!reply.ok()) {
+    return in.Failed(reply.status());
+  }
+  absl::PrintF("namespace: %s (%s)\n", ns->ToString(),
+               reply->created ? "created" : "already registered");
+  absl::PrintF("spec: %s\n", reply->spec.DebugString());
+  absl::PrintF("page_size_tokens: %u\n", reply->spec.page_size_tokens);
+  absl::PrintF("bytes_per_token: %d\n", reply->bytes_per_token);
+  absl::PrintF("bytes_per_page: %d (%s)\n", reply->bytes_per_page,
+               HumanBytes(reply->bytes_per_page));
+  absl::PrintF("key_fingerprint: %016x\n", reply->key_fingerprint);
+  return kExitOk;
+}
+
+// --- match --------------------------------------------------------------------------------
+
+void DefineMatch(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  cli::DefineTokens(f);
+  f.AddString("agent", "", "requester agent id: its replicas are listed first");
+  f.AddBool("pin", "pin the matched pages (release later with 'release --pin_id')");
+  f.AddUint("lease_ttl_ms", 0, "lease of the pin; 0 = the manager's default");
+  f.AddBool("probe", "look only: no recency update, no pin, no counters");
+}
+
+int RunMatch(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
+  if (!tokens.ok()) {
+    return in.Usage(tokens.status().message());
+  }
+  if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
+    return in.Usage("--lease_ttl_ms: too large");
+  }
+  MatchParams params;
+  params.requester_agent_id = in.flags.GetString("agent");
+  params.pin = in.flags.GetBool("pin");
+  params.lease_ttl_ms = static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms"));
+  params.probe = in.flags.GetBool("probe");
+  absl::StatusOr<MatchReply> m = in.client.Match(*ns, *tokens, params);
+  if (!m.ok()) {
+    return in.Failed(m.status());
+  }
+  absl::PrintF("prompt_tokens: %d\n", tokens->size());
+  absl::PrintF("prompt_pages: %u\n", m->prompt_pages);
+  absl::PrintF("matched_pages: %u\n", m->matched_pages);
+  absl::PrintF("matched_tokens: %u\n", m->matched_tokens);
+  absl::PrintF("local_pages: %u\n", m->local_pages);
+  for (const MatchReply::Segment& s : m->segments) {
+    absl::PrintF("segment pages [%u, %u):\n", s.first_page, s.first_page + s.num_pages);
+    for (const MatchReply::Replica& r : s.replicas) {
+      absl::PrintF("  %s blocks %s\n", r.pool.ToString(), absl::StrJoin(r.block_ids, ","));
+    }
+  }
+  absl::PrintF("pin_id: %d\n", m->pin_id);
+  if (m->pin_id != 0) {
+    absl::PrintF("lease_expiry: %s\n", FormatExpiry(m->lease_expiry));
+  }
+  return kExitOk;
+}
+
+// --- insert -------------------------------------------------------------------------------
+
+void DefineInsert(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  cli::DefineTokens(f);
+  f.AddString("agent", "", "agent that holds the pages (required)");
+  f.AddString("tier", "gpu", "tier of the pool: gpu|host|disk");
+  f.AddString("block_ids", "", "block id of each whole page, comma separated");
+  f.AddUint("first_block", 0, "without --block_ids: blocks first_block, first_block+1, ...");
+}
+
+int RunInsert(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
+  if (!tokens.ok()) {
+    return in.Usage(tokens.status().message());
+  }
+  if (in.flags.GetString("agent").empty()) {
+    return in.Usage("--agent is required");
+  }
+  absl::StatusOr<Tier> tier = cli::ParseTier(in.flags.GetString("tier"));
+  if (!tier.ok()) {
+    return in.Usage(tier.status().message());
+  }
+  const PoolRef pool{in.flags.GetString("agent"), *tier};
+
+  std::vector<BlockId> block_ids;
+  if (in.flags.IsSet("block_ids")) {
+    if (in.flags.IsSet("first_block")) {
+      return in.Usage("give --block_ids or --first_block, not both");
+    }
+    absl::StatusOr<std::vector<uint32_t>> ids =
+        cli::ParseUint32List(in.flags.GetString("block_ids"));
+    if (!ids.ok()) {
+      return in.Usage(absl::StrCat("--block_ids: ", ids.status().message()));
+    }
+    block_ids = *std::move(ids);
+  } else {
+    // One block per whole page: the page size is the namespace's, which Stats reports.
+    absl::StatusOr<ManagerStats> stats = in.client.Stats();
+    if (!stats.ok()) {
+      return in.Failed(stats.status());
+    }
+    uint32_t page_size = 0;
+    for (const ManagerStats::Namespace& n : stats->namespaces) {
+      if (n.ns == *ns) {
+        page_size = n.spec.page_size_tokens;
+      }
+    }
+    if (page_size == 0) {
+      return in.Failed(absl::NotFoundError(
+          absl::StrCat("namespace ", ns->ToString(), " is not registered (see register-model)")));
+    }
+    const uint64_t first = in.flags.GetUint("first_block");
+    const size_t pages = tokens->size() / page_size;
+    if (first + pages > uint64_t{UINT32_MAX} + 1) {
+      return in.Usage("--first_block: too large");
+    }
+    for (size_t i = 0; i < pages; ++i) {
+      block_ids.push_back(static_cast<BlockId>(first + i));
+    }
+  }
+
+  absl::StatusOr<InsertReply> r = in.client.Insert(*ns, *tokens, pool, block_ids);
+  if (!r.ok()) {
+    return in.Failed(r.status());
+  }
+  absl::PrintF("pool: %s\n", pool.ToString());
+  absl::PrintF("new_pages: %u\n", r->new_pages);
+  absl::PrintF("replicated_pages: %u\n", r->replicated_pages);
+  absl::PrintF("already_present_pages: %u\n", r->already_present_pages);
+  if (!r->existing_block_ids.empty()) {
+    absl::PrintF("existing_block_ids: %s\n", absl::StrJoin(r->existing_block_ids, ","));
+  }
+  absl::PrintF("evicted_bytes: %d\n", r->evicted_bytes);
+  return kExitOk;
+}
+
+// --- release / renew ----------------------------------------------------------------------
+
+void DefineRelease(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  f.AddUint("pin_id", 0, "pin to drop, as printed by 'match --pin' (required)");
+}
+
+int RunRelease(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  if (!in.flags.IsSet("pin_id")) {
+    return in.Usage("--pin_id is required");
+  }
+  const uint64_t pin_id = in.flags.GetUint("pin_id");
+  if (absl::Status s = in.client.Release(*ns, pin_id); !s.ok()) {
+    return in.Failed(s);
+  }
+  absl::PrintF("released pin %d\n", pin_id);
+  return kExitOk;
+}
+
+void DefineRenew(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  f.AddUint("pin_id", 0, "pin whose lease to extend (required)");
+  f.AddUint("lease_ttl_ms", 0, "new lease from now; 0 = the manager's default");
+}
+
+int RunRenew(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  if (!in.flags.IsSet("pin_id")) {
+    return in.Usage("--pin_id is required");
+  }
+  if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
+    return in.Usage("--lease_ttl_ms: too large");
+  }
+  absl::StatusOr<absl::Time> expiry = in.client.RenewLease(
+      *ns, in.flags.GetUint("pin_id"), static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms")));
+  if (!expiry.ok()) {
+    return in.Failed(expiry.status());
+  }
+  absl::PrintF("lease_expiry: %s\n", FormatExpiry(*expiry));
+  return kExitOk;
+}
+
+// --- evict --------------------------------------------------------------------------------
+
+void DefineEvict(cli::FlagSet& f) {
+  f.AddString("agent", "", "evict from this agent's pool (with --tier), or...");
+  f.AddString("tier", "gpu", "tier of the pool: gpu|host|disk");
+  cli::DefineNamespace(f);
+  f.AddUint("bytes", 0, "bytes to free (required); all or nothing");
+}
+
+int RunEvict(const Invocation& in) {
+  if (!in.flags.IsSet("bytes")) {
+    return in.Usage("--bytes is required");
+  }
+  const bool by_pool = !in.flags.GetString("agent").empty();
+  const bool by_ns = in.flags.IsSet("tenant") || in.flags.IsSet("model");
+  if (by_pool == by_ns) {
+    return in.Usage("give either --agent [--tier] or --tenant and --model");
+  }
+  absl::StatusOr<EvictReply> r;
+  if (by_pool) {
+    absl::StatusOr<Tier> tier = cli::ParseTier(in.flags.GetString("tier"));
+    if (!tier.ok()) {
+      return in.Usage(tier.status().message());
+    }
+    r = in.client.EvictFromPool(PoolRef{in.flags.GetString("agent"), *tier},
+                                in.flags.GetUint("bytes"));
+  } else {
+    absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+    if (!ns.ok()) {
+      return in.Usage(ns.status().message());
+    }
+    r = in.client.EvictFromNamespace(*ns, in.flags.GetUint("bytes"));
+  }
+  if (!r.ok()) {
+    return in.Failed(r.status());
+  }
+  absl::PrintF("evicted_bytes: %d\n", r->evicted_bytes);
+  absl::PrintF("evicted_pages: %d\n", r->evicted_pages);
+  return kExitOk;
+}
+
+// --- watch --------------------------------------------------------------------------------
+
+void DefineWatch(cli::FlagSet& f) {
+  f.AddString("tenant", "", "only this namespace's events (with --model); default all");
+  f.AddString("model", "", "see --tenant");
+  f.AddUint("count", 0, "exit after this many events; 0 = no limit");
+  f.AddUint("duration_ms", 0, "exit after this long; 0 = no limit");
+}
+
+int RunWatch(const Invocation& in) {
+  std::optional<NamespaceId> filter;
+  if (in.flags.IsSet("tenant") || in.flags.IsSet("model")) {
+    absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+    if (!ns.ok()) {
+      return in.Usage(ns.status().message());
+    }
+    filter = *std::move(ns);
+  }
+  const uint64_t count = in.flags.GetUint("count");
+  const uint64_t duration_ms = in.flags.GetUint("duration_ms");
+  absl::Mutex mu;
+  uint64_t seen = 0;
+  absl::Notification enough;
+  std::unique_ptr<EventWatch> watch = in.client.WatchEvents(filter, [&](const WatchedEvent& e) {
+    static constexpr const char* kKinds[] = {"unspecified", "stored", "removed", "cleared"};
+    absl::PrintF("seq=%d %s ns=%s pool=%s pages=%d%s%s\n", e.sequence,
+                 kKinds[static_cast<int>(e.kind)], e.ns.ToString(), e.pool.ToString(),
+                 e.pages.size(),
+                 e.pages.empty() ? "" : " first=", e.pages.empty() ? "" : e.pages[0].ToHex());
+    std::fflush(stdout);
+    absl::MutexLock lock(&mu);
+    if (++seen == count) {
+      enough.Notify();
+    }
+  });
+  // Stop on --count, --duration_ms, or when the stream ends by itself.
+  std::thread waiter([&] {
+    (void)watch->Wait();
+    if (!enough.HasBeenNotified()) {
+      enough.Notify();
+    }
+  });
+  if (duration_ms > 0) {
+    enough.WaitForNotificationWithTimeout(absl::Milliseconds(duration_ms));
+  } else {
+    enough.WaitForNotification();
+  }
+  watch->Cancel();
+  waiter.join();
+  const absl::Status status = watch->Wait();
+  if (!status.ok() && status.code() != absl::StatusCode::kCancelled) {
+    return in.Failed(status);
+  }
+  return kExitOk;
+}
+
+// --- dispatch -----------------------------------------------------------------------------
+
+struct Command {
+  absl::string_view name;
+  absl::string_view summary;
+  void (*define)(cli::FlagSet&);
+  int (*run)(const Invocation&);
+};
+
+constexpr Command kCommands[] = {
+    {"stats", "pools, namespaces and counters of the manager", DefineStats, RunStats},
+    {"register-model", "create or confirm a (tenant, model) namespace; prints bytes per token",
+     DefineRegisterModel, RunRegisterModel},
+    {"match", "longest cached prefix of a prompt, optionally pinned", DefineMatch, RunMatch},
+    {"insert", "record that an agent's pool holds a prompt's pages", DefineInsert, RunInsert},
+    {"release", "drop a pin taken by 'match --pin'", DefineRelease, RunRelease},
+    {"renew", "extend a pin's lease", DefineRenew, RunRenew},
+    {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
+    {"watch", "print index change events as they happen", DefineWatch, RunWatch},
+};
+
+void DefineGlobal(cli::FlagSet& f) {
+  f.AddString("addr", "127.0.0.1:50051", "kvcm-manager address");
+  f.AddInt("deadline_ms", 5000, "deadline of each call, retries included");
+  f.AddInt("max_attempts", 5, "attempts per call while the manager is unavailable");
+  f.AddBool("help", "show this help");
+}
+
+void PrintMainHelp(const cli::FlagSet& global) {
+  absl::PrintF("Usage: kvcmctl [global flags] <command> [flags]\n\nCommands:\n");
+  for (const Command& c : kCommands) {
+    absl::PrintF("  %-16s %s\n", c.name, c.summary);
+  }
+  absl::PrintF("\nGlobal flags:\n%s", global.Help());
+  absl::PrintF("\nRun 'kvcmctl <command> --help' for a command's flags.\n");
+}
+
+int Main(int argc, char** argv) {
+  std::vector<absl::string_view> args(argv + 1, argv + argc);
+  cli::FlagSet global;
+  DefineGlobal(global);
+  absl::StatusOr<size_t> consumed = global.ParsePrefix(args);
+  if (!consumed.ok()) {
+    absl::FPrintF(stderr, "kvcmctl: %s\nRun 'kvcmctl --help' for usage.\n",
+                  consumed.status().message());
+    return kExitUsage;
+  }
+  if (global.GetBool("help")) {
+    PrintMainHelp(global);
+    return kExitOk;
+  }
+  if (*consumed == args.size()) {
+    absl::FPrintF(stderr, "kvcmctl: no command given\nRun 'kvcmctl --help' for usage.\n");
+    return kExitUsage;
+  }
+  const absl::string_view name = args[*consumed];
+  const Command* command = nullptr;
+  for (const Command& c : kCommands) {
+    if (c.name == name) {
+      command = &c;
+    }
+  }
+  if (command == nullptr) {
+    absl::FPrintF(stderr, "kvcmctl: unknown command '%s'\nRun 'kvcmctl --help' for usage.\n", name);
+    return kExitUsage;
+  }
+
+  cli::FlagSet flags;
+  command->define(flags);
+  flags.AddBool("help", "show this help");
+  const std::span<const absl::string_view> rest(args.data() + *consumed + 1,
+                                                args.size() - *consumed - 1);
+  if (absl::Status s = flags.ParseAll(rest); !s.ok()) {
+    absl::FPrintF(stderr, "kvcmctl %s: %s\nRun 'kvcmctl %s --help' for its flags.\n", name,
+                  s.message(), name);
+    return kExitUsage;
+  }
+  if (flags.GetBool("help")) {
+    absl::PrintF("Usage: kvcmctl [global flags] %s [flags]\n%s\n\nFlags:\n%s", name,
+                 command->summary, flags.Help());
+    return kExitOk;
+  }
+
+  ClientOptions options;
+  options.address = global.GetString("addr");
+  options.default_deadline_ms = global.GetInt("deadline_ms");
+  // Out-of-range values are clamped just outside 1..100 so that Validate reports them.
+  options.max_attempts =
+      static_cast<int>(std::clamp<int64_t>(global.GetInt("max_attempts"), 0, 101));
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) {
+    absl::FPrintF(stderr, "kvcmctl: %s\n", client.status().message());
+    return kExitUsage;
+  }
+  return command->run(Invocation{name, flags, **client});
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) { return kvcm::Main(argc, argv); }

@@ -1,0 +1,170 @@
+#include "client/wire.h"
+
+#include <string>
+
+namespace kvcm::wire {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) {
+    return absl::OkStatus();
+  }
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+void ToProto(const NamespaceId& ns, v1::Namespace* out) {
+  out->set_tenant(ns.tenant);
+  out->set_model(ns.model);
+}
+
+NamespaceId FromProto(const v1::Namespace& ns) { return NamespaceId{ns.tenant(), ns.model()}; }
+
+void ToProto(const PoolRef& pool, v1::PoolRef* out) {
+  out->set_agent_id(pool.agent_id);
+  out->set_tier(static_cast<v1::Tier>(pool.tier));
+}
+
+PoolRef FromProto(const v1::PoolRef& pool) {
+  return PoolRef{pool.agent_id(), static_cast<Tier>(pool.tier())};
+}
+
+void ToProto(const ModelSpec& spec, v1::ModelSpec* out) {
+  out->set_attention(static_cast<v1::AttentionKind>(spec.attention));
+  out->set_num_layers(spec.num_layers);
+  out->set_num_heads(spec.num_heads);
+  out->set_num_kv_heads(spec.num_kv_heads);
+  out->set_head_dim(spec.head_dim);
+  out->set_kv_lora_rank(spec.kv_lora_rank);
+  out->set_rope_dim(spec.rope_dim);
+  out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));
+  out->set_page_size_tokens(spec.page_size_tokens);
+}
+
+ModelSpec FromProto(const v1::ModelSpec& spec) {
+  ModelSpec out;
+  out.attention = static_cast<AttentionKind>(spec.attention());
+  out.num_layers = spec.num_layers();
+  out.num_heads = spec.num_heads();
+  out.num_kv_heads = spec.num_kv_heads();
+  out.head_dim = spec.head_dim();
+  out.kv_lora_rank = spec.kv_lora_rank();
+  out.rope_dim = spec.rope_dim();
+  out.dtype = static_cast<KvDtype>(spec.dtype());
+  out.page_size_tokens = spec.page_size_tokens();
+  return out;
+}
+
+void SetTokens(std::span<const int32_t> tokens, v1::Prompt* out) {
+  out->mutable_tokens()->mutable_ids()->Assign(tokens.begin(), tokens.end());
+}
+
+void SetHashes(std::span<const PageHash> pages, uint32_t page_size_tokens, uint64_t key_fingerprint,
+               v1::Prompt* out) {
+  out->set_page_hashes(EncodePageHashes(pages));
+  v1::HashScheme* scheme = out->mutable_scheme();
+  scheme->set_version(kPageHashVersion);
+  scheme->set_page_size_tokens(page_size_tokens);
+  scheme->set_key_fingerprint(key_fingerprint);
+}
+
+MatchReply FromProto(const v1::MatchResponse& response) {
+  MatchReply out;
+  out.matched_pages = response.matched_pages();
+  out.matched_tokens = response.matched_tokens();
+  out.prompt_pages = response.prompt_pages();
+  out.local_pages = response.local_pages();
+  out.segments.reserve(response.segments_size());
+  for (const v1::MatchedSegment& s : response.segments()) {
+    MatchReply::Segment& segment = out.segments.emplace_back();
+    segment.first_page = s.first_page();
+    segment.num_pages = s.num_pages();
+    segment.replicas.reserve(s.replicas_size());
+    for (const v1::Replica& r : s.replicas()) {
+      segment.replicas.push_back(
+          MatchReply::Replica{FromProto(r.pool()), {r.block_ids().begin(), r.block_ids().end()}});
+    }
+  }
+  out.pin_id = response.pin_id();
+  if (response.pin_id() != 0) {
+    out.lease_expiry = absl::FromUnixMillis(response.lease_expiry_unix_ms());
+  }
+  return out;
+}
+
+InsertReply FromProto(const v1::InsertResponse& response) {
+  InsertReply out;
+  out.already_present_pages = response.already_present_pages();
+  out.existing_block_ids.assign(response.existing_block_ids().begin(),
+                                response.existing_block_ids().end());
+  out.new_pages = response.new_pages();
+  out.replicated_pages = response.replicated_pages();
+  out.evicted_bytes = response.evicted_bytes();
+  return out;
+}
+
+EvictReply FromProto(const v1::EvictResponse& response) {
+  return EvictReply{response.evicted_bytes(), response.evicted_pages()};
+}
+
+ManagerStats FromProto(const v1::StatsResponse& response) {
+  ManagerStats out;
+  for (const v1::PoolStats& p : response.pools()) {
+    out.pools.push_back(ManagerStats::Pool{FromProto(p.pool()), p.capacity_bytes(), p.used_bytes(),
+                                           p.pinned_bytes(), p.pages()});
+  }
+  for (const v1::NamespaceStats& n : response.namespaces()) {
+    ManagerStats::Namespace& ns = out.namespaces.emplace_back();
+    ns.ns = FromProto(n.namespace_());
+    ns.spec = FromProto(n.spec());
+    ns.bytes_per_token = n.bytes_per_token();
+    ns.bytes_per_page = n.bytes_per_page();
+    ns.pages = n.pages();
+    ns.page_locations = n.page_locations();
+    ns.radix_nodes = n.radix_nodes();
+  }
+  const v1::Counters& c = response.counters();
+  out.counters.match_requests = c.match_requests();
+  out.counters.requested_pages = c.requested_pages();
+  out.counters.matched_pages = c.matched_pages();
+  out.counters.requested_tokens = c.requested_tokens();
+  out.counters.matched_tokens = c.matched_tokens();
+  out.counters.inserted_pages = c.inserted_pages();
+  out.counters.evicted_pages = c.evicted_pages();
+  out.counters.evicted_bytes = c.evicted_bytes();
+  out.counters.eviction_regret_pages = c.eviction_regret_pages();
+  out.counters.pins_taken = c.pins_taken();
+  out.counters.pins_released = c.pins_released();
+  out.counters.lease_expiries = c.lease_expiries();
+  out.active_pins = response.active_pins();
+  out.policy = response.policy();
+  const v1::Limits& l = response.limits();
+  out.limits = ManagerStats::Limits{l.max_tokens_per_request(), l.max_pages_per_request(),
+                                    l.max_lease_ttl_ms(), l.default_lease_ttl_ms()};
+  return out;
+}
+
+WatchedEvent FromProto(const v1::CacheEvent& event) {
+  WatchedEvent out;
+  switch (event.kind()) {
+    case v1::CacheEvent::KIND_STORED:
+      out.kind = WatchedEvent::Kind::kStored;
+      break;
+    case v1::CacheEvent::KIND_REMOVED:
+      out.kind = WatchedEvent::Kind::kRemoved;
+      break;
+    case v1::CacheEvent::KIND_CLEARED:
+      out.kind = WatchedEvent::Kind::kCleared;
+      break;
+    default:
+      out.kind = WatchedEvent::Kind::kUnspecified;
+      break;
+  }
+  out.ns = FromProto(event.namespace_());
+  out.pool = FromProto(event.pool());
+  // A length that is not a multiple of 16 would be a manager bug; keep the whole pages.
+  const std::string& bytes = event.page_hashes();
+  out.pages = DecodePageHashes(std::string_view(bytes.data(), bytes.size() - bytes.size() % 16));
+  out.sequence = event.sequence();
+  return out;
+}
+
+}  // namespace kvcm::wire

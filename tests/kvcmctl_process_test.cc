@@ -1,0 +1,484 @@
+// Multi-process test: a real kvcm-manager process driven by kvcmctl processes, as an
+// operator would. Processes are started with posix_spawn (no shell); kvcmctl's output is
+// read through pipes, the manager's goes to a log file that failures print.
+//
+// KVCM_MANAGER_PATH and KVCMCTL_PATH are the built binaries (compile definitions).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// How a finished process ended, and what it printed.
+struct ProcessResult {
+  bool exited = false;  // normal exit (exit_code valid)
+  int exit_code = -1;
+  int term_signal = 0;  // set when killed by a signal
+  bool timed_out = false;
+  std::string out;
+  std::string err;
+
+  std::string Describe() const {
+    return absl::StrCat(
+        timed_out ? "timed out; " : "",
+        exited ? absl::StrCat("exit ", exit_code) : absl::StrCat("signal ", term_signal),
+        "\n--- stdout ---\n", out, "--- stderr ---\n", err);
+  }
+};
+
+// A child process. Output goes to two pipes (captured by Finish) or, with a log path, to
+// that file. Not thread-safe.
+class Subprocess {
+ public:
+  static std::unique_ptr<Subprocess> Start(const std::vector<std::string>& argv,
+                                           const std::string& log_path = "") {
+    auto p = std::unique_ptr<Subprocess>(new Subprocess());
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    int out_pipe[2] = {-1, -1};
+    int err_pipe[2] = {-1, -1};
+    if (log_path.empty()) {
+      if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+        return nullptr;
+      }
+      posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+      posix_spawn_file_actions_adddup2(&actions, err_pipe[1], STDERR_FILENO);
+    } else {
+      posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    }
+    std::vector<char*> args;
+    args.reserve(argv.size() + 1);
+    for (const std::string& a : argv) {
+      args.push_back(const_cast<char*>(a.c_str()));
+    }
+    args.push_back(nullptr);
+    const int rc = posix_spawn(&p->pid_, args[0], &actions, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (log_path.empty()) {
+      close(out_pipe[1]);
+      close(err_pipe[1]);
+      p->out_fd_ = out_pipe[0];
+      p->err_fd_ = err_pipe[0];
+    }
+    if (rc != 0) {
+      ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << strerror(rc);
+      return nullptr;
+    }
+    return p;
+  }
+
+  ~Subprocess() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_fd_ >= 0) {
+      close(out_fd_);
+    }
+    if (err_fd_ >= 0) {
+      close(err_fd_);
+    }
+  }
+
+  // False once the process has ended (it is then reaped; Finish returns at once).
+  bool Running() {
+    if (reaped_) {
+      return false;
+    }
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      Reap(status);
+    }
+    return !reaped_;
+  }
+
+  void Signal(int sig) {
+    if (!reaped_) {
+      kill(pid_, sig);
+    }
+  }
+
+  // Reads the output until both pipes close and waits for the exit, for at most `timeout`;
+  // then SIGKILLs the process and reports timed_out.
+  ProcessResult Finish(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (out_fd_ >= 0 || err_fd_ >= 0) {
+      std::vector<pollfd> fds;
+      if (out_fd_ >= 0) {
+        fds.push_back({out_fd_, POLLIN, 0});
+      }
+      if (err_fd_ >= 0) {
+        fds.push_back({err_fd_, POLLIN, 0});
+      }
+      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (left_ms <= 0) {
+        break;
+      }
+      if (poll(fds.data(), fds.size(), static_cast<int>(left_ms)) <= 0) {
+        continue;
+      }
+      for (const pollfd& f : fds) {
+        if (f.revents == 0) {
+          continue;
+        }
+        char buf[4096];
+        const ssize_t n = read(f.fd, buf, sizeof(buf));
+        std::string& sink = f.fd == out_fd_ ? result_.out : result_.err;
+        if (n > 0) {
+          sink.append(buf, n);
+        } else {
+          close(f.fd);
+          (f.fd == out_fd_ ? out_fd_ : err_fd_) = -1;
+        }
+      }
+    }
+    while (Running() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    if (!reaped_) {
+      result_.timed_out = true;
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      Reap(status);
+    }
+    return result_;
+  }
+
+ private:
+  Subprocess() = default;
+  void Reap(int status) {
+    reaped_ = true;
+    result_.exited = WIFEXITED(status);
+    if (result_.exited) {
+      result_.exit_code = WEXITSTATUS(status);
+    }
+    if (WIFSIGNALED(status)) {
+      result_.term_signal = WTERMSIG(status);
+    }
+  }
+
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int out_fd_ = -1;
+  int err_fd_ = -1;
+  ProcessResult result_;
+};
+
+// A loopback port that was free a moment ago (bound to port 0, then closed).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// GET http://127.0.0.1:port/path over a raw socket (HTTP/1.0: the server closes the
+// connection after the reply). Empty on connection failure.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  std::string reply;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      pollfd p{fd, POLLIN, 0};
+      char buf[4096];
+      while (poll(&p, 1, 5000) > 0) {
+        const ssize_t n = read(fd, buf, sizeof(buf));
+        if (n <= 0) {
+          break;
+        }
+        reply.append(buf, n);
+      }
+    }
+  }
+  close(fd);
+  return reply;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The unsigned number after "key: " in `text`; 0 when absent.
+uint64_t Field(const std::string& text, const std::string& key) {
+  const size_t at = text.find(key + ": ");
+  if (at == std::string::npos) {
+    return 0;
+  }
+  const size_t begin = at + key.size() + 2;
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(text.substr(begin, text.find_first_of(" \n", begin) - begin), &value)) {
+    return 0;
+  }
+  return value;
+}
+
+constexpr absl::Duration kCtlTimeout = absl::Seconds(30);
+
+class KvcmctlProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* tmp = std::getenv("TMPDIR");
+    log_path_ =
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcm_process_test_", getpid(), "_",
+                     ::testing::UnitTest::GetInstance()->current_test_info()->name(), ".log");
+  }
+
+  void TearDown() override {
+    if (manager_ != nullptr) {
+      manager_->Signal(SIGKILL);
+      manager_->Finish(absl::Seconds(10));
+    }
+    if (HasFailure()) {
+      std::fprintf(stderr, "--- manager log ---\n%s\n", ReadFile(log_path_).c_str());
+    }
+    std::remove(log_path_.c_str());
+  }
+
+  // Starts kvcm-manager on free ports and waits until `kvcmctl stats` succeeds. Retries
+  // with other ports when the manager exits early (a port taken in between).
+  void StartManager() {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      port_ = FreePort();
+      metrics_port_ = FreePort();
+      manager_ = Subprocess::Start(
+          {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+           absl::StrCat("--metrics_address=127.0.0.1:", metrics_port_), "--shutdown_grace_ms=1000"},
+          log_path_);
+      ASSERT_NE(manager_, nullptr);
+      const absl::Time give_up = absl::Now() + absl::Seconds(20);
+      while (manager_->Running() && absl::Now() < give_up) {
+        if (Ctl({"--deadline_ms=500", "stats"}).exit_code == 0) {
+          return;
+        }
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      ASSERT_FALSE(manager_->Running()) << "kvcm-manager did not serve within 20 s";
+      manager_.reset();
+    }
+    FAIL() << "kvcm-manager exited at start three times";
+  }
+
+  // Runs kvcmctl against the manager with `args` and waits for it.
+  ProcessResult Ctl(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_)};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
+    if (p == nullptr) {
+      return ProcessResult{};
+    }
+    return p->Finish(kCtlTimeout);
+  }
+
+  // kvcmctl run that must succeed; returns its stdout.
+  std::string CtlOk(const std::vector<std::string>& args) {
+    ProcessResult r = Ctl(args);
+    EXPECT_TRUE(r.exited && r.exit_code == 0)
+        << "kvcmctl " << absl::StrJoin(args, " ") << ": " << r.Describe();
+    return r.out;
+  }
+
+  std::string log_path_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  std::unique_ptr<Subprocess> manager_;
+};
+
+const std::vector<std::string> kNs = {"--tenant=acme", "--model=deepseek-v3"};
+
+std::vector<std::string> With(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST_F(KvcmctlProcessTest, OperatorWorkflowAgainstARealManager) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+
+  std::string out =
+      CtlOk(With({"register-model"},
+                 With(kNs, {"--attention=mla", "--layers=61", "--heads=128", "--kv_lora_rank=512",
+                            "--rope_dim=64", "--dtype=bf16", "--page_size=64"})));
+  EXPECT_THAT(out, HasSubstr("(created)"));
+  EXPECT_EQ(Field(out, "bytes_per_token"), 70'272u);
+  EXPECT_EQ(Field(out, "bytes_per_page"), 70'272u * 64);
+
+  // 300 tokens = 4 whole pages of 64 (the trailing 44 are never cached).
+  const std::vector<std::string> prompt = {"--random_tokens=300", "--seed=7"};
+  out = CtlOk(With({"insert"}, With(kNs, With(prompt, {"--agent=agent-0", "--first_block=100"}))));
+  EXPECT_EQ(Field(out, "new_pages"), 4u) << out;
+
+  out = CtlOk(With({"match"}, With(kNs, With(prompt, {"--agent=agent-0"}))));
+  EXPECT_EQ(Field(out, "prompt_pages"), 4u) << out;
+  EXPECT_EQ(Field(out, "matched_pages"), 4u) << out;
+  EXPECT_EQ(Field(out, "matched_tokens"), 256u) << out;
+  EXPECT_EQ(Field(out, "local_pages"), 4u) << out;
+  EXPECT_THAT(out, HasSubstr("agent-0:gpu blocks 100,101,102,103"));
+  EXPECT_THAT(out, HasSubstr("pin_id: 0\n"));
+
+  // Another seed shares nothing.
+  out = CtlOk(With({"match"}, With(kNs, {"--random_tokens=300", "--seed=8"})));
+  EXPECT_THAT(out, HasSubstr("matched_pages: 0\n"));
+
+  out = CtlOk(With({"match"}, With(kNs, With(prompt, {"--pin", "--lease_ttl_ms=60000"}))));
+  const uint64_t pin_id = Field(out, "pin_id");
+  ASSERT_NE(pin_id, 0u) << out;
+  EXPECT_THAT(out, HasSubstr("lease_expiry: "));
+
+  out = CtlOk({"stats"});
+  EXPECT_THAT(out, HasSubstr("active_pins=1"));
+  EXPECT_THAT(out, HasSubstr("acme/deepseek-v3"));
+  EXPECT_THAT(out, HasSubstr("70272"));
+  EXPECT_THAT(out, HasSubstr("agent-0"));
+  EXPECT_THAT(out, testing::ContainsRegex("inserted_pages +4\n"));
+  EXPECT_THAT(out, testing::ContainsRegex("pins_taken +1\n"));
+
+  out = CtlOk(With({"release"}, With(kNs, {absl::StrCat("--pin_id=", pin_id)})));
+  EXPECT_THAT(out, HasSubstr(absl::StrCat("released pin ", pin_id)));
+  ProcessResult again = Ctl(With({"release"}, With(kNs, {absl::StrCat("--pin_id=", pin_id)})));
+  EXPECT_EQ(again.exit_code, 1) << again.Describe();
+  EXPECT_THAT(again.err, HasSubstr("NOT_FOUND"));
+  EXPECT_THAT(CtlOk({"stats"}), HasSubstr("active_pins=0"));
+
+  // One page out of the pool, then the rest of the namespace.
+  out = CtlOk({"evict", "--agent=agent-0", "--tier=gpu", "--bytes=1"});
+  EXPECT_GE(Field(out, "evicted_pages"), 1u) << out;
+  EXPECT_GE(Field(out, "evicted_bytes"), 70'272u * 64) << out;
+  ProcessResult too_much = Ctl(With({"evict", "--bytes=1000000000000"}, kNs));
+  EXPECT_EQ(too_much.exit_code, 1) << too_much.Describe();
+  EXPECT_THAT(too_much.err, HasSubstr("OUT_OF_RANGE"));
+
+  // The exporter serves Prometheus text with kvcm_ metrics.
+  const std::string metrics = HttpGet(metrics_port_, "/metrics");
+  EXPECT_THAT(metrics, HasSubstr(" 200 "));
+  EXPECT_THAT(metrics, HasSubstr("kvcm_"));
+
+  manager_->Signal(SIGTERM);
+  ProcessResult stopped = manager_->Finish(absl::Seconds(15));
+  manager_.reset();
+  EXPECT_TRUE(stopped.exited && stopped.exit_code == 0)
+      << stopped.Describe() << ReadFile(log_path_);
+  // Gone for good: kvcmctl now reports UNAVAILABLE and exits 1.
+  ProcessResult after = Ctl({"--deadline_ms=300", "stats"});
+  EXPECT_EQ(after.exit_code, 1) << after.Describe();
+  EXPECT_THAT(after.err, HasSubstr("UNAVAILABLE"));
+}
+
+TEST_F(KvcmctlProcessTest, WatchPrintsStoredEvents) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  CtlOk(With({"register-model"}, With(kNs, {"--attention=gqa", "--layers=80", "--heads=64",
+                                            "--kv_heads=8", "--head_dim=128", "--page_size=16"})));
+  std::unique_ptr<Subprocess> watch = Subprocess::Start(
+      {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_), "watch", "--tenant=acme",
+       "--model=deepseek-v3", "--count=1", "--duration_ms=20000"});
+  ASSERT_NE(watch, nullptr);
+  // The subscription is live at some point after the process starts: insert fresh prompts
+  // until the watcher has seen one and exited.
+  for (int seed = 1; watch->Running() && seed < 100; ++seed) {
+    CtlOk(With({"insert"}, With(kNs, {"--random_tokens=32", absl::StrCat("--seed=", seed),
+                                      "--agent=agent-1", "--tier=host"})));
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  ProcessResult r = watch->Finish(absl::Seconds(20));
+  EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();
+  EXPECT_THAT(r.out, HasSubstr("stored ns=acme/deepseek-v3 pool=agent-1:host pages=2"));
+}
+
+// These need no manager: usage errors are caught before any call.
+TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
+  port_ = FreePort();
+  ProcessResult help = Ctl({"--help"});
+  EXPECT_EQ(help.exit_code, 0) << help.Describe();
+  for (const char* command :
+       {"stats", "register-model", "match", "insert", "release", "evict", "watch"}) {
+    EXPECT_THAT(help.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
+    ProcessResult sub = Ctl({command, "--help"});
+    EXPECT_EQ(sub.exit_code, 0) << sub.Describe();
+    EXPECT_THAT(sub.out, HasSubstr("Flags:")) << command;
+  }
+  ProcessResult reg_help = Ctl({"register-model", "--help"});
+  for (const char* flag :
+       {"--tenant", "--model", "--attention", "--layers", "--heads", "--kv_heads", "--head_dim",
+        "--kv_lora_rank", "--rope_dim", "--dtype", "--page_size"}) {
+    EXPECT_THAT(reg_help.out, HasSubstr(flag));
+  }
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{}, "no command given"},
+      {{"frobnicate"}, "unknown command 'frobnicate'"},
+      {{"--bogus", "stats"}, "unknown flag --bogus"},
+      {{"stats", "--bogus=1"}, "unknown flag --bogus"},
+      {{"match", "--tenant=a", "--tokens=1,2"}, "--model is required"},
+      {{"match", "--tenant=a", "--model=b"}, "exactly one of --tokens"},
+      {{"match", "--tenant=a", "--model=b", "--tokens=1,x"}, "token 'x'"},
+      {{"insert", "--tenant=a", "--model=b", "--tokens=1", "--agent=g", "--tier=ssd"}, "--tier"},
+      {{"register-model", "--tenant=a", "--model=b", "--attention=rnn"}, "--attention"},
+      {{"register-model", "--tenant=a", "--model=b", "--layers=-1"}, "--layers"},
+      {{"release", "--tenant=a", "--model=b"}, "--pin_id is required"},
+      {{"evict", "--bytes=1"}, "either --agent"},
+  };
+  for (const Case& c : cases) {
+    ProcessResult r = Ctl(c.args);
+    EXPECT_TRUE(r.exited) << r.Describe();
+    EXPECT_EQ(r.exit_code, 2) << absl::StrJoin(c.args, " ") << ": " << r.Describe();
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << absl::StrJoin(c.args, " ");
+    EXPECT_THAT(r.out, Not(HasSubstr("matched_pages")));
+  }
+
+  // A well-formed call with no manager listening fails with the gRPC code.
+  ProcessResult down = Ctl({"--deadline_ms=300", "stats"});
+  EXPECT_EQ(down.exit_code, 1) << down.Describe();
+  EXPECT_THAT(down.err, HasSubstr("UNAVAILABLE"));
+}
+
+}  // namespace
