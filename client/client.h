@@ -57,7 +57,7 @@ struct ClientOptions {
   int64_t default_deadline_ms = 5000;
   // Attempts per call, the first included: 1 disables retries. 1..100.
   int max_attempts = 5;
-  // Backoff before the first retry; also the channel's minimum reconnect backoff, so that a
+  // Backoff before the first retry; also the channel's initial reconnect backoff, so that a
   // retry does not find the channel still waiting out gRPC's default 1 s backoff. > 0.
   int64_t initial_backoff_ms = 20;
   // Longest backoff between two attempts (and between two reconnects). >= initial.
@@ -71,7 +71,7 @@ struct ClientOptions {
 
 // Per-call overrides.
 struct CallOptions {
-  // Deadline of this call including retries; 0 uses ClientOptions::default_deadline_ms.
+  // Deadline of this call including retries; <= 0 uses ClientOptions::default_deadline_ms.
   int64_t deadline_ms = 0;
 };
 
@@ -290,8 +290,8 @@ class Client {
 
   // Longest cached prefix of `tokens`. Sends page hashes when the key of `ns` is cached and
   // tokens otherwise. If the manager refuses the hashes (FAILED_PRECONDITION: its secret
-  // changed, e.g. after a restart with a new one), re-registers with the cached spec and
-  // tries once more.
+  // changed; NOT_FOUND: it restarted and forgot the namespace), re-registers with the cached
+  // spec and tries once more, within the same deadline.
   absl::StatusOr<MatchReply> Match(const NamespaceId& ns, std::span<const int32_t> tokens,
                                    const MatchParams& params = {}, const CallOptions& call = {});
   // Same with page hashes the caller computed (HashPrompt). REQUIRES: RegisterModel on ns.
@@ -329,6 +329,7 @@ class Client {
   // Subscribes to index changes of `ns` (all namespaces when nullopt). `callback` runs on the
   // subscription's own thread, one event at a time; it must not destroy the handle. The
   // stream has no deadline and is not retried: after Wait() returns, subscribe again.
+  // The Client must outlive the handle.
   std::unique_ptr<EventWatch> WatchEvents(const std::optional<NamespaceId>& ns,
                                           EventWatch::Callback callback);
 

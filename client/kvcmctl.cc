@@ -482,7 +482,16 @@ void PrintMainHelp(const cli::FlagSet& global) {
     absl::PrintF("  %-16s %s\n", c.name, c.summary);
   }
   absl::PrintF("\nGlobal flags:\n%s", global.Help());
-  absl::PrintF("\nRun 'kvcmctl <command> --help' for a command's flags.\n");
+  absl::PrintF(
+      "\nExamples:\n"
+      "  kvcmctl register-model --tenant=acme --model=deepseek-v3 --attention=mla --layers=61 \\\n"
+      "      --heads=128 --kv_lora_rank=512 --rope_dim=64 --dtype=bf16 --page_size=64\n"
+      "  kvcmctl insert --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
+      "--agent=gpu-0\n"
+      "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
+      "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
+      "  kvcmctl --addr=kvcm:50051 stats\n"
+      "\nRun 'kvcmctl <command> --help' for a command's flags.\n");
 }
 
 int Main(int argc, char** argv) {
