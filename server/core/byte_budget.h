@@ -9,6 +9,7 @@
 #define KVCM_SERVER_CORE_BYTE_BUDGET_H_
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <vector>
 
@@ -32,6 +33,7 @@ class ByteBudget {
   std::optional<PoolId> Find(const PoolKey& pool) const;
   size_t size() const { return pools_.size(); }
 
+  // Valid for the budget's lifetime: pools are never removed.
   const PoolKey& key(PoolId id) const { return pools_[id].pool; }
   const PoolStats& stats(PoolId id) const { return pools_[id]; }
   uint64_t capacity(PoolId id) const { return pools_[id].capacity_bytes; }
@@ -66,7 +68,9 @@ class ByteBudget {
   void Unpin(PoolId id, uint64_t bytes) { pools_[id].pinned_bytes -= bytes; }
 
  private:
-  std::vector<PoolStats> pools_;  // indexed by PoolId
+  // Indexed by PoolId. A deque, so that key(id) references stay valid as pools are added:
+  // match results point at them instead of copying the agent id.
+  std::deque<PoolStats> pools_;
   absl::flat_hash_map<PoolKey, PoolId> ids_;
 };
 

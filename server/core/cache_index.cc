@@ -212,10 +212,8 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   if (node->replicas.empty()) {
     // No replica left means no located descendant either (prefix closure): a leaf.
     if (options_.regret_window > absl::ZeroDuration()) {
-      for (const PageHash& page : node->pages) {
-        evicted_at_[page] = now;
-        evicted_order_.emplace_back(now, page);
-      }
+      evicted_runs_[node->pages[0]] = EvictedRun{now, node->size()};
+      evicted_order_.emplace_back(now, node->pages[0]);
     }
     ns->tree.Remove(node);
   }
@@ -238,16 +236,14 @@ void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
   while (!evicted_order_.empty() && evicted_order_.front().first + options_.regret_window < now) {
     auto [at, page] = evicted_order_.front();
     evicted_order_.pop_front();
-    auto it = evicted_at_.find(page);
-    if (it != evicted_at_.end() && it->second == at) evicted_at_.erase(it);
+    auto it = evicted_runs_.find(page);
+    if (it != evicted_runs_.end() && it->second.at == at) evicted_runs_.erase(it);
   }
-  if (evicted_at_.empty()) return;
-  for (const PageHash& page : missed) {
-    auto it = evicted_at_.find(page);
-    if (it == evicted_at_.end()) continue;
-    ++counters_.eviction_regret_pages;
-    evicted_at_.erase(it);  // count each eviction once
-  }
+  if (missed.empty() || evicted_runs_.empty()) return;
+  auto it = evicted_runs_.find(missed[0]);
+  if (it == evicted_runs_.end()) return;
+  counters_.eviction_regret_pages += std::min<uint64_t>(it->second.pages, missed.size());
+  evicted_runs_.erase(it);  // count each eviction once
 }
 
 void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
@@ -343,23 +339,26 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     }
   }
 
-  bool local = !options.requester_agent_id.empty();
+  const bool has_requester = !options.requester_agent_id.empty();
+  bool local = has_requester;
   result.segments.reserve(path.size());
   for (const PathStep& step : path) {
     MatchedSegment& seg = result.segments.emplace_back();
     seg.first_page = step.first_page;
     seg.num_pages = step.matched;
     seg.replicas.reserve(step.node->replicas.size());
+    bool held_here = false;
     for (const Replica& r : step.node->replicas) {
       MatchedSegment::Replica& out = seg.replicas.emplace_back();
-      out.pool = budget_.key(r.pool);
+      out.pool = &budget_.key(r.pool);
       out.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + step.matched);
+      if (has_requester && out.pool->agent_id == options.requester_agent_id) {
+        // The requester's replicas first; the others keep index order.
+        std::rotate(seg.replicas.begin(), seg.replicas.end() - 1, seg.replicas.end());
+        held_here = true;
+      }
     }
-    auto mine = std::stable_partition(seg.replicas.begin(), seg.replicas.end(),
-                                      [&](const MatchedSegment::Replica& r) {
-                                        return r.pool.agent_id == options.requester_agent_id;
-                                      });
-    local = local && mine != seg.replicas.begin();
+    local = local && held_here;
     if (local) result.local_pages += step.matched;
   }
   return result;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -83,7 +84,8 @@ struct MatchOptions {
 // A run of matched pages stored in the same pools.
 struct MatchedSegment {
   struct Replica {
-    PoolKey pool;
+    // Owned by the CacheIndex and valid for its lifetime (pools are never removed).
+    const PoolKey* pool = nullptr;
     std::vector<BlockId> block_ids;  // one per page of the segment
   };
   uint32_t first_page = 0;
@@ -127,8 +129,8 @@ struct IndexCounters {
   uint64_t matched_pages = 0;
   uint64_t requested_tokens = 0;  // whole-page tokens of non-probe matches
   uint64_t matched_tokens = 0;    // = prefill tokens saved
-  // Evicted page-locations whose page was asked for again (and missed) within
-  // CacheIndexOptions::regret_window of its eviction.
+  // Evicted pages asked for again (and missed) within CacheIndexOptions::regret_window of
+  // leaving the index.
   uint64_t eviction_regret_pages = 0;
   uint64_t inserted_pages = 0;  // page-locations added
   uint64_t evicted_pages = 0;   // page-locations removed by eviction
@@ -246,7 +248,8 @@ class CacheIndex {
   // Evicts at least `bytes` from `pool` in policy order.
   // REQUIRES: budget_.evictable(pool) >= bytes.
   EvictResult EvictLocked(PoolId pool, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Counts pages of a missed match that were evicted within the regret window.
+  // Counts the pages of a match's miss that were evicted within the regret window: the run
+  // that starts at the first missed page, if one was evicted, capped by the pages asked.
   void CountRegret(std::span<const PageHash> missed, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
@@ -263,9 +266,14 @@ class CacheIndex {
   IndexCounters counters_ ABSL_GUARDED_BY(mu_);
   // Logical time of the last access; stamps nodes on matched and inserted paths.
   uint64_t access_clock_ ABSL_GUARDED_BY(mu_) = 0;
-  // Pages removed from the index, by hash (keyed per namespace, so never ambiguous), kept
-  // for regret_window to count eviction regret.
-  absl::flat_hash_map<PageHash, absl::Time> evicted_at_ ABSL_GUARDED_BY(mu_);
+  // Runs of pages removed from the index, by their first page's hash (keyed per namespace,
+  // so never ambiguous), kept for regret_window to count eviction regret. A btree, not a
+  // hash map, so that growing it never rehashes millions of entries under mu_.
+  struct EvictedRun {
+    absl::Time at;
+    uint32_t pages;
+  };
+  absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
 };

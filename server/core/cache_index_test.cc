@@ -117,7 +117,7 @@ TEST_F(CacheIndexTest, MatchesLongestCachedPrefix) {
   ASSERT_EQ(m.segments.size(), 1u);
   EXPECT_EQ(m.segments[0].num_pages, 3u);
   ASSERT_EQ(m.segments[0].replicas.size(), 1u);
-  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu0_);
+  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu0_);
   EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(100, 101, 102));
   EXPECT_EQ(MustMatch(Prompt({2, 1})).matched_pages, 0u);
   EXPECT_EQ(MustMatch(Prompt({1, 2, 3, 4, 5, 6})).matched_pages, 4u);
@@ -165,11 +165,11 @@ TEST_F(CacheIndexTest, PagesCarryEveryLocation) {
   EXPECT_EQ(m.local_pages, 2u);
   ASSERT_EQ(m.segments.size(), 2u);
   ASSERT_EQ(m.segments[0].replicas.size(), 2u);
-  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu1_);  // requester first
+  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // requester first
   EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(20, 21));
   EXPECT_THAT(m.segments[0].replicas[1].block_ids, ElementsAre(0, 1));
   ASSERT_EQ(m.segments[1].replicas.size(), 1u);
-  EXPECT_EQ(m.segments[1].replicas[0].pool, gpu0_);
+  EXPECT_EQ(*m.segments[1].replicas[0].pool, gpu0_);
 
   IndexStats s = index_->Stats();
   EXPECT_EQ(Pool(s, gpu0_).used_bytes, 3 * bpp_);
@@ -181,7 +181,7 @@ TEST_F(CacheIndexTest, PagesCarryEveryLocation) {
   ASSERT_TRUE(index_->EvictFromPool(gpu0_, 3 * bpp_).ok());
   m = MustMatch(Prompt({1, 2, 3}));
   EXPECT_EQ(m.matched_pages, 2u);
-  EXPECT_EQ(m.segments[0].replicas[0].pool, gpu1_);
+  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);
 }
 
 TEST_F(CacheIndexTest, ProbeChangesNothing) {
@@ -486,7 +486,9 @@ TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
   for (PinId id : pins) ASSERT_TRUE(index_->Release(ns_, id).ok());
   for (const PoolKey& p : pools) {
     const uint64_t used = Pool(index_->Stats(), p).used_bytes;
-    if (used > 0) ASSERT_TRUE(index_->EvictFromPool(p, used).ok());
+    if (used > 0) {
+      ASSERT_TRUE(index_->EvictFromPool(p, used).ok());
+    }
   }
   IndexStats s = index_->Stats();
   EXPECT_EQ(s.namespaces[0].pages, 0u);

@@ -29,6 +29,7 @@ struct PageHash {
   uint64_t hi = 0;
 
   friend bool operator==(const PageHash&, const PageHash&) = default;
+  friend auto operator<=>(const PageHash&, const PageHash&) = default;
   template <typename H>
   friend H AbslHashValue(H h, const PageHash& p) {
     // The hash is already uniformly distributed; mixing lo is enough.

@@ -288,7 +288,7 @@ void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,
     s->set_num_pages(seg.num_pages);
     for (const MatchedSegment::Replica& rep : seg.replicas) {
       v1::Replica* r = s->add_replicas();
-      PoolToProto(rep.pool, r->mutable_pool());
+      PoolToProto(*rep.pool, r->mutable_pool());
       r->mutable_block_ids()->Add(rep.block_ids.begin(), rep.block_ids.end());
     }
   }

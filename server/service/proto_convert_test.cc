@@ -374,7 +374,8 @@ TEST_F(ProtoConvertTest, MatchResultToProto) {
   r.matched_pages = 3;
   r.prompt_pages = 5;
   r.local_pages = 1;
-  r.segments.push_back({0, 3, {{PoolKey{"a", Tier::kHost}, {7, 8, 9}}}});
+  const PoolKey pool{"a", Tier::kHost};
+  r.segments.push_back({0, 3, {{&pool, {7, 8, 9}}}});
   r.pin_id = 12;
   r.lease_expiry = absl::FromUnixMillis(1'700'000'123'456);
   v1::MatchResponse resp;
