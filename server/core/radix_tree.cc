@@ -26,10 +26,25 @@ uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>*
     auto it = node->children.find(pages[pos]);
     if (it == node->children.end()) break;
     RadixNode* child = it->second.get();
-    // The first page matched through the map lookup; compare the rest of the run.
+    // The first page matched through the map lookup. Hashes are chained, so page j of the
+    // run equals the prompt's iff every page before it does: checking the last overlapping
+    // page settles a full overlap, and a binary search finds where a partial one ends. This
+    // reads two or three cache lines of a cold node instead of all its pages.
     const uint32_t limit = std::min<uint32_t>(child->size(), pages.size() - pos);
-    uint32_t k = 1;
-    while (k < limit && child->pages[k] == pages[pos + k]) ++k;
+    uint32_t k = limit;
+    const PageHash& last = limit == child->size() ? child->last_page : child->pages[limit - 1];
+    if (last != pages[pos + limit - 1]) {
+      uint32_t lo = 1, hi = limit - 1;  // pages[0, lo) match; pages[hi] does not
+      while (lo < hi) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (child->pages[mid] == pages[pos + mid]) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      k = lo;
+    }
     path->push_back(PathStep{child, pos, k});
     pos += k;
     if (k < child->size()) break;
@@ -47,6 +62,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->tree = this;
   head->parent = parent;
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
+  head->last_page = head->pages.back();
   head->last_access = node->last_access;
   head->pin_count = node->pin_count;
   head->replicas.reserve(node->replicas.size());
@@ -74,6 +90,7 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   child->tree = this;
   child->parent = parent;
   child->pages.assign(pages.begin(), pages.end());
+  child->last_page = pages.back();
   RadixNode* ptr = child.get();
   parent->children.emplace(pages[0], std::move(child));
   ++nodes_;

@@ -36,8 +36,11 @@ struct Replica {
 
 struct RadixNode {
   RadixTree* tree = nullptr;
-  RadixNode* parent = nullptr;                                         // null for the root
-  std::vector<PageHash> pages;                                         // empty only for the root
+  RadixNode* parent = nullptr;  // null for the root
+  std::vector<PageHash> pages;  // empty only for the root
+  // pages.back(), kept in the node itself: a walk that covers the whole run checks only
+  // this (hashes are chained) and never touches the cold pages array.
+  PageHash last_page;
   absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>> children;  // by first page
   absl::InlinedVector<Replica, 1> replicas;
   // Recency stamp maintained by the eviction policy.
@@ -71,6 +74,8 @@ class RadixTree {
 
   // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
   // first) and returns the matched page count. Changes nothing.
+  // Relies on pages being chained hashes (equal page i implies equal pages 0..i-1); for
+  // arbitrary sequences that break the chain, the result is only an upper bound.
   uint32_t Walk(std::span<const PageHash> pages, std::vector<PathStep>* path);
 
   // Splits `node` so that its first `k` pages become a new parent node, which is returned;
