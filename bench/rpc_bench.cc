@@ -58,9 +58,10 @@ ABSL_FLAG(int, warmup, 2'000, "unmeasured calls per arm before measuring");
 ABSL_FLAG(int, block, 250, "calls per arm in a row before switching to the other arm");
 ABSL_FLAG(std::string, arms, "match,canned,echo",
           "RPC arms to measure, comma-separated (one arm alone is for profiling)");
-ABSL_FLAG(bool, mutex_deadlock_detection, true,
-          "leave Abseil's Mutex deadlock detection as the library sets it (on in Debian's "
-          "Abseil, which is built without NDEBUG); false turns it off, as a server could");
+ABSL_FLAG(bool, mutex_deadlock_detection, false,
+          "keep Abseil's Mutex deadlock detection on (Debian's Abseil is built without "
+          "NDEBUG, so it is on unless turned off); false, the default, turns it off as "
+          "kvcm-manager does");
 
 namespace kvcm::bench {
 namespace {
