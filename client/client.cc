@@ -241,6 +241,26 @@ std::optional<Client::NamespaceKey> Client::CachedKey(const NamespaceId& ns) con
   return it->second;
 }
 
+absl::StatusOr<Client::NamespaceKey> Client::RequireKey(const NamespaceId& ns) const {
+  std::optional<NamespaceKey> key = CachedKey(ns);
+  if (!key.has_value()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no hash scheme for namespace ", ns.ToString(),
+                     ": call RegisterModel before sending page hashes"));
+  }
+  return *key;
+}
+
+void Client::FillPrompt(const std::optional<NamespaceKey>& key, std::span<const int32_t> tokens,
+                        v1::Prompt* prompt) {
+  if (key.has_value()) {
+    wire::SetHashes(HashPages(key->key, tokens, key->page_size_tokens), key->page_size_tokens,
+                    key->fingerprint, prompt);
+  } else {
+    wire::SetTokens(tokens, prompt);
+  }
+}
+
 absl::StatusOr<std::vector<PageHash>> Client::HashPrompt(const NamespaceId& ns,
                                                          std::span<const int32_t> tokens) const {
   std::optional<NamespaceKey> key = CachedKey(ns);
@@ -288,12 +308,7 @@ absl::StatusOr<MatchReply> Client::Match(const NamespaceId& ns, std::span<const 
   absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
     v1::MatchRequest request;
     FillMatchRequest(ns, params, &request);
-    if (key.has_value()) {
-      wire::SetHashes(HashPages(key->key, tokens, key->page_size_tokens), key->page_size_tokens,
-                      key->fingerprint, request.mutable_prompt());
-    } else {
-      wire::SetTokens(tokens, request.mutable_prompt());
-    }
+    FillPrompt(key, tokens, request.mutable_prompt());
     return Invoke(deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Match(context, request, &response);
     });
@@ -307,11 +322,9 @@ absl::StatusOr<MatchReply> Client::Match(const NamespaceId& ns, std::span<const 
 absl::StatusOr<MatchReply> Client::MatchHashes(const NamespaceId& ns,
                                                std::span<const PageHash> pages,
                                                const MatchParams& params, const CallOptions& call) {
-  std::optional<NamespaceKey> key = CachedKey(ns);
-  if (!key.has_value()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no hash scheme for namespace ", ns.ToString(),
-                     ": call RegisterModel before sending page hashes"));
+  absl::StatusOr<NamespaceKey> key = RequireKey(ns);
+  if (!key.ok()) {
+    return key.status();
   }
   v1::MatchRequest request;
   FillMatchRequest(ns, params, &request);
@@ -359,12 +372,7 @@ absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<cons
   absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
     v1::InsertRequest request;
     FillInsertRequest(ns, pool, block_ids, &request);
-    if (key.has_value()) {
-      wire::SetHashes(HashPages(key->key, tokens, key->page_size_tokens), key->page_size_tokens,
-                      key->fingerprint, request.mutable_prompt());
-    } else {
-      wire::SetTokens(tokens, request.mutable_prompt());
-    }
+    FillPrompt(key, tokens, request.mutable_prompt());
     return Invoke(deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Insert(context, request, &response);
     });
@@ -380,11 +388,9 @@ absl::StatusOr<InsertReply> Client::InsertHashes(const NamespaceId& ns,
                                                  const PoolRef& pool,
                                                  std::span<const BlockId> block_ids,
                                                  const CallOptions& call) {
-  std::optional<NamespaceKey> key = CachedKey(ns);
-  if (!key.has_value()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no hash scheme for namespace ", ns.ToString(),
-                     ": call RegisterModel before sending page hashes"));
+  absl::StatusOr<NamespaceKey> key = RequireKey(ns);
+  if (!key.ok()) {
+    return key.status();
   }
   v1::InsertRequest request;
   FillInsertRequest(ns, pool, block_ids, &request);

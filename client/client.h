@@ -47,6 +47,10 @@ class Status;
 
 namespace kvcm {
 
+namespace v1 {
+class Prompt;
+}  // namespace v1
+
 // One pool (agent, tier); the client's name for the core's PoolKey.
 using PoolRef = PoolKey;
 
@@ -359,6 +363,11 @@ class Client {
   absl::StatusOr<RegisterModelReply> RegisterModelUntil(const NamespaceId& ns,
                                                         const ModelSpec& spec, absl::Time deadline);
   std::optional<NamespaceKey> CachedKey(const NamespaceId& ns) const;
+  // The cached key, or FAILED_PRECONDITION when RegisterModel was not called for `ns`.
+  absl::StatusOr<NamespaceKey> RequireKey(const NamespaceId& ns) const;
+  // Page hashes of `tokens` under `key`, or the tokens themselves when there is no key.
+  static void FillPrompt(const std::optional<NamespaceKey>& key, std::span<const int32_t> tokens,
+                         v1::Prompt* prompt);
   // Runs `send` with the cached key of `ns` (hash locally) or nullopt (send tokens). When
   // hashes are refused because the manager changed its secret (FAILED_PRECONDITION) or
   // forgot the namespace (NOT_FOUND, a restart), re-registers with the cached spec and
