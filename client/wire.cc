@@ -35,6 +35,8 @@ void ToProto(const ModelSpec& spec, v1::ModelSpec* out) {
   out->set_head_dim(spec.head_dim);
   out->set_kv_lora_rank(spec.kv_lora_rank);
   out->set_rope_dim(spec.rope_dim);
+  out->set_qk_nope_head_dim(spec.qk_nope_head_dim);
+  out->set_v_head_dim(spec.v_head_dim);
   out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));
   out->set_page_size_tokens(spec.page_size_tokens);
 }
@@ -48,6 +50,8 @@ ModelSpec FromProto(const v1::ModelSpec& spec) {
   out.head_dim = spec.head_dim();
   out.kv_lora_rank = spec.kv_lora_rank();
   out.rope_dim = spec.rope_dim();
+  out.qk_nope_head_dim = spec.qk_nope_head_dim();
+  out.v_head_dim = spec.v_head_dim();
   out.dtype = static_cast<KvDtype>(spec.dtype());
   out.page_size_tokens = spec.page_size_tokens();
   return out;

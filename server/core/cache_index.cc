@@ -11,12 +11,10 @@
 namespace kvcm {
 
 struct CacheIndex::Namespace {
-  Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in)
-      : id(std::move(id_in)),
-        spec(spec_in),
-        key(key_in),
-        bytes_per_page(spec_in.BytesPerPage()),
-        tree(this) {}
+  Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in, uint64_t page_bytes)
+      : id(std::move(id_in)), spec(spec_in), key(key_in), bytes_per_page(page_bytes), tree(this) {
+    tree.set_bytes_per_page(page_bytes);
+  }
 
   const NamespaceId id;
   const ModelSpec spec;
@@ -40,7 +38,7 @@ uint64_t NodeBytes(const RadixNode* node) {
 }  // namespace
 
 absl::Status CacheIndexOptions::Validate() const {
-  if (auto p = MakeEvictionPolicy(policy); !p.ok()) return p.status();
+  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use}); !p.ok()) return p.status();
   if (default_lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_lease_ttl must be positive");
   }
@@ -59,7 +57,7 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      policy_(*MakeEvictionPolicy(options_.policy)),
+      policy_(*MakeEvictionPolicy(options_.policy, PolicyContext{options_.next_use})),
       leases_(options_.expired_pin_memory) {}
 
 CacheIndex::~CacheIndex() = default;
@@ -100,7 +98,11 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
     return RegisterModelResult{existing.spec, existing.key, false};
   }
   HashKey key = DeriveNamespaceKey(options_.hash_secret, ns.tenant, ns.model);
-  namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key));
+  // The byte-blind arm charges what an MHA-shaped cache would hold for the same tokens.
+  const uint64_t page_bytes = options_.policy == "lru-mha"
+                                  ? spec.MhaShapedBytesPerToken() * spec.page_size_tokens
+                                  : spec.BytesPerPage();
+  namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key, page_bytes));
   return RegisterModelResult{spec, key, true};
 }
 
@@ -141,6 +143,12 @@ void CacheIndex::RefreshCandidate(RadixNode* node, Replica& replica) {
   } else {
     policy_->Remove(node, replica.pool);
   }
+}
+
+RadixNode* CacheIndex::SplitNode(RadixNode* node, uint32_t k) {
+  RadixNode* head = node->tree->Split(node, k);
+  policy_->Rescore(node);  // the rest starts at another page and depth
+  return head;
 }
 
 void CacheIndex::PinPath(RadixNode* node) {
@@ -186,6 +194,7 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
     RefreshCandidate(node->parent, *up);
   }
   RefreshCandidate(node, node->replicas.back());
+  policy_->Rescore(node);  // scores may count replicas
 }
 
 uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) {
@@ -193,6 +202,7 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
                          [pool](const Replica& r) { return r.pool == pool; });
   assert(it != node->replicas.end() && it->evictable);
+  policy_->OnEvict(*node, pool);
   policy_->Remove(node, pool);
   node->replicas.erase(it);
 
@@ -209,7 +219,9 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
     --up->child_refs;
     RefreshCandidate(parent, *up);
   }
-  if (node->replicas.empty()) {
+  if (!node->replicas.empty()) {
+    policy_->Rescore(node);  // scores may count replicas
+  } else {
     // No replica left means no located descendant either (prefix closure): a leaf.
     if (options_.regret_window > absl::ZeroDuration()) {
       evicted_runs_[node->pages[0]] = EvictedRun{now, node->size()};
@@ -319,10 +331,10 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   if (!options.probe) {
     // Split a partly matched last node so that stamps and pins cover exactly the match.
     if (!path.empty() && path.back().matched < path.back().node->size()) {
-      path.back().node = ns.tree.Split(path.back().node, path.back().matched);
+      path.back().node = SplitNode(path.back().node, path.back().matched);
     }
     const uint64_t stamp = ++access_clock_;
-    for (const PathStep& step : path) policy_->Touch(step.node, stamp);
+    for (const PathStep& step : path) policy_->Touch(step.node, stamp, Access::kMatch);
     ++counters_.match_requests;
     counters_.requested_pages += pages.size();
     counters_.matched_pages += result.matched_pages;
@@ -426,7 +438,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   const PoolId pid =
       pool_id.has_value() ? *pool_id : budget_.Intern(pool, options_.default_pool_capacity_bytes);
   if (in_pool < n && !path.empty() && path.back().matched < path.back().node->size()) {
-    path.back().node = ns.tree.Split(path.back().node, path.back().matched);
+    path.back().node = SplitNode(path.back().node, path.back().matched);
   }
   RadixNode* parent = ns.tree.root();
   for (const PathStep& step : path) {
@@ -444,7 +456,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
   const uint64_t stamp = ++access_clock_;
-  for (const PathStep& step : path) policy_->Touch(step.node, stamp);
+  for (const PathStep& step : path) policy_->Touch(step.node, stamp, Access::kInsert);
 
   result.already_present_pages = in_pool;
   result.replicated_pages = in_tree - in_pool;

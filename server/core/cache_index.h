@@ -37,8 +37,10 @@ struct CacheIndexOptions {
   // Secret every namespace's hash key is derived from. Keep it stable across restarts, or
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
   HashKey hash_secret;
-  // Eviction policy by name (see MakeEvictionPolicy): "lru".
+  // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "opt".
   std::string policy = "lru";
+  // Next-use oracle for "opt" (simulator only). Not owned.
+  const NextUseOracle* next_use = nullptr;
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;
@@ -235,6 +237,8 @@ class CacheIndex {
   // Keeps (node, replica) registered with the policy exactly when it is an unpinned leaf of
   // its pool.
   void RefreshCandidate(RadixNode* node, Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RadixTree::Split, keeping the policy's order.
+  RadixNode* SplitNode(RadixNode* node, uint32_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds / drops one pin on `node` and every ancestor, keeping pinned bytes in step.
   void PinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnpinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -1,5 +1,6 @@
 #include "server/core/cache_index.h"
 
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -42,8 +43,11 @@ class CacheIndexTest : public ::testing::Test {
     options.hash_secret = HashKey{11, 22};
     index_ = std::make_unique<CacheIndex>(options);
     ASSERT_TRUE(index_->RegisterModel(ns_, Mla()).ok());
-    bpp_ = Mla().BytesPerPage();
+    bpp_ =
+        options.policy == "lru-mha" ? Mla().MhaShapedBytesPerToken() * kPage : Mla().BytesPerPage();
   }
+
+  void RunRandomOperations();
 
   // Pages of a prompt whose tokens are `prefix` repeated then `suffix`: equal arguments
   // give equal pages.
@@ -432,7 +436,93 @@ TEST_F(CacheIndexTest, EventsReportStoredAndRemovedPages) {
 // Random operations across pools, pins and evictions; after each step the accounting must
 // add up: used bytes == pages * bytes_per_page, pinned <= used <= capacity, and the pool
 // totals equal the namespace's page-locations.
+TEST_F(CacheIndexTest, ByteBlindArmChargesMhaShapedBytes) {
+  Reset(CacheIndexOptions{.policy = "lru-mha"});
+  MustInsert(Prompt({1, 2}), gpu0_);
+  // DeepSeek-V3: 81,920 B per token and layer in an MHA-shaped cache, 71x the latent.
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 2ull * kPage * 81920 * 61);
+}
+
+TEST_F(CacheIndexTest, OptNeedsAnOracle) {
+  CacheIndexOptions options{.policy = "opt"};
+  EXPECT_EQ(CacheIndex::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.policy = "belady";
+  EXPECT_THAT(CacheIndex::Create(options).status().message(), HasSubstr("lru, lru-mha, cost, opt"));
+}
+
+// Next uses set by the test, by first page.
+class TableOracle final : public NextUseOracle {
+ public:
+  uint64_t NextUse(const PageHash& page) const override {
+    auto it = next.find(page);
+    return it == next.end() ? std::numeric_limits<uint64_t>::max() : it->second;
+  }
+  absl::flat_hash_map<PageHash, uint64_t> next;
+};
+
+TEST_F(CacheIndexTest, OptEvictsWhatIsNeededLast) {
+  TableOracle oracle;
+  Reset(CacheIndexOptions{.policy = "opt", .next_use = &oracle});
+  std::vector<PageHash> a = Prompt({1}), b = Prompt({2}), c = Prompt({3});
+  oracle.next = {{a[0], 50}, {b[0], 10}, {c[0], 30}};
+  MustInsert(a, gpu0_);
+  MustInsert(b, gpu0_);
+  MustInsert(c, gpu0_);
+  // LRU would take a (oldest); Belady takes a too (needed at 50), then c (30), then b.
+  EXPECT_EQ(index_->EvictFromPool(gpu0_, 1)->evicted_pages, 1u);
+  EXPECT_EQ(MustMatch(a, {.probe = true}).matched_pages, 0u);
+  oracle.next[b[0]] = 70;  // b is touched now, and its next use moves past c's
+  MustMatch(b);
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+  EXPECT_EQ(MustMatch(b, {.probe = true}).matched_pages, 0u);
+  EXPECT_EQ(MustMatch(c, {.probe = true}).matched_pages, 1u);
+}
+
+TEST_F(CacheIndexTest, CostAwareKeepsFrequentlyReusedPrefixes) {
+  for (const char* policy : {"lru", "cost"}) {
+    SCOPED_TRACE(policy);
+    Reset(CacheIndexOptions{.policy = policy});
+    MustInsert(Prompt({1}), gpu0_);  // a shared prefix, reused many times
+    for (int i = 0; i < 5; ++i) MustMatch(Prompt({1}));
+    MustInsert(Prompt({2}), gpu0_);  // a one-off, newer
+    ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+    const bool kept_shared = MustMatch(Prompt({1}), {.probe = true}).matched_pages == 1;
+    // LRU drops the older page however often it was used; cost keeps it.
+    EXPECT_EQ(kept_shared, std::string(policy) == "cost");
+  }
+}
+
+TEST_F(CacheIndexTest, CostAwareDropsACopyBeforeAnOnlyCopy) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({1}), gpu1_);  // [1] has two copies
+  MustInsert(Prompt({2}), gpu0_);  // [2] only lives on gpu-0
+  MustMatch(Prompt({2}));
+  MustMatch(Prompt({1}));  // [1] is the more recent and as often used
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+  MatchResult m = MustMatch(Prompt({1}), {.probe = true});
+  ASSERT_EQ(m.matched_pages, 1u);
+  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // gpu-0's copy went
+  EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
+}
+
+// An oracle that knows nothing: every page is needed again "soon", by hash order. Enough
+// for "opt" to run in tests that are not about its choices.
+class HashOrderOracle final : public NextUseOracle {
+ public:
+  uint64_t NextUse(const PageHash& page) const override { return page.lo >> 1; }
+};
+
 TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
+  static const HashOrderOracle oracle;
+  for (const char* policy : {"lru", "lru-mha", "cost", "opt"}) {
+    SCOPED_TRACE(policy);
+    Reset(CacheIndexOptions{.policy = policy, .next_use = &oracle});
+    RunRandomOperations();
+  }
+}
+
+void CacheIndexTest::RunRandomOperations() {
   std::mt19937 rng(7);
   const PoolKey pools[] = {gpu0_, gpu1_, {"gpu-0", Tier::kHost}};
   for (const PoolKey& p : pools) ASSERT_TRUE(index_->SetPoolCapacity(p, 40 * bpp_).ok());

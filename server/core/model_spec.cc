@@ -91,6 +91,10 @@ absl::Status ModelSpec::Validate() const {
       return OutOfRange("kv_lora_rank", kv_lora_rank, 1, kMaxDim);
     }
     if (rope_dim > kMaxDim) return OutOfRange("rope_dim", rope_dim, 0, kMaxDim);
+    if (qk_nope_head_dim > kMaxDim) {
+      return OutOfRange("qk_nope_head_dim", qk_nope_head_dim, 0, kMaxDim);
+    }
+    if (v_head_dim > kMaxDim) return OutOfRange("v_head_dim", v_head_dim, 0, kMaxDim);
     if (dtype == KvDtype::kFp8 && kv_lora_rank % 128 != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "spec.kv_lora_rank must be a multiple of 128 for FP8 MLA (one fp32 scale per 128 "
@@ -144,6 +148,17 @@ uint64_t ModelSpec::BytesPerTokenPerLayer() const {
   uint64_t bytes = 2 * heads * head_dim * elem;
   if (dtype == KvDtype::kInt8) bytes += 2 * heads * kScaleBytes;
   return bytes;
+}
+
+uint64_t ModelSpec::MhaShapedBytesPerToken() const {
+  // fp8 / int8 scales are left out: the byte-blind arm only needs the shape.
+  const uint64_t elem = ElementBytes(dtype);
+  if (attention == AttentionKind::kMla) {
+    const uint64_t nope = qk_nope_head_dim != 0 ? qk_nope_head_dim : kv_lora_rank / 4;
+    const uint64_t v = v_head_dim != 0 ? v_head_dim : kv_lora_rank / 4;
+    return uint64_t{num_heads} * (nope + rope_dim + v) * elem * num_layers;
+  }
+  return 2 * uint64_t{num_heads} * head_dim * elem * num_layers;
 }
 
 std::string ModelSpec::DebugString() const {

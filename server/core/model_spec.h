@@ -24,6 +24,10 @@ struct ModelSpec {
   uint32_t head_dim = 0;      // MHA/MQA/GQA only.
   uint32_t kv_lora_rank = 0;  // MLA only.
   uint32_t rope_dim = 0;      // MLA only.
+  // MLA only, and only for MhaShapedBytesPerToken(): per-head widths of the decompressed
+  // no-RoPE key and of the value (DeepSeek-V3: 128 and 128). 0 means kv_lora_rank / 4.
+  uint32_t qk_nope_head_dim = 0;
+  uint32_t v_head_dim = 0;
   KvDtype dtype = KvDtype::kBf16;
   uint32_t page_size_tokens = kDefaultPageSizeTokens;
 
@@ -42,6 +46,12 @@ struct ModelSpec {
   uint64_t BytesPerTokenPerLayer() const;
   uint64_t BytesPerToken() const { return BytesPerTokenPerLayer() * num_layers; }
   uint64_t BytesPerPage() const { return BytesPerToken() * page_size_tokens; }
+
+  // What a byte-blind cache that stores full per-head K and V would charge per token (all
+  // layers), the baseline the "lru-mha" arm budgets with. MLA: num_heads * ((nope + rope)
+  // + v) * elem per layer (DeepSeek-V3 bf16: 81,920 B, 71x its latent); the other kinds
+  // charge 2 * num_heads * head_dim * elem, i.e. as if they were MHA.
+  uint64_t MhaShapedBytesPerToken() const;
 
   std::string DebugString() const;
 };

@@ -46,6 +46,15 @@ TEST(ModelSpecTest, MlaIsAbout71TimesSmallerThanMhaShape) {
   EXPECT_NEAR(double(mha_shaped) / DeepSeekV3().BytesPerTokenPerLayer(), 71.1, 0.1);
 }
 
+TEST(ModelSpecTest, MhaShapedBytesForTheByteBlindArm) {
+  ModelSpec v3 = DeepSeekV3();
+  EXPECT_EQ(v3.MhaShapedBytesPerToken(), 81920u * 61);  // nope/v default to 512 / 4 = 128
+  v3.qk_nope_head_dim = 64;
+  v3.v_head_dim = 32;
+  EXPECT_EQ(v3.MhaShapedBytesPerToken(), 128u * (64 + 64 + 32) * 2 * 61);
+  EXPECT_EQ(Llama3_70B().MhaShapedBytesPerToken(), 2u * 64 * 128 * 2 * 80);
+}
+
 TEST(ModelSpecTest, GqaMhaMqaBytes) {
   EXPECT_EQ(Llama3_70B().BytesPerTokenPerLayer(), 2u * 8 * 128 * 2);
   EXPECT_EQ(Llama3_70B().BytesPerToken(), 327680u);

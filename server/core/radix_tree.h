@@ -43,8 +43,14 @@ struct RadixNode {
   PageHash last_page;
   absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>> children;  // by first page
   absl::InlinedVector<Replica, 1> replicas;
-  // Recency stamp maintained by the eviction policy.
+  // Logical time of the last match or insert that went through the node.
   uint64_t last_access = 0;
+  // Matches that went through the node (its first page), for frequency-aware policies.
+  uint32_t hits = 0;
+  // Pages before the node on every prompt that reaches it.
+  uint32_t depth_pages = 0;
+  // The policy's sort key (lower is evicted first); only the policy writes it.
+  double priority = 0;
   // Live pins on this node or any descendant (pins cover the whole path from the root).
   uint32_t pin_count = 0;
 
@@ -70,6 +76,9 @@ class RadixTree {
   RadixTree& operator=(const RadixTree&) = delete;
 
   void* owner() const { return owner_; }
+  // What one page of this tree costs in a pool; set by CacheIndex, read by policies.
+  uint64_t bytes_per_page() const { return bytes_per_page_; }
+  void set_bytes_per_page(uint64_t bytes) { bytes_per_page_ = bytes; }
   RadixNode* root() { return &root_; }
 
   // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
@@ -80,7 +89,7 @@ class RadixTree {
 
   // Splits `node` so that its first `k` pages become a new parent node, which is returned;
   // `node` keeps the rest, its replicas' child_refs and its identity. The new node copies
-  // pin_count and last_access, and gets child_refs = 1 for every replica.
+  // pin_count, last_access, hits and priority, and gets child_refs = 1 for every replica.
   // REQUIRES: !node->is_root(), 0 < k < node->size().
   RadixNode* Split(RadixNode* node, uint32_t k);
 
@@ -100,6 +109,7 @@ class RadixTree {
 
  private:
   void* const owner_;
+  uint64_t bytes_per_page_ = 0;
   RadixNode root_;
   uint64_t nodes_ = 0;  // excluding the root
   uint64_t pages_ = 0;

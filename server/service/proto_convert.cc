@@ -178,6 +178,8 @@ absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
   out.head_dim = spec->head_dim();
   out.kv_lora_rank = spec->kv_lora_rank();
   out.rope_dim = spec->rope_dim();
+  out.qk_nope_head_dim = spec->qk_nope_head_dim();
+  out.v_head_dim = spec->v_head_dim();
   out.page_size_tokens =
       spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
   KVCM_RETURN_IF_ERROR(out.Validate());  // its messages already say "spec.<field>"
@@ -192,6 +194,8 @@ void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
   out->set_head_dim(spec.head_dim);
   out->set_kv_lora_rank(spec.kv_lora_rank);
   out->set_rope_dim(spec.rope_dim);
+  out->set_qk_nope_head_dim(spec.qk_nope_head_dim);
+  out->set_v_head_dim(spec.v_head_dim);
   out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));
   out->set_page_size_tokens(spec.page_size_tokens);
 }
