@@ -23,7 +23,10 @@ struct PoolStats {
   uint64_t capacity_bytes = 0;
   uint64_t used_bytes = 0;
   uint64_t pinned_bytes = 0;  // bytes of pages held by at least one pin
-  uint64_t pages = 0;         // page-locations in this pool
+  // Headroom: bytes that admitted, unfinished work will still allocate (remaining decode,
+  // queued prefills). Not used yet, but not free either.
+  uint64_t reserved_bytes = 0;
+  uint64_t pages = 0;  // page-locations in this pool
 };
 
 class ByteBudget {
@@ -39,10 +42,12 @@ class ByteBudget {
   uint64_t capacity(PoolId id) const { return pools_[id].capacity_bytes; }
   uint64_t used(PoolId id) const { return pools_[id].used_bytes; }
   uint64_t pinned(PoolId id) const { return pools_[id].pinned_bytes; }
-  // Bytes not yet used (0 when over capacity after a capacity cut).
+  uint64_t reserved(PoolId id) const { return pools_[id].reserved_bytes; }
+  // Bytes neither used nor reserved (0 when over capacity after a capacity cut).
   uint64_t free(PoolId id) const {
     const PoolStats& p = pools_[id];
-    return p.capacity_bytes > p.used_bytes ? p.capacity_bytes - p.used_bytes : 0;
+    const uint64_t taken = p.used_bytes + p.reserved_bytes;
+    return p.capacity_bytes > taken ? p.capacity_bytes - taken : 0;
   }
   // Unpinned bytes, all of which eviction can reach (pins cover whole root paths, so an
   // unpinned page never has a pinned descendant).
@@ -65,6 +70,8 @@ class ByteBudget {
     pools_[id].used_bytes -= bytes;
   }
   void Pin(PoolId id, uint64_t bytes) { pools_[id].pinned_bytes += bytes; }
+  void Reserve(PoolId id, uint64_t bytes) { pools_[id].reserved_bytes += bytes; }
+  void Unreserve(PoolId id, uint64_t bytes) { pools_[id].reserved_bytes -= bytes; }
   void Unpin(PoolId id, uint64_t bytes) { pools_[id].pinned_bytes -= bytes; }
 
  private:

@@ -379,7 +379,8 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
 absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
                                                 std::span<const PageHash> pages,
                                                 const PoolKey& pool,
-                                                std::span<const BlockId> block_ids) {
+                                                std::span<const BlockId> block_ids,
+                                                const InsertOptions& options) {
   if (pages.empty()) return absl::InvalidArgumentError("prompt has no whole page to insert");
   if (block_ids.size() != pages.size()) {
     return absl::InvalidArgumentError(absl::StrCat("block_ids has ", block_ids.size(),
@@ -418,9 +419,19 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
 
   InsertResult result;
-  const uint64_t shortfall = pool_id.has_value() ? budget_.Shortfall(*pool_id, need) : 0;
+  // Bytes the request reserved earlier stop being headroom and become the new pages.
+  const uint64_t from_reserve = options.use_reservation && pool_id.has_value()
+                                    ? std::min(need, budget_.reserved(*pool_id))
+                                    : 0;
+  const uint64_t shortfall =
+      pool_id.has_value() ? budget_.Shortfall(*pool_id, need - from_reserve) : 0;
   if (shortfall > 0) {
-    // Pin the prompt's own path so eviction cannot take the pages being extended.
+    // Pin the prompt's own path so eviction cannot take the pages being extended. Split a
+    // partly matched last node first, so its unmatched rest stays evictable: an insert is
+    // never refused while evictable bytes could cover it.
+    if (!path.empty() && path.back().matched < path.back().node->size()) {
+      path.back().node = SplitNode(path.back().node, path.back().matched);
+    }
     RadixNode* guard = path.empty() ? nullptr : path.back().node;
     if (guard != nullptr) PinPath(guard);
     const uint64_t evictable = budget_.evictable(*pool_id);
@@ -433,6 +444,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     result.evicted_bytes = EvictLocked(*pool_id, shortfall).evicted_bytes;
     if (guard != nullptr) UnpinPath(guard);
   }
+  if (from_reserve > 0) budget_.Unreserve(*pool_id, from_reserve);
 
   // Phase 2: apply.
   const PoolId pid =
@@ -464,6 +476,40 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   counters_.inserted_pages += n - in_pool;
   if (in_pool < n) Emit(CacheEvent::Kind::kStored, ns, pid, pages.subspan(in_pool));
   return result;
+}
+
+absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (!id.has_value()) {
+    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  }
+  const uint64_t shortfall = budget_.Shortfall(*id, bytes);
+  if (shortfall > budget_.evictable(*id)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pool ", pool.ToString(), ": reserving ", bytes, " bytes needs evicting ",
+                     shortfall, " but only ", budget_.evictable(*id), " are unpinned"));
+  }
+  const uint64_t evicted = shortfall > 0 ? EvictLocked(*id, shortfall).evicted_bytes : 0;
+  budget_.Reserve(*id, bytes);
+  return evicted;
+}
+
+absl::Status CacheIndex::Unreserve(const PoolKey& pool, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (!id.has_value()) {
+    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  }
+  if (bytes > budget_.reserved(*id)) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ",
+                                              budget_.reserved(*id), " bytes reserved in pool ",
+                                              pool.ToString()));
+  }
+  budget_.Unreserve(*id, bytes);
+  return absl::OkStatus();
 }
 
 absl::Status CacheIndex::Release(const NamespaceId& ns_id, PinId pin_id) {

@@ -112,6 +112,12 @@ struct InsertResult {
   uint64_t evicted_bytes = 0;
 };
 
+struct InsertOptions {
+  // Take the new pages' bytes out of the pool's headroom (Reserve) first: the request that
+  // reserved them is now storing its pages.
+  bool use_reservation = false;
+};
+
 struct EvictResult {
   uint64_t evicted_bytes = 0;
   uint64_t evicted_pages = 0;
@@ -198,8 +204,16 @@ class CacheIndex {
   // cannot make room, RESOURCE_EXHAUSTED and nothing changes.
   // REQUIRES: block_ids.size() == pages.size() (INVALID_ARGUMENT otherwise).
   absl::StatusOr<InsertResult> Insert(const NamespaceId& ns, std::span<const PageHash> pages,
-                                      const PoolKey& pool, std::span<const BlockId> block_ids)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                      const PoolKey& pool, std::span<const BlockId> block_ids,
+                                      const InsertOptions& options = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Headroom for admitted work: makes `bytes` of `pool` free, evicting exactly the
+  // shortfall (whole nodes), and holds them reserved until Unreserve or an Insert with
+  // use_reservation takes them. RESOURCE_EXHAUSTED (nothing changed) when pins leave too
+  // little evictable; NOT_FOUND for an unknown pool. Returns the bytes evicted.
+  absl::StatusOr<uint64_t> Reserve(const PoolKey& pool, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns headroom no longer needed. OUT_OF_RANGE beyond what is reserved.
+  absl::Status Unreserve(const PoolKey& pool, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drops pin `pin_id` of namespace `ns`. NOT_FOUND for an unknown pin (or one of another
   // namespace), ABORTED for one whose lease expired.

@@ -398,6 +398,76 @@ TEST_F(CacheIndexTest, InsertThatCannotFitIsRefusedWithoutChange) {
   EXPECT_TRUE(index_->Insert(ns_, Prompt({5, 6}), gpu0_, Blocks(0, 2)).ok());
 }
 
+TEST_F(CacheIndexTest, InsertSplitsItsPartlyMatchedNodeRatherThanRefuse) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  MustInsert(Prompt({1, 2, 3}), gpu0_);  // one node, the pool is full
+  // [1, 9] needs one page; the only evictable bytes are [2, 3], inside the node the new
+  // prompt passes through. Pinning that whole node would refuse the insert.
+  InsertResult r = MustInsert(Prompt({1, 9}), gpu0_);
+  EXPECT_EQ(r.evicted_bytes, 2 * bpp_);
+  EXPECT_EQ(MustMatch(Prompt({1, 9}), {.probe = true}).matched_pages, 2u);
+  EXPECT_EQ(MustMatch(Prompt({1, 2}), {.probe = true}).matched_pages, 1u);
+}
+
+TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 5 * bpp_).ok());
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({2}), gpu0_);
+  MustInsert(Prompt({3}), gpu0_);
+  // 2 pages free; reserving 3 evicts exactly 1 (the LRU page).
+  absl::StatusOr<uint64_t> evicted = index_->Reserve(gpu0_, 3 * bpp_);
+  ASSERT_TRUE(evicted.ok()) << evicted.status();
+  EXPECT_EQ(*evicted, bpp_);
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+  const PoolStats& p = Pool(index_->Stats(), gpu0_);
+  EXPECT_EQ(p.reserved_bytes, 3 * bpp_);
+  EXPECT_EQ(p.used_bytes + p.reserved_bytes, p.capacity_bytes);
+
+  // Another request's insert cannot eat the headroom: it evicts instead.
+  EXPECT_EQ(MustInsert(Prompt({4}), gpu0_).evicted_bytes, bpp_);
+  // The reserving request's own insert draws on it and evicts nothing.
+  InsertResult own =
+      *index_->Insert(ns_, Prompt({5, 6}), gpu0_, Blocks(0, 2), {.use_reservation = true});
+  EXPECT_EQ(own.evicted_bytes, 0u);
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, bpp_);
+  ASSERT_TRUE(index_->Unreserve(gpu0_, bpp_).ok());
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
+}
+
+TEST_F(CacheIndexTest, ReserveErrorsChangeNothing) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MatchResult pin = MustMatch(Prompt({1, 2}), {.pin = true});
+  Snapshot before = Snap();
+  EXPECT_EQ(index_->Reserve(gpu0_, 2 * bpp_).status().code(),
+            absl::StatusCode::kResourceExhausted);  // 2 pinned + 2 > 3
+  EXPECT_EQ(index_->Reserve(gpu1_, 1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->Reserve(gpu0_, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Unreserve(gpu0_, 1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(Snap(), before);
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
+  ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+}
+
+TEST_F(CacheIndexTest, PoolSharedByTwoModelsEvictsTheShortfallInBytes) {
+  NamespaceId llama{"acme", "llama-3-70b"};
+  ASSERT_TRUE(index_->RegisterModel(llama, Gqa()).ok());
+  const uint64_t gqa_page = Gqa().BytesPerPage();  // ~4.7 MLA pages
+  const uint64_t capacity = gqa_page + bpp_ + bpp_ / 2;  // ~6.2 MLA pages
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, capacity).ok());
+  for (int32_t id = 1; id <= 6; ++id) MustInsert(Prompt({id}), gpu0_);  // 6 MLA pages
+  // One GQA page is short of gqa_page - free bytes (4.5 MLA pages): 5 pages go, no more.
+  const uint64_t free = capacity - 6 * bpp_;
+  const uint64_t want = (gqa_page - free + bpp_ - 1) / bpp_;
+  ASSERT_EQ(want, 5u);
+  absl::StatusOr<InsertResult> r = index_->Insert(llama, Prompt({1}, &llama), gpu0_, Blocks(0, 1));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->evicted_bytes, want * bpp_);
+  const PoolStats& p = Pool(index_->Stats(), gpu0_);
+  EXPECT_EQ(p.used_bytes, (6 - want) * bpp_ + gqa_page);
+  EXPECT_LE(p.used_bytes, p.capacity_bytes);
+}
+
 TEST_F(CacheIndexTest, UnknownPoolIsRefusedWhenDefaultCapacityIsZero) {
   Reset(CacheIndexOptions{.default_pool_capacity_bytes = 0});
   Snapshot before = Snap();
