@@ -5,6 +5,7 @@
 #include "client/cli_inputs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/model_catalog.h"
 
 namespace kvcm::cli {
 namespace {
@@ -160,6 +161,41 @@ TEST(CliInputsTest, ModelSpecFromFlags) {
   std::vector<absl::string_view> big_args = {"--layers=4294967296"};
   ASSERT_TRUE(big.ParseAll(big_args).ok());
   EXPECT_THAT(ModelSpecFrom(big).status().message(), HasSubstr("--layers"));
+}
+
+TEST(CliInputsTest, ModelSpecFromPresetWithOverrides) {
+  auto spec_from = [](std::vector<absl::string_view> args) {
+    FlagSet f;
+    DefineModelSpec(f);
+    EXPECT_TRUE(f.ParseAll(args).ok());
+    return ModelSpecFrom(f);
+  };
+  absl::StatusOr<ModelSpec> v3 = spec_from({"--preset=deepseek-v3"});
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  EXPECT_EQ(*v3, *FindModel("deepseek-v3"));
+  EXPECT_EQ(v3->BytesPerToken(), 70'272u);
+
+  // --dtype picks the catalogue dtype (FP8 MLA: 656 B * 61 layers); other flags override.
+  absl::StatusOr<ModelSpec> fp8 = spec_from({"--preset=deepseek-v3", "--dtype=fp8"});
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_EQ(fp8->BytesPerToken(), 40'016u);
+  absl::StatusOr<ModelSpec> short_llama =
+      spec_from({"--preset=llama-3-8b", "--layers=16", "--page_size=16"});
+  ASSERT_TRUE(short_llama.ok()) << short_llama.status();
+  EXPECT_EQ(short_llama->num_layers, 16u);
+  EXPECT_EQ(short_llama->num_kv_heads, 8u);  // kept from the catalogue
+  EXPECT_EQ(short_llama->page_size_tokens, 16u);
+  EXPECT_EQ(short_llama->BytesPerToken(), 4'096u * 16);
+
+  // An MHA preset's kv_heads follow an overridden --heads.
+  absl::StatusOr<ModelSpec> wide = spec_from({"--preset=llama-2-7b", "--heads=40"});
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  EXPECT_EQ(wide->num_kv_heads, 40u);
+
+  absl::StatusOr<ModelSpec> unknown = spec_from({"--preset=gpt-5"});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("--preset"));
+  EXPECT_THAT(unknown.status().message(), HasSubstr("deepseek-v3"));
 }
 
 TEST(CliInputsTest, ExactlyOneTokenSource) {

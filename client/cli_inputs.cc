@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/core/model_catalog.h"
 
 namespace kvcm::cli {
 namespace {
@@ -109,6 +110,9 @@ absl::StatusOr<std::vector<int32_t>> TokensFrom(const FlagSet& f) {
 }
 
 void DefineModelSpec(FlagSet& f) {
+  f.AddString("preset", "",
+              "start from this catalogue model (see 'kvcmctl models'); the flags below "
+              "override its fields");
   f.AddString("attention", "mla", "attention kind: mla|gqa|mha|mqa");
   f.AddUint("layers", 0, "transformer layers with a KV cache");
   f.AddUint("heads", 0, "query heads");
@@ -121,23 +125,37 @@ void DefineModelSpec(FlagSet& f) {
 }
 
 absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
-  ModelSpec spec;
-  absl::StatusOr<AttentionKind> attention = ParseAttention(f.GetString("attention"));
-  if (!attention.ok()) {
-    return attention.status();
-  }
-  spec.attention = *attention;
   absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("dtype"));
   if (!dtype.ok()) {
     return dtype.status();
   }
+  // With --preset, a flag replaces the catalogue's value only when it is given.
+  const bool preset = f.IsSet("preset");
+  ModelSpec spec;
   spec.dtype = *dtype;
+  if (preset) {
+    absl::StatusOr<ModelSpec> found = FindModel(f.GetString("preset"), *dtype);
+    if (!found.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--preset: ", found.status().message()));
+    }
+    spec = *found;
+  }
+  if (!preset || f.IsSet("attention")) {
+    absl::StatusOr<AttentionKind> attention = ParseAttention(f.GetString("attention"));
+    if (!attention.ok()) {
+      return attention.status();
+    }
+    spec.attention = *attention;
+  }
   const std::pair<const char*, uint32_t*> fields[] = {
       {"layers", &spec.num_layers},         {"heads", &spec.num_heads},
       {"kv_heads", &spec.num_kv_heads},     {"head_dim", &spec.head_dim},
       {"kv_lora_rank", &spec.kv_lora_rank}, {"rope_dim", &spec.rope_dim},
       {"page_size", &spec.page_size_tokens}};
   for (const auto& [name, field] : fields) {
+    if (preset && !f.IsSet(name)) {
+      continue;
+    }
     const uint64_t value = f.GetUint(name);
     if (value > UINT32_MAX) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": too large"));

@@ -31,9 +31,11 @@ absl::StatusOr<NamespaceId> NamespaceFrom(const FlagSet& f);
 void DefineTokens(FlagSet& f);
 absl::StatusOr<std::vector<int32_t>> TokensFrom(const FlagSet& f);
 
-// --attention --layers --heads --kv_heads --head_dim --kv_lora_rank --rope_dim --dtype
-// --page_size. Without --kv_heads, MHA uses --heads and MQA 1. The spec is not validated
-// here: the manager does it and names the field.
+// --preset --attention --layers --heads --kv_heads --head_dim --kv_lora_rank --rope_dim
+// --dtype --page_size. --preset=<catalogue name> starts from that model's spec (in --dtype)
+// and the other flags replace only the fields they are given for; an unknown preset is
+// INVALID_ARGUMENT listing the known names. Without --kv_heads, MHA uses --heads and MQA 1.
+// The spec is not validated here: the manager does it and names the field.
 void DefineModelSpec(FlagSet& f);
 absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f);
 

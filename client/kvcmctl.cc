@@ -5,6 +5,8 @@
 // Exit status: 0 on success; 1 when the manager answered an error or could not be reached
 // (the message names the gRPC code); 2 for a usage error (unknown command or flag, bad value).
 //
+// 'models' lists the built-in model catalogue and needs no manager.
+//
 // A separate process has no namespace hash key, so match and insert send tokens and the
 // manager hashes them; the library's local hashing is for long-lived clients.
 #include <algorithm>
@@ -28,6 +30,7 @@
 #include "client/cli_args.h"
 #include "client/cli_inputs.h"
 #include "client/client.h"
+#include "server/core/model_catalog.h"
 
 namespace kvcm {
 namespace {
@@ -40,7 +43,7 @@ constexpr int kExitUsage = 2;
 struct Invocation {
   absl::string_view command;
   const cli::FlagSet& flags;
-  Client& client;
+  Client* client;  // null for a command that needs no manager
 
   int Usage(absl::string_view message) const {
     absl::FPrintF(stderr, "kvcmctl %s: %s\nRun 'kvcmctl %s --help' for its flags.\n", command,
@@ -81,12 +84,12 @@ std::string FormatExpiry(absl::Time t) {
 void DefineStats(cli::FlagSet&) {}
 
 int RunStats(const Invocation& in) {
-  absl::StatusOr<ManagerStats> stats = in.client.Stats();
+  absl::StatusOr<ManagerStats> stats = in.client->Stats();
   if (!stats.ok()) {
     return in.Failed(stats.status());
   }
   const ManagerStats::Limits& l = stats->limits;
-  absl::PrintF("manager %s  policy=%s  active_pins=%d\n", in.client.options().address,
+  absl::PrintF("manager %s  policy=%s  active_pins=%d\n", in.client->options().address,
                stats->policy, stats->active_pins);
   absl::PrintF(
       "limits: max_tokens_per_request=%u max_pages_per_request=%u max_lease_ttl_ms=%u "
@@ -156,7 +159,7 @@ int RunRegisterModel(const Invocation& in) {
   if (!spec.ok()) {
     return in.Usage(spec.status().message());
   }
-  absl::StatusOr<RegisterModelReply> reply = in.client.RegisterModel(*ns, *spec);
+  absl::StatusOr<RegisterModelReply> reply = in.client->RegisterModel(*ns, *spec);
   if (!reply.ok()) {
     return in.Failed(reply.status());
   }
@@ -199,7 +202,7 @@ int RunMatch(const Invocation& in) {
   params.pin = in.flags.GetBool("pin");
   params.lease_ttl_ms = static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms"));
   params.probe = in.flags.GetBool("probe");
-  absl::StatusOr<MatchReply> m = in.client.Match(*ns, *tokens, params);
+  absl::StatusOr<MatchReply> m = in.client->Match(*ns, *tokens, params);
   if (!m.ok()) {
     return in.Failed(m.status());
   }
@@ -263,7 +266,7 @@ int RunInsert(const Invocation& in) {
     block_ids = *std::move(ids);
   } else {
     // One block per whole page: the page size is the namespace's, which Stats reports.
-    absl::StatusOr<ManagerStats> stats = in.client.Stats();
+    absl::StatusOr<ManagerStats> stats = in.client->Stats();
     if (!stats.ok()) {
       return in.Failed(stats.status());
     }
@@ -287,7 +290,7 @@ int RunInsert(const Invocation& in) {
     }
   }
 
-  absl::StatusOr<InsertReply> r = in.client.Insert(*ns, *tokens, pool, block_ids);
+  absl::StatusOr<InsertReply> r = in.client->Insert(*ns, *tokens, pool, block_ids);
   if (!r.ok()) {
     return in.Failed(r.status());
   }
@@ -318,7 +321,7 @@ int RunRelease(const Invocation& in) {
     return in.Usage("--pin_id is required");
   }
   const uint64_t pin_id = in.flags.GetUint("pin_id");
-  if (absl::Status s = in.client.Release(*ns, pin_id); !s.ok()) {
+  if (absl::Status s = in.client->Release(*ns, pin_id); !s.ok()) {
     return in.Failed(s);
   }
   absl::PrintF("released pin %d\n", pin_id);
@@ -342,7 +345,7 @@ int RunRenew(const Invocation& in) {
   if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
     return in.Usage("--lease_ttl_ms: too large");
   }
-  absl::StatusOr<absl::Time> expiry = in.client.RenewLease(
+  absl::StatusOr<absl::Time> expiry = in.client->RenewLease(
       *ns, in.flags.GetUint("pin_id"), static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms")));
   if (!expiry.ok()) {
     return in.Failed(expiry.status());
@@ -375,14 +378,14 @@ int RunEvict(const Invocation& in) {
     if (!tier.ok()) {
       return in.Usage(tier.status().message());
     }
-    r = in.client.EvictFromPool(PoolRef{in.flags.GetString("agent"), *tier},
-                                in.flags.GetUint("bytes"));
+    r = in.client->EvictFromPool(PoolRef{in.flags.GetString("agent"), *tier},
+                                 in.flags.GetUint("bytes"));
   } else {
     absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
     if (!ns.ok()) {
       return in.Usage(ns.status().message());
     }
-    r = in.client.EvictFromNamespace(*ns, in.flags.GetUint("bytes"));
+    r = in.client->EvictFromNamespace(*ns, in.flags.GetUint("bytes"));
   }
   if (!r.ok()) {
     return in.Failed(r.status());
@@ -415,7 +418,7 @@ int RunWatch(const Invocation& in) {
   absl::Mutex mu;
   uint64_t seen = 0;
   absl::Notification enough;
-  std::unique_ptr<EventWatch> watch = in.client.WatchEvents(filter, [&](const WatchedEvent& e) {
+  std::unique_ptr<EventWatch> watch = in.client->WatchEvents(filter, [&](const WatchedEvent& e) {
     static constexpr const char* kKinds[] = {"unspecified", "stored", "removed", "cleared"};
     absl::PrintF("seq=%d %s ns=%s pool=%s pages=%d%s%s\n", e.sequence,
                  kKinds[static_cast<int>(e.kind)], e.ns.ToString(), e.pool.ToString(),
@@ -448,6 +451,69 @@ int RunWatch(const Invocation& in) {
   return kExitOk;
 }
 
+// --- models -------------------------------------------------------------------------------
+
+void DefineModels(cli::FlagSet& f) {
+  f.AddString("dtype", "bf16", "KV element type: bf16|fp16|fp8|int8, or all for a row of each");
+  f.AddUint("page_size", kDefaultPageSizeTokens, "tokens per page, for BYTES/PAGE");
+}
+
+// Prints the catalogue with what each model's KV costs. Needs no manager.
+int RunModels(const Invocation& in) {
+  std::vector<KvDtype> dtypes;
+  const std::string& dtype_flag = in.flags.GetString("dtype");
+  if (dtype_flag == "all") {
+    dtypes = {KvDtype::kBf16, KvDtype::kFp16, KvDtype::kFp8, KvDtype::kInt8};
+  } else {
+    absl::StatusOr<KvDtype> dtype = cli::ParseDtype(dtype_flag);
+    if (!dtype.ok()) {
+      return in.Usage(
+          absl::StrCat("--dtype: expected bf16|fp16|fp8|int8|all, got '", dtype_flag, "'"));
+    }
+    dtypes = {*dtype};
+  }
+  // The page size's range is ModelSpec's: check it on any catalogue spec.
+  const uint64_t page_size = in.flags.GetUint("page_size");
+  ModelSpec probe = Catalog().front().spec;
+  probe.page_size_tokens = static_cast<uint32_t>(std::min<uint64_t>(page_size, UINT32_MAX));
+  if (page_size > UINT32_MAX) {
+    return in.Usage("--page_size: too large");
+  }
+  if (absl::Status s = probe.Validate(); !s.ok()) {
+    return in.Usage(absl::StrCat("--page_size: ", s.message()));
+  }
+
+  absl::PrintF("%-18s %-4s %6s %-5s %17s %11s %12s %10s %10s\n", "MODEL", "ATTN", "LAYERS", "DTYPE",
+               "BYTES/TOKEN/LAYER", "BYTES/TOKEN", "BYTES/PAGE", "TOKENS/GIB", "MHA-SHAPED");
+  for (const CatalogModel& m : Catalog()) {
+    for (KvDtype dtype : dtypes) {
+      absl::StatusOr<ModelSpec> spec = FindModel(m.name, dtype);
+      if (!spec.ok()) {
+        return in.Failed(spec.status());
+      }
+      spec->page_size_tokens = probe.page_size_tokens;
+      const KvFootprint f = FootprintOf(*spec);
+      const std::string ratio = spec->attention == AttentionKind::kMla
+                                    ? absl::StrFormat("%.1fx", f.mha_shaped_ratio)
+                                    : std::string("-");
+      absl::PrintF("%-18s %-4s %6u %-5s %17u %11u %12u %10u %10s\n", m.name,
+                   cli::AttentionName(spec->attention), spec->num_layers,
+                   cli::DtypeName(spec->dtype), f.bytes_per_token_per_layer, f.bytes_per_token,
+                   f.bytes_per_page, f.tokens_per_gib, ratio);
+    }
+  }
+  absl::PrintF(
+      "\nBytes of KV cache. BYTES/PAGE: pages of %u tokens. TOKENS/GIB: floor(2^30 / "
+      "BYTES/TOKEN).\n"
+      "MHA-SHAPED (MLA only): how many times more a cache of full per-head K and V would take.\n"
+      "fp8 MLA: FlashMLA's layout (an fp32 scale per 128 latents, bf16 RoPE); int8 adds fp32 "
+      "scales.\n"
+      "Dimensions: each model's Hugging Face config.json. Register one with 'register-model "
+      "--preset=NAME'.\n",
+      probe.page_size_tokens);
+  return kExitOk;
+}
+
 // --- dispatch -----------------------------------------------------------------------------
 
 struct Command {
@@ -455,6 +521,7 @@ struct Command {
   absl::string_view summary;
   void (*define)(cli::FlagSet&);
   int (*run)(const Invocation&);
+  bool needs_manager = true;
 };
 
 constexpr Command kCommands[] = {
@@ -467,6 +534,8 @@ constexpr Command kCommands[] = {
     {"renew", "extend a pin's lease", DefineRenew, RunRenew},
     {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
     {"watch", "print index change events as they happen", DefineWatch, RunWatch},
+    {"models", "known models and the bytes their KV cache costs (offline)", DefineModels, RunModels,
+     /*needs_manager=*/false},
 };
 
 void DefineGlobal(cli::FlagSet& f) {
@@ -486,6 +555,8 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "\nExamples:\n"
       "  kvcmctl register-model --tenant=acme --model=deepseek-v3 --attention=mla --layers=61 \\\n"
       "      --heads=128 --kv_lora_rank=512 --rope_dim=64 --dtype=bf16 --page_size=64\n"
+      "  kvcmctl register-model --tenant=acme --model=llama3 --preset=llama-3-70b --dtype=fp8\n"
+      "  kvcmctl models --dtype=all\n"
       "  kvcmctl insert --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-0\n"
       "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
@@ -540,6 +611,9 @@ int Main(int argc, char** argv) {
     return kExitOk;
   }
 
+  if (!command->needs_manager) {
+    return command->run(Invocation{name, flags, nullptr});
+  }
   ClientOptions options;
   options.address = global.GetString("addr");
   options.default_deadline_ms = global.GetInt("deadline_ms");
@@ -551,7 +625,7 @@ int Main(int argc, char** argv) {
     absl::FPrintF(stderr, "kvcmctl: %s\n", client.status().message());
     return kExitUsage;
   }
-  return command->run(Invocation{name, flags, **client});
+  return command->run(Invocation{name, flags, client->get()});
 }
 
 }  // namespace

@@ -430,13 +430,43 @@ TEST_F(KvcmctlProcessTest, WatchPrintsStoredEvents) {
   EXPECT_THAT(r.out, HasSubstr("stored ns=acme/deepseek-v3 pool=agent-1:host pages=2"));
 }
 
+// 'models' prints the catalogue without a manager; 'register-model --preset' sends a
+// catalogue spec, which the manager charges as the hand-computed bytes say.
+TEST_F(KvcmctlProcessTest, ModelCatalogueOfflineAndAsPreset) {
+  port_ = FreePort();  // nothing listens there
+  std::string out = CtlOk({"models"});
+  EXPECT_THAT(out, HasSubstr("deepseek-v3"));
+  EXPECT_THAT(out, HasSubstr("70272"));
+  // bf16: 1,152 B/token/layer, 70,272 B/token, * 64 = 4,497,408 B/page,
+  // floor(2^30 / 70,272) = 15,279 tokens/GiB, 81,920 / 1,152 = 71.1x MHA-shaped.
+  EXPECT_THAT(out, testing::ContainsRegex(
+                       "deepseek-v3 +mla +61 +bf16 +1152 +70272 +4497408 +15279 +71\\.1x\n"));
+  EXPECT_THAT(out, testing::ContainsRegex("llama-3-70b +gqa +80 +bf16 +4096 +327680 .* -\n"));
+  EXPECT_THAT(out, Not(HasSubstr(" fp8 ")));
+  out = CtlOk({"models", "--dtype=all", "--page_size=16"});
+  // FP8 MLA: 656 B/token/layer * 61 = 40,016 B/token, * 16 = 640,256 B/page.
+  EXPECT_THAT(out, testing::ContainsRegex("deepseek-v3 +mla +61 +fp8 +656 +40016 +640256 "));
+  EXPECT_THAT(out, testing::ContainsRegex("llama-3-8b +gqa +32 +int8 +2112 +67584 "));
+
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  out = CtlOk(With({"register-model", "--preset=deepseek-v3"}, kNs));
+  EXPECT_THAT(out, HasSubstr("(created)"));
+  EXPECT_EQ(Field(out, "bytes_per_token"), 70'272u) << out;
+  // Explicit flags override the preset: Llama-3-70B in fp8 is 2 * 8 * 128 * 1 B * 80 layers
+  // = 163,840 B/token; 16-token pages.
+  out = CtlOk({"register-model", "--tenant=acme", "--model=llama", "--preset=llama-3-70b",
+               "--dtype=fp8", "--page_size=16"});
+  EXPECT_EQ(Field(out, "bytes_per_token"), 163'840u) << out;
+  EXPECT_EQ(Field(out, "bytes_per_page"), 163'840u * 16) << out;
+}
+
 // These need no manager: usage errors are caught before any call.
 TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   port_ = FreePort();
   ProcessResult help = Ctl({"--help"});
   EXPECT_EQ(help.exit_code, 0) << help.Describe();
   for (const char* command :
-       {"stats", "register-model", "match", "insert", "release", "evict", "watch"}) {
+       {"stats", "register-model", "match", "insert", "release", "evict", "watch", "models"}) {
     EXPECT_THAT(help.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
     ProcessResult sub = Ctl({command, "--help"});
     EXPECT_EQ(sub.exit_code, 0) << sub.Describe();
@@ -444,8 +474,8 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   }
   ProcessResult reg_help = Ctl({"register-model", "--help"});
   for (const char* flag :
-       {"--tenant", "--model", "--attention", "--layers", "--heads", "--kv_heads", "--head_dim",
-        "--kv_lora_rank", "--rope_dim", "--dtype", "--page_size"}) {
+       {"--tenant", "--model", "--preset", "--attention", "--layers", "--heads", "--kv_heads",
+        "--head_dim", "--kv_lora_rank", "--rope_dim", "--dtype", "--page_size"}) {
     EXPECT_THAT(reg_help.out, HasSubstr(flag));
   }
 
@@ -466,6 +496,9 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
       {{"register-model", "--tenant=a", "--model=b", "--layers=-1"}, "--layers"},
       {{"release", "--tenant=a", "--model=b"}, "--pin_id is required"},
       {{"evict", "--bytes=1"}, "either --agent"},
+      {{"register-model", "--tenant=a", "--model=b", "--preset=gpt-5"}, "deepseek-v3"},
+      {{"models", "--dtype=fp4"}, "--dtype: expected bf16|fp16|fp8|int8|all"},
+      {{"models", "--page_size=0"}, "--page_size"},
   };
   for (const Case& c : cases) {
     ProcessResult r = Ctl(c.args);
