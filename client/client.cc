@@ -431,6 +431,31 @@ absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pi
   return absl::FromUnixMillis(response.lease_expiry_unix_ms());
 }
 
+absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
+                                         const CallOptions& call) {
+  v1::ReserveRequest request;
+  wire::ToProto(pool, request.mutable_pool());
+  request.set_bytes(bytes);
+  v1::ReserveResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Reserve(context, request, &response);
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return response.evicted_bytes();
+}
+
+absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call) {
+  v1::ReserveRequest request;
+  wire::ToProto(pool, request.mutable_pool());
+  request.set_bytes(bytes);
+  v1::UnreserveResponse response;
+  return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->Unreserve(context, request, &response);
+  });
+}
+
 absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t bytes,
                                                  const CallOptions& call) {
   v1::EvictRequest request;

@@ -139,6 +139,7 @@ struct ManagerStats {
     uint64_t used_bytes = 0;
     uint64_t pinned_bytes = 0;
     uint64_t pages = 0;
+    uint64_t reserved_bytes = 0;  // headroom for admitted work
   };
   struct Namespace {
     NamespaceId ns;
@@ -323,6 +324,12 @@ class Client {
                                         const CallOptions& call = {});
 
   // Evicts at least `bytes` of unpinned pages (all or nothing; see EvictRequest).
+  // Headroom for admitted work: makes `bytes` of `pool` free (evicting exactly the
+  // shortfall) and holds them; returns the bytes evicted. Unreserve gives them back.
+  absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
+                                   const CallOptions& call = {});
+  absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call = {});
+
   absl::StatusOr<EvictReply> EvictFromPool(const PoolRef& pool, uint64_t bytes,
                                            const CallOptions& call = {});
   absl::StatusOr<EvictReply> EvictFromNamespace(const NamespaceId& ns, uint64_t bytes,

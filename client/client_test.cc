@@ -376,6 +376,28 @@ TEST_F(ClientTest, EvictFromPoolAndNamespace) {
             absl::StatusCode::kNotFound);
 }
 
+TEST_F(ClientTest, ReserveHoldsHeadroomAndErrorsChangeNothing) {
+  absl::StatusOr<RegisterModelReply> reg = client_->RegisterModel(ns_, DeepSeekV3());
+  ASSERT_TRUE(reg.ok());
+  ASSERT_TRUE(client_->Insert(ns_, Prompt(2, 7), gpu0_, Blocks(0, 2)).ok());
+  absl::StatusOr<uint64_t> evicted = client_->Reserve(gpu0_, 3 * reg->bytes_per_page);
+  ASSERT_TRUE(evicted.ok()) << evicted.status();
+  EXPECT_EQ(*evicted, 0u);  // the default pool capacity is large
+  absl::StatusOr<ManagerStats> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_EQ(stats->pools.size(), 1u);
+  EXPECT_EQ(stats->pools[0].reserved_bytes, 3 * reg->bytes_per_page);
+
+  EXPECT_EQ(client_->Unreserve(gpu0_, 4 * reg->bytes_per_page).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(client_->Reserve(gpu0_, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->Reserve(PoolRef{"nobody", Tier::kGpu}, 1).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->Stats()->pools[0].reserved_bytes, 3 * reg->bytes_per_page);
+  ASSERT_TRUE(client_->Unreserve(gpu0_, 3 * reg->bytes_per_page).ok());
+  EXPECT_EQ(client_->Stats()->pools[0].reserved_bytes, 0u);
+}
+
 TEST_F(ClientTest, WatchEventsDeliversStoredPagesUntilCancelled) {
   ASSERT_TRUE(client_->RegisterModel(ns_, DeepSeekV3()).ok());
   absl::Mutex mu;

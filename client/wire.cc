@@ -113,7 +113,7 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   ManagerStats out;
   for (const v1::PoolStats& p : response.pools()) {
     out.pools.push_back(ManagerStats::Pool{FromProto(p.pool()), p.capacity_bytes(), p.used_bytes(),
-                                           p.pinned_bytes(), p.pages()});
+                                           p.pinned_bytes(), p.pages(), p.reserved_bytes()});
   }
   for (const v1::NamespaceStats& n : response.namespaces()) {
     ManagerStats::Namespace& ns = out.namespaces.emplace_back();

@@ -220,7 +220,8 @@ grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContex
   return Unary(ctx, Rpc::kInsert, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(InsertCall call, InsertFromProto(*index_, *req, limits_));
     KVCM_ASSIGN_OR_RETURN(InsertResult result,
-                          index_->Insert(call.ns, call.prompt.pages, call.pool, call.block_ids));
+                          index_->Insert(call.ns, call.prompt.pages, call.pool, call.block_ids,
+                                         {.use_reservation = req->use_reservation()}));
     InsertResultToProto(result, resp);
     return absl::OkStatus();
   });
@@ -259,6 +260,26 @@ grpc::ServerUnaryReactor* CacheManagerService::Evict(grpc::CallbackServerContext
     if (!result.ok()) return result.status();
     EvictResultToProto(*result, resp);
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Reserve(grpc::CallbackServerContext* ctx,
+                                                       const v1::ReserveRequest* req,
+                                                       v1::ReserveResponse* resp) {
+  return Unary(ctx, Rpc::kReserve, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
+    KVCM_ASSIGN_OR_RETURN(uint64_t evicted, index_->Reserve(call.pool, call.bytes));
+    resp->set_evicted_bytes(evicted);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerContext* ctx,
+                                                         const v1::ReserveRequest* req,
+                                                         v1::UnreserveResponse* /*resp*/) {
+  return Unary(ctx, Rpc::kUnreserve, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
+    return index_->Unreserve(call.pool, call.bytes);
   });
 }
 

@@ -46,6 +46,11 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
                                        v1::RenewLeaseResponse* resp) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx, const v1::ReserveRequest* req,
+                                    v1::ReserveResponse* resp) override;
+  grpc::ServerUnaryReactor* Unreserve(grpc::CallbackServerContext* ctx,
+                                      const v1::ReserveRequest* req,
+                                      v1::UnreserveResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
   grpc::ServerWriteReactor<v1::CacheEvent>* WatchEvents(grpc::CallbackServerContext* ctx,

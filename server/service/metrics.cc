@@ -67,6 +67,10 @@ absl::string_view RpcName(Rpc rpc) {
       return "RenewLease";
     case Rpc::kEvict:
       return "Evict";
+    case Rpc::kReserve:
+      return "Reserve";
+    case Rpc::kUnreserve:
+      return "Unreserve";
     case Rpc::kStats:
       return "Stats";
     case Rpc::kWatchEvents:
@@ -93,6 +97,8 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     MetricFamily used = Family("kvcm_pool_used_bytes", "Bytes of cached pages in a pool.", kGauge);
     MetricFamily pinned =
         Family("kvcm_pool_pinned_bytes", "Bytes of pages held by at least one pin.", kGauge);
+    MetricFamily reserved = Family("kvcm_pool_reserved_bytes",
+                                   "Headroom reserved in a pool for admitted work.", kGauge);
     MetricFamily ratio =
         Family("kvcm_pool_usage_ratio", "used_bytes / capacity_bytes of a pool.", kGauge);
     MetricFamily pool_pages = Family("kvcm_pool_pages", "Page-locations in a pool.", kGauge);
@@ -102,13 +108,14 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
       AddSample(&capacity, labels, static_cast<double>(p.capacity_bytes));
       AddSample(&used, labels, static_cast<double>(p.used_bytes));
       AddSample(&pinned, labels, static_cast<double>(p.pinned_bytes));
+      AddSample(&reserved, labels, static_cast<double>(p.reserved_bytes));
       AddSample(&ratio, labels,
                 p.capacity_bytes == 0
                     ? 0.0
                     : static_cast<double>(p.used_bytes) / static_cast<double>(p.capacity_bytes));
       AddSample(&pool_pages, labels, static_cast<double>(p.pages));
     }
-    for (MetricFamily* f : {&capacity, &used, &pinned, &ratio, &pool_pages}) {
+    for (MetricFamily* f : {&capacity, &used, &pinned, &reserved, &ratio, &pool_pages}) {
       out.push_back(std::move(*f));
     }
 

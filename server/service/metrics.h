@@ -34,10 +34,12 @@ enum class Rpc : int {
   kRelease,
   kRenewLease,
   kEvict,
+  kReserve,
+  kUnreserve,
   kStats,
   kWatchEvents,
 };
-inline constexpr int kNumRpcs = 8;
+inline constexpr int kNumRpcs = 10;
 absl::string_view RpcName(Rpc rpc);
 
 // Version reported by kvcm_build_info.

@@ -369,6 +369,14 @@ absl::StatusOr<EvictCall> EvictFromProto(const v1::EvictRequest& req) {
   return call;
 }
 
+absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req) {
+  ReserveCall call;
+  KVCM_ASSIGN_OR_RETURN(call.pool, PoolFromProto(IfSet(req.has_pool(), req.pool()), "pool"));
+  if (req.bytes() == 0) return Invalid("bytes must be > 0");
+  call.bytes = req.bytes();
+  return call;
+}
+
 void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out) {
   out->set_evicted_bytes(result.evicted_bytes);
   out->set_evicted_pages(result.evicted_pages);
@@ -381,6 +389,7 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ps->set_capacity_bytes(p.capacity_bytes);
     ps->set_used_bytes(p.used_bytes);
     ps->set_pinned_bytes(p.pinned_bytes);
+    ps->set_reserved_bytes(p.reserved_bytes);
     ps->set_pages(p.pages);
   }
   for (const NamespaceStats& n : stats.namespaces) {

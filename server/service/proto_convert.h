@@ -107,6 +107,13 @@ struct EvictCall {
   uint64_t bytes = 0;  // > 0
 };
 absl::StatusOr<EvictCall> EvictFromProto(const v1::EvictRequest& req);
+
+struct ReserveCall {
+  PoolKey pool;
+  uint64_t bytes = 0;
+};
+// Reserve and Unreserve share a request.
+absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req);
 void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out);
 
 void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::StatsResponse* out);
