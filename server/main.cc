@@ -37,7 +37,10 @@ ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
           "gRPC address host:port (port 0 picks a free one) or unix:path.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics address host:port; empty disables the exporter.");
-ABSL_FLAG(std::string, policy, kDefaults.policy, "Eviction policy: lru.");
+ABSL_FLAG(
+    std::string, policy, kDefaults.policy,
+    "Eviction policy: lru (SGLang RadixCache order), lru-mha (byte-blind baseline: MHA-shaped "
+    "bytes), cost (reuse x recompute cost per byte, replica-aware).");
 ABSL_FLAG(uint64_t, default_pool_capacity_bytes, kDefaults.default_pool_capacity_bytes,
           "Capacity given to a pool the first time an Insert names it, in bytes.");
 ABSL_FLAG(uint32_t, default_lease_ttl_ms, kDefaults.default_lease_ttl_ms,
