@@ -42,6 +42,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/replay/trace.h"
 #include "bench/workload.h"
 #include "server/core/cache_index.h"
 
@@ -610,17 +611,18 @@ int Main(int argc, char** argv) {
       int64_t{g_scale.replay.groups} * g_scale.replay.conversations_per_group *
           g_scale.replay.turns,
       benchmark::kMicrosecond, BM_ReplayChat);
-  std::vector<std::vector<PageHash>> trace;
+  // Whole pages only: the partial last block of a prompt is never cached.
+  Trace trace;
   std::vector<ReplayRequest> trace_requests;
   if (!g_trace_path.empty()) {
-    absl::StatusOr<std::vector<std::vector<PageHash>>> read = ReadMooncakeTrace(g_trace_path);
+    absl::StatusOr<Trace> read = ReadMooncakeTrace(g_trace_path);
     if (!read.ok()) {
       std::fprintf(stderr, "%s\n", read.status().ToString().c_str());
       return 2;
     }
     trace = std::move(*read);
-    for (const std::vector<PageHash>& p : trace) {
-      if (!p.empty()) trace_requests.push_back({p, 0});
+    for (const TraceRequest& r : trace.requests) {
+      if (!r.pages.empty()) trace_requests.push_back({r.pages, 0});
     }
     if (smoke) trace_requests.resize(std::min<size_t>(trace_requests.size(), 500));
     add("IndexBuild/mooncake", 1, benchmark::kMillisecond, BM_IndexBuildMooncake,

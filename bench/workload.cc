@@ -139,52 +139,6 @@ absl::StatusOr<BuildResult> BuildIndex(const ChatWorkload& workload, const Names
   return result;
 }
 
-absl::StatusOr<std::vector<std::vector<PageHash>>> ReadMooncakeTrace(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open trace ", path));
-  std::vector<std::vector<PageHash>> prompts;
-  std::string line;
-  for (int line_no = 1; std::getline(in, line); ++line_no) {
-    if (absl::StripAsciiWhitespace(line).empty()) continue;
-    const auto error = [&](absl::string_view what) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": ", what));
-    };
-    absl::string_view text(line);
-    const size_t len_at = text.find("\"input_length\":");
-    const size_t ids_at = text.find("\"hash_ids\":");
-    if (len_at == text.npos || ids_at == text.npos) {
-      return error("missing input_length or hash_ids");
-    }
-    absl::string_view len_text = text.substr(len_at + 15);
-    len_text = len_text.substr(0, len_text.find_first_of(",}"));
-    uint64_t input_length = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(len_text), &input_length)) {
-      return error("input_length is not a number");
-    }
-    absl::string_view ids_text = text.substr(ids_at + 11);
-    const size_t open = ids_text.find('[');
-    const size_t close = ids_text.find(']');
-    if (open == ids_text.npos || close == ids_text.npos || close < open) {
-      return error("hash_ids is not a list");
-    }
-    ids_text = ids_text.substr(open + 1, close - open - 1);
-    std::vector<PageHash> pages;
-    const uint64_t whole_pages = input_length / kMooncakeBlockTokens;
-    for (absl::string_view id_text : absl::StrSplit(ids_text, ',', absl::SkipWhitespace())) {
-      if (pages.size() == whole_pages) break;
-      uint64_t id = 0;
-      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(id_text), &id)) {
-        return error("hash_ids holds a non-number");
-      }
-      uint64_t state = id;
-      const uint64_t lo = SplitMix64(state);
-      pages.push_back(PageHash{lo, SplitMix64(state)});
-    }
-    prompts.push_back(std::move(pages));
-  }
-  return prompts;
-}
-
 uint64_t ResidentBytes() {
   std::ifstream in("/proc/self/status");
   std::string line;

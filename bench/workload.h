@@ -106,13 +106,6 @@ struct BuildResult {
 absl::StatusOr<BuildResult> BuildIndex(const ChatWorkload& workload, const NamespaceId& ns,
                                        CacheIndex& index);
 
-// The prompts of a Mooncake trace (JSON lines with "input_length" and "hash_ids", one id
-// per 512-token block, prefix-chained), as page hashes of their whole pages: a request of
-// input_length tokens keeps its first input_length / 512 ids (the partial last block is never
-// cached). Equal ids map to equal PageHashes, so prefix sharing is kept.
-absl::StatusOr<std::vector<std::vector<PageHash>>> ReadMooncakeTrace(const std::string& path);
-inline constexpr uint32_t kMooncakeBlockTokens = 512;
-
 // Resident set size of this process in bytes (VmRSS of /proc/self/status); 0 if unknown.
 uint64_t ResidentBytes();
 // Bytes the C allocator has handed out and not taken back (mallinfo2().uordblks +

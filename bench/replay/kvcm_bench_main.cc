@@ -1,0 +1,391 @@
+// kvcm-bench: replays request traces through the real kvcm::CacheIndex and reports hit
+// rates per (workload, policy, capacity, cluster mode). See kUsage below and --help.
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "bench/replay/generators.h"
+#include "bench/replay/replayer.h"
+#include "bench/replay/report.h"
+#include "bench/replay/trace.h"
+#include "bench/workload.h"
+#include "server/core/model_spec.h"
+
+ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
+          "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp "
+          "(generated), mooncake (--mooncake_trace).");
+ABSL_FLAG(std::string, mooncake_trace, KVCM_DEFAULT_MOONCAKE_TRACE,
+          "Mooncake JSON-lines trace for the mooncake workload (512-token blocks).");
+ABSL_FLAG(std::string, mooncake_partial, "drop",
+          "A Mooncake prompt's partial last block: drop (never cached, as kvcm does) or block "
+          "(count it as a whole block, as the trace's published hit rates do).");
+ABSL_FLAG(int64_t, mooncake_max_requests, 0, "Read at most this many Mooncake requests (0: all).");
+ABSL_FLAG(std::string, token_traces, "",
+          "Extra token-level JSON-lines traces, comma-separated; each replays as workload "
+          "tokens:<file name>, hashed into --page_size-token pages.");
+ABSL_FLAG(std::string, write_traces_dir, "",
+          "If set, write every generated workload there as <name>.jsonl (token-level format).");
+
+ABSL_FLAG(int32_t, page_size, 16,
+          "Page size in tokens of generated and token-level workloads (Mooncake: always 512). "
+          "16, not the FlashMLA 64: the proposal workloads share 100-500-token parts and add "
+          "30-50-token messages, which 64-token pages would mostly round away.");
+ABSL_FLAG(std::string, model, "deepseek-v3",
+          "Model whose KV bytes per page the pools are charged.");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "KV element type: bf16, fp16, fp8 or int8.");
+
+ABSL_FLAG(std::string, policies, "lru,lru-mha,cost,opt", "Eviction policies, comma-separated.");
+ABSL_FLAG(std::string, capacities, "0.01,0.05,0.2,1.0",
+          "Total cache capacity as fractions of the workload's distinct pages x bytes per page "
+          "(real MLA bytes, for every policy), comma-separated.");
+ABSL_FLAG(int32_t, gpus, 1, "GPUs (pools); the total capacity is split evenly over them.");
+ABSL_FLAG(std::string, modes, "global,local",
+          "Cluster modes, comma-separated: global (one index over every GPU, transfers) and "
+          "local (one independent index per GPU). With --gpus=1 they are the same and only "
+          "global runs.");
+ABSL_FLAG(std::string, route, "round-robin",
+          "Request routing: round-robin, hash-of-first-page or least-loaded (fewest running).");
+ABSL_FLAG(double, prefill_tokens_per_s, 10000,
+          "Prefill throughput of one GPU (tokens/s): the cost of an uncached token.");
+ABSL_FLAG(double, decode_ms_per_token, 20, "Decode time per output token (ms).");
+ABSL_FLAG(double, link_gbps, 400, "GPU-to-GPU transfer bandwidth (Gbit/s), global mode.");
+ABSL_FLAG(double, regret_window_s, 300,
+          "An eviction is regretted when its page is asked for again within this many "
+          "simulated seconds.");
+
+ABSL_FLAG(double, request_rate, 4, "Generated workloads: Poisson arrival rate (requests/s).");
+ABSL_FLAG(int64_t, seed, 1, "Generated workloads: seed of token ids, arrivals and shuffles.");
+ABSL_FLAG(int32_t, output_tokens, 128,
+          "Output tokens per request of chat, few-shot, multi-turn and random.");
+ABSL_FLAG(int32_t, chat_requests, 1000, "chat: requests.");
+ABSL_FLAG(int32_t, chat_system_prompts, 3, "chat: system prompts, used round-robin.");
+ABSL_FLAG(int32_t, chat_system_tokens, 200, "chat: tokens per system prompt.");
+ABSL_FLAG(int32_t, chat_message_tokens, 50, "chat: tokens of each unique user message.");
+ABSL_FLAG(int32_t, fewshot_requests, 1000, "few-shot: requests.");
+ABSL_FLAG(int32_t, fewshot_prefix_tokens, 500, "few-shot: tokens of the shared examples.");
+ABSL_FLAG(int32_t, fewshot_query_tokens, 30, "few-shot: tokens of each unique query.");
+ABSL_FLAG(int32_t, multiturn_conversations, 100, "multi-turn: conversations.");
+ABSL_FLAG(int32_t, multiturn_turns, 5, "multi-turn: turns per conversation.");
+ABSL_FLAG(int32_t, multiturn_system_tokens, 100, "multi-turn: tokens of the system part.");
+ABSL_FLAG(int32_t, multiturn_turn_tokens, 40, "multi-turn: tokens each turn adds.");
+ABSL_FLAG(int32_t, multiturn_system_prompts, 1,
+          "multi-turn: distinct system parts, round-robin over conversations.");
+ABSL_FLAG(int32_t, random_prompts, 1000, "random: prompts.");
+ABSL_FLAG(int32_t, random_prompt_tokens, 100, "random: tokens per prompt.");
+ABSL_FLAG(int32_t, random_id_range, 100000, "random: token ids are uniform in [0, this).");
+ABSL_FLAG(int32_t, gsp_groups, 64, "gsp: groups (distinct system prompts).");
+ABSL_FLAG(int32_t, gsp_prompts_per_group, 16, "gsp: prompts per group.");
+ABSL_FLAG(int32_t, gsp_system_tokens, 2048, "gsp: tokens per system prompt.");
+ABSL_FLAG(int32_t, gsp_question_tokens, 128, "gsp: tokens per question.");
+ABSL_FLAG(int32_t, gsp_output_tokens, 256, "gsp: output tokens per request.");
+
+ABSL_FLAG(std::string, json, "", "Write the results as JSON to this path.");
+ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this path.");
+ABSL_FLAG(bool, smoke, false,
+          "Tiny run (well under 2 s) of every workload, policy and mode: small generated "
+          "workloads, 300 Mooncake requests, capacities 0.2 and 1.0, 2 GPUs.");
+
+namespace kvcm::bench {
+namespace {
+
+constexpr char kUsage[] = R"(kvcm-bench: trace-replay simulator over the real kvcm::CacheIndex.
+
+  kvcm-bench [--workloads=chat,...,mooncake] [--policies=lru,lru-mha,cost,opt]
+             [--capacities=0.01,0.05,0.2,1.0] [--gpus=8 --modes=global,local]
+             [--json=out.json] [--csv=out.csv] [--smoke]
+
+Each request: Match(pin) on the GPU it is routed to, Insert of its whole pages there, the
+pin held for prefill (uncached tokens / --prefill_tokens_per_s) + decode (output tokens x
+--decode_ms_per_token), then Release. Arrivals follow the trace's timestamps on a simulated
+clock. In global mode a prefix cached on another GPU is transferred when bytes / --link_gbps
+beats recomputing it, and then counts as a hit.
+
+Inputs: Mooncake JSON lines ({"timestamp", "input_length", "output_length", "hash_ids"}; one
+id per 512-token block; the partial last block is never cached) and token-level JSON lines
+({"timestamp": ms, "tokens": [...], "output_length": n}), plus five generators (ARCHITECTURE
+section 11). Generated and token workloads use --page_size (default 16) tokens per page.
+
+Output per (workload, policy, capacity, mode): token hit rate (hit tokens / whole-page prompt
+tokens), request hit rate (requests with >= 1 page hit), prefill tokens saved, pages
+evicted, eviction regret, failed inserts (RESOURCE_EXHAUSTED), and page-ops/s: (prompt pages
+looked up by Match + pages passed to Insert + pages evicted) / wall time inside the core
+calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files.
+)";
+
+absl::StatusOr<std::vector<std::string>> SplitList(const std::string& flag,
+                                                   const std::string& text) {
+  std::vector<std::string> items;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    items.emplace_back(absl::StripAsciiWhitespace(item));
+  }
+  if (items.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
+  return items;
+}
+
+absl::StatusOr<std::vector<double>> ParseFractions(const std::string& text) {
+  absl::StatusOr<std::vector<std::string>> items = SplitList("capacities", text);
+  if (!items.ok()) return items.status();
+  std::vector<double> out;
+  for (const std::string& item : *items) {
+    double v = 0;
+    if (!absl::SimpleAtod(item, &v) || !(v > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--capacities: \"", item, "\" is not a positive number"));
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+absl::StatusOr<KvDtype> ParseDtype(const std::string& name) {
+  if (name == "bf16") return KvDtype::kBf16;
+  if (name == "fp16") return KvDtype::kFp16;
+  if (name == "fp8") return KvDtype::kFp8;
+  if (name == "int8") return KvDtype::kInt8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--kv_dtype \"", name, "\" is unknown; known: bf16, fp16, fp8, int8"));
+}
+
+absl::StatusOr<ModelSpec> ModelFromFlags() {
+  absl::StatusOr<KvDtype> dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
+  if (!dtype.ok()) return dtype.status();
+  const std::string name = absl::AsciiStrToLower(absl::GetFlag(FLAGS_model));
+  if (name != "deepseek-v3") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model \"", name, "\" is unknown; known: deepseek-v3"));
+  }
+  ModelSpec spec = DeepSeekV3Spec();
+  spec.dtype = *dtype;
+  return spec;
+}
+
+GeneratorOptions GeneratorsFromFlags(bool smoke) {
+  GeneratorOptions g;
+  g.arrival.request_rate_per_s = absl::GetFlag(FLAGS_request_rate);
+  g.arrival.seed = static_cast<uint64_t>(absl::GetFlag(FLAGS_seed));
+  const uint32_t out = absl::GetFlag(FLAGS_output_tokens);
+  g.chat = {.requests = static_cast<uint32_t>(absl::GetFlag(FLAGS_chat_requests)),
+            .system_prompts = static_cast<uint32_t>(absl::GetFlag(FLAGS_chat_system_prompts)),
+            .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_chat_system_tokens)),
+            .message_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_chat_message_tokens)),
+            .output_tokens = out};
+  g.few_shot = {.requests = static_cast<uint32_t>(absl::GetFlag(FLAGS_fewshot_requests)),
+                .prefix_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_fewshot_prefix_tokens)),
+                .query_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_fewshot_query_tokens)),
+                .output_tokens = out};
+  g.multi_turn = {
+      .conversations = static_cast<uint32_t>(absl::GetFlag(FLAGS_multiturn_conversations)),
+      .turns = static_cast<uint32_t>(absl::GetFlag(FLAGS_multiturn_turns)),
+      .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_multiturn_system_tokens)),
+      .turn_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_multiturn_turn_tokens)),
+      .system_prompts = static_cast<uint32_t>(absl::GetFlag(FLAGS_multiturn_system_prompts)),
+      .output_tokens = out};
+  g.random = {.prompts = static_cast<uint32_t>(absl::GetFlag(FLAGS_random_prompts)),
+              .prompt_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_random_prompt_tokens)),
+              .id_range = static_cast<uint32_t>(absl::GetFlag(FLAGS_random_id_range)),
+              .output_tokens = out};
+  g.shared_prefix = {
+      .groups = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_groups)),
+      .prompts_per_group = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_prompts_per_group)),
+      .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_system_tokens)),
+      .question_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_question_tokens)),
+      .output_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_output_tokens))};
+  if (smoke) {
+    g.chat.requests = 60;
+    g.few_shot.requests = 60;
+    g.multi_turn.conversations = 12;
+    g.random.prompts = 60;
+    g.shared_prefix.groups = 4;
+    g.shared_prefix.prompts_per_group = 8;
+  }
+  return g;
+}
+
+std::string BaseName(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+absl::StatusOr<std::vector<Trace>> LoadWorkloads(bool smoke) {
+  absl::StatusOr<std::vector<std::string>> names =
+      SplitList("workloads", absl::GetFlag(FLAGS_workloads));
+  if (!names.ok()) return names.status();
+  const int32_t page_size = absl::GetFlag(FLAGS_page_size);
+  if (page_size < 1) return absl::InvalidArgumentError("--page_size must be at least 1");
+  const GeneratorOptions generators = GeneratorsFromFlags(smoke);
+  const std::string traces_dir = absl::GetFlag(FLAGS_write_traces_dir);
+  // Any fixed key: the pages only have to be equal exactly when the tokens are.
+  const HashKey key{0x6b76636d2d62656eULL, 0x63682d7265706c61ULL};
+  std::vector<Trace> traces;
+  for (const std::string& name : *names) {
+    if (name == "mooncake") {
+      const std::string partial = absl::GetFlag(FLAGS_mooncake_partial);
+      if (partial != "drop" && partial != "block") {
+        return absl::InvalidArgumentError("--mooncake_partial must be drop or block");
+      }
+      MooncakeReadOptions options{
+          .partial_last_block =
+              partial == "block" ? PartialBlock::kKeepAsBlock : PartialBlock::kDrop,
+          .max_requests =
+              smoke ? 300 : static_cast<size_t>(absl::GetFlag(FLAGS_mooncake_max_requests))};
+      absl::StatusOr<Trace> trace = ReadMooncakeTrace(absl::GetFlag(FLAGS_mooncake_trace), options);
+      if (!trace.ok()) return trace.status();
+      traces.push_back(std::move(*trace));
+      continue;
+    }
+    absl::StatusOr<std::vector<TokenRequest>> requests = GenerateByName(name, generators);
+    if (!requests.ok()) return requests.status();
+    if (!traces_dir.empty()) {
+      absl::Status s = WriteTokenTrace(absl::StrCat(traces_dir, "/", name, ".jsonl"), *requests);
+      if (!s.ok()) return s;
+    }
+    traces.push_back(HashTokenTrace(name, *requests, key, page_size));
+  }
+  const std::string token_traces = absl::GetFlag(FLAGS_token_traces);
+  for (absl::string_view path : absl::StrSplit(token_traces, ',', absl::SkipWhitespace())) {
+    absl::StatusOr<std::vector<TokenRequest>> requests = ReadTokenTrace(std::string(path));
+    if (!requests.ok()) return requests.status();
+    traces.push_back(HashTokenTrace(absl::StrCat("tokens:", BaseName(std::string(path))), *requests,
+                                    key, page_size));
+  }
+  return traces;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "kvcm-bench: %s\n", status.ToString().c_str());
+  return 2;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  absl::ParseCommandLine(argc, argv);
+  // As kvcm-manager does: Debian's Abseil otherwise runs its deadlock detector on every lock.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  const bool smoke = absl::GetFlag(FLAGS_smoke);
+
+  absl::StatusOr<ModelSpec> spec = ModelFromFlags();
+  if (!spec.ok()) return Fail(spec.status());
+  absl::StatusOr<std::vector<std::string>> policies =
+      SplitList("policies", absl::GetFlag(FLAGS_policies));
+  if (!policies.ok()) return Fail(policies.status());
+  absl::StatusOr<std::vector<double>> capacities =
+      ParseFractions(smoke ? "0.2,1.0" : absl::GetFlag(FLAGS_capacities));
+  if (!capacities.ok()) return Fail(capacities.status());
+  absl::StatusOr<std::vector<std::string>> mode_names =
+      SplitList("modes", absl::GetFlag(FLAGS_modes));
+  if (!mode_names.ok()) return Fail(mode_names.status());
+  absl::StatusOr<Route> route = ParseRoute(absl::GetFlag(FLAGS_route));
+  if (!route.ok()) return Fail(route.status());
+  const int32_t gpus = smoke ? 2 : absl::GetFlag(FLAGS_gpus);
+  if (gpus < 1) return Fail(absl::InvalidArgumentError("--gpus must be at least 1"));
+  std::vector<ClusterMode> modes;
+  for (const std::string& name : *mode_names) {
+    absl::StatusOr<ClusterMode> mode = ParseClusterMode(name);
+    if (!mode.ok()) return Fail(mode.status());
+    // One GPU: the local index is the global one, so only global runs.
+    if (gpus == 1 && *mode == ClusterMode::kLocal) continue;
+    modes.push_back(*mode);
+  }
+  if (modes.empty()) modes.push_back(ClusterMode::kGlobal);
+
+  absl::StatusOr<std::vector<Trace>> traces = LoadWorkloads(smoke);
+  if (!traces.ok()) return Fail(traces.status());
+
+  ReplayOptions base;
+  base.gpus = static_cast<uint32_t>(gpus);
+  base.route = *route;
+  base.prefill_tokens_per_s = absl::GetFlag(FLAGS_prefill_tokens_per_s);
+  base.decode_ms_per_token = absl::GetFlag(FLAGS_decode_ms_per_token);
+  base.link_gbps = absl::GetFlag(FLAGS_link_gbps);
+  base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
+
+  std::printf("kvcm-bench%s: %s\n", smoke ? " --smoke" : "", MachineSummary().c_str());
+  absl::PrintF(
+      "model %s (%s), %d GPU(s), route %s, prefill %.0f tokens/s, decode %.1f ms/token, "
+      "link %.0f Gbit/s\n",
+      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_kv_dtype), gpus, RouteName(*route),
+      base.prefill_tokens_per_s, base.decode_ms_per_token, base.link_gbps);
+  for (const Trace& t : *traces) {
+    std::printf("workload %-16s %6zu requests, %9llu pages (%llu distinct) of %u tokens\n",
+                t.name.c_str(), t.requests.size(), static_cast<unsigned long long>(t.TotalPages()),
+                static_cast<unsigned long long>(t.DistinctPages()), t.page_size_tokens);
+  }
+  std::fflush(stdout);
+
+  std::vector<ResultRow> rows;
+  ProgressBar progress(traces->size() * modes.size() * policies->size() * capacities->size());
+  for (const Trace& trace : *traces) {
+    for (ClusterMode mode : modes) {
+      for (const std::string& policy : *policies) {
+        for (double capacity : *capacities) {
+          ReplayOptions options = base;
+          options.spec = *spec;
+          options.spec.page_size_tokens = trace.page_size_tokens;
+          options.policy = policy;
+          options.capacity_fraction = capacity;
+          options.mode = mode;
+          const size_t run = rows.size();
+          const std::string label =
+              absl::StrCat(trace.name, " ", policy, " ", capacity, " ", ClusterModeName(mode));
+          options.progress = [&](size_t done, size_t total) {
+            progress.Update(run, label, done, total);
+          };
+          absl::StatusOr<ReplayResult> result = Replay(trace, options);
+          if (!result.ok()) {
+            return Fail(absl::Status(result.status().code(),
+                                     absl::StrCat(label, ": ", result.status().message())));
+          }
+          rows.push_back(ResultRow{.workload = trace.name,
+                                   .policy = policy,
+                                   .capacity_fraction = capacity,
+                                   .mode = std::string(ClusterModeName(mode)),
+                                   .gpus = base.gpus,
+                                   .route = std::string(RouteName(*route)),
+                                   .result = *result});
+        }
+      }
+    }
+  }
+  progress.Finish();
+
+  std::fputs(FormatTable(rows).c_str(), stdout);
+  const std::pair<std::string, std::string> config[] = {
+      {"model", absl::GetFlag(FLAGS_model)},
+      {"kv_dtype", absl::GetFlag(FLAGS_kv_dtype)},
+      {"gpus", absl::StrCat(gpus)},
+      {"route", std::string(RouteName(*route))},
+      {"prefill_tokens_per_s", absl::StrCat(base.prefill_tokens_per_s)},
+      {"decode_ms_per_token", absl::StrCat(base.decode_ms_per_token)},
+      {"link_gbps", absl::StrCat(base.link_gbps)},
+      {"page_size", absl::StrCat(absl::GetFlag(FLAGS_page_size))},
+      {"mooncake_partial", absl::GetFlag(FLAGS_mooncake_partial)},
+      {"request_rate", absl::StrCat(absl::GetFlag(FLAGS_request_rate))},
+      {"seed", absl::StrCat(absl::GetFlag(FLAGS_seed))},
+      {"smoke", smoke ? "true" : "false"},
+      {"machine", MachineSummary()},
+  };
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    if (absl::Status s = WriteJson(path, config, rows); !s.ok()) return Fail(s);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_csv); !path.empty()) {
+    if (absl::Status s = WriteCsv(path, rows); !s.ok()) return Fail(s);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm::bench
+
+int main(int argc, char** argv) { return kvcm::bench::Main(argc, argv); }

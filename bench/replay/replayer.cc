@@ -1,0 +1,323 @@
+#include "bench/replay/replayer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <queue>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/replay/next_use_oracle.h"
+#include "bench/workload.h"
+#include "server/core/clock.h"
+
+namespace kvcm::bench {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+const NamespaceId kNamespace{"bench", "replay"};
+// Extra lease beyond a request's longest possible duration, so that its Release always
+// comes first.
+constexpr double kLeaseMarginMs = 1000;
+// Longest lease the simulator's indexes allow; a request longer than a day of simulated
+// time would let its lease lapse, which ReplayResult::lease_expiries shows.
+constexpr absl::Duration kMaxLease = absl::Hours(24);
+
+// A request still running: its pin is released at finish_ms.
+struct Completion {
+  double finish_ms;
+  uint64_t seq;  // arrival order, to break ties deterministically
+  uint32_t gpu;
+  CacheIndex* index;
+  PinId pin;  // 0: nothing matched, nothing to release
+  bool operator>(const Completion& o) const {
+    return finish_ms != o.finish_ms ? finish_ms > o.finish_ms : seq > o.seq;
+  }
+};
+
+// The GPU of request i when the trace alone decides it; nullopt for least-loaded.
+std::optional<uint32_t> StaticRoute(Route route, size_t i, const TraceRequest& r, uint32_t gpus) {
+  switch (route) {
+    case Route::kRoundRobin:
+      return static_cast<uint32_t>(i % gpus);
+    case Route::kFirstPageHash:
+      return r.pages.empty() ? 0 : static_cast<uint32_t>(r.pages[0].lo % gpus);
+    case Route::kLeastLoaded:
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+class ReplayRun {
+ public:
+  ReplayRun(const Trace& trace, const ReplayOptions& options)
+      : trace_(trace), options_(options), start_(clock_.Now()) {}
+
+  absl::StatusOr<ReplayResult> Run() {
+    if (absl::Status s = Setup(); !s.ok()) return s;
+    const size_t n = trace_.requests.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (absl::Status s = Serve(i); !s.ok()) return s;
+      if (options_.after_request) options_.after_request(i, raw_indexes_);
+      if (options_.progress && (i + 1) % 256 == 0) options_.progress(i + 1, n);
+    }
+    if (absl::Status s = CompleteUntil(std::numeric_limits<double>::infinity()); !s.ok()) {
+      return s;
+    }
+    if (options_.progress) options_.progress(n, n);
+    for (CacheIndex* index : raw_indexes_) {
+      const IndexCounters c = index->Stats().counters;
+      result_.inserted_page_locations += c.inserted_pages;
+      result_.evicted_pages += c.evicted_pages;
+      result_.eviction_regret_pages += c.eviction_regret_pages;
+      result_.lease_expiries += c.lease_expiries;
+    }
+    result_.page_ops += result_.evicted_pages;
+    if (n > 0) result_.simulated_seconds = (last_finish_ms_ - trace_.requests[0].arrival_ms) / 1e3;
+    return result_;
+  }
+
+ private:
+  absl::Status Setup() {
+    const uint32_t gpus = options_.gpus;
+    result_.page_size_tokens = options_.spec.page_size_tokens;
+    result_.bytes_per_page = options_.spec.BytesPerPage();
+    result_.distinct_pages = trace_.DistinctPages();
+    const double total = options_.capacity_fraction * static_cast<double>(result_.distinct_pages) *
+                         static_cast<double>(result_.bytes_per_page);
+    result_.capacity_bytes_per_gpu = static_cast<uint64_t>(total / gpus);
+
+    // Oracles for "opt": one per GPU when each GPU has its own index and the trace alone
+    // decides which requests it serves; otherwise one over the whole trace.
+    const bool local = options_.mode == ClusterMode::kLocal;
+    const size_t num_indexes = local ? gpus : 1;
+    if (options_.policy == "opt") {
+      std::vector<uint32_t> routes;
+      if (local && options_.route != Route::kLeastLoaded) {
+        routes.reserve(trace_.requests.size());
+        for (size_t i = 0; i < trace_.requests.size(); ++i) {
+          routes.push_back(*StaticRoute(options_.route, i, trace_.requests[i], gpus));
+        }
+        for (uint32_t g = 0; g < gpus; ++g) {
+          oracles_.push_back(std::make_unique<TraceNextUseOracle>(trace_, routes, g));
+        }
+      } else {
+        oracles_.push_back(std::make_unique<TraceNextUseOracle>(trace_));
+      }
+    }
+
+    for (uint32_t g = 0; g < gpus; ++g)
+      pools_.push_back(PoolKey{absl::StrCat("gpu-", g), Tier::kGpu});
+    for (size_t k = 0; k < num_indexes; ++k) {
+      CacheIndexOptions o;
+      o.policy = options_.policy;
+      if (!oracles_.empty()) o.next_use = oracles_[std::min(k, oracles_.size() - 1)].get();
+      o.default_pool_capacity_bytes = 0;  // only the pools registered below exist
+      o.default_lease_ttl = absl::Seconds(30);
+      o.max_lease_ttl = kMaxLease;
+      o.regret_window = options_.regret_window;
+      o.clock = &clock_;
+      absl::StatusOr<std::unique_ptr<CacheIndex>> index = CacheIndex::Create(std::move(o));
+      if (!index.ok()) return index.status();
+      absl::StatusOr<RegisterModelResult> reg = (*index)->RegisterModel(kNamespace, options_.spec);
+      if (!reg.ok()) return reg.status();
+      for (uint32_t g = 0; g < gpus; ++g) {
+        if (local && g != k) continue;
+        if (absl::Status s = (*index)->SetPoolCapacity(pools_[g], result_.capacity_bytes_per_gpu);
+            !s.ok()) {
+          return s;
+        }
+      }
+      raw_indexes_.push_back(index->get());
+      indexes_.push_back(std::move(*index));
+    }
+    in_flight_.assign(gpus, 0);
+    return absl::OkStatus();
+  }
+
+  // Moves the FakeClock to simulated time `ms` (never backwards).
+  void SetTime(double ms) {
+    const absl::Duration d = (start_ + absl::Milliseconds(ms)) - clock_.Now();
+    if (d > absl::ZeroDuration()) clock_.Advance(d);
+  }
+
+  template <typename Fn>
+  auto Timed(Fn fn) {
+    const SteadyClock::time_point t0 = SteadyClock::now();
+    auto r = fn();
+    result_.core_seconds += std::chrono::duration<double>(SteadyClock::now() - t0).count();
+    return r;
+  }
+
+  // Releases the pins of every request that finished at or before `ms`, in time order.
+  absl::Status CompleteUntil(double ms) {
+    while (!running_.empty() && running_.top().finish_ms <= ms) {
+      const Completion c = running_.top();
+      running_.pop();
+      SetTime(c.finish_ms);
+      last_finish_ms_ = std::max(last_finish_ms_, c.finish_ms);
+      --in_flight_[c.gpu];
+      if (c.pin == 0) continue;
+      absl::Status s = Timed([&] { return c.index->Release(kNamespace, c.pin); });
+      // ABORTED: the lease lapsed first (the index counts it in lease_expiries).
+      if (!s.ok() && !absl::IsAborted(s)) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  uint32_t PickGpu(size_t i, const TraceRequest& r) const {
+    if (std::optional<uint32_t> g = StaticRoute(options_.route, i, r, options_.gpus)) return *g;
+    return static_cast<uint32_t>(std::min_element(in_flight_.begin(), in_flight_.end()) -
+                                 in_flight_.begin());
+  }
+
+  absl::Status Serve(size_t i) {
+    const TraceRequest& r = trace_.requests[i];
+    if (absl::Status s = CompleteUntil(r.arrival_ms); !s.ok()) return s;
+    SetTime(r.arrival_ms);
+    for (auto& oracle : oracles_) oracle->set_cursor(i);
+
+    const uint32_t gpu = PickGpu(i, r);
+    CacheIndex* index = indexes_.size() == 1 ? indexes_[0].get() : indexes_[gpu].get();
+    const double page_tokens = options_.spec.page_size_tokens;
+    const double prefill_ms_per_token = 1e3 / options_.prefill_tokens_per_s;
+    const double decode_ms = r.output_tokens * options_.decode_ms_per_token;
+    uint64_t hit = 0;
+    double transfer_ms = 0;
+    PinId pin = 0;
+    if (!r.pages.empty()) {
+      // The longest the request can run: a transfer is only chosen when it is faster than
+      // the prefill it replaces, so prefilling everything bounds it.
+      const double worst_ms = r.prompt_tokens * prefill_ms_per_token + decode_ms + kLeaseMarginMs;
+      const MatchOptions match_options{
+          .requester_agent_id = pools_[gpu].agent_id,
+          .pin = true,
+          .lease_ttl = std::min(absl::Milliseconds(worst_ms), kMaxLease)};
+      absl::StatusOr<MatchResult> m =
+          Timed([&] { return index->Match(kNamespace, r.pages, match_options); });
+      if (!m.ok()) return m.status();
+      pin = m->pin_id;
+      hit = m->local_pages;
+      const uint64_t remote = m->matched_pages - m->local_pages;
+      if (remote > 0) {
+        const double move_ms = static_cast<double>(remote) * result_.bytes_per_page * 8 /
+                               (options_.link_gbps * 1e9) * 1e3;
+        const double recompute_ms = remote * page_tokens * prefill_ms_per_token;
+        if (move_ms < recompute_ms) {
+          hit += remote;
+          result_.transferred_pages += remote;
+          transfer_ms = move_ms;
+        } else {
+          result_.recomputed_remote_pages += remote;
+        }
+      }
+      std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(r.pages.size()));
+      absl::StatusOr<InsertResult> ins =
+          Timed([&] { return index->Insert(kNamespace, r.pages, pools_[gpu], blocks); });
+      if (absl::IsResourceExhausted(ins.status())) {
+        ++result_.failed_inserts;
+      } else if (!ins.ok()) {
+        return ins.status();
+      }
+      result_.page_ops += 2 * r.pages.size();  // looked up by Match + passed to Insert
+    }
+    ++result_.requests;
+    result_.prompt_pages += r.pages.size();
+    result_.hit_pages += hit;
+    if (hit > 0) ++result_.requests_with_hit;
+
+    // Tokens to prefill: all but the hit pages (a block kept by PartialBlock::kKeepAsBlock
+    // can make hit pages cover more than the prompt, hence the clamp).
+    const double prefill_tokens =
+        std::max(0.0, static_cast<double>(r.prompt_tokens) - hit * page_tokens);
+    const double finish_ms =
+        r.arrival_ms + prefill_tokens * prefill_ms_per_token + transfer_ms + decode_ms;
+    running_.push(Completion{finish_ms, i, gpu, index, pin});
+    ++in_flight_[gpu];
+    last_finish_ms_ = std::max(last_finish_ms_, finish_ms);
+    return absl::OkStatus();
+  }
+
+  const Trace& trace_;
+  const ReplayOptions& options_;
+  FakeClock clock_;
+  const absl::Time start_;
+  std::vector<std::unique_ptr<TraceNextUseOracle>> oracles_;
+  std::vector<std::unique_ptr<CacheIndex>> indexes_;
+  std::vector<CacheIndex*> raw_indexes_;
+  std::vector<PoolKey> pools_;
+  std::vector<uint32_t> in_flight_;  // running requests per GPU
+  std::priority_queue<Completion, std::vector<Completion>, std::greater<Completion>> running_;
+  BlockAllocator blocks_;
+  ReplayResult result_;
+  double last_finish_ms_ = 0;
+};
+
+}  // namespace
+
+absl::string_view ClusterModeName(ClusterMode mode) {
+  return mode == ClusterMode::kGlobal ? "global" : "local";
+}
+
+absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name) {
+  if (name == "global") return ClusterMode::kGlobal;
+  if (name == "local") return ClusterMode::kLocal;
+  return absl::InvalidArgumentError(
+      absl::StrCat("cluster mode \"", name, "\" is unknown; known: global, local"));
+}
+
+absl::string_view RouteName(Route route) {
+  switch (route) {
+    case Route::kRoundRobin:
+      return "round-robin";
+    case Route::kFirstPageHash:
+      return "hash-of-first-page";
+    case Route::kLeastLoaded:
+      return "least-loaded";
+  }
+  return "?";
+}
+
+absl::StatusOr<Route> ParseRoute(absl::string_view name) {
+  for (Route r : {Route::kRoundRobin, Route::kFirstPageHash, Route::kLeastLoaded}) {
+    if (name == RouteName(r)) return r;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "route \"", name, "\" is unknown; known: round-robin, hash-of-first-page, least-loaded"));
+}
+
+absl::Status ReplayOptions::Validate() const {
+  if (absl::Status s = spec.Validate(); !s.ok()) return s;
+  const auto positive = [](double v) { return std::isfinite(v) && v > 0; };
+  if (!positive(capacity_fraction)) {
+    return absl::InvalidArgumentError("capacity_fraction must be a positive number");
+  }
+  if (gpus < 1) return absl::InvalidArgumentError("gpus must be at least 1");
+  if (!positive(prefill_tokens_per_s)) {
+    return absl::InvalidArgumentError("prefill_tokens_per_s must be positive");
+  }
+  if (!std::isfinite(decode_ms_per_token) || decode_ms_per_token < 0) {
+    return absl::InvalidArgumentError("decode_ms_per_token must not be negative");
+  }
+  if (!positive(link_gbps)) return absl::InvalidArgumentError("link_gbps must be positive");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReplayResult> Replay(const Trace& trace, const ReplayOptions& options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  if (trace.page_size_tokens != options.spec.page_size_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace ", trace.name, " has ", trace.page_size_tokens,
+                     "-token pages but spec.page_size_tokens is ", options.spec.page_size_tokens));
+  }
+  if (trace.requests.size() >= std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError("a trace holds at most 2^32 - 2 requests");
+  }
+  return ReplayRun(trace, options).Run();
+}
+
+}  // namespace kvcm::bench

@@ -1,0 +1,132 @@
+// Replays a request trace through the real kvcm::CacheIndex on simulated time.
+//
+// Per request, at its arrival time:
+//   1. Match(pin = true) on the GPU the router picked. In global mode a prefix held only by
+//      other GPUs is either transferred (it then counts as a hit) or recomputed, whichever
+//      the cost model says is faster: bytes / link bandwidth vs tokens / prefill rate.
+//   2. Insert the prompt's whole pages into that GPU's pool (block ids from a per-pool
+//      counter). Pages already there are kept; pages held elsewhere become replicas here.
+//      RESOURCE_EXHAUSTED (the pool is too small or all pinned) counts as a failed insert.
+//   3. Hold the pin for the request's duration: prefill of the tokens not hit at
+//      prefill_tokens_per_s, plus any transfer, plus output_tokens * decode_ms_per_token.
+//   4. Release the pin when the request finishes. Completions are processed in time order
+//      (a priority queue) before each later arrival; the FakeClock the index reads follows
+//      the simulated time, so leases and the eviction-regret window run on it. Nothing
+//      sleeps.
+// GPUs are not modelled as queues: every request starts at its arrival, however many run.
+//
+// The insert happens in the same instant as the match, so requests are cached in arrival
+// order; with unbounded capacity the replay's hits are exactly the trace's repeated pages
+// that lie on a repeated prefix (all of them, for chained traces).
+//
+// Cluster modes, with the same per-GPU capacity (total / gpus) in both:
+//   global  one CacheIndex over gpus pools "gpu-0".."gpu-N-1"; a match sees every GPU.
+//   local   gpus independent CacheIndex instances of one pool each; a GPU sees only itself.
+//
+// Not thread-safe; one replay runs on the calling thread.
+#ifndef KVCM_BENCH_REPLAY_REPLAYER_H_
+#define KVCM_BENCH_REPLAY_REPLAYER_H_
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "bench/replay/trace.h"
+#include "server/core/cache_index.h"
+#include "server/core/model_spec.h"
+
+namespace kvcm::bench {
+
+enum class ClusterMode : uint8_t { kGlobal, kLocal };
+enum class Route : uint8_t {
+  kRoundRobin,     // request i goes to GPU i mod gpus
+  kFirstPageHash,  // by the hash of the prompt's first page (GPU 0 when it has none)
+  kLeastLoaded,    // the GPU running the fewest requests (lowest index on ties)
+};
+
+absl::string_view ClusterModeName(ClusterMode mode);
+absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name);  // "global", "local"
+absl::string_view RouteName(Route route);
+// "round-robin", "hash-of-first-page", "least-loaded"
+absl::StatusOr<Route> ParseRoute(absl::string_view name);
+
+struct ReplayOptions {
+  // Eviction policy of every CacheIndex (CacheIndexOptions::policy). "opt" gets a next-use
+  // oracle built from the trace: the next request anywhere in the trace (global mode, or
+  // local mode with least-loaded routing, which depends on the replay), or the next request
+  // routed to the same GPU (local mode with a routing that the trace alone decides).
+  std::string policy = "lru";
+  // KV geometry. REQUIRES: spec.page_size_tokens == the trace's page size.
+  ModelSpec spec;
+  // Total capacity as a fraction of the trace's distinct pages x spec.BytesPerPage() (the
+  // real bytes, whatever the policy charges), split evenly over the GPUs.
+  double capacity_fraction = 1.0;
+  uint32_t gpus = 1;
+  ClusterMode mode = ClusterMode::kGlobal;
+  Route route = Route::kRoundRobin;
+  // Prefill throughput of one GPU, tokens/s: what recomputing an uncached token costs.
+  double prefill_tokens_per_s = 10'000;
+  // Decode time per output token, ms.
+  double decode_ms_per_token = 20;
+  // GPU-to-GPU link bandwidth for transfers in global mode, Gbit/s.
+  double link_gbps = 400;
+  // CacheIndexOptions::regret_window, on simulated time.
+  absl::Duration regret_window = absl::Minutes(5);
+
+  // Called after each request's Insert with the request index and every index of the
+  // cluster (tests check budgets there). Optional.
+  std::function<void(size_t request, std::span<CacheIndex* const> indexes)> after_request;
+  // Called every few hundred requests and at the end. Optional.
+  std::function<void(size_t done, size_t total)> progress;
+
+  absl::Status Validate() const;
+};
+
+struct ReplayResult {
+  uint32_t page_size_tokens = 0;
+  uint64_t bytes_per_page = 0;          // real (spec) bytes of one page
+  uint64_t distinct_pages = 0;          // of the trace
+  uint64_t capacity_bytes_per_gpu = 0;  // what each pool was given
+
+  uint64_t requests = 0;
+  uint64_t requests_with_hit = 0;        // at least one page hit (local or transferred)
+  uint64_t prompt_pages = 0;             // whole pages of all prompts
+  uint64_t hit_pages = 0;                // pages not prefilled: local hits + transferred
+  uint64_t transferred_pages = 0;        // hits fetched from another GPU (global mode)
+  uint64_t recomputed_remote_pages = 0;  // cached on another GPU but cheaper to recompute
+  uint64_t failed_inserts = 0;           // Insert answered RESOURCE_EXHAUSTED
+
+  // Summed over the cluster's indexes (IndexCounters).
+  uint64_t inserted_page_locations = 0;
+  uint64_t evicted_pages = 0;
+  uint64_t eviction_regret_pages = 0;
+  uint64_t lease_expiries = 0;  // 0 unless a request outlived its lease (a replay bug)
+
+  // Core work, as kvcm_core_bench counts it: per request the prompt's pages looked up by
+  // Match + the pages passed to Insert, plus every page evicted. core_seconds is the wall
+  // time spent inside CacheIndex calls (Match, Insert, Release).
+  uint64_t page_ops = 0;
+  double core_seconds = 0;
+  double simulated_seconds = 0;  // arrival of the first request to the last completion
+
+  uint64_t prompt_tokens() const { return prompt_pages * page_size_tokens; }
+  // = prefill tokens saved.
+  uint64_t hit_tokens() const { return hit_pages * page_size_tokens; }
+  double TokenHitRate() const {
+    return prompt_pages == 0 ? 0 : static_cast<double>(hit_pages) / prompt_pages;
+  }
+  double RequestHitRate() const {
+    return requests == 0 ? 0 : static_cast<double>(requests_with_hit) / requests;
+  }
+  double PageOpsPerSecond() const { return core_seconds > 0 ? page_ops / core_seconds : 0; }
+};
+
+absl::StatusOr<ReplayResult> Replay(const Trace& trace, const ReplayOptions& options);
+
+}  // namespace kvcm::bench
+
+#endif  // KVCM_BENCH_REPLAY_REPLAYER_H_
