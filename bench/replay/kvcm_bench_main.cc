@@ -8,8 +8,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,6 +23,7 @@
 #include "bench/replay/report.h"
 #include "bench/replay/trace.h"
 #include "bench/workload.h"
+#include "server/core/model_catalog.h"
 #include "server/core/model_spec.h"
 
 ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
@@ -43,7 +46,8 @@ ABSL_FLAG(int32_t, page_size, 16,
           "16, not the FlashMLA 64: the proposal workloads share 100-500-token parts and add "
           "30-50-token messages, which 64-token pages would mostly round away.");
 ABSL_FLAG(std::string, model, "deepseek-v3",
-          "Model whose KV bytes per page the pools are charged.");
+          "Catalogue model (server/core/model_catalog.h; `kvcmctl models` lists them) whose KV "
+          "bytes per page the pools are charged.");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "KV element type: bf16, fp16, fp8 or int8.");
 
 ABSL_FLAG(std::string, policies, "lru,lru-mha,cost,opt", "Eviction policies, comma-separated.");
@@ -100,7 +104,7 @@ ABSL_FLAG(bool, smoke, false,
 namespace kvcm::bench {
 namespace {
 
-constexpr char kUsage[] = R"(kvcm-bench: trace-replay simulator over the real kvcm::CacheIndex.
+constexpr char kUsage[] = R"(trace-replay simulator over the real kvcm::CacheIndex.
 
   kvcm-bench [--workloads=chat,...,mooncake] [--policies=lru,lru-mha,cost,opt]
              [--capacities=0.01,0.05,0.2,1.0] [--gpus=8 --modes=global,local]
@@ -121,7 +125,8 @@ Output per (workload, policy, capacity, mode): token hit rate (hit tokens / whol
 tokens), request hit rate (requests with >= 1 page hit), prefill tokens saved, pages
 evicted, eviction regret, failed inserts (RESOURCE_EXHAUSTED), and page-ops/s: (prompt pages
 looked up by Match + pages passed to Insert + pages evicted) / wall time inside the core
-calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files.
+calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files;
+scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
 )";
 
 absl::StatusOr<std::vector<std::string>> SplitList(const std::string& flag,
@@ -158,17 +163,11 @@ absl::StatusOr<KvDtype> ParseDtype(const std::string& name) {
       absl::StrCat("--kv_dtype \"", name, "\" is unknown; known: bf16, fp16, fp8, int8"));
 }
 
+// The catalogue model --model in --kv_dtype; its page size is set per workload.
 absl::StatusOr<ModelSpec> ModelFromFlags() {
   absl::StatusOr<KvDtype> dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
   if (!dtype.ok()) return dtype.status();
-  const std::string name = absl::AsciiStrToLower(absl::GetFlag(FLAGS_model));
-  if (name != "deepseek-v3") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--model \"", name, "\" is unknown; known: deepseek-v3"));
-  }
-  ModelSpec spec = DeepSeekV3Spec();
-  spec.dtype = *dtype;
-  return spec;
+  return FindModel(absl::GetFlag(FLAGS_model), *dtype);
 }
 
 GeneratorOptions GeneratorsFromFlags(bool smoke) {
@@ -270,6 +269,14 @@ int Fail(const absl::Status& status) {
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  // --help lists this file's flags (Abseil's default looks for a file named after the
+  // binary, kvcm-bench.cc, and would list none).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "bench/replay/kvcm_bench_main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   // As kvcm-manager does: Debian's Abseil otherwise runs its deadlock detector on every lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

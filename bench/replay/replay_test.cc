@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -280,6 +281,11 @@ struct MooncakeExpectation {
   uint64_t distinct;
   uint64_t hits;
 };
+
+void PrintTo(const MooncakeExpectation& e, std::ostream* os) {
+  *os << (e.partial == PartialBlock::kDrop ? "whole blocks" : "every block") << ": " << e.pages
+      << " pages, " << e.distinct << " distinct, " << e.hits << " hits";
+}
 
 class MooncakeUnboundedTest : public ::testing::TestWithParam<MooncakeExpectation> {};
 
