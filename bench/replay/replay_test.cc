@@ -280,11 +280,12 @@ struct MooncakeExpectation {
   uint64_t pages;
   uint64_t distinct;
   uint64_t hits;
+  double rate;  // hits / pages, to 4 digits
 };
 
 void PrintTo(const MooncakeExpectation& e, std::ostream* os) {
   *os << (e.partial == PartialBlock::kDrop ? "whole blocks" : "every block") << ": " << e.pages
-      << " pages, " << e.distinct << " distinct, " << e.hits << " hits";
+      << " pages, " << e.distinct << " distinct, " << e.hits << " hits (" << e.rate * 100 << " %)";
 }
 
 class MooncakeUnboundedTest : public ::testing::TestWithParam<MooncakeExpectation> {};
@@ -309,6 +310,7 @@ TEST_P(MooncakeUnboundedTest, EveryPolicyHitsEveryRepeatedBlock) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->prompt_pages, want.pages);
     EXPECT_EQ(r->hit_pages, want.hits);
+    EXPECT_NEAR(r->TokenHitRate(), want.rate, 5e-5);
     EXPECT_EQ(r->evicted_pages, 0u);
     EXPECT_EQ(r->failed_inserts, 0u);
     EXPECT_EQ(r->lease_expiries, 0u);
@@ -316,17 +318,15 @@ TEST_P(MooncakeUnboundedTest, EveryPolicyHitsEveryRepeatedBlock) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Mooncake, MooncakeUnboundedTest,
-    ::testing::Values(MooncakeExpectation{PartialBlock::kKeepAsBlock, 288'500, 182'790, 105'710},
-                      MooncakeExpectation{PartialBlock::kDrop, 276'491, 170'899, 105'592}),
-    [](const auto& info) {
-      return info.param.partial == PartialBlock::kDrop ? "WholeBlocks" : "EveryBlock";
-    });
-
-TEST(MooncakeUnboundedTest, ReadmeRateIs36Point64Percent) {
-  EXPECT_NEAR(105'710.0 / 288'500, 0.3664, 5e-5);
-}
+INSTANTIATE_TEST_SUITE_P(Mooncake, MooncakeUnboundedTest,
+                         ::testing::Values(MooncakeExpectation{PartialBlock::kKeepAsBlock, 288'500,
+                                                               182'790, 105'710, 0.3664},
+                                           MooncakeExpectation{PartialBlock::kDrop, 276'491,
+                                                               170'899, 105'592, 0.3819}),
+                         [](const auto& info) {
+                           return info.param.partial == PartialBlock::kDrop ? "WholeBlocks"
+                                                                            : "EveryBlock";
+                         });
 
 // Small synthetic workloads, 16-token pages.
 std::vector<Trace> SmallTraces() {
@@ -401,6 +401,31 @@ TEST(ReplayTest, BudgetsNeverExceedCapacity) {
         EXPECT_GT(max_used, 0u);
         EXPECT_EQ(r->lease_expiries, 0u);
       }
+    }
+  }
+}
+
+// On one GPU every hit is a local match, so the replay's hits are exactly the pages the
+// core counted as matched, and its lookups the pages the core was asked for.
+TEST(ReplayTest, OneGpuHitsAreTheCoresMatchedPages) {
+  for (const Trace& trace : SmallTraces()) {
+    for (const char* policy : kAllPolicies) {
+      SCOPED_TRACE(absl::StrCat(trace.name, " ", policy));
+      ReplayOptions options;
+      options.spec = Spec(16);
+      options.policy = policy;
+      options.capacity_fraction = 0.2 * ChargeRatio(policy, options.spec);
+      IndexCounters counters;
+      options.after_request = [&](size_t, std::span<CacheIndex* const> indexes) {
+        counters = indexes[0]->Stats().counters;
+      };
+      absl::StatusOr<ReplayResult> r = Replay(trace, options);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->hit_pages, counters.matched_pages);
+      EXPECT_EQ(r->prompt_pages, counters.requested_pages);
+      EXPECT_EQ(r->hit_tokens(), counters.matched_tokens);
+      EXPECT_EQ(r->transferred_pages + r->recomputed_remote_pages, 0u);
+      EXPECT_GT(r->hit_pages, 0u);
     }
   }
 }
