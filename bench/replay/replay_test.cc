@@ -1,6 +1,8 @@
 // kvcm_replay_test: the replay simulator's readers, generators and oracle, and the
 // replay's correctness over the real CacheIndex: the Mooncake trace's published unbounded
 // hit rate, opt as an upper bound of every policy, and budgets that never exceed capacity.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -28,10 +30,18 @@ using ::testing::HasSubstr;
 constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "opt"};
 const HashKey kKey{1, 2};
 
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/kvcm_replay_test_", name);
-}
+// A file under the test's temporary directory, named by the process so that concurrent
+// runs (several build trees) never share it; removed when the test ends.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& name)
+      : path_(absl::StrCat(::testing::TempDir(), "kvcm_replay_test_", getpid(), "_", name)) {}
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  const std::string path_;
+};
 
 void WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path);
@@ -91,7 +101,8 @@ TEST(JsonObjectTest, ReportsTheColumnOfSyntaxErrors) {
 // ---------------------------------------------------------------- traces
 
 TEST(TraceTest, MooncakeKeepsWholeBlocksOrEveryBlock) {
-  const std::string path = TempPath("mooncake.jsonl");
+  const TempFile file("mooncake.jsonl");
+  const std::string& path = file.path();
   WriteText(path,
             "{\"timestamp\": 5, \"input_length\": 1100, \"output_length\": 7, "
             "\"hash_ids\": [0, 1, 2]}\n"
@@ -123,7 +134,8 @@ TEST(TraceTest, MooncakeKeepsWholeBlocksOrEveryBlock) {
 }
 
 TEST(TraceTest, MooncakeErrorsNameFileAndLine) {
-  const std::string path = TempPath("bad_mooncake.jsonl");
+  const TempFile file("bad_mooncake.jsonl");
+  const std::string& path = file.path();
   WriteText(
       path,
       "{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [0]}\n"
@@ -138,7 +150,7 @@ TEST(TraceTest, MooncakeErrorsNameFileAndLine) {
   WriteText(path, "\n{\"timestamp\": 0, \"input_length\": 512 \"hash_ids\": [0]}\n");
   EXPECT_THAT(ReadMooncakeTrace(path).status().message(),
               HasSubstr(":2: column 38: expected ',' or '}'"));
-  EXPECT_TRUE(absl::IsNotFound(ReadMooncakeTrace(TempPath("missing.jsonl")).status()));
+  EXPECT_TRUE(absl::IsNotFound(ReadMooncakeTrace(TempFile("missing.jsonl").path()).status()));
 }
 
 TEST(TraceTest, TokenTraceRoundTripsAndHashesWholePages) {
@@ -146,7 +158,8 @@ TEST(TraceTest, TokenTraceRoundTripsAndHashesWholePages) {
       {.arrival_ms = 0.125, .tokens = {1, 2, 3, 4, 5}, .output_tokens = 9},
       {.arrival_ms = 1e-3, .tokens = {1, 2, 3, 4, -7, 2147483647}, .output_tokens = 0},
       {.arrival_ms = 7, .tokens = {}, .output_tokens = 1}};
-  const std::string path = TempPath("tokens.jsonl");
+  const TempFile file("tokens.jsonl");
+  const std::string& path = file.path();
   ASSERT_TRUE(WriteTokenTrace(path, requests).ok());
   absl::StatusOr<std::vector<TokenRequest>> read = ReadTokenTrace(path);
   ASSERT_TRUE(read.ok()) << read.status();
