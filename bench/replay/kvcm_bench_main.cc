@@ -65,6 +65,9 @@ ABSL_FLAG(double, prefill_tokens_per_s, 10000,
           "Prefill throughput of one GPU (tokens/s): the cost of an uncached token.");
 ABSL_FLAG(double, decode_ms_per_token, 20, "Decode time per output token (ms).");
 ABSL_FLAG(double, link_gbps, 400, "GPU-to-GPU transfer bandwidth (Gbit/s), global mode.");
+ABSL_FLAG(double, reuse_credit_s, 40,
+          "cost policy: seconds of recency one reuse of a page is worth (CacheIndexOptions::"
+          "reuse_credit).");
 ABSL_FLAG(double, regret_window_s, 300,
           "An eviction is regretted when its page is asked for again within this many "
           "simulated seconds.");
@@ -317,6 +320,7 @@ int Main(int argc, char** argv) {
   base.decode_ms_per_token = absl::GetFlag(FLAGS_decode_ms_per_token);
   base.link_gbps = absl::GetFlag(FLAGS_link_gbps);
   base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
+  base.reuse_credit = absl::Seconds(absl::GetFlag(FLAGS_reuse_credit_s));
 
   std::printf("kvcm-bench%s: %s\n", smoke ? " --smoke" : "", MachineSummary().c_str());
   absl::PrintF(

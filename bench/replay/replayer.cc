@@ -120,6 +120,7 @@ class ReplayRun {
       o.default_lease_ttl = absl::Seconds(30);
       o.max_lease_ttl = kMaxLease;
       o.regret_window = options_.regret_window;
+      o.reuse_credit = options_.reuse_credit;
       o.clock = &clock_;
       absl::StatusOr<std::unique_ptr<CacheIndex>> index = CacheIndex::Create(std::move(o));
       if (!index.ok()) return index.status();

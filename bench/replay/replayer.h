@@ -76,6 +76,8 @@ struct ReplayOptions {
   double link_gbps = 400;
   // CacheIndexOptions::regret_window, on simulated time.
   absl::Duration regret_window = absl::Minutes(5);
+  // CacheIndexOptions::reuse_credit, for the "cost" policy.
+  absl::Duration reuse_credit = absl::Seconds(40);
 
   // Called after each request's Insert with the request index and every index of the
   // cluster (tests check budgets there). Optional.

@@ -13,7 +13,7 @@ namespace kvcm {
 struct CacheIndex::Namespace {
   Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in, uint64_t page_bytes)
       : id(std::move(id_in)), spec(spec_in), key(key_in), bytes_per_page(page_bytes), tree(this) {
-    tree.set_bytes_per_page(page_bytes);
+    tree.set_page_cost(page_bytes, spec_in.page_size_tokens);
   }
 
   const NamespaceId id;
@@ -38,7 +38,8 @@ uint64_t NodeBytes(const RadixNode* node) {
 }  // namespace
 
 absl::Status CacheIndexOptions::Validate() const {
-  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use}); !p.ok()) return p.status();
+  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use, reuse_credit}); !p.ok())
+    return p.status();
   if (default_lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_lease_ttl must be positive");
   }
@@ -57,7 +58,8 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      policy_(*MakeEvictionPolicy(options_.policy, PolicyContext{options_.next_use})),
+      policy_(*MakeEvictionPolicy(options_.policy,
+                                  PolicyContext{options_.next_use, options_.reuse_credit})),
       leases_(options_.expired_pin_memory) {}
 
 CacheIndex::~CacheIndex() = default;
@@ -202,7 +204,6 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
                          [pool](const Replica& r) { return r.pool == pool; });
   assert(it != node->replicas.end() && it->evictable);
-  policy_->OnEvict(*node, pool);
   policy_->Remove(node, pool);
   node->replicas.erase(it);
 
@@ -224,7 +225,7 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   } else {
     // No replica left means no located descendant either (prefix closure): a leaf.
     if (options_.regret_window > absl::ZeroDuration()) {
-      evicted_runs_[node->pages[0]] = EvictedRun{now, node->size()};
+      evicted_runs_[node->pages[0]] = EvictedRun{now, node->size(), node->hits};
       evicted_order_.emplace_back(now, node->pages[0]);
     }
     ns->tree.Remove(node);
@@ -238,8 +239,17 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
   while (result.evicted_bytes < bytes) {
     std::optional<EvictionCandidate> victim = policy_->Victim(pool);
     if (!victim.has_value()) break;
-    result.evicted_pages += victim->node->size();
-    result.evicted_bytes += EvictReplica(victim->node, pool, now);
+    RadixNode* node = victim->node;
+    if (policy_->trims_nodes()) {
+      // Evict only the tail pages still needed; the head stays cached (and matchable).
+      const uint64_t page_bytes = node->tree->bytes_per_page();
+      const uint64_t pages_needed = (bytes - result.evicted_bytes + page_bytes - 1) / page_bytes;
+      if (pages_needed < node->size()) {
+        SplitNode(node, node->size() - static_cast<uint32_t>(pages_needed));
+      }
+    }
+    result.evicted_pages += node->size();
+    result.evicted_bytes += EvictReplica(node, pool, now);
   }
   return result;
 }
@@ -253,9 +263,9 @@ void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
   }
   if (missed.empty() || evicted_runs_.empty()) return;
   auto it = evicted_runs_.find(missed[0]);
-  if (it == evicted_runs_.end()) return;
+  if (it == evicted_runs_.end() || it->second.regretted) return;
   counters_.eviction_regret_pages += std::min<uint64_t>(it->second.pages, missed.size());
-  evicted_runs_.erase(it);  // count each eviction once
+  it->second.regretted = true;  // count each eviction once
 }
 
 void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
@@ -334,7 +344,8 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       path.back().node = SplitNode(path.back().node, path.back().matched);
     }
     const uint64_t stamp = ++access_clock_;
-    for (const PathStep& step : path) policy_->Touch(step.node, stamp, Access::kMatch);
+    const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
+    for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kMatch);
     ++counters_.match_requests;
     counters_.requested_pages += pages.size();
     counters_.matched_pages += result.matched_pages;
@@ -464,11 +475,17 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
   if (in_tree < n) {
     RadixNode* leaf = ns.tree.AddChild(parent, pages.subspan(in_tree));
+    if (auto ghost = evicted_runs_.find(pages[in_tree]); ghost != evicted_runs_.end()) {
+      // Back within the window: asked for again, on top of its earlier uses.
+      leaf->hits = ghost->second.hits + 1;
+      evicted_runs_.erase(ghost);
+    }
     AddReplica(leaf, pid, block_ids.subspan(in_tree));
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
   const uint64_t stamp = ++access_clock_;
-  for (const PathStep& step : path) policy_->Touch(step.node, stamp, Access::kInsert);
+  const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
+  for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kInsert);
 
   result.already_present_pages = in_pool;
   result.replicated_pages = in_tree - in_pool;

@@ -41,6 +41,8 @@ struct CacheIndexOptions {
   std::string policy = "lru";
   // Next-use oracle for "opt" (simulator only). Not owned.
   const NextUseOracle* next_use = nullptr;
+  // "cost": how much recency one reuse of a page is worth (see MakeCostAwarePolicy).
+  absl::Duration reuse_credit = absl::Seconds(40);
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;
@@ -285,11 +287,16 @@ class CacheIndex {
   // Logical time of the last access; stamps nodes on matched and inserted paths.
   uint64_t access_clock_ ABSL_GUARDED_BY(mu_) = 0;
   // Runs of pages removed from the index, by their first page's hash (keyed per namespace,
-  // so never ambiguous), kept for regret_window to count eviction regret. A btree, not a
+  // so never ambiguous), kept for regret_window to count eviction regret and to give
+  // re-inserted runs their earlier hit count. A btree, not a
   // hash map, so that growing it never rehashes millions of entries under mu_.
   struct EvictedRun {
     absl::Time at;
     uint32_t pages;
+    // The node's hit count when it went: a re-inserted run starts from it, so reuse that
+    // outlives a stay in the cache is still seen (a "ghost" history).
+    uint32_t hits;
+    bool regretted = false;  // its regret was counted already
   };
   absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);

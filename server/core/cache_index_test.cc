@@ -452,7 +452,7 @@ TEST_F(CacheIndexTest, ReserveErrorsChangeNothing) {
 TEST_F(CacheIndexTest, PoolSharedByTwoModelsEvictsTheShortfallInBytes) {
   NamespaceId llama{"acme", "llama-3-70b"};
   ASSERT_TRUE(index_->RegisterModel(llama, Gqa()).ok());
-  const uint64_t gqa_page = Gqa().BytesPerPage();  // ~4.7 MLA pages
+  const uint64_t gqa_page = Gqa().BytesPerPage();        // ~4.7 MLA pages
   const uint64_t capacity = gqa_page + bpp_ + bpp_ / 2;  // ~6.2 MLA pages
   ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, capacity).ok());
   for (int32_t id = 1; id <= 6; ++id) MustInsert(Prompt({id}), gpu0_);  // 6 MLA pages
@@ -574,6 +574,29 @@ TEST_F(CacheIndexTest, CostAwareDropsACopyBeforeAnOnlyCopy) {
   ASSERT_EQ(m.matched_pages, 1u);
   EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // gpu-0's copy went
   EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
+}
+
+TEST_F(CacheIndexTest, CostAwareTrimsTheVictimToTheShortfall) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 4 * bpp_).ok());
+  MustInsert(Prompt({1, 2, 3}), gpu0_);
+  MustInsert(Prompt({9}), gpu0_);
+  InsertResult r = MustInsert(Prompt({7}), gpu0_);  // one page short
+  EXPECT_EQ(r.evicted_bytes, bpp_);                 // lru would free all of [1, 2, 3]
+  EXPECT_EQ(MustMatch(Prompt({1, 2, 3}), {.probe = true}).matched_pages, 2u);
+}
+
+TEST_F(CacheIndexTest, CostAwareRemembersReuseAcrossAnEviction) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  MustInsert(Prompt({5}), gpu0_);
+  for (int i = 0; i < 3; ++i) MustMatch(Prompt({5}));
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, bpp_).ok());
+  MustMatch(Prompt({5}));          // a miss on a page evicted moments ago
+  MustInsert(Prompt({5}), gpu0_);  // back, with its earlier hits
+  MustInsert(Prompt({6}), gpu0_);  // newer, but never reused
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, bpp_).ok());
+  EXPECT_EQ(MustMatch(Prompt({5}), {.probe = true}).matched_pages, 1u);
+  EXPECT_EQ(MustMatch(Prompt({6}), {.probe = true}).matched_pages, 0u);
 }
 
 // An oracle that knows nothing: every page is needed again "soon", by hash order. Enough

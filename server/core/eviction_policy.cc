@@ -7,20 +7,27 @@
 
 namespace kvcm {
 
-void EvictionPolicy::Touch(RadixNode* node, uint64_t stamp, Access access) {
+void EvictionPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Access access) {
   if (node->last_access == stamp) return;
-  node->last_access = stamp;
-  if (access == Access::kMatch || node->hits == 0) ++node->hits;
-  Rescore(node);
+  Rekey(node, [&] {
+    node->last_access = stamp;
+    node->last_access_s = now_s;
+    if (access == Access::kMatch || node->hits == 0) ++node->hits;
+  });
 }
 
 void EvictionPolicy::Rescore(RadixNode* node) {
-  const double score = Score(*node);
-  if (score == node->priority) return;
+  Rekey(node, [] {});
+}
+
+template <typename Update>
+void EvictionPolicy::Rekey(RadixNode* node, Update update) {
+  // Candidates are found by their key, so they leave the sets before it changes.
   for (const Replica& r : node->replicas) {
     if (r.evictable) Remove(node, r.pool);
   }
-  node->priority = score;
+  update();
+  node->priority = Score(*node);
   for (const Replica& r : node->replicas) {
     if (r.evictable) Add(node, r.pool);
   }
@@ -28,7 +35,7 @@ void EvictionPolicy::Rescore(RadixNode* node) {
 
 std::optional<EvictionCandidate> EvictionPolicy::Victim(PoolId pool) const {
   if (pool >= by_pool_.size() || by_pool_[pool].empty()) return std::nullopt;
-  return EvictionCandidate{by_pool_[pool].begin()->second, pool};
+  return EvictionCandidate{std::get<2>(*by_pool_[pool].begin()), pool};
 }
 
 absl::btree_set<EvictionPolicy::Key>& EvictionPolicy::SetOf(PoolId pool) {
@@ -55,40 +62,40 @@ class LruPolicy final : public EvictionPolicy {
 
 class CostAwarePolicy final : public EvictionPolicy {
  public:
+  explicit CostAwarePolicy(absl::Duration reuse_credit)
+      : reuse_credit_s_(absl::ToDoubleSeconds(reuse_credit)) {}
   absl::string_view name() const override { return "cost"; }
-
-  void OnEvict(const RadixNode& node, PoolId /*pool*/) override {
-    inflation_ = std::max(inflation_, node.priority);
-  }
+  bool trims_nodes() const override { return true; }
 
  protected:
   double Score(const RadixNode& node) const override {
-    // Prefill FLOPs of a token grow linearly with its position (the attention part); in
-    // units of "one token at position 0", a token at position p costs 1 + p / kContext.
-    // Summed over the node's pages, with p in pages.
-    constexpr double kContextPages = 64.0;  // 4K tokens of 64: attention ~ the MLPs there
-    const double first = node.depth_pages, n = node.size();
-    const double recompute = n * (1.0 + (first + (n - 1) / 2.0) / kContextPages);
-    const double bytes = n * static_cast<double>(node.tree->bytes_per_page());
-    // Another copy elsewhere makes this one cheap to drop: a transfer replaces the
-    // recompute. Weighted down by the number of copies.
+    // Reuses beyond ten add nothing, so that a once-popular node cannot stay forever.
+    constexpr uint32_t kMaxReuses = 10;
+    const double reuses = std::min<uint32_t>(node.hits > 0 ? node.hits - 1 : 0, kMaxReuses);
+    if (reuses == 0) return node.last_access_s;
+    // Recompute cost saved per byte: prefill cost is taken as the same for every token
+    // (weighting it by position, since attention grows with the prefix, lost 1-5 points
+    // on the Mooncake trace: deep conversation tails are not reused more), so it is the
+    // inverse of the model's bytes per token,
+    // relative to DeepSeek-V3's MLA latent in bf16 (70,272 B per token).
+    constexpr double kReferenceBytesPerToken = 70272;
+    const double bytes_per_token =
+        static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
+    const double per_byte = std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
     const double copies = std::max<size_t>(1, node.replicas.size());
-    const double value = node.hits * recompute / (bytes * copies * copies);
-    // Scaled so that one reuse of a typical page is worth about one unit of inflation.
-    return inflation_ + value * kScale;
+    const double worth = per_byte / (copies * copies);
+    return node.last_access_s + reuse_credit_s_ * reuses * worth;
   }
 
  private:
-  static constexpr double kScale = 1e6;  // bytes per page are ~1e5..1e7
-  // L: the highest score evicted so far. Raising the floor of newly scored nodes is what
-  // ages the ones not touched since.
-  double inflation_ = 0;
+  const double reuse_credit_s_;
 };
 
 class OptPolicy final : public EvictionPolicy {
  public:
   explicit OptPolicy(const NextUseOracle* oracle) : oracle_(oracle) {}
   absl::string_view name() const override { return "opt"; }
+  bool trims_nodes() const override { return true; }
 
  protected:
   // Furthest next use first: the score is minus the next use.
@@ -106,8 +113,8 @@ class OptPolicy final : public EvictionPolicy {
 
 std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPolicy>("lru"); }
 
-std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy() {
-  return std::make_unique<CostAwarePolicy>();
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(absl::Duration reuse_credit) {
+  return std::make_unique<CostAwarePolicy>(reuse_credit);
 }
 
 std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle) {
@@ -118,7 +125,7 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
                                                                    const PolicyContext& context) {
   if (name == "lru") return MakeLruPolicy();
   if (name == "lru-mha") return std::make_unique<LruPolicy>("lru-mha");
-  if (name == "cost") return MakeCostAwarePolicy();
+  if (name == "cost") return MakeCostAwarePolicy(context.reuse_credit);
   if (name == "opt") {
     if (context.next_use == nullptr) {
       return absl::InvalidArgumentError(

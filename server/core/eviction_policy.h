@@ -15,12 +15,14 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/container/btree_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "server/core/radix_tree.h"
 #include "server/core/types.h"
 
@@ -40,6 +42,8 @@ class NextUseOracle {
 struct PolicyContext {
   // Required by "opt".
   const NextUseOracle* next_use = nullptr;
+  // "cost": the recency one reuse of a typical page is worth.
+  absl::Duration reuse_credit = absl::Seconds(40);
 };
 
 struct EvictionCandidate {
@@ -56,20 +60,22 @@ class EvictionPolicy {
 
   virtual absl::string_view name() const = 0;
 
-  // (node, pool) became a candidate / stopped being one.
-  void Add(RadixNode* node, PoolId pool) { SetOf(pool).emplace(node->priority, node); }
-  void Remove(RadixNode* node, PoolId pool) { SetOf(pool).erase({node->priority, node}); }
+  // Whether eviction may take just the tail pages of a victim node that it needs (exactly
+  // the shortfall, in pages) instead of the whole node. The lru arms free whole nodes, as
+  // SGLang's RadixCache does.
+  virtual bool trims_nodes() const { return false; }
 
-  // `node` was on a matched or inserted path at logical time `stamp` (increasing). Updates
-  // its recency and hit count and re-scores it.
-  void Touch(RadixNode* node, uint64_t stamp, Access access);
+  // (node, pool) became a candidate / stopped being one.
+  void Add(RadixNode* node, PoolId pool) { SetOf(pool).insert(KeyOf(node)); }
+  void Remove(RadixNode* node, PoolId pool) { SetOf(pool).erase(KeyOf(node)); }
+
+  // `node` was on a matched or inserted path at logical time `stamp` (increasing), clock
+  // time `now_s` (seconds). Updates its recency and hit count and re-scores it.
+  void Touch(RadixNode* node, uint64_t stamp, double now_s, Access access);
 
   // Re-scores `node` after something its score depends on changed (a split, a replica
   // added or dropped), keeping its candidates in order.
   void Rescore(RadixNode* node);
-
-  // `node`'s replica in `pool` is about to be evicted. REQUIRES: it is a candidate.
-  virtual void OnEvict(const RadixNode& node, PoolId pool) {}
 
   // The candidate of `pool` to evict next, or nullopt when there is none.
   std::optional<EvictionCandidate> Victim(PoolId pool) const;
@@ -83,8 +89,13 @@ class EvictionPolicy {
   virtual double Score(const RadixNode& node) const = 0;
 
  private:
-  using Key = std::pair<double, RadixNode*>;
+  // Score, then recency (equal scores go least recently used first), then identity.
+  using Key = std::tuple<double, uint64_t, RadixNode*>;
+  static Key KeyOf(RadixNode* node) { return {node->priority, node->last_access, node}; }
   absl::btree_set<Key>& SetOf(PoolId pool);
+  // Takes `node`'s candidates out, runs `update` on its fields, re-scores, puts them back.
+  template <typename Update>
+  void Rekey(RadixNode* node, Update update);
 
   std::vector<absl::btree_set<Key>> by_pool_;  // indexed by PoolId
 };
@@ -93,14 +104,20 @@ class EvictionPolicy {
 // stamp; the least recently stamped candidate goes first.
 std::unique_ptr<EvictionPolicy> MakeLruPolicy();
 
-// "cost": keeps what saves the most prefill per byte. A GreedyDual-Size-Frequency score,
-//   priority = L + hits * recompute_cost / (bytes * copies^2)
-// where recompute_cost grows with the node's depth (attention over a longer prefix costs
-// more), bytes are what evicting the replica frees (the model's bytes, so MLA pages are
-// worth more per byte), copies is the node's replica count (dropping one of several copies
-// loses a transfer, not a recompute), and L, the highest score evicted so far, ages every
-// node not reused since (the decay).
-std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy();
+// "cost": keeps what saves the most prefill per byte. Each reuse of a node buys it extra
+// time in the cache, in proportion to the prefill it saves per byte:
+//   priority = last_access_s + reuse_credit * min(hits - 1, 10) * worth
+//   worth    = (recompute cost per byte, relative to a DeepSeek-V3 page at depth 0) / copies^2
+// Recency decays everything (a reuse is worth a fixed amount of time, so an old reuse
+// counts for less than a fresh access once that time has passed); the cost per byte grows
+// with the node's depth (attention over a longer prefix) and shrinks with its model's
+// bytes per token (an MLA page saves ~71x more per byte than an MHA-shaped one); a node
+// with other copies is worth less (dropping one copy loses a transfer, not a recompute).
+// A run evicted and inserted again within the regret window keeps its hit count (see
+// CacheIndex), so reuse that outlives a stay in the cache still counts. Eviction takes only
+// the tail pages it needs from a victim node. docs/EVICTION.md has the measurements
+// behind reuse_credit = 40 s.
+std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(absl::Duration reuse_credit);
 
 // "opt": Belady's clairvoyant order for the simulator: the candidate whose first page is
 // needed furthest in the future goes first. REQUIRES: oracle != nullptr.

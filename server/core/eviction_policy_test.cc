@@ -12,14 +12,14 @@ TEST(LruPolicyTest, EvictsLeastRecentlyStampedFirstPerPool) {
   RadixNode* b = tree.AddChild(tree.root(), std::vector<PageHash>{{2, 2}});
   for (RadixNode* n : {a, b}) n->replicas.push_back(Replica{.pool = 0, .evictable = true});
   std::unique_ptr<EvictionPolicy> lru = MakeLruPolicy();
-  lru->Touch(a, 1, Access::kMatch);
-  lru->Touch(b, 2, Access::kMatch);
+  lru->Touch(a, 1, 0.0, Access::kMatch);
+  lru->Touch(b, 2, 0.0, Access::kMatch);
   lru->Add(a, 0);
   lru->Add(b, 0);
   EXPECT_EQ(lru->Victim(0)->node, a);
   EXPECT_FALSE(lru->Victim(1).has_value());
 
-  lru->Touch(a, 3, Access::kMatch);  // a is now the most recent
+  lru->Touch(a, 3, 0.0, Access::kMatch);  // a is now the most recent
   EXPECT_EQ(lru->Victim(0)->node, b);
   EXPECT_LT(lru->Priority(b, 0), lru->Priority(a, 0));
   lru->Remove(b, 0);

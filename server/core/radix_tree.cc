@@ -64,10 +64,9 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
   head->last_page = head->pages.back();
   head->last_access = node->last_access;
+  head->last_access_s = node->last_access_s;
   head->hits = node->hits;
   head->priority = node->priority;
-  head->depth_pages = node->depth_pages;
-  node->depth_pages += k;
   head->pin_count = node->pin_count;
   head->replicas.reserve(node->replicas.size());
   for (Replica& r : node->replicas) {
@@ -95,7 +94,6 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   child->parent = parent;
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
-  child->depth_pages = parent->is_root() ? 0 : parent->depth_pages + parent->size();
   RadixNode* ptr = child.get();
   parent->children.emplace(pages[0], std::move(child));
   ++nodes_;

@@ -45,10 +45,10 @@ struct RadixNode {
   absl::InlinedVector<Replica, 1> replicas;
   // Logical time of the last match or insert that went through the node.
   uint64_t last_access = 0;
+  // Clock time of that access, in seconds since the Unix epoch.
+  double last_access_s = 0;
   // Matches that went through the node (its first page), for frequency-aware policies.
   uint32_t hits = 0;
-  // Pages before the node on every prompt that reaches it.
-  uint32_t depth_pages = 0;
   // The policy's sort key (lower is evicted first); only the policy writes it.
   double priority = 0;
   // Live pins on this node or any descendant (pins cover the whole path from the root).
@@ -78,7 +78,11 @@ class RadixTree {
   void* owner() const { return owner_; }
   // What one page of this tree costs in a pool; set by CacheIndex, read by policies.
   uint64_t bytes_per_page() const { return bytes_per_page_; }
-  void set_bytes_per_page(uint64_t bytes) { bytes_per_page_ = bytes; }
+  uint32_t page_size_tokens() const { return page_size_tokens_; }
+  void set_page_cost(uint64_t bytes_per_page, uint32_t page_size_tokens) {
+    bytes_per_page_ = bytes_per_page;
+    page_size_tokens_ = page_size_tokens;
+  }
   RadixNode* root() { return &root_; }
 
   // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
@@ -110,6 +114,7 @@ class RadixTree {
  private:
   void* const owner_;
   uint64_t bytes_per_page_ = 0;
+  uint32_t page_size_tokens_ = 0;
   RadixNode root_;
   uint64_t nodes_ = 0;  // excluding the root
   uint64_t pages_ = 0;
