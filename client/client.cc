@@ -197,8 +197,8 @@ absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId&
                                                               const ModelSpec& spec,
                                                               absl::Time deadline) {
   v1::RegisterModelRequest request;
-  wire::ToProto(ns, request.mutable_namespace_());
-  wire::ToProto(spec, request.mutable_spec());
+  NamespaceToProto(ns, request.mutable_namespace_());
+  ModelSpecToProto(spec, request.mutable_spec());
   v1::RegisterModelResponse response;
   absl::Status status = Invoke(deadline, [&](grpc::ClientContext* context) {
     return rpc_->stub->RegisterModel(context, request, &response);
@@ -292,7 +292,7 @@ absl::Status Client::SendPrompt(
 namespace {
 
 void FillMatchRequest(const NamespaceId& ns, const MatchParams& params, v1::MatchRequest* request) {
-  wire::ToProto(ns, request->mutable_namespace_());
+  NamespaceToProto(ns, request->mutable_namespace_());
   request->set_requester_agent_id(params.requester_agent_id);
   request->set_pin(params.pin);
   request->set_lease_ttl_ms(params.lease_ttl_ms);
@@ -357,8 +357,8 @@ namespace {
 
 void FillInsertRequest(const NamespaceId& ns, const PoolRef& pool,
                        std::span<const BlockId> block_ids, v1::InsertRequest* request) {
-  wire::ToProto(ns, request->mutable_namespace_());
-  wire::ToProto(pool, request->mutable_pool());
+  NamespaceToProto(ns, request->mutable_namespace_());
+  PoolToProto(pool, request->mutable_pool());
   request->mutable_block_ids()->Assign(block_ids.begin(), block_ids.end());
 }
 
@@ -407,7 +407,7 @@ absl::StatusOr<InsertReply> Client::InsertHashes(const NamespaceId& ns,
 
 absl::Status Client::Release(const NamespaceId& ns, uint64_t pin_id, const CallOptions& call) {
   v1::ReleaseRequest request;
-  wire::ToProto(ns, request.mutable_namespace_());
+  NamespaceToProto(ns, request.mutable_namespace_());
   request.set_pin_id(pin_id);
   v1::ReleaseResponse response;
   return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
@@ -418,7 +418,7 @@ absl::Status Client::Release(const NamespaceId& ns, uint64_t pin_id, const CallO
 absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pin_id,
                                               uint32_t ttl_ms, const CallOptions& call) {
   v1::RenewLeaseRequest request;
-  wire::ToProto(ns, request.mutable_namespace_());
+  NamespaceToProto(ns, request.mutable_namespace_());
   request.set_pin_id(pin_id);
   request.set_lease_ttl_ms(ttl_ms);
   v1::RenewLeaseResponse response;
@@ -434,7 +434,7 @@ absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pi
 absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
                                          const CallOptions& call) {
   v1::ReserveRequest request;
-  wire::ToProto(pool, request.mutable_pool());
+  PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
   v1::ReserveResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
@@ -448,7 +448,7 @@ absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
 
 absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call) {
   v1::ReserveRequest request;
-  wire::ToProto(pool, request.mutable_pool());
+  PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
   v1::UnreserveResponse response;
   return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
@@ -459,7 +459,7 @@ absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const CallOp
 absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t bytes,
                                                  const CallOptions& call) {
   v1::EvictRequest request;
-  wire::ToProto(pool, request.mutable_pool());
+  PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
   v1::EvictResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
@@ -474,7 +474,7 @@ absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t b
 absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uint64_t bytes,
                                                       const CallOptions& call) {
   v1::EvictRequest request;
-  wire::ToProto(ns, request.mutable_namespace_());
+  NamespaceToProto(ns, request.mutable_namespace_());
   request.set_bytes(bytes);
   v1::EvictResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
@@ -503,7 +503,7 @@ std::unique_ptr<EventWatch> Client::WatchEvents(const std::optional<NamespaceId>
   std::unique_ptr<EventWatch> watch(new EventWatch());
   v1::WatchEventsRequest request;
   if (ns.has_value()) {
-    wire::ToProto(*ns, request.mutable_namespace_());
+    NamespaceToProto(*ns, request.mutable_namespace_());
   }
   EventWatch* w = watch.get();
   v1::CacheManager::Stub* stub = rpc_->stub.get();

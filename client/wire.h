@@ -11,17 +11,15 @@
 #include "grpcpp/support/status.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "kvcm/v1/common.pb.h"
+#include "proto/core_types.h"
 
 namespace kvcm::wire {
 
 // Same code and message; gRPC and Abseil share the canonical code numbers.
 absl::Status FromGrpc(const grpc::Status& status);
 
-void ToProto(const NamespaceId& ns, v1::Namespace* out);
 NamespaceId FromProto(const v1::Namespace& ns);
-void ToProto(const PoolRef& pool, v1::PoolRef* out);
 PoolRef FromProto(const v1::PoolRef& pool);
-void ToProto(const ModelSpec& spec, v1::ModelSpec* out);
 ModelSpec FromProto(const v1::ModelSpec& spec);
 
 // Fills `out` with tokens, for the manager to hash.

@@ -82,6 +82,14 @@ absl::StatusOr<CacheIndex::Namespace*> CacheIndex::FindNamespace(const Namespace
   return it->second.get();
 }
 
+absl::StatusOr<PoolId> CacheIndex::FindPool(const PoolKey& pool) const {
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (!id.has_value()) {
+    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  }
+  return *id;
+}
+
 absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId& ns,
                                                               const ModelSpec& spec) {
   if (ns.tenant.empty() || ns.model.empty()) {
@@ -499,10 +507,8 @@ absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
   absl::MutexLock lock(&mu_);
   ExpireLeasesLocked(clock_->Now());
-  std::optional<PoolId> id = budget_.Find(pool);
-  if (!id.has_value()) {
-    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
-  }
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
   const uint64_t shortfall = budget_.Shortfall(*id, bytes);
   if (shortfall > budget_.evictable(*id)) {
     return absl::ResourceExhaustedError(
@@ -516,10 +522,8 @@ absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes
 
 absl::Status CacheIndex::Unreserve(const PoolKey& pool, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
-  std::optional<PoolId> id = budget_.Find(pool);
-  if (!id.has_value()) {
-    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
-  }
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
   if (bytes > budget_.reserved(*id)) {
     return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ",
                                               budget_.reserved(*id), " bytes reserved in pool ",
@@ -561,10 +565,8 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint6
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
   absl::MutexLock lock(&mu_);
   ExpireLeasesLocked(clock_->Now());
-  std::optional<PoolId> id = budget_.Find(pool);
-  if (!id.has_value()) {
-    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
-  }
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
   if (bytes > budget_.used(*id)) {
     return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", budget_.used(*id),
                                               " bytes pool ", pool.ToString(), " holds"));

@@ -247,6 +247,8 @@ class CacheIndex {
  private:
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND for a pool no Insert or SetPoolCapacity created.
+  absl::StatusOr<PoolId> FindPool(const PoolKey& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> LeaseTtl(absl::Duration requested) const;
   void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -108,11 +108,6 @@ absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::st
   return NamespaceId{ns->tenant(), ns->model()};
 }
 
-void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out) {
-  out->set_tenant(ns.tenant);
-  out->set_model(ns.model);
-}
-
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field) {
   return ValidateName(agent_id, field, "._:-");
 }
@@ -139,11 +134,6 @@ absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view
     }
   }
   return key;
-}
-
-void PoolToProto(const PoolKey& pool, v1::PoolRef* out) {
-  out->set_agent_id(pool.agent_id);
-  out->set_tier(static_cast<v1::Tier>(pool.tier));
 }
 
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
@@ -184,20 +174,6 @@ absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
       spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
   KVCM_RETURN_IF_ERROR(out.Validate());  // its messages already say "spec.<field>"
   return out;
-}
-
-void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
-  out->set_attention(static_cast<v1::AttentionKind>(spec.attention));
-  out->set_num_layers(spec.num_layers);
-  out->set_num_heads(spec.num_heads);
-  out->set_num_kv_heads(spec.num_kv_heads);
-  out->set_head_dim(spec.head_dim);
-  out->set_kv_lora_rank(spec.kv_lora_rank);
-  out->set_rope_dim(spec.rope_dim);
-  out->set_qk_nope_head_dim(spec.qk_nope_head_dim);
-  out->set_v_head_dim(spec.v_head_dim);
-  out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));
-  out->set_page_size_tokens(spec.page_size_tokens);
 }
 
 absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,

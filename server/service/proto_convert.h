@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "kvcm/v1/common.pb.h"
+#include "proto/core_types.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -35,19 +36,16 @@ struct RequestLimits {
 // Missing namespace, tenant not 1..128 bytes of [A-Za-z0-9._-], or model not 1..128 bytes of
 // [A-Za-z0-9._/-] -> INVALID_ARGUMENT.
 absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field);
-void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out);
 
 // agent_id 1..128 bytes of [A-Za-z0-9._:-].
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field);
 
 // Missing pool, bad agent_id, or tier not GPU/HOST/DISK -> INVALID_ARGUMENT.
 absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view field);
-void PoolToProto(const PoolKey& pool, v1::PoolRef* out);
 
 // Field "spec". Unknown attention or dtype, or impossible geometry -> INVALID_ARGUMENT.
 // page_size_tokens 0 becomes kDefaultPageSizeTokens.
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec);
-void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out);
 
 // A prompt as the namespace's chained page hashes.
 struct ResolvedPrompt {
