@@ -241,6 +241,34 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   return bytes;
 }
 
+bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
+  std::optional<PoolId> host = budget_.Find(PoolKey{budget_.key(gpu).agent_id, Tier::kHost});
+  if (!host.has_value()) return false;
+  // The node and the ancestors the host pool lacks: a suffix of the path, since the host
+  // pool is prefix-closed.
+  std::vector<RadixNode*> chain;
+  uint64_t need = 0;
+  for (RadixNode* n = node; !n->is_root() && n->FindReplica(*host) == nullptr; n = n->parent) {
+    chain.push_back(n);
+    need += NodeBytes(n);
+  }
+  if (chain.empty()) return true;  // already has a host copy
+  if (need > budget_.capacity(*host)) return false;
+  if (const uint64_t shortfall = budget_.Shortfall(*host, need); shortfall > 0) {
+    PinPath(node);  // the path's host pages must stay while the host pool makes room
+    const bool room = budget_.evictable(*host) >= shortfall;
+    if (room) EvictLocked(*host, shortfall);  // host victims leave: only GPU pools demote
+    UnpinPath(node);
+    if (!room) return false;
+  }
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    RadixNode* n = *it;
+    AddReplica(n, *host, std::vector<BlockId>(n->size(), kPendingBlock));
+    Emit(CacheEvent::Kind::kStored, *OwnerOf(n), *host, n->pages);
+  }
+  return true;
+}
+
 EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
   EvictResult result;
   const absl::Time now = clock_->Now();
@@ -255,6 +283,11 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
       if (pages_needed < node->size()) {
         SplitNode(node, node->size() - static_cast<uint32_t>(pages_needed));
       }
+    }
+    if (policy_->demotes_to_host() && budget_.key(pool).tier == Tier::kGpu &&
+        DemoteToHost(node, pool)) {
+      result.demoted_pages += node->size();
+      counters_.demoted_pages += node->size();
     }
     result.evicted_pages += node->size();
     result.evicted_bytes += EvictReplica(node, pool, now);

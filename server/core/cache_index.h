@@ -123,6 +123,8 @@ struct InsertOptions {
 struct EvictResult {
   uint64_t evicted_bytes = 0;
   uint64_t evicted_pages = 0;
+  // Of the evicted pages, those that moved to the agent's HOST pool instead of leaving.
+  uint64_t demoted_pages = 0;
 };
 
 struct NamespaceStats {
@@ -145,6 +147,7 @@ struct IndexCounters {
   uint64_t inserted_pages = 0;  // page-locations added
   uint64_t evicted_pages = 0;   // page-locations removed by eviction
   uint64_t evicted_bytes = 0;
+  uint64_t demoted_pages = 0;  // evicted from a GPU pool into the agent's HOST pool
   uint64_t pins_taken = 0;
   uint64_t pins_released = 0;
   uint64_t lease_expiries = 0;
@@ -267,6 +270,11 @@ class CacheIndex {
   // Returns the bytes freed.
   uint64_t EvictReplica(RadixNode* node, PoolId pool, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives `node` (a victim in GPU pool `gpu`) a replica in the same agent's HOST pool, with
+  // whatever of its prefix the HOST pool lacks (pools stay prefix-closed), evicting from
+  // the HOST pool to make room. False, changing nothing, when there is no HOST pool or it
+  // cannot make room. New host blocks are kPendingBlock until the agent reports them.
+  bool DemoteToHost(RadixNode* node, PoolId gpu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts at least `bytes` from `pool` in policy order.
   // REQUIRES: budget_.evictable(pool) >= bytes.
   EvictResult EvictLocked(PoolId pool, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

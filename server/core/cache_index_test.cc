@@ -599,6 +599,59 @@ TEST_F(CacheIndexTest, CostAwareRemembersReuseAcrossAnEviction) {
   EXPECT_EQ(MustMatch(Prompt({6}), {.probe = true}).matched_pages, 0u);
 }
 
+TEST_F(CacheIndexTest, CostAwareDemotesToTheAgentsHostPool) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 10 * bpp_).ok());
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({1, 2}), gpu0_);  // [1] -> [2]
+  MustInsert(Prompt({5}), gpu0_);
+  MustMatch(Prompt({5}));  // [5] is reused; leaf [2] goes first
+  InsertResult r = MustInsert(Prompt({7}), gpu0_);
+  EXPECT_EQ(r.evicted_bytes, bpp_);
+
+  // [2] moved to the host pool, with the prefix [1] the host pool lacked.
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(Pool(s, host).used_bytes, 2 * bpp_);
+  EXPECT_EQ(Pool(s, gpu0_).used_bytes, 3 * bpp_);
+  EXPECT_EQ(s.counters.demoted_pages, 1u);
+  MatchResult m = MustMatch(Prompt({1, 2}), {.probe = true});
+  ASSERT_EQ(m.matched_pages, 2u);
+  ASSERT_EQ(m.segments.size(), 2u);
+  EXPECT_EQ(m.segments[0].replicas.size(), 2u);  // [1]: GPU and host
+  ASSERT_EQ(m.segments[1].replicas.size(), 1u);  // [2]: host only, block not yet known
+  EXPECT_EQ(*m.segments[1].replicas[0].pool, host);
+  EXPECT_THAT(m.segments[1].replicas[0].block_ids, ElementsAre(kPendingBlock));
+}
+
+TEST_F(CacheIndexTest, LruBaselineNeverDemotes) {
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 1 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 10 * bpp_).ok());
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({2}), gpu0_);
+  EXPECT_EQ(Pool(index_->Stats(), host).used_bytes, 0u);
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+}
+
+TEST_F(CacheIndexTest, DemotionNeedsRoomOrDropsThePage) {
+  for (const char* policy : {"lru", "cost"}) {
+    SCOPED_TRACE(policy);
+    Reset(CacheIndexOptions{.policy = policy});
+    const PoolKey host{"gpu-0", Tier::kHost};
+    ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 1 * bpp_).ok());
+    ASSERT_TRUE(index_->SetPoolCapacity(host, 1 * bpp_).ok());
+    MustInsert(Prompt({9}), host);
+    MatchResult pin = MustMatch(Prompt({9}), {.pin = true});  // the host pool is all pinned
+    MustInsert(Prompt({1}), gpu0_);
+    MustInsert(Prompt({2}), gpu0_);  // evicts [1]: lru drops it; cost finds no host room
+    EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+    EXPECT_EQ(index_->Stats().counters.demoted_pages, 0u);
+    ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+  }
+}
+
 // An oracle that knows nothing: every page is needed again "soon", by hash order. Enough
 // for "opt" to run in tests that are not about its choices.
 class HashOrderOracle final : public NextUseOracle {

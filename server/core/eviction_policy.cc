@@ -66,6 +66,7 @@ class CostAwarePolicy final : public EvictionPolicy {
       : reuse_credit_s_(absl::ToDoubleSeconds(reuse_credit)) {}
   absl::string_view name() const override { return "cost"; }
   bool trims_nodes() const override { return true; }
+  bool demotes_to_host() const override { return true; }
 
  protected:
   double Score(const RadixNode& node) const override {

@@ -65,6 +65,10 @@ class EvictionPolicy {
   // SGLang's RadixCache does.
   virtual bool trims_nodes() const { return false; }
 
+  // Whether a page evicted from a GPU pool first moves to its agent's HOST pool, when the
+  // agent has one (CacheIndex::EvictLocked).
+  virtual bool demotes_to_host() const { return false; }
+
   // (node, pool) became a candidate / stopped being one.
   void Add(RadixNode* node, PoolId pool) { SetOf(pool).insert(KeyOf(node)); }
   void Remove(RadixNode* node, PoolId pool) { SetOf(pool).erase(KeyOf(node)); }

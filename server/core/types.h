@@ -48,6 +48,10 @@ using PoolId = uint32_t;
 // Block id of a page inside its pool (an index into the agent's block array).
 using BlockId = uint32_t;
 
+// Block id of a page the manager has moved to a tier (a demotion) whose agent has not yet
+// reported where it put it.
+inline constexpr BlockId kPendingBlock = 0xFFFFFFFF;
+
 }  // namespace kvcm
 
 #endif  // KVCM_SERVER_CORE_TYPES_H_

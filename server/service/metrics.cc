@@ -148,6 +148,8 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
             "Prompt tokens whose prefill the cache saved (matched tokens).", c.matched_tokens);
     counter("kvcm_pages_inserted_total", "Page-locations added by Insert.", c.inserted_pages);
     counter("kvcm_pages_evicted_total", "Page-locations removed by eviction.", c.evicted_pages);
+    counter("kvcm_pages_demoted_total", "Pages evicted from a GPU pool into its agent's HOST pool.",
+            c.demoted_pages);
     counter("kvcm_evicted_bytes_total", "Bytes freed by eviction.", c.evicted_bytes);
     counter("kvcm_eviction_regret_pages_total",
             "Evicted pages requested again within the regret window.", c.eviction_regret_pages);

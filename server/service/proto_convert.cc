@@ -356,6 +356,7 @@ absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req) {
 void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out) {
   out->set_evicted_bytes(result.evicted_bytes);
   out->set_evicted_pages(result.evicted_pages);
+  out->set_demoted_pages(result.demoted_pages);
 }
 
 void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::StatsResponse* out) {
@@ -385,6 +386,7 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   pc->set_matched_pages(c.matched_pages);
   pc->set_inserted_pages(c.inserted_pages);
   pc->set_evicted_pages(c.evicted_pages);
+  pc->set_demoted_pages(c.demoted_pages);
   pc->set_evicted_bytes(c.evicted_bytes);
   pc->set_pins_taken(c.pins_taken);
   pc->set_pins_released(c.pins_released);
