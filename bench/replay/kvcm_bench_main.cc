@@ -65,6 +65,9 @@ ABSL_FLAG(double, prefill_tokens_per_s, 10000,
           "Prefill throughput of one GPU (tokens/s): the cost of an uncached token.");
 ABSL_FLAG(double, decode_ms_per_token, 20, "Decode time per output token (ms).");
 ABSL_FLAG(double, link_gbps, 400, "GPU-to-GPU transfer bandwidth (Gbit/s), global mode.");
+ABSL_FLAG(double, host_capacity, 0,
+          "HOST-tier pool per GPU agent, as a fraction of the distinct pages like "
+          "--capacities (0: none). Only demoting policies (cost) use it.");
 ABSL_FLAG(double, reuse_credit_s, 40,
           "cost policy: seconds of recency one reuse of a page is worth (CacheIndexOptions::"
           "reuse_credit).");
@@ -321,6 +324,7 @@ int Main(int argc, char** argv) {
   base.link_gbps = absl::GetFlag(FLAGS_link_gbps);
   base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
   base.reuse_credit = absl::Seconds(absl::GetFlag(FLAGS_reuse_credit_s));
+  base.host_capacity_fraction = absl::GetFlag(FLAGS_host_capacity);
 
   std::printf("kvcm-bench%s: %s\n", smoke ? " --smoke" : "", MachineSummary().c_str());
   absl::PrintF(

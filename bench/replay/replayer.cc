@@ -132,6 +132,15 @@ class ReplayRun {
             !s.ok()) {
           return s;
         }
+        if (options_.host_capacity_fraction > 0) {
+          const double host = options_.host_capacity_fraction / options_.capacity_fraction *
+                              static_cast<double>(result_.capacity_bytes_per_gpu);
+          const PoolKey host_pool{pools_[g].agent_id, Tier::kHost};
+          if (absl::Status s = (*index)->SetPoolCapacity(host_pool, static_cast<uint64_t>(host));
+              !s.ok()) {
+            return s;
+          }
+        }
       }
       raw_indexes_.push_back(index->get());
       indexes_.push_back(std::move(*index));
@@ -298,6 +307,9 @@ absl::Status ReplayOptions::Validate() const {
     return absl::InvalidArgumentError("capacity_fraction must be a positive number");
   }
   if (gpus < 1) return absl::InvalidArgumentError("gpus must be at least 1");
+  if (!std::isfinite(host_capacity_fraction) || host_capacity_fraction < 0) {
+    return absl::InvalidArgumentError("host_capacity_fraction must not be negative");
+  }
   if (!positive(prefill_tokens_per_s)) {
     return absl::InvalidArgumentError("prefill_tokens_per_s must be positive");
   }
