@@ -66,6 +66,8 @@ ABSL_FLAG(uint32_t, max_event_queue, kDefaults.max_event_queue,
           "Events a WatchEvents subscriber may have queued before it is dropped.");
 ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
           "How long shutdown waits for in-flight calls, in milliseconds.");
+ABSL_FLAG(uint32_t, agent_heartbeat_timeout_ms, kDefaults.agent_heartbeat_timeout_ms,
+          "An agent silent for longer than this is reported gone, in milliseconds.");
 
 namespace {
 

@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/agent_control_service.h"
 #include "server/service/status_macros.h"
 
 namespace kvcm {
@@ -166,11 +167,12 @@ class CacheManagerService::WatchEventsReactor final
 };
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                                         RequestLimits limits)
+                                         RequestLimits limits, const AgentRegistry* agents)
     : index_(index),
       hub_(hub),
       metrics_(metrics),
       limits_(limits),
+      agents_(agents),
       error_log_(kFailureLogLines, kFailureLogPeriod) {}
 
 template <typename Body>
@@ -288,6 +290,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext
                                                      v1::StatsResponse* resp) {
   return Unary(ctx, Rpc::kStats, [&]() -> absl::Status {
     StatsToProto(index_->Stats(), limits_, resp);
+    if (agents_ != nullptr) AgentsToProto(agents_->Snapshot(), resp);
     return absl::OkStatus();
   });
 }

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
+#include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/event_hub.h"
 #include "server/service/log.h"
@@ -28,9 +29,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
-  // None of the pointers is owned; all must outlive the service.
+  // None of the pointers is owned; all must outlive the service. Stats lists the agents of
+  // `agents` when it is not null.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                      RequestLimits limits);
+                      RequestLimits limits, const AgentRegistry* agents = nullptr);
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -69,6 +71,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   EventHub* const hub_;
   ServiceMetrics* const metrics_;
   const RequestLimits limits_;
+  const AgentRegistry* const agents_;
   LogRateLimiter error_log_;
 };
 

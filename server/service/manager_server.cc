@@ -48,14 +48,18 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
   EventHub* hub = s->hub_.get();
   s->index_->SetEventListener([hub](const CacheEvent& event) { hub->Publish(event); });
-  s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub);
+  s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
+                                               absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
+  s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get());
   RequestLimits limits;
   limits.max_tokens_per_request = opts.max_tokens_per_request;
   limits.max_pages_per_request = opts.max_pages_per_request;
   limits.max_lease_ttl_ms = opts.max_lease_ttl_ms;
   limits.default_lease_ttl_ms = opts.default_lease_ttl_ms;
-  s->service_ =
-      std::make_unique<CacheManagerService>(s->index_.get(), hub, s->metrics_.get(), limits);
+  s->service_ = std::make_unique<CacheManagerService>(s->index_.get(), hub, s->metrics_.get(),
+                                                      limits, s->agents_.get());
+  s->agent_service_ =
+      std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(), s->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -66,6 +70,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes));
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->agent_service_.get());
   s->server_ = builder.BuildAndStart();
   const bool is_unix = absl::StartsWith(opts.listen_address, "unix:");
   if (s->server_ == nullptr || (!is_unix && s->port_ == 0)) {
@@ -78,6 +83,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   if (grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService()) {
     health->SetServingStatus(true);
     health->SetServingStatus(v1::CacheManager::service_full_name(), true);
+    health->SetServingStatus(v1::AgentControl::service_full_name(), true);
   }
 
   if (!opts.metrics_address.empty()) {

@@ -1,5 +1,6 @@
 // ManagerServer: a running kvcm-manager. Owns the CacheIndex, the EventHub fed by the
-// index's event listener, the metrics, the CacheManager gRPC server (with health checking
+// index's event listener, the AgentRegistry, the metrics, the gRPC server of CacheManager
+// and AgentControl (with health checking
 // and reflection), the optional Prometheus exposer, and the lease-sweep thread.
 //
 // Used by server/main.cc and by tests (listen_address "127.0.0.1:0", metrics_address
@@ -18,7 +19,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/service/agent_control_service.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
@@ -53,6 +56,7 @@ class ManagerServer {
 
   const ServerOptions& options() const { return options_; }
   CacheIndex& index() { return *index_; }
+  AgentRegistry& agents() { return *agents_; }
   ServiceMetrics& metrics() { return *metrics_; }
 
   // Ends every WatchEvents stream, stops accepting calls, lets in-flight calls finish for
@@ -71,7 +75,9 @@ class ManagerServer {
   std::unique_ptr<CacheIndex> index_;
   std::unique_ptr<EventHub> hub_;
   std::unique_ptr<ServiceMetrics> metrics_;
+  std::unique_ptr<AgentRegistry> agents_;
   std::unique_ptr<CacheManagerService> service_;
+  std::unique_ptr<AgentControlService> agent_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;

@@ -75,6 +75,10 @@ absl::string_view RpcName(Rpc rpc) {
       return "Stats";
     case Rpc::kWatchEvents:
       return "WatchEvents";
+    case Rpc::kRegisterAgent:
+      return "RegisterAgent";
+    case Rpc::kHeartbeat:
+      return "Heartbeat";
   }
   return "unknown";
 }
@@ -85,7 +89,8 @@ absl::string_view KvcmVersion() { return KVCM_VERSION; }
 // index; nothing here is cached.
 class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
  public:
-  IndexCollector(const CacheIndex* index, const EventHub* hub) : index_(index), hub_(hub) {}
+  IndexCollector(const CacheIndex* index, const EventHub* hub, const AgentRegistry* agents)
+      : index_(index), hub_(hub), agents_(agents) {}
 
   std::vector<MetricFamily> Collect() const override {
     const IndexStats stats = index_->Stats();
@@ -172,6 +177,18 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     counter("kvcm_watch_overflows_total",
             "WatchEvents streams ended because the subscriber fell behind.", hub_->overflows());
 
+    if (agents_ != nullptr) {
+      const AgentCounts a = agents_->Counts();
+      MetricFamily by_state =
+          Family("kvcm_agents",
+                 "Registered agents by liveness (gone: no heartbeat within the timeout).", kGauge);
+      AddSample(&by_state, {{"state", "alive"}}, static_cast<double>(a.alive));
+      AddSample(&by_state, {{"state", "gone"}}, static_cast<double>(a.gone));
+      out.push_back(std::move(by_state));
+      counter("kvcm_agent_heartbeats_total", "Heartbeats accepted from agents.",
+              a.heartbeats_total);
+    }
+
     MetricFamily build =
         Family("kvcm_build_info", "Version and eviction policy; always 1.", kGauge);
     AddSample(&build, {{"policy", stats.policy}, {"version", std::string(KvcmVersion())}}, 1.0);
@@ -182,19 +199,22 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
  private:
   const CacheIndex* const index_;
   const EventHub* const hub_;
+  const AgentRegistry* const agents_;
 };
 
-ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub)
+ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
+                               const AgentRegistry* agents)
     : registry_(std::make_shared<prometheus::Registry>()),
-      index_collector_(std::make_shared<IndexCollector>(index, hub)) {
+      index_collector_(std::make_shared<IndexCollector>(index, hub, agents)) {
   requests_ = &prometheus::BuildCounter()
                    .Name("kvcm_rpc_requests_total")
-                   .Help("Finished CacheManager calls by rpc and status code.")
+                   .Help("Finished CacheManager and AgentControl calls by rpc and status code.")
                    .Register(*registry_);
-  durations_ = &prometheus::BuildHistogram()
-                    .Name("kvcm_rpc_duration_seconds")
-                    .Help("Server-side time of unary CacheManager calls, decode to reply.")
-                    .Register(*registry_);
+  durations_ =
+      &prometheus::BuildHistogram()
+           .Name("kvcm_rpc_duration_seconds")
+           .Help("Server-side time of unary CacheManager and AgentControl calls, decode to reply.")
+           .Register(*registry_);
   for (int i = 0; i < kNumRpcs; ++i) {
     const Rpc rpc = static_cast<Rpc>(i);
     if (rpc != Rpc::kWatchEvents) {

@@ -2,8 +2,8 @@
 //
 // ServiceMetrics owns a prometheus::Registry with the RPC metrics, plus a Collectable that
 // snapshots CacheIndex::Stats() at scrape time (pool bytes, namespace sizes, the index's
-// counters, hit ratio, build info). It never creates an HTTP exposer: ManagerServer does,
-// and registers collectables() with it. Thread-safe.
+// counters, hit ratio, build info) and the AgentRegistry (agents alive/gone, heartbeats). It never
+// creates an HTTP exposer: ManagerServer does, and registers collectables() with it. Thread-safe.
 #ifndef KVCM_SERVER_SERVICE_METRICS_H_
 #define KVCM_SERVER_SERVICE_METRICS_H_
 
@@ -21,12 +21,13 @@
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/event_hub.h"
 
 namespace kvcm {
 
-// The CacheManager RPCs, as the `rpc` label of the RPC metrics.
+// The CacheManager and AgentControl RPCs, as the `rpc` label of the RPC metrics.
 enum class Rpc : int {
   kRegisterModel,
   kMatch,
@@ -38,8 +39,11 @@ enum class Rpc : int {
   kUnreserve,
   kStats,
   kWatchEvents,
+  // AgentControl.
+  kRegisterAgent,
+  kHeartbeat,
 };
-inline constexpr int kNumRpcs = 10;
+inline constexpr int kNumRpcs = 12;
 absl::string_view RpcName(Rpc rpc);
 
 // Version reported by kvcm_build_info.
@@ -47,8 +51,10 @@ absl::string_view KvcmVersion();
 
 class ServiceMetrics {
  public:
-  // `index` and `hub` must outlive every scrape of collectables(); not owned.
-  ServiceMetrics(const CacheIndex* index, const EventHub* hub);
+  // `index`, `hub` and `agents` (when not null) must outlive every scrape of
+  // collectables(); not owned. Without `agents` the agent metrics are absent.
+  ServiceMetrics(const CacheIndex* index, const EventHub* hub,
+                 const AgentRegistry* agents = nullptr);
   ~ServiceMetrics();
   ServiceMetrics(const ServiceMetrics&) = delete;
   ServiceMetrics& operator=(const ServiceMetrics&) = delete;

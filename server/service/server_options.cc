@@ -46,6 +46,7 @@ const std::vector<Field>& Fields() {
       {"hash_secret_hex", &ServerOptions::hash_secret_hex},
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
+      {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
   };
   return *kFields;
 }
@@ -111,6 +112,7 @@ absl::Status ServerOptions::Validate() const {
                                                    hash_secret_hex.size(), " characters"));
   }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
+  if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
   return absl::OkStatus();
 }
 

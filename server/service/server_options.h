@@ -53,6 +53,9 @@ struct ServerOptions {
   uint32_t max_event_queue = 4'096;
   // How long Shutdown lets in-flight RPCs finish before cancelling them. 0 cancels at once.
   uint32_t shutdown_grace_ms = 5'000;
+  // An agent with no Register/Heartbeat for longer than this is reported gone (Stats,
+  // kvcm_agents{state="gone"}). >= 1.
+  uint32_t agent_heartbeat_timeout_ms = 10'000;
 
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;

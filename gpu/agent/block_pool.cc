@@ -1,0 +1,89 @@
+#include "gpu/agent/block_pool.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm {
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(
+    PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend) {
+  if (absl::Status s = geometry.Validate(); !s.ok()) return s;
+  if (backend == nullptr) return absl::InvalidArgumentError("backend is required");
+  if (backend->arena_bytes() < geometry.pool_bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend arena of ", backend->arena_bytes(),
+                     " bytes is smaller than the pool's ", geometry.pool_bytes(), " bytes (",
+                     geometry.num_blocks, " blocks of ", geometry.bytes_per_block(), ")"));
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(std::move(geometry), std::move(backend)));
+}
+
+BlockPool::BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend)
+    : geometry_(std::move(geometry)),
+      bytes_per_block_(geometry_.bytes_per_block()),
+      backend_(std::move(backend)) {
+  const BlockId n = static_cast<BlockId>(geometry_.num_blocks);
+  free_.reserve(n);
+  // Pushed in reverse so the first allocations return 0, 1, 2, ...
+  for (BlockId id = n; id > 0; --id) free_.push_back(id - 1);
+  owner_.assign(n, 0);
+}
+
+absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch) {
+  if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
+  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
+  absl::MutexLock lock(&mu_);
+  if (count > free_.size()) {
+    return absl::ResourceExhaustedError(absl::StrCat("asked for ", count, " blocks, ", free_.size(),
+                                                     " of ", owner_.size(), " are free"));
+  }
+  std::vector<BlockId> out(free_.end() - count, free_.end());
+  free_.resize(free_.size() - count);
+  for (BlockId id : out) owner_[id] = owner_epoch;
+  return out;
+}
+
+absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch) {
+  if (ids.empty()) return absl::InvalidArgumentError("block_ids must not be empty");
+  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
+  std::vector<BlockId> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("block_ids lists block ", *dup, " twice"));
+  }
+  absl::MutexLock lock(&mu_);
+  for (BlockId id : ids) {
+    if (id >= owner_.size()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("block ", id, " is past the pool of ", owner_.size(), " blocks"));
+    }
+    if (owner_[id] == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("block ", id, " is not allocated (double free?)"));
+    }
+    if (owner_[id] != owner_epoch) {
+      return absl::AbortedError(absl::StrCat("block ", id, " belongs to owner epoch ", owner_[id],
+                                             ", not ", owner_epoch));
+    }
+  }
+  for (BlockId id : ids) {
+    owner_[id] = 0;
+    free_.push_back(id);
+  }
+  return absl::OkStatus();
+}
+
+BlockPoolStats BlockPool::Stats() const {
+  absl::MutexLock lock(&mu_);
+  BlockPoolStats s;
+  s.num_blocks = owner_.size();
+  s.free_blocks = free_.size();
+  s.bytes_per_block = bytes_per_block_;
+  s.capacity_bytes = s.num_blocks * bytes_per_block_;
+  s.used_bytes = (s.num_blocks - s.free_blocks) * bytes_per_block_;
+  return s;
+}
+
+}  // namespace kvcm

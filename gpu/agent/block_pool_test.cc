@@ -1,0 +1,237 @@
+#include "gpu/agent/block_pool.h"
+
+#include <random>
+#include <set>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/core/model_catalog.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+ModelSpec DeepSeekV3(KvDtype dtype = KvDtype::kBf16) {
+  absl::StatusOr<ModelSpec> spec = FindModel("deepseek-v3", dtype);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return *spec;
+}
+
+// A small GQA spec: 2 layers, 4 kv heads of 8, page of 4 tokens, bf16.
+ModelSpec SmallGqa() {
+  ModelSpec s;
+  s.attention = AttentionKind::kGqa;
+  s.num_layers = 2;
+  s.num_heads = 8;
+  s.num_kv_heads = 4;
+  s.head_dim = 8;
+  s.dtype = KvDtype::kBf16;
+  s.page_size_tokens = 4;
+  return s;
+}
+
+std::unique_ptr<BlockPool> MakePool(const ModelSpec& spec, uint64_t blocks) {
+  PoolGeometry g{spec, blocks};
+  EXPECT_TRUE(g.Validate().ok()) << g.Validate();
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes());
+  EXPECT_TRUE(host.ok());
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(g, *std::move(host));
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return *std::move(pool);
+}
+
+uint64_t Product(const BlockLayout& l) {
+  uint64_t p = l.element_bytes;
+  for (uint64_t d : l.shape) p *= d;
+  return p;
+}
+
+TEST(PoolGeometryTest, MlaBf16BlockIsOnePageOfEveryLayer) {
+  PoolGeometry g{DeepSeekV3(), 8};
+  ASSERT_TRUE(g.Validate().ok());
+  // 576 bf16 elements per token per layer, 61 layers, 64 tokens a page.
+  EXPECT_EQ(g.bytes_per_block(), 1152u * 61 * 64);
+  EXPECT_EQ(g.bytes_per_block(), g.spec.BytesPerPage());
+  const BlockLayout l = g.Layout();
+  EXPECT_THAT(l.shape, ElementsAre(8, 61, 64, 576));
+  EXPECT_EQ(l.element_bytes, 2u);
+  EXPECT_EQ(Product(l), g.pool_bytes());
+}
+
+TEST(PoolGeometryTest, FlashMlaFp8Is656BytesPerTokenPerLayer) {
+  PoolGeometry g{DeepSeekV3(KvDtype::kFp8), 2};
+  ASSERT_TRUE(g.Validate().ok());
+  EXPECT_EQ(g.bytes_per_block(), 656u * 61 * 64);
+  EXPECT_THAT(g.Layout().shape, ElementsAre(2, 61, 64, 656));
+  EXPECT_EQ(Product(g.Layout()), g.pool_bytes());
+}
+
+TEST(PoolGeometryTest, GqaIsKThenVPerKvHead) {
+  PoolGeometry g{SmallGqa(), 3};
+  ASSERT_TRUE(g.Validate().ok());
+  EXPECT_EQ(g.bytes_per_block(), 2u * 4 * 8 * 2 * 2 * 4);  // K+V, heads, dim, bf16, layers, page
+  EXPECT_THAT(g.Layout().shape, ElementsAre(3, 2, 2, 4, 4, 8));
+  EXPECT_EQ(Product(g.Layout()), g.pool_bytes());
+  absl::StatusOr<ModelSpec> llama = FindModel("llama-3-70b");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  PoolGeometry l{*llama, 1};
+  EXPECT_THAT(l.Layout().shape, ElementsAre(1, 80, 2, 8, 64, 128));
+  EXPECT_EQ(Product(l.Layout()), l.pool_bytes());
+}
+
+TEST(PoolGeometryTest, BadGeometryIsInvalidArgumentNamingTheField) {
+  PoolGeometry g{SmallGqa(), 0};
+  EXPECT_EQ(g.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(g.Validate().message(), HasSubstr("geometry.num_blocks"));
+  g.num_blocks = PoolGeometry::kMaxBlocks + 1;
+  EXPECT_THAT(g.Validate().message(), HasSubstr("geometry.num_blocks"));
+  g.num_blocks = 1;
+  g.spec.num_kv_heads = 3;  // does not divide 8 heads
+  EXPECT_EQ(g.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(g.Validate().message(), HasSubstr("geometry.spec.num_kv_heads"));
+  g.spec = SmallGqa();
+  g.spec.num_layers = 0;
+  EXPECT_THAT(g.Validate().message(), HasSubstr("geometry.spec.num_layers"));
+
+  absl::StatusOr<PoolGeometry> tiny = PoolGeometry::ForCapacity(SmallGqa(), 100);
+  EXPECT_EQ(tiny.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tiny.status().message(), HasSubstr("capacity_bytes"));
+  absl::StatusOr<PoolGeometry> fit = PoolGeometry::ForCapacity(SmallGqa(), 3 * 1024 + 1023);
+  ASSERT_TRUE(fit.ok());
+  EXPECT_EQ(fit->num_blocks, 3u);
+}
+
+TEST(BlockPoolTest, ArenaSmallerThanThePoolIsRefused) {
+  PoolGeometry g{SmallGqa(), 4};
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes() - 1);
+  ASSERT_TRUE(host.ok());
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(g, *std::move(host));
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pool.status().message(), HasSubstr("arena"));
+}
+
+TEST(BlockPoolTest, ExactByteAccounting) {
+  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 10);
+  const uint64_t per_block = pool->geometry().bytes_per_block();
+  BlockPoolStats s = pool->Stats();
+  EXPECT_EQ(s.num_blocks, 10u);
+  EXPECT_EQ(s.free_blocks, 10u);
+  EXPECT_EQ(s.capacity_bytes, 10 * per_block);
+  EXPECT_EQ(s.used_bytes, 0u);
+  absl::StatusOr<std::vector<BlockId>> a = pool->Allocate(3, 1);
+  ASSERT_TRUE(a.ok());
+  EXPECT_THAT(*a, ElementsAre(2, 1, 0));
+  EXPECT_EQ(pool->Stats().used_bytes, 3 * per_block);
+  EXPECT_EQ(pool->Stats().free_blocks, 7u);
+  EXPECT_EQ(pool->Allocate(8, 1).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool->Stats().used_bytes, 3 * per_block) << "a refused Allocate takes nothing";
+  ASSERT_TRUE(pool->Allocate(7, 2).ok());
+  EXPECT_EQ(pool->Stats().used_bytes, 10 * per_block);
+  EXPECT_EQ(pool->Stats().free_blocks, 0u);
+  ASSERT_TRUE(pool->Free(std::vector<BlockId>{1}, 1).ok());
+  EXPECT_EQ(pool->Stats().used_bytes, 9 * per_block);
+  EXPECT_EQ(pool->BlockOffset(3), 3 * per_block);
+}
+
+TEST(BlockPoolTest, DoubleFreeForeignEpochAndBadIdsAreRefusedAllOrNothing) {
+  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 4);
+  absl::StatusOr<std::vector<BlockId>> a = pool->Allocate(2, 7);
+  ASSERT_TRUE(a.ok());
+  const BlockId x = (*a)[0];
+  const BlockId y = (*a)[1];
+  EXPECT_EQ(pool->Free(std::vector<BlockId>{x, y}, 8).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(pool->Free(std::vector<BlockId>{x, 4}, 7).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(pool->Free(std::vector<BlockId>{x, x}, 7).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Free({}, 7).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Free(std::vector<BlockId>{x}, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Stats().free_blocks, 2u) << "refused frees change nothing";
+  ASSERT_TRUE(pool->Free(std::vector<BlockId>{x}, 7).ok());
+  absl::Status twice = pool->Free(std::vector<BlockId>{x, y}, 7);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(twice.message(), HasSubstr("double free"));
+  EXPECT_EQ(pool->Stats().free_blocks, 3u) << "y must still be allocated";
+  EXPECT_TRUE(pool->Free(std::vector<BlockId>{y}, 7).ok());
+  EXPECT_EQ(pool->Allocate(0, 7).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Allocate(1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Randomised alloc/free against a model: a block is never handed out twice, and every
+// block's bytes (tagged with its owner on allocation) survive other blocks' traffic.
+TEST(BlockPoolTest, RandomisedNeverHandsOutABlockTwice) {
+  constexpr uint64_t kBlocks = 64;
+  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), kBlocks);
+  const uint64_t per_block = pool->geometry().bytes_per_block();
+  std::mt19937 rng(1234);
+  std::set<BlockId> held;
+  for (int step = 0; step < 5000; ++step) {
+    if (rng() % 2 == 0) {
+      const uint32_t n = 1 + rng() % 8;
+      absl::StatusOr<std::vector<BlockId>> got = pool->Allocate(n, 1);
+      if (n > kBlocks - held.size()) {
+        ASSERT_EQ(got.status().code(), absl::StatusCode::kResourceExhausted);
+        continue;
+      }
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->size(), n);
+      for (BlockId id : *got) {
+        ASSERT_LT(id, kBlocks);
+        ASSERT_TRUE(held.insert(id).second) << "block " << id << " handed out twice";
+        std::vector<std::byte> tag(per_block, std::byte(id));
+        ASSERT_TRUE(pool->backend().CopyIn(pool->BlockOffset(id), tag).ok());
+      }
+    } else if (!held.empty()) {
+      std::vector<BlockId> give;
+      for (BlockId id : held) {
+        if (rng() % 3 == 0) give.push_back(id);
+      }
+      if (give.empty()) give.push_back(*held.begin());
+      for (BlockId id : give) {
+        std::vector<std::byte> back(per_block);
+        ASSERT_TRUE(pool->backend().CopyOut(pool->BlockOffset(id), back).ok());
+        ASSERT_EQ(back.front(), std::byte(id));
+        ASSERT_EQ(back.back(), std::byte(id));
+      }
+      ASSERT_TRUE(pool->Free(give, 1).ok());
+      for (BlockId id : give) held.erase(id);
+    }
+    ASSERT_EQ(pool->Stats().free_blocks, kBlocks - held.size());
+    ASSERT_EQ(pool->Stats().used_bytes, held.size() * per_block);
+  }
+}
+
+TEST(DeviceBackendTest, HostBackendChecksRanges) {
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(16);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ((*host)->name(), "host");
+  EXPECT_FALSE((*host)->is_device());
+  std::vector<std::byte> buf(8);
+  EXPECT_TRUE((*host)->CopyIn(8, buf).ok());
+  EXPECT_EQ((*host)->CopyIn(9, buf).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ((*host)->CopyOut(~uint64_t{0}, buf).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(CreateHostBackend(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Without a GPU (every CI machine), CreateBackend must fall back to the host and say why.
+TEST(DeviceBackendTest, CreateBackendFallsBackToHostWithoutADevice) {
+  absl::StatusOr<BackendChoice> forced = CreateBackend({.arena_bytes = 64, .allow_device = false});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_EQ(forced->backend->name(), "host");
+  EXPECT_THAT(forced->reason, HasSubstr("host"));
+  absl::StatusOr<BackendChoice> any = CreateBackend({.arena_bytes = 64});
+  ASSERT_TRUE(any.ok()) << any.status();
+#ifdef KVCM_CUDA_ENABLED
+  absl::StatusOr<int> count = CudaDeviceCount();
+  if (count.ok() && *count > 0) {
+    EXPECT_TRUE(any->backend->is_device());
+    GTEST_SKIP() << "a CUDA device is present; the fallback is not exercised";
+  }
+#endif
+  EXPECT_EQ(any->backend->name(), "host");
+  EXPECT_THAT(any->reason, HasSubstr("host DRAM"));
+}
+
+}  // namespace
+}  // namespace kvcm

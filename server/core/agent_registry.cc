@@ -1,0 +1,97 @@
+#include "server/core/agent_registry.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm {
+namespace {
+
+absl::Status StaleEpoch(absl::string_view agent_id, uint64_t epoch, uint64_t known) {
+  return absl::AbortedError(absl::StrCat("agent ", agent_id, ": epoch ", epoch,
+                                         " is stale, the registered epoch is ", known));
+}
+
+}  // namespace
+
+AgentRegistry::AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout)
+    : clock_(clock), heartbeat_timeout_(heartbeat_timeout) {}
+
+absl::Status AgentRegistry::CheckEpoch(absl::string_view agent_id, uint64_t epoch) const {
+  absl::MutexLock lock(&mu_);
+  auto it = agents_.find(agent_id);
+  if (it != agents_.end() && it->second.registration.epoch > epoch) {
+    return StaleEpoch(agent_id, epoch, it->second.registration.epoch);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AgentRegistry::Register(const AgentRegistration& reg) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = agents_.try_emplace(reg.agent_id);
+  Entry& e = it->second;
+  if (!inserted && e.registration.epoch > reg.epoch) {
+    return StaleEpoch(reg.agent_id, reg.epoch, e.registration.epoch);
+  }
+  if (inserted || e.registration.epoch != reg.epoch) {
+    e.used_bytes = 0;
+    e.free_blocks = 0;
+    e.heartbeats = 0;
+  }
+  e.registration = reg;
+  e.last_seen = now;
+  return absl::OkStatus();
+}
+
+absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch,
+                                      uint64_t used_bytes, uint64_t free_blocks) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  auto it = agents_.find(agent_id);
+  if (it == agents_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("agent ", agent_id, " is not registered (register first)"));
+  }
+  Entry& e = it->second;
+  if (e.registration.epoch != epoch) {
+    if (epoch < e.registration.epoch) return StaleEpoch(agent_id, epoch, e.registration.epoch);
+    return absl::AbortedError(absl::StrCat("agent ", agent_id, ": epoch ", epoch,
+                                           " was never registered (registered epoch is ",
+                                           e.registration.epoch, "); register again"));
+  }
+  e.last_seen = now;
+  e.used_bytes = used_bytes;
+  e.free_blocks = free_blocks;
+  ++e.heartbeats;
+  ++heartbeats_total_;
+  return absl::OkStatus();
+}
+
+std::vector<AgentInfo> AgentRegistry::Snapshot() const {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  std::vector<AgentInfo> out;
+  out.reserve(agents_.size());
+  for (const auto& [id, e] : agents_) {
+    AgentInfo& info = out.emplace_back();
+    info.registration = e.registration;
+    info.alive = Alive(e, now);
+    info.last_heartbeat_age = now - e.last_seen;
+    info.used_bytes = e.used_bytes;
+    info.free_blocks = e.free_blocks;
+    info.heartbeats = e.heartbeats;
+  }
+  return out;
+}
+
+AgentCounts AgentRegistry::Counts() const {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  AgentCounts c;
+  for (const auto& [id, e] : agents_) ++(Alive(e, now) ? c.alive : c.gone);
+  c.heartbeats_total = heartbeats_total_;
+  return c;
+}
+
+}  // namespace kvcm

@@ -1,0 +1,104 @@
+// AgentRegistry: the agents the manager knows, their epochs and their liveness.
+//
+// An agent registers with an epoch (its incarnation) and then heartbeats. A registration
+// with a lower epoch than the known one is stale (ABORTED); a higher one replaces the old
+// incarnation. An agent whose last Register/Heartbeat is older than the heartbeat timeout
+// is reported gone; liveness is computed from the clock when asked, so no timer is needed.
+// A gone agent that heartbeats again in the same epoch is alive again.
+//
+// Thread-safe: every method locks mu_.
+#ifndef KVCM_SERVER_CORE_AGENT_REGISTRY_H_
+#define KVCM_SERVER_CORE_AGENT_REGISTRY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/core/clock.h"
+#include "server/core/types.h"
+
+namespace kvcm {
+
+// What an agent says about itself when it registers.
+struct AgentRegistration {
+  std::string agent_id;
+  std::string device;  // "cuda:0", "host"
+  Tier tier = Tier::kGpu;
+  uint64_t epoch = 0;  // >= 1
+  uint64_t capacity_bytes = 0;
+  std::string block_agent_address;
+};
+
+// One agent as reported by Snapshot().
+struct AgentInfo {
+  AgentRegistration registration;
+  bool alive = false;
+  absl::Duration last_heartbeat_age;
+  uint64_t used_bytes = 0;   // from the last heartbeat
+  uint64_t free_blocks = 0;  // from the last heartbeat
+  uint64_t heartbeats = 0;   // received in this epoch
+};
+
+// Totals for metrics.
+struct AgentCounts {
+  uint64_t alive = 0;
+  uint64_t gone = 0;
+  uint64_t heartbeats_total = 0;  // every accepted heartbeat since start, all agents
+};
+
+class AgentRegistry {
+ public:
+  // `clock` is not owned and must outlive the registry. REQUIRES: heartbeat_timeout > 0.
+  AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout);
+  AgentRegistry(const AgentRegistry&) = delete;
+  AgentRegistry& operator=(const AgentRegistry&) = delete;
+
+  // OK when Register(reg) would be accepted: ABORTED when a higher epoch is registered for
+  // reg.agent_id. Lets a caller check before changing other state.
+  absl::Status CheckEpoch(absl::string_view agent_id, uint64_t epoch) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Records (or refreshes) `reg` and counts as a heartbeat of zero usage when the epoch is
+  // new. ABORTED (nothing changed) when a higher epoch is registered.
+  // REQUIRES: reg.epoch >= 1 and a valid agent id (the service validates).
+  absl::Status Register(const AgentRegistration& reg) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // NOT_FOUND for an unknown agent; ABORTED when `epoch` is not the registered epoch.
+  absl::Status Heartbeat(absl::string_view agent_id, uint64_t epoch, uint64_t used_bytes,
+                         uint64_t free_blocks) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Every agent, in agent_id order, with liveness as of now.
+  std::vector<AgentInfo> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  AgentCounts Counts() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
+
+ private:
+  struct Entry {
+    AgentRegistration registration;
+    absl::Time last_seen;
+    uint64_t used_bytes = 0;
+    uint64_t free_blocks = 0;
+    uint64_t heartbeats = 0;
+  };
+
+  bool Alive(const Entry& e, absl::Time now) const {
+    return now - e.last_seen <= heartbeat_timeout_;
+  }
+
+  const Clock* const clock_;
+  const absl::Duration heartbeat_timeout_;
+  mutable absl::Mutex mu_;
+  absl::btree_map<std::string, Entry> agents_ ABSL_GUARDED_BY(mu_);
+  uint64_t heartbeats_total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_AGENT_REGISTRY_H_

@@ -1,0 +1,90 @@
+#include "server/core/agent_registry.h"
+
+#include "gtest/gtest.h"
+#include "server/core/clock.h"
+
+namespace kvcm {
+namespace {
+
+AgentRegistration Reg(const std::string& id, uint64_t epoch) {
+  AgentRegistration r;
+  r.agent_id = id;
+  r.device = "host";
+  r.tier = Tier::kGpu;
+  r.epoch = epoch;
+  r.capacity_bytes = 1 << 20;
+  return r;
+}
+
+TEST(AgentRegistryTest, HeartbeatTimeoutMarksGoneAndHeartbeatRevives) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500));
+  ASSERT_TRUE(registry.Register(Reg("a", 7)).ok());
+  ASSERT_EQ(registry.Snapshot().size(), 1u);
+  EXPECT_TRUE(registry.Snapshot()[0].alive);
+
+  clock.Advance(absl::Milliseconds(400));
+  ASSERT_TRUE(registry.Heartbeat("a", 7, 4096, 3).ok());
+  clock.Advance(absl::Milliseconds(500));
+  EXPECT_TRUE(registry.Snapshot()[0].alive);  // exactly the timeout: still alive
+  clock.Advance(absl::Milliseconds(1));
+  std::vector<AgentInfo> agents = registry.Snapshot();
+  EXPECT_FALSE(agents[0].alive);
+  EXPECT_EQ(agents[0].last_heartbeat_age, absl::Milliseconds(501));
+  EXPECT_EQ(agents[0].used_bytes, 4096u);
+  EXPECT_EQ(agents[0].free_blocks, 3u);
+  EXPECT_EQ(agents[0].heartbeats, 1u);
+  AgentCounts counts = registry.Counts();
+  EXPECT_EQ(counts.alive, 0u);
+  EXPECT_EQ(counts.gone, 1u);
+  EXPECT_EQ(counts.heartbeats_total, 1u);
+
+  ASSERT_TRUE(registry.Heartbeat("a", 7, 0, 4).ok());
+  EXPECT_TRUE(registry.Snapshot()[0].alive);
+  EXPECT_EQ(registry.Counts().alive, 1u);
+}
+
+TEST(AgentRegistryTest, StaleEpochIsAbortedAndChangesNothing) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Seconds(1));
+  ASSERT_TRUE(registry.Register(Reg("a", 10)).ok());
+  EXPECT_EQ(registry.CheckEpoch("a", 9).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(registry.CheckEpoch("a", 10).ok());
+  EXPECT_TRUE(registry.CheckEpoch("b", 1).ok());
+  AgentRegistration old = Reg("a", 9);
+  old.device = "cuda:3";
+  EXPECT_EQ(registry.Register(old).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Snapshot()[0].registration.device, "host");
+  EXPECT_EQ(registry.Heartbeat("a", 9, 0, 0).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Heartbeat("a", 11, 0, 0).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Counts().heartbeats_total, 0u);
+}
+
+TEST(AgentRegistryTest, UnknownAgentIsNotFound) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Seconds(1));
+  EXPECT_EQ(registry.Heartbeat("nobody", 1, 0, 0).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Snapshot().empty());
+}
+
+TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Seconds(1));
+  ASSERT_TRUE(registry.Register(Reg("b", 1)).ok());
+  ASSERT_TRUE(registry.Register(Reg("a", 1)).ok());
+  ASSERT_TRUE(registry.Heartbeat("a", 1, 100, 5).ok());
+  ASSERT_TRUE(registry.Register(Reg("a", 1)).ok());  // same epoch: a refresh keeps usage
+  EXPECT_EQ(registry.Snapshot()[0].used_bytes, 100u);
+  ASSERT_TRUE(registry.Register(Reg("a", 2)).ok());
+  std::vector<AgentInfo> agents = registry.Snapshot();
+  ASSERT_EQ(agents.size(), 2u);
+  EXPECT_EQ(agents[0].registration.agent_id, "a");  // agent_id order
+  EXPECT_EQ(agents[0].registration.epoch, 2u);
+  EXPECT_EQ(agents[0].used_bytes, 0u);
+  EXPECT_EQ(agents[0].heartbeats, 0u);
+  EXPECT_EQ(registry.Heartbeat("a", 1, 0, 0).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(registry.Heartbeat("a", 2, 0, 0).ok());
+}
+
+}  // namespace
+}  // namespace kvcm

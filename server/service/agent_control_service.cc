@@ -1,0 +1,149 @@
+#include "server/service/agent_control_service.h"
+
+#include <chrono>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/core_types.h"
+#include "server/service/cache_manager_service.h"
+#include "server/service/proto_convert.h"
+#include "server/service/status_macros.h"
+
+namespace kvcm {
+namespace {
+
+constexpr int kFailureLogLines = 20;
+constexpr absl::Duration kFailureLogPeriod = absl::Seconds(10);
+constexpr size_t kMaxDeviceBytes = 128;
+constexpr size_t kMaxAddressBytes = 256;
+// A BlockId is 32 bits and kPendingBlock is reserved.
+constexpr uint64_t kMaxBlocks = std::numeric_limits<BlockId>::max() - 1;
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req) {
+  RegisterAgentCall call;
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
+  if (req.device().size() > kMaxDeviceBytes) {
+    return Invalid("device", absl::StrCat("must be at most ", kMaxDeviceBytes, " bytes"));
+  }
+  if (req.block_agent_address().size() > kMaxAddressBytes) {
+    return Invalid("block_agent_address",
+                   absl::StrCat("must be at most ", kMaxAddressBytes, " bytes"));
+  }
+  switch (req.tier()) {
+    case v1::TIER_GPU:
+    case v1::TIER_HOST:
+    case v1::TIER_DISK:
+      break;
+    default:
+      return Invalid("tier", absl::StrCat("must be TIER_GPU, TIER_HOST or TIER_DISK, got ",
+                                          static_cast<int>(req.tier())));
+  }
+  if (!req.has_geometry()) return Invalid("geometry", "is required");
+  const v1::PoolGeometry& g = req.geometry();
+  absl::StatusOr<ModelSpec> spec = ModelSpecFromProto(g.has_spec() ? &g.spec() : nullptr);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.", spec.status().message()));
+  }
+  call.spec = *spec;
+  const uint64_t bytes_per_block = call.spec.BytesPerPage();
+  if (g.bytes_per_block() != bytes_per_block) {
+    return Invalid("geometry.bytes_per_block",
+                   absl::StrCat("must be the spec's bytes per page, ", bytes_per_block, ", got ",
+                                g.bytes_per_block()));
+  }
+  if (g.num_blocks() < 1 || g.num_blocks() > kMaxBlocks) {
+    return Invalid("geometry.num_blocks",
+                   absl::StrCat("must be in [1, ", kMaxBlocks, "], got ", g.num_blocks()));
+  }
+  const uint64_t pool_bytes = g.num_blocks() * bytes_per_block;
+  if (pool_bytes / bytes_per_block != g.num_blocks()) {
+    return Invalid("geometry.num_blocks", "times bytes_per_block overflows 64 bits");
+  }
+  if (req.capacity_bytes() < 1 || req.capacity_bytes() > pool_bytes) {
+    return Invalid("capacity_bytes", absl::StrCat("must be in [1, num_blocks x bytes_per_block = ",
+                                                  pool_bytes, "], got ", req.capacity_bytes()));
+  }
+  if (req.epoch() < 1) return Invalid("epoch", "must be >= 1");
+  AgentRegistration& r = call.registration;
+  r.agent_id = req.agent_id();
+  r.device = req.device();
+  r.tier = static_cast<Tier>(req.tier());
+  r.epoch = req.epoch();
+  r.capacity_bytes = req.capacity_bytes();
+  r.block_agent_address = req.block_agent_address();
+  return call;
+}
+
+void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
+  for (const AgentInfo& a : agents) {
+    v1::AgentStats* s = out->add_agents();
+    s->set_agent_id(a.registration.agent_id);
+    s->set_device(a.registration.device);
+    s->set_epoch(a.registration.epoch);
+    s->set_alive(a.alive);
+    s->set_last_heartbeat_age_ms(static_cast<uint64_t>(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(a.last_heartbeat_age))));
+    s->set_tier(static_cast<v1::Tier>(a.registration.tier));
+    s->set_used_bytes(a.used_bytes);
+    s->set_free_blocks(a.free_blocks);
+    s->set_heartbeats(a.heartbeats);
+  }
+}
+
+AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
+                                         ServiceMetrics* metrics)
+    : index_(index),
+      agents_(agents),
+      metrics_(metrics),
+      error_log_(kFailureLogLines, kFailureLogPeriod) {}
+
+template <typename Body>
+grpc::ServerUnaryReactor* AgentControlService::Unary(grpc::CallbackServerContext* ctx, Rpc rpc,
+                                                     Body&& body) {
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = std::forward<Body>(body)();
+  metrics_->RecordRpc(rpc, status.code(),
+                      absl::FromChrono(std::chrono::steady_clock::now() - start));
+  if (!status.ok()) {
+    error_log_.Log(LogSeverity::kWarning,
+                   absl::StrCat(RpcName(rpc), " failed: ", status.ToString()));
+  }
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
+                                                        const v1::RegisterAgentRequest* req,
+                                                        v1::RegisterAgentResponse* resp) {
+  return Unary(ctx, Rpc::kRegisterAgent, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(RegisterAgentCall call, RegisterAgentFromProto(*req));
+    const AgentRegistration& r = call.registration;
+    // A stale agent must not resize the pool of its successor.
+    KVCM_RETURN_IF_ERROR(agents_->CheckEpoch(r.agent_id, r.epoch));
+    KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(PoolKey{r.agent_id, r.tier}, r.capacity_bytes));
+    KVCM_RETURN_IF_ERROR(agents_->Register(r));
+    resp->set_heartbeat_timeout_ms(
+        static_cast<uint32_t>(absl::ToInt64Milliseconds(agents_->heartbeat_timeout())));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerContext* ctx,
+                                                         const v1::HeartbeatRequest* req,
+                                                         v1::HeartbeatResponse* /*resp*/) {
+  return Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
+    if (req->epoch() < 1) return Invalid("epoch", "must be >= 1");
+    return agents_->Heartbeat(req->agent_id(), req->epoch(), req->used_bytes(), req->free_blocks());
+  });
+}
+
+}  // namespace kvcm

@@ -1,0 +1,69 @@
+// AgentControlService: the kvcm.v1.AgentControl gRPC service (agents -> manager).
+//
+// Register validates the request, checks the epoch against the AgentRegistry, sizes the
+// agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
+// refreshes the agent's liveness and usage. Handlers are thin: each is one call of Unary(),
+// which times the body, records the RPC metrics, logs failures at a bounded rate and
+// finishes with the body's status (same code and message), like CacheManagerService.
+//
+// Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
+// (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
+#ifndef KVCM_SERVER_SERVICE_AGENT_CONTROL_SERVICE_H_
+#define KVCM_SERVER_SERVICE_AGENT_CONTROL_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "kvcm/v1/cache_manager.pb.h"
+#include "server/core/agent_registry.h"
+#include "server/core/cache_index.h"
+#include "server/service/log.h"
+#include "server/service/metrics.h"
+
+namespace kvcm {
+
+// A validated RegisterAgentRequest.
+struct RegisterAgentCall {
+  AgentRegistration registration;
+  ModelSpec spec;
+};
+
+// Field names as in agent.proto. INVALID_ARGUMENT naming the field for: a bad agent_id,
+// device or block_agent_address longer than allowed, tier not GPU/HOST/DISK, missing or
+// impossible geometry.spec ("geometry.spec.<field>"), geometry.bytes_per_block not the
+// spec's bytes per page, geometry.num_blocks outside 1..2^32-2, capacity_bytes outside
+// 1..num_blocks x bytes_per_block, epoch 0.
+absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req);
+
+// Appends one v1::AgentStats per agent to `out->agents`.
+void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
+
+class AgentControlService final : public v1::AgentControl::CallbackService {
+ public:
+  // None of the pointers is owned; all must outlive the service.
+  AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics);
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
+                                     const v1::RegisterAgentRequest* req,
+                                     v1::RegisterAgentResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
+
+ private:
+  // Runs `body` (returning absl::Status) and finishes the call with its outcome.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Rpc rpc, Body&& body);
+
+  CacheIndex* const index_;
+  AgentRegistry* const agents_;
+  ServiceMetrics* const metrics_;
+  LogRateLimiter error_log_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_AGENT_CONTROL_SERVICE_H_
