@@ -144,9 +144,6 @@ KVCM_HD inline float Dot(const float* a, const float* b, int n) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
   for (; i + 8 <= n; i += 8) {
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
     for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
   }
   for (; i < n; ++i) part[0] += a[i] * b[i];
