@@ -170,8 +170,20 @@ struct ManagerStats {
     uint32_t max_lease_ttl_ms = 0;
     uint32_t default_lease_ttl_ms = 0;
   };
+  // An agent registered through AgentControl.
+  struct Agent {
+    std::string agent_id;
+    std::string device;  // "cuda:0", "host"
+    Tier tier = Tier::kGpu;
+    uint64_t epoch = 0;
+    bool alive = false;  // false: no heartbeat within the manager's timeout
+    uint64_t last_heartbeat_age_ms = 0;
+    uint64_t used_bytes = 0;   // from the last heartbeat
+    uint64_t free_blocks = 0;  // from the last heartbeat
+  };
   std::vector<Pool> pools;
   std::vector<Namespace> namespaces;
+  std::vector<Agent> agents;  // agent_id order
   Counters counters;
   uint64_t active_pins = 0;
   std::string policy;

@@ -117,6 +117,15 @@ int RunStats(const Invocation& in) {
                  n.page_locations, n.radix_nodes);
   }
 
+  absl::PrintF("\nAGENTS (%d)\n", stats->agents.size());
+  absl::PrintF("%-24s %-10s %-5s %-6s %20s %12s %12s %10s\n", "AGENT", "DEVICE", "TIER", "STATE",
+               "EPOCH", "HEARTBEAT", "USED", "FREE_BLKS");
+  for (const ManagerStats::Agent& a : stats->agents) {
+    absl::PrintF("%-24s %-10s %-5s %-6s %20d %10dms %12s %10d\n", a.agent_id, a.device,
+                 TierName(a.tier), a.alive ? "alive" : "gone", a.epoch, a.last_heartbeat_age_ms,
+                 HumanBytes(a.used_bytes), a.free_blocks);
+  }
+
   const ManagerStats::Counters& c = stats->counters;
   absl::PrintF("\nCOUNTERS\n");
   const std::pair<const char*, uint64_t> rows[] = {

@@ -1,0 +1,259 @@
+#include "gpu/agent/agent.h"
+
+#include <chrono>
+#include <exception>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "prometheus/collectable.h"
+#include "prometheus/exposer.h"
+#include "prometheus/metric_family.h"
+#include "proto/core_types.h"
+#include "server/service/cache_manager_service.h"
+#include "server/service/log.h"
+#include "server/service/status_macros.h"
+
+namespace kvcm {
+namespace {
+
+// Most block ids one Free may carry, so a request's size is bounded.
+constexpr int kMaxIdsPerRequest = 1 << 20;
+
+void GeometryToProto(const PoolGeometry& g, v1::PoolGeometry* out) {
+  ModelSpecToProto(g.spec, out->mutable_spec());
+  out->set_bytes_per_block(g.bytes_per_block());
+  out->set_num_blocks(g.num_blocks);
+}
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::string_view HostOf(absl::string_view address) {
+  return address.substr(0, address.rfind(':'));
+}
+
+}  // namespace
+
+// BlockAgent over the pool. Thread-safe: the pool is; the agent outlives the service.
+class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
+ public:
+  explicit BlockAgentService(Agent* agent) : agent_(agent) {}
+
+  grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx,
+                                     const v1::AllocateBlocksRequest* req,
+                                     v1::AllocateBlocksResponse* resp) override {
+    return Unary(ctx, [&]() -> absl::Status {
+      KVCM_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                            agent_->pool().Allocate(req->count(), req->owner_epoch()));
+      resp->mutable_block_ids()->Add(ids.begin(), ids.end());
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Free(grpc::CallbackServerContext* ctx, const v1::FreeBlocksRequest* req,
+                                 v1::FreeBlocksResponse* /*resp*/) override {
+    return Unary(ctx, [&]() -> absl::Status {
+      if (req->block_ids_size() > kMaxIdsPerRequest) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
+      }
+      return agent_->pool().Free(
+          std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
+          req->owner_epoch());
+    });
+  }
+
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
+                                  const v1::BlockAgentStatsRequest* /*req*/,
+                                  v1::BlockAgentStatsResponse* resp) override {
+    return Unary(ctx, [&]() -> absl::Status {
+      const BlockPoolStats s = agent_->pool().Stats();
+      resp->set_agent_id(agent_->options_.agent_id);
+      resp->set_epoch(agent_->epoch());
+      resp->set_backend(agent_->pool().backend().name());
+      GeometryToProto(agent_->pool().geometry(), resp->mutable_geometry());
+      resp->set_capacity_bytes(s.capacity_bytes);
+      resp->set_used_bytes(s.used_bytes);
+      resp->set_free_blocks(s.free_blocks);
+      resp->set_registered(agent_->registered());
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Body&& body) {
+    const absl::Status status = std::forward<Body>(body)();
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(status));
+    return reactor;
+  }
+
+  Agent* const agent_;
+};
+
+// Pool usage at scrape time. Thread-safe: reads the (thread-safe) pool.
+class Agent::PoolCollector final : public prometheus::Collectable {
+ public:
+  explicit PoolCollector(Agent* agent) : agent_(agent) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const BlockPoolStats s = agent_->pool().Stats();
+    const std::vector<prometheus::ClientMetric::Label> labels = {
+        {"agent", agent_->options_.agent_id}, {"backend", agent_->pool().backend().name()}};
+    std::vector<prometheus::MetricFamily> out;
+    auto gauge = [&](std::string name, std::string help, double value) {
+      prometheus::MetricFamily f;
+      f.name = std::move(name);
+      f.help = std::move(help);
+      f.type = prometheus::MetricType::Gauge;
+      prometheus::ClientMetric m;
+      m.label = labels;
+      m.gauge.value = value;
+      f.metric.push_back(std::move(m));
+      out.push_back(std::move(f));
+    };
+    gauge("kvcm_agent_pool_capacity_bytes", "Bytes of the agent's block pool.",
+          static_cast<double>(s.capacity_bytes));
+    gauge("kvcm_agent_pool_used_bytes", "Bytes of allocated blocks.",
+          static_cast<double>(s.used_bytes));
+    gauge("kvcm_agent_pool_free_blocks", "Blocks not allocated.",
+          static_cast<double>(s.free_blocks));
+    gauge("kvcm_agent_registered", "1 when the last Register/Heartbeat succeeded.",
+          agent_->registered() ? 1.0 : 0.0);
+    return out;
+  }
+
+ private:
+  Agent* const agent_;
+};
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {}
+
+Agent::~Agent() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
+  KVCM_RETURN_IF_ERROR(options.Validate());
+  KVCM_ASSIGN_OR_RETURN(PoolGeometry geometry, options.Geometry());
+  std::unique_ptr<Agent> a(new Agent(std::move(options)));
+  const AgentOptions& opts = a->options_;
+  a->epoch_ = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+
+  KVCM_ASSIGN_OR_RETURN(BackendChoice choice, CreateBackend({.arena_bytes = geometry.pool_bytes(),
+                                                             .device_index = opts.device_index,
+                                                             .allow_device = opts.use_device}));
+  a->backend_reason_ = std::move(choice.reason);
+  KVCM_ASSIGN_OR_RETURN(a->pool_, BlockPool::Create(geometry, std::move(choice.backend)));
+
+  a->service_ = std::make_unique<BlockAgentService>(a.get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(opts.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.RegisterService(a->service_.get());
+  a->server_ = builder.BuildAndStart();
+  if (a->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve BlockAgent on listen_address ", opts.listen_address));
+  }
+  a->address_ = absl::StrCat(HostOf(opts.listen_address), ":", port);
+
+  if (!opts.metrics_address.empty()) {
+    // prometheus-cpp reports a bind failure by throwing; turned into a Status here only.
+    try {
+      a->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, 1);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
+                                                 opts.metrics_address, ": ", e.what()));
+    }
+    a->collector_ = std::make_shared<PoolCollector>(a.get());
+    a->exposer_->RegisterCollectable(a->collector_);
+    std::vector<int> ports = a->exposer_->GetListeningPorts();
+    a->metrics_address_ =
+        absl::StrCat(HostOf(opts.metrics_address), ":", ports.empty() ? 0 : ports.front());
+  }
+
+  a->control_ = v1::AgentControl::NewStub(
+      grpc::CreateChannel(opts.manager_address, grpc::InsecureChannelCredentials()));
+  a->control_thread_ = std::thread([raw = a.get()] { raw->ControlLoop(); });
+  return a;
+}
+
+absl::Status Agent::Register() {
+  const PoolGeometry& g = pool_->geometry();
+  v1::RegisterAgentRequest req;
+  req.set_agent_id(options_.agent_id);
+  req.set_device(pool_->backend().name());
+  req.set_tier(static_cast<v1::Tier>(options_.tier));
+  GeometryToProto(g, req.mutable_geometry());
+  req.set_capacity_bytes(g.pool_bytes());
+  req.set_epoch(epoch_);
+  req.set_block_agent_address(address_);
+  v1::RegisterAgentResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::max<uint32_t>(
+                                                          options_.heartbeat_interval_ms, 1'000)));
+  return FromGrpc(control_->Register(&ctx, req, &resp));
+}
+
+absl::Status Agent::Heartbeat() {
+  const BlockPoolStats s = pool_->Stats();
+  v1::HeartbeatRequest req;
+  req.set_agent_id(options_.agent_id);
+  req.set_epoch(epoch_);
+  req.set_used_bytes(s.used_bytes);
+  req.set_free_blocks(s.free_blocks);
+  v1::HeartbeatResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::max<uint32_t>(
+                                                          options_.heartbeat_interval_ms, 1'000)));
+  return FromGrpc(control_->Heartbeat(&ctx, req, &resp));
+}
+
+void Agent::ControlLoop() {
+  const absl::Duration interval = absl::Milliseconds(options_.heartbeat_interval_ms);
+  bool registered = false;
+  bool logged_failure = false;
+  do {
+    const absl::Status s = registered ? Heartbeat() : Register();
+    if (s.ok()) {
+      if (!registered) {
+        LogInfo(absl::StrCat("registered with ", options_.manager_address, " as ",
+                             options_.agent_id, " epoch ", epoch_));
+      }
+      registered = true;
+      logged_failure = false;
+    } else {
+      // NOT_FOUND / ABORTED: the manager forgot us (restart) or holds another epoch; any
+      // other error: unreachable. Either way register again on the next round.
+      registered = false;
+      if (!logged_failure) {
+        LogWarning(absl::StrCat("manager ", options_.manager_address, ": ", s.ToString(),
+                                " (retrying every ", options_.heartbeat_interval_ms, " ms)"));
+        logged_failure = true;
+      }
+    }
+    registered_.store(registered, std::memory_order_release);
+  } while (!stop_control_.WaitForNotificationWithTimeout(interval));
+}
+
+void Agent::Shutdown() {
+  absl::MutexLock lock(&shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  stop_control_.Notify();
+  if (control_thread_.joinable()) control_thread_.join();
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
+  exposer_.reset();
+  shutdown_done_.Notify();
+}
+
+void Agent::Wait() { shutdown_done_.WaitForNotification(); }
+
+}  // namespace kvcm

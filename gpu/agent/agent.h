@@ -1,0 +1,94 @@
+// Agent: a running kvcm-agent. Owns the block pool (over the backend CreateBackend chose),
+// the BlockAgent gRPC server, the control thread that registers with the manager and then
+// heartbeats, and the optional Prometheus exposer.
+//
+// The control thread registers with a fresh epoch (microseconds since the Unix epoch at
+// start, so a restarted agent always registers a larger one), retrying every
+// heartbeat_interval_ms while the manager is unreachable; it then heartbeats with the pool's
+// usage and registers again when the manager answers NOT_FOUND (it restarted) or ABORTED.
+//
+// Used by gpu/agent/main.cc and by tests. Thread-safe: Shutdown and Wait may be called from
+// any thread, concurrently and more than once; the accessors are safe at any time.
+#ifndef KVCM_GPU_AGENT_AGENT_H_
+#define KVCM_GPU_AGENT_AGENT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gpu/agent/agent_options.h"
+#include "gpu/agent/block_pool.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+
+namespace prometheus {
+class Exposer;
+}  // namespace prometheus
+
+namespace kvcm {
+
+class Agent {
+ public:
+  // Validates `options`, creates the backend and pool, serves BlockAgent and starts the
+  // control thread. INVALID_ARGUMENT for bad options, UNAVAILABLE when an address cannot
+  // be bound, RESOURCE_EXHAUSTED when the pool's memory cannot be allocated. The manager
+  // need not be up yet.
+  static absl::StatusOr<std::unique_ptr<Agent>> Start(AgentOptions options);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // "host:port" of the BlockAgent server with the bound port filled in.
+  const std::string& address() const { return address_; }
+  // "host:port" of /metrics; empty when disabled.
+  const std::string& metrics_address() const { return metrics_address_; }
+  uint64_t epoch() const { return epoch_; }
+  // Why this backend was chosen, e.g. "no CUDA device (...): using host DRAM".
+  const std::string& backend_reason() const { return backend_reason_; }
+  BlockPool& pool() { return *pool_; }
+  // Whether the last Register or Heartbeat succeeded.
+  bool registered() const { return registered_.load(std::memory_order_acquire); }
+
+  // Stops the control thread, the BlockAgent server and the exposer. Idempotent.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(shutdown_mu_);
+  // Blocks until Shutdown has completed.
+  void Wait();
+
+ private:
+  class BlockAgentService;
+  class PoolCollector;
+
+  explicit Agent(AgentOptions options);
+  void ControlLoop();
+  absl::Status Register();
+  absl::Status Heartbeat();
+
+  const AgentOptions options_;
+  uint64_t epoch_ = 0;
+  std::string backend_reason_;
+  std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<BlockAgentService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::shared_ptr<PoolCollector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string address_;
+  std::string metrics_address_;
+  std::unique_ptr<v1::AgentControl::Stub> control_;
+  std::atomic<bool> registered_{false};
+
+  absl::Notification stop_control_;
+  std::thread control_thread_;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  absl::Notification shutdown_done_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_AGENT_H_

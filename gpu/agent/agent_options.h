@@ -1,0 +1,57 @@
+// AgentOptions: every tunable of kvcm-agent, with its unit in its name and its default.
+// Flags exist only in gpu/agent/main.cc. Plain value type.
+#ifndef KVCM_GPU_AGENT_AGENT_OPTIONS_H_
+#define KVCM_GPU_AGENT_AGENT_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gpu/agent/pool_geometry.h"
+#include "server/core/model_spec.h"
+#include "server/core/types.h"
+
+namespace kvcm {
+
+struct AgentOptions {
+  // Id of this agent, also its pool's agent_id at the manager. 1..128 bytes of
+  // [A-Za-z0-9._:-].
+  std::string agent_id = "agent-0";
+  // kvcm-manager gRPC address (AgentControl).
+  std::string manager_address = "127.0.0.1:50051";
+  // Where this agent serves BlockAgent, "host:port" (port 0 picks a free one).
+  std::string listen_address = "127.0.0.1:0";
+  // CUDA device of the pool when one is present. >= 0.
+  int device_index = 0;
+  // False forces the host backend even on a machine with a GPU.
+  bool use_device = true;
+  // Tier the pool is registered as.
+  Tier tier = Tier::kGpu;
+  // Model preset from the catalogue (kvcm::FindModel), e.g. "deepseek-v3". Empty: use
+  // `spec` as given (explicit geometry).
+  std::string model = "deepseek-v3";
+  // KV element type and page size applied to the preset; `spec` when model is empty.
+  KvDtype dtype = KvDtype::kBf16;
+  uint32_t page_size_tokens = kDefaultPageSizeTokens;
+  ModelSpec spec;
+  // Bytes of the pool; rounded down to whole blocks. Must hold at least one block.
+  uint64_t capacity_bytes = 1ULL << 30;
+  // Period of heartbeats (and of registration retries while the manager is unreachable).
+  // 1..600000.
+  uint32_t heartbeat_interval_ms = 1'000;
+  // Prometheus /metrics address "host:port"; empty disables it.
+  std::string metrics_address;
+
+  // INVALID_ARGUMENT naming the first bad option (spec errors as "spec.<field>", a pool
+  // that holds no block as "capacity_bytes").
+  absl::Status Validate() const;
+
+  // The pool's geometry: the resolved spec and the blocks capacity_bytes holds.
+  // REQUIRES nothing; errors as Validate().
+  absl::StatusOr<PoolGeometry> Geometry() const;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_AGENT_OPTIONS_H_

@@ -1,0 +1,163 @@
+// kvcm-agent: one per GPU. Owns the GPU's KV block pool (host DRAM when there is no GPU),
+// registers it with kvcm-manager, heartbeats its usage and serves BlockAgent.
+//
+//   kvcm-agent --agent_id=gpu0 --manager_address=127.0.0.1:50051 [--model=deepseek-v3 ...]
+//
+// Every kvcm::AgentOptions field is a flag; --model= (empty) takes the geometry from the
+// explicit --attention/--num_layers/... flags instead of the catalogue. SIGINT / SIGTERM
+// shut the agent down cleanly (exit status 0).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gpu/agent/agent.h"
+#include "server/service/log.h"
+
+namespace {
+const kvcm::AgentOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, agent_id, kDefaults.agent_id, "Id of this agent (its pool's agent_id).");
+ABSL_FLAG(std::string, manager_address, kDefaults.manager_address,
+          "kvcm-manager gRPC address host:port.");
+ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
+          "BlockAgent gRPC address host:port (port 0 picks a free one).");
+ABSL_FLAG(int, device_index, kDefaults.device_index, "CUDA device of the pool.");
+ABSL_FLAG(bool, use_device, kDefaults.use_device,
+          "Use the GPU when present; false forces host DRAM.");
+ABSL_FLAG(std::string, tier, "gpu", "Tier the pool is registered as: gpu, host or disk.");
+ABSL_FLAG(std::string, model, kDefaults.model,
+          "Model preset from the catalogue (e.g. deepseek-v3, llama-3-70b); empty uses the "
+          "explicit geometry flags.");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "KV element type: bf16, fp16, fp8 or int8.");
+ABSL_FLAG(uint32_t, page_size_tokens, kDefaults.page_size_tokens, "Tokens per page (block).");
+ABSL_FLAG(std::string, attention, "mla", "Explicit geometry: mha, mqa, gqa or mla.");
+ABSL_FLAG(uint32_t, num_layers, 0, "Explicit geometry: layers.");
+ABSL_FLAG(uint32_t, num_heads, 0, "Explicit geometry: query heads.");
+ABSL_FLAG(uint32_t, num_kv_heads, 0, "Explicit geometry: K/V heads.");
+ABSL_FLAG(uint32_t, head_dim, 0, "Explicit geometry: elements per K/V head.");
+ABSL_FLAG(uint32_t, kv_lora_rank, 0, "Explicit geometry (MLA): latent width.");
+ABSL_FLAG(uint32_t, rope_dim, 0, "Explicit geometry (MLA): RoPE key width.");
+ABSL_FLAG(uint64_t, capacity_bytes, kDefaults.capacity_bytes,
+          "Bytes of the block pool (rounded down to whole blocks).");
+ABSL_FLAG(uint32_t, heartbeat_interval_ms, kDefaults.heartbeat_interval_ms,
+          "Period of heartbeats to the manager, in milliseconds.");
+ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
+          "Prometheus /metrics address host:port; empty disables it.");
+
+namespace {
+
+[[noreturn]] void Fail(absl::string_view message) {
+  kvcm::LogError(message);
+  std::exit(1);
+}
+
+kvcm::KvDtype ParseDtype(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "bf16") return kvcm::KvDtype::kBf16;
+  if (t == "fp16") return kvcm::KvDtype::kFp16;
+  if (t == "fp8") return kvcm::KvDtype::kFp8;
+  if (t == "int8") return kvcm::KvDtype::kInt8;
+  Fail(absl::StrCat("--kv_dtype must be bf16, fp16, fp8 or int8, got \"", text, "\""));
+}
+
+kvcm::AttentionKind ParseAttention(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "mha") return kvcm::AttentionKind::kMha;
+  if (t == "mqa") return kvcm::AttentionKind::kMqa;
+  if (t == "gqa") return kvcm::AttentionKind::kGqa;
+  if (t == "mla") return kvcm::AttentionKind::kMla;
+  Fail(absl::StrCat("--attention must be mha, mqa, gqa or mla, got \"", text, "\""));
+}
+
+kvcm::Tier ParseTier(const std::string& text) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "gpu") return kvcm::Tier::kGpu;
+  if (t == "host") return kvcm::Tier::kHost;
+  if (t == "disk") return kvcm::Tier::kDisk;
+  Fail(absl::StrCat("--tier must be gpu, host or disk, got \"", text, "\""));
+}
+
+kvcm::AgentOptions OptionsFromFlags() {
+  kvcm::AgentOptions o;
+  o.agent_id = absl::GetFlag(FLAGS_agent_id);
+  o.manager_address = absl::GetFlag(FLAGS_manager_address);
+  o.listen_address = absl::GetFlag(FLAGS_listen_address);
+  o.device_index = absl::GetFlag(FLAGS_device_index);
+  o.use_device = absl::GetFlag(FLAGS_use_device);
+  o.tier = ParseTier(absl::GetFlag(FLAGS_tier));
+  o.model = absl::GetFlag(FLAGS_model);
+  o.dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
+  o.page_size_tokens = absl::GetFlag(FLAGS_page_size_tokens);
+  o.spec.attention = ParseAttention(absl::GetFlag(FLAGS_attention));
+  o.spec.num_layers = absl::GetFlag(FLAGS_num_layers);
+  o.spec.num_heads = absl::GetFlag(FLAGS_num_heads);
+  o.spec.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
+  o.spec.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.spec.kv_lora_rank = absl::GetFlag(FLAGS_kv_lora_rank);
+  o.spec.rope_dim = absl::GetFlag(FLAGS_rope_dim);
+  o.spec.dtype = o.dtype;
+  o.spec.page_size_tokens = o.page_size_tokens;
+  o.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
+  o.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
+  o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvcm-agent --agent_id=ID --manager_address=HOST:PORT [--option=value ...]: one GPU's KV "
+      "block pool, registered with kvcm-manager.");
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "gpu/agent/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+
+  // Block SIGINT/SIGTERM before any thread starts; only sigwait below takes them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<kvcm::Agent>> started = kvcm::Agent::Start(OptionsFromFlags());
+  if (!started.ok()) Fail(started.status().ToString());
+  kvcm::Agent* agent = started->get();
+  const kvcm::PoolGeometry& g = agent->pool().geometry();
+  std::printf("kvcm-agent %s serving BlockAgent on %s, epoch %llu\n",
+              absl::GetFlag(FLAGS_agent_id).c_str(), agent->address().c_str(),
+              static_cast<unsigned long long>(agent->epoch()));
+  std::fflush(stdout);
+  kvcm::LogInfo(
+      absl::StrCat("backend ", agent->pool().backend().name(), ": ", agent->backend_reason()));
+  kvcm::LogInfo(absl::StrCat("pool: ", g.num_blocks, " blocks of ", g.bytes_per_block(),
+                             " bytes, layout ", g.Layout().ToString()));
+
+  std::thread signal_waiter([&stop_signals, agent] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    kvcm::LogInfo(absl::StrCat("received signal ", signal, ", shutting down"));
+    agent->Shutdown();
+  });
+  agent->Wait();
+  signal_waiter.join();
+  started->reset();
+  kvcm::LogInfo("stopped");
+  return 0;
+}
