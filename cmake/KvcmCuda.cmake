@@ -17,7 +17,9 @@ if(KVCM_CUDA_ENABLED)
     set(CMAKE_CUDA_ARCHITECTURES 80 90)
   endif()
   enable_language(CUDA)
-  set(CMAKE_CUDA_STANDARD 20)
+  # CMake 3.25 does not know nvcc 13's C++20 dialect flag ("requires the language dialect
+  # CUDA20"), so .cu files build as C++17; host .cc files stay C++20.
+  set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   find_library(KVCM_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_ROOT}/lib /usr/local/cuda/lib)
