@@ -1,0 +1,171 @@
+// Multi-process test: a real kvcm-manager and a real kvcm-agent (host backend on machines
+// without a GPU), observed through kvcmctl. The agent must show as alive in `kvcmctl stats`,
+// show as gone within the heartbeat timeout after SIGKILL, and the manager must exit 0 on
+// SIGTERM.
+//
+// KVCM_MANAGER_PATH, KVCM_AGENT_PATH and KVCMCTL_PATH are the built binaries.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "tests/process_util.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::FreePort;
+using ::kvcm::testing::ProcessResult;
+using ::kvcm::testing::Subprocess;
+
+constexpr int kHeartbeatTimeoutMs = 500;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The AGENTS row of `agent_id` in `kvcmctl stats` output; empty when absent.
+std::string AgentRow(const std::string& stats, const std::string& agent_id) {
+  const size_t table = stats.find("AGENTS (");
+  if (table == std::string::npos) return "";
+  for (absl::string_view line : absl::StrSplit(stats.substr(table), '\n')) {
+    if (absl::StartsWith(line, agent_id + " ")) return std::string(line);
+  }
+  return "";
+}
+
+class AgentProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* tmp = std::getenv("TMPDIR");
+    const std::string base =
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcm_agent_process_", getpid());
+    manager_log_ = base + "_manager.log";
+    agent_log_ = base + "_agent.log";
+  }
+
+  void TearDown() override {
+    for (std::unique_ptr<Subprocess>* p : {&agent_, &manager_}) {
+      if (*p != nullptr) {
+        (*p)->Signal(SIGKILL);
+        (*p)->Finish(absl::Seconds(10));
+      }
+    }
+    if (HasFailure()) {
+      std::fprintf(stderr, "--- manager log ---\n%s\n--- agent log ---\n%s\n",
+                   ReadFile(manager_log_).c_str(), ReadFile(agent_log_).c_str());
+    }
+    std::remove(manager_log_.c_str());
+    std::remove(agent_log_.c_str());
+  }
+
+  ProcessResult Ctl(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_)};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
+    if (p == nullptr) return ProcessResult{};
+    return p->Finish(absl::Seconds(30));
+  }
+
+  void StartManager() {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      port_ = FreePort();
+      manager_ =
+          Subprocess::Start({KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+                             "--metrics_address=", "--shutdown_grace_ms=1000",
+                             absl::StrCat("--agent_heartbeat_timeout_ms=", kHeartbeatTimeoutMs)},
+                            manager_log_);
+      ASSERT_NE(manager_, nullptr);
+      const absl::Time give_up = absl::Now() + absl::Seconds(20);
+      while (manager_->Running() && absl::Now() < give_up) {
+        if (Ctl({"--deadline_ms=500", "stats"}).exit_code == 0) return;
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      ASSERT_FALSE(manager_->Running()) << "kvcm-manager did not serve within 20 s";
+      manager_.reset();
+    }
+    FAIL() << "kvcm-manager exited at start three times";
+  }
+
+  // Polls `kvcmctl stats` until the agent's row contains `state` or `timeout` passes;
+  // returns the last row.
+  std::string WaitForAgentState(const std::string& state, absl::Duration timeout) {
+    const absl::Time give_up = absl::Now() + timeout;
+    std::string row;
+    do {
+      ProcessResult r = Ctl({"--deadline_ms=2000", "stats"});
+      row = AgentRow(r.out, "gpu0");
+      if (absl::StrContains(row, absl::StrCat(" ", state, " "))) return row;
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < give_up);
+    return row;
+  }
+
+  std::string manager_log_;
+  std::string agent_log_;
+  int port_ = 0;
+  std::unique_ptr<Subprocess> manager_;
+  std::unique_ptr<Subprocess> agent_;
+};
+
+TEST_F(AgentProcessTest, AgentShowsAliveThenGoneAfterSigkill) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  agent_ = Subprocess::Start(
+      {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
+       "--listen_address=127.0.0.1:0", "--model=deepseek-v3", "--capacity_bytes=50000000",
+       "--heartbeat_interval_ms=100"},
+      agent_log_);
+  ASSERT_NE(agent_, nullptr);
+
+  const std::string alive = WaitForAgentState("alive", absl::Seconds(20));
+  ASSERT_THAT(alive, ::testing::HasSubstr("alive")) << "agent never showed as alive";
+  ASSERT_TRUE(agent_->Running());
+  // Host DRAM on a machine without a GPU; either way the device column is filled in.
+  EXPECT_THAT(alive, ::testing::ContainsRegex("gpu0 +(host|cuda:0) +gpu +alive"));
+
+  agent_->Signal(SIGKILL);
+  const absl::Time killed = absl::Now();
+  ProcessResult agent_end = agent_->Finish(absl::Seconds(10));
+  EXPECT_EQ(agent_end.term_signal, SIGKILL);
+  const std::string gone = WaitForAgentState("gone", absl::Seconds(10));
+  const absl::Duration took = absl::Now() - killed;
+  ASSERT_THAT(gone, ::testing::HasSubstr("gone"));
+  // Gone once the timeout has passed since the last heartbeat: at most the timeout after
+  // the kill, plus one kvcmctl round trip of slack.
+  EXPECT_LE(took, absl::Milliseconds(kHeartbeatTimeoutMs) + absl::Seconds(2)) << took;
+  EXPECT_THAT(ReadFile(agent_log_), ::testing::HasSubstr("registered with"));
+
+  manager_->Signal(SIGTERM);
+  ProcessResult manager_end = manager_->Finish(absl::Seconds(15));
+  EXPECT_TRUE(manager_end.exited && manager_end.exit_code == 0) << manager_end.Describe();
+}
+
+TEST_F(AgentProcessTest, AgentExitsZeroOnSigterm) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  agent_ = Subprocess::Start(
+      {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
+       "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
+      agent_log_);
+  ASSERT_NE(agent_, nullptr);
+  ASSERT_THAT(WaitForAgentState("alive", absl::Seconds(20)), ::testing::HasSubstr("alive"));
+  agent_->Signal(SIGTERM);
+  ProcessResult end = agent_->Finish(absl::Seconds(15));
+  EXPECT_TRUE(end.exited && end.exit_code == 0) << end.Describe();
+}
+
+TEST_F(AgentProcessTest, BadOptionsExitNonZeroNamingTheField) {
+  std::unique_ptr<Subprocess> p = Subprocess::Start(
+      {KVCM_AGENT_PATH, "--agent_id=gpu0", "--model=deepseek-v3", "--capacity_bytes=1000"});
+  ASSERT_NE(p, nullptr);
+  ProcessResult r = p->Finish(absl::Seconds(15));
+  EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
+  EXPECT_THAT(r.err, ::testing::HasSubstr("capacity_bytes"));
+}
+
+}  // namespace
+}  // namespace kvcm

@@ -1,0 +1,207 @@
+// Child processes for multi-process tests: posix_spawn (no shell), output captured through
+// pipes or sent to a log file, and a free loopback port. Header-only, test code.
+#ifndef KVCM_TESTS_PROCESS_UTIL_H_
+#define KVCM_TESTS_PROCESS_UTIL_H_
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace kvcm::testing {
+
+// How a finished process ended, and what it printed.
+struct ProcessResult {
+  bool exited = false;  // normal exit (exit_code valid)
+  int exit_code = -1;
+  int term_signal = 0;  // set when killed by a signal
+  bool timed_out = false;
+  std::string out;
+  std::string err;
+
+  std::string Describe() const {
+    return absl::StrCat(
+        timed_out ? "timed out; " : "",
+        exited ? absl::StrCat("exit ", exit_code) : absl::StrCat("signal ", term_signal),
+        "\n--- stdout ---\n", out, "--- stderr ---\n", err);
+  }
+};
+
+// A child process. Output goes to two pipes (captured by Finish) or, with a log path, to
+// that file. Not thread-safe.
+class Subprocess {
+ public:
+  static std::unique_ptr<Subprocess> Start(const std::vector<std::string>& argv,
+                                           const std::string& log_path = "") {
+    auto p = std::unique_ptr<Subprocess>(new Subprocess());
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    int out_pipe[2] = {-1, -1};
+    int err_pipe[2] = {-1, -1};
+    if (log_path.empty()) {
+      if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+        return nullptr;
+      }
+      posix_spawn_file_actions_adddup2(&actions, out_pipe[1], STDOUT_FILENO);
+      posix_spawn_file_actions_adddup2(&actions, err_pipe[1], STDERR_FILENO);
+    } else {
+      posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+    }
+    std::vector<char*> args;
+    args.reserve(argv.size() + 1);
+    for (const std::string& a : argv) {
+      args.push_back(const_cast<char*>(a.c_str()));
+    }
+    args.push_back(nullptr);
+    const int rc = posix_spawn(&p->pid_, args[0], &actions, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    if (log_path.empty()) {
+      close(out_pipe[1]);
+      close(err_pipe[1]);
+      p->out_fd_ = out_pipe[0];
+      p->err_fd_ = err_pipe[0];
+    }
+    if (rc != 0) {
+      ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << strerror(rc);
+      return nullptr;
+    }
+    return p;
+  }
+
+  ~Subprocess() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_fd_ >= 0) {
+      close(out_fd_);
+    }
+    if (err_fd_ >= 0) {
+      close(err_fd_);
+    }
+  }
+
+  // False once the process has ended (it is then reaped; Finish returns at once).
+  bool Running() {
+    if (reaped_) {
+      return false;
+    }
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      Reap(status);
+    }
+    return !reaped_;
+  }
+
+  void Signal(int sig) {
+    if (!reaped_) {
+      kill(pid_, sig);
+    }
+  }
+
+  // Reads the output until both pipes close and waits for the exit, for at most `timeout`;
+  // then SIGKILLs the process and reports timed_out.
+  ProcessResult Finish(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (out_fd_ >= 0 || err_fd_ >= 0) {
+      std::vector<pollfd> fds;
+      if (out_fd_ >= 0) {
+        fds.push_back({out_fd_, POLLIN, 0});
+      }
+      if (err_fd_ >= 0) {
+        fds.push_back({err_fd_, POLLIN, 0});
+      }
+      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (left_ms <= 0) {
+        break;
+      }
+      if (poll(fds.data(), fds.size(), static_cast<int>(left_ms)) <= 0) {
+        continue;
+      }
+      for (const pollfd& f : fds) {
+        if (f.revents == 0) {
+          continue;
+        }
+        char buf[4096];
+        const ssize_t n = read(f.fd, buf, sizeof(buf));
+        std::string& sink = f.fd == out_fd_ ? result_.out : result_.err;
+        if (n > 0) {
+          sink.append(buf, n);
+        } else {
+          close(f.fd);
+          (f.fd == out_fd_ ? out_fd_ : err_fd_) = -1;
+        }
+      }
+    }
+    while (Running() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    if (!reaped_) {
+      result_.timed_out = true;
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      Reap(status);
+    }
+    return result_;
+  }
+
+ private:
+  Subprocess() = default;
+  void Reap(int status) {
+    reaped_ = true;
+    result_.exited = WIFEXITED(status);
+    if (result_.exited) {
+      result_.exit_code = WEXITSTATUS(status);
+    }
+    if (WIFSIGNALED(status)) {
+      result_.term_signal = WTERMSIG(status);
+    }
+  }
+
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int out_fd_ = -1;
+  int err_fd_ = -1;
+  ProcessResult result_;
+};
+
+// A loopback port that was free a moment ago (bound to port 0, then closed).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+}  // namespace kvcm::testing
+
+#endif  // KVCM_TESTS_PROCESS_UTIL_H_
