@@ -118,6 +118,7 @@ kvcm::AgentOptions OptionsFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvcm::SetLogProgramName("kvcm-agent");
   absl::SetProgramUsageMessage(
       "kvcm-agent --agent_id=ID --manager_address=HOST:PORT [--option=value ...]: one GPU's KV "
       "block pool, registered with kvcm-manager.");

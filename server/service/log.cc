@@ -8,10 +8,16 @@
 
 namespace kvcm {
 
+namespace {
+const char* program_name = "kvcm-manager";
+}  // namespace
+
+void SetLogProgramName(const char* name) { program_name = name; }
+
 void LogLine(LogSeverity severity, absl::string_view message) {
-  std::string line =
-      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone()), " ",
-                   std::string(1, static_cast<char>(severity)), " kvcm-manager] ", message, "\n");
+  std::string line = absl::StrCat(
+      absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone()), " ",
+      std::string(1, static_cast<char>(severity)), " ", program_name, "] ", message, "\n");
   std::fwrite(line.data(), 1, line.size(), stderr);
 }
 

@@ -1,4 +1,4 @@
-// A minimal stderr logger for the manager (Abseil 20220623 has no absl/log).
+// A minimal stderr logger for kvcm's binaries (Abseil 20220623 has no absl/log).
 //
 // Lines look like "2026-11-22T10:00:00.123456Z W kvcm-manager] message". Thread-safe: a
 // line is written with one fwrite, so concurrent lines do not interleave.
@@ -15,6 +15,10 @@
 namespace kvcm {
 
 enum class LogSeverity : char { kInfo = 'I', kWarning = 'W', kError = 'E' };
+
+// Names the program in every line ("kvcm-manager" until set). Call once at start, before
+// any other thread logs; `name` must outlive the process (a literal).
+void SetLogProgramName(const char* name);
 
 // Writes one line to stderr.
 void LogLine(LogSeverity severity, absl::string_view message);
