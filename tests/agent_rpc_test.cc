@@ -1,13 +1,20 @@
 // AgentControl and BlockAgent over real loopback channels: an in-process ManagerServer and an
 // in-process Agent (host backend) that registers, heartbeats and shows in Stats; bad and
-// stale registrations through the AgentControl stub.
+// stale registrations through the AgentControl stub; WriteBlocks / ReadBlocks round trips and
+// refusals that change nothing; RunAttention against MlaDecodeCpu on the same latents.
 #include <grpcpp/grpcpp.h>
 
+#include <cstring>
 #include <memory>
+#include <random>
+#include <string>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent.h"
+#include "gpu/kernels/mla_decode_cpu.h"
+#include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
@@ -209,6 +216,309 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
   ASSERT_EQ(s.agents_size(), 1);
   EXPECT_EQ(s.agents(0).epoch(), 5u);
   EXPECT_EQ(s.agents(0).heartbeats(), 1u);
+}
+
+// An agent over a small MLA bf16 pool: 2 layers, 16-token pages, 16 blocks (36,864 B each).
+// The manager address is unreachable; BlockAgent does not need it.
+std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes) {
+  AgentOptions o;
+  o.agent_id = "mla-test";
+  o.manager_address = "127.0.0.1:1";
+  o.use_device = false;
+  o.model = "";
+  o.spec.attention = AttentionKind::kMla;
+  o.spec.num_layers = 2;
+  o.spec.num_heads = 16;
+  o.spec.kv_lora_rank = 512;
+  o.spec.rope_dim = 64;
+  o.spec.dtype = KvDtype::kBf16;
+  o.spec.page_size_tokens = 16;
+  o.page_size_tokens = 16;
+  o.capacity_bytes = 16 * 1152ull * 2 * 16;
+  o.heartbeat_interval_ms = 60'000;
+  o.max_blocks_per_call = 8;
+  o.read_chunk_bytes = read_chunk_bytes;
+  absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  return *std::move(agent);
+}
+
+std::vector<BlockId> AllocateBlocks(v1::BlockAgent::Stub& stub, uint32_t count, uint64_t epoch) {
+  v1::AllocateBlocksRequest req;
+  req.set_count(count);
+  req.set_owner_epoch(epoch);
+  v1::AllocateBlocksResponse resp;
+  grpc::ClientContext ctx;
+  EXPECT_TRUE(stub.Allocate(&ctx, req, &resp).ok());
+  return {resp.block_ids().begin(), resp.block_ids().end()};
+}
+
+// Streams a header (unless !send_header) and `bytes` in chunks of `chunk` bytes.
+grpc::Status WriteBlocks(v1::BlockAgent::Stub& stub, const std::vector<BlockId>& ids,
+                         uint64_t epoch, const std::string& bytes, size_t chunk,
+                         bool send_header = true, uint64_t* written = nullptr) {
+  grpc::ClientContext ctx;
+  v1::WriteBlocksResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::WriteBlocksRequest>> w = stub.WriteBlocks(&ctx, &resp);
+  v1::WriteBlocksRequest msg;
+  bool open = true;
+  if (send_header) {
+    msg.mutable_header()->mutable_block_ids()->Add(ids.begin(), ids.end());
+    msg.mutable_header()->set_owner_epoch(epoch);
+    open = w->Write(msg);
+  }
+  for (size_t i = 0; open && i < bytes.size(); i += chunk) {
+    msg.set_data(bytes.substr(i, chunk));
+    open = w->Write(msg);
+  }
+  w->WritesDone();
+  grpc::Status st = w->Finish();
+  if (written != nullptr) *written = resp.bytes_written();
+  return st;
+}
+
+// The blocks' bytes; `max_chunk` gets the largest message seen.
+grpc::Status ReadBlocks(v1::BlockAgent::Stub& stub, const std::vector<BlockId>& ids, uint64_t epoch,
+                        std::string* out, size_t* max_chunk = nullptr) {
+  grpc::ClientContext ctx;
+  v1::ReadBlocksRequest req;
+  req.mutable_block_ids()->Add(ids.begin(), ids.end());
+  req.set_owner_epoch(epoch);
+  std::unique_ptr<grpc::ClientReader<v1::ReadBlocksResponse>> r = stub.ReadBlocks(&ctx, req);
+  v1::ReadBlocksResponse msg;
+  out->clear();
+  size_t biggest = 0;
+  while (r->Read(&msg)) {
+    out->append(msg.data());
+    biggest = std::max(biggest, msg.data().size());
+  }
+  if (max_chunk != nullptr) *max_chunk = biggest;
+  return r->Finish();
+}
+
+std::string RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng() & 0xFF);
+  return s;
+}
+
+constexpr uint64_t kMlaBlockBytes = 1152ull * 2 * 16;
+
+TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
+  std::unique_ptr<Agent> agent = StartMlaAgent(10'000);
+  auto stub = v1::BlockAgent::NewStub(
+      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  const std::vector<BlockId> got = AllocateBlocks(*stub, 8, 5);
+  ASSERT_EQ(got.size(), 8u);
+  const std::vector<BlockId> ids = {got[6], got[1], got[4]};  // scattered, out of order
+  const std::string bytes = RandomBytes(ids.size() * kMlaBlockBytes, 1);
+  uint64_t written = 0;
+  ASSERT_TRUE(WriteBlocks(*stub, ids, 5, bytes, 7'777, true, &written).ok());
+  EXPECT_EQ(written, bytes.size());
+
+  std::string back;
+  size_t max_chunk = 0;
+  ASSERT_TRUE(ReadBlocks(*stub, ids, 5, &back, &max_chunk).ok());
+  EXPECT_TRUE(back == bytes);
+  EXPECT_EQ(max_chunk, 10'000u) << "chunks are bounded by read_chunk_bytes";
+  // One block on its own is the matching slice.
+  ASSERT_TRUE(ReadBlocks(*stub, {got[1]}, 5, &back).ok());
+  EXPECT_TRUE(back == bytes.substr(kMlaBlockBytes, kMlaBlockBytes));
+}
+
+TEST(BlockAgentDataTest, RefusedWritesAndReadsNameTheFieldAndChangeNothing) {
+  std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
+  auto stub = v1::BlockAgent::NewStub(
+      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
+  ASSERT_EQ(ids.size(), 2u);
+  const std::string original = RandomBytes(2 * kMlaBlockBytes, 2);
+  ASSERT_TRUE(WriteBlocks(*stub, ids, 5, original, 1 << 20).ok());
+  const BlockId unallocated = 15;  // the pool hands out 0, 1, 2, ... first
+  ASSERT_NE(ids[0], unallocated);
+  ASSERT_NE(ids[1], unallocated);
+  const std::string other = RandomBytes(2 * kMlaBlockBytes, 3);
+
+  struct Case {
+    const char* what;
+    std::vector<BlockId> ids;
+    uint64_t epoch;
+    std::string bytes;
+    bool send_header;
+    grpc::StatusCode code;
+    const char* field;
+  };
+  const Case cases[] = {
+      {"unallocated block",
+       {ids[0], unallocated},
+       5,
+       other,
+       true,
+       grpc::FAILED_PRECONDITION,
+       "header.block_ids"},
+      {"wrong epoch", ids, 6, other, true, grpc::FAILED_PRECONDITION, "header.block_ids"},
+      {"one byte short", ids, 5, other.substr(1), true, grpc::INVALID_ARGUMENT, "bytes"},
+      {"one byte long", ids, 5, other + "x", true, grpc::INVALID_ARGUMENT, "data"},
+      {"no header", ids, 5, other, false, grpc::INVALID_ARGUMENT, "header"},
+      {"past the pool", {ids[0], 16}, 5, other, true, grpc::INVALID_ARGUMENT, "header.block_ids"},
+      {"repeated id", {ids[0], ids[0]}, 5, other, true, grpc::INVALID_ARGUMENT, "header.block_ids"},
+      {"too many blocks", std::vector<BlockId>(9, ids[0]), 5, other, true, grpc::INVALID_ARGUMENT,
+       "header.block_ids"},
+  };
+  for (const Case& c : cases) {
+    grpc::Status st = WriteBlocks(*stub, c.ids, c.epoch, c.bytes, 5'000, c.send_header);
+    EXPECT_EQ(st.error_code(), c.code) << c.what << ": " << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr(c.field)) << c.what;
+    std::string back;
+    ASSERT_TRUE(ReadBlocks(*stub, ids, 5, &back).ok());
+    EXPECT_TRUE(back == original) << c.what << " must leave the blocks unchanged";
+  }
+
+  std::string back;
+  grpc::Status st = ReadBlocks(*stub, {ids[0], unallocated}, 5, &back);
+  EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("block_ids"));
+  EXPECT_TRUE(back.empty()) << "nothing is streamed before the checks pass";
+  EXPECT_EQ(ReadBlocks(*stub, ids, 6, &back).error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_EQ(ReadBlocks(*stub, {16}, 5, &back).error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(ReadBlocks(*stub, {}, 5, &back).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+// bf16 bits of uniform values in [-1, 1).
+std::vector<uint16_t> RandomBf16(size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<uint16_t> v(n);
+  for (uint16_t& x : v) x = gpu::FloatToBf16(u(rng));
+  return v;
+}
+
+TEST(BlockAgentAttentionTest, RunAttentionOnTheHostEqualsMlaDecodeCpuOnTheSameLatents) {
+  std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
+  auto stub = v1::BlockAgent::NewStub(
+      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  const std::vector<BlockId> got = AllocateBlocks(*stub, 6, 5);
+  ASSERT_EQ(got.size(), 6u);
+  // Sequence 0: 37 tokens over 3 blocks; sequence 1: 20 tokens over 2 (both end mid-block).
+  const std::vector<std::vector<BlockId>> table = {{got[4], got[0], got[2]}, {got[5], got[1]}};
+  const std::vector<int32_t> seq_lens = {37, 20};
+  constexpr int kHeads = 4;
+  constexpr int kLayer = 1;
+  std::mt19937 rng(7);
+  // The whole pool as the agent holds it: written blocks get random latents in both layers.
+  const uint64_t pool_blocks = 16;
+  std::vector<uint16_t> arena(pool_blocks * kMlaBlockBytes / 2, 0);
+  std::vector<BlockId> written;
+  std::string bytes;
+  for (const std::vector<BlockId>& row : table) {
+    for (BlockId id : row) {
+      const std::vector<uint16_t> block = RandomBf16(kMlaBlockBytes / 2, rng);
+      std::memcpy(arena.data() + id * kMlaBlockBytes / 2, block.data(), kMlaBlockBytes);
+      bytes.append(reinterpret_cast<const char*>(block.data()), kMlaBlockBytes);
+      written.push_back(id);
+    }
+  }
+  ASSERT_TRUE(WriteBlocks(*stub, written, 5, bytes, 1 << 20).ok());
+  const std::vector<uint16_t> q = RandomBf16(2 * kHeads * 576, rng);
+  const float scale = 1.0f / std::sqrt(192.0f);
+
+  v1::RunAttentionRequest req;
+  for (const std::vector<BlockId>& row : table) {
+    req.add_block_table()->mutable_block_ids()->Add(row.begin(), row.end());
+  }
+  req.mutable_seq_lens()->Add(seq_lens.begin(), seq_lens.end());
+  req.set_query(reinterpret_cast<const char*>(q.data()), q.size() * 2);
+  req.set_softmax_scale(scale);
+  req.set_num_heads(kHeads);
+  req.set_layer(kLayer);
+  req.set_owner_epoch(5);
+  v1::RunAttentionResponse resp;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status st = stub->RunAttention(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  EXPECT_EQ(resp.backend(), "host") << "without a GPU the CPU kernel over host memory runs";
+  ASSERT_EQ(resp.output().size(), 2u * kHeads * 512 * sizeof(float));
+  ASSERT_EQ(resp.lse_size(), 2 * kHeads);
+
+  // The reference: MlaDecodeCpu over our copy of the pool, layer 1, block stride one block.
+  std::vector<int32_t> flat = {
+      static_cast<int32_t>(table[0][0]), static_cast<int32_t>(table[0][1]),
+      static_cast<int32_t>(table[0][2]), static_cast<int32_t>(table[1][0]),
+      static_cast<int32_t>(table[1][1]), static_cast<int32_t>(table[1][1])};
+  std::vector<uint16_t> out(2 * kHeads * 512);
+  std::vector<float> lse(2 * kHeads);
+  gpu::MlaDecodeParams p;
+  p.kv_cache = reinterpret_cast<const std::byte*>(arena.data()) + kLayer * 1152 * 16;
+  p.kv_block_stride_bytes = kMlaBlockBytes;
+  p.block_table = flat.data();
+  p.block_table_stride = 3;
+  p.seq_lens = seq_lens.data();
+  p.q = q.data();
+  p.q_head_stride = 576;
+  p.q_batch_stride = kHeads * 576;
+  p.out = out.data();
+  p.out_head_stride = 512;
+  p.out_batch_stride = kHeads * 512;
+  p.lse = lse.data();
+  p.batch = 2;
+  p.num_heads = kHeads;
+  p.num_blocks = pool_blocks;
+  p.page_size = 16;
+  p.max_blocks_per_seq = 3;
+  p.softmax_scale = scale;
+  ASSERT_TRUE(gpu::MlaDecodeCpu(p).ok());
+  std::vector<float> got_out(out.size());
+  std::memcpy(got_out.data(), resp.output().data(), resp.output().size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_EQ(got_out[i], gpu::Bf16ToFloat(out[i])) << "output element " << i;
+  }
+  for (int i = 0; i < 2 * kHeads; ++i) EXPECT_EQ(resp.lse(i), lse[i]) << "lse " << i;
+
+  // Layer 0 holds other latents, so it must give another answer.
+  req.set_layer(0);
+  v1::RunAttentionResponse layer0;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->RunAttention(&ctx, req, &layer0).ok());
+  }
+  EXPECT_NE(layer0.output(), resp.output());
+
+  // Bad requests name the field; foreign blocks are refused.
+  struct Case {
+    const char* field;
+    grpc::StatusCode code;
+    void (*mutate)(v1::RunAttentionRequest*);
+  };
+  const Case cases[] = {
+      {"num_heads", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->set_num_heads(0); }},
+      {"query", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->mutable_query()->pop_back(); }},
+      {"seq_lens[0]", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->set_seq_lens(0, 49); }},
+      {"seq_lens", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->mutable_seq_lens()->RemoveLast(); }},
+      {"layer", grpc::INVALID_ARGUMENT, [](v1::RunAttentionRequest* r) { r->set_layer(2); }},
+      {"softmax_scale", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->set_softmax_scale(0.0f); }},
+      {"block_table", grpc::INVALID_ARGUMENT,
+       [](v1::RunAttentionRequest* r) { r->clear_block_table(); }},
+      {"block_table", grpc::FAILED_PRECONDITION,
+       [](v1::RunAttentionRequest* r) { r->mutable_block_table(1)->set_block_ids(0, 15); }},
+      {"block_table", grpc::FAILED_PRECONDITION,
+       [](v1::RunAttentionRequest* r) { r->set_owner_epoch(6); }},
+  };
+  for (const Case& c : cases) {
+    v1::RunAttentionRequest bad = req;
+    c.mutate(&bad);
+    grpc::ClientContext ctx;
+    v1::RunAttentionResponse ignored;
+    grpc::Status st = stub->RunAttention(&ctx, bad, &ignored);
+    EXPECT_EQ(st.error_code(), c.code) << c.field << ": " << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr(c.field));
+  }
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "gpu/agent/agent.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <exception>
 #include <span>
 #include <utility>
@@ -8,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "gpu/agent/pool_attention.h"
 #include "prometheus/collectable.h"
 #include "prometheus/exposer.h"
 #include "prometheus/metric_family.h"
@@ -38,6 +41,161 @@ absl::string_view HostOf(absl::string_view address) {
 
 }  // namespace
 
+namespace {
+
+// WriteBlocks: reads the header, stages the data chunks in host memory (bounded by the
+// header's block count), and applies them with one BlockPool::WriteBlocks when the client
+// half-closes, so an error at any point leaves the blocks untouched. Deletes itself in
+// OnDone. Thread-safe: gRPC runs its callbacks one at a time.
+class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
+ public:
+  WriteBlocksReactor(Agent* agent, grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp)
+      : agent_(agent), ctx_(ctx), resp_(resp) {
+    StartRead(&msg_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client half-closed, or the call broke
+      Finish(ToGrpcStatus(ctx_->IsCancelled() ? absl::CancelledError("WriteBlocks cancelled")
+                                              : Apply()));
+      return;
+    }
+    if (absl::Status s = Take(); !s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    StartRead(&msg_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    const AgentOptions& opts = agent_->options();
+    BlockPool& pool = agent_->pool();
+    if (!have_header_) {
+      if (!msg_.has_header()) {
+        return absl::InvalidArgumentError("header must be the stream's first message");
+      }
+      const v1::WriteBlocksHeader& h = msg_.header();
+      if (h.block_ids_size() > static_cast<int>(opts.max_blocks_per_call)) {
+        return absl::InvalidArgumentError(absl::StrCat("header.block_ids must list at most ",
+                                                       opts.max_blocks_per_call, " blocks"));
+      }
+      ids_.assign(h.block_ids().begin(), h.block_ids().end());
+      owner_epoch_ = h.owner_epoch();
+      KVCM_RETURN_IF_ERROR(pool.CheckOwned(ids_, owner_epoch_, "header.block_ids"));
+      expected_bytes_ = ids_.size() * pool.geometry().bytes_per_block();
+      staged_.reserve(expected_bytes_);
+      have_header_ = true;
+      return absl::OkStatus();
+    }
+    if (msg_.has_header()) return absl::InvalidArgumentError("header sent twice");
+    const std::string& data = msg_.data();
+    if (data.empty() || data.size() > opts.max_message_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data chunk must be 1..", opts.max_message_bytes, " bytes, got ", data.size()));
+    }
+    if (data.size() > expected_bytes_ - staged_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("data exceeds ", ids_.size(), " blocks x ",
+                                                     pool.geometry().bytes_per_block(), " = ",
+                                                     expected_bytes_, " bytes"));
+    }
+    const auto* bytes = reinterpret_cast<const std::byte*>(data.data());
+    staged_.insert(staged_.end(), bytes, bytes + data.size());
+    return absl::OkStatus();
+  }
+
+  absl::Status Apply() {
+    if (!have_header_) return absl::InvalidArgumentError("header is missing (empty stream)");
+    KVCM_RETURN_IF_ERROR(agent_->pool().WriteBlocks(ids_, owner_epoch_, staged_));
+    resp_->set_bytes_written(staged_.size());
+    return absl::OkStatus();
+  }
+
+  Agent* const agent_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::WriteBlocksResponse* const resp_;
+  v1::WriteBlocksRequest msg_;
+  bool have_header_ = false;
+  std::vector<BlockId> ids_;
+  uint64_t owner_epoch_ = 0;
+  uint64_t expected_bytes_ = 0;
+  std::vector<std::byte> staged_;
+};
+
+// ReadBlocks: checks every block first, then streams the blocks' bytes in chunks of
+// read_chunk_bytes, one write in flight at a time. Deletes itself in OnDone. Thread-safe:
+// gRPC runs its callbacks one at a time.
+class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
+ public:
+  ReadBlocksReactor(Agent* agent, const v1::ReadBlocksRequest* req)
+      : pool_(agent->pool()),
+        chunk_bytes_(agent->options().read_chunk_bytes),
+        ids_(req->block_ids().begin(), req->block_ids().end()),
+        owner_epoch_(req->owner_epoch()) {
+    const uint32_t max_blocks = agent->options().max_blocks_per_call;
+    absl::Status s = ids_.size() > max_blocks
+                         ? absl::InvalidArgumentError(
+                               absl::StrCat("block_ids must list at most ", max_blocks, " blocks"))
+                         : pool_.CheckOwned(ids_, owner_epoch_, "block_ids");
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    total_bytes_ = ids_.size() * pool_.geometry().bytes_per_block();
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "ReadBlocks: the stream broke"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Fills the next chunk from as many blocks as it spans and starts writing it.
+  void WriteNext() {
+    if (sent_bytes_ == total_bytes_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    const uint64_t bpb = pool_.geometry().bytes_per_block();
+    const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
+    std::string* buf = chunk_.mutable_data();
+    buf->resize(n);
+    for (uint64_t filled = 0; filled < n;) {
+      const uint64_t pos = sent_bytes_ + filled;
+      const uint64_t off = pos % bpb;
+      const uint64_t take = std::min(bpb - off, n - filled);
+      absl::Status s =
+          pool_.ReadBlock(ids_[pos / bpb], owner_epoch_, off,
+                          std::as_writable_bytes(std::span<char>(buf->data() + filled, take)));
+      if (!s.ok()) {
+        Finish(ToGrpcStatus(s));
+        return;
+      }
+      filled += take;
+    }
+    sent_bytes_ += n;
+    StartWrite(&chunk_);
+  }
+
+  BlockPool& pool_;
+  const uint64_t chunk_bytes_;
+  const std::vector<BlockId> ids_;
+  const uint64_t owner_epoch_;
+  uint64_t total_bytes_ = 0;
+  uint64_t sent_bytes_ = 0;
+  v1::ReadBlocksResponse chunk_;
+};
+
+}  // namespace
+
 // BlockAgent over the pool. Thread-safe: the pool is; the agent outlives the service.
 class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
@@ -64,6 +222,39 @@ class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
       return agent_->pool().Free(
           std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
           req->owner_epoch());
+    });
+  }
+
+  grpc::ServerReadReactor<v1::WriteBlocksRequest>* WriteBlocks(
+      grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp) override {
+    return new WriteBlocksReactor(agent_, ctx, resp);
+  }
+
+  grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadBlocks(
+      grpc::CallbackServerContext* /*ctx*/, const v1::ReadBlocksRequest* req) override {
+    return new ReadBlocksReactor(agent_, req);
+  }
+
+  grpc::ServerUnaryReactor* RunAttention(grpc::CallbackServerContext* ctx,
+                                         const v1::RunAttentionRequest* req,
+                                         v1::RunAttentionResponse* resp) override {
+    return Unary(ctx, [&]() -> absl::Status {
+      PoolAttentionRequest in;
+      in.block_table.reserve(req->block_table_size());
+      for (const v1::BlockList& row : req->block_table()) {
+        in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
+      }
+      in.seq_lens.assign(req->seq_lens().begin(), req->seq_lens().end());
+      in.query_bf16 = std::as_bytes(std::span<const char>(req->query()));
+      in.softmax_scale = req->softmax_scale();
+      in.num_heads = req->num_heads();
+      in.layer = req->layer();
+      in.owner_epoch = req->owner_epoch();
+      KVCM_ASSIGN_OR_RETURN(PoolAttentionResult out, RunMlaDecodeOnPool(agent_->pool(), in));
+      resp->set_output(out.output.data(), out.output.size() * sizeof(float));
+      resp->mutable_lse()->Add(out.lse.begin(), out.lse.end());
+      resp->set_backend(agent_->pool().backend().name());
+      return absl::OkStatus();
     });
   }
 
@@ -154,6 +345,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   int port = 0;
   builder.AddListeningPort(opts.listen_address, grpc::InsecureServerCredentials(), &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Room for a full data chunk plus the message's framing.
+  builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
   builder.RegisterService(a->service_.get());
   a->server_ = builder.BuildAndStart();
   if (a->server_ == nullptr || port == 0) {

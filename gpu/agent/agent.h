@@ -52,6 +52,7 @@ class Agent {
   // Why this backend was chosen, e.g. "no CUDA device (...): using host DRAM".
   const std::string& backend_reason() const { return backend_reason_; }
   BlockPool& pool() { return *pool_; }
+  const AgentOptions& options() const { return options_; }
   // Whether the last Register or Heartbeat succeeded.
   bool registered() const { return registered_.load(std::memory_order_acquire); }
 

@@ -51,6 +51,19 @@ absl::Status AgentOptions::Validate() const {
   if (!metrics_address.empty() && !absl::StrContains(metrics_address, ':')) {
     return Invalid("metrics_address", "must be host:port or empty");
   }
+  if (max_blocks_per_call < 1 || max_blocks_per_call > 65'536) {
+    return Invalid("max_blocks_per_call",
+                   absl::StrCat("must be in [1, 65536], got ", max_blocks_per_call));
+  }
+  if (max_message_bytes < 1024 || max_message_bytes > (1ull << 30)) {
+    return Invalid("max_message_bytes",
+                   absl::StrCat("must be in [1024, 1073741824], got ", max_message_bytes));
+  }
+  if (read_chunk_bytes < 1 || read_chunk_bytes > max_message_bytes) {
+    return Invalid("read_chunk_bytes",
+                   absl::StrCat("must be in [1, max_message_bytes ", max_message_bytes, "], got ",
+                                read_chunk_bytes));
+  }
   return Geometry().status();
 }
 

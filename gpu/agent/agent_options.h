@@ -42,6 +42,16 @@ struct AgentOptions {
   uint32_t heartbeat_interval_ms = 1'000;
   // Prometheus /metrics address "host:port"; empty disables it.
   std::string metrics_address;
+  // Most blocks one WriteBlocks or ReadBlocks call may name. WriteBlocks stages the whole
+  // call in host memory before applying it (all or nothing), so this times bytes_per_block
+  // bounds that buffer (64 DeepSeek-V3 bf16 blocks: 288 MiB). 1..65536.
+  uint32_t max_blocks_per_call = 64;
+  // Largest request message the BlockAgent server accepts (a WriteBlocks data chunk, a
+  // RunAttention query). 1 KiB..1 GiB.
+  uint64_t max_message_bytes = 4ull << 20;
+  // Bytes per ReadBlocks response message. 1..max_message_bytes (a client's default receive
+  // limit is 4 MiB).
+  uint64_t read_chunk_bytes = 1ull << 20;
 
   // INVALID_ARGUMENT naming the first bad option (spec errors as "spec.<field>", a pool
   // that holds no block as "capacity_bytes").

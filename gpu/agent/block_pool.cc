@@ -75,6 +75,79 @@ absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch)
   return absl::OkStatus();
 }
 
+absl::Status BlockPool::CheckOwnedLocked(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                         absl::string_view field) const {
+  if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " must not be empty"));
+  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
+  std::vector<BlockId> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " lists block ", *dup, " twice"));
+  }
+  for (BlockId id : ids) {
+    if (id >= owner_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": block ", id, " is past the pool of ", owner_.size(), " blocks"));
+    }
+    if (owner_[id] == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, ": block ", id, " is not allocated"));
+    }
+    if (owner_[id] != owner_epoch) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": block ", id, " belongs to owner epoch ", owner_[id], ", not ", owner_epoch));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                   absl::string_view field) const {
+  absl::MutexLock lock(&mu_);
+  return CheckOwnedLocked(ids, owner_epoch, field);
+}
+
+absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                    std::span<const std::byte> bytes) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, "block_ids"); !s.ok()) return s;
+  if (bytes.size() != ids.size() * bytes_per_block_) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes: got ", bytes.size(), ", expected ",
+                                                   ids.size(), " blocks x ", bytes_per_block_));
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (absl::Status s = backend_->CopyIn(BlockOffset(ids[i]),
+                                          bytes.subspan(i * bytes_per_block_, bytes_per_block_));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
+                                  std::span<std::byte> dst) const {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckOwnedLocked({&id, 1}, owner_epoch, "block_ids"); !s.ok()) return s;
+  if (offset_in_block > bytes_per_block_ || dst.size() > bytes_per_block_ - offset_in_block) {
+    return absl::OutOfRangeError(absl::StrCat("bytes [", offset_in_block, ", +", dst.size(),
+                                              ") leave the block of ", bytes_per_block_));
+  }
+  return backend_->CopyOut(BlockOffset(id) + offset_in_block, dst);
+}
+
+absl::Status BlockPool::WithOwnedHostArena(
+    std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
+    absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
+  if (backend_->is_device()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("backend ", backend_->name(), " is device memory, not host memory"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, field); !s.ok()) return s;
+  return fn(backend_->base());
+}
+
 BlockPoolStats BlockPool::Stats() const {
   absl::MutexLock lock(&mu_);
   BlockPoolStats s;

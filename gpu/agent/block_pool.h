@@ -6,7 +6,11 @@
 // nothing. Byte accounting is exact: used_bytes = allocated blocks x bytes_per_block. The
 // pool never allocates device memory after Create: the backend's arena is fixed.
 //
-// Thread-safe: every method locks mu_; the arena itself is not touched by the pool.
+// WriteBlocks / ReadBlock move raw bytes between the host and allocated blocks through the
+// backend's CopyIn / CopyOut (cudaMemcpy on a device), checking ownership first.
+//
+// Thread-safe: every method locks mu_; the arena is touched only by WriteBlocks (under mu_)
+// and ReadBlock (under mu_), whose copies cover whole ranges of owned blocks.
 #ifndef KVCM_GPU_AGENT_BLOCK_POOL_H_
 #define KVCM_GPU_AGENT_BLOCK_POOL_H_
 
@@ -16,8 +20,10 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_geometry.h"
@@ -53,6 +59,36 @@ class BlockPool {
   // free); ABORTED for a block allocated by another owner epoch.
   absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // OK when `ids` are distinct, inside the pool and all allocated to `owner_epoch`; nothing
+  // is changed. Errors name `field` (e.g. "block_ids"): INVALID_ARGUMENT for an empty list,
+  // owner_epoch 0, an id listed twice or one past the pool; FAILED_PRECONDITION for a block
+  // that is not allocated or is allocated by another owner epoch. The answer may be stale
+  // as soon as it returns (another thread may Free); the copy methods check again.
+  absl::Status CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
+                          absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Overwrites whole blocks: byte i of `bytes` goes to byte i % bytes_per_block of block
+  // ids[i / bytes_per_block]. All or nothing: errors as CheckOwned (field "block_ids"), and
+  // INVALID_ARGUMENT "bytes" unless bytes.size() == ids.size() x bytes_per_block, are
+  // returned before any byte is copied. Holds mu_ while copying, so no Free interleaves.
+  absl::Status WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
+                           std::span<const std::byte> bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Copies dst.size() bytes of block `id`, from byte `offset_in_block`, into `dst`. Errors
+  // as CheckOwned for the one id (field "block_ids"); OUT_OF_RANGE when the range leaves
+  // the block.
+  absl::Status ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
+                         std::span<std::byte> dst) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the host arena
+  // (arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no WriteBlocks or
+  // Free interleaves; returns what `fn` returns. FAILED_PRECONDITION when the backend is
+  // device memory (not dereferenceable here). `fn` must not call back into the pool.
+  absl::Status WithOwnedHostArena(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                  absl::string_view field,
+                                  absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Byte offset of block `id` in the backend's arena. REQUIRES: id < num_blocks.
   uint64_t BlockOffset(BlockId id) const { return uint64_t{id} * bytes_per_block_; }
 
@@ -62,6 +98,8 @@ class BlockPool {
 
  private:
   BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend);
+  absl::Status CheckOwnedLocked(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                absl::string_view field) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PoolGeometry geometry_;
   const uint64_t bytes_per_block_;

@@ -1,10 +1,13 @@
 #include "gpu/agent/block_pool.h"
 
+#include <cstddef>
+#include <cstring>
 #include <random>
 #include <set>
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "gpu/agent/pool_attention.h"
 #include "gtest/gtest.h"
 #include "server/core/model_catalog.h"
 
@@ -200,6 +203,95 @@ TEST(BlockPoolTest, RandomisedNeverHandsOutABlockTwice) {
     ASSERT_EQ(pool->Stats().free_blocks, kBlocks - held.size());
     ASSERT_EQ(pool->Stats().used_bytes, held.size() * per_block);
   }
+}
+
+std::vector<std::byte> Pattern(size_t n, uint8_t seed) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 31 + seed) & 0xFF);
+  return v;
+}
+
+std::vector<std::byte> ReadWhole(const BlockPool& pool, BlockId id, uint64_t epoch) {
+  std::vector<std::byte> out(pool.geometry().bytes_per_block());
+  EXPECT_TRUE(pool.ReadBlock(id, epoch, 0, out).ok());
+  return out;
+}
+
+TEST(BlockPoolTest, WriteBlocksIsAllOrNothingAndReadBlockChecksOwnership) {
+  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 4);
+  const uint64_t bpb = pool->geometry().bytes_per_block();
+  absl::StatusOr<std::vector<BlockId>> ids = pool->Allocate(2, 7);
+  ASSERT_TRUE(ids.ok());
+  const std::vector<BlockId> order = {(*ids)[1], (*ids)[0]};
+  const std::vector<std::byte> bytes = Pattern(2 * bpb, 3);
+  ASSERT_TRUE(pool->WriteBlocks(order, 7, bytes).ok());
+  EXPECT_TRUE(std::memcmp(ReadWhole(*pool, order[0], 7).data(), bytes.data(), bpb) == 0);
+  EXPECT_TRUE(std::memcmp(ReadWhole(*pool, order[1], 7).data(), bytes.data() + bpb, bpb) == 0);
+
+  const std::vector<std::byte> other = Pattern(2 * bpb, 99);
+  EXPECT_EQ(pool->WriteBlocks(order, 7, std::span(other).first(2 * bpb - 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->WriteBlocks(order, 8, other).code(), absl::StatusCode::kFailedPrecondition);
+  const BlockId free_id = (*ids)[0] == 3 || (*ids)[1] == 3 ? 2 : 3;  // never allocated
+  const std::vector<BlockId> with_free = {order[0], free_id};
+  absl::Status st = pool->WriteBlocks(with_free, 7, other);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(st.message(), HasSubstr("block_ids"));
+  EXPECT_TRUE(std::memcmp(ReadWhole(*pool, order[0], 7).data(), bytes.data(), bpb) == 0)
+      << "a refused write leaves the first block as it was";
+
+  std::vector<std::byte> one(1);
+  EXPECT_EQ(pool->ReadBlock(order[0], 8, 0, one).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->ReadBlock(free_id, 7, 0, one).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->ReadBlock(4, 7, 0, one).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->ReadBlock(order[0], 7, bpb, one).code(), absl::StatusCode::kOutOfRange);
+  ASSERT_TRUE(pool->ReadBlock(order[0], 7, bpb - 1, one).ok());
+  EXPECT_EQ(one[0], bytes[bpb - 1]);
+}
+
+// Host memory that claims to be device memory, as a CUDA backend would.
+class FakeDeviceBackend final : public DeviceBackend {
+ public:
+  explicit FakeDeviceBackend(uint64_t bytes) : mem_(bytes) {}
+  std::string name() const override { return "cuda:9"; }
+  bool is_device() const override { return true; }
+  std::byte* base() const override { return const_cast<std::byte*>(mem_.data()); }
+  uint64_t arena_bytes() const override { return mem_.size(); }
+  absl::Status CopyIn(uint64_t offset, std::span<const std::byte> src) override {
+    if (absl::Status s = CheckRange(offset, src.size()); !s.ok()) return s;
+    std::memcpy(mem_.data() + offset, src.data(), src.size());
+    return absl::OkStatus();
+  }
+  absl::Status CopyOut(uint64_t offset, std::span<std::byte> dst) const override {
+    if (absl::Status s = CheckRange(offset, dst.size()); !s.ok()) return s;
+    std::memcpy(dst.data(), mem_.data() + offset, dst.size());
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<std::byte> mem_;
+};
+
+TEST(PoolAttentionTest, RefusesNonMlaPoolsAndDevicePools) {
+  std::unique_ptr<BlockPool> gqa = MakePool(SmallGqa(), 2);
+  PoolAttentionRequest req;
+  absl::StatusOr<PoolAttentionResult> r = RunMlaDecodeOnPool(*gqa, req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("pool"));
+
+  PoolGeometry g{DeepSeekV3(), 1};
+  absl::StatusOr<std::unique_ptr<BlockPool>> device =
+      BlockPool::Create(g, std::make_unique<FakeDeviceBackend>(g.pool_bytes()));
+  ASSERT_TRUE(device.ok());
+  r = RunMlaDecodeOnPool(**device, req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(r.status().message(), HasSubstr("cuda:9"));
+  const std::vector<BlockId> none;
+  EXPECT_EQ(
+      (*device)
+          ->WithOwnedHostArena(none, 1, "ids", [](const std::byte*) { return absl::OkStatus(); })
+          .code(),
+      absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(DeviceBackendTest, HostBackendChecksRanges) {

@@ -55,6 +55,12 @@ ABSL_FLAG(uint32_t, heartbeat_interval_ms, kDefaults.heartbeat_interval_ms,
           "Period of heartbeats to the manager, in milliseconds.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics address host:port; empty disables it.");
+ABSL_FLAG(uint32_t, max_blocks_per_call, kDefaults.max_blocks_per_call,
+          "Most blocks one WriteBlocks / ReadBlocks call may name.");
+ABSL_FLAG(uint64_t, max_message_bytes, kDefaults.max_message_bytes,
+          "Largest BlockAgent request message, in bytes.");
+ABSL_FLAG(uint64_t, read_chunk_bytes, kDefaults.read_chunk_bytes,
+          "Bytes per ReadBlocks response message.");
 
 namespace {
 
@@ -112,6 +118,9 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
   o.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  o.max_blocks_per_call = absl::GetFlag(FLAGS_max_blocks_per_call);
+  o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  o.read_chunk_bytes = absl::GetFlag(FLAGS_read_chunk_bytes);
   return o;
 }
 
