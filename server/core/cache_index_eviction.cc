@@ -1,0 +1,234 @@
+// CacheIndex: pool budgets, eviction (by policy, from a pool or a namespace), demotion to
+// the HOST tier, reserved headroom and eviction regret. See cache_index.h.
+#include <algorithm>
+#include <cassert>
+#include <queue>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/cache_index.h"
+#include "server/core/cache_index_internal.h"
+
+namespace kvcm {
+
+uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) {
+  Namespace* ns = OwnerOf(node);
+  auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
+                         [pool](const Replica& r) { return r.pool == pool; });
+  assert(it != node->replicas.end() && it->evictable);
+  policy_->Remove(node, pool);
+  node->replicas.erase(it);
+
+  const uint64_t bytes = NodeBytes(node);
+  budget_.Refund(pool, node->size(), bytes);
+  ns->tree.AddPageLocations(-int64_t{node->size()});
+  counters_.evicted_pages += node->size();
+  counters_.evicted_bytes += bytes;
+  Emit(CacheEvent::Kind::kRemoved, *ns, pool, node->pages);
+
+  RadixNode* parent = node->parent;
+  if (!parent->is_root()) {
+    Replica* up = parent->FindReplica(pool);
+    --up->child_refs;
+    RefreshCandidate(parent, *up);
+  }
+  if (!node->replicas.empty()) {
+    policy_->Rescore(node);  // scores may count replicas
+  } else {
+    // No replica left means no located descendant either (prefix closure): a leaf.
+    if (options_.regret_window > absl::ZeroDuration()) {
+      evicted_runs_[node->pages[0]] = EvictedRun{now, node->size(), node->hits};
+      evicted_order_.emplace_back(now, node->pages[0]);
+    }
+    ns->tree.Remove(node);
+  }
+  return bytes;
+}
+
+bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
+  std::optional<PoolId> host = budget_.Find(PoolKey{budget_.key(gpu).agent_id, Tier::kHost});
+  if (!host.has_value()) return false;
+  // The node and the ancestors the host pool lacks: a suffix of the path, since the host
+  // pool is prefix-closed.
+  std::vector<RadixNode*> chain;
+  uint64_t need = 0;
+  for (RadixNode* n = node; !n->is_root() && n->FindReplica(*host) == nullptr; n = n->parent) {
+    chain.push_back(n);
+    need += NodeBytes(n);
+  }
+  if (chain.empty()) return true;  // already has a host copy
+  if (need > budget_.capacity(*host)) return false;
+  if (const uint64_t shortfall = budget_.Shortfall(*host, need); shortfall > 0) {
+    PinPath(node);  // the path's host pages must stay while the host pool makes room
+    const bool room = budget_.evictable(*host) >= shortfall;
+    if (room) EvictLocked(*host, shortfall);  // host victims leave: only GPU pools demote
+    UnpinPath(node);
+    if (!room) return false;
+  }
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    RadixNode* n = *it;
+    AddReplica(n, *host, std::vector<BlockId>(n->size(), kPendingBlock));
+    Emit(CacheEvent::Kind::kStored, *OwnerOf(n), *host, n->pages);
+  }
+  return true;
+}
+
+EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
+  EvictResult result;
+  const absl::Time now = clock_->Now();
+  while (result.evicted_bytes < bytes) {
+    std::optional<EvictionCandidate> victim = policy_->Victim(pool);
+    if (!victim.has_value()) break;
+    RadixNode* node = victim->node;
+    if (policy_->trims_nodes()) {
+      // Evict only the tail pages still needed; the head stays cached (and matchable).
+      const uint64_t page_bytes = node->tree->bytes_per_page();
+      const uint64_t pages_needed = (bytes - result.evicted_bytes + page_bytes - 1) / page_bytes;
+      if (pages_needed < node->size()) {
+        SplitNode(node, node->size() - static_cast<uint32_t>(pages_needed));
+      }
+    }
+    if (policy_->demotes_to_host() && budget_.key(pool).tier == Tier::kGpu &&
+        DemoteToHost(node, pool)) {
+      result.demoted_pages += node->size();
+      counters_.demoted_pages += node->size();
+    }
+    result.evicted_pages += node->size();
+    result.evicted_bytes += EvictReplica(node, pool, now);
+  }
+  return result;
+}
+
+void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
+  while (!evicted_order_.empty() && evicted_order_.front().first + options_.regret_window < now) {
+    auto [at, page] = evicted_order_.front();
+    evicted_order_.pop_front();
+    auto it = evicted_runs_.find(page);
+    if (it != evicted_runs_.end() && it->second.at == at) evicted_runs_.erase(it);
+  }
+  if (missed.empty() || evicted_runs_.empty()) return;
+  auto it = evicted_runs_.find(missed[0]);
+  if (it == evicted_runs_.end() || it->second.regretted) return;
+  counters_.eviction_regret_pages += std::min<uint64_t>(it->second.pages, missed.size());
+  it->second.regretted = true;  // count each eviction once
+}
+
+absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes) {
+  if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
+  absl::MutexLock lock(&mu_);
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (id.has_value() && budget_.used(*id) > capacity_bytes) {
+    const uint64_t excess = budget_.used(*id) - capacity_bytes;
+    if (budget_.evictable(*id) < excess) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool ", pool.ToString(), ": capacity ", capacity_bytes, " would need evicting ", excess,
+          " bytes but only ", budget_.evictable(*id), " are unpinned"));
+    }
+    EvictLocked(*id, excess);
+  }
+  budget_.SetCapacity(id.has_value() ? *id : budget_.Intern(pool, capacity_bytes), capacity_bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+  const uint64_t shortfall = budget_.Shortfall(*id, bytes);
+  if (shortfall > budget_.evictable(*id)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pool ", pool.ToString(), ": reserving ", bytes, " bytes needs evicting ",
+                     shortfall, " but only ", budget_.evictable(*id), " are unpinned"));
+  }
+  const uint64_t evicted = shortfall > 0 ? EvictLocked(*id, shortfall).evicted_bytes : 0;
+  budget_.Reserve(*id, bytes);
+  return evicted;
+}
+
+absl::Status CacheIndex::Unreserve(const PoolKey& pool, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+  if (bytes > budget_.reserved(*id)) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ",
+                                              budget_.reserved(*id), " bytes reserved in pool ",
+                                              pool.ToString()));
+  }
+  budget_.Unreserve(*id, bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  ExpireLeasesLocked(clock_->Now());
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+  if (bytes > budget_.used(*id)) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", budget_.used(*id),
+                                              " bytes pool ", pool.ToString(), " holds"));
+  }
+  if (bytes > budget_.evictable(*id)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "bytes ", bytes, " exceeds the ", budget_.evictable(*id), " unpinned bytes of pool ",
+        pool.ToString(), " (", budget_.pinned(*id), " pinned)"));
+  }
+  return EvictLocked(*id, bytes);
+}
+
+absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns_id,
+                                                           uint64_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLeasesLocked(now);
+  absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
+  if (!found.ok()) return found.status();
+  Namespace& ns = **found;
+  const uint64_t used = ns.tree.page_locations() * ns.bytes_per_page;
+  const uint64_t pinned = ns.pinned_page_locations * ns.bytes_per_page;
+  if (bytes > used) {
+    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", used,
+                                              " bytes namespace ", ns_id.ToString(), " holds"));
+  }
+  if (bytes > used - pinned) {
+    return absl::ResourceExhaustedError(absl::StrCat("bytes ", bytes, " exceeds the ",
+                                                     used - pinned, " unpinned bytes of namespace ",
+                                                     ns_id.ToString()));
+  }
+
+  // Candidates of every pool, in the policy's cross-pool order.
+  struct Entry {
+    double priority;
+    RadixNode* node;
+    PoolId pool;
+    bool operator>(const Entry& o) const { return priority > o.priority; }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+  std::vector<RadixNode*> stack = {ns.tree.root()};
+  while (!stack.empty()) {
+    RadixNode* node = stack.back();
+    stack.pop_back();
+    for (const Replica& r : node->replicas) {
+      if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});
+    }
+    for (auto& [first, child] : node->children) stack.push_back(child.get());
+  }
+  EvictResult result;
+  while (result.evicted_bytes < bytes && !heap.empty()) {
+    Entry e = heap.top();
+    heap.pop();
+    RadixNode* parent = e.node->parent;
+    result.evicted_pages += e.node->size();
+    result.evicted_bytes += EvictReplica(e.node, e.pool, now);
+    if (!parent->is_root()) {
+      const Replica* up = parent->FindReplica(e.pool);
+      if (up->evictable) heap.push({policy_->Priority(parent, e.pool), parent, e.pool});
+    }
+  }
+  return result;
+}
+
+}  // namespace kvcm
