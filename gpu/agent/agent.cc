@@ -373,6 +373,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->control_ = v1::AgentControl::NewStub(
       grpc::CreateChannel(opts.manager_address, grpc::InsecureChannelCredentials()));
   a->control_thread_ = std::thread([raw = a.get()] { raw->ControlLoop(); });
+  a->command_thread_ = std::thread([raw = a.get()] { raw->CommandLoop(); });
   return a;
 }
 
@@ -434,12 +435,81 @@ void Agent::ControlLoop() {
   } while (!stop_control_.WaitForNotificationWithTimeout(interval));
 }
 
+absl::Status Agent::ExecuteCommand(const v1::AgentCommand& command) {
+  switch (command.command_case()) {
+    case v1::AgentCommand::kFree: {
+      const v1::FreeBlocks& f = command.free();
+      if (static_cast<Tier>(f.tier()) != options_.tier) {
+        return absl::InvalidArgumentError(absl::StrCat("free.tier ", static_cast<int>(f.tier()),
+                                                       " is not the tier of this agent's pool"));
+      }
+      const std::vector<BlockId> ids(f.block_ids().begin(), f.block_ids().end());
+      return pool_->Free(ids, epoch_);
+    }
+    default:
+      return absl::UnimplementedError(
+          absl::StrCat("unknown command ", static_cast<int>(command.command_case())));
+  }
+}
+
+absl::Status Agent::RunCommandStream() {
+  grpc::ClientContext ctx;
+  {
+    absl::MutexLock lock(&command_mu_);
+    if (stop_control_.HasBeenNotified()) return absl::CancelledError("shutting down");
+    command_ctx_ = &ctx;
+  }
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> stream =
+      control_->Commands(&ctx);
+  v1::AgentCommandAck hello;
+  hello.set_agent_id(options_.agent_id);
+  hello.set_epoch(epoch_);
+  if (stream->Write(hello)) {
+    v1::AgentCommand command;
+    while (stream->Read(&command)) {
+      const absl::Status s = ExecuteCommand(command);
+      v1::AgentCommandAck ack;
+      ack.set_sequence(command.sequence());
+      ack.set_code(static_cast<int32_t>(s.code()));
+      ack.set_message(std::string(s.message()));
+      if (!stream->Write(ack)) break;
+    }
+    stream->WritesDone();
+  }
+  const grpc::Status status = stream->Finish();
+  absl::MutexLock lock(&command_mu_);
+  command_ctx_ = nullptr;
+  return FromGrpc(status);
+}
+
+void Agent::CommandLoop() {
+  const absl::Duration interval = absl::Milliseconds(options_.heartbeat_interval_ms);
+  bool logged_failure = false;
+  do {
+    if (!registered()) continue;
+    const absl::Status s = RunCommandStream();
+    if (stop_control_.HasBeenNotified()) return;
+    if (!s.ok() && !logged_failure) {
+      LogWarning(absl::StrCat("Commands stream to ", options_.manager_address, ": ", s.ToString(),
+                              " (reopening every ", options_.heartbeat_interval_ms, " ms)"));
+      logged_failure = true;
+    } else if (s.ok()) {
+      logged_failure = false;
+    }
+  } while (!stop_control_.WaitForNotificationWithTimeout(interval));
+}
+
 void Agent::Shutdown() {
   absl::MutexLock lock(&shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
   stop_control_.Notify();
+  {
+    absl::MutexLock command_lock(&command_mu_);
+    if (command_ctx_ != nullptr) command_ctx_->TryCancel();
+  }
   if (control_thread_.joinable()) control_thread_.join();
+  if (command_thread_.joinable()) command_thread_.join();
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }

@@ -6,6 +6,10 @@
 // start, so a restarted agent always registers a larger one), retrying every
 // heartbeat_interval_ms while the manager is unreachable; it then heartbeats with the pool's
 // usage and registers again when the manager answers NOT_FOUND (it restarted) or ABORTED.
+// Once registered, the command thread holds an AgentControl.Commands stream open (reopening
+// it every heartbeat_interval_ms while it cannot) and executes the manager's commands:
+// FreeBlocks frees the listed blocks, owned by the agent's epoch, and is acked with the
+// status BlockPool::Free returned.
 //
 // Used by gpu/agent/main.cc and by tests. Thread-safe: Shutdown and Wait may be called from
 // any thread, concurrently and more than once; the accessors are safe at any time.
@@ -69,6 +73,10 @@ class Agent {
   void ControlLoop();
   absl::Status Register();
   absl::Status Heartbeat();
+  void CommandLoop();
+  // Runs one stream: hello, then commands until it ends. The stream's final status.
+  absl::Status RunCommandStream();
+  absl::Status ExecuteCommand(const v1::AgentCommand& command);
 
   const AgentOptions options_;
   uint64_t epoch_ = 0;
@@ -85,6 +93,10 @@ class Agent {
 
   absl::Notification stop_control_;
   std::thread control_thread_;
+  std::thread command_thread_;
+  absl::Mutex command_mu_;
+  // The open Commands call, so that Shutdown can cancel it; null between calls.
+  grpc::ClientContext* command_ctx_ ABSL_GUARDED_BY(command_mu_) = nullptr;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
   absl::Notification shutdown_done_;

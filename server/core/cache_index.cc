@@ -180,9 +180,10 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
 }
 
 void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
-                      std::span<const PageHash> pages) {
+                      std::span<const PageHash> pages, std::vector<BlockId> block_ids) {
   if (!listener_) return;
-  listener_(CacheEvent{kind, ns.id, budget_.key(pool), {pages.begin(), pages.end()}});
+  listener_(CacheEvent{
+      kind, ns.id, budget_.key(pool), {pages.begin(), pages.end()}, std::move(block_ids)});
 }
 
 void CacheIndex::ExpireLeasesLocked(absl::Time now) {

@@ -68,6 +68,9 @@ struct CacheEvent {
   NamespaceId ns;
   PoolKey pool;
   std::vector<PageHash> pages;
+  // kRemoved: the evicted replica's block ids, one per page of `pages` (kPendingBlock for a
+  // HOST block the agent has not reported yet). Empty for the other kinds.
+  std::vector<BlockId> block_ids;
 };
 
 // Called with events in order, under the index's lock: must be quick and must not call back
@@ -283,7 +286,8 @@ class CacheIndex {
   void CountRegret(std::span<const PageHash> missed, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
-            std::span<const PageHash> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+            std::span<const PageHash> pages, std::vector<BlockId> block_ids = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheIndexOptions options_;
   Clock* const clock_;

@@ -17,6 +17,7 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
                          [pool](const Replica& r) { return r.pool == pool; });
   assert(it != node->replicas.end() && it->evictable);
   policy_->Remove(node, pool);
+  std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
 
   const uint64_t bytes = NodeBytes(node);
@@ -24,7 +25,7 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   ns->tree.AddPageLocations(-int64_t{node->size()});
   counters_.evicted_pages += node->size();
   counters_.evicted_bytes += bytes;
-  Emit(CacheEvent::Kind::kRemoved, *ns, pool, node->pages);
+  Emit(CacheEvent::Kind::kRemoved, *ns, pool, node->pages, std::move(block_ids));
 
   RadixNode* parent = node->parent;
   if (!parent->is_root()) {

@@ -1,5 +1,6 @@
 #include "server/core/cache_index.h"
 
+#include <algorithm>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -501,6 +502,22 @@ TEST_F(CacheIndexTest, EventsReportStoredAndRemovedPages) {
   EXPECT_EQ(events[2].pages, std::vector<PageHash>{Prompt({1, 2, 3})[2]});
   EXPECT_EQ(events[2].pool, gpu0_);
   EXPECT_EQ(events[2].ns, ns_);
+  EXPECT_TRUE(events[0].block_ids.empty());
+}
+
+TEST_F(CacheIndexTest, RemovedEventCarriesTheEvictedBlockIds) {
+  std::vector<CacheEvent> events;
+  index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
+  ASSERT_TRUE(index_->Insert(ns_, Prompt({1, 2, 3}), gpu0_, std::vector<BlockId>{7, 4, 9}).ok());
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 3 * bpp_).ok());
+  std::vector<BlockId> removed;
+  for (const CacheEvent& e : events) {
+    if (e.kind != CacheEvent::Kind::kRemoved) continue;
+    EXPECT_EQ(e.block_ids.size(), e.pages.size());
+    removed.insert(removed.end(), e.block_ids.begin(), e.block_ids.end());
+  }
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<BlockId>{4, 7, 9}));
 }
 
 // Random operations across pools, pins and evictions; after each step the accounting must

@@ -98,10 +98,11 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
 }
 
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
-                                         ServiceMetrics* metrics)
+                                         ServiceMetrics* metrics, AgentCommandRouter* commands)
     : index_(index),
       agents_(agents),
       metrics_(metrics),
+      commands_(commands),
       error_log_(kFailureLogLines, kFailureLogPeriod) {}
 
 template <typename Body>
@@ -144,6 +145,11 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
     if (req->epoch() < 1) return Invalid("epoch", "must be >= 1");
     return agents_->Heartbeat(req->agent_id(), req->epoch(), req->used_bytes(), req->free_blocks());
   });
+}
+
+grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
+    grpc::CallbackServerContext* /*ctx*/) {
+  return commands_->Open();
 }
 
 }  // namespace kvcm

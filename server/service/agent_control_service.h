@@ -2,9 +2,10 @@
 //
 // Register validates the request, checks the epoch against the AgentRegistry, sizes the
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
-// refreshes the agent's liveness and usage. Handlers are thin: each is one call of Unary(),
-// which times the body, records the RPC metrics, logs failures at a bounded rate and
-// finishes with the body's status (same code and message), like CacheManagerService.
+// refreshes the agent's liveness and usage; Commands streams are AgentCommandRouter's. Handlers are
+// thin: each is one call of Unary(), which times the body, records the RPC metrics, logs failures
+// at a bounded rate and finishes with the body's status (same code and message), like
+// CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -20,6 +21,7 @@
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/service/agent_commands.h"
 #include "server/service/log.h"
 #include "server/service/metrics.h"
 
@@ -43,8 +45,10 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 
 class AgentControlService final : public v1::AgentControl::CallbackService {
  public:
-  // None of the pointers is owned; all must outlive the service.
-  AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics);
+  // None of the pointers is owned; all must outlive the service. Commands streams are
+  // served by `commands`.
+  AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics,
+                      AgentCommandRouter* commands);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterAgentRequest* req,
@@ -52,6 +56,8 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse* resp) override;
+  grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* Commands(
+      grpc::CallbackServerContext* ctx) override;
 
  private:
   // Runs `body` (returning absl::Status) and finishes the call with its outcome.
@@ -61,6 +67,7 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   CacheIndex* const index_;
   AgentRegistry* const agents_;
   ServiceMetrics* const metrics_;
+  AgentCommandRouter* const commands_;
   LogRateLimiter error_log_;
 };
 

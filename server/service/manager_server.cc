@@ -47,10 +47,15 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
 
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
   EventHub* hub = s->hub_.get();
-  s->index_->SetEventListener([hub](const CacheEvent& event) { hub->Publish(event); });
   s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
                                                absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
   s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get());
+  s->commands_ = std::make_unique<AgentCommandRouter>(s->agents_.get(), s->metrics_.get());
+  AgentCommandRouter* commands = s->commands_.get();
+  s->index_->SetEventListener([hub, commands](const CacheEvent& event) {
+    hub->Publish(event);
+    commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
+  });
   RequestLimits limits;
   limits.max_tokens_per_request = opts.max_tokens_per_request;
   limits.max_pages_per_request = opts.max_pages_per_request;
@@ -58,8 +63,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   limits.default_lease_ttl_ms = opts.default_lease_ttl_ms;
   s->service_ = std::make_unique<CacheManagerService>(s->index_.get(), hub, s->metrics_.get(),
                                                       limits, s->agents_.get());
-  s->agent_service_ =
-      std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(), s->metrics_.get());
+  s->agent_service_ = std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(),
+                                                            s->metrics_.get(), s->commands_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -118,6 +123,7 @@ void ManagerServer::Shutdown() {
   shut_down_ = true;
   // Watch streams never end on their own: close them first so the server can drain.
   if (hub_ != nullptr) hub_->Close();
+  if (commands_ != nullptr) commands_->Close();
   if (server_ != nullptr) {
     if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
       health->SetServingStatus(false);

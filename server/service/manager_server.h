@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/service/agent_commands.h"
 #include "server/service/agent_control_service.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/event_hub.h"
@@ -58,6 +59,7 @@ class ManagerServer {
   CacheIndex& index() { return *index_; }
   AgentRegistry& agents() { return *agents_; }
   ServiceMetrics& metrics() { return *metrics_; }
+  AgentCommandRouter& commands() { return *commands_; }
 
   // Ends every WatchEvents stream, stops accepting calls, lets in-flight calls finish for
   // up to options().shutdown_grace_ms (then cancels them), and stops the exporter and the
@@ -76,6 +78,7 @@ class ManagerServer {
   std::unique_ptr<EventHub> hub_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AgentRegistry> agents_;
+  std::unique_ptr<AgentCommandRouter> commands_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<AgentControlService> agent_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -223,6 +223,17 @@ ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
     }
     RequestCounter(rpc, absl::StatusCode::kOk);  // so that rates start from a zero sample
   }
+  prometheus::Family<prometheus::Counter>& commands =
+      prometheus::BuildCounter()
+          .Name("kvcm_agent_commands_total")
+          .Help("Manager -> agent commands (FreeBlocks) by result: acked, failed or dropped.")
+          .Register(*registry_);
+  agent_commands_[static_cast<int>(AgentCommandResult::kAcked)] =
+      &commands.Add({{"result", "acked"}});
+  agent_commands_[static_cast<int>(AgentCommandResult::kFailed)] =
+      &commands.Add({{"result", "failed"}});
+  agent_commands_[static_cast<int>(AgentCommandResult::kDropped)] =
+      &commands.Add({{"result", "dropped"}});
 }
 
 ServiceMetrics::~ServiceMetrics() = default;
@@ -250,6 +261,10 @@ void ServiceMetrics::RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration la
 
 void ServiceMetrics::RecordStreamEnd(Rpc rpc, absl::StatusCode code) {
   RequestCounter(rpc, code).Increment();
+}
+
+void ServiceMetrics::RecordAgentCommand(AgentCommandResult result) {
+  agent_commands_[static_cast<int>(result)]->Increment();
 }
 
 std::vector<std::weak_ptr<prometheus::Collectable>> ServiceMetrics::collectables() const {

@@ -46,6 +46,15 @@ enum class Rpc : int {
 inline constexpr int kNumRpcs = 12;
 absl::string_view RpcName(Rpc rpc);
 
+// Outcome of one manager -> agent command, as the `result` label of
+// kvcm_agent_commands_total.
+enum class AgentCommandResult : int {
+  kAcked,    // the agent executed it (ack code OK)
+  kFailed,   // the agent answered an error
+  kDropped,  // never sent: the agent's queue was full or its stream closed first
+};
+inline constexpr int kNumAgentCommandResults = 3;
+
 // Version reported by kvcm_build_info.
 absl::string_view KvcmVersion();
 
@@ -64,6 +73,8 @@ class ServiceMetrics {
   void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency);
   // A finished streaming call: only kvcm_rpc_requests_total.
   void RecordStreamEnd(Rpc rpc, absl::StatusCode code);
+  // kvcm_agent_commands_total{result} += 1.
+  void RecordAgentCommand(AgentCommandResult result);
 
   // What an exposer should serve: the RPC registry and the index snapshot collector.
   std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
@@ -82,6 +93,7 @@ class ServiceMetrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* durations_;
   std::array<prometheus::Histogram*, kNumRpcs> duration_by_rpc_{};
+  std::array<prometheus::Counter*, kNumAgentCommandResults> agent_commands_{};
   // Counters by (rpc, code), created on first use; Family::Add returns the same counter for
   // the same labels, so a race only stores an equal pointer twice.
   std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumRpcs> request_by_code_{};
