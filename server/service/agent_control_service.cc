@@ -1,6 +1,5 @@
 #include "server/service/agent_control_service.h"
 
-#include <chrono>
 #include <limits>
 #include <utility>
 
@@ -13,8 +12,6 @@
 namespace kvcm {
 namespace {
 
-constexpr int kFailureLogLines = 20;
-constexpr absl::Duration kFailureLogPeriod = absl::Seconds(10);
 constexpr size_t kMaxDeviceBytes = 128;
 constexpr size_t kMaxAddressBytes = 256;
 // A BlockId is 32 bits and kPendingBlock is reserved.
@@ -99,32 +96,12 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
 
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
                                          ServiceMetrics* metrics, AgentCommandRouter* commands)
-    : index_(index),
-      agents_(agents),
-      metrics_(metrics),
-      commands_(commands),
-      error_log_(kFailureLogLines, kFailureLogPeriod) {}
-
-template <typename Body>
-grpc::ServerUnaryReactor* AgentControlService::Unary(grpc::CallbackServerContext* ctx, Rpc rpc,
-                                                     Body&& body) {
-  const auto start = std::chrono::steady_clock::now();
-  const absl::Status status = std::forward<Body>(body)();
-  metrics_->RecordRpc(rpc, status.code(),
-                      absl::FromChrono(std::chrono::steady_clock::now() - start));
-  if (!status.ok()) {
-    error_log_.Log(LogSeverity::kWarning,
-                   absl::StrCat(RpcName(rpc), " failed: ", status.ToString()));
-  }
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
+    : index_(index), agents_(agents), rpc_(metrics), commands_(commands) {}
 
 grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterAgentRequest* req,
                                                         v1::RegisterAgentResponse* resp) {
-  return Unary(ctx, Rpc::kRegisterAgent, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kRegisterAgent, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(RegisterAgentCall call, RegisterAgentFromProto(*req));
     const AgentRegistration& r = call.registration;
     // A stale agent must not resize the pool of its successor.
@@ -140,7 +117,7 @@ grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerContext* ctx,
                                                          const v1::HeartbeatRequest* req,
                                                          v1::HeartbeatResponse* /*resp*/) {
-  return Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
     if (req->epoch() < 1) return Invalid("epoch", "must be >= 1");
     return agents_->Heartbeat(req->agent_id(), req->epoch(), req->used_bytes(), req->free_blocks());

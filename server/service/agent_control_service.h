@@ -3,9 +3,9 @@
 // Register validates the request, checks the epoch against the AgentRegistry, sizes the
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
 // refreshes the agent's liveness and usage; Commands streams are AgentCommandRouter's. Handlers are
-// thin: each is one call of Unary(), which times the body, records the RPC metrics, logs failures
-// at a bounded rate and finishes with the body's status (same code and message), like
-// CacheManagerService.
+// thin: each is one call of RpcRunner::Unary (unary_rpc.h), which times the body, records the RPC
+// metrics, logs failures at a bounded rate and finishes with the body's status (same code and
+// message), like CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -24,6 +24,7 @@
 #include "server/service/agent_commands.h"
 #include "server/service/log.h"
 #include "server/service/metrics.h"
+#include "server/service/unary_rpc.h"
 
 namespace kvcm {
 
@@ -60,15 +61,10 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
       grpc::CallbackServerContext* ctx) override;
 
  private:
-  // Runs `body` (returning absl::Status) and finishes the call with its outcome.
-  template <typename Body>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Rpc rpc, Body&& body);
-
   CacheIndex* const index_;
   AgentRegistry* const agents_;
-  ServiceMetrics* const metrics_;
+  RpcRunner rpc_;
   AgentCommandRouter* const commands_;
-  LogRateLimiter error_log_;
 };
 
 }  // namespace kvcm

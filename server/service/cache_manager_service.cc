@@ -1,6 +1,5 @@
 #include "server/service/cache_manager_service.h"
 
-#include <chrono>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -11,24 +10,6 @@
 #include "server/service/status_macros.h"
 
 namespace kvcm {
-namespace {
-
-// At most this many failure lines per period reach the log; the rest are counted.
-constexpr int kFailureLogLines = 20;
-constexpr absl::Duration kFailureLogPeriod = absl::Seconds(10);
-
-// Codes that mean the server, not the caller, is at fault.
-bool IsServerFault(absl::StatusCode code) {
-  return code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown ||
-         code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kUnimplemented;
-}
-
-}  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
 
 // The server side of one WatchEvents stream: writes the subscription's events one at a
 // time and finishes when the subscriber overflows (RESOURCE_EXHAUSTED), the hub closes
@@ -149,9 +130,9 @@ class CacheManagerService::WatchEventsReactor final
 
   // Records, logs and finishes. May run OnDone inline: touches nothing afterwards.
   void FinishStream(const absl::Status& status) {
-    service_->metrics_->RecordStreamEnd(Rpc::kWatchEvents, status.code());
+    service_->rpc_.metrics()->RecordStreamEnd(Rpc::kWatchEvents, status.code());
     if (status.code() != absl::StatusCode::kCancelled) {
-      service_->LogFailure(Rpc::kWatchEvents, status);
+      service_->rpc_.LogFailure(Rpc::kWatchEvents, status);
     }
     Finish(ToGrpcStatus(status));
   }
@@ -168,35 +149,12 @@ class CacheManagerService::WatchEventsReactor final
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
                                          RequestLimits limits, const AgentRegistry* agents)
-    : index_(index),
-      hub_(hub),
-      metrics_(metrics),
-      limits_(limits),
-      agents_(agents),
-      error_log_(kFailureLogLines, kFailureLogPeriod) {}
-
-template <typename Body>
-grpc::ServerUnaryReactor* CacheManagerService::Unary(grpc::CallbackServerContext* ctx, Rpc rpc,
-                                                     Body&& body) {
-  const auto start = std::chrono::steady_clock::now();
-  const absl::Status status = std::forward<Body>(body)();
-  metrics_->RecordRpc(rpc, status.code(),
-                      absl::FromChrono(std::chrono::steady_clock::now() - start));
-  if (!status.ok()) LogFailure(rpc, status);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
-
-void CacheManagerService::LogFailure(Rpc rpc, const absl::Status& status) {
-  error_log_.Log(IsServerFault(status.code()) ? LogSeverity::kError : LogSeverity::kWarning,
-                 absl::StrCat(RpcName(rpc), " failed: ", status.ToString()));
-}
+    : index_(index), hub_(hub), rpc_(metrics), limits_(limits), agents_(agents) {}
 
 grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
                                                              const v1::RegisterModelRequest* req,
                                                              v1::RegisterModelResponse* resp) {
-  return Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
     KVCM_ASSIGN_OR_RETURN(RegisterModelResult result, index_->RegisterModel(call.ns, call.spec));
     RegisterModelResultToProto(result, resp);
@@ -207,7 +165,7 @@ grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServe
 grpc::ServerUnaryReactor* CacheManagerService::Match(grpc::CallbackServerContext* ctx,
                                                      const v1::MatchRequest* req,
                                                      v1::MatchResponse* resp) {
-  return Unary(ctx, Rpc::kMatch, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kMatch, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(MatchCall call, MatchFromProto(*index_, *req, limits_));
     KVCM_ASSIGN_OR_RETURN(MatchResult result,
                           index_->Match(call.ns, call.prompt.pages, call.options));
@@ -219,7 +177,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Match(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContext* ctx,
                                                       const v1::InsertRequest* req,
                                                       v1::InsertResponse* resp) {
-  return Unary(ctx, Rpc::kInsert, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kInsert, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(InsertCall call, InsertFromProto(*index_, *req, limits_));
     KVCM_ASSIGN_OR_RETURN(InsertResult result,
                           index_->Insert(call.ns, call.prompt.pages, call.pool, call.block_ids,
@@ -232,7 +190,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* CacheManagerService::Release(grpc::CallbackServerContext* ctx,
                                                        const v1::ReleaseRequest* req,
                                                        v1::ReleaseResponse* /*resp*/) {
-  return Unary(ctx, Rpc::kRelease, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kRelease, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(PinCall call, ReleaseFromProto(*req));
     return index_->Release(call.ns, call.pin_id);
   });
@@ -241,7 +199,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Release(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheManagerService::RenewLease(grpc::CallbackServerContext* ctx,
                                                           const v1::RenewLeaseRequest* req,
                                                           v1::RenewLeaseResponse* resp) {
-  return Unary(ctx, Rpc::kRenewLease, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kRenewLease, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(PinCall call, RenewLeaseFromProto(*req, limits_));
     KVCM_ASSIGN_OR_RETURN(absl::Time expiry,
                           index_->RenewLease(call.ns, call.pin_id, call.lease_ttl));
@@ -253,7 +211,7 @@ grpc::ServerUnaryReactor* CacheManagerService::RenewLease(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* CacheManagerService::Evict(grpc::CallbackServerContext* ctx,
                                                      const v1::EvictRequest* req,
                                                      v1::EvictResponse* resp) {
-  return Unary(ctx, Rpc::kEvict, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kEvict, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(EvictCall call, EvictFromProto(*req));
     absl::StatusOr<EvictResult> result =
         std::holds_alternative<PoolKey>(call.target)
@@ -268,7 +226,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Evict(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheManagerService::Reserve(grpc::CallbackServerContext* ctx,
                                                        const v1::ReserveRequest* req,
                                                        v1::ReserveResponse* resp) {
-  return Unary(ctx, Rpc::kReserve, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kReserve, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
     KVCM_ASSIGN_OR_RETURN(uint64_t evicted, index_->Reserve(call.pool, call.bytes));
     resp->set_evicted_bytes(evicted);
@@ -279,7 +237,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Reserve(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerContext* ctx,
                                                          const v1::ReserveRequest* req,
                                                          v1::UnreserveResponse* /*resp*/) {
-  return Unary(ctx, Rpc::kUnreserve, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kUnreserve, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
     return index_->Unreserve(call.pool, call.bytes);
   });
@@ -288,7 +246,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext* ctx,
                                                      const v1::StatsRequest* /*req*/,
                                                      v1::StatsResponse* resp) {
-  return Unary(ctx, Rpc::kStats, [&]() -> absl::Status {
+  return rpc_.Unary(ctx, Rpc::kStats, [&]() -> absl::Status {
     StatsToProto(index_->Stats(), limits_, resp);
     if (agents_ != nullptr) AgentsToProto(agents_->Snapshot(), resp);
     return absl::OkStatus();

@@ -1,8 +1,7 @@
 // CacheManagerService: the kvcm.v1.CacheManager gRPC service over a CacheIndex.
 //
-// Every unary handler is one call of Unary(), which times the body, converts its
-// absl::Status to a grpc::Status (same code and message), records the RPC metrics, logs
-// failures at a bounded rate and finishes on the context's default reactor. The bodies
+// Every unary handler is one call of RpcRunner::Unary (unary_rpc.h), which times the body,
+// converts its status, records the RPC metrics and logs failures. The bodies
 // validate and convert with proto_convert.h before touching the index, so a rejected
 // request changes nothing. WatchEvents streams EventHub subscriptions.
 //
@@ -21,11 +20,9 @@
 #include "server/service/log.h"
 #include "server/service/metrics.h"
 #include "server/service/proto_convert.h"
+#include "server/service/unary_rpc.h"
 
 namespace kvcm {
-
-// absl::Status -> grpc::Status; the code numbers are the same by definition.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
@@ -61,18 +58,11 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
  private:
   class WatchEventsReactor;
 
-  // Runs `body` (returning absl::Status) and finishes the call with its outcome.
-  template <typename Body>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, Rpc rpc, Body&& body);
-
-  void LogFailure(Rpc rpc, const absl::Status& status);
-
   CacheIndex* const index_;
   EventHub* const hub_;
-  ServiceMetrics* const metrics_;
+  RpcRunner rpc_;
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
-  LogRateLimiter error_log_;
 };
 
 }  // namespace kvcm
