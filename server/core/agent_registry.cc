@@ -26,7 +26,7 @@ absl::Status AgentRegistry::CheckEpoch(absl::string_view agent_id, uint64_t epoc
   return absl::OkStatus();
 }
 
-absl::Status AgentRegistry::Register(const AgentRegistration& reg) {
+absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration& reg) {
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = agents_.try_emplace(reg.agent_id);
@@ -34,14 +34,22 @@ absl::Status AgentRegistry::Register(const AgentRegistration& reg) {
   if (!inserted && e.registration.epoch > reg.epoch) {
     return StaleEpoch(reg.agent_id, reg.epoch, e.registration.epoch);
   }
-  if (inserted || e.registration.epoch != reg.epoch) {
+  if (!inserted && e.dropped && e.registration.epoch == reg.epoch) {
+    return absl::AbortedError(absl::StrCat("agent ", reg.agent_id, ": epoch ", reg.epoch,
+                                           " was declared gone and its pages dropped; register "
+                                           "with a larger epoch"));
+  }
+  RegisterOutcome outcome;
+  outcome.new_epoch = inserted || e.registration.epoch != reg.epoch;
+  if (outcome.new_epoch) {
     e.used_bytes = 0;
     e.free_blocks = 0;
     e.heartbeats = 0;
+    e.dropped = false;
   }
   e.registration = reg;
   e.last_seen = now;
-  return absl::OkStatus();
+  return outcome;
 }
 
 absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch,
@@ -54,6 +62,12 @@ absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch
         absl::StrCat("agent ", agent_id, " is not registered (register first)"));
   }
   Entry& e = it->second;
+  if (e.dropped && e.registration.epoch == epoch) {
+    return absl::NotFoundError(absl::StrCat(
+        "agent ", agent_id, ": epoch ", epoch, " was declared gone after ",
+        absl::FormatDuration(heartbeat_timeout_),
+        " without a heartbeat and its pages were dropped; register with a larger epoch"));
+  }
   if (e.registration.epoch != epoch) {
     if (epoch < e.registration.epoch) return StaleEpoch(agent_id, epoch, e.registration.epoch);
     return absl::AbortedError(absl::StrCat("agent ", agent_id, ": epoch ", epoch,
@@ -66,6 +80,18 @@ absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch
   ++e.heartbeats;
   ++heartbeats_total_;
   return absl::OkStatus();
+}
+
+std::vector<AgentRegistration> AgentRegistry::TakeGone() {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  std::vector<AgentRegistration> gone;
+  for (auto& [id, e] : agents_) {
+    if (e.dropped || Alive(e, now)) continue;
+    e.dropped = true;
+    gone.push_back(e.registration);
+  }
+  return gone;
 }
 
 std::vector<AgentInfo> AgentRegistry::Snapshot() const {

@@ -4,7 +4,9 @@
 // with a lower epoch than the known one is stale (ABORTED); a higher one replaces the old
 // incarnation. An agent whose last Register/Heartbeat is older than the heartbeat timeout
 // is reported gone; liveness is computed from the clock when asked, so no timer is needed.
-// A gone agent that heartbeats again in the same epoch is alive again.
+// A gone agent that heartbeats again in the same epoch is alive again, until TakeGone hands
+// it to the caller (who drops its pools from the index): from then on its epoch is dead,
+// heartbeats answer NOT_FOUND and it must register again with a larger epoch.
 //
 // Thread-safe: every method locks mu_.
 #ifndef KVCM_SERVER_CORE_AGENT_REGISTRY_H_
@@ -17,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -32,7 +35,16 @@ struct AgentRegistration {
   Tier tier = Tier::kGpu;
   uint64_t epoch = 0;  // >= 1
   uint64_t capacity_bytes = 0;
+  // Capacity of the agent's HOST pool (the demotion target); 0 when it has none.
+  uint64_t host_capacity_bytes = 0;
   std::string block_agent_address;
+};
+
+// What Register changed.
+struct RegisterOutcome {
+  // A new incarnation (first registration, or a larger epoch): whatever the index holds for
+  // this agent's pools belongs to a process that is gone.
+  bool new_epoch = false;
 };
 
 // One agent as reported by Snapshot().
@@ -65,13 +77,19 @@ class AgentRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records (or refreshes) `reg` and counts as a heartbeat of zero usage when the epoch is
-  // new. ABORTED (nothing changed) when a higher epoch is registered.
-  // REQUIRES: reg.epoch >= 1 and a valid agent id (the service validates).
-  absl::Status Register(const AgentRegistration& reg) ABSL_LOCKS_EXCLUDED(mu_);
+  // new. ABORTED (nothing changed) when a higher epoch is registered, or the same epoch
+  // after TakeGone dropped it. REQUIRES: reg.epoch >= 1 and a valid agent id (the service
+  // validates).
+  absl::StatusOr<RegisterOutcome> Register(const AgentRegistration& reg) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // NOT_FOUND for an unknown agent; ABORTED when `epoch` is not the registered epoch.
+  // NOT_FOUND for an unknown agent or one TakeGone dropped; ABORTED when `epoch` is not the
+  // registered epoch.
   absl::Status Heartbeat(absl::string_view agent_id, uint64_t epoch, uint64_t used_bytes,
                          uint64_t free_blocks) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The agents gone as of now and not taken before, in agent_id order; each is marked
+  // dropped (see the class comment). The caller forgets their pools.
+  std::vector<AgentRegistration> TakeGone() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Every agent, in agent_id order, with liveness as of now.
   std::vector<AgentInfo> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -86,10 +104,11 @@ class AgentRegistry {
     uint64_t used_bytes = 0;
     uint64_t free_blocks = 0;
     uint64_t heartbeats = 0;
+    bool dropped = false;  // by TakeGone; only a larger epoch revives it
   };
 
   bool Alive(const Entry& e, absl::Time now) const {
-    return now - e.last_seen <= heartbeat_timeout_;
+    return !e.dropped && now - e.last_seen <= heartbeat_timeout_;
   }
 
   const Clock* const clock_;

@@ -53,7 +53,7 @@ TEST(AgentRegistryTest, StaleEpochIsAbortedAndChangesNothing) {
   EXPECT_TRUE(registry.CheckEpoch("b", 1).ok());
   AgentRegistration old = Reg("a", 9);
   old.device = "cuda:3";
-  EXPECT_EQ(registry.Register(old).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Register(old).status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(registry.Snapshot()[0].registration.device, "host");
   EXPECT_EQ(registry.Heartbeat("a", 9, 0, 0).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(registry.Heartbeat("a", 11, 0, 0).code(), absl::StatusCode::kAborted);
@@ -71,11 +71,17 @@ TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
   FakeClock clock;
   AgentRegistry registry(&clock, absl::Seconds(1));
   ASSERT_TRUE(registry.Register(Reg("b", 1)).ok());
-  ASSERT_TRUE(registry.Register(Reg("a", 1)).ok());
+  absl::StatusOr<RegisterOutcome> first = registry.Register(Reg("a", 1));
+  ASSERT_TRUE(first.ok());
+  EXPECT_TRUE(first->new_epoch);
   ASSERT_TRUE(registry.Heartbeat("a", 1, 100, 5).ok());
-  ASSERT_TRUE(registry.Register(Reg("a", 1)).ok());  // same epoch: a refresh keeps usage
+  absl::StatusOr<RegisterOutcome> refresh = registry.Register(Reg("a", 1));
+  ASSERT_TRUE(refresh.ok());
+  EXPECT_FALSE(refresh->new_epoch);  // same epoch: a refresh keeps usage
   EXPECT_EQ(registry.Snapshot()[0].used_bytes, 100u);
-  ASSERT_TRUE(registry.Register(Reg("a", 2)).ok());
+  absl::StatusOr<RegisterOutcome> restarted = registry.Register(Reg("a", 2));
+  ASSERT_TRUE(restarted.ok());
+  EXPECT_TRUE(restarted->new_epoch);
   std::vector<AgentInfo> agents = registry.Snapshot();
   ASSERT_EQ(agents.size(), 2u);
   EXPECT_EQ(agents[0].registration.agent_id, "a");  // agent_id order
@@ -84,6 +90,37 @@ TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
   EXPECT_EQ(agents[0].heartbeats, 0u);
   EXPECT_EQ(registry.Heartbeat("a", 1, 0, 0).code(), absl::StatusCode::kAborted);
   EXPECT_TRUE(registry.Heartbeat("a", 2, 0, 0).ok());
+}
+
+TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500));
+  ASSERT_TRUE(registry.Register(Reg("a", 3)).ok());
+  ASSERT_TRUE(registry.Register(Reg("b", 1)).ok());
+  EXPECT_TRUE(registry.TakeGone().empty());
+
+  clock.Advance(absl::Milliseconds(400));
+  ASSERT_TRUE(registry.Heartbeat("b", 1, 0, 0).ok());
+  clock.Advance(absl::Milliseconds(101));  // a: 501 ms silent, b: 101 ms
+  std::vector<AgentRegistration> gone = registry.TakeGone();
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].agent_id, "a");
+  EXPECT_EQ(gone[0].epoch, 3u);
+  EXPECT_TRUE(registry.TakeGone().empty());  // taken once
+
+  // The dropped epoch stays dead: heartbeats are NOT_FOUND, re-registering it is ABORTED.
+  absl::Status beat = registry.Heartbeat("a", 3, 0, 0);
+  EXPECT_EQ(beat.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(beat.message().find("larger epoch"), absl::string_view::npos) << beat;
+  EXPECT_EQ(registry.Register(Reg("a", 3)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_FALSE(registry.Snapshot()[0].alive);
+  EXPECT_EQ(registry.Counts().gone, 1u);
+
+  absl::StatusOr<RegisterOutcome> back = registry.Register(Reg("a", 4));
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->new_epoch);
+  EXPECT_TRUE(registry.Snapshot()[0].alive);
+  EXPECT_TRUE(registry.Heartbeat("a", 4, 0, 0).ok());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -67,10 +68,18 @@ struct CacheEvent {
   Kind kind;
   NamespaceId ns;
   PoolKey pool;
+  // kCleared: empty (every page of `pool` in `ns` left at once).
   std::vector<PageHash> pages;
   // kRemoved: the evicted replica's block ids, one per page of `pages` (kPendingBlock for a
   // HOST block the agent has not reported yet). Empty for the other kinds.
   std::vector<BlockId> block_ids;
+  // kStored by a demotion into a HOST pool (its blocks are kPendingBlock until AssignBlocks):
+  // the GPU pool the pages are copied from, its block id of each page of `pages`, and the
+  // pages of the path above `pages` (prefix + pages is a prompt's leading pages, which is
+  // what AssignBlocks takes). Empty for every other event.
+  std::optional<PoolKey> demoted_from;
+  std::vector<BlockId> source_block_ids;
+  std::vector<PageHash> prefix;
 };
 
 // Called with events in order, under the index's lock: must be quick and must not call back
@@ -130,6 +139,13 @@ struct EvictResult {
   uint64_t demoted_pages = 0;
 };
 
+struct DropPoolResult {
+  uint64_t dropped_pages = 0;  // page-locations the pool held
+  uint64_t dropped_bytes = 0;
+  // Pins revoked because every page they held left the index with the pool.
+  uint64_t revoked_pins = 0;
+};
+
 struct NamespaceStats {
   NamespaceId ns;
   ModelSpec spec;
@@ -151,6 +167,8 @@ struct IndexCounters {
   uint64_t evicted_pages = 0;   // page-locations removed by eviction
   uint64_t evicted_bytes = 0;
   uint64_t demoted_pages = 0;  // evicted from a GPU pool into the agent's HOST pool
+  uint64_t dropped_pages = 0;  // page-locations forgotten with their pool (DropPool)
+  uint64_t revoked_pins = 0;   // pins whose pages all left with a dropped pool
   uint64_t pins_taken = 0;
   uint64_t pins_released = 0;
   uint64_t lease_expiries = 0;
@@ -238,6 +256,26 @@ class CacheIndex {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<EvictResult> EvictFromNamespace(const NamespaceId& ns, uint64_t bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fills in the HOST blocks of a demotion (see CacheEvent::demoted_from): `pages` are a
+  // prompt's leading pages, and block_ids[i] is the block now holding page first_page + i
+  // in `pool`. A page gets its block only while that pool still holds it with
+  // kPendingBlock; the ids of the other pages (evicted meanwhile, or already filled) are
+  // returned, in order, for the caller to free. INVALID_ARGUMENT when block_ids does not
+  // cover pages[first_page..] exactly or names kPendingBlock; NOT_FOUND for an unknown
+  // namespace or pool.
+  absl::StatusOr<std::vector<BlockId>> AssignBlocks(const NamespaceId& ns,
+                                                    std::span<const PageHash> pages,
+                                                    uint32_t first_page, const PoolKey& pool,
+                                                    std::span<const BlockId> block_ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Forgets every page `pool` holds, pinned or not, without evicting (no kRemoved events,
+  // nothing to free: the blocks are gone with the agent's old incarnation). Pins whose
+  // pages no other pool holds are revoked (Release answers ABORTED). The pool keeps its
+  // capacity and reservations; one kCleared event per namespace that had pages there.
+  // NOT_FOUND for an unknown pool. O(nodes of the pool + live pins).
+  absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Releases every pin whose lease ended at or before now. Also done lazily by every
   // mutating call; the service runs it on a timer so idle managers expire pins too.

@@ -1,10 +1,12 @@
 // CacheIndex: pool budgets, eviction (by policy, from a pool or a namespace), demotion to
-// the HOST tier, reserved headroom and eviction regret. See cache_index.h.
+// the HOST tier and its block assignment, dropping a pool, reserved headroom and eviction
+// regret. See cache_index.h.
 #include <algorithm>
 #include <cassert>
 #include <queue>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/cache_index.h"
 #include "server/core/cache_index_internal.h"
@@ -66,12 +68,138 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
     UnpinPath(node);
     if (!room) return false;
   }
+  // One event for the whole chain: the pages, the GPU blocks to copy them from, and the
+  // path above them, so the agent's answer can be matched back to these replicas.
+  CacheEvent event{.kind = CacheEvent::Kind::kStored, .demoted_from = budget_.key(gpu)};
   for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
     RadixNode* n = *it;
     AddReplica(n, *host, std::vector<BlockId>(n->size(), kPendingBlock));
-    Emit(CacheEvent::Kind::kStored, *OwnerOf(n), *host, n->pages);
+    const Replica* source = n->FindReplica(gpu);
+    event.pages.insert(event.pages.end(), n->pages.begin(), n->pages.end());
+    event.source_block_ids.insert(event.source_block_ids.end(), source->block_ids.begin(),
+                                  source->block_ids.end());
+  }
+  if (listener_) {
+    std::vector<const RadixNode*> above;
+    for (const RadixNode* n = chain.back()->parent; !n->is_root(); n = n->parent) {
+      above.push_back(n);
+    }
+    for (auto it = above.rbegin(); it != above.rend(); ++it) {
+      event.prefix.insert(event.prefix.end(), (*it)->pages.begin(), (*it)->pages.end());
+    }
+    const Namespace& ns = *OwnerOf(node);
+    event.ns = ns.id;
+    event.pool = budget_.key(*host);
+    listener_(event);
   }
   return true;
+}
+
+absl::StatusOr<std::vector<BlockId>> CacheIndex::AssignBlocks(const NamespaceId& ns_id,
+                                                              std::span<const PageHash> pages,
+                                                              uint32_t first_page,
+                                                              const PoolKey& pool,
+                                                              std::span<const BlockId> block_ids) {
+  if (first_page > pages.size() || block_ids.size() != pages.size() - first_page) {
+    return absl::InvalidArgumentError(absl::StrCat("block_ids has ", block_ids.size(),
+                                                   " entries for pages ", first_page, "..",
+                                                   pages.size(), " of the path"));
+  }
+  if (std::find(block_ids.begin(), block_ids.end(), kPendingBlock) != block_ids.end()) {
+    return absl::InvalidArgumentError("block_ids must not contain the pending block id");
+  }
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
+  if (!ns.ok()) return ns.status();
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+
+  std::vector<bool> assigned(block_ids.size(), false);
+  thread_local std::vector<PathStep> path;
+  (*ns)->tree.Walk(pages, &path);
+  for (const PathStep& step : path) {
+    Replica* r = step.node->FindReplica(*id);
+    if (r == nullptr) break;  // prefix-closed: no later step holds the pool either
+    for (uint32_t i = 0; i < step.matched; ++i) {
+      const uint32_t page = step.first_page + i;
+      if (page < first_page || r->block_ids[i] != kPendingBlock) continue;
+      r->block_ids[i] = block_ids[page - first_page];
+      assigned[page - first_page] = true;
+    }
+  }
+  std::vector<BlockId> unassigned;
+  for (size_t i = 0; i < block_ids.size(); ++i) {
+    if (!assigned[i]) unassigned.push_back(block_ids[i]);
+  }
+  return unassigned;
+}
+
+absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  ExpireLeasesLocked(now);
+  absl::StatusOr<PoolId> found = FindPool(key);
+  if (!found.ok()) return found.status();
+  const PoolId pool = *found;
+
+  // Every node holding the pool, descendants before ancestors (reversed pre-order; the pool
+  // is prefix-closed, so only children that hold it are visited).
+  std::vector<RadixNode*> nodes;
+  absl::flat_hash_set<const RadixNode*> emptied;  // nodes the pool was the only replica of
+  for (auto& [ns_id, ns] : namespaces_) {
+    std::vector<RadixNode*> stack = {ns->tree.root()};
+    while (!stack.empty()) {
+      RadixNode* node = stack.back();
+      stack.pop_back();
+      for (auto& [first, child] : node->children) {
+        if (child->FindReplica(pool) == nullptr) continue;
+        nodes.push_back(child.get());
+        if (child->replicas.size() == 1) emptied.insert(child.get());
+        stack.push_back(child.get());
+      }
+    }
+  }
+  std::reverse(nodes.begin(), nodes.end());
+
+  // Pins end where their deepest node leaves the index (its descendants leave too).
+  DropPoolResult result;
+  leases_.RevokeIf(
+      now, [&](const RadixNode* node) { return emptied.contains(node); },
+      [&](const Lease& lease) {
+        UnpinPath(lease.node);
+        ++result.revoked_pins;
+      });
+
+  absl::flat_hash_set<Namespace*> touched;
+  for (RadixNode* node : nodes) {
+    Namespace* ns = OwnerOf(node);
+    auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
+                           [pool](const Replica& r) { return r.pool == pool; });
+    if (it->evictable) policy_->Remove(node, pool);
+    const uint64_t bytes = NodeBytes(node);
+    if (node->pin_count > 0) {
+      budget_.Unpin(pool, bytes);
+      ns->pinned_page_locations -= node->size();
+    }
+    budget_.Refund(pool, node->size(), bytes);
+    ns->tree.AddPageLocations(-int64_t{node->size()});
+    node->replicas.erase(it);
+    // The parent's replica in the pool goes later in this loop: no need to refresh it.
+    if (!node->parent->is_root()) --node->parent->FindReplica(pool)->child_refs;
+    result.dropped_pages += node->size();
+    result.dropped_bytes += bytes;
+    touched.insert(ns);
+    if (node->replicas.empty()) {
+      assert(node->pin_count == 0 && node->children.empty());
+      ns->tree.Remove(node);
+    } else {
+      policy_->Rescore(node);
+    }
+  }
+  counters_.dropped_pages += result.dropped_pages;
+  counters_.revoked_pins += result.revoked_pins;
+  for (Namespace* ns : touched) Emit(CacheEvent::Kind::kCleared, *ns, pool, {});
+  return result;
 }
 
 EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {

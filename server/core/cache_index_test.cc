@@ -669,6 +669,126 @@ TEST_F(CacheIndexTest, DemotionNeedsRoomOrDropsThePage) {
   }
 }
 
+TEST_F(CacheIndexTest, DemotionEventNamesTheSourceBlocksAndThePath) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 10 * bpp_).ok());
+  ASSERT_TRUE(index_->Insert(ns_, Prompt({1}), host, std::vector<BlockId>{40}).ok());
+  ASSERT_TRUE(index_->Insert(ns_, Prompt({1, 2, 3}), gpu0_, std::vector<BlockId>{7, 8, 9}).ok());
+  std::vector<CacheEvent> events;
+  index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 2 * bpp_).ok());  // [2, 3] leave the GPU pool
+
+  ASSERT_GE(events.size(), 2u);
+  const CacheEvent& stored = events[0];
+  EXPECT_EQ(stored.kind, CacheEvent::Kind::kStored);
+  EXPECT_EQ(stored.pool, host);
+  ASSERT_TRUE(stored.demoted_from.has_value());
+  EXPECT_EQ(*stored.demoted_from, gpu0_);
+  const std::vector<PageHash> all = Prompt({1, 2, 3});
+  EXPECT_EQ(stored.prefix, std::vector<PageHash>{all[0]});  // the host pool had [1]
+  EXPECT_EQ(stored.pages, std::vector<PageHash>(all.begin() + 1, all.end()));
+  EXPECT_THAT(stored.source_block_ids, ElementsAre(8, 9));
+  // The GPU blocks are freed only after the copy command was emitted.
+  std::vector<BlockId> removed;
+  for (size_t i = 1; i < events.size(); ++i) {
+    EXPECT_EQ(events[i].kind, CacheEvent::Kind::kRemoved);
+    EXPECT_EQ(events[i].pool, gpu0_);
+    removed.insert(removed.end(), events[i].block_ids.begin(), events[i].block_ids.end());
+  }
+  std::sort(removed.begin(), removed.end());
+  EXPECT_THAT(removed, ElementsAre(8, 9));
+}
+
+TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 2 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 10 * bpp_).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({5}), gpu0_);  // demotes [2] with its prefix [1]
+  const std::vector<PageHash> path = Prompt({1, 2});
+  MatchResult before = MustMatch(path, {.probe = true});
+  ASSERT_EQ(before.segments.back().replicas.size(), 1u);
+  EXPECT_THAT(before.segments.back().replicas[0].block_ids, ElementsAre(kPendingBlock));
+
+  const Snapshot untouched = Snap();
+  // Wrong count or a pending id: INVALID_ARGUMENT, nothing assigned.
+  EXPECT_EQ(index_->AssignBlocks(ns_, path, 0, host, std::vector<BlockId>{1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->AssignBlocks(ns_, path, 0, host, std::vector<BlockId>{1, kPendingBlock})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->AssignBlocks(ns_, path, 0, {"nobody", Tier::kHost}, std::vector<BlockId>{1, 2})
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Snap(), untouched);
+  EXPECT_THAT(MustMatch(path, {.probe = true}).segments.back().replicas[0].block_ids,
+              ElementsAre(kPendingBlock));
+
+  absl::StatusOr<std::vector<BlockId>> left =
+      index_->AssignBlocks(ns_, path, 0, host, std::vector<BlockId>{30, 31});
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_TRUE(left->empty());
+  MatchResult after = MustMatch(path, {.probe = true});
+  EXPECT_EQ(*after.segments[1].replicas[0].pool, host);
+  EXPECT_THAT(after.segments[1].replicas[0].block_ids, ElementsAre(31));
+  // A second answer for the same pages finds nothing pending: all its ids come back.
+  left = index_->AssignBlocks(ns_, path, 0, host, std::vector<BlockId>{50, 51});
+  ASSERT_TRUE(left.ok());
+  EXPECT_THAT(*left, ElementsAre(50, 51));
+  // Pages that left the host pool meanwhile give their ids back too.
+  ASSERT_TRUE(index_->EvictFromPool(host, 2 * bpp_).ok());
+  left = index_->AssignBlocks(ns_, path, 1, host, std::vector<BlockId>{60});
+  ASSERT_TRUE(left.ok());
+  EXPECT_THAT(*left, ElementsAre(60));
+}
+
+TEST_F(CacheIndexTest, DropPoolForgetsThePoolAndRevokesItsPins) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({1, 2, 3}), gpu1_);
+  MustInsert(Prompt({4}), gpu0_);
+  MatchResult shared = MustMatch(Prompt({1, 2}), {.pin = true});  // gpu1 holds it too
+  MatchResult only = MustMatch(Prompt({4}), {.pin = true});       // gpu0 only
+  std::vector<CacheEvent> events;
+  index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
+
+  absl::StatusOr<DropPoolResult> r = index_->DropPool(gpu0_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->dropped_pages, 3u);
+  EXPECT_EQ(r->dropped_bytes, 3 * bpp_);
+  EXPECT_EQ(r->revoked_pins, 1u);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kind, CacheEvent::Kind::kCleared);
+  EXPECT_EQ(events[0].pool, gpu0_);
+
+  IndexStats s = index_->Stats();
+  EXPECT_EQ(Pool(s, gpu0_).used_bytes, 0u);
+  EXPECT_EQ(Pool(s, gpu0_).pinned_bytes, 0u);
+  EXPECT_EQ(Pool(s, gpu0_).capacity_bytes, 64ull << 30);  // still registered
+  EXPECT_EQ(Pool(s, gpu1_).pinned_bytes, 2 * bpp_);       // the shared pin stays
+  EXPECT_EQ(s.namespaces[0].pages, 3u);                   // [4] left the tree
+  EXPECT_EQ(s.counters.dropped_pages, 3u);
+  EXPECT_EQ(s.counters.revoked_pins, 1u);
+  EXPECT_EQ(MustMatch(Prompt({4}), {.probe = true}).matched_pages, 0u);
+  MatchResult m = MustMatch(Prompt({1, 2, 3}), {.probe = true});
+  EXPECT_EQ(m.matched_pages, 3u);
+  for (const MatchedSegment& seg : m.segments) {
+    ASSERT_EQ(seg.replicas.size(), 1u);
+    EXPECT_EQ(*seg.replicas[0].pool, gpu1_);
+  }
+  EXPECT_EQ(index_->Release(ns_, only.pin_id).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(index_->Release(ns_, shared.pin_id).ok());
+  EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
+
+  // The pool is usable again, from empty.
+  MustInsert(Prompt({1, 2}), gpu0_);
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 2 * bpp_);
+}
+
 // An oracle that knows nothing: every page is needed again "soon", by hash order. Enough
 // for "opt" to run in tests that are not about its choices.
 class HashOrderOracle final : public NextUseOracle {
@@ -696,7 +816,8 @@ void CacheIndexTest::RunRandomOperations() {
     for (int i = 0; i < len; ++i) ids.push_back(rng() % 3);  // heavy prefix sharing
     std::vector<PageHash> pages = Prompt(ids);
     const PoolKey& pool = pools[rng() % 3];
-    switch (rng() % 5) {
+    const uint32_t op = rng() % 41;  // 0..39: the five common operations; 40: drop a pool
+    switch (op == 40 ? 5 : op % 5) {
       case 0:
       case 1: {
         auto r = index_->Insert(ns_, pages, pool, Blocks(rng() % 1000, pages.size()));
@@ -722,6 +843,17 @@ void CacheIndexTest::RunRandomOperations() {
           ASSERT_TRUE(
               index_->EvictFromPool(pool, 1 + rng() % (p.used_bytes - p.pinned_bytes)).ok());
         }
+        break;
+      }
+      case 5: {
+        ASSERT_TRUE(index_->DropPool(pool).ok());
+        ASSERT_EQ(Pool(index_->Stats(), pool).used_bytes, 0u);
+        // Pins whose pages all left are revoked: renewing them is ABORTED.
+        std::erase_if(pins, [&](PinId id) {
+          absl::StatusOr<absl::Time> renewed = index_->RenewLease(ns_, id, absl::ZeroDuration());
+          EXPECT_TRUE(renewed.ok() || renewed.status().code() == absl::StatusCode::kAborted);
+          return !renewed.ok();
+        });
         break;
       }
     }
