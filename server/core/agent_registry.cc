@@ -17,13 +17,24 @@ absl::Status StaleEpoch(absl::string_view agent_id, uint64_t epoch, uint64_t kno
 AgentRegistry::AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout)
     : clock_(clock), heartbeat_timeout_(heartbeat_timeout) {}
 
-absl::Status AgentRegistry::CheckEpoch(absl::string_view agent_id, uint64_t epoch) const {
+absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegister(const AgentRegistration& reg) const {
   absl::MutexLock lock(&mu_);
-  auto it = agents_.find(agent_id);
-  if (it != agents_.end() && it->second.registration.epoch > epoch) {
-    return StaleEpoch(agent_id, epoch, it->second.registration.epoch);
+  auto it = agents_.find(reg.agent_id);
+  return CheckRegisterLocked(reg, it == agents_.end() ? nullptr : &it->second);
+}
+
+absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegisterLocked(const AgentRegistration& reg,
+                                                                   const Entry* e) const {
+  if (e == nullptr) return RegisterOutcome{.new_epoch = true};
+  if (e->registration.epoch > reg.epoch) {
+    return StaleEpoch(reg.agent_id, reg.epoch, e->registration.epoch);
   }
-  return absl::OkStatus();
+  if (e->dropped && e->registration.epoch == reg.epoch) {
+    return absl::AbortedError(absl::StrCat("agent ", reg.agent_id, ": epoch ", reg.epoch,
+                                           " was declared gone and its pages dropped; register "
+                                           "with a larger epoch"));
+  }
+  return RegisterOutcome{.new_epoch = e->registration.epoch != reg.epoch};
 }
 
 absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration& reg) {
@@ -31,17 +42,9 @@ absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration&
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = agents_.try_emplace(reg.agent_id);
   Entry& e = it->second;
-  if (!inserted && e.registration.epoch > reg.epoch) {
-    return StaleEpoch(reg.agent_id, reg.epoch, e.registration.epoch);
-  }
-  if (!inserted && e.dropped && e.registration.epoch == reg.epoch) {
-    return absl::AbortedError(absl::StrCat("agent ", reg.agent_id, ": epoch ", reg.epoch,
-                                           " was declared gone and its pages dropped; register "
-                                           "with a larger epoch"));
-  }
-  RegisterOutcome outcome;
-  outcome.new_epoch = inserted || e.registration.epoch != reg.epoch;
-  if (outcome.new_epoch) {
+  absl::StatusOr<RegisterOutcome> outcome = CheckRegisterLocked(reg, inserted ? nullptr : &e);
+  if (!outcome.ok()) return outcome;
+  if (outcome->new_epoch) {
     e.used_bytes = 0;
     e.free_blocks = 0;
     e.heartbeats = 0;
@@ -52,16 +55,18 @@ absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration&
   return outcome;
 }
 
-absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch,
-                                      uint64_t used_bytes, uint64_t free_blocks) {
-  const absl::Time now = clock_->Now();
+absl::Status AgentRegistry::CheckLive(absl::string_view agent_id, uint64_t epoch) const {
   absl::MutexLock lock(&mu_);
+  return CheckLiveLocked(agent_id, epoch);
+}
+
+absl::Status AgentRegistry::CheckLiveLocked(absl::string_view agent_id, uint64_t epoch) const {
   auto it = agents_.find(agent_id);
   if (it == agents_.end()) {
     return absl::NotFoundError(
         absl::StrCat("agent ", agent_id, " is not registered (register first)"));
   }
-  Entry& e = it->second;
+  const Entry& e = it->second;
   if (e.dropped && e.registration.epoch == epoch) {
     return absl::NotFoundError(absl::StrCat(
         "agent ", agent_id, ": epoch ", epoch, " was declared gone after ",
@@ -74,6 +79,15 @@ absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch
                                            " was never registered (registered epoch is ",
                                            e.registration.epoch, "); register again"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch,
+                                      uint64_t used_bytes, uint64_t free_blocks) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckLiveLocked(agent_id, epoch); !s.ok()) return s;
+  Entry& e = agents_.find(agent_id)->second;
   e.last_seen = now;
   e.used_bytes = used_bytes;
   e.free_blocks = free_blocks;

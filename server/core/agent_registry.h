@@ -71,10 +71,14 @@ class AgentRegistry {
   AgentRegistry(const AgentRegistry&) = delete;
   AgentRegistry& operator=(const AgentRegistry&) = delete;
 
-  // OK when Register(reg) would be accepted: ABORTED when a higher epoch is registered for
-  // reg.agent_id. Lets a caller check before changing other state.
-  absl::Status CheckEpoch(absl::string_view agent_id, uint64_t epoch) const
+  // What Register(reg) would answer, changing nothing: lets a caller check before changing
+  // other state.
+  absl::StatusOr<RegisterOutcome> CheckRegister(const AgentRegistration& reg) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // OK when `epoch` is the live registered epoch of `agent_id`; otherwise what Heartbeat
+  // would answer. Changes nothing.
+  absl::Status CheckLive(absl::string_view agent_id, uint64_t epoch) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records (or refreshes) `reg` and counts as a heartbeat of zero usage when the epoch is
   // new. ABORTED (nothing changed) when a higher epoch is registered, or the same epoch
@@ -106,6 +110,13 @@ class AgentRegistry {
     uint64_t heartbeats = 0;
     bool dropped = false;  // by TakeGone; only a larger epoch revives it
   };
+
+  // `e`: the agent's entry, null when unknown.
+  absl::StatusOr<RegisterOutcome> CheckRegisterLocked(const AgentRegistration& reg,
+                                                      const Entry* e) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckLiveLocked(absl::string_view agent_id, uint64_t epoch) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   bool Alive(const Entry& e, absl::Time now) const {
     return !e.dropped && now - e.last_seen <= heartbeat_timeout_;

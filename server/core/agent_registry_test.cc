@@ -48,9 +48,9 @@ TEST(AgentRegistryTest, StaleEpochIsAbortedAndChangesNothing) {
   FakeClock clock;
   AgentRegistry registry(&clock, absl::Seconds(1));
   ASSERT_TRUE(registry.Register(Reg("a", 10)).ok());
-  EXPECT_EQ(registry.CheckEpoch("a", 9).code(), absl::StatusCode::kAborted);
-  EXPECT_TRUE(registry.CheckEpoch("a", 10).ok());
-  EXPECT_TRUE(registry.CheckEpoch("b", 1).ok());
+  EXPECT_EQ(registry.CheckRegister(Reg("a", 9)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_FALSE(registry.CheckRegister(Reg("a", 10))->new_epoch);
+  EXPECT_TRUE(registry.CheckRegister(Reg("b", 1))->new_epoch);
   AgentRegistration old = Reg("a", 9);
   old.device = "cuda:3";
   EXPECT_EQ(registry.Register(old).status().code(), absl::StatusCode::kAborted);

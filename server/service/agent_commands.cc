@@ -1,107 +1,50 @@
 #include "server/service/agent_commands.h"
 
-#include <deque>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
 
-// One Commands call. Reads the hello, then acks until the agent closes; writes queued
-// commands one at a time. Thread-safe: Enqueue and RequestFinish may be called from any
-// thread; the read state is touched only by the (serialised) read reactions.
+// One Commands call: reads the hello, then acks until the agent closes; writes what the
+// router hands it, one message at a time. Everything but the read buffer is guarded by the
+// router's mu_; the read state is touched only by the (serialised) read reactions.
 class AgentCommandRouter::Stream final
     : public grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand> {
  public:
   explicit Stream(AgentCommandRouter* router) : router_(router) { StartRead(&ack_); }
 
-  // Set once, before Attach; read-only afterwards.
-  const PoolKey& pool() const { return pool_; }
-
-  // Queues `command` (its sequence is assigned here) and starts writing it if the stream is
-  // idle. False when the queue is full or the stream is finishing: the command is dropped.
-  bool Enqueue(v1::AgentCommand command) ABSL_LOCKS_EXCLUDED(mu_) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (finishing_ || queue_.size() >= router_->max_queued_commands_) return false;
-      command.set_sequence(next_sequence_++);
-      queue_.push_back(std::move(command));
-      if (!TakeNextWriteLocked()) return true;
-    }
-    StartWrite(&writing_);
-    return true;
-  }
-
-  // Finishes the call with `status` now, or after the write in flight. Commands still queued
-  // are dropped. Only the first call counts.
-  void RequestFinish(const grpc::Status& status) ABSL_LOCKS_EXCLUDED(mu_) {
-    size_t dropped = 0;
-    bool finish_now = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (finishing_) return;
-      finishing_ = true;
-      finish_status_ = status;
-      dropped = queue_.size();
-      queue_.clear();
-      finish_now = !write_in_flight_;
-    }
-    CountDropped(dropped);
-    if (finish_now) Finish(status);
-  }
-
   void OnReadDone(bool ok) override {
-    if (!ok) {
-      RequestFinish(grpc::Status::OK);  // the agent closed its side (or the call ended)
+    if (!ok) {  // the agent closed its side, or the call ended
+      absl::MutexLock lock(&router_->mu_);
+      router_->FinishLocked(this, grpc::Status::OK);
       return;
     }
     if (!hello_done_) {
       hello_done_ = true;
-      if (grpc::Status s = AcceptHello(); !s.ok()) {
-        RequestFinish(s);
+      grpc::Status s = AcceptHello();
+      if (!s.ok()) {
+        absl::MutexLock lock(&router_->mu_);
+        router_->FinishLocked(this, s);
         return;
       }
-    } else {
-      router_->metrics_->RecordAgentCommand(ack_.code() == 0 ? AgentCommandResult::kAcked
-                                                             : AgentCommandResult::kFailed);
+    } else if (!router_->OnAck(this, ack_)) {
+      return;  // the router finished the call
     }
     StartRead(&ack_);
   }
 
-  void OnWriteDone(bool ok) override {
-    bool finish = false;
-    bool write = false;
-    grpc::Status status;
-    size_t dropped = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      write_in_flight_ = false;
-      if (!ok && !finishing_) {  // the call is broken: nothing more can be written
-        finishing_ = true;
-        finish_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed");
-        dropped = queue_.size() + 1;
-        queue_.clear();
-      }
-      if (finishing_) {
-        finish = true;
-        status = finish_status_;
-      } else {
-        write = TakeNextWriteLocked();
-      }
-    }
-    CountDropped(dropped);
-    if (finish) Finish(status);
-    if (write) StartWrite(&writing_);
-  }
+  void OnWriteDone(bool ok) override { router_->OnWriteDone(this, ok); }
 
   void OnDone() override {
-    router_->Detach(this);
+    router_->OnDone(this);
     delete this;
   }
 
  private:
+  friend class AgentCommandRouter;
+
   // Checks the hello in ack_ against the registry and attaches the stream.
   grpc::Status AcceptHello() {
     if (absl::Status s = ValidateAgentId(ack_.agent_id(), "agent_id"); !s.ok()) {
@@ -110,76 +53,81 @@ class AgentCommandRouter::Stream final
     if (ack_.epoch() < 1) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "epoch must be >= 1");
     }
-    const std::vector<AgentInfo> agents = router_->agents_->Snapshot();
-    const AgentInfo* found = nullptr;
-    for (const AgentInfo& a : agents) {
-      if (a.registration.agent_id == ack_.agent_id()) found = &a;
+    if (absl::Status s = router_->agents_->CheckLive(ack_.agent_id(), ack_.epoch()); !s.ok()) {
+      return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
     }
-    if (found == nullptr) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          absl::StrCat("agent ", ack_.agent_id(), " is not registered"));
-    }
-    if (found->registration.epoch != ack_.epoch()) {
-      return grpc::Status(grpc::StatusCode::ABORTED,
-                          absl::StrCat("agent ", ack_.agent_id(), " is registered with epoch ",
-                                       found->registration.epoch, ", not ", ack_.epoch()));
-    }
-    pool_ = PoolKey{found->registration.agent_id, found->registration.tier};
-    if (!router_->Attach(this)) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the manager is shutting down");
-    }
-    return grpc::Status::OK;
-  }
-
-  // Moves the next queued command into writing_ when no write is in flight.
-  bool TakeNextWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (write_in_flight_ || queue_.empty()) return false;
-    writing_ = std::move(queue_.front());
-    queue_.pop_front();
-    write_in_flight_ = true;
-    return true;
-  }
-
-  void CountDropped(size_t n) {
-    for (size_t i = 0; i < n; ++i)
-      router_->metrics_->RecordAgentCommand(AgentCommandResult::kDropped);
+    return router_->Attach(this, ack_.agent_id(), ack_.epoch());
   }
 
   AgentCommandRouter* const router_;
   // Read reactions only (gRPC runs at most one at a time).
   v1::AgentCommandAck ack_;
   bool hello_done_ = false;
-  PoolKey pool_;
 
-  absl::Mutex mu_;
-  std::deque<v1::AgentCommand> queue_ ABSL_GUARDED_BY(mu_);
-  // The command being written; owned by gRPC while write_in_flight_.
+  // Set by Attach; the outbox is outboxes_[agent_id_] while attached_.
+  std::string agent_id_ ABSL_GUARDED_BY(router_->mu_);
+  bool attached_ ABSL_GUARDED_BY(router_->mu_) = false;
+  // The message being written; owned by gRPC while write_in_flight_.
   v1::AgentCommand writing_;
-  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  bool write_in_flight_ ABSL_GUARDED_BY(router_->mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(router_->mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(router_->mu_);
 };
 
-AgentCommandRouter::AgentCommandRouter(const AgentRegistry* agents, ServiceMetrics* metrics,
-                                       size_t max_queued_commands)
-    : agents_(agents), metrics_(metrics), max_queued_commands_(max_queued_commands) {}
+AgentCommandRouter::AgentCommandRouter(CacheIndex* index, const AgentRegistry* agents,
+                                       ServiceMetrics* metrics, size_t max_queued_commands)
+    : index_(index),
+      agents_(agents),
+      metrics_(metrics),
+      max_queued_commands_(max_queued_commands) {}
 
 void AgentCommandRouter::OnEvent(const CacheEvent& event) {
-  if (event.kind != CacheEvent::Kind::kRemoved || event.block_ids.empty()) return;
-  v1::AgentCommand command;
-  v1::FreeBlocks* free = command.mutable_free();
-  free->set_tier(static_cast<v1::Tier>(event.pool.tier));
-  for (BlockId id : event.block_ids) {
-    if (id != kPendingBlock) free->add_block_ids(id);
+  if (event.kind == CacheEvent::Kind::kRemoved) {
+    v1::AgentCommand command;
+    v1::FreeBlocks* free = command.mutable_free();
+    free->set_tier(static_cast<v1::Tier>(event.pool.tier));
+    for (BlockId id : event.block_ids) {
+      if (id != kPendingBlock) free->add_block_ids(id);  // never reported: nothing to free
+    }
+    if (free->block_ids_size() > 0) Enqueue(event.pool.agent_id, std::move(command), {});
+  } else if (event.kind == CacheEvent::Kind::kStored && event.demoted_from.has_value()) {
+    v1::AgentCommand command;
+    command.mutable_demote()->mutable_source_block_ids()->Add(event.source_block_ids.begin(),
+                                                              event.source_block_ids.end());
+    Demotion demotion{.ns = event.ns,
+                      .pool = event.pool,
+                      .path = event.prefix,
+                      .first_page = static_cast<uint32_t>(event.prefix.size())};
+    demotion.path.insert(demotion.path.end(), event.pages.begin(), event.pages.end());
+    Enqueue(event.demoted_from->agent_id, std::move(command), std::move(demotion));
   }
-  if (free->block_ids_size() == 0) return;
+}
+
+void AgentCommandRouter::OnRegistered(const std::string& agent_id, uint64_t epoch) {
   absl::MutexLock lock(&mu_);
-  auto it = streams_.find(event.pool.agent_id);
-  if (it == streams_.end() || it->second->pool() != event.pool) return;
-  if (!it->second->Enqueue(std::move(command))) {
-    metrics_->RecordAgentCommand(AgentCommandResult::kDropped);
+  Outbox& outbox = outboxes_[agent_id];
+  if (outbox.epoch >= epoch) return;
+  if (outbox.stream != nullptr) {
+    FinishLocked(outbox.stream,
+                 grpc::Status(grpc::StatusCode::ABORTED,
+                              absl::StrCat("agent ", agent_id, " registered epoch ", epoch)));
   }
+  CountDropped(outbox.unacked.size());
+  outbox = Outbox{.epoch = epoch};
+}
+
+void AgentCommandRouter::Forget(const std::string& agent_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = outboxes_.find(agent_id);
+  if (it == outboxes_.end()) return;
+  if (it->second.stream != nullptr) {
+    FinishLocked(it->second.stream,
+                 grpc::Status(grpc::StatusCode::NOT_FOUND,
+                              absl::StrCat("agent ", agent_id,
+                                           " was declared gone; register with a larger epoch")));
+  }
+  CountDropped(it->second.unacked.size());
+  outboxes_.erase(it);
 }
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentCommandRouter::Open() {
@@ -189,32 +137,174 @@ grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentCommandRout
 void AgentCommandRouter::Close() {
   absl::MutexLock lock(&mu_);
   closed_ = true;
-  for (auto& [agent_id, stream] : streams_) {
-    stream->RequestFinish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the manager is stopping"));
+  for (auto& [agent_id, outbox] : outboxes_) {
+    if (outbox.stream != nullptr) {
+      FinishLocked(outbox.stream,
+                   grpc::Status(grpc::StatusCode::UNAVAILABLE, "the manager is stopping"));
+    }
   }
 }
 
 size_t AgentCommandRouter::open_streams() const {
   absl::MutexLock lock(&mu_);
-  return streams_.size();
+  size_t n = 0;
+  for (const auto& [agent_id, outbox] : outboxes_) n += outbox.stream != nullptr;
+  return n;
 }
 
-bool AgentCommandRouter::Attach(Stream* stream) {
+size_t AgentCommandRouter::unacked_commands(const std::string& agent_id) const {
   absl::MutexLock lock(&mu_);
-  if (closed_) return false;
-  Stream*& slot = streams_[stream->pool().agent_id];
-  if (slot != nullptr) {
-    slot->RequestFinish(
-        grpc::Status(grpc::StatusCode::ABORTED, "replaced by a newer Commands stream"));
+  auto it = outboxes_.find(agent_id);
+  return it == outboxes_.end() ? 0 : it->second.unacked.size();
+}
+
+void AgentCommandRouter::Enqueue(const std::string& agent_id, v1::AgentCommand command,
+                                 std::optional<Demotion> demotion) {
+  absl::MutexLock lock(&mu_);
+  auto it = outboxes_.find(agent_id);
+  if (it == outboxes_.end()) return;  // a pool no agent registered (e.g. filled by Insert alone)
+  EnqueueLocked(it->second, std::move(command), std::move(demotion));
+}
+
+void AgentCommandRouter::EnqueueLocked(Outbox& outbox, v1::AgentCommand command,
+                                       std::optional<Demotion> demotion) {
+  if (outbox.unacked.size() >= max_queued_commands_) {
+    CountDropped(1);
+    return;
   }
-  slot = stream;
+  command.set_sequence(outbox.next_sequence++);
+  outbox.unacked.push_back(Pending{std::move(command), std::move(demotion)});
+  MaybeWriteLocked(outbox);
+}
+
+void AgentCommandRouter::MaybeWriteLocked(Outbox& outbox) {
+  Stream* s = outbox.stream;
+  if (s == nullptr || s->write_in_flight_ || s->finishing_ ||
+      outbox.sent >= outbox.unacked.size()) {
+    return;
+  }
+  s->writing_ = outbox.unacked[outbox.sent++].command;
+  s->writing_.set_acked_through(outbox.acked_through);
+  s->write_in_flight_ = true;
+  s->StartWrite(&s->writing_);
+}
+
+void AgentCommandRouter::CountDropped(size_t n) {
+  for (size_t i = 0; i < n; ++i) metrics_->RecordAgentCommand(AgentCommandResult::kDropped);
+}
+
+grpc::Status AgentCommandRouter::Attach(Stream* stream, const std::string& agent_id,
+                                        uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the manager is stopping");
+  Outbox& outbox = outboxes_[agent_id];
+  if (outbox.epoch > epoch) {
+    return grpc::Status(grpc::StatusCode::ABORTED,
+                        absl::StrCat("agent ", agent_id, " is registered with epoch ", outbox.epoch,
+                                     ", not ", epoch));
+  }
+  if (outbox.epoch < epoch) {  // the registration raced ahead of OnRegistered
+    if (outbox.stream != nullptr) {
+      FinishLocked(outbox.stream, grpc::Status(grpc::StatusCode::ABORTED, "a newer epoch"));
+    }
+    CountDropped(outbox.unacked.size());
+    outbox = Outbox{.epoch = epoch};
+  }
+  if (outbox.stream != nullptr) {
+    FinishLocked(outbox.stream,
+                 grpc::Status(grpc::StatusCode::ABORTED, "replaced by a newer Commands stream"));
+  }
+  outbox.stream = stream;
+  outbox.sent = 0;  // resend everything not acknowledged
+  stream->agent_id_ = agent_id;
+  stream->attached_ = true;
+  MaybeWriteLocked(outbox);
+  return grpc::Status::OK;
+}
+
+bool AgentCommandRouter::OnAck(Stream* stream, const v1::AgentCommandAck& ack) {
+  std::string agent_id;
+  uint64_t epoch = 0;
+  std::optional<Demotion> demotion;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stream->attached_) return true;  // replaced or finishing: the next stream resends
+    Outbox& outbox = outboxes_.at(stream->agent_id_);
+    if (outbox.unacked.empty() || ack.sequence() < outbox.unacked.front().command.sequence()) {
+      return true;  // a repeat of an ack already taken
+    }
+    if (outbox.sent == 0 || ack.sequence() != outbox.unacked.front().command.sequence()) {
+      FinishLocked(stream,
+                   grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                absl::StrCat("ack of sequence ", ack.sequence(), ", expected ",
+                                             outbox.unacked.front().command.sequence())));
+      return false;
+    }
+    demotion = std::move(outbox.unacked.front().demotion);
+    outbox.unacked.pop_front();
+    --outbox.sent;
+    outbox.acked_through = ack.sequence();
+    agent_id = stream->agent_id_;
+    epoch = outbox.epoch;
+  }
+  metrics_->RecordAgentCommand(ack.code() == 0 ? AgentCommandResult::kAcked
+                                               : AgentCommandResult::kFailed);
+  // A failed demotion leaves its HOST pages pending in the index until the HOST pool's
+  // policy evicts them (Match reports kPendingBlock for them).
+  if (!demotion.has_value() || ack.code() != 0) return true;
+
+  const std::vector<BlockId> blocks(ack.block_ids().begin(), ack.block_ids().end());
+  absl::StatusOr<std::vector<BlockId>> unassigned = index_->AssignBlocks(
+      demotion->ns, demotion->path, demotion->first_page, demotion->pool, blocks);
+  const std::vector<BlockId>& to_free = unassigned.ok() ? *unassigned : blocks;
+  if (to_free.empty()) return true;
+  v1::AgentCommand command;
+  command.mutable_free()->set_tier(static_cast<v1::Tier>(demotion->pool.tier));
+  command.mutable_free()->mutable_block_ids()->Add(to_free.begin(), to_free.end());
+  absl::MutexLock lock(&mu_);
+  auto it = outboxes_.find(agent_id);
+  // Blocks of an epoch that has ended died with it.
+  if (it != outboxes_.end() && it->second.epoch == epoch) {
+    EnqueueLocked(it->second, std::move(command), {});
+  }
   return true;
 }
 
-void AgentCommandRouter::Detach(Stream* stream) {
+void AgentCommandRouter::OnWriteDone(Stream* stream, bool ok) {
   absl::MutexLock lock(&mu_);
-  auto it = streams_.find(stream->pool().agent_id);
-  if (it != streams_.end() && it->second == stream) streams_.erase(it);
+  stream->write_in_flight_ = false;
+  if (stream->finishing_) {
+    stream->Finish(stream->finish_status_);
+    return;
+  }
+  if (!ok) {  // the call is broken: nothing more can be written
+    FinishLocked(stream, grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed"));
+    return;
+  }
+  if (stream->attached_) MaybeWriteLocked(outboxes_.at(stream->agent_id_));
+}
+
+void AgentCommandRouter::FinishLocked(Stream* stream, const grpc::Status& status) {
+  if (stream->finishing_) return;
+  stream->finishing_ = true;
+  stream->finish_status_ = status;
+  if (stream->attached_) {
+    stream->attached_ = false;
+    Outbox& outbox = outboxes_.at(stream->agent_id_);
+    outbox.stream = nullptr;
+    outbox.sent = 0;
+  }
+  if (!stream->write_in_flight_) stream->Finish(status);
+}
+
+void AgentCommandRouter::OnDone(Stream* stream) {
+  absl::MutexLock lock(&mu_);
+  if (stream->attached_) {  // done without finishing through the router (e.g. cancelled)
+    stream->attached_ = false;
+    Outbox& outbox = outboxes_.at(stream->agent_id_);
+    outbox.stream = nullptr;
+    outbox.sent = 0;
+  }
 }
 
 }  // namespace kvcm

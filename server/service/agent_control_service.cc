@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/core_types.h"
 #include "server/service/cache_manager_service.h"
+#include "server/service/log.h"
 #include "server/service/proto_convert.h"
 #include "server/service/status_macros.h"
 
@@ -68,6 +69,26 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
                                                   pool_bytes, "], got ", req.capacity_bytes()));
   }
   if (req.epoch() < 1) return Invalid("epoch", "must be >= 1");
+  if (req.has_host_pool()) {
+    const v1::HostPool& h = req.host_pool();
+    if (req.tier() != v1::TIER_GPU) {
+      return Invalid("host_pool", "is only for an agent whose tier is TIER_GPU");
+    }
+    if (h.num_blocks() < 1 || h.num_blocks() > kMaxBlocks) {
+      return Invalid("host_pool.num_blocks",
+                     absl::StrCat("must be in [1, ", kMaxBlocks, "], got ", h.num_blocks()));
+    }
+    const uint64_t host_bytes = h.num_blocks() * bytes_per_block;
+    if (host_bytes / bytes_per_block != h.num_blocks()) {
+      return Invalid("host_pool.num_blocks", "times bytes_per_block overflows 64 bits");
+    }
+    if (h.capacity_bytes() < 1 || h.capacity_bytes() > host_bytes) {
+      return Invalid("host_pool.capacity_bytes",
+                     absl::StrCat("must be in [1, num_blocks x bytes_per_block = ", host_bytes,
+                                  "], got ", h.capacity_bytes()));
+    }
+    call.registration.host_capacity_bytes = h.capacity_bytes();
+  }
   AgentRegistration& r = call.registration;
   r.agent_id = req.agent_id();
   r.device = req.device();
@@ -105,9 +126,27 @@ grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerCont
     KVCM_ASSIGN_OR_RETURN(RegisterAgentCall call, RegisterAgentFromProto(*req));
     const AgentRegistration& r = call.registration;
     // A stale agent must not resize the pool of its successor.
-    KVCM_RETURN_IF_ERROR(agents_->CheckEpoch(r.agent_id, r.epoch));
-    KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(PoolKey{r.agent_id, r.tier}, r.capacity_bytes));
-    KVCM_RETURN_IF_ERROR(agents_->Register(r));
+    KVCM_ASSIGN_OR_RETURN(RegisterOutcome check, agents_->CheckRegister(r));
+    const PoolKey pool{r.agent_id, r.tier};
+    const PoolKey host{r.agent_id, Tier::kHost};
+    if (check.new_epoch) {
+      // A new incarnation holds nothing: forget what the index and the command queue kept
+      // for the old one (its blocks died with it).
+      commands_->OnRegistered(r.agent_id, r.epoch);
+      for (const PoolKey& p : {pool, host}) {
+        if (absl::StatusOr<DropPoolResult> dropped = index_->DropPool(p);
+            dropped.ok() && dropped->dropped_pages > 0) {
+          LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, ": dropped ",
+                               dropped->dropped_pages, " pages of ", p.ToString(),
+                               " held by its previous epoch"));
+        }
+      }
+    }
+    KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(pool, r.capacity_bytes));
+    if (r.host_capacity_bytes > 0) {
+      KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(host, r.host_capacity_bytes));
+    }
+    KVCM_RETURN_IF_ERROR(agents_->Register(r).status());
     resp->set_heartbeat_timeout_ms(
         static_cast<uint32_t>(absl::ToInt64Milliseconds(agents_->heartbeat_timeout())));
     return absl::OkStatus();

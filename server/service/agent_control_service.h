@@ -38,7 +38,8 @@ struct RegisterAgentCall {
 // device or block_agent_address longer than allowed, tier not GPU/HOST/DISK, missing or
 // impossible geometry.spec ("geometry.spec.<field>"), geometry.bytes_per_block not the
 // spec's bytes per page, geometry.num_blocks outside 1..2^32-2, capacity_bytes outside
-// 1..num_blocks x bytes_per_block, epoch 0.
+// 1..num_blocks x bytes_per_block, epoch 0, a host_pool on an agent whose tier is not
+// TIER_GPU or with num_blocks / capacity_bytes out of range ("host_pool.<field>").
 absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req);
 
 // Appends one v1::AgentStats per agent to `out->agents`.

@@ -50,7 +50,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
                                                absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
   s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get());
-  s->commands_ = std::make_unique<AgentCommandRouter>(s->agents_.get(), s->metrics_.get());
+  s->commands_ =
+      std::make_unique<AgentCommandRouter>(s->index_.get(), s->agents_.get(), s->metrics_.get());
   AgentCommandRouter* commands = s->commands_.get();
   s->index_->SetEventListener([hub, commands](const CacheEvent& event) {
     hub->Publish(event);
@@ -114,7 +115,25 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
 
 void ManagerServer::SweepLeases() {
   const absl::Duration interval = absl::Milliseconds(options_.lease_sweep_interval_ms);
-  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) index_->ExpireLeases();
+  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) {
+    index_->ExpireLeases();
+    DropGoneAgents();
+  }
+}
+
+void ManagerServer::DropGoneAgents() {
+  for (const AgentRegistration& r : agents_->TakeGone()) {
+    commands_->Forget(r.agent_id);
+    uint64_t pages = 0;
+    for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
+      if (absl::StatusOr<DropPoolResult> dropped = index_->DropPool(p); dropped.ok()) {
+        pages += dropped->dropped_pages;
+      }
+    }
+    LogWarning(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " is gone (no heartbeat for ",
+                            absl::FormatDuration(agents_->heartbeat_timeout()), "): dropped its ",
+                            pages, " pages from the index"));
+  }
 }
 
 void ManagerServer::Shutdown() {

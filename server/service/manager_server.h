@@ -71,7 +71,10 @@ class ManagerServer {
 
  private:
   explicit ManagerServer(ServerOptions options);
+  // Expires leases and drops gone agents, every lease_sweep_interval_ms until Shutdown.
   void SweepLeases();
+  // Forgets the pools and queued commands of agents the registry declares gone.
+  void DropGoneAgents();
 
   const ServerOptions options_;
   std::unique_ptr<CacheIndex> index_;
