@@ -136,6 +136,14 @@ absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t off
   return backend_->CopyOut(BlockOffset(id) + offset_in_block, dst);
 }
 
+absl::Status BlockPool::WithOwnedArena(
+    std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
+    absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, field); !s.ok()) return s;
+  return fn(backend_->base());
+}
+
 absl::Status BlockPool::WithOwnedHostArena(
     std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
     absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
@@ -143,9 +151,7 @@ absl::Status BlockPool::WithOwnedHostArena(
     return absl::FailedPreconditionError(
         absl::StrCat("backend ", backend_->name(), " is device memory, not host memory"));
   }
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, field); !s.ok()) return s;
-  return fn(backend_->base());
+  return WithOwnedArena(ids, owner_epoch, field, fn);
 }
 
 BlockPoolStats BlockPool::Stats() const {

@@ -9,8 +9,9 @@
 // WriteBlocks / ReadBlock move raw bytes between the host and allocated blocks through the
 // backend's CopyIn / CopyOut (cudaMemcpy on a device), checking ownership first.
 //
-// Thread-safe: every method locks mu_; the arena is touched only by WriteBlocks (under mu_)
-// and ReadBlock (under mu_), whose copies cover whole ranges of owned blocks.
+// Thread-safe: every method locks mu_; the arena is touched only by WriteBlocks, ReadBlock
+// and the callbacks of WithOwnedArena / WithOwnedHostArena, all under mu_ and all over
+// owned blocks.
 #ifndef KVCM_GPU_AGENT_BLOCK_POOL_H_
 #define KVCM_GPU_AGENT_BLOCK_POOL_H_
 
@@ -80,10 +81,19 @@ class BlockPool {
   absl::Status ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
                          std::span<std::byte> dst) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the host arena
-  // (arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no WriteBlocks or
-  // Free interleaves; returns what `fn` returns. FAILED_PRECONDITION when the backend is
-  // device memory (not dereferenceable here). `fn` must not call back into the pool.
+  // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the arena
+  // (backend().base(), arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no
+  // WriteBlocks or Free interleaves; returns what `fn` returns. The arena is device memory
+  // when backend().is_device(): `fn` may hand it to device code but must not dereference it.
+  // `fn` must not call back into the pool, and must be done with the arena (device work
+  // synchronised) when it returns.
+  absl::Status WithOwnedArena(std::span<const BlockId> ids, uint64_t owner_epoch,
+                              absl::string_view field,
+                              absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // WithOwnedArena for a host backend only: FAILED_PRECONDITION (before checking `ids`) when
+  // the backend is device memory, so `fn` may dereference the arena.
   absl::Status WithOwnedHostArena(std::span<const BlockId> ids, uint64_t owner_epoch,
                                   absl::string_view field,
                                   absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const

@@ -1,5 +1,6 @@
 #include "gpu/agent/block_pool.h"
 
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <random>
@@ -8,6 +9,9 @@
 
 #include "gmock/gmock.h"
 #include "gpu/agent/pool_attention.h"
+#include "gpu/agent/pool_attention_test_util.h"
+#include "gpu/kernels/mla_decode_cpu.h"
+#include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
 #include "server/core/model_catalog.h"
 
@@ -272,26 +276,157 @@ class FakeDeviceBackend final : public DeviceBackend {
   std::vector<std::byte> mem_;
 };
 
-TEST(PoolAttentionTest, RefusesNonMlaPoolsAndDevicePools) {
+TEST(PoolAttentionTest, RefusesNonMlaPools) {
   std::unique_ptr<BlockPool> gqa = MakePool(SmallGqa(), 2);
   PoolAttentionRequest req;
   absl::StatusOr<PoolAttentionResult> r = RunMlaDecodeOnPool(*gqa, req);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("pool"));
+}
 
-  PoolGeometry g{DeepSeekV3(), 1};
+// The host path against the CPU kernel run directly on the attended layer alone (a compact
+// cache, block stride page x token bytes): bit-identical, so the pool path's layer offset,
+// block stride and table are right. Every other layer is NaN, so a wrong offset shows.
+void ExpectHostPoolMatchesLayerAlone(KvDtype dtype) {
+  constexpr uint32_t kLayer = 3;
+  constexpr uint64_t kEpoch = 5;
+  const PoolGeometry g{DeepSeekV3(dtype), kMlaTestPoolBlocks};
+  ASSERT_EQ(g.spec.page_size_tokens, 64u) << "ScatteredMlaRequest assumes 64-token pages";
+  const std::vector<std::byte> bytes = MakeMlaPoolBytes(g, kLayer, 11);
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes());
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
+      MakeFilledPool(g, *std::move(host), kEpoch, bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const std::vector<uint16_t> query =
+      RandomBf16(kScatteredBatch * kScatteredHeads * gpu::kMlaHeadDim, 12);
+  const PoolAttentionRequest req = ScatteredMlaRequest(kLayer, kEpoch, query);
+  absl::StatusOr<PoolAttentionResult> got = RunMlaDecodeOnPool(**pool, req);
+  ASSERT_TRUE(got.ok()) << got.status();
+
+  const std::vector<std::byte> layer = ExtractLayer(g, kLayer, bytes);
+  const std::vector<int32_t> table = {5, 2, 7, 1, 6, 1, 2, 2, 2};  // padded with the row's first
+  const std::vector<int32_t> lens(req.seq_lens.begin(), req.seq_lens.end());
+  std::vector<uint16_t> out(kScatteredBatch * kScatteredHeads * gpu::kMlaLatentDim);
+  std::vector<float> lse(kScatteredBatch * kScatteredHeads);
+  gpu::MlaDecodeParams p;
+  p.kv_cache = layer.data();
+  p.kv_block_stride_bytes =
+      static_cast<int64_t>(g.spec.page_size_tokens * g.spec.BytesPerTokenPerLayer());
+  p.block_table = table.data();
+  p.block_table_stride = 3;
+  p.seq_lens = lens.data();
+  p.q = query.data();
+  p.q_head_stride = gpu::kMlaHeadDim;
+  p.q_batch_stride = int64_t{kScatteredHeads} * gpu::kMlaHeadDim;
+  p.out = out.data();
+  p.out_head_stride = gpu::kMlaLatentDim;
+  p.out_batch_stride = int64_t{kScatteredHeads} * gpu::kMlaLatentDim;
+  p.lse = lse.data();
+  p.batch = kScatteredBatch;
+  p.num_heads = kScatteredHeads;
+  p.num_blocks = kMlaTestPoolBlocks;
+  p.page_size = 64;
+  p.max_blocks_per_seq = 3;
+  p.dtype = dtype == KvDtype::kFp8 ? gpu::LatentDtype::kFp8E4m3 : gpu::LatentDtype::kBf16;
+  p.softmax_scale = req.softmax_scale;
+  ASSERT_TRUE(gpu::MlaDecodeCpu(p).ok());
+
+  ASSERT_EQ(got->output.size(), out.size());
+  ASSERT_EQ(got->lse.size(), lse.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got->output[i])) << i;
+    ASSERT_EQ(got->output[i], gpu::Bf16ToFloat(out[i])) << i;
+  }
+  for (size_t i = 0; i < lse.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got->lse[i])) << i;
+    ASSERT_EQ(got->lse[i], lse[i]) << i;
+  }
+}
+
+TEST(PoolAttentionTest, HostPoolBf16MatchesTheKernelOnTheLayerAlone) {
+  ExpectHostPoolMatchesLayerAlone(KvDtype::kBf16);
+}
+TEST(PoolAttentionTest, HostPoolFp8MatchesTheKernelOnTheLayerAlone) {
+  ExpectHostPoolMatchesLayerAlone(KvDtype::kFp8);
+}
+
+// A device pool gets the same request and ownership checks as a host pool, before any
+// device code runs; past them, host memory posing as a device arena is refused clearly
+// (the CUDA path itself is pool_attention_cuda_test.cc, label gpu).
+TEST(PoolAttentionTest, DevicePoolSharesTheChecksAndRefusesAFakeArena) {
+  constexpr uint32_t kLayer = 1;
+  constexpr uint64_t kEpoch = 5;
+  const PoolGeometry g{DeepSeekV3(), kMlaTestPoolBlocks};
+  const std::vector<std::byte> bytes = MakeMlaPoolBytes(g, kLayer, 11);
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
+      MakeFilledPool(g, std::make_unique<FakeDeviceBackend>(g.pool_bytes()), kEpoch, bytes);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const std::vector<uint16_t> query =
+      RandomBf16(kScatteredBatch * kScatteredHeads * gpu::kMlaHeadDim, 12);
+
+  PoolAttentionRequest bad = ScatteredMlaRequest(kLayer, kEpoch, query);
+  bad.seq_lens[1] = 2 * 64 + 1;  // more than its two blocks hold
+  absl::StatusOr<PoolAttentionResult> r = RunMlaDecodeOnPool(**pool, bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("seq_lens[1]"));
+
+  r = RunMlaDecodeOnPool(**pool, ScatteredMlaRequest(kLayer, kEpoch + 1, query));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("block_table"));
+
+  r = RunMlaDecodeOnPool(**pool, ScatteredMlaRequest(kLayer, kEpoch, query));
+#ifdef KVCM_CUDA_ENABLED
+  // The CUDA path asks the runtime what the arena is: with no usable device that fails
+  // (UNAVAILABLE); with one, host memory is not device memory (FAILED_PRECONDITION).
+  EXPECT_THAT(r.status().code(), ::testing::AnyOf(absl::StatusCode::kUnavailable,
+                                                  absl::StatusCode::kFailedPrecondition))
+      << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr(r.status().code() == absl::StatusCode::kUnavailable
+                                                  ? "cudaPointerGetAttributes"
+                                                  : "not device memory"));
+#else
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("cuda:9"));
+  EXPECT_THAT(r.status().message(), HasSubstr("no CUDA"));
+#endif
+}
+
+TEST(BlockPoolTest, WithOwnedArenaHandsAnyArenaWithTheOwnershipChecks) {
+  PoolGeometry g{SmallGqa(), 2};
   absl::StatusOr<std::unique_ptr<BlockPool>> device =
       BlockPool::Create(g, std::make_unique<FakeDeviceBackend>(g.pool_bytes()));
   ASSERT_TRUE(device.ok());
-  r = RunMlaDecodeOnPool(**device, req);
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(r.status().message(), HasSubstr("cuda:9"));
-  const std::vector<BlockId> none;
-  EXPECT_EQ(
-      (*device)
-          ->WithOwnedHostArena(none, 1, "ids", [](const std::byte*) { return absl::OkStatus(); })
-          .code(),
-      absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<std::vector<BlockId>> ids = (*device)->Allocate(1, 3);
+  ASSERT_TRUE(ids.ok());
+  const std::byte* seen = nullptr;
+  auto record = [&](const std::byte* arena) {
+    seen = arena;
+    return absl::OkStatus();
+  };
+  EXPECT_TRUE((*device)->WithOwnedArena(*ids, 3, "ids", record).ok());
+  EXPECT_EQ(seen, (*device)->backend().base());
+  seen = nullptr;
+  absl::Status foreign = (*device)->WithOwnedArena(*ids, 4, "ids", record);
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(foreign.message(), HasSubstr("ids"));
+  EXPECT_EQ(seen, nullptr) << "fn must not run for blocks the caller does not own";
+  EXPECT_EQ((*device)
+                ->WithOwnedArena(*ids, 3, "ids",
+                                 [](const std::byte*) { return absl::DataLossError("from fn"); })
+                .code(),
+            absl::StatusCode::kDataLoss)
+      << "fn's status is returned";
+
+  // The host-only variant keeps its contract: a device arena is never handed out.
+  EXPECT_EQ((*device)->WithOwnedHostArena(*ids, 3, "ids", record).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(seen, nullptr);
+  std::unique_ptr<BlockPool> host = MakePool(SmallGqa(), 2);
+  ids = host->Allocate(1, 3);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_TRUE(host->WithOwnedHostArena(*ids, 3, "ids", record).ok());
+  EXPECT_EQ(seen, host->backend().base());
 }
 
 TEST(DeviceBackendTest, HostBackendChecksRanges) {

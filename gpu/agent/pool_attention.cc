@@ -4,10 +4,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
+
+#ifdef KVCM_CUDA_ENABLED
+#include "gpu/agent/pool_attention_cuda.h"
+#endif
 
 namespace kvcm {
 namespace {
@@ -16,21 +22,32 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
 }
 
-}  // namespace
+// A validated request as the kernels take it, host and device alike. `params` points into
+// the vectors (host memory) and has every field set but kv_cache, which is the arena at
+// `layer_offset` and known only under the pool's lock. Not copyable (params points inside).
+struct PoolDecode {
+  PoolDecode() = default;
+  PoolDecode(const PoolDecode&) = delete;
+  PoolDecode& operator=(const PoolDecode&) = delete;
 
-absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
-                                                       const PoolAttentionRequest& req) {
+  std::vector<int32_t> block_table;  // [batch, max_blocks]
+  std::vector<int32_t> seq_lens;     // [batch]
+  std::vector<uint16_t> q;           // [batch, num_heads, kv_lora_rank + rope_dim] bf16
+  std::vector<uint16_t> out;         // [batch, num_heads, kv_lora_rank] bf16
+  std::vector<float> lse;            // [batch, num_heads]
+  std::vector<BlockId> distinct;     // every listed block once, for the ownership check
+  uint64_t layer_offset = 0;         // bytes from the arena's start to layer `layer` of block 0
+  gpu::MlaDecodeParams params;
+};
+
+// Every check RunMlaDecodeOnPool makes before touching the pool, then the kernel's inputs.
+absl::Status PrepareDecode(const BlockPool& pool, const PoolAttentionRequest& req, PoolDecode* d) {
   const PoolGeometry& g = pool.geometry();
   const ModelSpec& spec = g.spec;
   if (spec.attention != AttentionKind::kMla ||
       (spec.dtype != KvDtype::kBf16 && spec.dtype != KvDtype::kFp8)) {
     return Invalid("pool",
                    absl::StrCat("must hold MLA bf16 or fp8 latents, not ", spec.DebugString()));
-  }
-  if (pool.backend().is_device()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "RunAttention runs the CPU kernel over a host pool; this pool is on ",
-        pool.backend().name(), " and the CUDA launcher (MlaDecodeCuda) is not wired here"));
   }
   const size_t batch = req.block_table.size();
   if (batch < 1 || batch > PoolAttentionRequest::kMaxBatch) {
@@ -61,7 +78,7 @@ absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
                                          query_bytes, " bytes, got ", req.query_bf16.size()));
   }
   size_t max_blocks = 0;
-  std::vector<BlockId> distinct;
+  std::vector<BlockId>& distinct = d->distinct;
   for (size_t b = 0; b < batch; ++b) {
     const std::vector<BlockId>& row = req.block_table[b];
     if (req.seq_lens[b] < 1 || req.seq_lens[b] > row.size() * page) {
@@ -81,33 +98,34 @@ absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
 
   // The kernel's [batch, max_blocks] table; a short row is padded with its own first block
   // (never read: seq_lens bound the walk).
-  std::vector<int32_t> table(batch * max_blocks);
-  std::vector<int32_t> seq_lens(batch);
+  d->block_table.resize(batch * max_blocks);
+  d->seq_lens.resize(batch);
   for (size_t b = 0; b < batch; ++b) {
     const std::vector<BlockId>& row = req.block_table[b];
     for (size_t i = 0; i < max_blocks; ++i) {
-      table[b * max_blocks + i] = static_cast<int32_t>(i < row.size() ? row[i] : row[0]);
+      d->block_table[b * max_blocks + i] = static_cast<int32_t>(i < row.size() ? row[i] : row[0]);
     }
-    seq_lens[b] = static_cast<int32_t>(req.seq_lens[b]);
+    d->seq_lens[b] = static_cast<int32_t>(req.seq_lens[b]);
   }
-  std::vector<uint16_t> q(query_bytes / 2);
-  std::memcpy(q.data(), req.query_bf16.data(), query_bytes);
-  std::vector<uint16_t> out(batch * req.num_heads * spec.kv_lora_rank);
-  PoolAttentionResult result;
-  result.lse.resize(batch * req.num_heads);
+  d->q.resize(query_bytes / 2);
+  std::memcpy(d->q.data(), req.query_bf16.data(), query_bytes);
+  d->out.resize(batch * req.num_heads * spec.kv_lora_rank);
+  d->lse.resize(batch * req.num_heads);
+  // Layer `layer` of block b starts at b * bytes_per_block + layer_offset (pool_geometry.h).
+  d->layer_offset = uint64_t{req.layer} * spec.BytesPerTokenPerLayer() * page;
 
-  gpu::MlaDecodeParams p;
+  gpu::MlaDecodeParams& p = d->params;
   p.kv_block_stride_bytes = static_cast<int64_t>(g.bytes_per_block());
-  p.block_table = table.data();
+  p.block_table = d->block_table.data();
   p.block_table_stride = static_cast<int64_t>(max_blocks);
-  p.seq_lens = seq_lens.data();
-  p.q = q.data();
+  p.seq_lens = d->seq_lens.data();
+  p.q = d->q.data();
   p.q_head_stride = static_cast<int64_t>(head_dim);
   p.q_batch_stride = static_cast<int64_t>(req.num_heads * head_dim);
-  p.out = out.data();
+  p.out = d->out.data();
   p.out_head_stride = spec.kv_lora_rank;
   p.out_batch_stride = static_cast<int64_t>(req.num_heads) * spec.kv_lora_rank;
-  p.lse = result.lse.data();
+  p.lse = d->lse.data();
   p.batch = static_cast<int>(batch);
   p.num_heads = static_cast<int>(req.num_heads);
   p.num_blocks =
@@ -118,16 +136,40 @@ absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
   p.rope_dim = static_cast<int>(spec.rope_dim);
   p.dtype = spec.dtype == KvDtype::kFp8 ? gpu::LatentDtype::kFp8E4m3 : gpu::LatentDtype::kBf16;
   p.softmax_scale = req.softmax_scale;
-  const uint64_t layer_offset = uint64_t{req.layer} * spec.BytesPerTokenPerLayer() * page;
+  return absl::OkStatus();
+}
 
-  absl::Status run = pool.WithOwnedHostArena(distinct, req.owner_epoch, "block_table",
-                                             [&](const std::byte* arena) {
-                                               p.kv_cache = arena + layer_offset;
-                                               return gpu::MlaDecodeCpu(p);
-                                             });
+// `p` with p.kv_cache in the device arena of `backend`: the CUDA kernel where this build
+// has it.
+absl::Status DecodeOnDevice(const DeviceBackend& backend, const gpu::MlaDecodeParams& p) {
+#ifdef KVCM_CUDA_ENABLED
+  return MlaDecodeOverDeviceCache(p);
+#else
+  return absl::UnimplementedError(
+      absl::StrCat("the pool is on device backend ", backend.name(),
+                   " but this build has no CUDA (KVCM_CUDA_ENABLED unset), so no kernel can "
+                   "read it"));
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
+                                                       const PoolAttentionRequest& req) {
+  PoolDecode d;
+  if (absl::Status s = PrepareDecode(pool, req, &d); !s.ok()) return s;
+  const DeviceBackend& backend = pool.backend();
+  absl::Status run =
+      pool.WithOwnedArena(d.distinct, req.owner_epoch, "block_table", [&](const std::byte* arena) {
+        d.params.kv_cache = arena + d.layer_offset;
+        return backend.is_device() ? DecodeOnDevice(backend, d.params)
+                                   : gpu::MlaDecodeCpu(d.params);
+      });
   if (!run.ok()) return run;
-  result.output.resize(out.size());
-  for (size_t i = 0; i < out.size(); ++i) result.output[i] = gpu::Bf16ToFloat(out[i]);
+  PoolAttentionResult result;
+  result.output.resize(d.out.size());
+  for (size_t i = 0; i < d.out.size(); ++i) result.output[i] = gpu::Bf16ToFloat(d.out[i]);
+  result.lse = std::move(d.lse);
   return result;
 }
 

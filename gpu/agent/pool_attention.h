@@ -3,8 +3,12 @@
 //
 // The pool must hold MLA latents (bf16, or FlashMLA's fp8 layout). Layer `layer` of the
 // pool is the kernels' paged cache [num_blocks, page_size, token bytes] with block stride
-// bytes_per_block (see pool_geometry.h), so the kernel reads the blocks in place.
-// Thread-safe (stateless); runs under the pool's lock, so concurrent writes and frees wait.
+// bytes_per_block (see pool_geometry.h), so the kernel reads the blocks in place: the CPU
+// kernel (MlaDecodeCpu) on a host pool, the CUDA kernel (MlaDecodeCuda) on a device pool.
+// Both get the same params after the same checks; their outputs agree to about one bf16
+// ulp (fp32 sums in different orders).
+// Thread-safe (stateless); runs under the pool's lock (BlockPool::WithOwnedArena), so
+// concurrent writes and frees wait, on a device pool until the kernel has finished.
 #ifndef KVCM_GPU_AGENT_POOL_ATTENTION_H_
 #define KVCM_GPU_AGENT_POOL_ATTENTION_H_
 
@@ -41,9 +45,11 @@ struct PoolAttentionResult {
 };
 
 // INVALID_ARGUMENT naming the field for a bad request, a pool that is not MLA bf16/fp8
-// ("pool"), or what ValidateMlaDecodeParams refuses; FAILED_PRECONDITION "block_table" for
-// a block not allocated to owner_epoch; UNIMPLEMENTED on a device backend (only the CPU
-// kernel over host memory is wired here; a CUDA pool would need MlaDecodeCuda).
+// ("pool"), or what ValidateMlaDecodeParams (and, on a device pool, MlaDecodeCuda) refuses;
+// FAILED_PRECONDITION "block_table" for a block not allocated to owner_epoch. On a device
+// pool: a CUDA error as a Status (gpu/kernels/cuda_status.h), and UNIMPLEMENTED in a build
+// without CUDA (only a fake device backend can get there). The device path copies the query,
+// block table and seq_lens to device memory allocated per call (see pool_attention_cuda.h).
 absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
                                                        const PoolAttentionRequest& req);
 
