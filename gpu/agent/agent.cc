@@ -129,16 +129,20 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
 // gRPC runs its callbacks one at a time.
 class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
  public:
-  ReadBlocksReactor(Agent* agent, const v1::ReadBlocksRequest* req)
-      : pool_(agent->pool()),
+  // `pool`: the pool req->tier names, or null when the agent has no such pool.
+  ReadBlocksReactor(Agent* agent, BlockPool* pool, const v1::ReadBlocksRequest* req)
+      : pool_(pool != nullptr ? *pool : agent->pool()),
         chunk_bytes_(agent->options().read_chunk_bytes),
         ids_(req->block_ids().begin(), req->block_ids().end()),
         owner_epoch_(req->owner_epoch()) {
     const uint32_t max_blocks = agent->options().max_blocks_per_call;
-    absl::Status s = ids_.size() > max_blocks
-                         ? absl::InvalidArgumentError(
-                               absl::StrCat("block_ids must list at most ", max_blocks, " blocks"))
-                         : pool_.CheckOwned(ids_, owner_epoch_, "block_ids");
+    absl::Status s =
+        pool == nullptr
+            ? absl::InvalidArgumentError(absl::StrCat("tier ", static_cast<int>(req->tier()),
+                                                      " is not a pool of this agent"))
+        : ids_.size() > max_blocks ? absl::InvalidArgumentError(absl::StrCat(
+                                         "block_ids must list at most ", max_blocks, " blocks"))
+                                   : pool_.CheckOwned(ids_, owner_epoch_, "block_ids");
     if (!s.ok()) {
       Finish(ToGrpcStatus(s));
       return;
@@ -232,7 +236,14 @@ class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
 
   grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadBlocks(
       grpc::CallbackServerContext* /*ctx*/, const v1::ReadBlocksRequest* req) override {
-    return new ReadBlocksReactor(agent_, req);
+    BlockPool* pool = nullptr;
+    if (req->tier() == v1::TIER_UNSPECIFIED ||
+        static_cast<Tier>(req->tier()) == agent_->options_.tier) {
+      pool = &agent_->pool();
+    } else if (req->tier() == v1::TIER_HOST) {
+      pool = agent_->host_pool();
+    }
+    return new ReadBlocksReactor(agent_, pool, req);
   }
 
   grpc::ServerUnaryReactor* RunAttention(grpc::CallbackServerContext* ctx,
@@ -271,6 +282,13 @@ class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
       resp->set_used_bytes(s.used_bytes);
       resp->set_free_blocks(s.free_blocks);
       resp->set_registered(agent_->registered());
+      if (const BlockPool* host = agent_->host_pool(); host != nullptr) {
+        const BlockPoolStats h = host->Stats();
+        v1::HostPoolStats* out = resp->mutable_host_pool();
+        out->set_num_blocks(h.num_blocks);
+        out->set_used_bytes(h.used_bytes);
+        out->set_free_blocks(h.free_blocks);
+      }
       return absl::OkStatus();
     });
   }
@@ -316,6 +334,13 @@ class Agent::PoolCollector final : public prometheus::Collectable {
           static_cast<double>(s.free_blocks));
     gauge("kvcm_agent_registered", "1 when the last Register/Heartbeat succeeded.",
           agent_->registered() ? 1.0 : 0.0);
+    if (const BlockPool* host = agent_->host_pool(); host != nullptr) {
+      const BlockPoolStats h = host->Stats();
+      gauge("kvcm_agent_host_pool_capacity_bytes", "Bytes of the agent's host-DRAM pool.",
+            static_cast<double>(h.capacity_bytes));
+      gauge("kvcm_agent_host_pool_used_bytes", "Bytes of allocated host-pool blocks.",
+            static_cast<double>(h.used_bytes));
+    }
     return out;
   }
 
@@ -332,13 +357,21 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   KVCM_ASSIGN_OR_RETURN(PoolGeometry geometry, options.Geometry());
   std::unique_ptr<Agent> a(new Agent(std::move(options)));
   const AgentOptions& opts = a->options_;
-  a->epoch_ = static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()));
+  a->epoch_.store(static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())));
 
   KVCM_ASSIGN_OR_RETURN(BackendChoice choice, CreateBackend({.arena_bytes = geometry.pool_bytes(),
                                                              .device_index = opts.device_index,
                                                              .allow_device = opts.use_device}));
   a->backend_reason_ = std::move(choice.reason);
   KVCM_ASSIGN_OR_RETURN(a->pool_, BlockPool::Create(geometry, std::move(choice.backend)));
+  if (opts.host_capacity_bytes > 0) {
+    // Plain DRAM; pinning it (cudaHostAlloc) would speed up demotion copies on a GPU.
+    KVCM_ASSIGN_OR_RETURN(PoolGeometry host_geometry, opts.HostGeometry());
+    KVCM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> host_backend,
+                          CreateHostBackend(host_geometry.pool_bytes()));
+    KVCM_ASSIGN_OR_RETURN(a->host_pool_, BlockPool::Create(host_geometry, std::move(host_backend)));
+  }
+  a->executor_ = std::make_unique<CommandExecutor>(a->pool_.get(), opts.tier, a->host_pool_.get());
 
   a->service_ = std::make_unique<BlockAgentService>(a.get());
   grpc::ServerBuilder builder;
@@ -385,7 +418,11 @@ absl::Status Agent::Register() {
   req.set_tier(static_cast<v1::Tier>(options_.tier));
   GeometryToProto(g, req.mutable_geometry());
   req.set_capacity_bytes(g.pool_bytes());
-  req.set_epoch(epoch_);
+  if (host_pool_ != nullptr) {
+    req.mutable_host_pool()->set_num_blocks(host_pool_->geometry().num_blocks);
+    req.mutable_host_pool()->set_capacity_bytes(host_pool_->geometry().pool_bytes());
+  }
+  req.set_epoch(epoch());
   req.set_block_agent_address(address_);
   v1::RegisterAgentResponse resp;
   grpc::ClientContext ctx;
@@ -398,7 +435,7 @@ absl::Status Agent::Heartbeat() {
   const BlockPoolStats s = pool_->Stats();
   v1::HeartbeatRequest req;
   req.set_agent_id(options_.agent_id);
-  req.set_epoch(epoch_);
+  req.set_epoch(epoch());
   req.set_used_bytes(s.used_bytes);
   req.set_free_blocks(s.free_blocks);
   v1::HeartbeatResponse resp;
@@ -417,13 +454,17 @@ void Agent::ControlLoop() {
     if (s.ok()) {
       if (!registered) {
         LogInfo(absl::StrCat("registered with ", options_.manager_address, " as ",
-                             options_.agent_id, " epoch ", epoch_));
+                             options_.agent_id, " epoch ", epoch()));
       }
       registered = true;
       logged_failure = false;
     } else {
-      // NOT_FOUND / ABORTED: the manager forgot us (restart) or holds another epoch; any
-      // other error: unreachable. Either way register again on the next round.
+      // NOT_FOUND / ABORTED: the manager restarted, declared us gone or holds another
+      // epoch, so it no longer refers to this epoch's blocks: start over with a new one.
+      // Any other error: unreachable. Either way register again on the next round.
+      if (s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kAborted) {
+        RenewEpoch();
+      }
       registered = false;
       if (!logged_failure) {
         LogWarning(absl::StrCat("manager ", options_.manager_address, ": ", s.ToString(),
@@ -435,21 +476,19 @@ void Agent::ControlLoop() {
   } while (!stop_control_.WaitForNotificationWithTimeout(interval));
 }
 
-absl::Status Agent::ExecuteCommand(const v1::AgentCommand& command) {
-  switch (command.command_case()) {
-    case v1::AgentCommand::kFree: {
-      const v1::FreeBlocks& f = command.free();
-      if (static_cast<Tier>(f.tier()) != options_.tier) {
-        return absl::InvalidArgumentError(absl::StrCat("free.tier ", static_cast<int>(f.tier()),
-                                                       " is not the tier of this agent's pool"));
-      }
-      const std::vector<BlockId> ids(f.block_ids().begin(), f.block_ids().end());
-      return pool_->Free(ids, epoch_);
-    }
-    default:
-      return absl::UnimplementedError(
-          absl::StrCat("unknown command ", static_cast<int>(command.command_case())));
+void Agent::RenewEpoch() {
+  const uint64_t old = epoch();
+  const uint64_t next = std::max(old + 1, static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())));
+  uint64_t freed = pool_->FreeAllOwnedBy(old);
+  if (host_pool_ != nullptr) freed += host_pool_->FreeAllOwnedBy(old);
+  epoch_.store(next, std::memory_order_release);
+  {
+    // The open Commands stream belongs to the old epoch.
+    absl::MutexLock lock(&command_mu_);
+    if (command_ctx_ != nullptr) command_ctx_->TryCancel();
   }
+  LogWarning(absl::StrCat("the manager no longer knows epoch ", old, ": freed its ", freed,
+                          " blocks; registering as epoch ", next));
 }
 
 absl::Status Agent::RunCommandStream() {
@@ -461,18 +500,22 @@ absl::Status Agent::RunCommandStream() {
   }
   std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> stream =
       control_->Commands(&ctx);
+  const uint64_t epoch = this->epoch();
+  if (const uint64_t old = executor_->epoch(); old != epoch) {
+    if (old != 0) {
+      // Blocks a command of the old epoch allocated after RenewEpoch freed the rest.
+      pool_->FreeAllOwnedBy(old);
+      if (host_pool_ != nullptr) host_pool_->FreeAllOwnedBy(old);
+    }
+    executor_->Reset(epoch);
+  }
   v1::AgentCommandAck hello;
   hello.set_agent_id(options_.agent_id);
-  hello.set_epoch(epoch_);
+  hello.set_epoch(epoch);
   if (stream->Write(hello)) {
     v1::AgentCommand command;
     while (stream->Read(&command)) {
-      const absl::Status s = ExecuteCommand(command);
-      v1::AgentCommandAck ack;
-      ack.set_sequence(command.sequence());
-      ack.set_code(static_cast<int32_t>(s.code()));
-      ack.set_message(std::string(s.message()));
-      if (!stream->Write(ack)) break;
+      if (!stream->Write(executor_->Execute(command))) break;
     }
     stream->WritesDone();
   }

@@ -1,15 +1,20 @@
-// Agent: a running kvcm-agent. Owns the block pool (over the backend CreateBackend chose),
-// the BlockAgent gRPC server, the control thread that registers with the manager and then
-// heartbeats, and the optional Prometheus exposer.
+// Agent: a running kvcm-agent. Owns the block pool (over the backend CreateBackend chose)
+// and, when host_capacity_bytes > 0, a host-DRAM pool of the same geometry that the
+// manager demotes pages into; the BlockAgent gRPC server; the control thread that
+// registers with the manager and then heartbeats; the command thread; and the optional
+// Prometheus exposer.
 //
-// The control thread registers with a fresh epoch (microseconds since the Unix epoch at
-// start, so a restarted agent always registers a larger one), retrying every
-// heartbeat_interval_ms while the manager is unreachable; it then heartbeats with the pool's
-// usage and registers again when the manager answers NOT_FOUND (it restarted) or ABORTED.
+// Epochs: the agent starts with a fresh epoch (microseconds since the Unix epoch, so a
+// restarted agent always registers a larger one). Blocks the manager indexes belong to
+// that epoch (workers allocate them with it). The control thread retries Register every
+// heartbeat_interval_ms while the manager is unreachable. When the manager answers NOT_FOUND
+// or ABORTED (it restarted, or declared this agent gone and dropped its pages), the index no
+// longer refers to the epoch's blocks: the agent frees them all, starts a new epoch and
+// registers again.
+//
 // Once registered, the command thread holds an AgentControl.Commands stream open (reopening
-// it every heartbeat_interval_ms while it cannot) and executes the manager's commands:
-// FreeBlocks frees the listed blocks, owned by the agent's epoch, and is acked with the
-// status BlockPool::Free returned.
+// it every heartbeat_interval_ms while it cannot) and runs the manager's FreeBlocks and
+// DemoteBlocks through a CommandExecutor, each sequence once.
 //
 // Used by gpu/agent/main.cc and by tests. Thread-safe: Shutdown and Wait may be called from
 // any thread, concurrently and more than once; the accessors are safe at any time.
@@ -29,6 +34,7 @@
 #include "absl/synchronization/notification.h"
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/command_executor.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace prometheus {
@@ -52,10 +58,13 @@ class Agent {
   const std::string& address() const { return address_; }
   // "host:port" of /metrics; empty when disabled.
   const std::string& metrics_address() const { return metrics_address_; }
-  uint64_t epoch() const { return epoch_; }
+  // The current epoch; changes when the manager forgot the agent (see the class comment).
+  uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
   // Why this backend was chosen, e.g. "no CUDA device (...): using host DRAM".
   const std::string& backend_reason() const { return backend_reason_; }
   BlockPool& pool() { return *pool_; }
+  // The host pool; null when host_capacity_bytes is 0.
+  BlockPool* host_pool() { return host_pool_.get(); }
   const AgentOptions& options() const { return options_; }
   // Whether the last Register or Heartbeat succeeded.
   bool registered() const { return registered_.load(std::memory_order_acquire); }
@@ -73,15 +82,19 @@ class Agent {
   void ControlLoop();
   absl::Status Register();
   absl::Status Heartbeat();
+  // Frees every block of the current epoch in both pools and moves to a larger epoch.
+  void RenewEpoch();
   void CommandLoop();
   // Runs one stream: hello, then commands until it ends. The stream's final status.
   absl::Status RunCommandStream();
-  absl::Status ExecuteCommand(const v1::AgentCommand& command);
 
   const AgentOptions options_;
-  uint64_t epoch_ = 0;
+  std::atomic<uint64_t> epoch_{0};
   std::string backend_reason_;
   std::unique_ptr<BlockPool> pool_;
+  std::unique_ptr<BlockPool> host_pool_;
+  // Command thread only.
+  std::unique_ptr<CommandExecutor> executor_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<PoolCollector> collector_;

@@ -29,6 +29,14 @@ absl::StatusOr<PoolGeometry> AgentOptions::Geometry() const {
   return PoolGeometry::ForCapacity(resolved, capacity_bytes);
 }
 
+absl::StatusOr<PoolGeometry> AgentOptions::HostGeometry() const {
+  absl::StatusOr<PoolGeometry> main = Geometry();
+  if (!main.ok()) return main.status();
+  absl::StatusOr<PoolGeometry> host = PoolGeometry::ForCapacity(main->spec, host_capacity_bytes);
+  if (!host.ok()) return Invalid("host_capacity_bytes", host.status().message());
+  return host;
+}
+
 absl::Status AgentOptions::Validate() const {
   if (agent_id.empty() || agent_id.size() > 128) {
     return Invalid("agent_id", absl::StrCat("must be 1..128 bytes, got ", agent_id.size()));
@@ -63,6 +71,10 @@ absl::Status AgentOptions::Validate() const {
     return Invalid("read_chunk_bytes",
                    absl::StrCat("must be in [1, max_message_bytes ", max_message_bytes, "], got ",
                                 read_chunk_bytes));
+  }
+  if (host_capacity_bytes > 0) {
+    if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");
+    if (absl::StatusOr<PoolGeometry> host = HostGeometry(); !host.ok()) return host.status();
   }
   return Geometry().status();
 }

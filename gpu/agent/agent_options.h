@@ -37,6 +37,10 @@ struct AgentOptions {
   ModelSpec spec;
   // Bytes of the pool; rounded down to whole blocks. Must hold at least one block.
   uint64_t capacity_bytes = 1ULL << 30;
+  // Bytes of a second pool in host DRAM, the target of the manager's demotions; rounded
+  // down to whole blocks of the same geometry. 0: no host pool. Only for tier gpu; when not
+  // 0 it must hold at least one block.
+  uint64_t host_capacity_bytes = 0;
   // Period of heartbeats (and of registration retries while the manager is unreachable).
   // 1..600000.
   uint32_t heartbeat_interval_ms = 1'000;
@@ -60,6 +64,9 @@ struct AgentOptions {
   // The pool's geometry: the resolved spec and the blocks capacity_bytes holds.
   // REQUIRES nothing; errors as Validate().
   absl::StatusOr<PoolGeometry> Geometry() const;
+  // The host pool's geometry: Geometry() with the blocks host_capacity_bytes holds.
+  // REQUIRES: host_capacity_bytes > 0; errors as Validate().
+  absl::StatusOr<PoolGeometry> HostGeometry() const;
 };
 
 }  // namespace kvcm

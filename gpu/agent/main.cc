@@ -51,6 +51,9 @@ ABSL_FLAG(uint32_t, kv_lora_rank, 0, "Explicit geometry (MLA): latent width.");
 ABSL_FLAG(uint32_t, rope_dim, 0, "Explicit geometry (MLA): RoPE key width.");
 ABSL_FLAG(uint64_t, capacity_bytes, kDefaults.capacity_bytes,
           "Bytes of the block pool (rounded down to whole blocks).");
+ABSL_FLAG(uint64_t, host_capacity_bytes, kDefaults.host_capacity_bytes,
+          "Bytes of a host-DRAM pool the manager demotes GPU pages into (0: none; tier gpu "
+          "only).");
 ABSL_FLAG(uint32_t, heartbeat_interval_ms, kDefaults.heartbeat_interval_ms,
           "Period of heartbeats to the manager, in milliseconds.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
@@ -116,6 +119,7 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.spec.dtype = o.dtype;
   o.spec.page_size_tokens = o.page_size_tokens;
   o.capacity_bytes = absl::GetFlag(FLAGS_capacity_bytes);
+  o.host_capacity_bytes = absl::GetFlag(FLAGS_host_capacity_bytes);
   o.heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
   o.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   o.max_blocks_per_call = absl::GetFlag(FLAGS_max_blocks_per_call);
