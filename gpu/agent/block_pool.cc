@@ -154,6 +154,18 @@ absl::Status BlockPool::WithOwnedHostArena(
   return WithOwnedArena(ids, owner_epoch, field, fn);
 }
 
+uint64_t BlockPool::FreeAllOwnedBy(uint64_t owner_epoch) {
+  absl::MutexLock lock(&mu_);
+  uint64_t freed = 0;
+  for (BlockId id = 0; id < owner_.size(); ++id) {
+    if (owner_[id] != owner_epoch || owner_epoch == 0) continue;
+    owner_[id] = 0;
+    free_.push_back(id);
+    ++freed;
+  }
+  return freed;
+}
+
 BlockPoolStats BlockPool::Stats() const {
   absl::MutexLock lock(&mu_);
   BlockPoolStats s;

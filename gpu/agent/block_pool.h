@@ -102,6 +102,10 @@ class BlockPool {
   // Byte offset of block `id` in the backend's arena. REQUIRES: id < num_blocks.
   uint64_t BlockOffset(BlockId id) const { return uint64_t{id} * bytes_per_block_; }
 
+  // Frees every block allocated to `owner_epoch` (e.g. the cache's blocks of an agent epoch
+  // that ended); returns how many.
+  uint64_t FreeAllOwnedBy(uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);
+
   BlockPoolStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   const PoolGeometry& geometry() const { return geometry_; }
   DeviceBackend& backend() const { return *backend_; }
