@@ -1,9 +1,12 @@
-// AgentControl.Commands end to end: an in-process ManagerServer and an in-process Agent
-// (host backend). Blocks allocated through BlockAgent and indexed with Insert come back to
-// the agent's free list when the manager evicts them: the manager sends FreeBlocks on the
-// agent's Commands stream, the agent frees them and acks, and the manager counts the ack.
-// Also: a Commands stream with a stale epoch is ABORTED and one of an unknown agent is
-// NOT_FOUND.
+// AgentControl.Commands end to end, with an in-process ManagerServer and either an
+// in-process Agent (host backend) or a hand-driven fake agent on raw stubs:
+//   - evicted blocks come back to the agent's free list (FreeBlocks, acked and counted);
+//   - with the cost policy, evicted GPU pages are demoted: the agent copies them into its
+//     host pool and the index learns the host blocks, which hold the same bytes;
+//   - commands wait for a stream, are resent on a new stream until acked, and an
+//     out-of-order ack ends the stream;
+//   - a new epoch, or an agent declared gone, drops the agent's pages and queue;
+//   - a stale epoch is ABORTED, an unknown agent NOT_FOUND.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -20,6 +23,7 @@
 #include "gpu/agent/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
+#include "proto/core_types.h"
 #include "server/service/manager_server.h"
 
 namespace kvcm {
@@ -27,8 +31,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::unique_ptr<ManagerServer> StartManager() {
-  ServerOptions o;
+std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -37,12 +40,16 @@ std::unique_ptr<ManagerServer> StartManager() {
   return *std::move(m);
 }
 
-std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uint64_t blocks) {
+constexpr uint64_t kBlockBytes = 1152ull * 61 * 64;  // a DeepSeek-V3 bf16 page
+
+std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uint64_t blocks,
+                                  uint64_t host_blocks = 0) {
   AgentOptions o;
   o.agent_id = "gpu-3";
   o.manager_address = manager_address;
   o.use_device = false;
-  o.capacity_bytes = blocks * (1152ull * 61 * 64);  // DeepSeek-V3 bf16 pages
+  o.capacity_bytes = blocks * kBlockBytes;
+  o.host_capacity_bytes = host_blocks * kBlockBytes;
   o.heartbeat_interval_ms = 20;
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   EXPECT_TRUE(agent.ok()) << agent.status();
@@ -136,6 +143,299 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
 
   agent->Shutdown();
   EXPECT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 0; }));
+}
+
+std::vector<int32_t> Tokens(size_t pages, uint32_t page_size, int32_t seed) {
+  std::vector<int32_t> tokens(pages * page_size);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 7 + seed);
+  return tokens;
+}
+
+std::string Bytes(size_t n, int seed) {
+  std::string b(n, '\0');
+  for (size_t i = 0; i < n; ++i) b[i] = static_cast<char>((i * 13 + seed) & 0xff);
+  return b;
+}
+
+TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
+  std::unique_ptr<ManagerServer> manager = StartManager({.policy = "cost"});
+  std::unique_ptr<Agent> agent = StartAgent(manager->address(), 4, /*host_blocks=*/4);
+  ASSERT_TRUE(WaitFor([&] { return agent->registered(); }));
+  ASSERT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 1; }));
+
+  ClientOptions co;
+  co.address = manager->address();
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const NamespaceId ns{"tenant", "deepseek-v3"};
+  const ModelSpec& spec = agent->pool().geometry().spec;
+  ASSERT_TRUE((*client)->RegisterModel(ns, spec).ok());
+
+  // Two pages written into two GPU blocks of the agent's epoch, then indexed.
+  auto ba = v1::BlockAgent::NewStub(
+      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  std::vector<BlockId> gpu_blocks;
+  {
+    v1::AllocateBlocksRequest alloc;
+    alloc.set_count(2);
+    alloc.set_owner_epoch(agent->epoch());
+    v1::AllocateBlocksResponse got;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(ba->Allocate(&ctx, alloc, &got).ok());
+    gpu_blocks.assign(got.block_ids().begin(), got.block_ids().end());
+  }
+  const std::string written = Bytes(2 * kBlockBytes, 5);
+  {
+    grpc::ClientContext ctx;
+    v1::WriteBlocksResponse resp;
+    auto writer = ba->WriteBlocks(&ctx, &resp);
+    v1::WriteBlocksRequest header;
+    header.mutable_header()->mutable_block_ids()->Add(gpu_blocks.begin(), gpu_blocks.end());
+    header.mutable_header()->set_owner_epoch(agent->epoch());
+    ASSERT_TRUE(writer->Write(header));
+    for (size_t off = 0; off < written.size(); off += 1 << 20) {
+      v1::WriteBlocksRequest chunk;
+      chunk.set_data(written.substr(off, 1 << 20));
+      ASSERT_TRUE(writer->Write(chunk));
+    }
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  const std::vector<int32_t> tokens = Tokens(2, spec.page_size_tokens, 3);
+  const PoolRef gpu{"gpu-3", Tier::kGpu};
+  ASSERT_TRUE((*client)->Insert(ns, tokens, gpu, gpu_blocks).ok());
+
+  // Evicting both GPU pages demotes them: the agent copies, acks with host blocks, frees
+  // the GPU blocks; the index then names the host blocks.
+  absl::StatusOr<EvictReply> ev = (*client)->EvictFromPool(gpu, 2 * spec.BytesPerPage());
+  ASSERT_TRUE(ev.ok()) << ev.status();
+  auto host_used = [&] {
+    grpc::ClientContext ctx;
+    v1::BlockAgentStatsResponse s;
+    EXPECT_TRUE(ba->Stats(&ctx, v1::BlockAgentStatsRequest(), &s).ok());
+    return s.host_pool().used_bytes();
+  };
+  EXPECT_TRUE(WaitFor([&] { return host_used() == 2 * kBlockBytes; })) << host_used();
+  EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 4; })) << FreeBlocksOf(*ba);
+  EXPECT_TRUE(WaitFor([&] { return manager->commands().unacked_commands("gpu-3") == 0; }));
+
+  absl::StatusOr<MatchReply> m = (*client)->Match(ns, tokens, {.probe = true});
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->matched_pages, 2u);
+  std::vector<BlockId> host_blocks;
+  for (const MatchReply::Segment& seg : m->segments) {
+    ASSERT_EQ(seg.replicas.size(), 1u);
+    EXPECT_EQ(seg.replicas[0].pool.tier, Tier::kHost);
+    host_blocks.insert(host_blocks.end(), seg.replicas[0].block_ids.begin(),
+                       seg.replicas[0].block_ids.end());
+  }
+  ASSERT_EQ(host_blocks.size(), 2u);
+  EXPECT_NE(host_blocks[0], kPendingBlock);
+  EXPECT_NE(host_blocks[1], kPendingBlock);
+
+  // The host blocks hold the bytes the GPU blocks held, in page order.
+  v1::ReadBlocksRequest read;
+  read.mutable_block_ids()->Add(host_blocks.begin(), host_blocks.end());
+  read.set_owner_epoch(agent->epoch());
+  read.set_tier(v1::TIER_HOST);
+  grpc::ClientContext ctx;
+  auto reader = ba->ReadBlocks(&ctx, read);
+  std::string got;
+  v1::ReadBlocksResponse chunk;
+  while (reader->Read(&chunk)) got += chunk.data();
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(got == written) << "host blocks differ from the demoted GPU blocks";
+  const std::string metrics = manager->metrics().RenderText();
+  EXPECT_THAT(metrics, HasSubstr("kvcm_agent_commands_total{result=\"failed\"} 0"));
+}
+
+// A fake agent on raw stubs, so the test decides when streams open, break and ack.
+class FakeAgent {
+ public:
+  FakeAgent(const std::string& manager_address, std::string id)
+      : id_(std::move(id)),
+        control_(v1::AgentControl::NewStub(
+            grpc::CreateChannel(manager_address, grpc::InsecureChannelCredentials()))) {}
+
+  grpc::Status Register(uint64_t epoch, uint64_t blocks = 16) {
+    v1::RegisterAgentRequest req;
+    req.set_agent_id(id_);
+    req.set_device("host");
+    req.set_tier(v1::TIER_GPU);
+    absl::StatusOr<ModelSpec> spec = FindDeepSeekV3();
+    ModelSpecToProto(*spec, req.mutable_geometry()->mutable_spec());
+    req.mutable_geometry()->set_bytes_per_block(spec->BytesPerPage());
+    req.mutable_geometry()->set_num_blocks(blocks);
+    req.set_capacity_bytes(blocks * spec->BytesPerPage());
+    req.set_epoch(epoch);
+    grpc::ClientContext ctx;
+    v1::RegisterAgentResponse resp;
+    return control_->Register(&ctx, req, &resp);
+  }
+
+  grpc::Status Heartbeat(uint64_t epoch) {
+    v1::HeartbeatRequest req;
+    req.set_agent_id(id_);
+    req.set_epoch(epoch);
+    grpc::ClientContext ctx;
+    v1::HeartbeatResponse resp;
+    return control_->Heartbeat(&ctx, req, &resp);
+  }
+
+  // An open Commands stream whose hello was sent.
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> rw;
+  };
+  std::unique_ptr<Stream> Open(uint64_t epoch) {
+    auto s = std::make_unique<Stream>();
+    s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    s->rw = control_->Commands(&s->ctx);
+    v1::AgentCommandAck hello;
+    hello.set_agent_id(id_);
+    hello.set_epoch(epoch);
+    EXPECT_TRUE(s->rw->Write(hello));
+    return s;
+  }
+
+  static absl::StatusOr<ModelSpec> FindDeepSeekV3() {
+    ModelSpec s{.attention = AttentionKind::kMla,
+                .num_layers = 61,
+                .num_heads = 128,
+                .kv_lora_rank = 512,
+                .rope_dim = 64};
+    return s;
+  }
+
+ private:
+  const std::string id_;
+  std::unique_ptr<v1::AgentControl::Stub> control_;
+};
+
+v1::AgentCommandAck Ack(uint64_t sequence) {
+  v1::AgentCommandAck ack;
+  ack.set_sequence(sequence);
+  return ack;
+}
+
+class FakeAgentTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    manager_ = StartManager({.lease_sweep_interval_ms = 20, .agent_heartbeat_timeout_ms = 300});
+    ClientOptions co;
+    co.address = manager_->address();
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(co);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = *std::move(c);
+    ASSERT_TRUE(client_->RegisterModel(ns_, *FakeAgent::FindDeepSeekV3()).ok());
+  }
+
+  // Inserts `pages` pages into the fake agent's pool in blocks first_block.. and evicts the
+  // last `evict` of them.
+  std::vector<int32_t> InsertAndEvict(size_t pages, BlockId first_block, size_t evict) {
+    std::vector<int32_t> tokens = Tokens(pages, kDefaultPageSizeTokens, first_block);
+    std::vector<BlockId> blocks(pages);
+    for (size_t i = 0; i < pages; ++i) blocks[i] = first_block + i;
+    EXPECT_TRUE(client_->Insert(ns_, tokens, pool_, blocks).ok());
+    if (evict > 0) {
+      const uint64_t page_bytes = FakeAgent::FindDeepSeekV3()->BytesPerPage();
+      EXPECT_TRUE(client_->EvictFromPool(pool_, evict * page_bytes).ok());
+    }
+    return tokens;
+  }
+
+  std::unique_ptr<ManagerServer> manager_;
+  std::unique_ptr<Client> client_;
+  const NamespaceId ns_{"tenant", "deepseek-v3"};
+  const PoolRef pool_{"fake-1", Tier::kGpu};
+};
+
+TEST_F(FakeAgentTest, CommandsWaitForAStreamAndAreResentUntilAcked) {
+  FakeAgent agent(manager_->address(), "fake-1");
+  ASSERT_TRUE(agent.Register(1).ok());
+  InsertAndEvict(1, 9, 1);  // no stream yet: the FreeBlocks waits
+  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+
+  v1::AgentCommand command;
+  {
+    std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
+    ASSERT_TRUE(s->rw->Read(&command));
+    EXPECT_EQ(command.sequence(), 1u);
+    ASSERT_TRUE(command.has_free());
+    EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(9));
+    s->ctx.TryCancel();  // the stream breaks before the ack
+    s->rw->Finish();
+  }
+  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
+  ASSERT_TRUE(s->rw->Read(&command));
+  EXPECT_EQ(command.sequence(), 1u);  // resent
+  EXPECT_EQ(command.acked_through(), 0u);
+  ASSERT_TRUE(s->rw->Write(Ack(1)));
+  EXPECT_TRUE(WaitFor([&] { return manager_->commands().unacked_commands("fake-1") == 0; }));
+  ASSERT_TRUE(s->rw->Write(Ack(1)));  // a repeated ack is ignored
+
+  InsertAndEvict(1, 20, 1);
+  ASSERT_TRUE(s->rw->Read(&command));
+  EXPECT_EQ(command.sequence(), 2u);  // numbered per epoch, across streams
+  EXPECT_EQ(command.acked_through(), 1u);
+  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(20));
+  // An ack of a sequence that was not sent next breaks the protocol.
+  ASSERT_TRUE(s->rw->Write(Ack(5)));
+  EXPECT_FALSE(s->rw->Read(&command));
+  grpc::Status end = s->rw->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
+  EXPECT_THAT(end.error_message(), HasSubstr("expected 2"));
+  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);  // still owed
+}
+
+TEST_F(FakeAgentTest, ANewEpochDropsThePagesAndTheQueueOfTheOldOne) {
+  FakeAgent agent(manager_->address(), "fake-1");
+  ASSERT_TRUE(agent.Register(1).ok());
+  InsertAndEvict(2, 0, 0);
+  const std::vector<int32_t> kept = InsertAndEvict(3, 0, 1);  // the third page leaves
+  ASSERT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
+  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+
+  ASSERT_TRUE(agent.Register(1).ok());  // a refresh of the same epoch keeps everything
+  EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
+
+  ASSERT_TRUE(agent.Register(2).ok());  // restarted
+  EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 0u);
+  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 0u);
+  EXPECT_THAT(manager_->metrics().RenderText(),
+              HasSubstr("kvcm_agent_commands_total{result=\"dropped\"} 1"));
+  // The old epoch is stale everywhere.
+  EXPECT_EQ(agent.Register(1).error_code(), grpc::StatusCode::ABORTED);
+  std::unique_ptr<FakeAgent::Stream> old = agent.Open(1);
+  v1::AgentCommand command;
+  EXPECT_FALSE(old->rw->Read(&command));
+  EXPECT_EQ(old->rw->Finish().error_code(), grpc::StatusCode::ABORTED);
+}
+
+TEST_F(FakeAgentTest, AGoneAgentsPagesAreDroppedAndItsEpochEnds) {
+  FakeAgent agent(manager_->address(), "fake-1");
+  ASSERT_TRUE(agent.Register(4).ok());
+  const std::vector<int32_t> tokens = InsertAndEvict(2, 0, 0);
+  absl::StatusOr<MatchReply> pinned = client_->Match(ns_, tokens, {.pin = true});
+  ASSERT_TRUE(pinned.ok());
+  ASSERT_EQ(pinned->matched_pages, 2u);
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(4);
+
+  // No heartbeat for the 300 ms timeout: the sweeper drops the pages, pinned or not.
+  EXPECT_TRUE(
+      WaitFor([&] { return client_->Match(ns_, tokens, {.probe = true})->matched_pages == 0; }));
+  grpc::Status beat = agent.Heartbeat(4);
+  EXPECT_EQ(beat.error_code(), grpc::StatusCode::NOT_FOUND) << beat.error_message();
+  EXPECT_EQ(agent.Register(4).error_code(), grpc::StatusCode::ABORTED);
+  v1::AgentCommand command;
+  EXPECT_FALSE(s->rw->Read(&command));
+  EXPECT_EQ(s->rw->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(client_->Release(ns_, pinned->pin_id).code(), absl::StatusCode::kAborted);
+
+  ASSERT_TRUE(agent.Register(5).ok());  // back as a new incarnation
+  EXPECT_TRUE(agent.Heartbeat(5).ok());
 }
 
 TEST(AgentCommandsTest, StaleEpochIsAbortedAndUnknownAgentNotFound) {
