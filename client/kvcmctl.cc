@@ -141,6 +141,9 @@ int RunStats(const Invocation& in) {
       {"pins_taken", c.pins_taken},
       {"pins_released", c.pins_released},
       {"lease_expiries", c.lease_expiries},
+      {"demoted_pages", c.demoted_pages},
+      {"dropped_pages", c.dropped_pages},
+      {"revoked_pins", c.revoked_pins},
   };
   for (const auto& [name, value] : rows) {
     absl::PrintF("%-24s %d\n", name, value);

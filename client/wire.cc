@@ -119,6 +119,9 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   out.counters.pins_taken = c.pins_taken();
   out.counters.pins_released = c.pins_released();
   out.counters.lease_expiries = c.lease_expiries();
+  out.counters.demoted_pages = c.demoted_pages();
+  out.counters.dropped_pages = c.dropped_pages();
+  out.counters.revoked_pins = c.revoked_pins();
   out.active_pins = response.active_pins();
   out.policy = response.policy();
   const v1::Limits& l = response.limits();

@@ -162,6 +162,12 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     counter("kvcm_pins_released_total", "Pins dropped by Release.", c.pins_released);
     counter("kvcm_lease_expiries_total", "Pins dropped because their lease lapsed.",
             c.lease_expiries);
+    counter("kvcm_pages_dropped_total",
+            "Page-locations forgotten because their agent restarted or was declared gone.",
+            c.dropped_pages);
+    counter("kvcm_pins_revoked_total",
+            "Pins revoked because all their pages left with a restarted or gone agent.",
+            c.revoked_pins);
     out.push_back(Scalar(
         "kvcm_hit_ratio", "matched_tokens_total / requested_tokens_total since start.", kGauge,
         c.requested_tokens == 0
