@@ -58,7 +58,7 @@ ABSL_FLAG(uint32_t, max_pages_per_request, kDefaults.max_pages_per_request,
 ABSL_FLAG(uint32_t, max_message_bytes, kDefaults.max_message_bytes,
           "gRPC receive limit per message, in bytes.");
 ABSL_FLAG(uint32_t, lease_sweep_interval_ms, kDefaults.lease_sweep_interval_ms,
-          "Period of the lease-expiry sweep, in milliseconds.");
+          "Period of the sweep that expires leases and drops gone agents' pages, in ms.");
 ABSL_FLAG(std::string, hash_secret_hex, kDefaults.hash_secret_hex,
           "128-bit hash secret as 32 hex digits; empty draws a random one (client hash keys "
           "then change on every restart).");

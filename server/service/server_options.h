@@ -42,7 +42,8 @@ struct ServerOptions {
   uint32_t max_pages_per_request = 65'536;
   // gRPC receive limit per message, in bytes. 4 KiB..2 GiB-1.
   uint32_t max_message_bytes = 16u << 20;
-  // Period of the timer that expires lapsed leases when no call does it. >= 1.
+  // Period of the timer that expires lapsed leases when no call does it and drops the pages
+  // of agents gone past agent_heartbeat_timeout_ms. >= 1.
   uint32_t lease_sweep_interval_ms = 1'000;
   // 128-bit secret every namespace hash key derives from, as 32 hex digits. Empty draws a
   // random one at start: clients' cached hash keys then stop matching after a restart
