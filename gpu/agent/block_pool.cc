@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -152,6 +153,43 @@ absl::Status BlockPool::WithOwnedHostArena(
         absl::StrCat("backend ", backend_->name(), " is device memory, not host memory"));
   }
   return WithOwnedArena(ids, owner_epoch, field, fn);
+}
+
+absl::Status BlockPool::CopyBlocksTo(std::span<const BlockId> ids, BlockPool& dst,
+                                     std::span<const BlockId> dst_ids, uint64_t owner_epoch) const {
+  if (&dst == this) return absl::InvalidArgumentError("dst: must be another pool");
+  if (ids.size() != dst_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("target_block_ids: ", dst_ids.size(),
+                                                   " ids for ", ids.size(), " source blocks"));
+  }
+  if (dst.bytes_per_block_ != bytes_per_block_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dst: blocks of ", dst.bytes_per_block_, " bytes, not ", bytes_per_block_));
+  }
+  absl::MutexLock src_lock(&mu_);
+  absl::MutexLock dst_lock(&dst.mu_);
+  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, "source_block_ids"); !s.ok()) return s;
+  if (absl::Status s = dst.CheckOwnedLocked(dst_ids, owner_epoch, "target_block_ids"); !s.ok()) {
+    return s;
+  }
+  const bool src_device = backend_->is_device();
+  const bool dst_device = dst.backend_->is_device();
+  std::vector<std::byte> staging(src_device && dst_device ? bytes_per_block_ : 0);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint64_t from = BlockOffset(ids[i]);
+    const uint64_t to = dst.BlockOffset(dst_ids[i]);
+    absl::Status s;
+    if (!dst_device) {
+      s = backend_->CopyOut(from, {dst.backend_->base() + to, bytes_per_block_});
+    } else if (!src_device) {
+      s = dst.backend_->CopyIn(to, {backend_->base() + from, bytes_per_block_});
+    } else {
+      s = backend_->CopyOut(from, staging);
+      if (s.ok()) s = dst.backend_->CopyIn(to, staging);
+    }
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 uint64_t BlockPool::FreeAllOwnedBy(uint64_t owner_epoch) {

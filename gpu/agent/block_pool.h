@@ -102,6 +102,17 @@ class BlockPool {
   // Byte offset of block `id` in the backend's arena. REQUIRES: id < num_blocks.
   uint64_t BlockOffset(BlockId id) const { return uint64_t{id} * bytes_per_block_; }
 
+  // Copies whole blocks `ids` of this pool into blocks `dst_ids` of `dst`, all allocated to
+  // `owner_epoch`, holding both pools' locks (this pool's first: copies between two pools
+  // must all go one way, as demotion does, GPU pool to host pool). One copy per block: a
+  // device-to-host (or host-to-device) memcpy straight into the other arena, staged through
+  // host memory only between two device pools. Nothing is copied unless every check
+  // passes: INVALID_ARGUMENT when `dst` is this pool, the id counts differ or the block
+  // sizes differ; errors as CheckOwned naming "source_block_ids" / "target_block_ids".
+  absl::Status CopyBlocksTo(std::span<const BlockId> ids, BlockPool& dst,
+                            std::span<const BlockId> dst_ids, uint64_t owner_epoch) const
+      ABSL_LOCKS_EXCLUDED(mu_, dst.mu_);
+
   // Frees every block allocated to `owner_epoch` (e.g. the cache's blocks of an agent epoch
   // that ended); returns how many.
   uint64_t FreeAllOwnedBy(uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);

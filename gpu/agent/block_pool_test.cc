@@ -276,6 +276,66 @@ class FakeDeviceBackend final : public DeviceBackend {
   std::vector<std::byte> mem_;
 };
 
+// Every direction of CopyBlocksTo: host -> host, device -> host (demotion), host ->
+// device, device -> device (staged); bytes land in the listed target blocks, in order.
+TEST(BlockPoolTest, CopyBlocksToCopiesWholeBlocksInEveryDirection) {
+  const PoolGeometry g{SmallGqa(), 4};
+  auto make = [&](bool device) {
+    std::unique_ptr<DeviceBackend> backend;
+    if (device) {
+      backend = std::make_unique<FakeDeviceBackend>(g.pool_bytes());
+    } else {
+      backend = *CreateHostBackend(g.pool_bytes());
+    }
+    return *BlockPool::Create(g, std::move(backend));
+  };
+  const uint64_t bpb = g.bytes_per_block();
+  for (const auto [src_device, dst_device] :
+       {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "src device " << src_device << ", dst device " << dst_device);
+    std::unique_ptr<BlockPool> src = make(src_device);
+    std::unique_ptr<BlockPool> dst = make(dst_device);
+    const std::vector<BlockId> from = *src->Allocate(2, 7);
+    const std::vector<BlockId> to = *dst->Allocate(2, 7);
+    const std::vector<std::byte> bytes = Pattern(2 * bpb, 21);
+    ASSERT_TRUE(src->WriteBlocks(from, 7, bytes).ok());
+    const std::vector<BlockId> reversed = {to[1], to[0]};
+    ASSERT_TRUE(src->CopyBlocksTo(from, *dst, reversed, 7).ok());
+    EXPECT_TRUE(std::memcmp(ReadWhole(*dst, to[1], 7).data(), bytes.data(), bpb) == 0);
+    EXPECT_TRUE(std::memcmp(ReadWhole(*dst, to[0], 7).data(), bytes.data() + bpb, bpb) == 0);
+  }
+}
+
+TEST(BlockPoolTest, CopyBlocksToChecksEverythingFirst) {
+  std::unique_ptr<BlockPool> src = MakePool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> dst = MakePool(SmallGqa(), 4);
+  const uint64_t bpb = src->geometry().bytes_per_block();
+  const std::vector<BlockId> from = *src->Allocate(2, 7);
+  const std::vector<BlockId> to = *dst->Allocate(2, 7);
+  const std::vector<BlockId> foreign = *dst->Allocate(1, 8);
+  ASSERT_TRUE(src->WriteBlocks(from, 7, Pattern(2 * bpb, 1)).ok());
+  ASSERT_TRUE(dst->WriteBlocks(to, 7, Pattern(2 * bpb, 2)).ok());
+
+  EXPECT_EQ(src->CopyBlocksTo(from, *src, from, 7).code(), absl::StatusCode::kInvalidArgument);
+  absl::Status s = src->CopyBlocksTo(from, *dst, {to.data(), 1}, 7);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("target_block_ids"));
+  const std::vector<BlockId> mixed = {to[0], foreign[0]};
+  s = src->CopyBlocksTo(from, *dst, mixed, 7);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("target_block_ids"));
+  s = src->CopyBlocksTo(from, *dst, to, 8);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("source_block_ids"));
+  std::unique_ptr<BlockPool> other = MakePool(DeepSeekV3(), 1);
+  const std::vector<BlockId> big = *other->Allocate(1, 7);
+  EXPECT_EQ(src->CopyBlocksTo({from.data(), 1}, *other, big, 7).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Nothing was copied by the refused calls.
+  EXPECT_TRUE(std::memcmp(ReadWhole(*dst, to[0], 7).data(), Pattern(2 * bpb, 2).data(), bpb) == 0);
+}
+
 TEST(PoolAttentionTest, RefusesNonMlaPools) {
   std::unique_ptr<BlockPool> gqa = MakePool(SmallGqa(), 2);
   PoolAttentionRequest req;

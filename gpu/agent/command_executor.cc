@@ -83,15 +83,9 @@ absl::StatusOr<std::vector<BlockId>> CommandExecutor::Demote(const v1::DemoteBlo
   absl::StatusOr<std::vector<BlockId>> targets =
       host_pool_->Allocate(static_cast<uint32_t>(sources.size()), epoch_);
   if (!targets.ok()) return targets.status();
-  // One block at a time through a staging buffer: main-pool blocks may be device memory.
-  std::vector<std::byte> staging(pool_->geometry().bytes_per_block());
-  for (size_t i = 0; i < sources.size(); ++i) {
-    absl::Status s = pool_->ReadBlock(sources[i], epoch_, 0, staging);
-    if (s.ok()) s = host_pool_->WriteBlocks({&(*targets)[i], 1}, epoch_, staging);
-    if (!s.ok()) {
-      (void)host_pool_->Free(*targets, epoch_);  // ours, just allocated: cannot fail
-      return s;
-    }
+  if (absl::Status s = pool_->CopyBlocksTo(sources, *host_pool_, *targets, epoch_); !s.ok()) {
+    (void)host_pool_->Free(*targets, epoch_);  // ours, just allocated: cannot fail
+    return s;
   }
   return targets;
 }
