@@ -1,7 +1,8 @@
 // Multi-process test: a real kvcm-manager and a real kvcm-agent (host backend on machines
 // without a GPU), observed through kvcmctl. The agent must show as alive in `kvcmctl stats`,
 // show as gone within the heartbeat timeout after SIGKILL, and the manager must exit 0 on
-// SIGTERM.
+// SIGTERM. An agent restarted under the same id registers a larger epoch, and the manager
+// forgets the pages its previous process held.
 //
 // KVCM_MANAGER_PATH, KVCM_AGENT_PATH and KVCMCTL_PATH are the built binaries.
 #include <cstdio>
@@ -9,6 +10,8 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "tests/process_util.h"
@@ -39,6 +42,22 @@ std::string AgentRow(const std::string& stats, const std::string& agent_id) {
   return "";
 }
 
+// The EPOCH column of an AGENTS row (AGENT DEVICE TIER STATE EPOCH ...); 0 when absent.
+uint64_t RowEpoch(const std::string& row) {
+  const std::vector<std::string> cols = absl::StrSplit(row, ' ', absl::SkipEmpty());
+  uint64_t epoch = 0;
+  if (cols.size() < 5 || !absl::SimpleAtoi(cols[4], &epoch)) return 0;
+  return epoch;
+}
+
+// The value of a "name: value" line of kvcmctl output; "" when absent.
+std::string Field(const std::string& out, const std::string& name) {
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::ConsumePrefix(&line, name + ": ")) return std::string(line);
+  }
+  return "";
+}
+
 class AgentProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -47,6 +66,7 @@ class AgentProcessTest : public ::testing::Test {
         absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcm_agent_process_", getpid());
     manager_log_ = base + "_manager.log";
     agent_log_ = base + "_agent.log";
+    restarted_agent_log_ = base + "_agent2.log";
   }
 
   void TearDown() override {
@@ -59,9 +79,13 @@ class AgentProcessTest : public ::testing::Test {
     if (HasFailure()) {
       std::fprintf(stderr, "--- manager log ---\n%s\n--- agent log ---\n%s\n",
                    ReadFile(manager_log_).c_str(), ReadFile(agent_log_).c_str());
+      if (const std::string restarted = ReadFile(restarted_agent_log_); !restarted.empty()) {
+        std::fprintf(stderr, "--- restarted agent log ---\n%s\n", restarted.c_str());
+      }
     }
     std::remove(manager_log_.c_str());
     std::remove(agent_log_.c_str());
+    std::remove(restarted_agent_log_.c_str());
   }
 
   ProcessResult Ctl(const std::vector<std::string>& args) {
@@ -72,13 +96,21 @@ class AgentProcessTest : public ::testing::Test {
     return p->Finish(absl::Seconds(30));
   }
 
-  void StartManager() {
+  // kvcmctl run that must exit 0; returns its stdout.
+  std::string CtlOk(const std::vector<std::string>& args) {
+    ProcessResult r = Ctl(args);
+    EXPECT_TRUE(r.exited && r.exit_code == 0)
+        << "kvcmctl " << absl::StrJoin(args, " ") << ": " << r.Describe();
+    return r.out;
+  }
+
+  void StartManager(int heartbeat_timeout_ms = kHeartbeatTimeoutMs) {
     for (int attempt = 0; attempt < 3; ++attempt) {
       port_ = FreePort();
       manager_ =
           Subprocess::Start({KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
                              "--metrics_address=", "--shutdown_grace_ms=1000",
-                             absl::StrCat("--agent_heartbeat_timeout_ms=", kHeartbeatTimeoutMs)},
+                             absl::StrCat("--agent_heartbeat_timeout_ms=", heartbeat_timeout_ms)},
                             manager_log_);
       ASSERT_NE(manager_, nullptr);
       const absl::Time give_up = absl::Now() + absl::Seconds(20);
@@ -92,22 +124,42 @@ class AgentProcessTest : public ::testing::Test {
     FAIL() << "kvcm-manager exited at start three times";
   }
 
-  // Polls `kvcmctl stats` until the agent's row contains `state` or `timeout` passes;
-  // returns the last row.
-  std::string WaitForAgentState(const std::string& state, absl::Duration timeout) {
+  // Polls `kvcmctl stats` until gpu0's row satisfies `pred` or `timeout` passes; returns
+  // the last row.
+  template <typename Pred>
+  std::string WaitForAgentRow(Pred pred, absl::Duration timeout) {
     const absl::Time give_up = absl::Now() + timeout;
     std::string row;
     do {
       ProcessResult r = Ctl({"--deadline_ms=2000", "stats"});
       row = AgentRow(r.out, "gpu0");
-      if (absl::StrContains(row, absl::StrCat(" ", state, " "))) return row;
+      if (pred(row)) return row;
       absl::SleepFor(absl::Milliseconds(20));
     } while (absl::Now() < give_up);
     return row;
   }
 
+  // Polls until gpu0's row shows `state` ("alive", "gone").
+  std::string WaitForAgentState(const std::string& state, absl::Duration timeout) {
+    return WaitForAgentRow(
+        [&](const std::string& row) {
+          return absl::StrContains(row, absl::StrCat(" ", state, " "));
+        },
+        timeout);
+  }
+
+  // A kvcm-agent process "gpu0" (host backend without a GPU) logging to `log_path`.
+  std::unique_ptr<Subprocess> StartAgent(const std::string& log_path) {
+    return Subprocess::Start(
+        {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
+         "--listen_address=127.0.0.1:0", "--model=deepseek-v3", "--capacity_bytes=50000000",
+         "--heartbeat_interval_ms=100"},
+        log_path);
+  }
+
   std::string manager_log_;
   std::string agent_log_;
+  std::string restarted_agent_log_;
   int port_ = 0;
   std::unique_ptr<Subprocess> manager_;
   std::unique_ptr<Subprocess> agent_;
@@ -156,6 +208,68 @@ TEST_F(AgentProcessTest, AgentExitsZeroOnSigterm) {
   agent_->Signal(SIGTERM);
   ProcessResult end = agent_->Finish(absl::Seconds(15));
   EXPECT_TRUE(end.exited && end.exit_code == 0) << end.Describe();
+}
+
+// SIGKILL, then a new process under the same id: it registers a larger epoch and the manager
+// drops the pages the killed process held. The heartbeat timeout is long, so that the pages
+// go because of the new epoch, not because the old one was declared gone.
+TEST_F(AgentProcessTest, RestartedAgentRegistersANewEpochAndItsOldPagesAreDropped) {
+  ASSERT_NO_FATAL_FAILURE(StartManager(/*heartbeat_timeout_ms=*/60'000));
+  agent_ = StartAgent(agent_log_);
+  ASSERT_NE(agent_, nullptr);
+  const std::string alive = WaitForAgentState("alive", absl::Seconds(20));
+  ASSERT_THAT(alive, ::testing::HasSubstr("alive")) << "agent never showed as alive";
+  const uint64_t old_epoch = RowEpoch(alive);
+  ASSERT_NE(old_epoch, 0u) << alive;
+
+  // The agent's model namespace, and a prompt of 300 tokens = 4 whole pages of 64 in its pool.
+  const std::vector<std::string> prompt = {"--tenant=acme", "--model=deepseek-v3",
+                                           "--random_tokens=300", "--seed=7"};
+  std::string out =
+      CtlOk({"register-model", "--tenant=acme", "--model=deepseek-v3", "--preset=deepseek-v3"});
+  EXPECT_THAT(out, ::testing::HasSubstr("(created)"));
+  std::vector<std::string> insert = {"insert", "--agent=gpu0", "--tier=gpu", "--block_ids=5,6,7,8"};
+  insert.insert(insert.end(), prompt.begin(), prompt.end());
+  out = CtlOk(insert);
+  EXPECT_EQ(Field(out, "pool"), "gpu0:gpu") << out;
+  EXPECT_EQ(Field(out, "new_pages"), "4") << out;
+  std::vector<std::string> match = {"match"};
+  match.insert(match.end(), prompt.begin(), prompt.end());
+  out = CtlOk(match);
+  EXPECT_EQ(Field(out, "prompt_pages"), "4") << out;
+  EXPECT_EQ(Field(out, "matched_pages"), "4") << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("gpu0:gpu blocks 5,6,7,8"));
+  out = CtlOk({"stats"});
+  EXPECT_THAT(out, ::testing::ContainsRegex("\ngpu0 +gpu +[^\n]* 4 +[0-9.]+\n")) << out;
+
+  agent_->Signal(SIGKILL);
+  ProcessResult killed = agent_->Finish(absl::Seconds(10));
+  EXPECT_EQ(killed.term_signal, SIGKILL) << killed.Describe();
+  agent_ = StartAgent(restarted_agent_log_);
+  ASSERT_NE(agent_, nullptr);
+  const std::string again = WaitForAgentRow(
+      [&](const std::string& row) {
+        return absl::StrContains(row, " alive ") && RowEpoch(row) != old_epoch;
+      },
+      absl::Seconds(20));
+  ASSERT_THAT(again, ::testing::HasSubstr(" alive ")) << "the restarted agent never registered";
+  const uint64_t new_epoch = RowEpoch(again);
+  EXPECT_GT(new_epoch, old_epoch) << again;
+  EXPECT_THAT(ReadFile(restarted_agent_log_),
+              ::testing::HasSubstr(absl::StrCat("as gpu0 epoch ", new_epoch)));
+
+  out = CtlOk(match);
+  EXPECT_EQ(Field(out, "prompt_pages"), "4") << out;
+  EXPECT_EQ(Field(out, "matched_pages"), "0") << out;
+  EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("gpu0:gpu blocks")));
+  // The pool row counts no page (PAGES 0, USED% 0.00); one agent row, the new epoch's.
+  const std::string stats = CtlOk({"stats"});
+  EXPECT_THAT(stats, ::testing::ContainsRegex("\ngpu0 +gpu +[^\n]* 0 +0\\.00\n")) << stats;
+  EXPECT_THAT(stats, ::testing::HasSubstr("AGENTS (1)\n")) << stats;
+  EXPECT_THAT(ReadFile(manager_log_),
+              ::testing::HasSubstr(absl::StrCat("agent gpu0 epoch ", new_epoch,
+                                                ": dropped 4 pages of gpu0:gpu held by its "
+                                                "previous epoch")));
 }
 
 TEST_F(AgentProcessTest, BadOptionsExitNonZeroNamingTheField) {

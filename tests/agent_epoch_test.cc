@@ -1,0 +1,211 @@
+// Agent epochs across a manager restart, in process: a ManagerServer and an Agent (host
+// backend). When the manager restarts on the same address it no longer knows the agent;
+// the agent must free every block of its old epoch (the old index referred to them, the new
+// one never will), keep blocks other owners allocated, move to a larger epoch and register
+// it with the new manager.
+//
+// The agent notices the restart only when a Heartbeat reaches the new manager (NOT_FOUND).
+// If the manager is down for longer than a heartbeat interval, the agent sees UNAVAILABLE,
+// re-registers its old epoch with the new manager, which accepts it as a first
+// registration, and the old epoch's blocks stay allocated for good: the DISABLED_ test below
+// reproduces that. The enabled test therefore restarts the manager right after a heartbeat,
+// well within one interval.
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gpu/agent/agent.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "server/service/manager_server.h"
+
+namespace kvcm {
+namespace {
+
+constexpr uint64_t kBlockBytes = 1152ull * 61 * 64;  // a DeepSeek-V3 bf16 page
+constexpr uint64_t kBlocks = 8;
+constexpr char kAgentId[] = "gpu-0";
+
+// Polls `pred` every 10 ms until it holds or 5 s pass; returns its last value.
+template <typename Pred>
+bool WaitFor(Pred pred) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (!pred()) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+// A manager on 127.0.0.1:`port` (0: any free port); null (with a test failure) if it never
+// binds. Rebinding the port of a manager that has just shut down succeeded first time in
+// every run so far (the listener is closed by then and nothing lingers in TIME_WAIT on
+// it), but a listener still closing would make Start UNAVAILABLE, so that is retried for
+// up to 5 s rather than failing the test.
+std::unique_ptr<ManagerServer> StartManagerOn(int port) {
+  ServerOptions o;
+  o.listen_address = absl::StrCat("127.0.0.1:", port);
+  o.metrics_address = "";
+  o.shutdown_grace_ms = 100;
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (true) {
+    absl::StatusOr<std::unique_ptr<ManagerServer>> m = ManagerServer::Start(o);
+    if (m.ok()) return *std::move(m);
+    if (m.status().code() != absl::StatusCode::kUnavailable || absl::Now() > give_up) {
+      ADD_FAILURE() << m.status();
+      return nullptr;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// The registry's entry for `agent_id`; agent_id empty when the manager does not know it.
+AgentInfo AgentInfoOf(ManagerServer& manager, const std::string& agent_id) {
+  for (const AgentInfo& a : manager.agents().Snapshot()) {
+    if (a.registration.agent_id == agent_id) return a;
+  }
+  return AgentInfo{};
+}
+
+v1::BlockAgentStatsResponse StatsOf(v1::BlockAgent::Stub& agent) {
+  grpc::ClientContext ctx;
+  v1::BlockAgentStatsResponse s;
+  const grpc::Status status = agent.Stats(&ctx, v1::BlockAgentStatsRequest(), &s);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return s;
+}
+
+std::vector<BlockId> Allocate(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t owner_epoch) {
+  v1::AllocateBlocksRequest req;
+  req.set_count(count);
+  req.set_owner_epoch(owner_epoch);
+  v1::AllocateBlocksResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status status = agent.Allocate(&ctx, req, &resp);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return {resp.block_ids().begin(), resp.block_ids().end()};
+}
+
+// ReadBlocks of `ids` as `owner_epoch`: OK only while that owner holds every block.
+grpc::Status Read(v1::BlockAgent::Stub& agent, const std::vector<BlockId>& ids,
+                  uint64_t owner_epoch) {
+  v1::ReadBlocksRequest req;
+  req.mutable_block_ids()->Add(ids.begin(), ids.end());
+  req.set_owner_epoch(owner_epoch);
+  grpc::ClientContext ctx;
+  auto reader = agent.ReadBlocks(&ctx, req);
+  v1::ReadBlocksResponse chunk;
+  while (reader->Read(&chunk)) {
+  }
+  return reader->Finish();
+}
+
+// A manager, an agent registered with it, and blocks of two owners in the agent's pool:
+// kCacheBlocks of the agent's epoch (what the manager indexes) and kPrivateBlocks of a
+// worker's own epoch.
+class AgentEpochTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kCacheBlocks = 3;
+  static constexpr uint32_t kPrivateBlocks = 2;
+  static constexpr uint64_t kWorkerEpoch = 42;
+
+  void SetUp() override {
+    manager_ = StartManagerOn(0);
+    ASSERT_NE(manager_, nullptr);
+    port_ = manager_->port();
+
+    AgentOptions o;
+    o.agent_id = kAgentId;
+    o.manager_address = manager_->address();
+    o.use_device = false;
+    o.capacity_bytes = kBlocks * kBlockBytes;
+    // Long enough that a manager restart fits between two heartbeats (see the file comment).
+    o.heartbeat_interval_ms = 100;
+    absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    agent_ = *std::move(agent);
+    ASSERT_TRUE(WaitFor([&] { return agent_->registered(); }));
+    old_epoch_ = agent_->epoch();
+    ASSERT_EQ(AgentInfoOf(*manager_, kAgentId).registration.epoch, old_epoch_);
+
+    ba_ = v1::BlockAgent::NewStub(
+        grpc::CreateChannel(agent_->address(), grpc::InsecureChannelCredentials()));
+    cache_blocks_ = Allocate(*ba_, kCacheBlocks, old_epoch_);
+    private_blocks_ = Allocate(*ba_, kPrivateBlocks, kWorkerEpoch);
+    ASSERT_EQ(cache_blocks_.size(), kCacheBlocks);
+    ASSERT_EQ(private_blocks_.size(), kPrivateBlocks);
+    ASSERT_EQ(StatsOf(*ba_).free_blocks(), kBlocks - kCacheBlocks - kPrivateBlocks);
+  }
+
+  void TearDown() override {
+    if (agent_ != nullptr) agent_->Shutdown();
+  }
+
+  // The agent renewed its epoch, registered it with the (new) manager, freed exactly the
+  // old epoch's blocks and kept the worker's.
+  void ExpectRenewedAndRegistered() {
+    EXPECT_TRUE(WaitFor([&] { return agent_->epoch() > old_epoch_; }))
+        << "the agent kept epoch " << agent_->epoch() << " across the manager restart";
+    const uint64_t new_epoch = agent_->epoch();
+    EXPECT_TRUE(WaitFor([&] {
+      const AgentInfo info = AgentInfoOf(*manager_, kAgentId);
+      return info.alive && info.registration.epoch == new_epoch;
+    })) << "the new manager has epoch "
+        << AgentInfoOf(*manager_, kAgentId).registration.epoch << ", the agent " << new_epoch;
+    EXPECT_TRUE(WaitFor([&] { return agent_->registered(); }));
+
+    const v1::BlockAgentStatsResponse after = StatsOf(*ba_);
+    EXPECT_EQ(after.free_blocks(), kBlocks - kPrivateBlocks);
+    EXPECT_EQ(after.used_bytes(), kPrivateBlocks * kBlockBytes);
+    EXPECT_EQ(after.epoch(), new_epoch);
+    EXPECT_TRUE(after.registered());
+    const grpc::Status cache_read = Read(*ba_, cache_blocks_, old_epoch_);
+    EXPECT_FALSE(cache_read.ok()) << "the old epoch still owns its blocks";
+    const grpc::Status worker_read = Read(*ba_, private_blocks_, kWorkerEpoch);
+    EXPECT_TRUE(worker_read.ok()) << worker_read.error_message();
+  }
+
+  std::unique_ptr<ManagerServer> manager_;
+  int port_ = 0;
+  std::unique_ptr<Agent> agent_;
+  uint64_t old_epoch_ = 0;
+  std::unique_ptr<v1::BlockAgent::Stub> ba_;
+  std::vector<BlockId> cache_blocks_;
+  std::vector<BlockId> private_blocks_;
+};
+
+TEST_F(AgentEpochTest, ManagerRestartFreesTheOldEpochsBlocksAndRegistersANewEpoch) {
+  // Restart right after a heartbeat, so that the agent's next call reaches the new manager.
+  const uint64_t beats = AgentInfoOf(*manager_, kAgentId).heartbeats;
+  ASSERT_TRUE(WaitFor([&] { return AgentInfoOf(*manager_, kAgentId).heartbeats > beats; }));
+  manager_->Shutdown();
+  manager_.reset();
+  manager_ = StartManagerOn(port_);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_EQ(manager_->port(), port_);
+  ASSERT_TRUE(manager_->agents().Snapshot().empty());
+
+  // The agent's next Heartbeat is NOT_FOUND: it frees the old epoch's blocks and registers a
+  // larger epoch.
+  ExpectRenewedAndRegistered();
+}
+
+// Reproduces the bug described in the file comment: enable once the agent also renews its
+// epoch when a manager it re-registers with did not know it.
+TEST_F(AgentEpochTest, DISABLED_ManagerDownForLongerThanAHeartbeatIntervalStillRenewsTheEpoch) {
+  manager_->Shutdown();
+  manager_.reset();
+  ASSERT_TRUE(WaitFor([&] { return !agent_->registered(); }));  // the agent saw UNAVAILABLE
+  manager_ = StartManagerOn(port_);
+  ASSERT_NE(manager_, nullptr);
+  ExpectRenewedAndRegistered();
+}
+
+}  // namespace
+}  // namespace kvcm
