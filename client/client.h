@@ -165,7 +165,6 @@ struct ManagerStats {
     uint64_t lease_expiries = 0;
     uint64_t demoted_pages = 0;  // moved from a GPU pool to its agent's HOST pool
     uint64_t dropped_pages = 0;  // forgotten with a restarted or gone agent
-    uint64_t revoked_pins = 0;   // pins whose pages all left with such an agent
   };
   struct Limits {
     uint32_t max_tokens_per_request = 0;

@@ -143,7 +143,6 @@ int RunStats(const Invocation& in) {
       {"lease_expiries", c.lease_expiries},
       {"demoted_pages", c.demoted_pages},
       {"dropped_pages", c.dropped_pages},
-      {"revoked_pins", c.revoked_pins},
   };
   for (const auto& [name, value] : rows) {
     absl::PrintF("%-24s %d\n", name, value);

@@ -121,7 +121,6 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   out.counters.lease_expiries = c.lease_expiries();
   out.counters.demoted_pages = c.demoted_pages();
   out.counters.dropped_pages = c.dropped_pages();
-  out.counters.revoked_pins = c.revoked_pins();
   out.active_pins = response.active_pins();
   out.policy = response.policy();
   const v1::Limits& l = response.limits();

@@ -432,7 +432,7 @@ TEST_F(FakeAgentTest, AGoneAgentsPagesAreDroppedAndItsEpochEnds) {
   v1::AgentCommand command;
   EXPECT_FALSE(s->rw->Read(&command));
   EXPECT_EQ(s->rw->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(client_->Release(ns_, pinned->pin_id).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(client_->Release(ns_, pinned->pin_id).ok());  // the pin outlives its pages
 
   ASSERT_TRUE(agent.Register(5).ok());  // back as a new incarnation
   EXPECT_TRUE(agent.Heartbeat(5).ok());

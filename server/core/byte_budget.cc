@@ -4,8 +4,24 @@ namespace kvcm {
 
 PoolId ByteBudget::Intern(const PoolKey& pool, uint64_t capacity_bytes) {
   auto [it, inserted] = ids_.try_emplace(pool, static_cast<PoolId>(pools_.size()));
-  if (inserted) pools_.push_back(PoolStats{.pool = pool, .capacity_bytes = capacity_bytes});
+  if (inserted) {
+    pools_.push_back(PoolStats{.pool = pool, .capacity_bytes = capacity_bytes});
+    retired_.push_back(0);
+  }
   return it->second;
+}
+
+PoolId ByteBudget::Replace(PoolId id) {
+  const PoolId fresh = static_cast<PoolId>(pools_.size());
+  const PoolStats& old = pools_[id];
+  pools_.push_back(PoolStats{.pool = old.pool,
+                             .capacity_bytes = old.capacity_bytes,
+                             .reserved_bytes = old.reserved_bytes});
+  retired_.push_back(0);
+  retired_[id] = 1;
+  pools_[id].reserved_bytes = 0;
+  ids_[old.pool] = fresh;
+  return fresh;
 }
 
 std::optional<PoolId> ByteBudget::Find(const PoolKey& pool) const {

@@ -33,8 +33,15 @@ class ByteBudget {
  public:
   // Id of `pool`, creating it with `capacity_bytes` if new.
   PoolId Intern(const PoolKey& pool, uint64_t capacity_bytes);
+  // The live id of `pool`; a retired id is never returned.
   std::optional<PoolId> Find(const PoolKey& pool) const;
   size_t size() const { return pools_.size(); }
+
+  // Retires `id` and gives its key a fresh id with the same capacity and reservation, which
+  // it returns. The retired id keeps its usage (its pages leave as the index sweeps them)
+  // and stays valid, but Find no longer returns it. REQUIRES: !retired(id).
+  PoolId Replace(PoolId id);
+  bool retired(PoolId id) const { return retired_[id] != 0; }
 
   // Valid for the budget's lifetime: pools are never removed.
   const PoolKey& key(PoolId id) const { return pools_[id].pool; }
@@ -78,7 +85,8 @@ class ByteBudget {
   // Indexed by PoolId. A deque, so that key(id) references stay valid as pools are added:
   // match results point at them instead of copying the agent id.
   std::deque<PoolStats> pools_;
-  absl::flat_hash_map<PoolKey, PoolId> ids_;
+  std::vector<uint8_t> retired_;              // by PoolId; a byte each, read on the match path
+  absl::flat_hash_map<PoolKey, PoolId> ids_;  // live ids only
 };
 
 }  // namespace kvcm

@@ -232,6 +232,15 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   MatchResult result;
   result.prompt_pages = static_cast<uint32_t>(pages.size());
   result.matched_pages = ns.tree.Walk(pages, &path);
+  if (!sweeping_.empty()) {
+    // Pages only dropped pools still hold are gone: the match ends before the first.
+    for (size_t i = 0; i < path.size(); ++i) {
+      if (HasLiveReplica(path[i].node)) continue;
+      result.matched_pages = path[i].first_page;
+      path.resize(i);
+      break;
+    }
+  }
 
   if (!options.probe) {
     // Split a partly matched last node so that stamps and pins cover exactly the match.
@@ -267,6 +276,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     seg.replicas.reserve(step.node->replicas.size());
     bool held_here = false;
     for (const Replica& r : step.node->replicas) {
+      if (budget_.retired(r.pool)) continue;
       MatchedSegment::Replica& out = seg.replicas.emplace_back();
       out.pool = &budget_.key(r.pool);
       out.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + step.matched);
@@ -422,7 +432,9 @@ IndexStats CacheIndex::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   IndexStats stats;
   stats.pools.reserve(budget_.size());
-  for (PoolId id = 0; id < budget_.size(); ++id) stats.pools.push_back(budget_.stats(id));
+  for (PoolId id = 0; id < budget_.size(); ++id) {
+    if (!budget_.retired(id)) stats.pools.push_back(budget_.stats(id));
+  }
   stats.namespaces.reserve(namespaces_.size());
   for (const auto& [id, ns] : namespaces_) {
     stats.namespaces.push_back(NamespaceStats{id, ns->spec, ns->tree.pages(),

@@ -19,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -142,8 +143,12 @@ struct EvictResult {
 struct DropPoolResult {
   uint64_t dropped_pages = 0;  // page-locations the pool held
   uint64_t dropped_bytes = 0;
-  // Pins revoked because every page they held left the index with the pool.
-  uint64_t revoked_pins = 0;
+};
+
+struct SweepResult {
+  uint64_t removed_replicas = 0;  // by this call
+  // Page-locations of dropped pools still in the tree: pinned ones wait for their pins.
+  uint64_t remaining_pages = 0;
 };
 
 struct NamespaceStats {
@@ -168,7 +173,6 @@ struct IndexCounters {
   uint64_t evicted_bytes = 0;
   uint64_t demoted_pages = 0;  // evicted from a GPU pool into the agent's HOST pool
   uint64_t dropped_pages = 0;  // page-locations forgotten with their pool (DropPool)
-  uint64_t revoked_pins = 0;   // pins whose pages all left with a dropped pool
   uint64_t pins_taken = 0;
   uint64_t pins_released = 0;
   uint64_t lease_expiries = 0;
@@ -271,11 +275,18 @@ class CacheIndex {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Forgets every page `pool` holds, pinned or not, without evicting (no kRemoved events,
-  // nothing to free: the blocks are gone with the agent's old incarnation). Pins whose
-  // pages no other pool holds are revoked (Release answers ABORTED). The pool keeps its
-  // capacity and reservations; one kCleared event per namespace that had pages there.
-  // NOT_FOUND for an unknown pool. O(nodes of the pool + live pins).
+  // nothing to free: the blocks are gone with the agent's old incarnation), in O(1): the
+  // pool's replicas are retired at once (Match and eviction no longer see them) and the
+  // pool starts empty under a fresh id with the same capacity and reservations. The
+  // retired replicas leave the tree through SweepRetired; pins keep working (a pin on pages
+  // only the dropped pool held just holds nothing). One kCleared event per namespace.
+  // NOT_FOUND for an unknown pool.
   absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Removes up to `max_replicas` retired replicas (unpinned ones, leaves first) from the
+  // tree, freeing nodes nothing else holds. The manager runs it in small steps on a timer,
+  // so the index lock is never held for long.
+  SweepResult SweepRetired(size_t max_replicas) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Releases every pin whose lease ended at or before now. Also done lazily by every
   // mutating call; the service runs it on a timer so idle managers expire pins too.
@@ -311,6 +322,14 @@ class CacheIndex {
   // Returns the bytes freed.
   uint64_t EvictReplica(RadixNode* node, PoolId pool, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What evicting and sweeping share: drops the candidate (node, pool) from the policy, the
+  // budget and the parent's child_refs; removes the node when no replica is left (after
+  // `on_last`, called with the node before it goes). Returns the replica's block ids.
+  std::vector<BlockId> RemoveReplica(RadixNode* node, PoolId pool,
+                                     absl::FunctionRef<void(RadixNode*)> on_last)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `node` has a replica in a pool that is not retired.
+  bool HasLiveReplica(const RadixNode* node) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Gives `node` (a victim in GPU pool `gpu`) a replica in the same agent's HOST pool, with
   // whatever of its prefix the HOST pool lacks (pools stay prefix-closed), evicting from
   // the HOST pool to make room. False, changing nothing, when there is no HOST pool or it
@@ -353,6 +372,8 @@ class CacheIndex {
   absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
+  // Retired pools (DropPool) with replicas left in the tree, oldest first.
+  std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm

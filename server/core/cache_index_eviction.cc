@@ -6,14 +6,14 @@
 #include <queue>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/cache_index.h"
 #include "server/core/cache_index_internal.h"
 
 namespace kvcm {
 
-uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) {
+std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
+                                               absl::FunctionRef<void(RadixNode*)> on_last) {
   Namespace* ns = OwnerOf(node);
   auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
                          [pool](const Replica& r) { return r.pool == pool; });
@@ -21,13 +21,8 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   policy_->Remove(node, pool);
   std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
-
-  const uint64_t bytes = NodeBytes(node);
-  budget_.Refund(pool, node->size(), bytes);
+  budget_.Refund(pool, node->size(), NodeBytes(node));
   ns->tree.AddPageLocations(-int64_t{node->size()});
-  counters_.evicted_pages += node->size();
-  counters_.evicted_bytes += bytes;
-  Emit(CacheEvent::Kind::kRemoved, *ns, pool, node->pages, std::move(block_ids));
 
   RadixNode* parent = node->parent;
   if (!parent->is_root()) {
@@ -39,12 +34,34 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
     policy_->Rescore(node);  // scores may count replicas
   } else {
     // No replica left means no located descendant either (prefix closure): a leaf.
-    if (options_.regret_window > absl::ZeroDuration()) {
-      evicted_runs_[node->pages[0]] = EvictedRun{now, node->size(), node->hits};
-      evicted_order_.emplace_back(now, node->pages[0]);
-    }
+    on_last(node);
     ns->tree.Remove(node);
   }
+  return block_ids;
+}
+
+bool CacheIndex::HasLiveReplica(const RadixNode* node) const {
+  for (const Replica& r : node->replicas) {
+    if (!budget_.retired(r.pool)) return true;
+  }
+  return false;
+}
+
+uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) {
+  const Namespace& ns = *OwnerOf(node);
+  const uint64_t bytes = NodeBytes(node);
+  const uint32_t pages = node->size();
+  // The node may go inside RemoveReplica: copy what the event needs first.
+  std::vector<PageHash> removed_pages = node->pages;
+  std::vector<BlockId> block_ids = RemoveReplica(node, pool, [&](RadixNode* last) {
+    if (options_.regret_window > absl::ZeroDuration()) {
+      evicted_runs_[last->pages[0]] = EvictedRun{now, last->size(), last->hits};
+      evicted_order_.emplace_back(now, last->pages[0]);
+    }
+  });
+  counters_.evicted_pages += pages;
+  counters_.evicted_bytes += bytes;
+  Emit(CacheEvent::Kind::kRemoved, ns, pool, removed_pages, std::move(block_ids));
   return bytes;
 }
 
@@ -136,69 +153,40 @@ absl::StatusOr<std::vector<BlockId>> CacheIndex::AssignBlocks(const NamespaceId&
 
 absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   absl::MutexLock lock(&mu_);
-  const absl::Time now = clock_->Now();
-  ExpireLeasesLocked(now);
   absl::StatusOr<PoolId> found = FindPool(key);
   if (!found.ok()) return found.status();
-  const PoolId pool = *found;
-
-  // Every node holding the pool, descendants before ancestors (reversed pre-order; the pool
-  // is prefix-closed, so only children that hold it are visited).
-  std::vector<RadixNode*> nodes;
-  absl::flat_hash_set<const RadixNode*> emptied;  // nodes the pool was the only replica of
-  for (auto& [ns_id, ns] : namespaces_) {
-    std::vector<RadixNode*> stack = {ns->tree.root()};
-    while (!stack.empty()) {
-      RadixNode* node = stack.back();
-      stack.pop_back();
-      for (auto& [first, child] : node->children) {
-        if (child->FindReplica(pool) == nullptr) continue;
-        nodes.push_back(child.get());
-        if (child->replicas.size() == 1) emptied.insert(child.get());
-        stack.push_back(child.get());
-      }
-    }
-  }
-  std::reverse(nodes.begin(), nodes.end());
-
-  // Pins end where their deepest node leaves the index (its descendants leave too).
-  DropPoolResult result;
-  leases_.RevokeIf(
-      now, [&](const RadixNode* node) { return emptied.contains(node); },
-      [&](const Lease& lease) {
-        UnpinPath(lease.node);
-        ++result.revoked_pins;
-      });
-
-  absl::flat_hash_set<Namespace*> touched;
-  for (RadixNode* node : nodes) {
-    Namespace* ns = OwnerOf(node);
-    auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
-                           [pool](const Replica& r) { return r.pool == pool; });
-    if (it->evictable) policy_->Remove(node, pool);
-    const uint64_t bytes = NodeBytes(node);
-    if (node->pin_count > 0) {
-      budget_.Unpin(pool, bytes);
-      ns->pinned_page_locations -= node->size();
-    }
-    budget_.Refund(pool, node->size(), bytes);
-    ns->tree.AddPageLocations(-int64_t{node->size()});
-    node->replicas.erase(it);
-    // The parent's replica in the pool goes later in this loop: no need to refresh it.
-    if (!node->parent->is_root()) --node->parent->FindReplica(pool)->child_refs;
-    result.dropped_pages += node->size();
-    result.dropped_bytes += bytes;
-    touched.insert(ns);
-    if (node->replicas.empty()) {
-      assert(node->pin_count == 0 && node->children.empty());
-      ns->tree.Remove(node);
-    } else {
-      policy_->Rescore(node);
-    }
-  }
+  const PoolId retired = *found;
+  const DropPoolResult result{budget_.stats(retired).pages, budget_.used(retired)};
+  if (result.dropped_pages == 0) return result;  // nothing to forget
+  budget_.Replace(retired);
+  sweeping_.push_back(retired);
   counters_.dropped_pages += result.dropped_pages;
-  counters_.revoked_pins += result.revoked_pins;
-  for (Namespace* ns : touched) Emit(CacheEvent::Kind::kCleared, *ns, pool, {});
+  for (const auto& [id, ns] : namespaces_) Emit(CacheEvent::Kind::kCleared, *ns, retired, {});
+  return result;
+}
+
+SweepResult CacheIndex::SweepRetired(size_t max_replicas) {
+  absl::MutexLock lock(&mu_);
+  SweepResult result;
+  // Pools whose replicas are all pinned for now go to the back of the queue once.
+  size_t stuck = 0;
+  while (!sweeping_.empty() && result.removed_replicas < max_replicas && stuck < sweeping_.size()) {
+    const PoolId pool = sweeping_.front();
+    if (budget_.stats(pool).pages == 0) {
+      sweeping_.pop_front();
+      continue;
+    }
+    std::optional<EvictionCandidate> victim = policy_->Victim(pool);
+    if (!victim.has_value()) {
+      sweeping_.pop_front();
+      sweeping_.push_back(pool);
+      ++stuck;
+      continue;
+    }
+    RemoveReplica(victim->node, pool, [](RadixNode*) {});
+    ++result.removed_replicas;
+  }
+  for (PoolId pool : sweeping_) result.remaining_pages += budget_.stats(pool).pages;
   return result;
 }
 
@@ -341,7 +329,9 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns
     RadixNode* node = stack.back();
     stack.pop_back();
     for (const Replica& r : node->replicas) {
-      if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});
+      if (r.evictable && !budget_.retired(r.pool)) {
+        heap.push({policy_->Priority(node, r.pool), node, r.pool});
+      }
     }
     for (auto& [first, child] : node->children) stack.push_back(child.get());
   }

@@ -747,12 +747,13 @@ TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
   EXPECT_THAT(*left, ElementsAre(60));
 }
 
-TEST_F(CacheIndexTest, DropPoolForgetsThePoolAndRevokesItsPins) {
+TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   MustInsert(Prompt({1, 2}), gpu0_);
   MustInsert(Prompt({1, 2, 3}), gpu1_);
   MustInsert(Prompt({4}), gpu0_);
   MatchResult shared = MustMatch(Prompt({1, 2}), {.pin = true});  // gpu1 holds it too
   MatchResult only = MustMatch(Prompt({4}), {.pin = true});       // gpu0 only
+  ASSERT_TRUE(index_->Reserve(gpu0_, bpp_).ok());
   std::vector<CacheEvent> events;
   index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
 
@@ -760,19 +761,19 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAndRevokesItsPins) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->dropped_pages, 3u);
   EXPECT_EQ(r->dropped_bytes, 3 * bpp_);
-  EXPECT_EQ(r->revoked_pins, 1u);
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].kind, CacheEvent::Kind::kCleared);
   EXPECT_EQ(events[0].pool, gpu0_);
 
+  // At once: the pool is empty (same capacity and reservation), matches ignore it.
   IndexStats s = index_->Stats();
+  ASSERT_EQ(s.pools.size(), 2u);  // the retired pool is not listed
   EXPECT_EQ(Pool(s, gpu0_).used_bytes, 0u);
   EXPECT_EQ(Pool(s, gpu0_).pinned_bytes, 0u);
-  EXPECT_EQ(Pool(s, gpu0_).capacity_bytes, 64ull << 30);  // still registered
-  EXPECT_EQ(Pool(s, gpu1_).pinned_bytes, 2 * bpp_);       // the shared pin stays
-  EXPECT_EQ(s.namespaces[0].pages, 3u);                   // [4] left the tree
+  EXPECT_EQ(Pool(s, gpu0_).reserved_bytes, bpp_);
+  EXPECT_EQ(Pool(s, gpu0_).capacity_bytes, 64ull << 30);
+  EXPECT_EQ(Pool(s, gpu1_).pinned_bytes, 2 * bpp_);  // the shared pin stays
   EXPECT_EQ(s.counters.dropped_pages, 3u);
-  EXPECT_EQ(s.counters.revoked_pins, 1u);
   EXPECT_EQ(MustMatch(Prompt({4}), {.probe = true}).matched_pages, 0u);
   MatchResult m = MustMatch(Prompt({1, 2, 3}), {.probe = true});
   EXPECT_EQ(m.matched_pages, 3u);
@@ -780,13 +781,44 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAndRevokesItsPins) {
     ASSERT_EQ(seg.replicas.size(), 1u);
     EXPECT_EQ(*seg.replicas[0].pool, gpu1_);
   }
-  EXPECT_EQ(index_->Release(ns_, only.pin_id).code(), absl::StatusCode::kAborted);
-  EXPECT_TRUE(index_->Release(ns_, shared.pin_id).ok());
-  EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
+  // The pool takes new pages right away, next to the retired ones.
+  MustInsert(Prompt({1}), gpu0_, 50);
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, bpp_);
+  m = MustMatch(Prompt({1}), {.probe = true});
+  ASSERT_EQ(m.segments.size(), 1u);
+  EXPECT_EQ(m.segments[0].replicas.size(), 2u);  // gpu1 and the new gpu0 replica
 
-  // The pool is usable again, from empty.
-  MustInsert(Prompt({1, 2}), gpu0_);
-  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, 2 * bpp_);
+  // The sweep removes only unpinned retired replicas: here, none yet.
+  SweepResult swept = index_->SweepRetired(100);
+  EXPECT_EQ(swept.removed_replicas, 0u);
+  EXPECT_EQ(swept.remaining_pages, 3u);
+  ASSERT_TRUE(index_->Release(ns_, only.pin_id).ok());  // pins keep working
+  swept = index_->SweepRetired(100);
+  EXPECT_EQ(swept.removed_replicas, 1u);  // [4], and its node with it
+  EXPECT_EQ(swept.remaining_pages, 2u);
+  EXPECT_EQ(index_->Stats().namespaces[0].pages, 3u);
+  ASSERT_TRUE(index_->Release(ns_, shared.pin_id).ok());
+  swept = index_->SweepRetired(100);
+  EXPECT_EQ(swept.removed_replicas, 2u);  // [2] then [1] (split by the new insert)
+  EXPECT_EQ(swept.remaining_pages, 0u);
+  s = index_->Stats();
+  EXPECT_EQ(s.namespaces[0].pages, 3u);
+  EXPECT_EQ(s.namespaces[0].page_locations, 4u);  // gpu1 x3 and the new gpu0 page
+  EXPECT_EQ(index_->SweepRetired(100).removed_replicas, 0u);
+
+  EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CacheIndexTest, SweepRemovesInSmallSteps) {
+  for (int i = 0; i < 10; ++i) MustInsert(Prompt({i, 100 + i}), gpu0_);  // 10 two-node paths
+  ASSERT_TRUE(index_->DropPool(gpu0_).ok());
+  uint64_t steps = 0;
+  for (SweepResult r; (r = index_->SweepRetired(3)).removed_replicas > 0;) {
+    EXPECT_LE(r.removed_replicas, 3u);
+    ++steps;
+  }
+  EXPECT_GE(steps, 4u);
+  EXPECT_EQ(index_->Stats().namespaces[0].radix_nodes, 0u);
 }
 
 // An oracle that knows nothing: every page is needed again "soon", by hash order. Enough
@@ -848,12 +880,9 @@ void CacheIndexTest::RunRandomOperations() {
       case 5: {
         ASSERT_TRUE(index_->DropPool(pool).ok());
         ASSERT_EQ(Pool(index_->Stats(), pool).used_bytes, 0u);
-        // Pins whose pages all left are revoked: renewing them is ABORTED.
-        std::erase_if(pins, [&](PinId id) {
-          absl::StatusOr<absl::Time> renewed = index_->RenewLease(ns_, id, absl::ZeroDuration());
-          EXPECT_TRUE(renewed.ok() || renewed.status().code() == absl::StatusCode::kAborted);
-          return !renewed.ok();
-        });
+        // Pinned retired pages stay until their pins go; sweep what can go now.
+        while (index_->SweepRetired(rng() % 8 + 1).removed_replicas > 0) {
+        }
         break;
       }
     }
@@ -865,10 +894,15 @@ void CacheIndexTest::RunRandomOperations() {
       ASSERT_LE(p.used_bytes, p.capacity_bytes);
       pages_in_pools += p.pages;
     }
+    // Retired pages not swept yet (pinned) still sit in the tree.
+    pages_in_pools += index_->SweepRetired(0).remaining_pages;
     ASSERT_EQ(pages_in_pools, s.namespaces[0].page_locations);
     ASSERT_EQ(s.active_pins, pins.size());
   }
   for (PinId id : pins) ASSERT_TRUE(index_->Release(ns_, id).ok());
+  while (index_->SweepRetired(16).removed_replicas > 0) {
+  }
+  EXPECT_EQ(index_->SweepRetired(0).remaining_pages, 0u);
   for (const PoolKey& p : pools) {
     const uint64_t used = Pool(index_->Stats(), p).used_bytes;
     if (used > 0) {

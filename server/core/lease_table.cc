@@ -1,7 +1,5 @@
 #include "server/core/lease_table.h"
 
-#include <vector>
-
 #include "absl/strings/str_cat.h"
 
 namespace kvcm {
@@ -18,8 +16,7 @@ absl::StatusOr<Lease*> LeaseTable::Find(PinId id, const RadixTree* tree) {
   if (it != leases_.end() && it->second.node->tree == tree) return &it->second;
   auto dead = expired_.find(id);
   if (dead != expired_.end() && dead->second == tree) {
-    return absl::AbortedError(
-        absl::StrCat("pin_id ", id, ": lease expired (or its pages left with their agent)"));
+    return absl::AbortedError(absl::StrCat("pin_id ", id, ": lease expired"));
   }
   return absl::NotFoundError(absl::StrCat("pin_id ", id, " is not a live pin of this namespace"));
 }
@@ -47,27 +44,10 @@ void LeaseTable::Expire(absl::Time now, const std::function<void(const Lease&)>&
     auto it = leases_.find(id);
     Lease lease = it->second;
     leases_.erase(it);
-    Remember(id, lease.node->tree, now);
+    expired_.emplace(id, lease.node->tree);
+    expired_order_.emplace_back(now + expired_memory_, id);
     on_expired(lease);
   }
-}
-
-void LeaseTable::RevokeIf(absl::Time now, absl::FunctionRef<bool(const RadixNode*)> pred,
-                          absl::FunctionRef<void(const Lease&)> on_revoked) {
-  std::vector<Lease> revoked;
-  for (const auto& [id, lease] : leases_) {
-    if (pred(lease.node)) revoked.push_back(lease);
-  }
-  for (const Lease& lease : revoked) {
-    Erase(lease.id);
-    Remember(lease.id, lease.node->tree, now);
-    on_revoked(lease);
-  }
-}
-
-void LeaseTable::Remember(PinId id, const RadixTree* tree, absl::Time now) {
-  expired_.emplace(id, tree);
-  expired_order_.emplace_back(now + expired_memory_, id);
 }
 
 }  // namespace kvcm

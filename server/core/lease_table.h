@@ -14,7 +14,6 @@
 
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/core/radix_tree.h"
@@ -47,11 +46,6 @@ class LeaseTable {
   // order), and remembers their ids as expired.
   void Expire(absl::Time now, const std::function<void(const Lease&)>& on_expired);
 
-  // Removes every live lease whose node satisfies `pred`, calling `on_revoked` for each, and
-  // remembers their ids like expired ones (Find answers ABORTED). O(live leases).
-  void RevokeIf(absl::Time now, absl::FunctionRef<bool(const RadixNode*)> pred,
-                absl::FunctionRef<void(const Lease&)> on_revoked);
-
   size_t size() const { return leases_.size(); }
 
  private:
@@ -59,10 +53,7 @@ class LeaseTable {
   PinId next_id_ = 1;
   absl::flat_hash_map<PinId, Lease> leases_;
   absl::btree_set<std::pair<absl::Time, PinId>> by_expiry_;
-  // Moves a removed lease's id to the expired memory.
-  void Remember(PinId id, const RadixTree* tree, absl::Time now);
-
-  // Expired (or revoked) ids and the tree they belonged to, forgotten after expired_memory_.
+  // Expired ids and the tree they belonged to, forgotten after expired_memory_.
   absl::flat_hash_map<PinId, const RadixTree*> expired_;
   std::deque<std::pair<absl::Time, PinId>> expired_order_;  // (forget at, id)
 };

@@ -118,6 +118,11 @@ void ManagerServer::SweepLeases() {
   while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) {
     index_->ExpireLeases();
     DropGoneAgents();
+    // Dropped pools leave the tree in small steps, so no call waits long for the lock.
+    constexpr size_t kSweepStep = 256;
+    while (!stop_sweeper_.HasBeenNotified() &&
+           index_->SweepRetired(kSweepStep).removed_replicas == kSweepStep) {
+    }
   }
 }
 

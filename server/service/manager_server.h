@@ -71,7 +71,8 @@ class ManagerServer {
 
  private:
   explicit ManagerServer(ServerOptions options);
-  // Expires leases and drops gone agents, every lease_sweep_interval_ms until Shutdown.
+  // Expires leases, drops gone agents and sweeps dropped pools' pages out of the index,
+  // every lease_sweep_interval_ms until Shutdown.
   void SweepLeases();
   // Forgets the pools and queued commands of agents the registry declares gone.
   void DropGoneAgents();

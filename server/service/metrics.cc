@@ -165,9 +165,6 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     counter("kvcm_pages_dropped_total",
             "Page-locations forgotten because their agent restarted or was declared gone.",
             c.dropped_pages);
-    counter("kvcm_pins_revoked_total",
-            "Pins revoked because all their pages left with a restarted or gone agent.",
-            c.revoked_pins);
     out.push_back(Scalar(
         "kvcm_hit_ratio", "matched_tokens_total / requested_tokens_total since start.", kGauge,
         c.requested_tokens == 0

@@ -392,7 +392,6 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   pc->set_pins_released(c.pins_released);
   pc->set_lease_expiries(c.lease_expiries);
   pc->set_dropped_pages(c.dropped_pages);
-  pc->set_revoked_pins(c.revoked_pins);
   pc->set_requested_tokens(c.requested_tokens);
   pc->set_matched_tokens(c.matched_tokens);
   pc->set_eviction_regret_pages(c.eviction_regret_pages);
