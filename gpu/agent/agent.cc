@@ -447,6 +447,9 @@ absl::Status Agent::Heartbeat() {
 
 void Agent::ControlLoop() {
   const absl::Duration interval = absl::Milliseconds(options_.heartbeat_interval_ms);
+  // Whether the manager accepted this epoch. It stays true while the manager is merely
+  // unreachable: the next heartbeat then tells a manager that kept our pages (OK) from one
+  // that lost them (NOT_FOUND after a restart), and only the latter costs a new epoch.
   bool registered = false;
   bool logged_failure = false;
   do {
@@ -461,18 +464,18 @@ void Agent::ControlLoop() {
     } else {
       // NOT_FOUND / ABORTED: the manager restarted, declared us gone or holds another
       // epoch, so it no longer refers to this epoch's blocks: start over with a new one.
-      // Any other error: unreachable. Either way register again on the next round.
+      // Any other error: unreachable; try again next round.
       if (s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kAborted) {
         RenewEpoch();
+        registered = false;
       }
-      registered = false;
       if (!logged_failure) {
         LogWarning(absl::StrCat("manager ", options_.manager_address, ": ", s.ToString(),
                                 " (retrying every ", options_.heartbeat_interval_ms, " ms)"));
         logged_failure = true;
       }
     }
-    registered_.store(registered, std::memory_order_release);
+    registered_.store(s.ok(), std::memory_order_release);
   } while (!stop_control_.WaitForNotificationWithTimeout(interval));
 }
 

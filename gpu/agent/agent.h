@@ -6,11 +6,12 @@
 //
 // Epochs: the agent starts with a fresh epoch (microseconds since the Unix epoch, so a
 // restarted agent always registers a larger one). Blocks the manager indexes belong to
-// that epoch (workers allocate them with it). The control thread retries Register every
-// heartbeat_interval_ms while the manager is unreachable. When the manager answers NOT_FOUND
-// or ABORTED (it restarted, or declared this agent gone and dropped its pages), the index no
-// longer refers to the epoch's blocks: the agent frees them all, starts a new epoch and
-// registers again.
+// that epoch (workers allocate them with it). The control thread retries Register (before
+// the first success) or Heartbeat (after) every heartbeat_interval_ms while the manager is
+// unreachable, keeping the epoch: an outage alone costs nothing. When the manager answers
+// NOT_FOUND or ABORTED (it restarted, or declared this agent gone and dropped its pages),
+// the index no longer refers to the epoch's blocks: the agent frees them all, starts a new
+// epoch and registers again.
 //
 // Once registered, the command thread holds an AgentControl.Commands stream open (reopening
 // it every heartbeat_interval_ms while it cannot) and runs the manager's FreeBlocks and
