@@ -162,6 +162,10 @@ int main(int argc, char** argv) {
       absl::StrCat("backend ", agent->pool().backend().name(), ": ", agent->backend_reason()));
   kvcm::LogInfo(absl::StrCat("pool: ", g.num_blocks, " blocks of ", g.bytes_per_block(),
                              " bytes, layout ", g.Layout().ToString()));
+  if (const kvcm::BlockPool* host = agent->host_pool(); host != nullptr) {
+    kvcm::LogInfo(absl::StrCat("host pool (demotion target): ", host->geometry().num_blocks,
+                               " blocks in host DRAM"));
+  }
 
   std::thread signal_waiter([&stop_signals, agent] {
     int signal = 0;
