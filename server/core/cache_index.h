@@ -274,6 +274,15 @@ class CacheIndex {
                                                     std::span<const BlockId> block_ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Undoes a demotion the agent could not carry out: removes the replicas in `pool` of
+  // pages[first_page..] whose blocks are all still kPendingBlock, deepest first, while they
+  // are unpinned leaves of the pool (pages a later demotion put below them, or a pin, keep
+  // them pending until the pool's policy evicts them). kRemoved events carry no block to
+  // free. Returns the pages removed. Errors as AssignBlocks.
+  absl::StatusOr<uint64_t> AbandonPending(const NamespaceId& ns, std::span<const PageHash> pages,
+                                          uint32_t first_page, const PoolKey& pool)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Forgets every page `pool` holds, pinned or not, without evicting (no kRemoved events,
   // nothing to free: the blocks are gone with the agent's old incarnation), in O(1): the
   // pool's replicas are retired at once (Match and eviction no longer see them) and the

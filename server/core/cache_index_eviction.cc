@@ -151,6 +151,38 @@ absl::StatusOr<std::vector<BlockId>> CacheIndex::AssignBlocks(const NamespaceId&
   return unassigned;
 }
 
+absl::StatusOr<uint64_t> CacheIndex::AbandonPending(const NamespaceId& ns_id,
+                                                    std::span<const PageHash> pages,
+                                                    uint32_t first_page, const PoolKey& pool) {
+  if (first_page > pages.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_page ", first_page, " is past the ", pages.size(), " pages"));
+  }
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
+  if (!ns.ok()) return ns.status();
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+
+  std::vector<PathStep> path;
+  (*ns)->tree.Walk(pages, &path);
+  uint64_t removed = 0;
+  for (size_t i = path.size(); i-- > 0;) {
+    RadixNode* node = path[i].node;
+    if (path[i].first_page < first_page || path[i].matched < node->size()) break;
+    Replica* r = node->FindReplica(*id);
+    if (r == nullptr) continue;  // the demotion's pages were evicted from the pool meanwhile
+    const bool pending = std::all_of(r->block_ids.begin(), r->block_ids.end(),
+                                     [](BlockId b) { return b == kPendingBlock; });
+    if (!pending || !r->evictable) break;
+    std::vector<PageHash> node_pages = node->pages;
+    std::vector<BlockId> blocks = RemoveReplica(node, *id, [](RadixNode*) {});
+    removed += node_pages.size();
+    Emit(CacheEvent::Kind::kRemoved, **ns, *id, node_pages, std::move(blocks));
+  }
+  return removed;
+}
+
 absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<PoolId> found = FindPool(key);

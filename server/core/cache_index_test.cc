@@ -747,6 +747,51 @@ TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
   EXPECT_THAT(*left, ElementsAre(60));
 }
 
+TEST_F(CacheIndexTest, AbandonPendingUndoesAFailedDemotion) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 2 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 10 * bpp_).ok());
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({5}), gpu0_);  // demotes [1, 2] into the host pool, pending
+  const std::vector<PageHash> path = Prompt({1, 2});
+  ASSERT_EQ(Pool(index_->Stats(), host).used_bytes, 2 * bpp_);
+
+  // Pinned: stays pending. Errors change nothing.
+  MatchResult pin = MustMatch(path, {.pin = true});
+  absl::StatusOr<uint64_t> removed = index_->AbandonPending(ns_, path, 0, host);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 0u);
+  EXPECT_EQ(index_->AbandonPending(ns_, path, 3, host).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->AbandonPending(ns_, path, 0, {"nobody", Tier::kHost}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Pool(index_->Stats(), host).used_bytes, 2 * bpp_);
+  ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+
+  std::vector<CacheEvent> events;
+  index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
+  removed = index_->AbandonPending(ns_, path, 0, host);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 2u);
+  EXPECT_EQ(Pool(index_->Stats(), host).used_bytes, 0u);
+  ASSERT_FALSE(events.empty());
+  for (const CacheEvent& e : events) {
+    EXPECT_EQ(e.kind, CacheEvent::Kind::kRemoved);
+    for (BlockId b : e.block_ids) EXPECT_EQ(b, kPendingBlock);  // nothing for the agent to free
+  }
+  EXPECT_EQ(MustMatch(Prompt({5}), {.probe = true}).matched_pages, 1u);  // the GPU pages stay
+
+  // Blocks that were assigned are never taken back.
+  MustInsert(Prompt({1, 2}), gpu0_);  // demotes [5]
+  const std::vector<PageHash> five = Prompt({5});
+  ASSERT_TRUE(index_->AssignBlocks(ns_, five, 0, host, std::vector<BlockId>{9}).ok());
+  removed = index_->AbandonPending(ns_, five, 0, host);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_EQ(*removed, 0u);
+  EXPECT_EQ(Pool(index_->Stats(), host).used_bytes, bpp_);
+}
+
 TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   MustInsert(Prompt({1, 2}), gpu0_);
   MustInsert(Prompt({1, 2, 3}), gpu1_);

@@ -249,9 +249,13 @@ bool AgentCommandRouter::OnAck(Stream* stream, const v1::AgentCommandAck& ack) {
   }
   metrics_->RecordAgentCommand(ack.code() == 0 ? AgentCommandResult::kAcked
                                                : AgentCommandResult::kFailed);
-  // A failed demotion leaves its HOST pages pending in the index until the HOST pool's
-  // policy evicts them (Match reports kPendingBlock for them).
-  if (!demotion.has_value() || ack.code() != 0) return true;
+  if (!demotion.has_value()) return true;
+  if (ack.code() != 0) {
+    // The agent holds no copy: take the pending HOST pages back out of the index.
+    (void)index_->AbandonPending(demotion->ns, demotion->path, demotion->first_page,
+                                 demotion->pool);
+    return true;
+  }
 
   const std::vector<BlockId> blocks(ack.block_ids().begin(), ack.block_ids().end());
   absl::StatusOr<std::vector<BlockId>> unassigned = index_->AssignBlocks(
