@@ -8,40 +8,12 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/kernels/cuda_buffer.h"
 #include "gpu/kernels/cuda_status.h"
 #include "gpu/kernels/mla_decode_api.h"
 
 namespace kvcm {
 namespace {
-
-// One cudaMalloc allocation, freed on destruction.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-
-  absl::Status Allocate(size_t bytes) {
-    KVCM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
-    return absl::OkStatus();
-  }
-  // Allocates `bytes` and queues a copy of `host` into them on `stream`.
-  absl::Status CopyFrom(const void* host, size_t bytes, cudaStream_t stream) {
-    if (absl::Status s = Allocate(bytes); !s.ok()) return s;
-    KVCM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ptr_, host, bytes, cudaMemcpyHostToDevice, stream));
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
 
 // A non-blocking stream, synchronised and destroyed on destruction: declared after the
 // buffers its work uses, it is destroyed first, so no buffer is freed under a running kernel
@@ -97,12 +69,13 @@ absl::Status MlaDecodeOverDeviceCache(const gpu::MlaDecodeParams& p) {
   const size_t out_bytes = batch * static_cast<size_t>(p.out_batch_stride) * sizeof(uint16_t);
   const size_t lse_bytes = batch * static_cast<size_t>(p.num_heads) * sizeof(float);
 
-  DeviceBuffer table, lens, q, out, lse;
+  gpu::DeviceBuffer table, lens, q, out, lse;
   OwnedStream stream;  // after the buffers: see OwnedStream
   if (absl::Status s = stream.Create(); !s.ok()) return s;
-  if (absl::Status s = table.CopyFrom(p.block_table, table_bytes, stream.get()); !s.ok()) return s;
-  if (absl::Status s = lens.CopyFrom(p.seq_lens, lens_bytes, stream.get()); !s.ok()) return s;
-  if (absl::Status s = q.CopyFrom(p.q, q_bytes, stream.get()); !s.ok()) return s;
+  if (absl::Status s = table.CopyFromAsync(p.block_table, table_bytes, stream.get()); !s.ok())
+    return s;
+  if (absl::Status s = lens.CopyFromAsync(p.seq_lens, lens_bytes, stream.get()); !s.ok()) return s;
+  if (absl::Status s = q.CopyFromAsync(p.q, q_bytes, stream.get()); !s.ok()) return s;
   if (absl::Status s = out.Allocate(out_bytes); !s.ok()) return s;
   if (absl::Status s = lse.Allocate(lse_bytes); !s.ok()) return s;
 

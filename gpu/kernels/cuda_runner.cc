@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/kernels/cuda_buffer.h"
 #include "gpu/kernels/cuda_status.h"
 #include "gpu/kernels/fp8_latent.h"
 #include "gpu/kernels/mla_decode_api.h"
@@ -12,34 +13,6 @@
 
 namespace kvcm::gpu {
 namespace {
-
-// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-
-  absl::Status Allocate(size_t bytes) {
-    KVCM_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes == 0 ? 16 : bytes));
-    return absl::OkStatus();
-  }
-  absl::Status CopyFrom(const void* host, size_t bytes) {
-    if (absl::Status s = Allocate(bytes); !s.ok()) return s;
-    KVCM_CUDA_RETURN_IF_ERROR(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* get() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
 
 // Runs `launch` once to warm up, then `iterations` times between two events.
 absl::Status TimeLaunches(int iterations, const std::function<absl::Status()>& launch,
