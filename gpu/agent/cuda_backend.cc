@@ -6,25 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/agent/device_backend.h"
-
-// Evaluates a CUDA runtime call and returns its error from the enclosing function as an
-// absl::Status (RESOURCE_EXHAUSTED for out-of-memory, INTERNAL otherwise). Never exits.
-#define KVCM_CUDA_RETURN_IF_ERROR(expr)                                             \
-  do {                                                                              \
-    if (const cudaError_t kvcm_cuda_err_ = (expr); kvcm_cuda_err_ != cudaSuccess) { \
-      return ::kvcm::CudaErrorToStatus(kvcm_cuda_err_, #expr);                      \
-    }                                                                               \
-  } while (false)
+#include "gpu/kernels/cuda_status.h"
 
 namespace kvcm {
-
-absl::Status CudaErrorToStatus(cudaError_t err, const char* what) {
-  std::string message = absl::StrCat(what, ": ", cudaGetErrorName(err), " (", static_cast<int>(err),
-                                     "): ", cudaGetErrorString(err));
-  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
-  return absl::InternalError(message);
-}
-
 namespace {
 
 // Device memory of one GPU. Thread-safe: copies set the device and touch disjoint,
