@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "gpu/agent/agent_test_util.h"
 #include "gpu/agent/pool_attention.h"
-#include "gpu/agent/pool_attention_test_util.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
@@ -25,29 +25,6 @@ ModelSpec DeepSeekV3(KvDtype dtype = KvDtype::kBf16) {
   absl::StatusOr<ModelSpec> spec = FindModel("deepseek-v3", dtype);
   EXPECT_TRUE(spec.ok()) << spec.status();
   return *spec;
-}
-
-// A small GQA spec: 2 layers, 4 kv heads of 8, page of 4 tokens, bf16.
-ModelSpec SmallGqa() {
-  ModelSpec s;
-  s.attention = AttentionKind::kGqa;
-  s.num_layers = 2;
-  s.num_heads = 8;
-  s.num_kv_heads = 4;
-  s.head_dim = 8;
-  s.dtype = KvDtype::kBf16;
-  s.page_size_tokens = 4;
-  return s;
-}
-
-std::unique_ptr<BlockPool> MakePool(const ModelSpec& spec, uint64_t blocks) {
-  PoolGeometry g{spec, blocks};
-  EXPECT_TRUE(g.Validate().ok()) << g.Validate();
-  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes());
-  EXPECT_TRUE(host.ok());
-  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(g, *std::move(host));
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  return *std::move(pool);
 }
 
 uint64_t Product(const BlockLayout& l) {
@@ -121,7 +98,7 @@ TEST(BlockPoolTest, ArenaSmallerThanThePoolIsRefused) {
 }
 
 TEST(BlockPoolTest, ExactByteAccounting) {
-  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 10);
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 10);
   const uint64_t per_block = pool->geometry().bytes_per_block();
   BlockPoolStats s = pool->Stats();
   EXPECT_EQ(s.num_blocks, 10u);
@@ -144,7 +121,7 @@ TEST(BlockPoolTest, ExactByteAccounting) {
 }
 
 TEST(BlockPoolTest, DoubleFreeForeignEpochAndBadIdsAreRefusedAllOrNothing) {
-  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
   absl::StatusOr<std::vector<BlockId>> a = pool->Allocate(2, 7);
   ASSERT_TRUE(a.ok());
   const BlockId x = (*a)[0];
@@ -169,7 +146,7 @@ TEST(BlockPoolTest, DoubleFreeForeignEpochAndBadIdsAreRefusedAllOrNothing) {
 // block's bytes (tagged with its owner on allocation) survive other blocks' traffic.
 TEST(BlockPoolTest, RandomisedNeverHandsOutABlockTwice) {
   constexpr uint64_t kBlocks = 64;
-  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), kBlocks);
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), kBlocks);
   const uint64_t per_block = pool->geometry().bytes_per_block();
   std::mt19937 rng(1234);
   std::set<BlockId> held;
@@ -222,7 +199,7 @@ std::vector<std::byte> ReadWhole(const BlockPool& pool, BlockId id, uint64_t epo
 }
 
 TEST(BlockPoolTest, WriteBlocksIsAllOrNothingAndReadBlockChecksOwnership) {
-  std::unique_ptr<BlockPool> pool = MakePool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
   const uint64_t bpb = pool->geometry().bytes_per_block();
   absl::StatusOr<std::vector<BlockId>> ids = pool->Allocate(2, 7);
   ASSERT_TRUE(ids.ok());
@@ -308,8 +285,8 @@ TEST(BlockPoolTest, CopyBlocksToCopiesWholeBlocksInEveryDirection) {
 }
 
 TEST(BlockPoolTest, CopyBlocksToChecksEverythingFirst) {
-  std::unique_ptr<BlockPool> src = MakePool(SmallGqa(), 4);
-  std::unique_ptr<BlockPool> dst = MakePool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> src = MakeHostPool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> dst = MakeHostPool(SmallGqa(), 4);
   const uint64_t bpb = src->geometry().bytes_per_block();
   const std::vector<BlockId> from = *src->Allocate(2, 7);
   const std::vector<BlockId> to = *dst->Allocate(2, 7);
@@ -328,7 +305,7 @@ TEST(BlockPoolTest, CopyBlocksToChecksEverythingFirst) {
   s = src->CopyBlocksTo(from, *dst, to, 8);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("source_block_ids"));
-  std::unique_ptr<BlockPool> other = MakePool(DeepSeekV3(), 1);
+  std::unique_ptr<BlockPool> other = MakeHostPool(DeepSeekV3(), 1);
   const std::vector<BlockId> big = *other->Allocate(1, 7);
   EXPECT_EQ(src->CopyBlocksTo({from.data(), 1}, *other, big, 7).code(),
             absl::StatusCode::kInvalidArgument);
@@ -337,7 +314,7 @@ TEST(BlockPoolTest, CopyBlocksToChecksEverythingFirst) {
 }
 
 TEST(PoolAttentionTest, RefusesNonMlaPools) {
-  std::unique_ptr<BlockPool> gqa = MakePool(SmallGqa(), 2);
+  std::unique_ptr<BlockPool> gqa = MakeHostPool(SmallGqa(), 2);
   PoolAttentionRequest req;
   absl::StatusOr<PoolAttentionResult> r = RunMlaDecodeOnPool(*gqa, req);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
@@ -482,7 +459,7 @@ TEST(BlockPoolTest, WithOwnedArenaHandsAnyArenaWithTheOwnershipChecks) {
   EXPECT_EQ((*device)->WithOwnedHostArena(*ids, 3, "ids", record).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(seen, nullptr);
-  std::unique_ptr<BlockPool> host = MakePool(SmallGqa(), 2);
+  std::unique_ptr<BlockPool> host = MakeHostPool(SmallGqa(), 2);
   ids = host->Allocate(1, 3);
   ASSERT_TRUE(ids.ok());
   EXPECT_TRUE(host->WithOwnedHostArena(*ids, 3, "ids", record).ok());

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "gpu/agent/agent_test_util.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {
@@ -14,28 +15,6 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kEpoch = 7;
-
-// 2 layers x 4 kv heads x 8 dims, pages of 4 tokens: 1 KiB blocks.
-ModelSpec SmallGqa() {
-  ModelSpec s;
-  s.attention = AttentionKind::kGqa;
-  s.num_layers = 2;
-  s.num_heads = 8;
-  s.num_kv_heads = 4;
-  s.head_dim = 8;
-  s.dtype = KvDtype::kBf16;
-  s.page_size_tokens = 4;
-  return s;
-}
-
-std::unique_ptr<BlockPool> MakePool(uint64_t blocks) {
-  PoolGeometry g{SmallGqa(), blocks};
-  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes());
-  EXPECT_TRUE(host.ok()) << host.status();
-  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(g, *std::move(host));
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  return *std::move(pool);
-}
 
 std::vector<std::byte> Pattern(size_t n, int seed) {
   std::vector<std::byte> b(n);
@@ -69,8 +48,8 @@ class CommandExecutorTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<BlockPool> gpu_ = MakePool(4);
-  std::unique_ptr<BlockPool> host_ = MakePool(2);
+  std::unique_ptr<BlockPool> gpu_ = MakeHostPool(SmallGqa(), 4);
+  std::unique_ptr<BlockPool> host_ = MakeHostPool(SmallGqa(), 2);
   CommandExecutor executor_{gpu_.get(), Tier::kGpu, host_.get()};
   std::vector<BlockId> ids_;
   uint64_t bpb_ = 0;
@@ -158,7 +137,7 @@ TEST_F(CommandExecutorTest, ResetStartsANewEpoch) {
 }
 
 TEST(CommandExecutorNoHostTest, DemoteWithoutAHostPoolIsRefused) {
-  std::unique_ptr<BlockPool> gpu = MakePool(2);
+  std::unique_ptr<BlockPool> gpu = MakeHostPool(SmallGqa(), 2);
   CommandExecutor executor(gpu.get(), Tier::kGpu, nullptr);
   executor.Reset(kEpoch);
   const BlockId id = (*gpu->Allocate(1, kEpoch))[0];

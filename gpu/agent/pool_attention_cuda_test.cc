@@ -6,10 +6,10 @@
 #include <memory>
 #include <vector>
 
+#include "gpu/agent/agent_test_util.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_attention.h"
-#include "gpu/agent/pool_attention_test_util.h"
 #include "gpu/kernels/cuda_runner.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"

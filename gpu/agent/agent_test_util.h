@@ -1,8 +1,10 @@
-// MLA pools with known contents for the RunMlaDecodeOnPool tests, host (block_pool_test.cc)
-// and CUDA (pool_attention_cuda_test.cc): the same bytes can be written to a pool on any
-// backend, and the attended layer can be taken out alone for an independent reference.
-#ifndef KVCM_GPU_AGENT_POOL_ATTENTION_TEST_UTIL_H_
-#define KVCM_GPU_AGENT_POOL_ATTENTION_TEST_UTIL_H_
+// Pools for the agent's tests. A small GQA pool on the host backend (block_pool_test.cc,
+// command_executor_test.cc). MLA pools with known contents for the RunMlaDecodeOnPool
+// tests, host (block_pool_test.cc) and CUDA (pool_attention_cuda_test.cc): the same bytes
+// can be written to a pool on any backend, and the attended layer can be taken out alone
+// for an independent reference.
+#ifndef KVCM_GPU_AGENT_AGENT_TEST_UTIL_H_
+#define KVCM_GPU_AGENT_AGENT_TEST_UTIL_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -15,8 +17,17 @@
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_attention.h"
 #include "gpu/agent/pool_geometry.h"
+#include "server/core/model_spec.h"
 
 namespace kvcm {
+
+// A small GQA spec: 2 layers x 4 kv heads (of 8) x 8 dims, pages of 4 tokens, bf16: 1 KiB
+// blocks.
+ModelSpec SmallGqa();
+
+// A pool of `blocks` blocks of `spec` on a fresh host backend. An invalid geometry or a
+// failed step is a test failure (EXPECT); with no pool to return, the binary then aborts.
+std::unique_ptr<BlockPool> MakeHostPool(const ModelSpec& spec, uint64_t blocks);
 
 // Blocks in the pools ScatteredMlaRequest addresses.
 inline constexpr uint64_t kMlaTestPoolBlocks = 8;
@@ -53,4 +64,4 @@ inline constexpr uint32_t kScatteredHeads = 16;
 
 }  // namespace kvcm
 
-#endif  // KVCM_GPU_AGENT_POOL_ATTENTION_TEST_UTIL_H_
+#endif  // KVCM_GPU_AGENT_AGENT_TEST_UTIL_H_

@@ -1,4 +1,4 @@
-#include "gpu/agent/pool_attention_test_util.h"
+#include "gpu/agent/agent_test_util.h"
 
 #include <cmath>
 #include <cstring>
@@ -8,8 +8,31 @@
 #include "absl/status/status.h"
 #include "gpu/kernels/fp8_latent_cpu.h"
 #include "gpu/kernels/mla_math.h"
+#include "gtest/gtest.h"
 
 namespace kvcm {
+
+ModelSpec SmallGqa() {
+  ModelSpec s;
+  s.attention = AttentionKind::kGqa;
+  s.num_layers = 2;
+  s.num_heads = 8;
+  s.num_kv_heads = 4;
+  s.head_dim = 8;
+  s.dtype = KvDtype::kBf16;
+  s.page_size_tokens = 4;
+  return s;
+}
+
+std::unique_ptr<BlockPool> MakeHostPool(const ModelSpec& spec, uint64_t blocks) {
+  PoolGeometry g{spec, blocks};
+  EXPECT_TRUE(g.Validate().ok()) << g.Validate();
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(g.pool_bytes());
+  EXPECT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool = BlockPool::Create(g, *std::move(host));
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return *std::move(pool);
+}
 
 std::vector<uint16_t> RandomBf16(size_t count, uint32_t seed) {
   std::mt19937 rng(seed);
