@@ -25,10 +25,14 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
+#include "tests/agent_test_util.h"
 
 namespace kvcm {
 namespace {
 
+using ::kvcm::testing::AllocateBlocks;
+using ::kvcm::testing::StatsOf;
+using ::kvcm::testing::WaitFor;
 using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
@@ -56,22 +60,29 @@ std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uint64_t b
   return *std::move(agent);
 }
 
-uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) {
-  grpc::ClientContext ctx;
-  v1::BlockAgentStatsResponse s;
-  EXPECT_TRUE(agent.Stats(&ctx, v1::BlockAgentStatsRequest(), &s).ok());
-  return s.free_blocks();
+uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) { return StatsOf(agent).free_blocks(); }
+
+// A client of the manager at `address` that has registered `spec` as `ns`; null (with a
+// test failure) if either step fails.
+std::unique_ptr<Client> ConnectAndRegister(const std::string& address, const NamespaceId& ns,
+                                           const ModelSpec& spec) {
+  ClientOptions co;
+  co.address = address;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
+  if (!client.ok()) {
+    ADD_FAILURE() << client.status();
+    return nullptr;
+  }
+  if (absl::StatusOr<RegisterModelReply> r = (*client)->RegisterModel(ns, spec); !r.ok()) {
+    ADD_FAILURE() << r.status();
+    return nullptr;
+  }
+  return *std::move(client);
 }
 
-// Polls `pred` every 10 ms until it holds or 5 s pass; returns its last value.
-template <typename Pred>
-bool WaitFor(Pred pred) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(5);
-  while (!pred()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
+std::unique_ptr<v1::BlockAgent::Stub> BlockAgentStub(const Agent& agent) {
+  return v1::BlockAgent::NewStub(
+      grpc::CreateChannel(agent.address(), grpc::InsecureChannelCredentials()));
 }
 
 TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
@@ -79,25 +90,14 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   std::unique_ptr<Agent> agent = StartAgent(manager->address(), 8);
   ASSERT_TRUE(WaitFor([&] { return agent->registered(); }));
 
-  ClientOptions co;
-  co.address = manager->address();
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
-  ASSERT_TRUE(client.ok()) << client.status();
   const NamespaceId ns{"tenant", "deepseek-v3"};
   const ModelSpec& spec = agent->pool().geometry().spec;
-  ASSERT_TRUE((*client)->RegisterModel(ns, spec).ok());
+  std::unique_ptr<Client> client = ConnectAndRegister(manager->address(), ns, spec);
+  ASSERT_NE(client, nullptr);
 
-  auto ba = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
-  v1::AllocateBlocksRequest alloc;
-  alloc.set_count(3);
-  alloc.set_owner_epoch(agent->epoch());
-  v1::AllocateBlocksResponse got;
-  {
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(ba->Allocate(&ctx, alloc, &got).ok());
-  }
-  const std::vector<BlockId> ids(got.block_ids().begin(), got.block_ids().end());
+  auto ba = BlockAgentStub(*agent);
+  const std::vector<BlockId> ids = AllocateBlocks(*ba, 3, agent->epoch());
+  ASSERT_EQ(ids.size(), 3u);
   ASSERT_EQ(FreeBlocksOf(*ba), 5u);
 
   // The stream is open once the router knows the agent; evicting before that would send
@@ -109,15 +109,15 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   const PoolRef pool{"gpu-3", Tier::kGpu};
   // Two radix nodes: pages 0-1, then page 2 below them.
   const std::span<const int32_t> all(tokens);
-  absl::StatusOr<InsertReply> ins = (*client)->Insert(ns, all.first(2 * spec.page_size_tokens),
-                                                      pool, std::span<const BlockId>(ids).first(2));
+  absl::StatusOr<InsertReply> ins = client->Insert(ns, all.first(2 * spec.page_size_tokens), pool,
+                                                   std::span<const BlockId>(ids).first(2));
   ASSERT_TRUE(ins.ok()) << ins.status();
-  ins = (*client)->Insert(ns, all, pool, ids);
+  ins = client->Insert(ns, all, pool, ids);
   ASSERT_TRUE(ins.ok()) << ins.status();
   ASSERT_EQ(ins->new_pages, 1u);
 
   // The leaf goes first: exactly its block comes back.
-  absl::StatusOr<EvictReply> ev = (*client)->EvictFromPool(pool, 1);
+  absl::StatusOr<EvictReply> ev = client->EvictFromPool(pool, 1);
   ASSERT_TRUE(ev.ok()) << ev.status();
   ASSERT_EQ(ev->evicted_pages, 1u);
   EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 6; })) << FreeBlocksOf(*ba);
@@ -129,7 +129,7 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   }));
 
   // Then the rest.
-  ev = (*client)->EvictFromPool(pool, 2 * spec.BytesPerPage());
+  ev = client->EvictFromPool(pool, 2 * spec.BytesPerPage());
   ASSERT_TRUE(ev.ok()) << ev.status();
   ASSERT_EQ(ev->evicted_pages, 2u);
   EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 8; })) << FreeBlocksOf(*ba);
@@ -163,27 +163,15 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
   ASSERT_TRUE(WaitFor([&] { return agent->registered(); }));
   ASSERT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 1; }));
 
-  ClientOptions co;
-  co.address = manager->address();
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
-  ASSERT_TRUE(client.ok()) << client.status();
   const NamespaceId ns{"tenant", "deepseek-v3"};
   const ModelSpec& spec = agent->pool().geometry().spec;
-  ASSERT_TRUE((*client)->RegisterModel(ns, spec).ok());
+  std::unique_ptr<Client> client = ConnectAndRegister(manager->address(), ns, spec);
+  ASSERT_NE(client, nullptr);
 
   // Two pages written into two GPU blocks of the agent's epoch, then indexed.
-  auto ba = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
-  std::vector<BlockId> gpu_blocks;
-  {
-    v1::AllocateBlocksRequest alloc;
-    alloc.set_count(2);
-    alloc.set_owner_epoch(agent->epoch());
-    v1::AllocateBlocksResponse got;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(ba->Allocate(&ctx, alloc, &got).ok());
-    gpu_blocks.assign(got.block_ids().begin(), got.block_ids().end());
-  }
+  auto ba = BlockAgentStub(*agent);
+  const std::vector<BlockId> gpu_blocks = AllocateBlocks(*ba, 2, agent->epoch());
+  ASSERT_EQ(gpu_blocks.size(), 2u);
   const std::string written = Bytes(2 * kBlockBytes, 5);
   {
     grpc::ClientContext ctx;
@@ -203,23 +191,18 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
   }
   const std::vector<int32_t> tokens = Tokens(2, spec.page_size_tokens, 3);
   const PoolRef gpu{"gpu-3", Tier::kGpu};
-  ASSERT_TRUE((*client)->Insert(ns, tokens, gpu, gpu_blocks).ok());
+  ASSERT_TRUE(client->Insert(ns, tokens, gpu, gpu_blocks).ok());
 
   // Evicting both GPU pages demotes them: the agent copies, acks with host blocks, frees
   // the GPU blocks; the index then names the host blocks.
-  absl::StatusOr<EvictReply> ev = (*client)->EvictFromPool(gpu, 2 * spec.BytesPerPage());
+  absl::StatusOr<EvictReply> ev = client->EvictFromPool(gpu, 2 * spec.BytesPerPage());
   ASSERT_TRUE(ev.ok()) << ev.status();
-  auto host_used = [&] {
-    grpc::ClientContext ctx;
-    v1::BlockAgentStatsResponse s;
-    EXPECT_TRUE(ba->Stats(&ctx, v1::BlockAgentStatsRequest(), &s).ok());
-    return s.host_pool().used_bytes();
-  };
+  auto host_used = [&] { return StatsOf(*ba).host_pool().used_bytes(); };
   EXPECT_TRUE(WaitFor([&] { return host_used() == 2 * kBlockBytes; })) << host_used();
   EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 4; })) << FreeBlocksOf(*ba);
   EXPECT_TRUE(WaitFor([&] { return manager->commands().unacked_commands("gpu-3") == 0; }));
 
-  absl::StatusOr<MatchReply> m = (*client)->Match(ns, tokens, {.probe = true});
+  absl::StatusOr<MatchReply> m = client->Match(ns, tokens, {.probe = true});
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_EQ(m->matched_pages, 2u);
   std::vector<BlockId> host_blocks;
@@ -322,12 +305,8 @@ class FakeAgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
     manager_ = StartManager({.lease_sweep_interval_ms = 20, .agent_heartbeat_timeout_ms = 300});
-    ClientOptions co;
-    co.address = manager_->address();
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(co);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = *std::move(c);
-    ASSERT_TRUE(client_->RegisterModel(ns_, *FakeAgent::FindDeepSeekV3()).ok());
+    client_ = ConnectAndRegister(manager_->address(), ns_, *FakeAgent::FindDeepSeekV3());
+    ASSERT_NE(client_, nullptr);
   }
 
   // Inserts `pages` pages into the fake agent's pool in blocks first_block.. and evicts the

@@ -22,24 +22,18 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
+#include "tests/agent_test_util.h"
 
 namespace kvcm {
 namespace {
 
+using ::kvcm::testing::AllocateBlocks;
+using ::kvcm::testing::StatsOf;
+using ::kvcm::testing::WaitFor;
+
 constexpr uint64_t kBlockBytes = 1152ull * 61 * 64;  // a DeepSeek-V3 bf16 page
 constexpr uint64_t kBlocks = 8;
 constexpr char kAgentId[] = "gpu-0";
-
-// Polls `pred` every 10 ms until it holds or 5 s pass; returns its last value.
-template <typename Pred>
-bool WaitFor(Pred pred) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(5);
-  while (!pred()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
-}
 
 // A manager on 127.0.0.1:`port` (0: any free port); null (with a test failure) if it never
 // binds. Rebinding the port of a manager that has just shut down succeeded first time in
@@ -69,25 +63,6 @@ AgentInfo AgentInfoOf(ManagerServer& manager, const std::string& agent_id) {
     if (a.registration.agent_id == agent_id) return a;
   }
   return AgentInfo{};
-}
-
-v1::BlockAgentStatsResponse StatsOf(v1::BlockAgent::Stub& agent) {
-  grpc::ClientContext ctx;
-  v1::BlockAgentStatsResponse s;
-  const grpc::Status status = agent.Stats(&ctx, v1::BlockAgentStatsRequest(), &s);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return s;
-}
-
-std::vector<BlockId> Allocate(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t owner_epoch) {
-  v1::AllocateBlocksRequest req;
-  req.set_count(count);
-  req.set_owner_epoch(owner_epoch);
-  v1::AllocateBlocksResponse resp;
-  grpc::ClientContext ctx;
-  const grpc::Status status = agent.Allocate(&ctx, req, &resp);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return {resp.block_ids().begin(), resp.block_ids().end()};
 }
 
 // ReadBlocks of `ids` as `owner_epoch`: OK only while that owner holds every block.
@@ -134,8 +109,8 @@ class AgentEpochTest : public ::testing::Test {
 
     ba_ = v1::BlockAgent::NewStub(
         grpc::CreateChannel(agent_->address(), grpc::InsecureChannelCredentials()));
-    cache_blocks_ = Allocate(*ba_, kCacheBlocks, old_epoch_);
-    private_blocks_ = Allocate(*ba_, kPrivateBlocks, kWorkerEpoch);
+    cache_blocks_ = AllocateBlocks(*ba_, kCacheBlocks, old_epoch_);
+    private_blocks_ = AllocateBlocks(*ba_, kPrivateBlocks, kWorkerEpoch);
     ASSERT_EQ(cache_blocks_.size(), kCacheBlocks);
     ASSERT_EQ(private_blocks_.size(), kPrivateBlocks);
     ASSERT_EQ(StatsOf(*ba_).free_blocks(), kBlocks - kCacheBlocks - kPrivateBlocks);

@@ -21,10 +21,12 @@
 #include "proto/core_types.h"
 #include "server/core/model_catalog.h"
 #include "server/service/manager_server.h"
+#include "tests/agent_test_util.h"
 
 namespace kvcm {
 namespace {
 
+using ::kvcm::testing::AllocateBlocks;
 using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(uint32_t timeout_ms) {
@@ -241,16 +243,6 @@ std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes) {
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   EXPECT_TRUE(agent.ok()) << agent.status();
   return *std::move(agent);
-}
-
-std::vector<BlockId> AllocateBlocks(v1::BlockAgent::Stub& stub, uint32_t count, uint64_t epoch) {
-  v1::AllocateBlocksRequest req;
-  req.set_count(count);
-  req.set_owner_epoch(epoch);
-  v1::AllocateBlocksResponse resp;
-  grpc::ClientContext ctx;
-  EXPECT_TRUE(stub.Allocate(&ctx, req, &resp).ok());
-  return {resp.block_ids().begin(), resp.block_ids().end()};
 }
 
 // Streams a header (unless !send_header) and `bytes` in chunks of `chunk` bytes.
