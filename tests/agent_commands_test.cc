@@ -240,7 +240,7 @@ class FakeAgent {
         control_(v1::AgentControl::NewStub(
             grpc::CreateChannel(manager_address, grpc::InsecureChannelCredentials()))) {}
 
-  grpc::Status Register(uint64_t epoch, uint64_t blocks = 16) {
+  grpc::Status Register(uint64_t epoch, uint64_t blocks = 16, uint64_t host_blocks = 0) {
     v1::RegisterAgentRequest req;
     req.set_agent_id(id_);
     req.set_device("host");
@@ -250,6 +250,10 @@ class FakeAgent {
     req.mutable_geometry()->set_bytes_per_block(spec->BytesPerPage());
     req.mutable_geometry()->set_num_blocks(blocks);
     req.set_capacity_bytes(blocks * spec->BytesPerPage());
+    if (host_blocks > 0) {
+      req.mutable_host_pool()->set_num_blocks(host_blocks);
+      req.mutable_host_pool()->set_capacity_bytes(host_blocks * spec->BytesPerPage());
+    }
     req.set_epoch(epoch);
     grpc::ClientContext ctx;
     v1::RegisterAgentResponse resp;
@@ -415,6 +419,74 @@ TEST_F(FakeAgentTest, AGoneAgentsPagesAreDroppedAndItsEpochEnds) {
 
   ASSERT_TRUE(agent.Register(5).ok());  // back as a new incarnation
   EXPECT_TRUE(agent.Heartbeat(5).ok());
+}
+
+// The manager's side of a demotion, with the agent's answers chosen by the test: blocks the
+// agent reports go into the index; a failed copy takes the pending host pages back out.
+TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
+  std::unique_ptr<ManagerServer> manager = StartManager({.policy = "cost"});
+  const ModelSpec spec = *FakeAgent::FindDeepSeekV3();
+  const NamespaceId ns{"tenant", "deepseek-v3"};
+  std::unique_ptr<Client> client = ConnectAndRegister(manager->address(), ns, spec);
+  ASSERT_NE(client, nullptr);
+  FakeAgent agent(manager->address(), "fake-2");
+  ASSERT_TRUE(agent.Register(1, 16, /*host_blocks=*/16).ok());
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
+  ASSERT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 1; }));
+
+  const PoolRef gpu{"fake-2", Tier::kGpu};
+  const std::vector<int32_t> kept = Tokens(2, spec.page_size_tokens, 1);
+  const std::vector<int32_t> lost = Tokens(1, spec.page_size_tokens, 1000);
+  ASSERT_TRUE(client->Insert(ns, kept, gpu, std::vector<BlockId>{3, 4}).ok());
+  ASSERT_TRUE(client->Insert(ns, lost, gpu, std::vector<BlockId>{5}).ok());
+  const uint64_t page = spec.BytesPerPage();
+
+  // First demotion: the agent copies blocks 3, 4 into host blocks 7, 8.
+  ASSERT_TRUE(client->Match(ns, lost, {}).ok());  // `kept` is now the older: it goes first
+  ASSERT_TRUE(client->EvictFromPool(gpu, 2 * page).ok());
+  v1::AgentCommand command;
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_demote()) << command.DebugString();
+  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(3, 4));
+  v1::AgentCommandAck ack = Ack(command.sequence());
+  ack.add_block_ids(7);
+  ack.add_block_ids(8);
+  ASSERT_TRUE(s->rw->Write(ack));
+  ASSERT_TRUE(s->rw->Read(&command));  // then the GPU blocks are freed
+  ASSERT_TRUE(command.has_free());
+  EXPECT_EQ(command.free().tier(), v1::TIER_GPU);
+  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(3, 4));
+  ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
+  ASSERT_TRUE(WaitFor([&] { return manager->commands().unacked_commands("fake-2") == 0; }));
+  absl::StatusOr<MatchReply> m = client->Match(ns, kept, {.probe = true});
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->matched_pages, 2u);
+  std::vector<BlockId> host_blocks;
+  for (const MatchReply::Segment& seg : m->segments) {
+    ASSERT_EQ(seg.replicas.size(), 1u);
+    EXPECT_EQ(seg.replicas[0].pool.tier, Tier::kHost);
+    host_blocks.insert(host_blocks.end(), seg.replicas[0].block_ids.begin(),
+                       seg.replicas[0].block_ids.end());
+  }
+  EXPECT_THAT(host_blocks, ::testing::ElementsAre(7, 8));
+
+  // Second demotion: the copy fails, so the index forgets the pending host page.
+  ASSERT_TRUE(client->EvictFromPool(gpu, page).ok());
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_demote());
+  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(5));
+  EXPECT_EQ(client->Match(ns, lost, {.probe = true})->matched_pages, 1u);  // pending meanwhile
+  ack = Ack(command.sequence());
+  ack.set_code(static_cast<int32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  ack.set_message("host pool full");
+  ASSERT_TRUE(s->rw->Write(ack));
+  EXPECT_TRUE(
+      WaitFor([&] { return client->Match(ns, lost, {.probe = true})->matched_pages == 0; }));
+  EXPECT_EQ(client->Match(ns, kept, {.probe = true})->matched_pages, 2u);
+  EXPECT_TRUE(WaitFor([&] {
+    return absl::StrContains(manager->metrics().RenderText(),
+                             "kvcm_agent_commands_total{result=\"failed\"} 1");
+  }));
 }
 
 TEST(AgentCommandsTest, StaleEpochIsAbortedAndUnknownAgentNotFound) {
