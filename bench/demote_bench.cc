@@ -119,12 +119,11 @@ int Main(int argc, char** argv) {
     uint32_t page_size_tokens;
     uint32_t blocks_per_command;
   };
-  const std::vector<Case> cases =
-      smoke ? std::vector<Case>{{"deepseek-v2-lite", 16, 2}}
-            : std::vector<Case>{{"deepseek-v3", 64, 1},
-                                {"deepseek-v3", 64, 16},
-                                {"deepseek-v2-lite", 64, 16},
-                                {"llama-3-70b", 64, 4}};
+  const std::vector<Case> cases = smoke ? std::vector<Case>{{"deepseek-v2-lite", 16, 2}}
+                                        : std::vector<Case>{{"deepseek-v3", 64, 1},
+                                                            {"deepseek-v3", 64, 16},
+                                                            {"deepseek-v2-lite", 64, 16},
+                                                            {"llama-3-70b", 64, 4}};
   for (const Case& c : cases) {
     absl::StatusOr<ModelSpec> spec = FindModel(c.model);
     if (!spec.ok()) {
@@ -134,11 +133,9 @@ int Main(int argc, char** argv) {
     spec->page_size_tokens = c.page_size_tokens;
     const std::string name =
         absl::StrFormat("%s/page%d/x%d", c.model, c.page_size_tokens, c.blocks_per_command);
-    benchmark::RegisterBenchmark(("Demote/" + name).c_str(), BM_Demote, *spec,
-                                 c.blocks_per_command)
+    benchmark::RegisterBenchmark(("Demote/" + name).c_str(), BM_Demote, *spec, c.blocks_per_command)
         ->Unit(benchmark::kMicrosecond);
-    benchmark::RegisterBenchmark(("Memcpy/" + name).c_str(), BM_Memcpy, *spec,
-                                 c.blocks_per_command)
+    benchmark::RegisterBenchmark(("Memcpy/" + name).c_str(), BM_Memcpy, *spec, c.blocks_per_command)
         ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RunSpecifiedBenchmarks();

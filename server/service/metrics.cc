@@ -229,7 +229,9 @@ ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
   prometheus::Family<prometheus::Counter>& commands =
       prometheus::BuildCounter()
           .Name("kvcm_agent_commands_total")
-          .Help("Manager -> agent commands (FreeBlocks, DemoteBlocks) by result: acked, failed or dropped.")
+          .Help(
+              "Manager -> agent commands (FreeBlocks, DemoteBlocks) by result: acked, failed or "
+              "dropped.")
           .Register(*registry_);
   agent_commands_[static_cast<int>(AgentCommandResult::kAcked)] =
       &commands.Add({{"result", "acked"}});
