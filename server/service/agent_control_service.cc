@@ -99,6 +99,16 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   return call;
 }
 
+uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r) {
+  uint64_t pages = 0;
+  for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
+    if (absl::StatusOr<DropPoolResult> dropped = index.DropPool(p); dropped.ok()) {
+      pages += dropped->dropped_pages;
+    }
+  }
+  return pages;
+}
+
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
   for (const AgentInfo& a : agents) {
     v1::AgentStats* s = out->add_agents();
@@ -133,13 +143,9 @@ grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerCont
       // A new incarnation holds nothing: forget what the index and the command queue kept
       // for the old one (its blocks died with it).
       commands_->OnRegistered(r.agent_id, r.epoch);
-      for (const PoolKey& p : {pool, host}) {
-        if (absl::StatusOr<DropPoolResult> dropped = index_->DropPool(p);
-            dropped.ok() && dropped->dropped_pages > 0) {
-          LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, ": dropped ",
-                               dropped->dropped_pages, " pages of ", p.ToString(),
-                               " held by its previous epoch"));
-        }
+      if (const uint64_t pages = DropAgentPools(*index_, r); pages > 0) {
+        LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, ": dropped the ", pages,
+                             " pages its previous epoch held"));
       }
     }
     KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(pool, r.capacity_bytes));

@@ -42,6 +42,10 @@ struct RegisterAgentCall {
 // TIER_GPU or with num_blocks / capacity_bytes out of range ("host_pool.<field>").
 absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req);
 
+// Forgets the pages the index holds in the pools of agent `r` (its main pool and its HOST
+// pool): its process restarted or is gone, and its blocks with it. Returns the pages.
+uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r);
+
 // Appends one v1::AgentStats per agent to `out->agents`.
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 

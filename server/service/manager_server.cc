@@ -129,12 +129,7 @@ void ManagerServer::SweepLeases() {
 void ManagerServer::DropGoneAgents() {
   for (const AgentRegistration& r : agents_->TakeGone()) {
     commands_->Forget(r.agent_id);
-    uint64_t pages = 0;
-    for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
-      if (absl::StatusOr<DropPoolResult> dropped = index_->DropPool(p); dropped.ok()) {
-        pages += dropped->dropped_pages;
-      }
-    }
+    const uint64_t pages = DropAgentPools(*index_, r);
     LogWarning(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " is gone (no heartbeat for ",
                             absl::FormatDuration(agents_->heartbeat_timeout()), "): dropped its ",
                             pages, " pages from the index"));
