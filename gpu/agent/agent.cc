@@ -39,6 +39,20 @@ absl::string_view HostOf(absl::string_view address) {
   return address.substr(0, address.rfind(':'));
 }
 
+// The host pool's memory: page-locked when the main pool is on a GPU (demotion copies then
+// run at full link speed), plain DRAM otherwise or when pinning fails.
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateHostPoolBackend(const BlockPool& main,
+                                                                     uint64_t bytes) {
+#ifdef KVCM_CUDA_ENABLED
+  if (main.backend().is_device()) {
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> pinned = CreatePinnedHostBackend(bytes);
+    if (pinned.ok()) return pinned;
+    LogWarning(absl::StrCat("host pool: ", pinned.status().message(), "; using pageable DRAM"));
+  }
+#endif
+  return CreateHostBackend(bytes);
+}
+
 }  // namespace
 
 namespace {
@@ -365,10 +379,9 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->backend_reason_ = std::move(choice.reason);
   KVCM_ASSIGN_OR_RETURN(a->pool_, BlockPool::Create(geometry, std::move(choice.backend)));
   if (opts.host_capacity_bytes > 0) {
-    // Plain DRAM; pinning it (cudaHostAlloc) would speed up demotion copies on a GPU.
     KVCM_ASSIGN_OR_RETURN(PoolGeometry host_geometry, opts.HostGeometry());
     KVCM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> host_backend,
-                          CreateHostBackend(host_geometry.pool_bytes()));
+                          CreateHostPoolBackend(*a->pool_, host_geometry.pool_bytes()));
     KVCM_ASSIGN_OR_RETURN(a->host_pool_, BlockPool::Create(host_geometry, std::move(host_backend)));
   }
   a->executor_ = std::make_unique<CommandExecutor>(a->pool_.get(), opts.tier, a->host_pool_.get());

@@ -478,6 +478,50 @@ TEST(DeviceBackendTest, HostBackendChecksRanges) {
   EXPECT_EQ(CreateHostBackend(0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+bool g_released = false;
+
+TEST(DeviceBackendTest, AdoptedHostArenaIsReleasedWithTheBackend) {
+  auto* arena = new std::byte[32];
+  g_released = false;
+  {
+    std::unique_ptr<DeviceBackend> b = AdoptHostArena(arena, 32, "host-test", [](std::byte* p) {
+      g_released = true;
+      delete[] p;
+    });
+    EXPECT_EQ(b->name(), "host-test");
+    EXPECT_FALSE(b->is_device());
+    EXPECT_EQ(b->base(), arena);
+    const std::vector<std::byte> in = Pattern(32, 4);
+    ASSERT_TRUE(b->CopyIn(0, in).ok());
+    std::vector<std::byte> out(32);
+    ASSERT_TRUE(b->CopyOut(0, out).ok());
+    EXPECT_EQ(out, in);
+    EXPECT_FALSE(g_released);
+  }
+  EXPECT_TRUE(g_released);
+}
+
+#ifdef KVCM_CUDA_ENABLED
+// Page-locked host memory needs a CUDA driver: with one, a working host arena; without one
+// (every CI machine), a clear error the agent falls back from.
+TEST(DeviceBackendTest, PinnedHostBackendWorksOrSaysWhy) {
+  absl::StatusOr<std::unique_ptr<DeviceBackend>> pinned = CreatePinnedHostBackend(64);
+  absl::StatusOr<int> count = CudaDeviceCount();
+  if (!count.ok() || *count == 0) {
+    ASSERT_FALSE(pinned.ok());
+    EXPECT_THAT(pinned.status().message(), HasSubstr("cudaHostAlloc"));
+    return;
+  }
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  EXPECT_EQ((*pinned)->name(), "host-pinned");
+  EXPECT_FALSE((*pinned)->is_device());
+  const std::vector<std::byte> in = Pattern(64, 9);
+  ASSERT_TRUE((*pinned)->CopyIn(0, in).ok());
+  EXPECT_EQ(std::memcmp((*pinned)->base(), in.data(), 64), 0);
+  EXPECT_EQ(CreatePinnedHostBackend(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+#endif
+
 // Without a GPU (every CI machine), CreateBackend must fall back to the host and say why.
 TEST(DeviceBackendTest, CreateBackendFallsBackToHostWithoutADevice) {
   absl::StatusOr<BackendChoice> forced = CreateBackend({.arena_bytes = 64, .allow_device = false});

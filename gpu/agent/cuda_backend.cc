@@ -69,4 +69,18 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_inde
   return std::make_unique<CudaBackend>(device_index, static_cast<std::byte*>(arena), arena_bytes);
 }
 
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreatePinnedHostBackend(uint64_t arena_bytes) {
+  if (arena_bytes < 1) return absl::InvalidArgumentError("arena_bytes must be >= 1");
+  void* arena = nullptr;
+  if (const cudaError_t err = cudaHostAlloc(&arena, arena_bytes, cudaHostAllocDefault);
+      err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it for later calls
+    return absl::ResourceExhaustedError(absl::StrCat("cudaHostAlloc of ", arena_bytes,
+                                                     " bytes: ", cudaGetErrorName(err), " (",
+                                                     static_cast<int>(err), ")"));
+  }
+  return AdoptHostArena(static_cast<std::byte*>(arena), arena_bytes, "host-pinned",
+                        [](std::byte* p) { cudaFreeHost(p); });
+}
+
 }  // namespace kvcm

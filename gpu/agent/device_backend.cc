@@ -9,13 +9,13 @@
 namespace kvcm {
 namespace {
 
-// DRAM arena. Thread-safe (see DeviceBackend).
+// DRAM arena, freed by `release`. Thread-safe (see DeviceBackend).
 class HostBackend final : public DeviceBackend {
  public:
-  HostBackend(std::unique_ptr<std::byte[]> arena, uint64_t bytes)
-      : arena_(std::move(arena)), bytes_(bytes) {}
+  HostBackend(std::byte* arena, uint64_t bytes, std::string name, void (*release)(std::byte*))
+      : arena_(arena, release), bytes_(bytes), name_(std::move(name)) {}
 
-  std::string name() const override { return "host"; }
+  std::string name() const override { return name_; }
   bool is_device() const override { return false; }
   std::byte* base() const override { return arena_.get(); }
   uint64_t arena_bytes() const override { return bytes_; }
@@ -32,8 +32,9 @@ class HostBackend final : public DeviceBackend {
   }
 
  private:
-  const std::unique_ptr<std::byte[]> arena_;
+  const std::unique_ptr<std::byte, void (*)(std::byte*)> arena_;
   const uint64_t bytes_;
+  const std::string name_;
 };
 
 }  // namespace
@@ -50,12 +51,17 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateHostBackend(uint64_t arena_
   if (arena_bytes < 1) return absl::InvalidArgumentError("arena_bytes must be >= 1");
   // Not value-initialised: the OS commits pages on first touch, as a GPU pool would be
   // filled only by writes.
-  std::unique_ptr<std::byte[]> arena(new (std::nothrow) std::byte[arena_bytes]);
+  std::byte* arena = new (std::nothrow) std::byte[arena_bytes];
   if (arena == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate a host arena of ", arena_bytes, " bytes"));
   }
-  return std::make_unique<HostBackend>(std::move(arena), arena_bytes);
+  return AdoptHostArena(arena, arena_bytes, "host", [](std::byte* p) { delete[] p; });
+}
+
+std::unique_ptr<DeviceBackend> AdoptHostArena(std::byte* arena, uint64_t arena_bytes,
+                                              std::string name, void (*release)(std::byte*)) {
+  return std::make_unique<HostBackend>(arena, arena_bytes, std::move(name), release);
 }
 
 absl::StatusOr<BackendChoice> CreateBackend(const BackendOptions& options) {

@@ -45,6 +45,12 @@ class DeviceBackend {
 // A DRAM arena of `arena_bytes` (>= 1). RESOURCE_EXHAUSTED when it cannot be allocated.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateHostBackend(uint64_t arena_bytes);
 
+// A host backend over `arena` (arena_bytes long, allocated elsewhere, e.g. page-locked by
+// cudaHostAlloc), reported as `name`; `release` frees it when the backend goes.
+// REQUIRES: arena != nullptr, arena_bytes >= 1.
+std::unique_ptr<DeviceBackend> AdoptHostArena(std::byte* arena, uint64_t arena_bytes,
+                                              std::string name, void (*release)(std::byte*));
+
 struct BackendOptions {
   // Bytes of the arena. >= 1.
   uint64_t arena_bytes = 0;
@@ -72,6 +78,10 @@ absl::StatusOr<int> CudaDeviceCount();
 // One cudaMalloc of `arena_bytes` on device `device_index`.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index,
                                                                  uint64_t arena_bytes);
+// A host arena of page-locked memory (one cudaHostAlloc, named "host-pinned"), so that
+// copies between it and a device run at full link speed without staging: the host pool of
+// an agent whose main pool is on a GPU. The CUDA error (e.g. no driver) as a Status.
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreatePinnedHostBackend(uint64_t arena_bytes);
 #endif
 
 }  // namespace kvcm

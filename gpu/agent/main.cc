@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
                              " bytes, layout ", g.Layout().ToString()));
   if (const kvcm::BlockPool* host = agent->host_pool(); host != nullptr) {
     kvcm::LogInfo(absl::StrCat("host pool (demotion target): ", host->geometry().num_blocks,
-                               " blocks in host DRAM"));
+                               " blocks in ", host->backend().name(), " memory"));
   }
 
   std::thread signal_waiter([&stop_signals, agent] {
