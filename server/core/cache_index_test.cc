@@ -420,7 +420,7 @@ TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
   ASSERT_TRUE(evicted.ok()) << evicted.status();
   EXPECT_EQ(*evicted, bpp_);
   EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
-  const PoolStats& p = Pool(index_->Stats(), gpu0_);
+  const PoolStats p = Pool(index_->Stats(), gpu0_);
   EXPECT_EQ(p.reserved_bytes, 3 * bpp_);
   EXPECT_EQ(p.used_bytes + p.reserved_bytes, p.capacity_bytes);
 
@@ -464,7 +464,7 @@ TEST_F(CacheIndexTest, PoolSharedByTwoModelsEvictsTheShortfallInBytes) {
   absl::StatusOr<InsertResult> r = index_->Insert(llama, Prompt({1}, &llama), gpu0_, Blocks(0, 1));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->evicted_bytes, want * bpp_);
-  const PoolStats& p = Pool(index_->Stats(), gpu0_);
+  const PoolStats p = Pool(index_->Stats(), gpu0_);
   EXPECT_EQ(p.used_bytes, (6 - want) * bpp_ + gqa_page);
   EXPECT_LE(p.used_bytes, p.capacity_bytes);
 }
@@ -915,7 +915,7 @@ void CacheIndexTest::RunRandomOperations() {
         }
         break;
       case 4: {
-        const PoolStats& p = Pool(index_->Stats(), pool);
+        const PoolStats p = Pool(index_->Stats(), pool);
         if (p.used_bytes > p.pinned_bytes) {
           ASSERT_TRUE(
               index_->EvictFromPool(pool, 1 + rng() % (p.used_bytes - p.pinned_bytes)).ok());

@@ -1,0 +1,305 @@
+// AgentControl under random and hostile input, in process: a ManagerServer with the cost
+// policy (so evictions demote into HOST pools), a client inserting, matching, pinning and
+// evicting at random, and fake agents driven by the test whose Commands streams ack at
+// random: right and wrong sequences, error codes, demote acks with too few, too many,
+// repeated or pending block ids, streams cancelled mid-way and reopened, new epochs,
+// registrations with bad fields. The manager must never crash, must answer every call
+// with a documented code, and its byte accounting must stay exact throughout:
+// every pool's used bytes are its pages x bytes per page, within capacity.
+//
+//   KVCM_FUZZ_SEED=<n> picks the seed (printed on failure); KVCM_FUZZ_STEPS=<n> the length.
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "proto/core_types.h"
+#include "server/service/manager_server.h"
+
+namespace kvcm {
+namespace {
+
+constexpr uint64_t kBlocks = 24;  // per pool; the index's capacity is this many pages
+
+ModelSpec Spec() {
+  return ModelSpec{.attention = AttentionKind::kMla,
+                   .num_layers = 27,
+                   .num_heads = 16,
+                   .kv_lora_rank = 512,
+                   .rope_dim = 64,
+                   .page_size_tokens = 16};
+}
+
+uint64_t EnvOr(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+// One fake agent: registers, and runs a Commands stream on its own thread that acks
+// whatever arrives, at random, until told to stop or the stream ends.
+class ChaosAgent {
+ public:
+  ChaosAgent(const std::string& address, std::string id, uint64_t seed)
+      : id_(std::move(id)),
+        control_(v1::AgentControl::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+        rng_(seed) {}
+  ~ChaosAgent() { CloseStream(); }
+
+  const std::string& id() const { return id_; }
+  uint64_t epoch() const { return epoch_; }
+
+  grpc::Status Register(uint64_t epoch) {
+    const uint64_t page = Spec().BytesPerPage();
+    v1::RegisterAgentRequest req;
+    req.set_agent_id(id_);
+    req.set_device("host");
+    req.set_tier(v1::TIER_GPU);
+    ModelSpecToProto(Spec(), req.mutable_geometry()->mutable_spec());
+    req.mutable_geometry()->set_bytes_per_block(page);
+    req.mutable_geometry()->set_num_blocks(kBlocks);
+    req.set_capacity_bytes(kBlocks * page);
+    req.mutable_host_pool()->set_num_blocks(kBlocks);
+    req.mutable_host_pool()->set_capacity_bytes(kBlocks * page);
+    req.set_epoch(epoch);
+    grpc::ClientContext ctx;
+    v1::RegisterAgentResponse resp;
+    grpc::Status s = control_->Register(&ctx, req, &resp);
+    if (s.ok()) epoch_ = epoch;
+    return s;
+  }
+
+  grpc::Status Heartbeat(uint64_t epoch) {
+    v1::HeartbeatRequest req;
+    req.set_agent_id(id_);
+    req.set_epoch(epoch);
+    grpc::ClientContext ctx;
+    v1::HeartbeatResponse resp;
+    return control_->Heartbeat(&ctx, req, &resp);
+  }
+
+  // Opens a stream (hello with `epoch`) and starts acking on a thread.
+  void OpenStream(uint64_t epoch) {
+    CloseStream();
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    stream_ = control_->Commands(ctx_.get());
+    v1::AgentCommandAck hello;
+    hello.set_agent_id(id_);
+    hello.set_epoch(epoch);
+    stream_->Write(hello);
+    reader_ = std::thread([this, seed = rng_()] { AckLoop(seed); });
+  }
+
+  // Cancels the open stream, if any, and joins its thread. The final status must be one
+  // the Commands RPC documents.
+  void CloseStream() {
+    if (stream_ == nullptr) return;
+    ctx_->TryCancel();
+    reader_.join();
+    const grpc::Status s = stream_->Finish();
+    const grpc::StatusCode code = s.error_code();
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED ||
+                code == grpc::StatusCode::ABORTED || code == grpc::StatusCode::NOT_FOUND ||
+                code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::UNAVAILABLE)
+        << id_ << ": Commands ended with " << code << " " << s.error_message();
+    stream_.reset();
+    ctx_.reset();
+  }
+
+  uint64_t commands_seen() const { return commands_seen_.load(); }
+
+ private:
+  void AckLoop(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    v1::AgentCommand command;
+    while (stream_->Read(&command)) {
+      ++commands_seen_;
+      v1::AgentCommandAck ack;
+      const uint32_t dice = rng() % 20;
+      // Mostly the right sequence; sometimes an old, a future or a zero one.
+      ack.set_sequence(dice == 0   ? command.sequence() + 1 + rng() % 3
+                       : dice == 1 ? command.sequence() - std::min<uint64_t>(command.sequence(), 1)
+                                   : command.sequence());
+      if (rng() % 6 == 0) {
+        ack.set_code(static_cast<int32_t>(1 + rng() % 16));
+        ack.set_message("chaos");
+      }
+      if (command.has_demote()) {
+        const int n = command.demote().source_block_ids_size();
+        int count = n;
+        if (rng() % 8 == 0) count = static_cast<int>(rng() % (n + 3));  // wrong count
+        for (int i = 0; i < count; ++i) {
+          const uint32_t pick = rng() % 10;
+          ack.add_block_ids(pick == 0   ? kPendingBlock
+                            : pick == 1 ? 0  // repeated ids
+                                        : static_cast<BlockId>(rng() % kBlocks));
+        }
+      }
+      if (rng() % 40 == 0) ack.set_agent_id("spoofed");  // ignored after the hello
+      if (!stream_->Write(ack)) break;
+    }
+  }
+
+  const std::string id_;
+  std::unique_ptr<v1::AgentControl::Stub> control_;
+  std::mt19937_64 rng_;
+  uint64_t epoch_ = 0;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> stream_;
+  std::thread reader_;
+  std::atomic<uint64_t> commands_seen_{0};
+};
+
+// Every pool's bytes add up; what a failed call must not break.
+void ExpectConsistent(CacheIndex& index, const std::string& where) {
+  const IndexStats s = index.Stats();
+  const uint64_t page = Spec().BytesPerPage();
+  for (const PoolStats& p : s.pools) {
+    ASSERT_EQ(p.used_bytes, p.pages * page) << where << " " << p.pool.ToString();
+    ASSERT_LE(p.used_bytes, p.capacity_bytes) << where << " " << p.pool.ToString();
+    ASSERT_LE(p.pinned_bytes, p.used_bytes) << where << " " << p.pool.ToString();
+  }
+}
+
+TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
+  const uint64_t seed = EnvOr("KVCM_FUZZ_SEED", 20261122);
+  const uint64_t steps = EnvOr("KVCM_FUZZ_STEPS", 1500);
+  SCOPED_TRACE(::testing::Message() << "KVCM_FUZZ_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+
+  ServerOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.metrics_address = "";
+  o.shutdown_grace_ms = 100;
+  o.policy = "cost";
+  o.lease_sweep_interval_ms = 5;
+  o.agent_heartbeat_timeout_ms = 60'000;
+  absl::StatusOr<std::unique_ptr<ManagerServer>> started = ManagerServer::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ManagerServer& manager = **started;
+
+  ClientOptions co;
+  co.address = manager.address();
+  absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(co);
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  Client& client = **connected;
+  const NamespaceId ns{"fuzz", "v2-lite"};
+  ASSERT_TRUE(client.RegisterModel(ns, Spec()).ok());
+
+  std::vector<std::unique_ptr<ChaosAgent>> agents;
+  for (int i = 0; i < 2; ++i) {
+    agents.push_back(
+        std::make_unique<ChaosAgent>(manager.address(), "chaos-" + std::to_string(i), rng()));
+    ASSERT_TRUE(agents.back()->Register(1).ok());
+    agents.back()->OpenStream(1);
+  }
+
+  std::vector<uint64_t> pins;
+  for (uint64_t step = 0; step < steps; ++step) {
+    ChaosAgent& agent = *agents[rng() % agents.size()];
+    const PoolRef gpu{agent.id(), Tier::kGpu};
+    // Prompts of 1..6 pages over a 3-token alphabet: heavy prefix sharing.
+    std::vector<int32_t> tokens(Spec().page_size_tokens * (1 + rng() % 6));
+    for (size_t i = 0; i < tokens.size(); i += Spec().page_size_tokens) {
+      std::fill_n(tokens.begin() + i, Spec().page_size_tokens, static_cast<int32_t>(rng() % 3));
+    }
+    const uint32_t pages = static_cast<uint32_t>(tokens.size() / Spec().page_size_tokens);
+    const uint32_t op = rng() % 100;
+    if (op < 35) {
+      std::vector<BlockId> blocks(pages);
+      for (BlockId& b : blocks) b = static_cast<BlockId>(rng() % kBlocks);
+      absl::StatusOr<InsertReply> r = client.Insert(ns, tokens, gpu, blocks);
+      ASSERT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kResourceExhausted)
+          << r.status();
+    } else if (op < 55) {
+      absl::StatusOr<MatchReply> m =
+          client.Match(ns, tokens, {.requester_agent_id = agent.id(), .pin = rng() % 3 == 0});
+      ASSERT_TRUE(m.ok()) << m.status();
+      if (m->pin_id != 0) pins.push_back(m->pin_id);
+    } else if (op < 62) {
+      if (!pins.empty()) {
+        const absl::Status s = client.Release(ns, pins.back());
+        ASSERT_TRUE(s.ok() || s.code() == absl::StatusCode::kAborted) << s;
+        pins.pop_back();
+      }
+    } else if (op < 75) {
+      const PoolRef pool{agent.id(), rng() % 3 == 0 ? Tier::kHost : Tier::kGpu};
+      absl::StatusOr<EvictReply> r =
+          client.EvictFromPool(pool, 1 + rng() % (4 * Spec().BytesPerPage()));
+      ASSERT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kOutOfRange ||
+                  r.status().code() == absl::StatusCode::kResourceExhausted)
+          << r.status();
+    } else if (op < 80) {
+      agent.CloseStream();
+      agent.OpenStream(rng() % 8 == 0 ? agent.epoch() + 7 : agent.epoch());  // some bad hellos
+    } else if (op < 83) {
+      const uint64_t epoch = agent.epoch() + 1;  // a restart: its pages and queue go
+      ASSERT_TRUE(agent.Register(epoch).ok());
+      agent.OpenStream(epoch);
+    } else if (op < 88) {
+      // Stale, unknown or current epochs.
+      const grpc::Status s = agent.Heartbeat(rng() % 2 == 0 ? agent.epoch() : rng() % 5);
+      const grpc::StatusCode code = s.error_code();
+      ASSERT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::ABORTED ||
+                  code == grpc::StatusCode::INVALID_ARGUMENT)
+          << s.error_message();
+    } else if (op < 93) {
+      // A registration with one bad field changes nothing.
+      const IndexStats before = manager.index().Stats();
+      v1::RegisterAgentRequest bad;
+      bad.set_agent_id(rng() % 2 == 0 ? "bad id!" : agent.id());
+      bad.set_tier(static_cast<v1::Tier>(rng() % 6));
+      bad.mutable_geometry()->set_num_blocks(rng() % 3);
+      bad.set_capacity_bytes(rng() % 2 == 0 ? 0 : ~uint64_t{0});
+      bad.set_epoch(rng() % 2);
+      grpc::ClientContext ctx;
+      v1::RegisterAgentResponse resp;
+      auto stub = v1::AgentControl::NewStub(
+          grpc::CreateChannel(manager.address(), grpc::InsecureChannelCredentials()));
+      const grpc::Status s = stub->Register(&ctx, bad, &resp);
+      ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      const IndexStats after = manager.index().Stats();
+      ASSERT_EQ(before.pools.size(), after.pools.size());
+      for (size_t i = 0; i < before.pools.size(); ++i) {
+        ASSERT_EQ(before.pools[i].capacity_bytes, after.pools[i].capacity_bytes);
+      }
+    } else {
+      // Let the acks catch up now and then.
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ExpectConsistent(manager.index(), "step " + std::to_string(step));
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+
+  uint64_t commands = 0;
+  for (auto& a : agents) {
+    commands += a->commands_seen();
+    a->CloseStream();
+  }
+  EXPECT_GT(commands, 50u) << "the run sent too few commands to mean much";
+  for (uint64_t pin : pins) (void)client.Release(ns, pin);
+  // The sweep of dropped pools finishes once nothing pins them.
+  const absl::Time give_up = absl::Now() + absl::Seconds(5);
+  while (manager.index().SweepRetired(0).remaining_pages > 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(manager.index().SweepRetired(0).remaining_pages, 0u);
+  ExpectConsistent(manager.index(), "end");
+  absl::StatusOr<ManagerStats> stats = client.Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+}
+
+}  // namespace
+}  // namespace kvcm
