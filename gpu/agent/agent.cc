@@ -252,7 +252,7 @@ class Agent::BlockAgentService final : public v1::BlockAgent::CallbackService {
       grpc::CallbackServerContext* /*ctx*/, const v1::ReadBlocksRequest* req) override {
     BlockPool* pool = nullptr;
     if (req->tier() == v1::TIER_UNSPECIFIED ||
-        static_cast<Tier>(req->tier()) == agent_->options_.tier) {
+        req->tier() == static_cast<v1::Tier>(agent_->options_.tier)) {
       pool = &agent_->pool();
     } else if (req->tier() == v1::TIER_HOST) {
       pool = agent_->host_pool();

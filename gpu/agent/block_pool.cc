@@ -58,7 +58,7 @@ absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch)
   for (BlockId id : ids) {
     if (id >= owner_.size()) {
       return absl::OutOfRangeError(
-          absl::StrCat("block ", id, " is past the pool of ", owner_.size(), " blocks"));
+          absl::StrCat("block_ids: block ", id, " is past the pool of ", owner_.size(), " blocks"));
     }
     if (owner_[id] == 0) {
       return absl::FailedPreconditionError(
