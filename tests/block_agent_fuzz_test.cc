@@ -13,9 +13,9 @@
 // and every 64 calls, and at the end, every written block reads back as the model says.
 // Runs once for an agent without a host pool and once with one (filled in-process: only
 // the manager's demotions allocate there). 60% of the calls carry random faults, the rest
-// are well-formed (so that blocks get written and read). One fault is left out of the loop
-// and tested on its own: a message that gRPC refuses as too large after the blocks' last
-// byte (WriteRefusedByGrpcAfterItsLastByteChangesNothing).
+// are well-formed (so that blocks get written and read). A message that gRPC refuses as too
+// large after the blocks' last byte is also tested on its own
+// (WriteRefusedByGrpcAfterItsLastByteChangesNothing).
 //
 // KVCM_FUZZ_SEED=<n> picks the seed (printed; a failure names the seed and the step) and
 // KVCM_FUZZ_STEPS=<n> the calls per configuration.
@@ -462,13 +462,9 @@ class BlockAgentFuzzer {
     }
     if (Fault(0.05)) {
       // Over max_message_bytes: up to 1,000 bytes over reaches the agent, more is refused by
-      // gRPC itself. After the blocks' last byte only the former: gRPC refusing a message
-      // that follows it is WriteRefusedByGrpcAfterItsLastByteChangesNothing's case.
+      // gRPC itself.
       const size_t at = Uniform(1, msgs.size());
-      uint64_t before = 0;
-      for (size_t i = 1; i < at; ++i) before += msgs[i].data().size();
-      const size_t over =
-          before >= ids.size() * kBlockBytes ? Uniform(1, 1'000) : Uniform(1, 3'000);
+      const size_t over = Uniform(1, 3'000);
       msgs.insert(msgs.begin() + at, v1::WriteBlocksRequest())
           ->set_data(std::string(kMaxMessageBytes + over, 'y'));
     }

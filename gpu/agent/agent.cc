@@ -69,9 +69,15 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed, or the call broke
-      Finish(ToGrpcStatus(ctx_->IsCancelled() ? absl::CancelledError("WriteBlocks cancelled")
-                                              : Apply()));
+    if (!ok) {
+      if (ctx_->IsCancelled()) {
+        Finish(ToGrpcStatus(absl::CancelledError("WriteBlocks cancelled")));
+        return;
+      }
+      // The client half-closed, or gRPC refused its next message (e.g. over the size limit)
+      // and failed the call without marking it cancelled. Sending the initial metadata
+      // tells the two apart, as it fails on a failed call; only a live call is applied.
+      StartSendInitialMetadata();
       return;
     }
     if (absl::Status s = Take(); !s.ok()) {
@@ -79,6 +85,11 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
       return;
     }
     StartRead(&msg_);
+  }
+
+  void OnSendInitialMetadataDone(bool ok) override {
+    Finish(ok ? ToGrpcStatus(Apply())
+              : grpc::Status(grpc::StatusCode::CANCELLED, "WriteBlocks: the call failed"));
   }
 
   void OnDone() override { delete this; }

@@ -58,7 +58,7 @@ v1::AgentCommandAck CommandExecutor::Execute(const v1::AgentCommand& command) {
 
 absl::Status CommandExecutor::Free(const v1::FreeBlocks& free) {
   BlockPool* pool = nullptr;
-  if (static_cast<Tier>(free.tier()) == tier_) {
+  if (free.tier() == static_cast<v1::Tier>(tier_)) {
     pool = pool_;
   } else if (free.tier() == v1::TIER_HOST) {
     pool = host_pool_;

@@ -95,9 +95,13 @@ TEST_F(CommandExecutorTest, FreeNamesTheMainOrTheHostPool) {
   ack = executor_.Execute(Free(4, v1::TIER_DISK, {0}));
   EXPECT_EQ(ack.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(ack.message(), HasSubstr("free.tier"));
+  // Not a tier at all (257 would wrap to TIER_GPU in a one-byte Tier).
+  ack = executor_.Execute(Free(5, static_cast<v1::Tier>(257), {ids_[2]}));
+  EXPECT_EQ(ack.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(gpu_->Stats().free_blocks, 3u);
   // A block of another owner (a worker's private block) is refused and stays allocated.
   const BlockId foreign = (*gpu_->Allocate(1, kEpoch + 1))[0];
-  ack = executor_.Execute(Free(5, v1::TIER_GPU, {foreign}));
+  ack = executor_.Execute(Free(6, v1::TIER_GPU, {foreign}));
   EXPECT_EQ(ack.code(), static_cast<int>(absl::StatusCode::kAborted));
   EXPECT_TRUE(gpu_->CheckOwned({&foreign, 1}, kEpoch + 1, "ids").ok());
 }
