@@ -137,7 +137,6 @@ void CacheIndex::PinPath(RadixNode* node) {
   for (RadixNode* n = node; !n->is_root(); n = n->parent) {
     if (n->pin_count++ > 0) continue;
     const uint64_t bytes = NodeBytes(n);
-    OwnerOf(n)->pinned_page_locations += uint64_t{n->size()} * n->replicas.size();
     for (Replica& r : n->replicas) {
       budget_.Pin(r.pool, bytes);
       RefreshCandidate(n, r);
@@ -150,7 +149,6 @@ void CacheIndex::UnpinPath(RadixNode* node) {
     assert(n->pin_count > 0);
     if (--n->pin_count > 0) continue;
     const uint64_t bytes = NodeBytes(n);
-    OwnerOf(n)->pinned_page_locations -= uint64_t{n->size()} * n->replicas.size();
     for (Replica& r : n->replicas) {
       budget_.Unpin(r.pool, bytes);
       RefreshCandidate(n, r);
@@ -165,10 +163,7 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
   const uint64_t bytes = NodeBytes(node);
   budget_.Charge(pool, node->size(), bytes);
   node->tree->AddPageLocations(node->size());
-  if (node->pin_count > 0) {
-    budget_.Pin(pool, bytes);
-    OwnerOf(node)->pinned_page_locations += node->size();
-  }
+  if (node->pin_count > 0) budget_.Pin(pool, bytes);
   if (!node->parent->is_root()) {
     Replica* up = node->parent->FindReplica(pool);
     assert(up != nullptr);  // pools are prefix-closed

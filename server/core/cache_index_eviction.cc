@@ -336,8 +336,30 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
-  const uint64_t used = ns.tree.page_locations() * ns.bytes_per_page;
-  const uint64_t pinned = ns.pinned_page_locations * ns.bytes_per_page;
+
+  // One pass over the tree: the candidates of every pool, in the policy's cross-pool order,
+  // and the bytes held and pinned by live replicas (retired ones, not swept yet, are no
+  // longer the namespace's).
+  struct Entry {
+    double priority;
+    RadixNode* node;
+    PoolId pool;
+    bool operator>(const Entry& o) const { return priority > o.priority; }
+  };
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
+  uint64_t used = 0, pinned = 0;
+  std::vector<RadixNode*> stack = {ns.tree.root()};
+  while (!stack.empty()) {
+    RadixNode* node = stack.back();
+    stack.pop_back();
+    for (const Replica& r : node->replicas) {
+      if (budget_.retired(r.pool)) continue;
+      used += NodeBytes(node);
+      if (node->pin_count > 0) pinned += NodeBytes(node);
+      if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});
+    }
+    for (auto& [first, child] : node->children) stack.push_back(child.get());
+  }
   if (bytes > used) {
     return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", used,
                                               " bytes namespace ", ns_id.ToString(), " holds"));
@@ -348,25 +370,6 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns
                                                      ns_id.ToString()));
   }
 
-  // Candidates of every pool, in the policy's cross-pool order.
-  struct Entry {
-    double priority;
-    RadixNode* node;
-    PoolId pool;
-    bool operator>(const Entry& o) const { return priority > o.priority; }
-  };
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap;
-  std::vector<RadixNode*> stack = {ns.tree.root()};
-  while (!stack.empty()) {
-    RadixNode* node = stack.back();
-    stack.pop_back();
-    for (const Replica& r : node->replicas) {
-      if (r.evictable && !budget_.retired(r.pool)) {
-        heap.push({policy_->Priority(node, r.pool), node, r.pool});
-      }
-    }
-    for (auto& [first, child] : node->children) stack.push_back(child.get());
-  }
   EvictResult result;
   while (result.evicted_bytes < bytes && !heap.empty()) {
     Entry e = heap.top();

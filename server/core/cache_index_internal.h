@@ -21,8 +21,6 @@ struct CacheIndex::Namespace {
   const HashKey key;
   const uint64_t bytes_per_page;
   RadixTree tree;
-  // Page-locations of pinned nodes (pinned bytes = this * bytes_per_page).
-  uint64_t pinned_page_locations = 0;
 };
 
 inline CacheIndex::Namespace* OwnerOf(const RadixNode* node) {

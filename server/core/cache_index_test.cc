@@ -854,6 +854,22 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(CacheIndexTest, EvictFromNamespaceSeesOnlyLivePagesWhileASweepIsPending) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({3}), gpu1_);
+  ASSERT_TRUE(index_->DropPool(gpu0_).ok());  // retired, not swept
+  EXPECT_EQ(index_->EvictFromNamespace(ns_, bpp_ + 1).status().code(),
+            absl::StatusCode::kOutOfRange);
+  MatchResult pin = MustMatch(Prompt({3}), {.pin = true});
+  EXPECT_EQ(index_->EvictFromNamespace(ns_, bpp_).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+  absl::StatusOr<EvictResult> r = index_->EvictFromNamespace(ns_, bpp_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->evicted_pages, 1u);
+  EXPECT_EQ(Pool(index_->Stats(), gpu1_).used_bytes, 0u);
+}
+
 TEST_F(CacheIndexTest, SweepRemovesInSmallSteps) {
   for (int i = 0; i < 10; ++i) MustInsert(Prompt({i, 100 + i}), gpu0_);  // 10 two-node paths
   ASSERT_TRUE(index_->DropPool(gpu0_).ok());
