@@ -358,7 +358,7 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns
       if (node->pin_count > 0) pinned += NodeBytes(node);
       if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});
     }
-    for (auto& [first, child] : node->children) stack.push_back(child.get());
+    node->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
   }
   if (bytes > used) {
     return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", used,

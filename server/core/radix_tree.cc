@@ -16,6 +16,38 @@ const Replica* RadixNode::FindReplica(PoolId pool) const {
   return const_cast<RadixNode*>(this)->FindReplica(pool);
 }
 
+void ChildMap::Insert(const PageHash& first, std::unique_ptr<RadixNode> child) {
+  if (large_ == nullptr && small_size_ < kInline) {
+    small_[small_size_++] = {first, std::move(child)};
+    return;
+  }
+  if (large_ == nullptr) {
+    large_ = std::make_unique<absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>>>();
+    for (uint32_t i = 0; i < small_size_; ++i) {
+      large_->emplace(small_[i].first, std::move(small_[i].second));
+    }
+    small_size_ = 0;
+  }
+  large_->emplace(first, std::move(child));
+}
+
+std::unique_ptr<RadixNode> ChildMap::Extract(const PageHash& first) {
+  if (large_ != nullptr) {
+    auto node = large_->extract(first);
+    assert(!node.empty());
+    // The map stays once created: a node that had many children tends to get more.
+    return std::move(node.mapped());
+  }
+  for (uint32_t i = 0; i < small_size_; ++i) {
+    if (small_[i].first != first) continue;
+    std::unique_ptr<RadixNode> out = std::move(small_[i].second);
+    if (i != --small_size_) small_[i] = std::move(small_[small_size_]);
+    return out;
+  }
+  assert(false && "ChildMap::Extract: no such child");
+  return nullptr;
+}
+
 RadixTree::RadixTree(void* owner) : owner_(owner) { root_.tree = this; }
 
 uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
@@ -23,9 +55,8 @@ uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>*
   RadixNode* node = &root_;
   uint32_t pos = 0;
   while (pos < pages.size()) {
-    auto it = node->children.find(pages[pos]);
-    if (it == node->children.end()) break;
-    RadixNode* child = it->second.get();
+    RadixNode* child = node->children.Find(pages[pos]);
+    if (child == nullptr) break;
     // The first page matched through the map lookup. Hashes are chained, so page j of the
     // run equals the prompt's iff every page before it does: checking the last overlapping
     // page settles a full overlap, and a binary search finds where a partial one ends. This
@@ -56,7 +87,7 @@ uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>*
 RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   assert(!node->is_root() && k > 0 && k < node->size());
   RadixNode* parent = node->parent;
-  auto owned = parent->children.extract(node->pages[0]);
+  std::unique_ptr<RadixNode> owned = parent->children.Extract(node->pages[0]);
 
   auto head = std::make_unique<RadixNode>();
   head->tree = this;
@@ -81,8 +112,8 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   node->parent = head.get();
 
   RadixNode* head_ptr = head.get();
-  head->children.emplace(node->pages[0], std::move(owned.mapped()));
-  parent->children.emplace(head->pages[0], std::move(head));
+  head->children.Insert(node->pages[0], std::move(owned));
+  parent->children.Insert(head_ptr->pages[0], std::move(head));
   ++nodes_;
   return head_ptr;
 }
@@ -95,7 +126,7 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
   RadixNode* ptr = child.get();
-  parent->children.emplace(pages[0], std::move(child));
+  parent->children.Insert(pages[0], std::move(child));
   ++nodes_;
   pages_ += pages.size();
   return ptr;
@@ -106,7 +137,7 @@ void RadixTree::Remove(RadixNode* node) {
          node->pin_count == 0);
   pages_ -= node->size();
   --nodes_;
-  node->parent->children.erase(node->pages[0]);
+  node->parent->children.Extract(node->pages[0]);  // destroys it
 }
 
 }  // namespace kvcm

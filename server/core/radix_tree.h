@@ -11,9 +11,11 @@
 #ifndef KVCM_SERVER_CORE_RADIX_TREE_H_
 #define KVCM_SERVER_CORE_RADIX_TREE_H_
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -34,6 +36,52 @@ struct Replica {
   std::vector<BlockId> block_ids;  // one per page of the node
 };
 
+struct RadixNode;
+
+// The children of a node, by first page. Most nodes have one or two children (a run that
+// branched once); those live inline in the node, so a walk reaches the child without
+// touching a hash table. A node with more children (the root, a shared system prompt)
+// moves them all into a hash map. Owns the children.
+class ChildMap {
+ public:
+  ChildMap() = default;
+  ChildMap(const ChildMap&) = delete;
+  ChildMap& operator=(const ChildMap&) = delete;
+
+  RadixNode* Find(const PageHash& first) const {
+    if (large_ != nullptr) {
+      auto it = large_->find(first);
+      return it == large_->end() ? nullptr : it->second.get();
+    }
+    for (uint32_t i = 0; i < small_size_; ++i) {
+      if (small_[i].first == first) return small_[i].second.get();
+    }
+    return nullptr;
+  }
+  // REQUIRES: no child starts with `first`.
+  void Insert(const PageHash& first, std::unique_ptr<RadixNode> child);
+  // The child starting with `first`, no longer owned here. REQUIRES: it exists.
+  std::unique_ptr<RadixNode> Extract(const PageHash& first);
+
+  bool empty() const { return size() == 0; }
+  size_t size() const { return large_ != nullptr ? large_->size() : small_size_; }
+  // Calls fn(RadixNode*) for every child, in no particular order.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    if (large_ != nullptr) {
+      for (const auto& [first, child] : *large_) fn(child.get());
+    } else {
+      for (uint32_t i = 0; i < small_size_; ++i) fn(small_[i].second.get());
+    }
+  }
+
+ private:
+  static constexpr uint32_t kInline = 2;
+  std::array<std::pair<PageHash, std::unique_ptr<RadixNode>>, kInline> small_;
+  uint32_t small_size_ = 0;
+  std::unique_ptr<absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>>> large_;
+};
+
 struct RadixNode {
   RadixTree* tree = nullptr;
   RadixNode* parent = nullptr;  // null for the root
@@ -41,7 +89,7 @@ struct RadixNode {
   // pages.back(), kept in the node itself: a walk that covers the whole run checks only
   // this (hashes are chained) and never touches the cold pages array.
   PageHash last_page;
-  absl::flat_hash_map<PageHash, std::unique_ptr<RadixNode>> children;  // by first page
+  ChildMap children;  // by first page
   absl::InlinedVector<Replica, 1> replicas;
   // Logical time of the last match or insert that went through the node.
   uint64_t last_access = 0;
