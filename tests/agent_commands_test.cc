@@ -487,6 +487,33 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
     return absl::StrContains(manager->metrics().RenderText(),
                              "kvcm_agent_commands_total{result=\"failed\"} 1");
   }));
+  ASSERT_TRUE(s->rw->Read(&command));  // the GPU block of the failed copy is freed still
+  ASSERT_TRUE(command.has_free());
+  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(5));
+  ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
+
+  // Third: an answer with the wrong number of blocks is undone like a failure, and the
+  // blocks it named are freed.
+  const std::vector<int32_t> odd = Tokens(1, spec.page_size_tokens, 2000);
+  ASSERT_TRUE(client->Insert(ns, odd, gpu, std::vector<BlockId>{6}).ok());
+  ASSERT_TRUE(client->EvictFromPool(gpu, page).ok());
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_demote());
+  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(6));
+  ack = Ack(command.sequence());
+  ack.add_block_ids(10);
+  ack.add_block_ids(11);
+  ASSERT_TRUE(s->rw->Write(ack));
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_free());
+  EXPECT_EQ(command.free().tier(), v1::TIER_GPU);
+  ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_free());
+  EXPECT_EQ(command.free().tier(), v1::TIER_HOST);
+  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(10, 11));
+  ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
+  EXPECT_EQ(client->Match(ns, odd, {.probe = true})->matched_pages, 0u);
 }
 
 TEST(AgentCommandsTest, StaleEpochIsAbortedAndUnknownAgentNotFound) {

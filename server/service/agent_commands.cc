@@ -260,7 +260,13 @@ bool AgentCommandRouter::OnAck(Stream* stream, const v1::AgentCommandAck& ack) {
   const std::vector<BlockId> blocks(ack.block_ids().begin(), ack.block_ids().end());
   absl::StatusOr<std::vector<BlockId>> unassigned = index_->AssignBlocks(
       demotion->ns, demotion->path, demotion->first_page, demotion->pool, blocks);
-  const std::vector<BlockId>& to_free = unassigned.ok() ? *unassigned : blocks;
+  if (!unassigned.ok()) {
+    // A malformed answer (e.g. the wrong number of blocks): the index cannot use it, so the
+    // pages are undone as for a failed copy, and the blocks named are freed below.
+    (void)index_->AbandonPending(demotion->ns, demotion->path, demotion->first_page,
+                                 demotion->pool);
+  }
+  const std::vector<BlockId> to_free = unassigned.ok() ? *std::move(unassigned) : blocks;
   if (to_free.empty()) return true;
   v1::AgentCommand command;
   command.mutable_free()->set_tier(static_cast<v1::Tier>(demotion->pool.tier));
