@@ -503,11 +503,16 @@ void Agent::ControlLoop() {
   } while (!stop_control_.WaitForNotificationWithTimeout(interval));
 }
 
+uint64_t Agent::FreeBlocksOfEpoch(uint64_t epoch) {
+  uint64_t freed = pool_->FreeAllOwnedBy(epoch);
+  if (host_pool_ != nullptr) freed += host_pool_->FreeAllOwnedBy(epoch);
+  return freed;
+}
+
 void Agent::RenewEpoch() {
   const uint64_t old = epoch();
   const uint64_t next = std::max(old + 1, static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())));
-  uint64_t freed = pool_->FreeAllOwnedBy(old);
-  if (host_pool_ != nullptr) freed += host_pool_->FreeAllOwnedBy(old);
+  const uint64_t freed = FreeBlocksOfEpoch(old);
   epoch_.store(next, std::memory_order_release);
   {
     // The open Commands stream belongs to the old epoch.
@@ -529,11 +534,9 @@ absl::Status Agent::RunCommandStream() {
       control_->Commands(&ctx);
   const uint64_t epoch = this->epoch();
   if (const uint64_t old = executor_->epoch(); old != epoch) {
-    if (old != 0) {
-      // Blocks a command of the old epoch allocated after RenewEpoch freed the rest.
-      pool_->FreeAllOwnedBy(old);
-      if (host_pool_ != nullptr) host_pool_->FreeAllOwnedBy(old);
-    }
+    // Blocks allocated for the old epoch after RenewEpoch freed the rest (a demotion or a
+    // worker's Allocate that raced with it).
+    if (old != 0) FreeBlocksOfEpoch(old);
     executor_->Reset(epoch);
   }
   v1::AgentCommandAck hello;

@@ -85,6 +85,8 @@ class Agent {
   absl::Status Heartbeat();
   // Frees every block of the current epoch in both pools and moves to a larger epoch.
   void RenewEpoch();
+  // Frees every block allocated to `epoch` in both pools; returns how many.
+  uint64_t FreeBlocksOfEpoch(uint64_t epoch);
   void CommandLoop();
   // Runs one stream: hello, then commands until it ends. The stream's final status.
   absl::Status RunCommandStream();
