@@ -15,9 +15,9 @@
 
 #include "absl/strings/str_format.h"
 #include "benchmark/benchmark.h"
+#include "common/model_catalog.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/command_executor.h"
-#include "server/core/model_catalog.h"
 
 namespace kvcm::bench {
 namespace {

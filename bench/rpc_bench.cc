@@ -45,9 +45,10 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/workload.h"
+#include "common/credentials.h"
+#include "common/page_hash.h"
 #include "echo.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
-#include "server/core/page_hash.h"
 #include "server/service/manager_server.h"
 #include "server/service/proto_convert.h"
 #include "server/service/server_options.h"
@@ -121,7 +122,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartBaselineServer(const ServerOp
                                                                   CannedMatchService* canned,
                                                                   int* port) {
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), port);
+  builder.AddListeningPort(options.listen_address, MakeServerCredentials(), port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(echo);
@@ -247,8 +248,7 @@ int Run() {
 
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  auto match_stub = pb::CacheManager::NewStub(grpc::CreateCustomChannel(
-      (*manager)->address(), grpc::InsecureChannelCredentials(), channel_args));
+  auto match_stub = pb::CacheManager::NewStub(MakeChannel((*manager)->address(), channel_args));
 
   EchoService echo_service;
   CannedMatchService canned_service;
@@ -297,8 +297,8 @@ int Run() {
     std::fprintf(stderr, "%s\n", baseline_server.status().ToString().c_str());
     return 1;
   }
-  std::shared_ptr<grpc::Channel> baseline_channel = grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", baseline_port), grpc::InsecureChannelCredentials(), channel_args);
+  std::shared_ptr<grpc::Channel> baseline_channel =
+      MakeChannel(absl::StrCat("127.0.0.1:", baseline_port), channel_args);
   auto echo_stub = echo_pb::Echo::NewStub(baseline_channel);
   auto canned_stub = pb::CacheManager::NewStub(baseline_channel);
 

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/model_spec.h"
+#include "common/page_hash.h"
+#include "common/types.h"
 #include "server/core/cache_index.h"
-#include "server/core/model_spec.h"
-#include "server/core/page_hash.h"
-#include "server/core/types.h"
 
 namespace kvcm::bench {
 

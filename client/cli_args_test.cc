@@ -3,9 +3,9 @@
 #include <vector>
 
 #include "client/cli_inputs.h"
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/core/model_catalog.h"
 
 namespace kvcm::cli {
 namespace {
@@ -127,8 +127,9 @@ TEST(CliInputsTest, EnumSpellingsRoundTrip) {
     EXPECT_EQ(DtypeName(*dtype), name);
   }
   EXPECT_EQ(*ParseTier("host"), Tier::kHost);
-  EXPECT_THAT(ParseTier("ssd").status().message(), HasSubstr("--tier: expected gpu|host|disk"));
-  EXPECT_THAT(ParseDtype("fp4").status().message(), HasSubstr("--dtype"));
+  EXPECT_THAT(ParseTier("ssd", "--tier").status().message(),
+              HasSubstr("--tier: expected gpu|host|disk"));
+  EXPECT_THAT(ParseDtype("fp4", "--dtype").status().message(), HasSubstr("--dtype"));
 }
 
 TEST(CliInputsTest, ModelSpecFromFlags) {

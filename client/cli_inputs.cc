@@ -5,68 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "server/core/model_catalog.h"
+#include "common/model_catalog.h"
 
 namespace kvcm::cli {
-namespace {
-
-// The CLI spelling of an enum value.
-template <typename E>
-struct Named {
-  absl::string_view name;
-  E value;
-};
-
-constexpr Named<AttentionKind> kAttentionNames[] = {{"mla", AttentionKind::kMla},
-                                                    {"gqa", AttentionKind::kGqa},
-                                                    {"mha", AttentionKind::kMha},
-                                                    {"mqa", AttentionKind::kMqa}};
-constexpr Named<KvDtype> kDtypeNames[] = {{"bf16", KvDtype::kBf16},
-                                          {"fp16", KvDtype::kFp16},
-                                          {"fp8", KvDtype::kFp8},
-                                          {"int8", KvDtype::kInt8}};
-constexpr Named<Tier> kTierNames[] = {
-    {"gpu", Tier::kGpu}, {"host", Tier::kHost}, {"disk", Tier::kDisk}};
-
-// The value spelled `text`; INVALID_ARGUMENT naming --flag and the choices otherwise.
-template <typename E, size_t N>
-absl::StatusOr<E> ParseNamed(const Named<E> (&names)[N], absl::string_view flag,
-                             absl::string_view text) {
-  std::vector<absl::string_view> choices;
-  for (const Named<E>& n : names) {
-    if (n.name == text) {
-      return n.value;
-    }
-    choices.push_back(n.name);
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, ": expected ", absl::StrJoin(choices, "|"), ", got '", text, "'"));
-}
-
-template <typename E, size_t N>
-std::string NameOf(const Named<E> (&names)[N], E value) {
-  for (const Named<E>& n : names) {
-    if (n.value == value) {
-      return {n.name.data(), n.name.size()};
-    }
-  }
-  return "?";
-}
-
-}  // namespace
-
-absl::StatusOr<AttentionKind> ParseAttention(absl::string_view text) {
-  return ParseNamed(kAttentionNames, "attention", text);
-}
-absl::StatusOr<KvDtype> ParseDtype(absl::string_view text) {
-  return ParseNamed(kDtypeNames, "dtype", text);
-}
-absl::StatusOr<Tier> ParseTier(absl::string_view text) {
-  return ParseNamed(kTierNames, "tier", text);
-}
-std::string AttentionName(AttentionKind kind) { return NameOf(kAttentionNames, kind); }
-std::string DtypeName(KvDtype dtype) { return NameOf(kDtypeNames, dtype); }
-
 void DefineNamespace(FlagSet& f) {
   f.AddString("tenant", "", "tenant of the namespace (required)");
   f.AddString("model", "", "model of the namespace (required)");
@@ -125,7 +66,7 @@ void DefineModelSpec(FlagSet& f) {
 }
 
 absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
-  absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("dtype"));
+  absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("dtype"), "--dtype");
   if (!dtype.ok()) {
     return dtype.status();
   }
@@ -141,7 +82,8 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
     spec = *found;
   }
   if (!preset || f.IsSet("attention")) {
-    absl::StatusOr<AttentionKind> attention = ParseAttention(f.GetString("attention"));
+    absl::StatusOr<AttentionKind> attention =
+        ParseAttention(f.GetString("attention"), "--attention");
     if (!attention.ok()) {
       return attention.status();
     }

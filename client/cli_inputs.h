@@ -11,17 +11,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "client/cli_args.h"
-#include "server/core/model_spec.h"
-#include "server/core/types.h"
+#include "common/enum_names.h"
+#include "common/model_spec.h"
+#include "common/types.h"
 
 namespace kvcm::cli {
-
-// CLI spellings: mla|gqa|mha|mqa, bf16|fp16|fp8|int8, gpu|host|disk.
-absl::StatusOr<AttentionKind> ParseAttention(absl::string_view text);
-absl::StatusOr<KvDtype> ParseDtype(absl::string_view text);
-absl::StatusOr<Tier> ParseTier(absl::string_view text);
-std::string AttentionName(AttentionKind kind);
-std::string DtypeName(KvDtype dtype);
 
 // --tenant, --model (both required).
 void DefineNamespace(FlagSet& f);

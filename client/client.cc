@@ -6,8 +6,8 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "client/wire.h"
-#include "grpcpp/create_channel.h"
-#include "grpcpp/security/credentials.h"
+#include "common/credentials.h"
+#include "common/grpc_status.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 
@@ -133,8 +133,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(options.max_backoff_ms, INT32_MAX)));
   auto rpc = std::make_unique<Rpc>();
-  rpc->channel =
-      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  rpc->channel = MakeChannel(options.address, args);
   if (rpc->channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("address: cannot open ", options.address));
   }
@@ -179,7 +178,7 @@ absl::Status Client::Invoke(absl::Time deadline,
                           static_cast<double>(options_.max_backoff_ms));
     retries_.fetch_add(1, std::memory_order_relaxed);
   }
-  absl::Status result = wire::FromGrpc(status);
+  absl::Status result = FromGrpcStatus(status);
   if (!result.ok() && attempts > 1) {
     return absl::Status(result.code(),
                         absl::StrCat(result.message(), " (after ", attempts, " attempts)"));
@@ -515,7 +514,7 @@ std::unique_ptr<EventWatch> Client::WatchEvents(const std::optional<NamespaceId>
         while (reader->Read(&event)) {
           callback(wire::FromProto(event));
         }
-        w->final_status_ = wire::FromGrpc(reader->Finish());
+        w->final_status_ = FromGrpcStatus(reader->Finish());
       });
   return watch;
 }

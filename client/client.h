@@ -36,9 +36,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/core/model_spec.h"
-#include "server/core/page_hash.h"
-#include "server/core/types.h"
+#include "common/model_spec.h"
+#include "common/page_hash.h"
+#include "common/types.h"
 
 namespace grpc {
 class ClientContext;

@@ -31,7 +31,7 @@
 #include "client/cli_inputs.h"
 #include "client/client.h"
 #include "client/kvcmctl_print.h"
-#include "server/core/model_catalog.h"
+#include "common/model_catalog.h"
 
 namespace kvcm {
 namespace {
@@ -175,7 +175,7 @@ int RunInsert(const Invocation& in) {
   if (in.flags.GetString("agent").empty()) {
     return in.Usage("--agent is required");
   }
-  absl::StatusOr<Tier> tier = cli::ParseTier(in.flags.GetString("tier"));
+  absl::StatusOr<Tier> tier = ParseTier(in.flags.GetString("tier"), "--tier");
   if (!tier.ok()) {
     return in.Usage(tier.status().message());
   }
@@ -302,7 +302,7 @@ int RunEvict(const Invocation& in) {
   }
   absl::StatusOr<EvictReply> r;
   if (by_pool) {
-    absl::StatusOr<Tier> tier = cli::ParseTier(in.flags.GetString("tier"));
+    absl::StatusOr<Tier> tier = ParseTier(in.flags.GetString("tier"), "--tier");
     if (!tier.ok()) {
       return in.Usage(tier.status().message());
     }
@@ -389,7 +389,7 @@ int RunModels(const Invocation& in) {
   if (dtype_flag == "all") {
     dtypes = {KvDtype::kBf16, KvDtype::kFp16, KvDtype::kFp8, KvDtype::kInt8};
   } else {
-    absl::StatusOr<KvDtype> dtype = cli::ParseDtype(dtype_flag);
+    absl::StatusOr<KvDtype> dtype = ParseDtype(dtype_flag, "--dtype");
     if (!dtype.ok()) {
       return in.Usage(
           absl::StrCat("--dtype: expected bf16|fp16|fp8|int8|all, got '", dtype_flag, "'"));

@@ -5,7 +5,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli_inputs.h"
-#include "server/core/model_catalog.h"
+#include "common/enum_names.h"
+#include "common/model_catalog.h"
 
 namespace kvcm::cli {
 

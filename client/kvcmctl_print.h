@@ -12,7 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/client.h"
-#include "server/core/model_spec.h"
+#include "common/model_spec.h"
 
 namespace kvcm::cli {
 

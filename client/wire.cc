@@ -4,13 +4,6 @@
 
 namespace kvcm::wire {
 
-absl::Status FromGrpc(const grpc::Status& status) {
-  if (status.ok()) {
-    return absl::OkStatus();
-  }
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 NamespaceId FromProto(const v1::Namespace& ns) { return NamespaceId{ns.tenant(), ns.model()}; }
 
 PoolRef FromProto(const v1::PoolRef& pool) {

@@ -15,9 +15,6 @@
 
 namespace kvcm::wire {
 
-// Same code and message; gRPC and Abseil share the canonical code numbers.
-absl::Status FromGrpc(const grpc::Status& status);
-
 NamespaceId FromProto(const v1::Namespace& ns);
 PoolRef FromProto(const v1::PoolRef& pool);
 ModelSpec FromProto(const v1::ModelSpec& spec);

@@ -4,9 +4,9 @@
 #ifndef KVCM_PROTO_CORE_TYPES_H_
 #define KVCM_PROTO_CORE_TYPES_H_
 
+#include "common/model_spec.h"
+#include "common/types.h"
 #include "kvcm/v1/common.pb.h"
-#include "server/core/model_spec.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

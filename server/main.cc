@@ -22,7 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "server/service/log.h"
+#include "common/log.h"
 #include "server/service/manager_server.h"
 #include "server/service/server_options.h"
 

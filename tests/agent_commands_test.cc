@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "common/credentials.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent.h"
 #include "gtest/gtest.h"
@@ -81,8 +82,7 @@ std::unique_ptr<Client> ConnectAndRegister(const std::string& address, const Nam
 }
 
 std::unique_ptr<v1::BlockAgent::Stub> BlockAgentStub(const Agent& agent) {
-  return v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent.address(), grpc::InsecureChannelCredentials()));
+  return v1::BlockAgent::NewStub(MakeChannel(agent.address()));
 }
 
 TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
@@ -236,9 +236,7 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
 class FakeAgent {
  public:
   FakeAgent(const std::string& manager_address, std::string id)
-      : id_(std::move(id)),
-        control_(v1::AgentControl::NewStub(
-            grpc::CreateChannel(manager_address, grpc::InsecureChannelCredentials()))) {}
+      : id_(std::move(id)), control_(v1::AgentControl::NewStub(MakeChannel(manager_address))) {}
 
   grpc::Status Register(uint64_t epoch, uint64_t blocks = 16, uint64_t host_blocks = 0) {
     v1::RegisterAgentRequest req;
@@ -520,8 +518,7 @@ TEST(AgentCommandsTest, StaleEpochIsAbortedAndUnknownAgentNotFound) {
   std::unique_ptr<ManagerServer> manager = StartManager();
   std::unique_ptr<Agent> agent = StartAgent(manager->address(), 2);
   ASSERT_TRUE(WaitFor([&] { return agent->registered(); }));
-  auto control = v1::AgentControl::NewStub(
-      grpc::CreateChannel(manager->address(), grpc::InsecureChannelCredentials()));
+  auto control = v1::AgentControl::NewStub(MakeChannel(manager->address()));
 
   auto open = [&](const std::string& agent_id, uint64_t epoch) {
     grpc::ClientContext ctx;

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 #include "gpu/agent/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
@@ -107,8 +108,7 @@ class AgentEpochTest : public ::testing::Test {
     old_epoch_ = agent_->epoch();
     ASSERT_EQ(AgentInfoOf(*manager_, kAgentId).registration.epoch, old_epoch_);
 
-    ba_ = v1::BlockAgent::NewStub(
-        grpc::CreateChannel(agent_->address(), grpc::InsecureChannelCredentials()));
+    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
     cache_blocks_ = AllocateBlocks(*ba_, kCacheBlocks, old_epoch_);
     private_blocks_ = AllocateBlocks(*ba_, kPrivateBlocks, kWorkerEpoch);
     ASSERT_EQ(cache_blocks_.size(), kCacheBlocks);

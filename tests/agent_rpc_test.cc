@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/credentials.h"
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent.h"
 #include "gpu/kernels/mla_decode_cpu.h"
@@ -19,7 +21,6 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "proto/core_types.h"
-#include "server/core/model_catalog.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
 
@@ -61,8 +62,7 @@ v1::StatsResponse WaitForStats(v1::CacheManager::Stub& stub, Pred pred) {
 
 TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   std::unique_ptr<ManagerServer> manager = StartManager(2'000);
-  auto cm = v1::CacheManager::NewStub(
-      grpc::CreateChannel(manager->address(), grpc::InsecureChannelCredentials()));
+  auto cm = v1::CacheManager::NewStub(MakeChannel(manager->address()));
 
   AgentOptions o;
   o.agent_id = "gpu-7";
@@ -86,8 +86,7 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   EXPECT_EQ(s.pools(0).capacity_bytes(), 5 * 1152ull * 61 * 64) << "exact, whole blocks";
 
   // Allocate through BlockAgent; the next heartbeats carry the usage.
-  auto ba = v1::BlockAgent::NewStub(
-      grpc::CreateChannel((*agent)->address(), grpc::InsecureChannelCredentials()));
+  auto ba = v1::BlockAgent::NewStub(MakeChannel((*agent)->address()));
   v1::AllocateBlocksRequest alloc;
   alloc.set_count(2);
   alloc.set_owner_epoch(9);
@@ -170,7 +169,7 @@ grpc::Status Heartbeat(v1::AgentControl::Stub& stub, const std::string& id, uint
 
 TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
   std::unique_ptr<ManagerServer> manager = StartManager(10'000);
-  auto channel = grpc::CreateChannel(manager->address(), grpc::InsecureChannelCredentials());
+  auto channel = MakeChannel(manager->address());
   auto ac = v1::AgentControl::NewStub(channel);
   auto cm = v1::CacheManager::NewStub(channel);
 
@@ -299,8 +298,7 @@ constexpr uint64_t kMlaBlockBytes = 1152ull * 2 * 16;
 
 TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
   std::unique_ptr<Agent> agent = StartMlaAgent(10'000);
-  auto stub = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 8, 5);
   ASSERT_EQ(got.size(), 8u);
   const std::vector<BlockId> ids = {got[6], got[1], got[4]};  // scattered, out of order
@@ -321,8 +319,7 @@ TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
 
 TEST(BlockAgentDataTest, RefusedWritesAndReadsNameTheFieldAndChangeNothing) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
   const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
   ASSERT_EQ(ids.size(), 2u);
   const std::string original = RandomBytes(2 * kMlaBlockBytes, 2);
@@ -387,8 +384,7 @@ std::vector<uint16_t> RandomBf16(size_t n, std::mt19937& rng) {
 
 TEST(BlockAgentAttentionTest, RunAttentionOnTheHostEqualsMlaDecodeCpuOnTheSameLatents) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 6, 5);
   ASSERT_EQ(got.size(), 6u);
   // Sequence 0: 37 tokens over 3 blocks; sequence 1: 20 tokens over 2 (both end mid-block).

@@ -11,9 +11,9 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/types.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "server/core/types.h"
 
 namespace kvcm::testing {
 

@@ -45,6 +45,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/credentials.h"
 #include "gpu/agent/agent.h"
 #include "gpu/agent/agent_test_util.h"
 #include "gpu/kernels/mla_decode_cpu.h"
@@ -176,8 +177,7 @@ class BlockAgentFuzzer {
  public:
   BlockAgentFuzzer(Agent* agent, uint64_t seed)
       : agent_(agent),
-        stub_(v1::BlockAgent::NewStub(
-            grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()))),
+        stub_(v1::BlockAgent::NewStub(MakeChannel(agent->address()))),
         rng_(seed),
         main_(kBlocks) {
     if (agent_->host_pool() != nullptr) host_.emplace(kHostBlocks);
@@ -908,8 +908,7 @@ std::string ReadBlock(v1::BlockAgent::Stub& stub, BlockId id, uint64_t owner) {
 TEST(BlockAgentFuzzTest, WriteRefusedByGrpcAfterItsLastByteChangesNothing) {
   std::unique_ptr<Agent> agent = StartAgent(false);
   ASSERT_NE(agent, nullptr);
-  auto stub = v1::BlockAgent::NewStub(
-      grpc::CreateChannel(agent->address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
   const std::vector<BlockId> ids = ::kvcm::testing::AllocateBlocks(*stub, 1, kOwners[0]);
   ASSERT_EQ(ids.size(), 1u);
   const std::string before(kBlockBytes, 'a');

@@ -13,10 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
+#include "common/page_hash.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
-#include "server/core/page_hash.h"
 #include "server/service/manager_server.h"
 
 namespace kvcm {
@@ -51,8 +52,7 @@ class ServiceRpcTest : public ::testing::Test {
     server_ = *std::move(server);
     ASSERT_GT(server_->port(), 0);
     ASSERT_EQ(server_->metrics_port() > 0, ServeMetrics());
-    channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                   grpc::InsecureChannelCredentials());
+    channel_ = MakeChannel(absl::StrCat("127.0.0.1:", server_->port()));
     stub_ = v1::CacheManager::NewStub(channel_);
     ns_.set_tenant("acme");
     ns_.set_model("deepseek-v3");

@@ -23,8 +23,9 @@
 #include "bench/replay/report.h"
 #include "bench/replay/trace.h"
 #include "bench/workload.h"
-#include "server/core/model_catalog.h"
-#include "server/core/model_spec.h"
+#include "common/enum_names.h"
+#include "common/model_catalog.h"
+#include "common/model_spec.h"
 
 ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
           "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp "
@@ -160,18 +161,9 @@ absl::StatusOr<std::vector<double>> ParseFractions(const std::string& text) {
   return out;
 }
 
-absl::StatusOr<KvDtype> ParseDtype(const std::string& name) {
-  if (name == "bf16") return KvDtype::kBf16;
-  if (name == "fp16") return KvDtype::kFp16;
-  if (name == "fp8") return KvDtype::kFp8;
-  if (name == "int8") return KvDtype::kInt8;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--kv_dtype \"", name, "\" is unknown; known: bf16, fp16, fp8, int8"));
-}
-
 // The catalogue model --model in --kv_dtype; its page size is set per workload.
 absl::StatusOr<ModelSpec> ModelFromFlags() {
-  absl::StatusOr<KvDtype> dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
+  absl::StatusOr<KvDtype> dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype), "--kv_dtype");
   if (!dtype.ok()) return dtype.status();
   return FindModel(absl::GetFlag(FLAGS_model), *dtype);
 }

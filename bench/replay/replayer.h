@@ -36,8 +36,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "bench/replay/trace.h"
+#include "common/model_spec.h"
 #include "server/core/cache_index.h"
-#include "server/core/model_spec.h"
 
 namespace kvcm::bench {
 

@@ -21,7 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/core/page_hash.h"
+#include "common/page_hash.h"
 
 namespace kvcm::bench {
 

@@ -10,14 +10,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "gpu/agent/pool_attention.h"
 #include "prometheus/collectable.h"
 #include "prometheus/exposer.h"
 #include "prometheus/metric_family.h"
 #include "proto/core_types.h"
-#include "server/service/cache_manager_service.h"
-#include "server/service/log.h"
-#include "server/service/status_macros.h"
 
 namespace kvcm {
 namespace {
@@ -29,10 +30,6 @@ void GeometryToProto(const PoolGeometry& g, v1::PoolGeometry* out) {
   ModelSpecToProto(g.spec, out->mutable_spec());
   out->set_bytes_per_block(g.bytes_per_block());
   out->set_num_blocks(g.num_blocks);
-}
-
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 absl::string_view HostOf(absl::string_view address) {
@@ -400,7 +397,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->service_ = std::make_unique<BlockAgentService>(a.get());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(opts.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Room for a full data chunk plus the message's framing.
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
@@ -427,8 +424,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
         absl::StrCat(HostOf(opts.metrics_address), ":", ports.empty() ? 0 : ports.front());
   }
 
-  a->control_ = v1::AgentControl::NewStub(
-      grpc::CreateChannel(opts.manager_address, grpc::InsecureChannelCredentials()));
+  a->control_ = v1::AgentControl::NewStub(MakeChannel(opts.manager_address));
   a->control_thread_ = std::thread([raw = a.get()] { raw->ControlLoop(); });
   a->command_thread_ = std::thread([raw = a.get()] { raw->CommandLoop(); });
   return a;
@@ -452,7 +448,7 @@ absl::Status Agent::Register() {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::max<uint32_t>(
                                                           options_.heartbeat_interval_ms, 1'000)));
-  return FromGrpc(control_->Register(&ctx, req, &resp));
+  return FromGrpcStatus(control_->Register(&ctx, req, &resp));
 }
 
 absl::Status Agent::Heartbeat() {
@@ -466,7 +462,7 @@ absl::Status Agent::Heartbeat() {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::max<uint32_t>(
                                                           options_.heartbeat_interval_ms, 1'000)));
-  return FromGrpc(control_->Heartbeat(&ctx, req, &resp));
+  return FromGrpcStatus(control_->Heartbeat(&ctx, req, &resp));
 }
 
 void Agent::ControlLoop() {
@@ -552,7 +548,7 @@ absl::Status Agent::RunCommandStream() {
   const grpc::Status status = stream->Finish();
   absl::MutexLock lock(&command_mu_);
   command_ctx_ = nullptr;
-  return FromGrpc(status);
+  return FromGrpcStatus(status);
 }
 
 void Agent::CommandLoop() {

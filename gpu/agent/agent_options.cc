@@ -2,7 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/model_catalog.h"
+#include "common/model_catalog.h"
 
 namespace kvcm {
 namespace {

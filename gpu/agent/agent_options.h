@@ -8,9 +8,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "common/types.h"
 #include "gpu/agent/pool_geometry.h"
-#include "server/core/model_spec.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

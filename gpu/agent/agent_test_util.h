@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/model_spec.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_attention.h"
 #include "gpu/agent/pool_geometry.h"
-#include "server/core/model_spec.h"
 
 namespace kvcm {
 

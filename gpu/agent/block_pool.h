@@ -26,9 +26,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/types.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_geometry.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

@@ -7,13 +7,13 @@
 #include <set>
 #include <vector>
 
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent_test_util.h"
 #include "gpu/agent/pool_attention.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
-#include "server/core/model_catalog.h"
 
 namespace kvcm {
 namespace {

@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/types.h"
 #include "gpu/agent/block_pool.h"
 #include "kvcm/v1/agent.pb.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

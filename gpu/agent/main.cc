@@ -21,8 +21,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/enum_names.h"
+#include "common/log.h"
 #include "gpu/agent/agent.h"
-#include "server/service/log.h"
 
 namespace {
 const kvcm::AgentOptions kDefaults;
@@ -72,30 +73,11 @@ namespace {
   std::exit(1);
 }
 
-kvcm::KvDtype ParseDtype(const std::string& text) {
-  const std::string t = absl::AsciiStrToLower(text);
-  if (t == "bf16") return kvcm::KvDtype::kBf16;
-  if (t == "fp16") return kvcm::KvDtype::kFp16;
-  if (t == "fp8") return kvcm::KvDtype::kFp8;
-  if (t == "int8") return kvcm::KvDtype::kInt8;
-  Fail(absl::StrCat("--kv_dtype must be bf16, fp16, fp8 or int8, got \"", text, "\""));
-}
-
-kvcm::AttentionKind ParseAttention(const std::string& text) {
-  const std::string t = absl::AsciiStrToLower(text);
-  if (t == "mha") return kvcm::AttentionKind::kMha;
-  if (t == "mqa") return kvcm::AttentionKind::kMqa;
-  if (t == "gqa") return kvcm::AttentionKind::kGqa;
-  if (t == "mla") return kvcm::AttentionKind::kMla;
-  Fail(absl::StrCat("--attention must be mha, mqa, gqa or mla, got \"", text, "\""));
-}
-
-kvcm::Tier ParseTier(const std::string& text) {
-  const std::string t = absl::AsciiStrToLower(text);
-  if (t == "gpu") return kvcm::Tier::kGpu;
-  if (t == "host") return kvcm::Tier::kHost;
-  if (t == "disk") return kvcm::Tier::kDisk;
-  Fail(absl::StrCat("--tier must be gpu, host or disk, got \"", text, "\""));
+// The enum flag's value, or exits naming the flag.
+template <typename E>
+E OrFail(absl::StatusOr<E> value) {
+  if (!value.ok()) Fail(value.status().message());
+  return *value;
 }
 
 kvcm::AgentOptions OptionsFromFlags() {
@@ -105,11 +87,11 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.listen_address = absl::GetFlag(FLAGS_listen_address);
   o.device_index = absl::GetFlag(FLAGS_device_index);
   o.use_device = absl::GetFlag(FLAGS_use_device);
-  o.tier = ParseTier(absl::GetFlag(FLAGS_tier));
+  o.tier = OrFail(kvcm::ParseTier(absl::GetFlag(FLAGS_tier), "--tier"));
   o.model = absl::GetFlag(FLAGS_model);
-  o.dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype));
+  o.dtype = OrFail(kvcm::ParseDtype(absl::GetFlag(FLAGS_kv_dtype), "--kv_dtype"));
   o.page_size_tokens = absl::GetFlag(FLAGS_page_size_tokens);
-  o.spec.attention = ParseAttention(absl::GetFlag(FLAGS_attention));
+  o.spec.attention = OrFail(kvcm::ParseAttention(absl::GetFlag(FLAGS_attention), "--attention"));
   o.spec.num_layers = absl::GetFlag(FLAGS_num_layers);
   o.spec.num_heads = absl::GetFlag(FLAGS_num_heads);
   o.spec.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);

@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/types.h"
 #include "gpu/agent/block_pool.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

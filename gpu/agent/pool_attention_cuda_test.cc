@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/model_catalog.h"
 #include "gpu/agent/agent_test_util.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/device_backend.h"
@@ -13,7 +14,6 @@
 #include "gpu/kernels/cuda_runner.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
-#include "server/core/model_catalog.h"
 
 namespace kvcm {
 namespace {

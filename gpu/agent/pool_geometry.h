@@ -24,7 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/core/model_spec.h"
+#include "common/model_spec.h"
 
 namespace kvcm {
 

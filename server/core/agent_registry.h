@@ -23,8 +23,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/types.h"
 #include "server/core/clock.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

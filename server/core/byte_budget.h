@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "server/core/types.h"
+#include "common/types.h"
 
 namespace kvcm {
 

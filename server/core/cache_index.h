@@ -24,14 +24,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/model_spec.h"
+#include "common/page_hash.h"
+#include "common/types.h"
 #include "server/core/byte_budget.h"
 #include "server/core/clock.h"
 #include "server/core/eviction_policy.h"
 #include "server/core/lease_table.h"
-#include "server/core/model_spec.h"
-#include "server/core/page_hash.h"
 #include "server/core/radix_tree.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

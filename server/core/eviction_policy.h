@@ -23,8 +23,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/types.h"
 #include "server/core/radix_tree.h"
-#include "server/core/types.h"
 
 namespace kvcm {
 

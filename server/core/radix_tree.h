@@ -20,8 +20,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
-#include "server/core/page_hash.h"
-#include "server/core/types.h"
+#include "common/page_hash.h"
+#include "common/types.h"
 
 namespace kvcm {
 

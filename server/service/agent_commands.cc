@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
@@ -54,7 +55,7 @@ class AgentCommandRouter::Stream final
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "epoch must be >= 1");
     }
     if (absl::Status s = router_->agents_->CheckLive(ack_.agent_id(), ack_.epoch()); !s.ok()) {
-      return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+      return ToGrpcStatus(s);
     }
     return router_->Attach(this, ack_.agent_id(), ack_.epoch());
   }

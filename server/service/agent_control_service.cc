@@ -4,11 +4,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "proto/core_types.h"
 #include "server/service/cache_manager_service.h"
-#include "server/service/log.h"
 #include "server/service/proto_convert.h"
-#include "server/service/status_macros.h"
 
 namespace kvcm {
 namespace {

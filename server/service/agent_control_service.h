@@ -17,12 +17,12 @@
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "common/log.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/agent_commands.h"
-#include "server/service/log.h"
 #include "server/service/metrics.h"
 #include "server/service/unary_rpc.h"
 

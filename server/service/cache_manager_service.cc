@@ -6,8 +6,8 @@
 #include <variant>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/service/agent_control_service.h"
-#include "server/service/status_macros.h"
 
 namespace kvcm {
 

@@ -13,11 +13,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "common/log.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/event_hub.h"
-#include "server/service/log.h"
 #include "server/service/metrics.h"
 #include "server/service/proto_convert.h"
 #include "server/service/unary_rpc.h"

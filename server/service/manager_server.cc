@@ -11,9 +11,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
+#include "common/log.h"
+#include "common/status_macros.h"
 #include "prometheus/exposer.h"
-#include "server/service/log.h"
-#include "server/service/status_macros.h"
 
 namespace kvcm {
 namespace {
@@ -70,7 +71,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(opts.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &s->port_);
   // gRPC sets SO_REUSEPORT by default, which would let a second manager share the port
   // silently; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "common/enum_names.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"

@@ -6,8 +6,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/page_hash.h"
-#include "server/service/status_macros.h"
+#include "common/page_hash.h"
+#include "common/status_macros.h"
 
 namespace kvcm {
 namespace {

@@ -4,10 +4,10 @@
 #include <string>
 #include <vector>
 
+#include "common/page_hash.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/clock.h"
-#include "server/core/page_hash.h"
 
 namespace kvcm {
 namespace {

@@ -19,11 +19,6 @@ bool IsServerFault(absl::StatusCode code) {
 
 }  // namespace
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
 RpcRunner::RpcRunner(ServiceMetrics* metrics)
     : metrics_(metrics), error_log_(kFailureLogLines, kFailureLogPeriod) {}
 

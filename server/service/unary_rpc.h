@@ -14,13 +14,11 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/service/log.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
 #include "server/service/metrics.h"
 
 namespace kvcm {
-
-// absl::Status -> grpc::Status; the code numbers are the same by definition.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class RpcRunner {
  public:

@@ -1,6 +1,6 @@
 // Early-return helpers for absl::Status / absl::StatusOr (Abseil 20220623 has none public).
-#ifndef KVCM_SERVER_SERVICE_STATUS_MACROS_H_
-#define KVCM_SERVER_SERVICE_STATUS_MACROS_H_
+#ifndef KVCM_COMMON_STATUS_MACROS_H_
+#define KVCM_COMMON_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -30,4 +30,4 @@
   }                                                       \
   lhs = *std::move(statusor)
 
-#endif  // KVCM_SERVER_SERVICE_STATUS_MACROS_H_
+#endif  // KVCM_COMMON_STATUS_MACROS_H_

@@ -1,7 +1,8 @@
-#include "server/core/model_spec.h"
+#include "common/model_spec.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/enum_names.h"
 
 namespace kvcm {
 namespace {
@@ -26,34 +27,6 @@ uint32_t ElementBytes(KvDtype dtype) {
       return 1;
   }
   return 2;
-}
-
-absl::string_view AttentionName(AttentionKind a) {
-  switch (a) {
-    case AttentionKind::kMha:
-      return "MHA";
-    case AttentionKind::kMqa:
-      return "MQA";
-    case AttentionKind::kGqa:
-      return "GQA";
-    case AttentionKind::kMla:
-      return "MLA";
-  }
-  return "?";
-}
-
-absl::string_view DtypeName(KvDtype d) {
-  switch (d) {
-    case KvDtype::kBf16:
-      return "bf16";
-    case KvDtype::kFp16:
-      return "fp16";
-    case KvDtype::kFp8:
-      return "fp8";
-    case KvDtype::kInt8:
-      return "int8";
-  }
-  return "?";
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 //
 // Lines look like "2026-11-22T10:00:00.123456Z W kvcm-manager] message". Thread-safe: a
 // line is written with one fwrite, so concurrent lines do not interleave.
-#ifndef KVCM_SERVER_SERVICE_LOG_H_
-#define KVCM_SERVER_SERVICE_LOG_H_
+#ifndef KVCM_COMMON_LOG_H_
+#define KVCM_COMMON_LOG_H_
 
 #include <cstdint>
 
@@ -52,4 +52,4 @@ class LogRateLimiter {
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_SERVICE_LOG_H_
+#endif  // KVCM_COMMON_LOG_H_

@@ -1,4 +1,4 @@
-#include "server/core/model_spec.h"
+#include "common/model_spec.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -1,4 +1,4 @@
-#include "server/core/model_catalog.h"
+#include "common/model_catalog.h"
 
 #include <set>
 #include <string>

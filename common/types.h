@@ -1,6 +1,6 @@
 // Small value types shared by every part of the core.
-#ifndef KVCM_SERVER_CORE_TYPES_H_
-#define KVCM_SERVER_CORE_TYPES_H_
+#ifndef KVCM_COMMON_TYPES_H_
+#define KVCM_COMMON_TYPES_H_
 
 #include <cstdint>
 #include <string>
@@ -27,8 +27,6 @@ struct NamespaceId {
 // Memory tier of a pool. Values match kvcm.v1.Tier.
 enum class Tier : uint8_t { kGpu = 1, kHost = 2, kDisk = 3 };
 
-absl::string_view TierName(Tier tier);
-
 // One byte-budgeted pool: the blocks of one agent in one tier.
 struct PoolKey {
   std::string agent_id;
@@ -39,7 +37,7 @@ struct PoolKey {
   friend H AbslHashValue(H h, const PoolKey& p) {
     return H::combine(std::move(h), p.agent_id, p.tier);
   }
-  std::string ToString() const { return absl::StrCat(agent_id, ":", TierName(tier)); }
+  std::string ToString() const;  // "agent:tier"
 };
 
 // Dense id of a pool inside one CacheIndex; stable for the index's lifetime.
@@ -54,4 +52,4 @@ inline constexpr BlockId kPendingBlock = 0xFFFFFFFF;
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_CORE_TYPES_H_
+#endif  // KVCM_COMMON_TYPES_H_

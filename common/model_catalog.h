@@ -1,15 +1,15 @@
 // A small catalogue of well-known models with the KV geometry of their published configs,
 // so that a spec can be asked for by name ("deepseek-v3") instead of typed in dimension by
 // dimension, and what each model costs per token can be listed side by side.
-#ifndef KVCM_SERVER_CORE_MODEL_CATALOG_H_
-#define KVCM_SERVER_CORE_MODEL_CATALOG_H_
+#ifndef KVCM_COMMON_MODEL_CATALOG_H_
+#define KVCM_COMMON_MODEL_CATALOG_H_
 
 #include <cstdint>
 #include <span>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/core/model_spec.h"
+#include "common/model_spec.h"
 
 namespace kvcm {
 
@@ -47,4 +47,4 @@ KvFootprint FootprintOf(const ModelSpec& spec);
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_CORE_MODEL_CATALOG_H_
+#endif  // KVCM_COMMON_MODEL_CATALOG_H_

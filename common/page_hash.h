@@ -10,8 +10,8 @@
 // that implements SipHash-2-4 with 128-bit output can reproduce them.
 //
 // All functions here are pure and thread-safe.
-#ifndef KVCM_SERVER_CORE_PAGE_HASH_H_
-#define KVCM_SERVER_CORE_PAGE_HASH_H_
+#ifndef KVCM_COMMON_PAGE_HASH_H_
+#define KVCM_COMMON_PAGE_HASH_H_
 
 #include <cstdint>
 #include <span>
@@ -77,4 +77,4 @@ std::vector<PageHash> DecodePageHashes(std::string_view bytes);
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_CORE_PAGE_HASH_H_
+#endif  // KVCM_COMMON_PAGE_HASH_H_

@@ -1,4 +1,4 @@
-#include "server/core/page_hash.h"
+#include "common/page_hash.h"
 
 #include <fstream>
 #include <sstream>

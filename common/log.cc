@@ -1,4 +1,4 @@
-#include "server/service/log.h"
+#include "common/log.h"
 
 #include <cstdio>
 #include <string>

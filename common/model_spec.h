@@ -1,6 +1,6 @@
 // What one token of KV cache costs, in bytes, for each attention kind and dtype.
-#ifndef KVCM_SERVER_CORE_MODEL_SPEC_H_
-#define KVCM_SERVER_CORE_MODEL_SPEC_H_
+#ifndef KVCM_COMMON_MODEL_SPEC_H_
+#define KVCM_COMMON_MODEL_SPEC_H_
 
 #include <cstdint>
 #include <string>
@@ -58,4 +58,4 @@ struct ModelSpec {
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_CORE_MODEL_SPEC_H_
+#endif  // KVCM_COMMON_MODEL_SPEC_H_
