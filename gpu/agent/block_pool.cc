@@ -24,94 +24,59 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(
 BlockPool::BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend)
     : geometry_(std::move(geometry)),
       bytes_per_block_(geometry_.bytes_per_block()),
-      backend_(std::move(backend)) {
-  const BlockId n = static_cast<BlockId>(geometry_.num_blocks);
-  free_.reserve(n);
-  // Pushed in reverse so the first allocations return 0, 1, 2, ...
-  for (BlockId id = n; id > 0; --id) free_.push_back(id - 1);
-  owner_.assign(n, 0);
-}
+      backend_(std::move(backend)),
+      ledger_(static_cast<uint32_t>(geometry_.num_blocks)) {}
 
-absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch) {
-  if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
-  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
+absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch,
+                                                         const NamespaceId* ns) {
   absl::MutexLock lock(&mu_);
-  if (count > free_.size()) {
-    return absl::ResourceExhaustedError(absl::StrCat("asked for ", count, " blocks, ", free_.size(),
-                                                     " of ", owner_.size(), " are free"));
-  }
-  std::vector<BlockId> out(free_.end() - count, free_.end());
-  free_.resize(free_.size() - count);
-  for (BlockId id : out) owner_[id] = owner_epoch;
-  return out;
+  return ledger_.Allocate(count, owner_epoch, ns);
 }
 
 absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch) {
-  if (ids.empty()) return absl::InvalidArgumentError("block_ids must not be empty");
-  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
-  std::vector<BlockId> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("block_ids lists block ", *dup, " twice"));
-  }
   absl::MutexLock lock(&mu_);
-  for (BlockId id : ids) {
-    if (id >= owner_.size()) {
-      return absl::OutOfRangeError(
-          absl::StrCat("block_ids: block ", id, " is past the pool of ", owner_.size(), " blocks"));
-    }
-    if (owner_[id] == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("block ", id, " is not allocated (double free?)"));
-    }
-    if (owner_[id] != owner_epoch) {
-      return absl::AbortedError(absl::StrCat("block ", id, " belongs to owner epoch ", owner_[id],
-                                             ", not ", owner_epoch));
-    }
-  }
-  for (BlockId id : ids) {
-    owner_[id] = 0;
-    free_.push_back(id);
-  }
-  return absl::OkStatus();
+  return ledger_.Free(ids, owner_epoch);
 }
 
-absl::Status BlockPool::CheckOwnedLocked(std::span<const BlockId> ids, uint64_t owner_epoch,
-                                         absl::string_view field) const {
-  if (ids.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " must not be empty"));
-  if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
-  std::vector<BlockId> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " lists block ", *dup, " twice"));
-  }
-  for (BlockId id : ids) {
-    if (id >= owner_.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": block ", id, " is past the pool of ", owner_.size(), " blocks"));
-    }
-    if (owner_[id] == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(field, ": block ", id, " is not allocated"));
-    }
-    if (owner_[id] != owner_epoch) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          field, ": block ", id, " belongs to owner epoch ", owner_[id], ", not ", owner_epoch));
-    }
-  }
-  return absl::OkStatus();
+absl::StatusOr<std::vector<BlockId>> BlockPool::Commit(const NamespaceId& ns, uint64_t epoch,
+                                                       std::span<const CommitEntry> entries,
+                                                       absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.Commit(ns, epoch, entries, field);
+}
+
+absl::Status BlockPool::Release(std::span<const BlockId> ids, uint64_t epoch,
+                                absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.Release(ids, epoch, field);
+}
+
+absl::Status BlockPool::FreeCommitted(std::span<const BlockId> ids, uint64_t epoch,
+                                      absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.FreeCommitted(ids, epoch, field);
+}
+
+std::vector<CommittedBlock> BlockPool::Inventory() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<CommittedBlock> out;
+  out.reserve(ledger_.committed_blocks());
+  ledger_.ForEachCommitted([&](const CommittedBlock& b) { out.push_back(b); });
+  return out;
 }
 
 absl::Status BlockPool::CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
                                    absl::string_view field) const {
   absl::MutexLock lock(&mu_);
-  return CheckOwnedLocked(ids, owner_epoch, field);
+  return ledger_.Check(ids, owner_epoch, /*writable=*/false, field);
 }
 
 absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
                                     std::span<const std::byte> bytes) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, "block_ids"); !s.ok()) return s;
+  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/true, "block_ids"); !s.ok()) {
+    return s;
+  }
   if (bytes.size() != ids.size() * bytes_per_block_) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: got ", bytes.size(), ", expected ",
                                                    ids.size(), " blocks x ", bytes_per_block_));
@@ -129,7 +94,10 @@ absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner
 absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
                                   std::span<std::byte> dst) const {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = CheckOwnedLocked({&id, 1}, owner_epoch, "block_ids"); !s.ok()) return s;
+  if (absl::Status s = ledger_.Check({&id, 1}, owner_epoch, /*writable=*/false, "block_ids");
+      !s.ok()) {
+    return s;
+  }
   if (offset_in_block > bytes_per_block_ || dst.size() > bytes_per_block_ - offset_in_block) {
     return absl::OutOfRangeError(absl::StrCat("bytes [", offset_in_block, ", +", dst.size(),
                                               ") leave the block of ", bytes_per_block_));
@@ -141,7 +109,9 @@ absl::Status BlockPool::WithOwnedArena(
     std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
     absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, field); !s.ok()) return s;
+  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/false, field); !s.ok()) {
+    return s;
+  }
   return fn(backend_->base());
 }
 
@@ -168,8 +138,13 @@ absl::Status BlockPool::CopyBlocksTo(std::span<const BlockId> ids, BlockPool& ds
   }
   absl::MutexLock src_lock(&mu_);
   absl::MutexLock dst_lock(&dst.mu_);
-  if (absl::Status s = CheckOwnedLocked(ids, owner_epoch, "source_block_ids"); !s.ok()) return s;
-  if (absl::Status s = dst.CheckOwnedLocked(dst_ids, owner_epoch, "target_block_ids"); !s.ok()) {
+  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/false, "source_block_ids");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          dst.ledger_.Check(dst_ids, owner_epoch, /*writable=*/true, "target_block_ids");
+      !s.ok()) {
     return s;
   }
   const bool src_device = backend_->is_device();
@@ -189,26 +164,26 @@ absl::Status BlockPool::CopyBlocksTo(std::span<const BlockId> ids, BlockPool& ds
     }
     if (!s.ok()) return s;
   }
+  // The copies hold the sources' pages: commit them alike. Cannot fail: every target was
+  // checked allocated to owner_epoch, the sources' owner, above.
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const CommittedBlock src = ledger_.Committed(ids[i]);
+    if (src.ns != nullptr) (void)dst.ledger_.CommitCopy(dst_ids[i], src);
+  }
   return absl::OkStatus();
 }
 
 uint64_t BlockPool::FreeAllOwnedBy(uint64_t owner_epoch) {
   absl::MutexLock lock(&mu_);
-  uint64_t freed = 0;
-  for (BlockId id = 0; id < owner_.size(); ++id) {
-    if (owner_[id] != owner_epoch || owner_epoch == 0) continue;
-    owner_[id] = 0;
-    free_.push_back(id);
-    ++freed;
-  }
-  return freed;
+  return ledger_.FreeAllOwnedBy(owner_epoch);
 }
 
 BlockPoolStats BlockPool::Stats() const {
   absl::MutexLock lock(&mu_);
   BlockPoolStats s;
-  s.num_blocks = owner_.size();
-  s.free_blocks = free_.size();
+  s.num_blocks = ledger_.num_blocks();
+  s.free_blocks = ledger_.free_blocks();
+  s.committed_blocks = ledger_.committed_blocks();
   s.bytes_per_block = bytes_per_block_;
   s.capacity_bytes = s.num_blocks * bytes_per_block_;
   s.used_bytes = (s.num_blocks - s.free_blocks) * bytes_per_block_;

@@ -1,8 +1,9 @@
 // BlockPool: fixed-size blocks carved out of one DeviceBackend arena.
 //
-// Allocation pops ids from a free list; every allocated block records the owner epoch it
-// was allocated for, and Free must name the same epoch, so a restarted worker (a new
-// epoch) cannot free blocks of its predecessor by accident. Allocate and Free are all or
+// What each block holds is the pool's BlockLedger (free, allocated to an owner epoch and
+// namespace, or committed to one page): Free must name the owner epoch, so a restarted
+// worker (a new epoch) cannot free blocks of its predecessor by accident, and a committed
+// block belongs to the cache (immutable; freed by the manager). Every mutation is all or
 // nothing. Byte accounting is exact: used_bytes = allocated blocks x bytes_per_block. The
 // pool never allocates device memory after Create: the backend's arena is fixed.
 //
@@ -27,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/types.h"
+#include "gpu/agent/block_ledger.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/pool_geometry.h"
 
@@ -36,8 +38,9 @@ struct BlockPoolStats {
   uint64_t num_blocks = 0;
   uint64_t free_blocks = 0;
   uint64_t bytes_per_block = 0;
-  uint64_t capacity_bytes = 0;  // num_blocks x bytes_per_block
-  uint64_t used_bytes = 0;      // (num_blocks - free_blocks) x bytes_per_block
+  uint64_t capacity_bytes = 0;    // num_blocks x bytes_per_block
+  uint64_t used_bytes = 0;        // (num_blocks - free_blocks) x bytes_per_block
+  uint64_t committed_blocks = 0;  // of the allocated ones, those committed to a page
 };
 
 class BlockPool {
@@ -49,27 +52,43 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // `count` distinct free blocks, now owned by `owner_epoch`. INVALID_ARGUMENT for count 0 or
-  // owner_epoch 0; RESOURCE_EXHAUSTED (nothing allocated) when fewer than `count` are free.
-  absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch)
+  // `count` distinct free blocks, now owned by `owner_epoch` and, when `ns` is given, that
+  // namespace (BlockLedger::Allocate). RESOURCE_EXHAUSTED (nothing allocated) when fewer
+  // than `count` are free.
+  absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
+                                                const NamespaceId* ns = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Returns `ids` to the free list. All or nothing, checked in this order for every id:
-  // INVALID_ARGUMENT for an empty list, owner_epoch 0 or an id listed twice; OUT_OF_RANGE
-  // for an id past the pool; FAILED_PRECONDITION for a block that is not allocated (double
-  // free); ABORTED for a block allocated by another owner epoch.
+  // Returns allocated blocks to the free list (BlockLedger::Free): INVALID_ARGUMENT for an
+  // empty list, owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
+  // FAILED_PRECONDITION for a free (double free) or committed block; ABORTED for a block
+  // of another owner epoch.
   absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // OK when `ids` are distinct, inside the pool and all allocated to `owner_epoch`; nothing
-  // is changed. Errors name `field` (e.g. "block_ids"): INVALID_ARGUMENT for an empty list,
-  // owner_epoch 0, an id listed twice or one past the pool; FAILED_PRECONDITION for a block
-  // that is not allocated or is allocated by another owner epoch. The answer may be stale
-  // as soon as it returns (another thread may Free); the copy methods check again.
+  // The ledger's Commit, Release and FreeCommitted, under the pool's lock.
+  absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
+                                              std::span<const CommitEntry> entries,
+                                              absl::string_view field) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Release(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FreeCommitted(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Every committed block, in block order (the pool's inventory).
+  std::vector<CommittedBlock> Inventory() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // OK when `ids` are distinct, inside the pool and allocated to or committed by
+  // `owner_epoch` (readable); nothing is changed. Errors name `field` (e.g. "block_ids"):
+  // INVALID_ARGUMENT for an empty list, owner_epoch 0, an id listed twice or one past the
+  // pool; FAILED_PRECONDITION for a block that is not allocated or is allocated by another
+  // owner epoch. The answer may be stale as soon as it returns (another thread may Free);
+  // the copy methods check again.
   absl::Status CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
                           absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Overwrites whole blocks: byte i of `bytes` goes to byte i % bytes_per_block of block
-  // ids[i / bytes_per_block]. All or nothing: errors as CheckOwned (field "block_ids"), and
+  // ids[i / bytes_per_block]. All or nothing: errors as CheckOwned (field "block_ids"),
+  // FAILED_PRECONDITION for a committed block (immutable), and
   // INVALID_ARGUMENT "bytes" unless bytes.size() == ids.size() x bytes_per_block, are
   // returned before any byte is copied. Holds mu_ while copying, so no Free interleaves.
   absl::Status WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
@@ -108,13 +127,15 @@ class BlockPool {
   // device-to-host (or host-to-device) memcpy straight into the other arena, staged through
   // host memory only between two device pools. Nothing is copied unless every check
   // passes: INVALID_ARGUMENT when `dst` is this pool, the id counts differ or the block
-  // sizes differ; errors as CheckOwned naming "source_block_ids" / "target_block_ids".
+  // sizes differ; errors as CheckOwned naming "source_block_ids" / "target_block_ids"
+  // (targets must be allocated, not committed). A target whose source is committed
+  // becomes committed to the same page, so a demoted copy is in the inventory too.
   absl::Status CopyBlocksTo(std::span<const BlockId> ids, BlockPool& dst,
                             std::span<const BlockId> dst_ids, uint64_t owner_epoch) const
       ABSL_LOCKS_EXCLUDED(mu_, dst.mu_);
 
-  // Frees every block allocated to `owner_epoch` (e.g. the cache's blocks of an agent epoch
-  // that ended); returns how many.
+  // Frees every block allocated to or committed by `owner_epoch` (e.g. the cache's blocks of
+  // an agent epoch that ended); returns how many.
   uint64_t FreeAllOwnedBy(uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);
 
   BlockPoolStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -123,17 +144,12 @@ class BlockPool {
 
  private:
   BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend);
-  absl::Status CheckOwnedLocked(std::span<const BlockId> ids, uint64_t owner_epoch,
-                                absl::string_view field) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PoolGeometry geometry_;
   const uint64_t bytes_per_block_;
   const std::unique_ptr<DeviceBackend> backend_;
   mutable absl::Mutex mu_;
-  // Free block ids; allocation pops from the back.
-  std::vector<BlockId> free_ ABSL_GUARDED_BY(mu_);
-  // Owner epoch of each block; 0 while the block is free.
-  std::vector<uint64_t> owner_ ABSL_GUARDED_BY(mu_);
+  BlockLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm

@@ -107,7 +107,7 @@ TEST(BlockPoolTest, ExactByteAccounting) {
   EXPECT_EQ(s.used_bytes, 0u);
   absl::StatusOr<std::vector<BlockId>> a = pool->Allocate(3, 1);
   ASSERT_TRUE(a.ok());
-  EXPECT_THAT(*a, ElementsAre(2, 1, 0));
+  EXPECT_THAT(*a, ElementsAre(0, 1, 2));
   EXPECT_EQ(pool->Stats().used_bytes, 3 * per_block);
   EXPECT_EQ(pool->Stats().free_blocks, 7u);
   EXPECT_EQ(pool->Allocate(8, 1).status().code(), absl::StatusCode::kResourceExhausted);
