@@ -95,6 +95,11 @@ absl::StatusOr<RegisterModelResult> CacheIndex::GetNamespace(const NamespaceId& 
   return RegisterModelResult{(*found)->spec, (*found)->key, false};
 }
 
+bool CacheIndex::HasPool(const PoolKey& pool) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return budget_.Find(pool).has_value();
+}
+
 absl::StatusOr<std::vector<PageHash>> CacheIndex::HashTokens(
     const NamespaceId& ns, std::span<const int32_t> tokens) const {
   absl::StatusOr<RegisterModelResult> info = GetNamespace(ns);

@@ -225,6 +225,9 @@ class CacheIndex {
   absl::Status SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Whether `pool` exists (SetPoolCapacity or an Insert created it).
+  bool HasPool(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
   absl::StatusOr<MatchResult> Match(const NamespaceId& ns, std::span<const PageHash> pages,
                                     const MatchOptions& options) ABSL_LOCKS_EXCLUDED(mu_);

@@ -1,0 +1,188 @@
+#include "server/core/inventory_restore.h"
+
+#include <memory>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+
+const NamespaceId kNs{"acme", "dsv3"};
+const PoolKey kPool{"gpu-0", Tier::kGpu};
+
+ModelSpec Mla() {
+  return ModelSpec{.attention = AttentionKind::kMla,
+                   .num_layers = 61,
+                   .num_heads = 128,
+                   .kv_lora_rank = 512,
+                   .rope_dim = 64,
+                   .page_size_tokens = 4};
+}
+
+PageHash P(uint64_t n) { return PageHash{.lo = n, .hi = ~n}; }
+
+// The inventory entries of a prompt path: pages[i] in blocks[i], chained.
+std::vector<InventoryPage> Path(std::vector<uint64_t> pages, std::vector<BlockId> blocks) {
+  std::vector<InventoryPage> out;
+  PageHash parent;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    out.push_back({.block = blocks[i], .page = P(pages[i]), .parent = parent});
+    parent = P(pages[i]);
+  }
+  return out;
+}
+
+std::vector<PageHash> Pages(std::vector<uint64_t> ids) {
+  std::vector<PageHash> out;
+  for (uint64_t id : ids) out.push_back(P(id));
+  return out;
+}
+
+class InventoryRestoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    index_ = std::make_unique<CacheIndex>(
+        CacheIndexOptions{.hash_secret = HashKey{1, 2}, .default_pool_capacity_bytes = 0});
+    ASSERT_TRUE(index_->SetPoolCapacity(kPool, 100 * Mla().BytesPerPage()).ok());
+  }
+
+  absl::StatusOr<RestoreResult> Restore(std::vector<InventoryPage> pages, ModelSpec spec = Mla()) {
+    return RestoreInventory(*index_, kPool, Mla().BytesPerPage(),
+                            InventoryBatch{.ns = kNs, .spec = spec, .pages = std::move(pages)});
+  }
+
+  // Block ids the index holds in kPool for `pages` (a prompt's leading pages).
+  std::vector<BlockId> Blocks(std::vector<uint64_t> pages) {
+    absl::StatusOr<MatchResult> m = index_->Match(kNs, Pages(pages), {.probe = true});
+    std::vector<BlockId> out;
+    if (!m.ok()) return out;
+    for (const MatchedSegment& seg : m->segments) {
+      for (const MatchedSegment::Replica& r : seg.replicas) {
+        if (*r.pool == kPool) out.insert(out.end(), r.block_ids.begin(), r.block_ids.end());
+      }
+    }
+    return out;
+  }
+
+  uint64_t IndexedPages() {
+    uint64_t n = 0;
+    for (const PoolStats& p : index_->Stats().pools) n += p.pages;
+    return n;
+  }
+
+  std::unique_ptr<CacheIndex> index_;
+};
+
+TEST_F(InventoryRestoreTest, RebuildsBranchingPromptsWithTheSameBlocksAndTheNamespace) {
+  // Two prompts sharing pages 1, 2, then branching; the inventory is in no particular order.
+  std::vector<InventoryPage> inv = Path({1, 2, 3, 4}, {10, 11, 12, 13});
+  std::vector<InventoryPage> other = Path({1, 2, 5}, {10, 11, 14});
+  inv.insert(inv.begin(), other.back());
+  std::reverse(inv.begin(), inv.end());
+  absl::StatusOr<RestoreResult> r = Restore(inv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 5u);
+  EXPECT_TRUE(r->to_free.empty());
+  EXPECT_THAT(Blocks({1, 2, 3, 4}), ElementsAre(10, 11, 12, 13));
+  EXPECT_THAT(Blocks({1, 2, 5}), ElementsAre(10, 11, 14));
+  // The namespace came back with its spec.
+  absl::StatusOr<RegisterModelResult> ns = index_->GetNamespace(kNs);
+  ASSERT_TRUE(ns.ok());
+  EXPECT_EQ(ns->spec, Mla());
+}
+
+TEST_F(InventoryRestoreTest, PagesWhoseChainIsIncompleteAreFreedNotIndexed) {
+  // Page 7's parent (6) is in no inventory: 7 and its child 8 are orphans.
+  std::vector<InventoryPage> inv = Path({1, 2}, {20, 21});
+  inv.push_back({.block = 22, .page = P(7), .parent = P(6)});
+  inv.push_back({.block = 23, .page = P(8), .parent = P(7)});
+  // A cycle, which hashes cannot form but a corrupt inventory could.
+  inv.push_back({.block = 24, .page = P(30), .parent = P(31)});
+  inv.push_back({.block = 25, .page = P(31), .parent = P(30)});
+  absl::StatusOr<RestoreResult> r = Restore(inv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 2u);
+  EXPECT_EQ(r->orphan_pages, 4u);
+  EXPECT_THAT(r->to_free, UnorderedElementsAre(22, 23, 24, 25));
+  EXPECT_EQ(IndexedPages(), 2u);
+}
+
+TEST_F(InventoryRestoreTest, SecondBlockOfAPageIsADuplicateToFree) {
+  std::vector<InventoryPage> inv = Path({1, 2}, {30, 31});
+  inv.push_back({.block = 32, .page = P(2), .parent = P(1)});
+  absl::StatusOr<RestoreResult> r = Restore(inv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->duplicate_pages, 1u);
+  EXPECT_THAT(r->to_free, ElementsAre(32));
+  EXPECT_THAT(Blocks({1, 2}), ElementsAre(30, 31));
+  // The pool already holding a page in another block: the inventory's block is spare.
+  absl::StatusOr<RestoreResult> again = Restore(Path({1, 2, 3}, {40, 41, 42}));
+  ASSERT_TRUE(again.ok());
+  EXPECT_THAT(again->to_free, UnorderedElementsAre(40, 41));
+  EXPECT_THAT(Blocks({1, 2, 3}), ElementsAre(30, 31, 42));
+}
+
+TEST_F(InventoryRestoreTest, ANamespaceThatCannotLiveInThePoolIsFreedWhole) {
+  ASSERT_TRUE(index_->RegisterModel(kNs, Mla()).ok());
+  ModelSpec other = Mla();
+  other.dtype = KvDtype::kFp8;  // another spec for a registered namespace
+  absl::StatusOr<RestoreResult> conflict = Restore(Path({1, 2}, {1, 2}), other);
+  ASSERT_TRUE(conflict.ok());
+  EXPECT_EQ(conflict->refused_pages, 2u);
+  EXPECT_THAT(conflict->to_free, UnorderedElementsAre(1, 2));
+  // A page size in bytes other than the pool's blocks.
+  ModelSpec bigger = Mla();
+  bigger.page_size_tokens = 8;
+  absl::StatusOr<RestoreResult> size = RestoreInventory(
+      *index_, kPool, Mla().BytesPerPage(),
+      InventoryBatch{.ns = {"acme", "big"}, .spec = bigger, .pages = Path({1}, {3})});
+  ASSERT_TRUE(size.ok());
+  EXPECT_THAT(size->to_free, ElementsAre(3));
+  EXPECT_EQ(IndexedPages(), 0u);
+  EXPECT_FALSE(index_->GetNamespace({"acme", "big"}).ok());
+}
+
+TEST_F(InventoryRestoreTest, MalformedBatchIsRefusedAndChangesNothing) {
+  struct Case {
+    const char* name;
+    std::vector<InventoryPage> pages;
+    const char* message;
+  };
+  std::vector<InventoryPage> twice = Path({1, 2}, {5, 5});
+  std::vector<InventoryPage> pending = Path({1}, {kPendingBlock});
+  const Case cases[] = {{"block twice", twice, "pages[1].block_id: block 5 is listed twice"},
+                        {"pending", pending, "pages[0].block_id: 4294967295 is reserved"}};
+  for (const Case& c : cases) {
+    absl::StatusOr<RestoreResult> r = Restore(c.pages);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message)) << c.name;
+  }
+  ModelSpec bad = Mla();
+  bad.num_layers = 0;
+  EXPECT_EQ(Restore(Path({1}, {1}), bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(IndexedPages(), 0u);
+  EXPECT_FALSE(index_->GetNamespace(kNs).ok()) << "a refused batch registers nothing";
+  EXPECT_EQ(RestoreInventory(*index_, PoolKey{"nobody", Tier::kGpu}, Mla().BytesPerPage(),
+                             InventoryBatch{.ns = kNs, .spec = Mla(), .pages = Path({1}, {1})})
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(InventoryRestoreTest, PagesThePoolHasNoRoomForAreFreed) {
+  ASSERT_TRUE(index_->SetPoolCapacity(kPool, 2 * Mla().BytesPerPage()).ok());
+  absl::StatusOr<RestoreResult> r = Restore(Path({1, 2, 3}, {1, 2, 3}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 0u);
+  EXPECT_EQ(r->refused_pages, 3u);
+  EXPECT_THAT(r->to_free, UnorderedElementsAre(1, 2, 3));
+}
+
+}  // namespace
+}  // namespace kvcm
