@@ -13,9 +13,13 @@ namespace {
 // Whether a page's parent chain reaches a first page (zero parent) within the pool.
 enum class Chain : uint8_t { kUnknown, kVisiting, kRooted, kOrphan };
 
+constexpr uint32_t kNone = 0xFFFFFFFF;
+
+// One distinct page of the batch. Pages refer to their parent by index, so that after one
+// hash lookup per page every walk is plain array access.
 struct Node {
-  BlockId block;
-  PageHash parent;
+  const InventoryPage* entry;
+  uint32_t parent = kNone;  // index of the parent page; kNone for a first page or a missing one
   Chain chain = Chain::kUnknown;
   bool has_child = false;
   enum : uint8_t { kNotYet, kIndexed, kSuperseded } outcome = kNotYet;
@@ -59,75 +63,79 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
   if (batch.spec.BytesPerPage() != bytes_per_block) return refuse_all();
   if (!index.RegisterModel(batch.ns, batch.spec).ok()) return refuse_all();  // another spec
 
-  // The pool's pages by hash; a second block of the same page is a duplicate.
-  absl::flat_hash_map<PageHash, Node> nodes;
+  // The pool's distinct pages; a second block of the same page is a duplicate.
+  std::vector<Node> nodes;
   nodes.reserve(batch.pages.size());
+  absl::flat_hash_map<PageHash, uint32_t> index_of;
+  index_of.reserve(batch.pages.size());
   for (const InventoryPage& p : batch.pages) {
-    auto [it, inserted] = nodes.try_emplace(p.page, Node{.block = p.block, .parent = p.parent});
-    if (!inserted) {
+    if (index_of.try_emplace(p.page, static_cast<uint32_t>(nodes.size())).second) {
+      nodes.push_back(Node{.entry = &p});
+    } else {
       ++result.duplicate_pages;
       result.to_free.push_back(p.block);
     }
+  }
+  for (Node& n : nodes) {
+    if (n.entry->parent == PageHash{}) continue;
+    if (auto it = index_of.find(n.entry->parent); it != index_of.end()) n.parent = it->second;
   }
 
   // Which chains reach a first page: walk up from each page until a page whose answer is
   // known, a first page, or a missing parent, then label the whole walk. Each page is
   // labelled once; a cycle (which hashes cannot form, but a corrupt inventory could) is an
   // orphan.
-  std::vector<Node*> walk;
-  for (auto& [hash, node] : nodes) {
-    Node* n = &node;
-    while (n->chain == Chain::kUnknown) {
-      n->chain = Chain::kVisiting;
-      walk.push_back(n);
-      if (n->parent == PageHash{}) break;
-      auto parent = nodes.find(n->parent);
-      if (parent == nodes.end()) break;
-      n = &parent->second;
+  std::vector<uint32_t> walk;
+  for (uint32_t start = 0; start < nodes.size(); ++start) {
+    uint32_t i = start;
+    while (nodes[i].chain == Chain::kUnknown) {
+      nodes[i].chain = Chain::kVisiting;
+      walk.push_back(i);
+      if (nodes[i].parent == kNone) break;
+      i = nodes[i].parent;
     }
     Chain label = Chain::kOrphan;
-    const Node* top = walk.empty() ? n : walk.back();
-    if (n->chain == Chain::kRooted) {
+    if (nodes[i].chain == Chain::kRooted) {
       label = Chain::kRooted;
-    } else if (n->chain == Chain::kVisiting && top->parent == PageHash{}) {
-      label = Chain::kRooted;
+    } else if (!walk.empty() && nodes[walk.back()].parent == kNone &&
+               nodes[walk.back()].entry->parent == PageHash{}) {
+      label = Chain::kRooted;  // the walk ended at a first page
     }
-    for (Node* w : walk) w->chain = label;
+    for (uint32_t w : walk) nodes[w].chain = label;
     walk.clear();
   }
-  for (auto& [hash, node] : nodes) {
-    if (node.chain != Chain::kRooted || node.parent == PageHash{}) continue;
-    nodes.find(node.parent)->second.has_child = true;
+  for (const Node& n : nodes) {
+    if (n.chain == Chain::kRooted && n.parent != kNone) nodes[n.parent].has_child = true;
   }
 
   // Insert every rooted leaf's path, first page first.
+  std::vector<uint32_t> path;
   std::vector<PageHash> pages;
   std::vector<BlockId> blocks;
-  for (auto& [hash, leaf] : nodes) {
-    if (leaf.chain != Chain::kRooted || leaf.has_child) continue;
+  for (uint32_t leaf = 0; leaf < nodes.size(); ++leaf) {
+    if (nodes[leaf].chain != Chain::kRooted || nodes[leaf].has_child) continue;
+    path.clear();
+    for (uint32_t i = leaf; i != kNone; i = nodes[i].parent) path.push_back(i);
+    std::reverse(path.begin(), path.end());
     pages.clear();
     blocks.clear();
-    for (PageHash h = hash; h != PageHash{};) {
-      const Node& n = nodes.find(h)->second;
-      pages.push_back(h);
-      blocks.push_back(n.block);
-      h = n.parent;
+    for (uint32_t i : path) {
+      pages.push_back(nodes[i].entry->page);
+      blocks.push_back(nodes[i].entry->block);
     }
-    std::reverse(pages.begin(), pages.end());
-    std::reverse(blocks.begin(), blocks.end());
     absl::StatusOr<InsertResult> inserted = index.Insert(batch.ns, pages, pool, blocks);
     if (!inserted.ok()) continue;  // no room: freed below unless another path took them
-    for (size_t i = 0; i < pages.size(); ++i) {
-      Node& n = nodes.find(pages[i])->second;
+    for (size_t k = 0; k < path.size(); ++k) {
+      Node& n = nodes[path[k]];
       if (n.outcome != Node::kNotYet) continue;
       // A page the pool already held in another block keeps that block; ours is spare.
       const bool other_block =
-          i < inserted->already_present_pages && inserted->existing_block_ids[i] != blocks[i];
+          k < inserted->already_present_pages && inserted->existing_block_ids[k] != blocks[k];
       n.outcome = other_block ? Node::kSuperseded : Node::kIndexed;
     }
   }
 
-  for (const auto& [hash, node] : nodes) {
+  for (const Node& node : nodes) {
     if (node.outcome == Node::kIndexed) {
       ++result.indexed_pages;
       continue;
@@ -137,7 +145,7 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     } else {
       (node.chain == Chain::kRooted ? result.refused_pages : result.orphan_pages) += 1;
     }
-    result.to_free.push_back(node.block);
+    result.to_free.push_back(node.entry->block);
   }
   return result;
 }
