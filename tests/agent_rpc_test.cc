@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/model_catalog.h"
@@ -23,11 +25,14 @@
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/http_get.h"
 
 namespace kvcm {
 namespace {
 
 using ::kvcm::testing::AllocateBlocks;
+using ::kvcm::testing::HttpGet;
+using ::kvcm::testing::StatsOf;
 using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(uint32_t timeout_ms) {
@@ -220,8 +225,10 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
 }
 
 // An agent over a small MLA bf16 pool: 2 layers, 16-token pages, 16 blocks (36,864 B each).
-// The manager address is unreachable; BlockAgent does not need it.
-std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes) {
+// The manager address is unreachable; BlockAgent does not need it. /metrics on
+// `metrics_address` unless empty.
+std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes,
+                                     const std::string& metrics_address = "") {
   AgentOptions o;
   o.agent_id = "mla-test";
   o.manager_address = "127.0.0.1:1";
@@ -239,6 +246,7 @@ std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes) {
   o.heartbeat_interval_ms = 60'000;
   o.max_blocks_per_call = 8;
   o.read_chunk_bytes = read_chunk_bytes;
+  o.metrics_address = metrics_address;
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   EXPECT_TRUE(agent.ok()) << agent.status();
   return *std::move(agent);
@@ -372,6 +380,39 @@ TEST(BlockAgentDataTest, RefusedWritesAndReadsNameTheFieldAndChangeNothing) {
   EXPECT_EQ(ReadBlocks(*stub, ids, 6, &back).error_code(), grpc::FAILED_PRECONDITION);
   EXPECT_EQ(ReadBlocks(*stub, {16}, 5, &back).error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_EQ(ReadBlocks(*stub, {}, 5, &back).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+TEST(BlockAgentMetricsTest, MetricsEndpointServesRpcCountsAndLatencies) {
+  std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20, "127.0.0.1:0");
+  const std::string& address = agent->metrics_address();
+  int port = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
+  ASSERT_EQ(ids.size(), 2u);
+  ASSERT_TRUE(WriteBlocks(*stub, ids, 5, RandomBytes(2 * kMlaBlockBytes, 4), 1 << 20).ok());
+  std::string back;
+  ASSERT_TRUE(ReadBlocks(*stub, ids, 5, &back).ok());
+  EXPECT_EQ(ReadBlocks(*stub, ids, 6, &back).error_code(), grpc::FAILED_PRECONDITION);
+  StatsOf(*stub);
+
+  const std::string response = HttpGet(port, "/metrics");
+  EXPECT_THAT(response, HasSubstr("200 OK"));
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_requests_total{code=\"OK\",rpc=\"Allocate\"} 1"));
+  EXPECT_THAT(response,
+              HasSubstr("kvcm_agent_rpc_requests_total{code=\"OK\",rpc=\"WriteBlocks\"} 1"));
+  EXPECT_THAT(response,
+              HasSubstr("kvcm_agent_rpc_requests_total{code=\"OK\",rpc=\"ReadBlocks\"} 1"));
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_requests_total{code=\"FAILED_PRECONDITION\","
+                                  "rpc=\"ReadBlocks\"} 1"));
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_requests_total{code=\"OK\",rpc=\"Stats\"} 1"));
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_requests_total{code=\"OK\",rpc=\"Free\"} 0"))
+      << "every rpc starts from a zero sample";
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_duration_seconds_count{rpc=\"Allocate\"} 1"));
+  EXPECT_THAT(response, HasSubstr("kvcm_agent_rpc_duration_seconds_count{rpc=\"Stats\"} 1"));
+  EXPECT_THAT(response,
+              HasSubstr(absl::StrCat("kvcm_agent_pool_used_bytes{agent=\"mla-test\"", ",backend=\"",
+                                     agent->pool().backend().name(), "\"} ", 2 * kMlaBlockBytes)));
 }
 
 // bf16 bits of uniform values in [-1, 1).

@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/http_get.h"
 #include "tests/process_util.h"
 
 namespace {
@@ -37,35 +38,9 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 using ::kvcm::testing::FreePort;
+using ::kvcm::testing::HttpGet;
 using ::kvcm::testing::ProcessResult;
 using ::kvcm::testing::Subprocess;
-
-// GET http://127.0.0.1:port/path over a raw socket (HTTP/1.0: the server closes the
-// connection after the reply). Empty on connection failure.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(port);
-  std::string reply;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      pollfd p{fd, POLLIN, 0};
-      char buf[4096];
-      while (poll(&p, 1, 5000) > 0) {
-        const ssize_t n = read(fd, buf, sizeof(buf));
-        if (n <= 0) {
-          break;
-        }
-        reply.append(buf, n);
-      }
-    }
-  }
-  close(fd);
-  return reply;
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);

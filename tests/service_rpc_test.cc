@@ -19,11 +19,13 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
+#include "tests/http_get.h"
 
 namespace kvcm {
 namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
+using ::kvcm::testing::HttpGet;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kPageSize = 16;
@@ -485,27 +487,6 @@ TEST_F(ServiceRpcTest, BusyPortIsUnavailable) {
   options.metrics_address = "";
   absl::StatusOr<std::unique_ptr<ManagerServer>> second = ManagerServer::Start(options);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
-}
-
-// GET `path` from 127.0.0.1:`port` over a plain socket; the whole response, headers included.
-std::string HttpGet(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) response.append(buf, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  return response;
 }
 
 class ServiceRpcMetricsTest : public ServiceRpcTest {

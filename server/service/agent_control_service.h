@@ -3,9 +3,9 @@
 // Register validates the request, checks the epoch against the AgentRegistry, sizes the
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
 // refreshes the agent's liveness and usage; Commands streams are AgentCommandRouter's. Handlers are
-// thin: each is one call of RpcRunner::Unary (unary_rpc.h), which times the body, records the RPC
-// metrics, logs failures at a bounded rate and finishes with the body's status (same code and
-// message), like CacheManagerService.
+// thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body, records
+// the RPC metrics, logs failures at a bounded rate and finishes with the body's status (same code
+// and message), like CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -18,13 +18,13 @@
 
 #include "absl/status/statusor.h"
 #include "common/log.h"
+#include "common/rpc_runner.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/agent_commands.h"
 #include "server/service/metrics.h"
-#include "server/service/unary_rpc.h"
 
 namespace kvcm {
 
@@ -68,7 +68,7 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
  private:
   CacheIndex* const index_;
   AgentRegistry* const agents_;
-  RpcRunner rpc_;
+  RpcRunner<Rpc> rpc_;
   AgentCommandRouter* const commands_;
 };
 

@@ -130,11 +130,7 @@ class CacheManagerService::WatchEventsReactor final
 
   // Records, logs and finishes. May run OnDone inline: touches nothing afterwards.
   void FinishStream(const absl::Status& status) {
-    service_->rpc_.metrics()->RecordStreamEnd(Rpc::kWatchEvents, status.code());
-    if (status.code() != absl::StatusCode::kCancelled) {
-      service_->rpc_.LogFailure(Rpc::kWatchEvents, status);
-    }
-    Finish(ToGrpcStatus(status));
+    Finish(service_->rpc_.StreamEnd(Rpc::kWatchEvents, status));
   }
 
   CacheManagerService* const service_;

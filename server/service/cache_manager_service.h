@@ -1,6 +1,6 @@
 // CacheManagerService: the kvcm.v1.CacheManager gRPC service over a CacheIndex.
 //
-// Every unary handler is one call of RpcRunner::Unary (unary_rpc.h), which times the body,
+// Every unary handler is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body,
 // converts its status, records the RPC metrics and logs failures. The bodies
 // validate and convert with proto_convert.h before touching the index, so a rejected
 // request changes nothing. WatchEvents streams EventHub subscriptions.
@@ -14,13 +14,13 @@
 
 #include "absl/status/status.h"
 #include "common/log.h"
+#include "common/rpc_runner.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
 #include "server/service/proto_convert.h"
-#include "server/service/unary_rpc.h"
 
 namespace kvcm {
 
@@ -60,7 +60,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
 
   CacheIndex* const index_;
   EventHub* const hub_;
-  RpcRunner rpc_;
+  RpcRunner<Rpc> rpc_;
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
 };

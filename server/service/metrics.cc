@@ -18,15 +18,6 @@ using prometheus::ClientMetric;
 using prometheus::MetricFamily;
 using prometheus::MetricType;
 
-// RPC latency buckets, in seconds: 25 us .. 2.5 s (an in-process match takes about 1 us, a
-// loopback RPC tens of microseconds).
-const prometheus::Histogram::BucketBoundaries& LatencyBuckets() {
-  static const auto* const kBuckets = new prometheus::Histogram::BucketBoundaries{
-      25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
-      10e-3, 25e-3, 50e-3,  100e-3, 250e-3, 1.0,  2.5};
-  return *kBuckets;
-}
-
 MetricFamily Family(std::string name, std::string help, MetricType type) {
   MetricFamily f;
   f.name = std::move(name);
@@ -223,7 +214,7 @@ ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
     const Rpc rpc = static_cast<Rpc>(i);
     if (rpc != Rpc::kWatchEvents) {
       duration_by_rpc_[i] =
-          &durations_->Add({{"rpc", std::string(RpcName(rpc))}}, LatencyBuckets());
+          &durations_->Add({{"rpc", std::string(RpcName(rpc))}}, RpcLatencyBucketsSeconds());
     }
     RequestCounter(rpc, absl::StatusCode::kOk);  // so that rates start from a zero sample
   }

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/rpc_runner.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -58,21 +59,21 @@ inline constexpr int kNumAgentCommandResults = 3;
 // Version reported by kvcm_build_info.
 absl::string_view KvcmVersion();
 
-class ServiceMetrics {
+class ServiceMetrics final : public RpcMetricsRecorder<Rpc> {
  public:
   // `index`, `hub` and `agents` (when not null) must outlive every scrape of
   // collectables(); not owned. Without `agents` the agent metrics are absent.
   ServiceMetrics(const CacheIndex* index, const EventHub* hub,
                  const AgentRegistry* agents = nullptr);
-  ~ServiceMetrics();
+  ~ServiceMetrics() override;
   ServiceMetrics(const ServiceMetrics&) = delete;
   ServiceMetrics& operator=(const ServiceMetrics&) = delete;
 
   // One finished call: kvcm_rpc_requests_total{rpc,code} += 1 and, for unary calls,
   // kvcm_rpc_duration_seconds{rpc} observes `latency`.
-  void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency);
+  void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency) override;
   // A finished streaming call: only kvcm_rpc_requests_total.
-  void RecordStreamEnd(Rpc rpc, absl::StatusCode code);
+  void RecordStreamEnd(Rpc rpc, absl::StatusCode code) override;
   // kvcm_agent_commands_total{result} += 1.
   void RecordAgentCommand(AgentCommandResult result);
 

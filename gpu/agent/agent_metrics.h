@@ -1,0 +1,79 @@
+// AgentMetrics: the Prometheus metrics of kvcm-agent (prefix kvcm_agent_). A registry with the
+// BlockAgent RPC metrics, which the RpcRunner records into whether or not /metrics is served,
+// and a collector that reads the pools and the registration state at scrape time. It never
+// creates an HTTP exposer: Agent does, and registers collectables() with it.
+//
+// Thread-safe: recording and scraping may run concurrently from any thread.
+#ifndef KVCM_GPU_AGENT_AGENT_METRICS_H_
+#define KVCM_GPU_AGENT_AGENT_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/rpc_runner.h"
+#include "gpu/agent/agent_state.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvcm {
+
+// The BlockAgent RPCs, as the `rpc` label of the agent's RPC metrics.
+enum class AgentRpc : int {
+  kAllocate,
+  kFree,
+  kWriteBlocks,
+  kReadBlocks,
+  kRunAttention,
+  kStats,
+};
+inline constexpr int kNumAgentRpcs = 6;
+absl::string_view RpcName(AgentRpc rpc);
+
+class AgentMetrics final : public RpcMetricsRecorder<AgentRpc> {
+ public:
+  // `pools` and `epoch` must outlive every scrape of collectables(); not owned.
+  AgentMetrics(std::string agent_id, AgentPools pools, const AgentEpoch* epoch);
+  ~AgentMetrics() override;
+  AgentMetrics(const AgentMetrics&) = delete;
+  AgentMetrics& operator=(const AgentMetrics&) = delete;
+
+  // kvcm_agent_rpc_requests_total{rpc,code} += 1 and kvcm_agent_rpc_duration_seconds{rpc}
+  // observes `latency`.
+  void RecordRpc(AgentRpc rpc, absl::StatusCode code, absl::Duration latency) override;
+  // A finished WriteBlocks or ReadBlocks: only kvcm_agent_rpc_requests_total.
+  void RecordStreamEnd(AgentRpc rpc, absl::StatusCode code) override;
+
+  // What an exposer should serve: the RPC registry and the pool collector.
+  std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
+
+  // Every metric in the Prometheus text exposition format (what /metrics serves).
+  std::string RenderText() const;
+
+ private:
+  class PoolCollector;
+  static constexpr int kNumCodes = 17;  // absl::StatusCode 0..16
+
+  prometheus::Counter& RequestCounter(AgentRpc rpc, absl::StatusCode code);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<PoolCollector> pool_collector_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  std::array<prometheus::Histogram*, kNumAgentRpcs> duration_by_rpc_{};
+  // Counters by (rpc, code), created on first use; Family::Add returns the same counter for
+  // the same labels, so a race only stores an equal pointer twice.
+  std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumAgentRpcs>
+      request_by_code_{};
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_AGENT_METRICS_H_

@@ -1,0 +1,13 @@
+#include "gpu/agent/agent_proto.h"
+
+#include "proto/core_types.h"
+
+namespace kvcm {
+
+void PoolGeometryToProto(const PoolGeometry& geometry, v1::PoolGeometry* out) {
+  ModelSpecToProto(geometry.spec, out->mutable_spec());
+  out->set_bytes_per_block(geometry.bytes_per_block());
+  out->set_num_blocks(geometry.num_blocks);
+}
+
+}  // namespace kvcm

@@ -1,0 +1,15 @@
+// The agent's value types written into their kvcm.v1 messages (as proto/core_types.h does for
+// the core's). Stateless.
+#ifndef KVCM_GPU_AGENT_AGENT_PROTO_H_
+#define KVCM_GPU_AGENT_AGENT_PROTO_H_
+
+#include "gpu/agent/pool_geometry.h"
+#include "kvcm/v1/agent.pb.h"
+
+namespace kvcm {
+
+void PoolGeometryToProto(const PoolGeometry& geometry, v1::PoolGeometry* out);
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_AGENT_PROTO_H_

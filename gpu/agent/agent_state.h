@@ -1,0 +1,55 @@
+// AgentEpoch and AgentPools: the state the agent's components (BlockAgentService, ControlLoop,
+// CommandLoop, AgentMetrics) share, owned by Agent and handed to each by pointer.
+//
+// Epochs: the agent starts with a fresh epoch (microseconds since the Unix epoch, so a
+// restarted agent always registers a larger one). Blocks the manager indexes belong to that
+// epoch (workers allocate them with it). When the manager forgets the agent, the ControlLoop
+// frees the epoch's blocks and moves to a larger one.
+//
+// Thread-safe: AgentEpoch is atomics; AgentPools is a pair of pointers to thread-safe pools.
+#ifndef KVCM_GPU_AGENT_AGENT_STATE_H_
+#define KVCM_GPU_AGENT_AGENT_STATE_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "gpu/agent/block_pool.h"
+
+namespace kvcm {
+
+// The agent's pools; not owned.
+struct AgentPools {
+  // The pool the agent registers; never null.
+  BlockPool* main = nullptr;
+  // The host-DRAM pool the manager demotes into; null when host_capacity_bytes is 0.
+  BlockPool* host = nullptr;
+};
+
+// Frees every block allocated to `epoch` in both pools; returns how many.
+uint64_t FreeBlocksOfEpoch(const AgentPools& pools, uint64_t epoch);
+
+// The current epoch and whether the manager accepted it.
+class AgentEpoch {
+ public:
+  // Starts at the current time in microseconds since the Unix epoch, not registered.
+  AgentEpoch();
+  AgentEpoch(const AgentEpoch&) = delete;
+  AgentEpoch& operator=(const AgentEpoch&) = delete;
+
+  uint64_t current() const { return epoch_.load(std::memory_order_acquire); }
+  // Moves to max(current + 1, now in microseconds) and returns it. Only the ControlLoop
+  // calls it.
+  uint64_t Advance();
+
+  // Whether the last Register or Heartbeat succeeded.
+  bool registered() const { return registered_.load(std::memory_order_acquire); }
+  void set_registered(bool registered) { registered_.store(registered, std::memory_order_release); }
+
+ private:
+  std::atomic<uint64_t> epoch_;
+  std::atomic<bool> registered_{false};
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_AGENT_STATE_H_

@@ -1,0 +1,112 @@
+#include "gpu/agent/block_agent_service.h"
+
+#include <span>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "gpu/agent/agent_proto.h"
+#include "gpu/agent/block_stream_reactors.h"
+#include "gpu/agent/pool_attention.h"
+
+namespace kvcm {
+namespace {
+
+// Most block ids one Free may carry, so a request's size is bounded.
+constexpr int kMaxIdsPerRequest = 1 << 20;
+
+}  // namespace
+
+BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
+                                     const AgentEpoch* epoch, AgentMetrics* metrics)
+    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics) {}
+
+grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
+                                                      const v1::AllocateBlocksRequest* req,
+                                                      v1::AllocateBlocksResponse* resp) {
+  return rpc_.Unary(ctx, AgentRpc::kAllocate, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
+                          pools_.main->Allocate(req->count(), req->owner_epoch()));
+    resp->mutable_block_ids()->Add(ids.begin(), ids.end());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* BlockAgentService::Free(grpc::CallbackServerContext* ctx,
+                                                  const v1::FreeBlocksRequest* req,
+                                                  v1::FreeBlocksResponse* /*resp*/) {
+  return rpc_.Unary(ctx, AgentRpc::kFree, [&]() -> absl::Status {
+    if (req->block_ids_size() > kMaxIdsPerRequest) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
+    }
+    return pools_.main->Free(
+        std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
+        req->owner_epoch());
+  });
+}
+
+grpc::ServerReadReactor<v1::WriteBlocksRequest>* BlockAgentService::WriteBlocks(
+    grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp) {
+  return new WriteBlocksReactor(&options_, pools_.main, &rpc_, ctx, resp);
+}
+
+grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
+    grpc::CallbackServerContext* /*ctx*/, const v1::ReadBlocksRequest* req) {
+  BlockPool* pool = nullptr;
+  if (req->tier() == v1::TIER_UNSPECIFIED || req->tier() == static_cast<v1::Tier>(options_.tier)) {
+    pool = pools_.main;
+  } else if (req->tier() == v1::TIER_HOST) {
+    pool = pools_.host;
+  }
+  return new ReadBlocksReactor(&options_, pool, &rpc_, req);
+}
+
+grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerContext* ctx,
+                                                          const v1::RunAttentionRequest* req,
+                                                          v1::RunAttentionResponse* resp) {
+  return rpc_.Unary(ctx, AgentRpc::kRunAttention, [&]() -> absl::Status {
+    PoolAttentionRequest in;
+    in.block_table.reserve(req->block_table_size());
+    for (const v1::BlockList& row : req->block_table()) {
+      in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
+    }
+    in.seq_lens.assign(req->seq_lens().begin(), req->seq_lens().end());
+    in.query_bf16 = std::as_bytes(std::span<const char>(req->query()));
+    in.softmax_scale = req->softmax_scale();
+    in.num_heads = req->num_heads();
+    in.layer = req->layer();
+    in.owner_epoch = req->owner_epoch();
+    KVCM_ASSIGN_OR_RETURN(PoolAttentionResult out, RunMlaDecodeOnPool(*pools_.main, in));
+    resp->set_output(out.output.data(), out.output.size() * sizeof(float));
+    resp->mutable_lse()->Add(out.lse.begin(), out.lse.end());
+    resp->set_backend(pools_.main->backend().name());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* BlockAgentService::Stats(grpc::CallbackServerContext* ctx,
+                                                   const v1::BlockAgentStatsRequest* /*req*/,
+                                                   v1::BlockAgentStatsResponse* resp) {
+  return rpc_.Unary(ctx, AgentRpc::kStats, [&]() -> absl::Status {
+    const BlockPoolStats s = pools_.main->Stats();
+    resp->set_agent_id(options_.agent_id);
+    resp->set_epoch(epoch_->current());
+    resp->set_backend(pools_.main->backend().name());
+    PoolGeometryToProto(pools_.main->geometry(), resp->mutable_geometry());
+    resp->set_capacity_bytes(s.capacity_bytes);
+    resp->set_used_bytes(s.used_bytes);
+    resp->set_free_blocks(s.free_blocks);
+    resp->set_registered(epoch_->registered());
+    if (const BlockPool* host = pools_.host; host != nullptr) {
+      const BlockPoolStats h = host->Stats();
+      v1::HostPoolStats* out = resp->mutable_host_pool();
+      out->set_num_blocks(h.num_blocks);
+      out->set_used_bytes(h.used_bytes);
+      out->set_free_blocks(h.free_blocks);
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvcm

@@ -1,0 +1,53 @@
+// BlockAgentService: the kvcm.v1.BlockAgent gRPC service over the agent's pools. Allocate,
+// Free, RunAttention and Stats are each one call of RpcRunner::Unary (common/rpc_runner.h),
+// which times the body, records the RPC metrics, logs failures at a bounded rate and finishes
+// with the body's status; WriteBlocks and ReadBlocks start the reactors of
+// block_stream_reactors.h, which record their outcome through the same runner.
+//
+// Thread-safe: gRPC calls the handlers concurrently; the pools, the epoch and the metrics are
+// thread-safe.
+#ifndef KVCM_GPU_AGENT_BLOCK_AGENT_SERVICE_H_
+#define KVCM_GPU_AGENT_BLOCK_AGENT_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/rpc_runner.h"
+#include "gpu/agent/agent_metrics.h"
+#include "gpu/agent/agent_options.h"
+#include "gpu/agent/agent_state.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+
+namespace kvcm {
+
+class BlockAgentService final : public v1::BlockAgent::CallbackService {
+ public:
+  // None of the pointers is owned; all must outlive the service.
+  BlockAgentService(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
+                    AgentMetrics* metrics);
+
+  grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx,
+                                     const v1::AllocateBlocksRequest* req,
+                                     v1::AllocateBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* Free(grpc::CallbackServerContext* ctx, const v1::FreeBlocksRequest* req,
+                                 v1::FreeBlocksResponse* resp) override;
+  grpc::ServerReadReactor<v1::WriteBlocksRequest>* WriteBlocks(
+      grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp) override;
+  grpc::ServerWriteReactor<v1::ReadBlocksResponse>* ReadBlocks(
+      grpc::CallbackServerContext* ctx, const v1::ReadBlocksRequest* req) override;
+  grpc::ServerUnaryReactor* RunAttention(grpc::CallbackServerContext* ctx,
+                                         const v1::RunAttentionRequest* req,
+                                         v1::RunAttentionResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
+                                  const v1::BlockAgentStatsRequest* req,
+                                  v1::BlockAgentStatsResponse* resp) override;
+
+ private:
+  const AgentOptions& options_;
+  const AgentPools pools_;
+  const AgentEpoch* const epoch_;
+  RpcRunner<AgentRpc> rpc_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_BLOCK_AGENT_SERVICE_H_

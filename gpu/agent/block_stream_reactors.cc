@@ -1,0 +1,148 @@
+#include "gpu/agent/block_stream_reactors.h"
+
+#include <algorithm>
+#include <span>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace kvcm {
+
+WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* pool,
+                                       RpcRunner<AgentRpc>* rpc, grpc::CallbackServerContext* ctx,
+                                       v1::WriteBlocksResponse* resp)
+    : options_(*options), pool_(*pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
+  StartRead(&msg_);
+}
+
+void WriteBlocksReactor::OnReadDone(bool ok) {
+  if (!ok) {
+    if (ctx_->IsCancelled()) {
+      End(absl::CancelledError("WriteBlocks cancelled"));
+      return;
+    }
+    // The client half-closed, or gRPC refused its next message (e.g. over the size limit)
+    // and failed the call without marking it cancelled. Sending the initial metadata
+    // tells the two apart, as it fails on a failed call; only a live call is applied.
+    StartSendInitialMetadata();
+    return;
+  }
+  if (absl::Status s = Take(); !s.ok()) {
+    End(s);
+    return;
+  }
+  StartRead(&msg_);
+}
+
+void WriteBlocksReactor::OnSendInitialMetadataDone(bool ok) {
+  End(ok ? Apply() : absl::CancelledError("WriteBlocks: the call failed"));
+}
+
+absl::Status WriteBlocksReactor::Take() {
+  if (!have_header_) {
+    if (!msg_.has_header()) {
+      return absl::InvalidArgumentError("header must be the stream's first message");
+    }
+    const v1::WriteBlocksHeader& h = msg_.header();
+    if (h.block_ids_size() > static_cast<int>(options_.max_blocks_per_call)) {
+      return absl::InvalidArgumentError(absl::StrCat("header.block_ids must list at most ",
+                                                     options_.max_blocks_per_call, " blocks"));
+    }
+    ids_.assign(h.block_ids().begin(), h.block_ids().end());
+    owner_epoch_ = h.owner_epoch();
+    KVCM_RETURN_IF_ERROR(pool_.CheckOwned(ids_, owner_epoch_, "header.block_ids"));
+    expected_bytes_ = ids_.size() * pool_.geometry().bytes_per_block();
+    staged_.reserve(expected_bytes_);
+    have_header_ = true;
+    return absl::OkStatus();
+  }
+  if (msg_.has_header()) return absl::InvalidArgumentError("header sent twice");
+  const std::string& data = msg_.data();
+  if (data.empty() || data.size() > options_.max_message_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data chunk must be 1..", options_.max_message_bytes, " bytes, got ", data.size()));
+  }
+  if (data.size() > expected_bytes_ - staged_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("data exceeds ", ids_.size(), " blocks x ",
+                                                   pool_.geometry().bytes_per_block(), " = ",
+                                                   expected_bytes_, " bytes"));
+  }
+  const auto* bytes = reinterpret_cast<const std::byte*>(data.data());
+  staged_.insert(staged_.end(), bytes, bytes + data.size());
+  return absl::OkStatus();
+}
+
+absl::Status WriteBlocksReactor::Apply() {
+  if (!have_header_) return absl::InvalidArgumentError("header is missing (empty stream)");
+  KVCM_RETURN_IF_ERROR(pool_.WriteBlocks(ids_, owner_epoch_, staged_));
+  resp_->set_bytes_written(staged_.size());
+  return absl::OkStatus();
+}
+
+void WriteBlocksReactor::End(const absl::Status& status) {
+  Finish(rpc_->StreamEnd(AgentRpc::kWriteBlocks, status));
+}
+
+ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
+                                     RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req)
+    : pool_(pool),
+      rpc_(rpc),
+      chunk_bytes_(options->read_chunk_bytes),
+      ids_(req->block_ids().begin(), req->block_ids().end()),
+      owner_epoch_(req->owner_epoch()) {
+  const uint32_t max_blocks = options->max_blocks_per_call;
+  absl::Status s =
+      pool_ == nullptr
+          ? absl::InvalidArgumentError(absl::StrCat("tier ", static_cast<int>(req->tier()),
+                                                    " is not a pool of this agent"))
+      : ids_.size() > max_blocks ? absl::InvalidArgumentError(absl::StrCat(
+                                       "block_ids must list at most ", max_blocks, " blocks"))
+                                 : pool_->CheckOwned(ids_, owner_epoch_, "block_ids");
+  if (!s.ok()) {
+    End(s);
+    return;
+  }
+  total_bytes_ = ids_.size() * pool_->geometry().bytes_per_block();
+  WriteNext();
+}
+
+void ReadBlocksReactor::OnWriteDone(bool ok) {
+  if (!ok) {
+    End(absl::CancelledError("ReadBlocks: the stream broke"));
+    return;
+  }
+  WriteNext();
+}
+
+void ReadBlocksReactor::WriteNext() {
+  if (sent_bytes_ == total_bytes_) {
+    End(absl::OkStatus());
+    return;
+  }
+  const uint64_t bpb = pool_->geometry().bytes_per_block();
+  const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
+  std::string* buf = chunk_.mutable_data();
+  buf->resize(n);
+  for (uint64_t filled = 0; filled < n;) {
+    const uint64_t pos = sent_bytes_ + filled;
+    const uint64_t off = pos % bpb;
+    const uint64_t take = std::min(bpb - off, n - filled);
+    absl::Status s =
+        pool_->ReadBlock(ids_[pos / bpb], owner_epoch_, off,
+                         std::as_writable_bytes(std::span<char>(buf->data() + filled, take)));
+    if (!s.ok()) {
+      End(s);
+      return;
+    }
+    filled += take;
+  }
+  sent_bytes_ += n;
+  StartWrite(&chunk_);
+}
+
+void ReadBlocksReactor::End(const absl::Status& status) {
+  Finish(rpc_->StreamEnd(AgentRpc::kReadBlocks, status));
+}
+
+}  // namespace kvcm

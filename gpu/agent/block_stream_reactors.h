@@ -1,0 +1,88 @@
+// The BlockAgent stream reactors. WriteBlocksReactor reads the header, stages the data chunks
+// in host memory (bounded by the header's block count) and applies them with one
+// BlockPool::WriteBlocks when the client half-closes, so an error at any point leaves the
+// blocks untouched. ReadBlocksReactor checks every block first, then streams the blocks' bytes
+// in chunks of read_chunk_bytes, one write in flight at a time. Both record their outcome
+// through the RpcRunner when they finish and delete themselves in OnDone.
+//
+// Thread-safe: gRPC runs a reactor's callbacks one at a time.
+#ifndef KVCM_GPU_AGENT_BLOCK_STREAM_REACTORS_H_
+#define KVCM_GPU_AGENT_BLOCK_STREAM_REACTORS_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/rpc_runner.h"
+#include "common/types.h"
+#include "gpu/agent/agent_metrics.h"
+#include "gpu/agent/agent_options.h"
+#include "gpu/agent/block_pool.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+
+namespace kvcm {
+
+class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
+ public:
+  // Writes into `pool`. `options`, `pool` and `rpc` are not owned and must outlive the call.
+  WriteBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
+                     grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp);
+
+  void OnReadDone(bool ok) override;
+  void OnSendInitialMetadataDone(bool ok) override;
+  void OnDone() override { delete this; }
+
+ private:
+  // Checks and stages one message.
+  absl::Status Take();
+  // Writes the staged bytes into the header's blocks.
+  absl::Status Apply();
+  // Records the outcome and finishes. May run OnDone inline: touches nothing afterwards.
+  void End(const absl::Status& status);
+
+  const AgentOptions& options_;
+  BlockPool& pool_;
+  RpcRunner<AgentRpc>* const rpc_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::WriteBlocksResponse* const resp_;
+  v1::WriteBlocksRequest msg_;
+  bool have_header_ = false;
+  std::vector<BlockId> ids_;
+  uint64_t owner_epoch_ = 0;
+  uint64_t expected_bytes_ = 0;
+  std::vector<std::byte> staged_;
+};
+
+class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
+ public:
+  // Reads from `pool`, the pool req->tier names, or null when the agent has no such pool (the
+  // call then fails with INVALID_ARGUMENT). `options`, `pool` and `rpc` are not owned and must
+  // outlive the call.
+  ReadBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
+                    const v1::ReadBlocksRequest* req);
+
+  void OnWriteDone(bool ok) override;
+  void OnDone() override { delete this; }
+
+ private:
+  // Fills the next chunk from as many blocks as it spans and starts writing it.
+  void WriteNext();
+  // Records the outcome and finishes. May run OnDone inline: touches nothing afterwards.
+  void End(const absl::Status& status);
+
+  BlockPool* const pool_;
+  RpcRunner<AgentRpc>* const rpc_;
+  const uint64_t chunk_bytes_;
+  const std::vector<BlockId> ids_;
+  const uint64_t owner_epoch_;
+  uint64_t total_bytes_ = 0;
+  uint64_t sent_bytes_ = 0;
+  v1::ReadBlocksResponse chunk_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_BLOCK_STREAM_REACTORS_H_
