@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "proto/core_types.h"
 #include "server/service/cache_manager_service.h"
+#include "server/service/command_stream.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
@@ -126,7 +127,7 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
 }
 
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
-                                         ServiceMetrics* metrics, AgentCommandRouter* commands)
+                                         ServiceMetrics* metrics, AgentCommandBook* commands)
     : index_(index), agents_(agents), rpc_(metrics), commands_(commands) {}
 
 grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
@@ -171,7 +172,7 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
     grpc::CallbackServerContext* /*ctx*/) {
-  return commands_->Open();
+  return OpenCommandStream(commands_, agents_);
 }
 
 }  // namespace kvcm

@@ -2,10 +2,10 @@
 //
 // Register validates the request, checks the epoch against the AgentRegistry, sizes the
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
-// refreshes the agent's liveness and usage; Commands streams are AgentCommandRouter's. Handlers are
-// thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body, records
-// the RPC metrics, logs failures at a bounded rate and finishes with the body's status (same code
-// and message), like CacheManagerService.
+// refreshes the agent's liveness and usage; Commands streams move commands and acks in and out of
+// the AgentCommandBook (command_stream.h). Handlers are thin: each is one call of RpcRunner::Unary
+// (common/rpc_runner.h), which times the body, records the RPC metrics, logs failures at a bounded
+// rate and finishes with the body's status (same code and message), like CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -21,9 +21,9 @@
 #include "common/rpc_runner.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
+#include "server/core/agent_command_book.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
-#include "server/service/agent_commands.h"
 #include "server/service/metrics.h"
 
 namespace kvcm {
@@ -51,10 +51,10 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 
 class AgentControlService final : public v1::AgentControl::CallbackService {
  public:
-  // None of the pointers is owned; all must outlive the service. Commands streams are
-  // served by `commands`.
+  // None of the pointers is owned; all must outlive the service. Commands streams attach
+  // to `commands`.
   AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics,
-                      AgentCommandRouter* commands);
+                      AgentCommandBook* commands);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterAgentRequest* req,
@@ -69,7 +69,7 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   CacheIndex* const index_;
   AgentRegistry* const agents_;
   RpcRunner<Rpc> rpc_;
-  AgentCommandRouter* const commands_;
+  AgentCommandBook* const commands_;
 };
 
 }  // namespace kvcm

@@ -27,6 +27,18 @@ absl::string_view HostOf(absl::string_view address) {
   return address.substr(0, address.rfind(':'));
 }
 
+AgentCommandResult AgentCommandResultOf(CommandEnd end) {
+  switch (end) {
+    case CommandEnd::kAcked:
+      return AgentCommandResult::kAcked;
+    case CommandEnd::kFailed:
+      return AgentCommandResult::kFailed;
+    case CommandEnd::kDropped:
+      return AgentCommandResult::kDropped;
+  }
+  return AgentCommandResult::kDropped;
+}
+
 }  // namespace
 
 ManagerServer::ManagerServer(ServerOptions options) : options_(std::move(options)) {}
@@ -51,12 +63,15 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
                                                absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
   s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get());
-  s->commands_ =
-      std::make_unique<AgentCommandRouter>(s->index_.get(), s->agents_.get(), s->metrics_.get());
-  AgentCommandRouter* commands = s->commands_.get();
-  s->index_->SetEventListener([hub, commands](const CacheEvent& event) {
+  s->commands_ = std::make_unique<AgentCommandBook>(
+      AgentCommandBookOptions{.on_command_end = [metrics = s->metrics_.get()](CommandEnd end) {
+        metrics->RecordAgentCommand(AgentCommandResultOf(end));
+      }});
+  s->block_commands_ = std::make_unique<BlockCommandIssuer>(s->index_.get(), s->commands_.get());
+  BlockCommandIssuer* block_commands = s->block_commands_.get();
+  s->index_->SetEventListener([hub, block_commands](const CacheEvent& event) {
     hub->Publish(event);
-    commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
+    block_commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
   });
   RequestLimits limits;
   limits.max_tokens_per_request = opts.max_tokens_per_request;

@@ -1,7 +1,8 @@
-// ManagerServer: a running kvcm-manager. Owns the CacheIndex, the EventHub fed by the
-// index's event listener, the AgentRegistry, the metrics, the gRPC server of CacheManager
-// and AgentControl (with health checking
-// and reflection), the optional Prometheus exposer, and the lease-sweep thread.
+// ManagerServer: a running kvcm-manager. Owns the CacheIndex, the EventHub and the
+// BlockCommandIssuer fed by the index's event listener, the AgentRegistry, the
+// AgentCommandBook, the metrics, the gRPC server of CacheManager and AgentControl (with
+// health checking and reflection), the optional Prometheus exposer, and the lease-sweep
+// thread.
 //
 // Used by server/main.cc and by tests (listen_address "127.0.0.1:0", metrics_address
 // "127.0.0.1:0" or empty). Thread-safe: Shutdown and Wait may be called from any thread,
@@ -19,9 +20,10 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "server/core/agent_command_book.h"
 #include "server/core/agent_registry.h"
+#include "server/core/block_command_issuer.h"
 #include "server/core/cache_index.h"
-#include "server/service/agent_commands.h"
 #include "server/service/agent_control_service.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/event_hub.h"
@@ -59,7 +61,7 @@ class ManagerServer {
   CacheIndex& index() { return *index_; }
   AgentRegistry& agents() { return *agents_; }
   ServiceMetrics& metrics() { return *metrics_; }
-  AgentCommandRouter& commands() { return *commands_; }
+  AgentCommandBook& commands() { return *commands_; }
 
   // Ends every WatchEvents stream, stops accepting calls, lets in-flight calls finish for
   // up to options().shutdown_grace_ms (then cancels them), and stops the exporter and the
@@ -82,7 +84,9 @@ class ManagerServer {
   std::unique_ptr<EventHub> hub_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AgentRegistry> agents_;
-  std::unique_ptr<AgentCommandRouter> commands_;
+  // Queued demotions complete into block_commands_: Shutdown closes commands_ first.
+  std::unique_ptr<AgentCommandBook> commands_;
+  std::unique_ptr<BlockCommandIssuer> block_commands_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<AgentControlService> agent_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -418,4 +418,30 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
   out->set_sequence(sequence);
 }
 
+void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out) {
+  out->Clear();
+  out->set_sequence(command.sequence);
+  out->set_acked_through(command.acked_through);
+  if (const auto* free = std::get_if<FreeBlocksCommand>(&command.body)) {
+    out->mutable_free()->set_tier(static_cast<v1::Tier>(free->tier));
+    out->mutable_free()->mutable_block_ids()->Add(free->block_ids.begin(), free->block_ids.end());
+  } else if (const auto* demote = std::get_if<DemoteBlocksCommand>(&command.body)) {
+    out->mutable_demote()->mutable_source_block_ids()->Add(demote->source_block_ids.begin(),
+                                                           demote->source_block_ids.end());
+  }
+}
+
+AgentCommandAck AgentCommandAckFromProto(const v1::AgentCommandAck& ack) {
+  AgentCommandAck out{.sequence = ack.sequence()};
+  if (ack.code() != 0) {
+    constexpr int32_t kMaxCode = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
+    const absl::StatusCode code = ack.code() > 0 && ack.code() <= kMaxCode
+                                      ? static_cast<absl::StatusCode>(ack.code())
+                                      : absl::StatusCode::kUnknown;
+    out.status = absl::Status(code, ack.message());
+  }
+  out.block_ids.assign(ack.block_ids().begin(), ack.block_ids().end());
+  return out;
+}
+
 }  // namespace kvcm

@@ -16,9 +16,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "kvcm/v1/agent.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "kvcm/v1/common.pb.h"
 #include "proto/core_types.h"
+#include "server/core/agent_command.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -119,6 +121,13 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
 // The namespace filter of WatchEvents: nullopt (every namespace) when unset.
 absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req);
 void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEvent* out);
+
+// ---- AgentControl.Commands. ----
+
+void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out);
+// An ack (not the hello): code 0 is OK, any other code an error with `message` (a code
+// outside google.rpc.Code becomes UNKNOWN).
+AgentCommandAck AgentCommandAckFromProto(const v1::AgentCommandAck& ack);
 
 }  // namespace kvcm
 

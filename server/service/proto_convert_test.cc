@@ -452,5 +452,44 @@ TEST_F(ProtoConvertTest, WatchFilterAndEvents) {
   EXPECT_EQ(DecodePageHashes(proto.page_hashes()), event.pages);
 }
 
+TEST(AgentCommandConvertTest, CommandsToProto) {
+  v1::AgentCommand out;
+  AgentCommandToProto(
+      AgentCommand{.sequence = 3,
+                   .body = FreeBlocksCommand{.tier = Tier::kHost, .block_ids = {4, 5}},
+                   .acked_through = 2},
+      &out);
+  EXPECT_EQ(out.sequence(), 3u);
+  EXPECT_EQ(out.acked_through(), 2u);
+  ASSERT_TRUE(out.has_free());
+  EXPECT_EQ(out.free().tier(), v1::TIER_HOST);
+  EXPECT_THAT(out.free().block_ids(), ::testing::ElementsAre(4, 5));
+
+  AgentCommandToProto(
+      AgentCommand{.sequence = 4, .body = DemoteBlocksCommand{.source_block_ids = {7}}}, &out);
+  EXPECT_EQ(out.sequence(), 4u);
+  EXPECT_EQ(out.acked_through(), 0u);
+  ASSERT_TRUE(out.has_demote());
+  EXPECT_THAT(out.demote().source_block_ids(), ::testing::ElementsAre(7));
+}
+
+TEST(AgentCommandConvertTest, AcksFromProto) {
+  v1::AgentCommandAck ack;
+  ack.set_sequence(9);
+  ack.add_block_ids(30);
+  AgentCommandAck got = AgentCommandAckFromProto(ack);
+  EXPECT_EQ(got.sequence, 9u);
+  EXPECT_TRUE(got.status.ok());
+  EXPECT_THAT(got.block_ids, ::testing::ElementsAre(30));
+
+  ack.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  ack.set_message("host pool full");
+  got = AgentCommandAckFromProto(ack);
+  EXPECT_EQ(got.status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(got.status.message(), "host pool full");
+  ack.set_code(99);
+  EXPECT_EQ(AgentCommandAckFromProto(ack).status.code(), absl::StatusCode::kUnknown);
+}
+
 }  // namespace
 }  // namespace kvcm

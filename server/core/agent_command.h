@@ -1,0 +1,56 @@
+// The manager's commands to an agent and the agent's acks, as core types (the wire form is
+// AgentControl.Commands in proto/kvcm/v1/agent.proto; server/service converts).
+#ifndef KVCM_SERVER_CORE_AGENT_COMMAND_H_
+#define KVCM_SERVER_CORE_AGENT_COMMAND_H_
+
+#include <cstdint>
+#include <functional>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/types.h"
+
+namespace kvcm {
+
+// Frees blocks of one of the agent's pools (the index evicted them).
+struct FreeBlocksCommand {
+  Tier tier = Tier::kGpu;
+  std::vector<BlockId> block_ids;  // distinct
+};
+
+// Copies blocks of the agent's GPU pool into new blocks of its HOST pool, all or nothing;
+// the ack names the new blocks, one per source block, in order.
+struct DemoteBlocksCommand {
+  std::vector<BlockId> source_block_ids;  // in page order, distinct
+};
+
+using AgentCommandBody = std::variant<FreeBlocksCommand, DemoteBlocksCommand>;
+
+struct AgentCommand {
+  // Per agent epoch, from 1, increasing by one per command.
+  uint64_t sequence = 0;
+  AgentCommandBody body;
+  // Every command up to this sequence has been acknowledged (set when the command is sent).
+  uint64_t acked_through = 0;
+};
+
+// The agent's answer to the command `sequence`.
+struct AgentCommandAck {
+  uint64_t sequence = 0;
+  // What executing the command returned on the agent.
+  absl::Status status;
+  // DemoteBlocks with an OK status: the new HOST blocks.
+  std::vector<BlockId> block_ids;
+};
+
+// How a queued command ended, given once to the function its sender queued with it: the
+// agent's ack (whose own status may be an error), or, for a command that died
+// unacknowledged, ABORTED (its agent epoch ended: a newer epoch registered or the agent was
+// forgotten) or UNAVAILABLE (the book closed).
+using CommandCompletion = std::function<void(const absl::StatusOr<AgentCommandAck>& result)>;
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_CORE_AGENT_COMMAND_H_

@@ -1,0 +1,161 @@
+#include "server/service/command_stream.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "server/service/proto_convert.h"
+
+namespace kvcm {
+namespace {
+
+// One Commands call. Owned by itself (self_) until OnDone and by the book while attached.
+// gRPC operations are started outside mu_, so no reaction can run inline under it; one
+// write is in flight at a time (write_in_flight_ reserves it), and Finish waits for it.
+// Lock order: a book sender's locks, then mu_ (Wake), then the book's.
+class CommandStreamReactor final
+    : public grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>,
+      public CommandStream,
+      public std::enable_shared_from_this<CommandStreamReactor> {
+ public:
+  CommandStreamReactor(AgentCommandBook* book, const AgentRegistry* agents)
+      : book_(book), agents_(agents) {}
+
+  void Start(std::shared_ptr<CommandStreamReactor> self) {
+    self_ = std::move(self);
+    StartRead(&ack_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the agent closed its side, or the call ended
+      DetachFromBook();
+      FinishWith(grpc::Status::OK);
+      return;
+    }
+    if (!hello_done_) {
+      hello_done_ = true;
+      absl::StatusOr<AgentCommandBook::StreamId> id = AcceptHello();
+      if (!id.ok()) {
+        FinishWith(ToGrpcStatus(id.status()));
+        return;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        id_ = *id;
+      }
+      Pump();
+    } else if (!book_->OnAck(stream_id(), AgentCommandAckFromProto(ack_)).ok()) {
+      return;  // out of order: the book ended the stream
+    }
+    StartRead(&ack_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      write_in_flight_ = false;
+      if (finishing_) finish = finish_status_;
+    }
+    if (finish.has_value()) {
+      Finish(*finish);
+    } else if (!ok) {  // the call is broken: nothing more can be written
+      DetachFromBook();
+      FinishWith(grpc::Status(grpc::StatusCode::UNAVAILABLE, "write failed"));
+    } else {
+      Pump();
+    }
+  }
+
+  void OnDone() override {
+    DetachFromBook();  // done without finishing through the book (e.g. cancelled)
+    std::shared_ptr<CommandStreamReactor> last = std::move(self_);
+  }
+
+  // CommandStream.
+  void Wake() override { Pump(); }
+  void End(const absl::Status& status) override { FinishWith(ToGrpcStatus(status)); }
+
+ private:
+  // Checks the hello in ack_ against the registry and attaches the stream to the book.
+  absl::StatusOr<AgentCommandBook::StreamId> AcceptHello() {
+    if (absl::Status s = ValidateAgentId(ack_.agent_id(), "agent_id"); !s.ok()) {
+      return absl::InvalidArgumentError(s.message());
+    }
+    if (ack_.epoch() < 1) return absl::InvalidArgumentError("epoch must be >= 1");
+    if (absl::Status s = agents_->CheckLive(ack_.agent_id(), ack_.epoch()); !s.ok()) return s;
+    return book_->Attach(ack_.agent_id(), ack_.epoch(), shared_from_this());
+  }
+
+  AgentCommandBook::StreamId stream_id() {
+    absl::MutexLock lock(&mu_);
+    return id_;
+  }
+
+  void DetachFromBook() {
+    if (const AgentCommandBook::StreamId id = stream_id(); id != 0) book_->Detach(id);
+  }
+
+  // Writes the book's next command if the stream is attached, idle and not finishing.
+  void Pump() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (id_ == 0 || write_in_flight_ || finishing_) return;
+      std::optional<AgentCommand> next = book_->TakeNext(id_);
+      if (!next.has_value()) return;
+      AgentCommandToProto(*next, &writing_);
+      write_in_flight_ = true;
+    }
+    StartWrite(&writing_);
+  }
+
+  // Finishes the call with `status` now or after the write in flight. Only the first call
+  // counts.
+  void FinishWith(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finishing_) return;
+      finishing_ = true;
+      if (write_in_flight_) {
+        finish_status_ = status;
+        return;
+      }
+    }
+    Finish(status);
+  }
+
+  AgentCommandBook* const book_;
+  const AgentRegistry* const agents_;
+  // Keeps the reactor alive until OnDone.
+  std::shared_ptr<CommandStreamReactor> self_;
+
+  // Read reactions only (gRPC runs at most one at a time).
+  v1::AgentCommandAck ack_;
+  bool hello_done_ = false;
+
+  absl::Mutex mu_;
+  // The book's id of this stream once attached; 0 before.
+  AgentCommandBook::StreamId id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+  // The message being written: filled under mu_ by whoever sets write_in_flight_, then
+  // owned by gRPC until OnWriteDone.
+  v1::AgentCommand writing_;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
+    AgentCommandBook* book, const AgentRegistry* agents) {
+  auto reactor = std::make_shared<CommandStreamReactor>(book, agents);
+  reactor->Start(reactor);
+  return reactor.get();
+}
+
+}  // namespace kvcm

@@ -1,0 +1,24 @@
+// The gRPC side of AgentControl.Commands: one reactor per call moves messages between the
+// wire and the AgentCommandBook, which holds the protocol. It reads the hello (checked
+// against the AgentRegistry, then attached to the book), then acks, converted and handed to
+// the book; it writes what the book gives, one write in flight; it finishes when the agent
+// closes its side, a write fails, or the book ends the stream.
+#ifndef KVCM_SERVER_SERVICE_COMMAND_STREAM_H_
+#define KVCM_SERVER_SERVICE_COMMAND_STREAM_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "kvcm/v1/agent.pb.h"
+#include "server/core/agent_command_book.h"
+#include "server/core/agent_registry.h"
+
+namespace kvcm {
+
+// The reactor of one Commands call; it deletes itself once the call is done and the book
+// has let go of it. `book` and `agents` are not owned and must outlive every call.
+grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
+    AgentCommandBook* book, const AgentRegistry* agents);
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_COMMAND_STREAM_H_
