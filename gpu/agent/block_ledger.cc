@@ -146,8 +146,8 @@ absl::Status BlockLedger::CommitCopy(BlockId target, const CommittedBlock& sourc
   return absl::OkStatus();
 }
 
-absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
-                                  absl::string_view field) {
+absl::Status BlockLedger::CheckCommitted(std::span<const BlockId> ids, uint64_t epoch,
+                                         absl::string_view field) const {
   if (absl::Status s = Check(ids, epoch, /*writable=*/false, field); !s.ok()) return s;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (slots_[ids[i]].state != State::kCommitted) {
@@ -155,6 +155,12 @@ absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
           absl::StrCat(field, "[", i, "]: block ", ids[i], " is not committed"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
+                                  absl::string_view field) {
+  if (absl::Status s = CheckCommitted(ids, epoch, field); !s.ok()) return s;
   for (BlockId id : ids) {
     Slot& slot = slots_[id];
     slot.state = State::kAllocated;
@@ -166,13 +172,7 @@ absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
 
 absl::Status BlockLedger::FreeCommitted(std::span<const BlockId> ids, uint64_t epoch,
                                         absl::string_view field) {
-  if (absl::Status s = Check(ids, epoch, /*writable=*/false, field); !s.ok()) return s;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (slots_[ids[i]].state != State::kCommitted) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(field, "[", i, "]: block ", ids[i], " is not committed"));
-    }
-  }
+  if (absl::Status s = CheckCommitted(ids, epoch, field); !s.ok()) return s;
   for (BlockId id : ids) MakeFree(id);
   return absl::OkStatus();
 }

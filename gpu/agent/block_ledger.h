@@ -129,6 +129,9 @@ class BlockLedger {
   // INVALID_ARGUMENT / OUT_OF_RANGE checks shared by every list-taking call.
   absl::Status CheckList(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field,
                          absl::StatusCode past_pool) const;
+  // Check (readable) plus every block committed: what Release and FreeCommitted require.
+  absl::Status CheckCommitted(std::span<const BlockId> ids, uint64_t epoch,
+                              absl::string_view field) const;
   uint32_t Intern(const NamespaceId& ns);
   void MakeFree(BlockId id);
 
