@@ -71,6 +71,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "RegisterAgent";
     case Rpc::kHeartbeat:
       return "Heartbeat";
+    case Rpc::kReportInventory:
+      return "ReportInventory";
   }
   return "unknown";
 }

@@ -43,8 +43,9 @@ enum class Rpc : int {
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
+  kReportInventory,
 };
-inline constexpr int kNumRpcs = 12;
+inline constexpr int kNumRpcs = 13;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of

@@ -3,6 +3,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -293,6 +294,20 @@ absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::In
                                 call.prompt.pages.size(), " (one per whole page)"));
   }
   call.block_ids.assign(req.block_ids().begin(), req.block_ids().end());
+  absl::flat_hash_map<BlockId, size_t> first_use;
+  first_use.reserve(call.block_ids.size());
+  for (size_t i = 0; i < call.block_ids.size(); ++i) {
+    if (call.block_ids[i] == kPendingBlock) {
+      return Invalid(
+          absl::StrCat("block_ids[", i, "] is 0xFFFFFFFF, the value reserved for a pending block"));
+    }
+    if (auto [it, fresh] = first_use.emplace(call.block_ids[i], i); !fresh) {
+      return Invalid(absl::StrCat("block_ids[", i, "] repeats block_ids[", it->second, "] (block ",
+                                  call.block_ids[i], "): a block holds one page"));
+    }
+  }
+  call.use_reservation = req.use_reservation();
+  call.agent_epoch = req.agent_epoch();
   return call;
 }
 
@@ -418,16 +433,33 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
   out->set_sequence(sequence);
 }
 
-void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out) {
+void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
+                         v1::AgentCommand* out) {
   out->Clear();
   out->set_sequence(command.sequence);
   out->set_acked_through(command.acked_through);
+  out->set_manager_incarnation(manager_incarnation);
   if (const auto* free = std::get_if<FreeBlocksCommand>(&command.body)) {
     out->mutable_free()->set_tier(static_cast<v1::Tier>(free->tier));
     out->mutable_free()->mutable_block_ids()->Add(free->block_ids.begin(), free->block_ids.end());
   } else if (const auto* demote = std::get_if<DemoteBlocksCommand>(&command.body)) {
     out->mutable_demote()->mutable_source_block_ids()->Add(demote->source_block_ids.begin(),
                                                            demote->source_block_ids.end());
+  } else if (const auto* commit = std::get_if<CommitBlocksCommand>(&command.body)) {
+    v1::CommitBlocks* c = out->mutable_commit();
+    c->set_tier(static_cast<v1::Tier>(commit->tier));
+    c->mutable_namespace_()->set_tenant(commit->ns.tenant);
+    c->mutable_namespace_()->set_model(commit->ns.model);
+    ModelSpecToProto(commit->spec, c->mutable_spec());
+    c->mutable_block_ids()->Add(commit->block_ids.begin(), commit->block_ids.end());
+    c->set_page_hashes(EncodePageHashes(commit->pages));
+    if (commit->first_parent != PageHash{}) {
+      c->set_first_parent_hash(EncodePageHashes({&commit->first_parent, 1}));
+    }
+  } else if (const auto* release = std::get_if<ReleaseBlocksCommand>(&command.body)) {
+    out->mutable_release()->set_tier(static_cast<v1::Tier>(release->tier));
+    out->mutable_release()->mutable_block_ids()->Add(release->block_ids.begin(),
+                                                     release->block_ids.end());
   }
 }
 

@@ -85,9 +85,12 @@ struct InsertCall {
   NamespaceId ns;
   ResolvedPrompt prompt;
   PoolKey pool;
-  std::vector<BlockId> block_ids;  // one per page of prompt.pages
+  std::vector<BlockId> block_ids;  // one per page of prompt.pages, distinct
+  bool use_reservation = false;
+  uint64_t agent_epoch = 0;
 };
-// Also INVALID_ARGUMENT when the prompt has no whole page or block_ids is not one per page.
+// Also INVALID_ARGUMENT when the prompt has no whole page, or block_ids is not one distinct
+// id per page or holds 0xFFFFFFFF.
 absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::InsertRequest& req,
                                            const RequestLimits& limits);
 void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out);
@@ -124,7 +127,8 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
 
 // ---- AgentControl.Commands. ----
 
-void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out);
+void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
+                         v1::AgentCommand* out);
 // An ack (not the hello): code 0 is OK, any other code an error with `message` (a code
 // outside google.rpc.Code becomes UNKNOWN).
 AgentCommandAck AgentCommandAckFromProto(const v1::AgentCommandAck& ack);
