@@ -22,6 +22,7 @@
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/namespace_specs.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace prometheus {
@@ -78,6 +79,8 @@ class Agent {
   std::string backend_reason_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<BlockPool> host_pool_;
+  // Specs of the committed namespaces: the CommandLoop writes, the ControlLoop reports.
+  NamespaceSpecs specs_;
   std::unique_ptr<AgentMetrics> metrics_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
