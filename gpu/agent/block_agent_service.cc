@@ -1,5 +1,6 @@
 #include "gpu/agent/block_agent_service.h"
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -25,8 +26,14 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
                                                       const v1::AllocateBlocksRequest* req,
                                                       v1::AllocateBlocksResponse* resp) {
   return rpc_.Unary(ctx, AgentRpc::kAllocate, [&]() -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
-                          pools_.main->Allocate(req->count(), req->owner_epoch()));
+    // With a namespace the blocks can be committed to its pages; without, they stay private.
+    std::optional<NamespaceId> ns;
+    if (req->has_namespace_()) {
+      KVCM_ASSIGN_OR_RETURN(ns, ParseNamespace(req->namespace_(), "namespace"));
+    }
+    KVCM_ASSIGN_OR_RETURN(
+        std::vector<BlockId> ids,
+        pools_.main->Allocate(req->count(), req->owner_epoch(), ns ? &*ns : nullptr));
     resp->mutable_block_ids()->Add(ids.begin(), ids.end());
     return absl::OkStatus();
   });
