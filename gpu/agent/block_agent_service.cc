@@ -20,7 +20,7 @@ constexpr int kMaxIdsPerRequest = 1 << 20;
 
 BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
                                      const AgentEpoch* epoch, AgentMetrics* metrics)
-    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics) {}
+    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics->rpcs()) {}
 
 grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
                                                       const v1::AllocateBlocksRequest* req,
