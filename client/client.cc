@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/wire.h"
 #include "common/credentials.h"
@@ -275,10 +276,13 @@ absl::Status Client::SendPrompt(
     absl::FunctionRef<absl::Status(const std::optional<NamespaceKey>&)> send) {
   const std::optional<NamespaceKey> key = CachedKey(ns);
   absl::Status status = send(key);
-  if (!key.has_value() || (status.code() != absl::StatusCode::kFailedPrecondition &&
-                           status.code() != absl::StatusCode::kNotFound)) {
-    return status;
-  }
+  // A stale key is FAILED_PRECONDITION about prompt.scheme (the manager's secret or version
+  // changed) or NOT_FOUND (it restarted and forgot the namespace). Other FAILED_PRECONDITIONs
+  // (an agent refusing an Insert's blocks) are the answer, not a reason to send again.
+  const bool stale_key = status.code() == absl::StatusCode::kNotFound ||
+                         (status.code() == absl::StatusCode::kFailedPrecondition &&
+                          absl::StartsWith(status.message(), "prompt.scheme"));
+  if (!key.has_value() || !stale_key) return status;
   absl::StatusOr<RegisterModelReply> refreshed = RegisterModelUntil(ns, key->spec, deadline);
   if (!refreshed.ok()) {
     return absl::Status(status.code(),
