@@ -9,6 +9,7 @@
 #include "gpu/agent/agent_proto.h"
 #include "gpu/agent/block_stream_reactors.h"
 #include "gpu/agent/pool_attention.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
@@ -29,7 +30,7 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
     // With a namespace the blocks can be committed to its pages; without, they stay private.
     std::optional<NamespaceId> ns;
     if (req->has_namespace_()) {
-      KVCM_ASSIGN_OR_RETURN(ns, ParseNamespace(req->namespace_(), "namespace"));
+      KVCM_ASSIGN_OR_RETURN(ns, NamespaceFromProto(&req->namespace_(), "namespace"));
     }
     KVCM_ASSIGN_OR_RETURN(
         std::vector<BlockId> ids,

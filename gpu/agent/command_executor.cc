@@ -6,6 +6,7 @@
 #include "common/page_hash.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_proto.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
@@ -108,9 +109,10 @@ absl::StatusOr<std::vector<BlockId>> CommandExecutor::Commit(const v1::CommitBlo
   if (!commit.has_namespace_()) {
     return absl::InvalidArgumentError("commit.namespace is required");
   }
-  KVCM_ASSIGN_OR_RETURN(NamespaceId ns, ParseNamespace(commit.namespace_(), "commit.namespace"));
+  KVCM_ASSIGN_OR_RETURN(NamespaceId ns,
+                        NamespaceFromProto(&commit.namespace_(), "commit.namespace"));
   if (!commit.has_spec()) return absl::InvalidArgumentError("commit.spec is required");
-  KVCM_ASSIGN_OR_RETURN(ModelSpec spec, ParseModelSpec(commit.spec(), "commit.spec"));
+  KVCM_ASSIGN_OR_RETURN(ModelSpec spec, ModelSpecFromProto(&commit.spec(), "commit.spec"));
   if (const uint64_t bpb = pool->geometry().bytes_per_block(); spec.BytesPerPage() != bpb) {
     return absl::InvalidArgumentError(absl::StrCat("commit.spec has pages of ", spec.BytesPerPage(),
                                                    " bytes; the pool's blocks are ", bpb));

@@ -8,6 +8,7 @@
 #include "gpu/agent/agent_proto.h"
 #include "gpu/agent/agent_test_util.h"
 #include "gtest/gtest.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
@@ -83,7 +84,7 @@ TEST_F(InventoryReportTest, ChunksArePerPoolAndNamespaceAndBounded) {
     EXPECT_EQ(c.tier(), want[i].tier) << i;
     EXPECT_EQ(c.namespace_().tenant(), want[i].ns.tenant) << i;
     EXPECT_EQ(c.namespace_().model(), want[i].ns.model) << i;
-    absl::StatusOr<ModelSpec> got_spec = ParseModelSpec(c.spec(), "spec");
+    absl::StatusOr<ModelSpec> got_spec = ModelSpecFromProto(&c.spec(), "spec");
     ASSERT_TRUE(got_spec.ok()) << got_spec.status();
     EXPECT_EQ(*got_spec, SmallGqa());
     EXPECT_THAT(Ids(c), ElementsAreArray(want[i].ids)) << i;

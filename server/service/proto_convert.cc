@@ -22,26 +22,6 @@ std::string Path(absl::string_view parent, absl::string_view child) {
   return absl::StrCat(parent, ".", child);
 }
 
-// The offending value for an error message: escaped and cut to 64 bytes.
-std::string Quoted(absl::string_view value) {
-  constexpr size_t kMaxShown = 64;
-  std::string shown = absl::CHexEscape(value.substr(0, kMaxShown));
-  return absl::StrCat("\"", shown, value.size() > kMaxShown ? "...\"" : "\"");
-}
-
-// 1..128 bytes of [A-Za-z0-9] plus the characters in `extra`.
-absl::Status ValidateName(absl::string_view value, absl::string_view field,
-                          absl::string_view extra) {
-  bool ok = !value.empty() && value.size() <= kMaxNameBytes;
-  for (size_t i = 0; ok && i < value.size(); ++i) {
-    ok = absl::ascii_isalnum(static_cast<unsigned char>(value[i])) ||
-         extra.find(value[i]) != absl::string_view::npos;
-  }
-  if (ok) return absl::OkStatus();
-  return Invalid(
-      absl::StrCat(field, " must be 1..128 bytes of [A-Za-z0-9", extra, "], got ", Quoted(value)));
-}
-
 template <typename Message>
 const Message* IfSet(bool has, const Message& m) {
   return has ? &m : nullptr;
@@ -102,13 +82,6 @@ absl::string_view TierProtoName(int tier) {
 
 }  // namespace
 
-absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field) {
-  if (ns == nullptr) return Invalid(absl::StrCat(field, " is required"));
-  KVCM_RETURN_IF_ERROR(ValidateName(ns->tenant(), Path(field, "tenant"), "._-"));
-  KVCM_RETURN_IF_ERROR(ValidateName(ns->model(), Path(field, "model"), "._/-"));
-  return NamespaceId{ns->tenant(), ns->model()};
-}
-
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field) {
   return ValidateName(agent_id, field, "._:-");
 }
@@ -135,46 +108,6 @@ absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view
     }
   }
   return key;
-}
-
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
-  if (spec == nullptr) return Invalid("spec is required");
-  ModelSpec out;
-  switch (spec->attention()) {
-    case v1::ATTENTION_KIND_MHA:
-    case v1::ATTENTION_KIND_MQA:
-    case v1::ATTENTION_KIND_GQA:
-    case v1::ATTENTION_KIND_MLA:
-      out.attention = static_cast<AttentionKind>(spec->attention());
-      break;
-    default:
-      return Invalid(
-          absl::StrCat("spec.attention must be ATTENTION_KIND_MHA, _MQA, _GQA or _MLA, got ",
-                       static_cast<int>(spec->attention())));
-  }
-  switch (spec->dtype()) {
-    case v1::KV_DTYPE_BF16:
-    case v1::KV_DTYPE_FP16:
-    case v1::KV_DTYPE_FP8:
-    case v1::KV_DTYPE_INT8:
-      out.dtype = static_cast<KvDtype>(spec->dtype());
-      break;
-    default:
-      return Invalid(absl::StrCat("spec.dtype must be KV_DTYPE_BF16, _FP16, _FP8 or _INT8, got ",
-                                  static_cast<int>(spec->dtype())));
-  }
-  out.num_layers = spec->num_layers();
-  out.num_heads = spec->num_heads();
-  out.num_kv_heads = spec->num_kv_heads();
-  out.head_dim = spec->head_dim();
-  out.kv_lora_rank = spec->kv_lora_rank();
-  out.rope_dim = spec->rope_dim();
-  out.qk_nope_head_dim = spec->qk_nope_head_dim();
-  out.v_head_dim = spec->v_head_dim();
-  out.page_size_tokens =
-      spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
-  KVCM_RETURN_IF_ERROR(out.Validate());  // its messages already say "spec.<field>"
-  return out;
 }
 
 absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,

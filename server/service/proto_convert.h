@@ -35,19 +35,13 @@ struct RequestLimits {
 
 // ---- Shared types. `field` is the path used in error messages, e.g. "namespace". ----
 
-// Missing namespace, tenant not 1..128 bytes of [A-Za-z0-9._-], or model not 1..128 bytes of
-// [A-Za-z0-9._/-] -> INVALID_ARGUMENT.
-absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field);
+// NamespaceFromProto and ModelSpecFromProto: proto/core_types.h.
 
 // agent_id 1..128 bytes of [A-Za-z0-9._:-].
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field);
 
 // Missing pool, bad agent_id, or tier not GPU/HOST/DISK -> INVALID_ARGUMENT.
 absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view field);
-
-// Field "spec". Unknown attention or dtype, or impossible geometry -> INVALID_ARGUMENT.
-// page_size_tokens 0 becomes kDefaultPageSizeTokens.
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec);
 
 // A prompt as the namespace's chained page hashes.
 struct ResolvedPrompt {

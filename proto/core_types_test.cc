@@ -1,17 +1,28 @@
-#include "gpu/agent/agent_proto.h"
+// The validating readers of proto/core_types.h, which the manager, the agent and the client
+// share: the namespace alphabet and the model spec, with the field named in every error.
+#include "proto/core_types.h"
 
 #include <string>
 
 #include "gmock/gmock.h"
-#include "gpu/agent/agent_test_util.h"
 #include "gtest/gtest.h"
-#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
+
+// A small valid GQA spec: 2 layers, 8 query heads over 2 K/V heads of 64.
+ModelSpec SmallGqa() {
+  return ModelSpec{.attention = AttentionKind::kGqa,
+                   .num_layers = 2,
+                   .num_heads = 8,
+                   .num_kv_heads = 2,
+                   .head_dim = 64,
+                   .dtype = KvDtype::kBf16,
+                   .page_size_tokens = 16};
+}
 
 v1::Namespace Ns(std::string tenant, std::string model) {
   v1::Namespace ns;
@@ -20,14 +31,16 @@ v1::Namespace Ns(std::string tenant, std::string model) {
   return ns;
 }
 
-TEST(AgentProtoTest, ParseNamespaceAcceptsTheManagersAlphabet) {
-  absl::StatusOr<NamespaceId> ns = ParseNamespace(Ns("acme.prod_1-a", "meta/llama-3.1_70B"), "ns");
+TEST(CoreTypesTest, NamespaceFromProtoAcceptsTheManagersAlphabet) {
+  const v1::Namespace good = Ns("acme.prod_1-a", "meta/llama-3.1_70B");
+  absl::StatusOr<NamespaceId> ns = NamespaceFromProto(&good, "ns");
   ASSERT_TRUE(ns.ok()) << ns.status();
   EXPECT_EQ(*ns, (NamespaceId{"acme.prod_1-a", "meta/llama-3.1_70B"}));
-  EXPECT_TRUE(ParseNamespace(Ns(std::string(128, 't'), std::string(128, 'm')), "ns").ok());
+  const v1::Namespace longest = Ns(std::string(128, 't'), std::string(128, 'm'));
+  EXPECT_TRUE(NamespaceFromProto(&longest, "ns").ok());
 }
 
-TEST(AgentProtoTest, ParseNamespaceNamesTheBadMember) {
+TEST(CoreTypesTest, NamespaceFromProtoNamesTheBadMember) {
   struct Case {
     v1::Namespace ns;
     const char* field;
@@ -41,32 +54,32 @@ TEST(AgentProtoTest, ParseNamespaceNamesTheBadMember) {
       {Ns("t", std::string(129, 'm')), "namespace.model"},
   };
   for (const Case& c : cases) {
-    absl::StatusOr<NamespaceId> ns = ParseNamespace(c.ns, "namespace");
+    absl::StatusOr<NamespaceId> ns = NamespaceFromProto(&c.ns, "namespace");
     EXPECT_EQ(ns.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(ns.status().message()),
                 StartsWith(absl::StrCat(c.field, " must be 1..128")));
   }
 }
 
-TEST(AgentProtoTest, ParseModelSpecRoundTripsAndNamesTheField) {
+TEST(CoreTypesTest, ModelSpecFromProtoRoundTripsAndNamesTheField) {
   v1::ModelSpec proto;
   ModelSpecToProto(SmallGqa(), &proto);
-  absl::StatusOr<ModelSpec> spec = ParseModelSpec(proto, "commit.spec");
+  absl::StatusOr<ModelSpec> spec = ModelSpecFromProto(&proto, "commit.spec");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(*spec, SmallGqa());
 
   proto.set_page_size_tokens(0);
-  spec = ParseModelSpec(proto, "commit.spec");
+  spec = ModelSpecFromProto(&proto, "commit.spec");
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->page_size_tokens, kDefaultPageSizeTokens);
 
   proto.set_num_layers(0);
-  spec = ParseModelSpec(proto, "commit.spec");
+  spec = ModelSpecFromProto(&proto, "commit.spec");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(spec.status().message()), StartsWith("commit.spec.num_layers"));
 
   proto = v1::ModelSpec();  // unspecified attention
-  spec = ParseModelSpec(proto, "commit.spec");
+  spec = ModelSpecFromProto(&proto, "commit.spec");
   EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(spec.status().message()), HasSubstr("commit.spec.attention"));
 }
