@@ -44,10 +44,18 @@ Pools MakePools(const ModelSpec& spec, uint32_t blocks) {
   }
   p.main = *BlockPool::Create(g, std::move(main->backend));
   p.host = *BlockPool::Create(g, *std::move(host));
-  p.sources = *p.main->Allocate(blocks, kEpoch);
+  // Committed, as the manager's demotions are: the host copies are committed too, so the
+  // FreeBlocks that returns them (FreeCommitted) accepts them.
+  const NamespaceId ns{"bench", "demote"};
+  p.sources = *p.main->Allocate(blocks, kEpoch, &ns);
   std::vector<std::byte> fill(g.bytes_per_block());
   for (size_t i = 0; i < fill.size(); ++i) fill[i] = static_cast<std::byte>(i * 37);
   for (BlockId id : p.sources) (void)p.main->WriteBlocks({&id, 1}, kEpoch, fill);
+  std::vector<CommitEntry> pages;
+  for (uint64_t i = 0; i < p.sources.size(); ++i) {
+    pages.push_back({p.sources[i], PageHash{i + 1, 0}, PageHash{i, 0}});
+  }
+  (void)p.main->Commit(ns, kEpoch, pages, "block_ids");
   return p;
 }
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/wire.h"
 #include "common/credentials.h"
@@ -275,10 +276,13 @@ absl::Status Client::SendPrompt(
     absl::FunctionRef<absl::Status(const std::optional<NamespaceKey>&)> send) {
   const std::optional<NamespaceKey> key = CachedKey(ns);
   absl::Status status = send(key);
-  if (!key.has_value() || (status.code() != absl::StatusCode::kFailedPrecondition &&
-                           status.code() != absl::StatusCode::kNotFound)) {
-    return status;
-  }
+  // A stale key is FAILED_PRECONDITION about prompt.scheme (the manager's secret or version
+  // changed) or NOT_FOUND (it restarted and forgot the namespace). Other FAILED_PRECONDITIONs
+  // (an agent refusing an Insert's blocks) are the answer, not a reason to send again.
+  const bool stale_key = status.code() == absl::StatusCode::kNotFound ||
+                         (status.code() == absl::StatusCode::kFailedPrecondition &&
+                          absl::StartsWith(status.message(), "prompt.scheme"));
+  if (!key.has_value() || !stale_key) return status;
   absl::StatusOr<RegisterModelReply> refreshed = RegisterModelUntil(ns, key->spec, deadline);
   if (!refreshed.ok()) {
     return absl::Status(status.code(),
@@ -355,10 +359,13 @@ absl::StatusOr<PinnedPrefix> Client::MatchAndPin(const NamespaceId& ns,
 namespace {
 
 void FillInsertRequest(const NamespaceId& ns, const PoolRef& pool,
-                       std::span<const BlockId> block_ids, v1::InsertRequest* request) {
+                       std::span<const BlockId> block_ids, const InsertParams& params,
+                       v1::InsertRequest* request) {
   NamespaceToProto(ns, request->mutable_namespace_());
   PoolToProto(pool, request->mutable_pool());
   request->mutable_block_ids()->Assign(block_ids.begin(), block_ids.end());
+  request->set_agent_epoch(params.agent_epoch);
+  request->set_use_reservation(params.use_reservation);
 }
 
 }  // namespace
@@ -366,11 +373,17 @@ void FillInsertRequest(const NamespaceId& ns, const PoolRef& pool,
 absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
                                            const PoolRef& pool, std::span<const BlockId> block_ids,
                                            const CallOptions& call) {
+  return Insert(ns, tokens, pool, block_ids, InsertParams{}, call);
+}
+
+absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                           const PoolRef& pool, std::span<const BlockId> block_ids,
+                                           const InsertParams& params, const CallOptions& call) {
   const absl::Time deadline = DeadlineOf(call);
   v1::InsertResponse response;
   absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
     v1::InsertRequest request;
-    FillInsertRequest(ns, pool, block_ids, &request);
+    FillInsertRequest(ns, pool, block_ids, params, &request);
     FillPrompt(key, tokens, request.mutable_prompt());
     return Invoke(deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Insert(context, request, &response);
@@ -387,12 +400,18 @@ absl::StatusOr<InsertReply> Client::InsertHashes(const NamespaceId& ns,
                                                  const PoolRef& pool,
                                                  std::span<const BlockId> block_ids,
                                                  const CallOptions& call) {
+  return InsertHashes(ns, pages, pool, block_ids, InsertParams{}, call);
+}
+
+absl::StatusOr<InsertReply> Client::InsertHashes(
+    const NamespaceId& ns, std::span<const PageHash> pages, const PoolRef& pool,
+    std::span<const BlockId> block_ids, const InsertParams& params, const CallOptions& call) {
   absl::StatusOr<NamespaceKey> key = RequireKey(ns);
   if (!key.ok()) {
     return key.status();
   }
   v1::InsertRequest request;
-  FillInsertRequest(ns, pool, block_ids, &request);
+  FillInsertRequest(ns, pool, block_ids, params, &request);
   wire::SetHashes(pages, key->page_size_tokens, key->fingerprint, request.mutable_prompt());
   v1::InsertResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {

@@ -119,6 +119,14 @@ struct MatchReply {
   absl::Time lease_expiry = absl::InfinitePast();
 };
 
+struct InsertParams {
+  // The agent epoch the blocks were allocated in (BlockAgent.Stats): ABORTED, nothing
+  // changed, when the agent restarted since. 0: not checked.
+  uint64_t agent_epoch = 0;
+  // Take the new pages' bytes out of the pool's reserved headroom first.
+  bool use_reservation = false;
+};
+
 struct InsertReply {
   uint32_t already_present_pages = 0;
   std::vector<BlockId> existing_block_ids;  // index's blocks of the already present pages
@@ -180,8 +188,9 @@ struct ManagerStats {
     uint64_t epoch = 0;
     bool alive = false;  // false: no heartbeat within the manager's timeout
     uint64_t last_heartbeat_age_ms = 0;
-    uint64_t used_bytes = 0;   // from the last heartbeat
-    uint64_t free_blocks = 0;  // from the last heartbeat
+    uint64_t used_bytes = 0;          // from the last heartbeat
+    uint64_t free_blocks = 0;         // from the last heartbeat
+    std::string block_agent_address;  // where it serves BlockAgent; may be empty
   };
   std::vector<Pool> pools;
   std::vector<Namespace> namespaces;
@@ -323,12 +332,21 @@ class Client {
                                            MatchParams params = {}, const CallOptions& call = {});
 
   // Records that `pool` holds the whole pages of `tokens` in blocks `block_ids` (exactly one
-  // per whole page). Hashes locally when it can, like Match.
+  // per whole page, distinct). Hashes locally when it can, like Match. In an agent's pool the
+  // blocks must be allocated to `ns` with the agent's epoch as owner (BlockAgent.Allocate):
+  // the agent commits them before the index takes the pages (see CacheManager.Insert).
   absl::StatusOr<InsertReply> Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
                                      const PoolRef& pool, std::span<const BlockId> block_ids,
                                      const CallOptions& call = {});
+  absl::StatusOr<InsertReply> Insert(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                     const PoolRef& pool, std::span<const BlockId> block_ids,
+                                     const InsertParams& params, const CallOptions& call = {});
   absl::StatusOr<InsertReply> InsertHashes(const NamespaceId& ns, std::span<const PageHash> pages,
                                            const PoolRef& pool, std::span<const BlockId> block_ids,
+                                           const CallOptions& call = {});
+  absl::StatusOr<InsertReply> InsertHashes(const NamespaceId& ns, std::span<const PageHash> pages,
+                                           const PoolRef& pool, std::span<const BlockId> block_ids,
+                                           const InsertParams& params,
                                            const CallOptions& call = {});
 
   // NOT_FOUND for an unknown pin, ABORTED for one whose lease expired.

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "client/agent_blocks.h"
 #include "client/cli_args.h"
 #include "client/cli_inputs.h"
 #include "client/client.h"
@@ -160,7 +161,57 @@ void DefineInsert(cli::FlagSet& f) {
   f.AddString("agent", "", "agent that holds the pages (required)");
   f.AddString("tier", "gpu", "tier of the pool: gpu|host|disk");
   f.AddString("block_ids", "", "block id of each whole page, comma separated");
-  f.AddUint("first_block", 0, "without --block_ids: blocks first_block, first_block+1, ...");
+  f.AddUint("first_block", 0,
+            "blocks first_block, first_block+1, ... (an index-only pool); without --block_ids "
+            "or --first_block the blocks are allocated on the agent");
+}
+
+// Which blocks hold each page after `reply`: the index's for the pages already there, ours
+// for the rest.
+std::vector<BlockId> HeldBlocks(const InsertReply& reply, const std::vector<BlockId>& ours) {
+  std::vector<BlockId> held = reply.existing_block_ids;
+  held.insert(held.end(), ours.begin() + held.size(), ours.end());
+  return held;
+}
+
+void PrintInsert(const PoolRef& pool, const InsertReply& r) {
+  absl::PrintF("pool: %s\n", pool.ToString());
+  absl::PrintF("new_pages: %u\n", r.new_pages);
+  absl::PrintF("replicated_pages: %u\n", r.replicated_pages);
+  absl::PrintF("already_present_pages: %u\n", r.already_present_pages);
+  if (!r.existing_block_ids.empty()) {
+    absl::PrintF("existing_block_ids: %s\n", absl::StrJoin(r.existing_block_ids, ","));
+  }
+  absl::PrintF("evicted_bytes: %d\n", r.evicted_bytes);
+}
+
+// Insert into the pool of a running agent, as a worker does: allocate blocks for the
+// namespace on the agent, insert them (the agent commits them), and free the ones the
+// manager did not keep.
+int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<const int32_t> tokens,
+                       const PoolRef& pool, size_t pages, const std::string& address) {
+  absl::StatusOr<AgentBlocks> blocks = AgentBlocks::Allocate(address, ns, pages);
+  if (!blocks.ok()) {
+    return in.Failed(blocks.status());
+  }
+  absl::StatusOr<InsertReply> r = in.client->Insert(ns, tokens, pool, blocks->ids(),
+                                                    InsertParams{.agent_epoch = blocks->epoch()});
+  if (!r.ok()) {
+    (void)blocks->Free(blocks->ids());  // nothing was committed: they are ours again
+    return in.Failed(r.status());
+  }
+  std::vector<BlockId> spare;
+  for (size_t i = 0; i < r->existing_block_ids.size(); ++i) {
+    if (r->existing_block_ids[i] != blocks->ids()[i]) spare.push_back(blocks->ids()[i]);
+  }
+  if (absl::Status s = blocks->Free(spare); !s.ok()) {
+    absl::FPrintF(stderr, "kvcmctl insert: freeing %d spare blocks: %s\n", spare.size(),
+                  s.ToString());
+  }
+  PrintInsert(pool, *r);
+  absl::PrintF("agent_epoch: %d\n", blocks->epoch());
+  absl::PrintF("block_ids: %s\n", absl::StrJoin(HeldBlocks(*r, blocks->ids()), ","));
+  return kExitOk;
 }
 
 int RunInsert(const Invocation& in) {
@@ -193,7 +244,8 @@ int RunInsert(const Invocation& in) {
     }
     block_ids = *std::move(ids);
   } else {
-    // One block per whole page: the page size is the namespace's, which Stats reports.
+    // One block per whole page: the page size is the namespace's, which Stats reports, as
+    // it reports where the pool's agent serves BlockAgent.
     absl::StatusOr<ManagerStats> stats = in.client->Stats();
     if (!stats.ok()) {
       return in.Failed(stats.status());
@@ -208,8 +260,15 @@ int RunInsert(const Invocation& in) {
       return in.Failed(absl::NotFoundError(
           absl::StrCat("namespace ", ns->ToString(), " is not registered (see register-model)")));
     }
-    const uint64_t first = in.flags.GetUint("first_block");
     const size_t pages = tokens->size() / page_size;
+    if (!in.flags.IsSet("first_block") && pages > 0) {
+      for (const ManagerStats::Agent& a : stats->agents) {
+        if (a.agent_id == pool.agent_id && !a.block_agent_address.empty()) {
+          return InsertThroughAgent(in, *ns, *tokens, pool, pages, a.block_agent_address);
+        }
+      }
+    }
+    const uint64_t first = in.flags.GetUint("first_block");
     if (first + pages > uint64_t{UINT32_MAX} + 1) {
       return in.Usage("--first_block: too large");
     }
@@ -222,14 +281,7 @@ int RunInsert(const Invocation& in) {
   if (!r.ok()) {
     return in.Failed(r.status());
   }
-  absl::PrintF("pool: %s\n", pool.ToString());
-  absl::PrintF("new_pages: %u\n", r->new_pages);
-  absl::PrintF("replicated_pages: %u\n", r->replicated_pages);
-  absl::PrintF("already_present_pages: %u\n", r->already_present_pages);
-  if (!r->existing_block_ids.empty()) {
-    absl::PrintF("existing_block_ids: %s\n", absl::StrJoin(r->existing_block_ids, ","));
-  }
-  absl::PrintF("evicted_bytes: %d\n", r->evicted_bytes);
+  PrintInsert(pool, *r);
   return kExitOk;
 }
 

@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -60,11 +61,22 @@ class RpcRunner {
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, RpcId rpc, Body&& body) {
     const auto start = std::chrono::steady_clock::now();
     const absl::Status status = std::forward<Body>(body)();
-    metrics_->RecordRpc(rpc, status.code(),
-                        absl::FromChrono(std::chrono::steady_clock::now() - start));
-    if (!status.ok()) LogFailure(rpc, status);
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(status));
+    Finish(reactor, rpc, start, status);
+    return reactor;
+  }
+
+  // For a body that answers later: runs `body(finish)`, where `finish` (a copyable
+  // std::function<void(const absl::Status&)>) must be called exactly once, inline or from
+  // any thread, after the response message is filled in.
+  template <typename Body>
+  grpc::ServerUnaryReactor* UnaryAsync(grpc::CallbackServerContext* ctx, RpcId rpc, Body&& body) {
+    const auto start = std::chrono::steady_clock::now();
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    std::forward<Body>(body)(std::function<void(const absl::Status&)>(
+        [this, reactor, rpc, start](const absl::Status& status) {
+          Finish(reactor, rpc, start, status);
+        }));
     return reactor;
   }
 
@@ -79,6 +91,14 @@ class RpcRunner {
   void LogFailure(RpcId rpc, const absl::Status& status) { failures_.Log(RpcName(rpc), status); }
 
  private:
+  void Finish(grpc::ServerUnaryReactor* reactor, RpcId rpc,
+              std::chrono::steady_clock::time_point start, const absl::Status& status) {
+    metrics_->RecordRpc(rpc, status.code(),
+                        absl::FromChrono(std::chrono::steady_clock::now() - start));
+    if (!status.ok()) LogFailure(rpc, status);
+    reactor->Finish(ToGrpcStatus(status));
+  }
+
   RpcMetricsRecorder<RpcId>* const metrics_;
   RpcFailureLog failures_;
 };

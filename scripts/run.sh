@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds kvcm-manager (and kvcmctl when the tree has it) in Release and runs the manager.
+# Builds kvcm-manager (with kvcmctl and kvcm-agent) in Release and runs the manager.
 #   ./scripts/run.sh                                  # 127.0.0.1:50051, metrics on :9464
 #   ./scripts/run.sh --listen_address=0.0.0.0:50051 --config=kvcm.conf
 # Every argument goes to kvcm-manager (see `kvcm-manager --help`).
@@ -20,10 +20,12 @@ cmake -S . -B "$build_dir" -G Ninja \
   -DKVCM_BUILD_BENCH=OFF
 
 targets=(kvcm-manager)
-# kvcmctl comes with the client library; build it too when this tree defines it.
-if cmake --build "$build_dir" --target help | grep -q '^kvcmctl:'; then
-  targets+=(kvcmctl)
-fi
+# kvcmctl and kvcm-agent (README's walk-throughs use them); build them when the tree has them.
+for extra in kvcmctl kvcm-agent; do
+  if cmake --build "$build_dir" --target help | grep -q "^$extra:"; then
+    targets+=("$extra")
+  fi
+done
 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
 
 # kvcm-manager prints the gRPC and metrics addresses it actually bound on startup.

@@ -1,25 +1,36 @@
 // AgentControl.Commands end to end, with an in-process ManagerServer and either an
 // in-process Agent (host backend) or a hand-driven fake agent on raw stubs:
+//   - an Insert into an agent's pool commits its blocks on the agent first (CommitBlocks);
+//     agent_insert_test tries it as an adversary;
 //   - evicted blocks come back to the agent's free list (FreeBlocks, acked and counted);
 //   - with the cost policy, evicted GPU pages are demoted: the agent copies them into its
 //     host pool and the index learns the host blocks, which hold the same bytes;
 //   - commands wait for a stream, are resent on a new stream until acked, and an
-//     out-of-order ack ends the stream;
-//   - a new epoch, or an agent declared gone, drops the agent's pages and queue;
+//     out-of-order ack ends the stream; an insert answers only once its commit is acked;
+//   - a new epoch, or an agent declared gone, drops the agent's pages and queue (an insert
+//     waiting for a commit fails); a gone agent may register the same epoch again;
 //   - a stale epoch is ABORTED, an unknown agent NOT_FOUND.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "common/credentials.h"
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent.h"
 #include "gtest/gtest.h"
@@ -27,63 +38,29 @@
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/cluster_test_util.h"
 
 namespace kvcm {
 namespace {
 
-using ::kvcm::testing::AllocateBlocks;
+using ::kvcm::testing::AllocateIn;
+using ::kvcm::testing::BlockAgentStub;
+using ::kvcm::testing::Bytes;
+using ::kvcm::testing::ConnectAndRegister;
+using ::kvcm::testing::FreeAsWorker;
+using ::kvcm::testing::FreeBlocksOf;
+using ::kvcm::testing::kBlockBytes;
+using ::kvcm::testing::MetricsHave;
+using ::kvcm::testing::ReadAll;
+using ::kvcm::testing::StartAgent;
+using ::kvcm::testing::StartManager;
 using ::kvcm::testing::StatsOf;
+using ::kvcm::testing::Tokens;
 using ::kvcm::testing::WaitFor;
+using ::kvcm::testing::WriteAll;
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
-
-std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
-  o.listen_address = "127.0.0.1:0";
-  o.metrics_address = "";
-  o.shutdown_grace_ms = 100;
-  absl::StatusOr<std::unique_ptr<ManagerServer>> m = ManagerServer::Start(o);
-  EXPECT_TRUE(m.ok()) << m.status();
-  return *std::move(m);
-}
-
-constexpr uint64_t kBlockBytes = 1152ull * 61 * 64;  // a DeepSeek-V3 bf16 page
-
-std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uint64_t blocks,
-                                  uint64_t host_blocks = 0) {
-  AgentOptions o;
-  o.agent_id = "gpu-3";
-  o.manager_address = manager_address;
-  o.use_device = false;
-  o.capacity_bytes = blocks * kBlockBytes;
-  o.host_capacity_bytes = host_blocks * kBlockBytes;
-  o.heartbeat_interval_ms = 20;
-  absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
-  EXPECT_TRUE(agent.ok()) << agent.status();
-  return *std::move(agent);
-}
-
-uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) { return StatsOf(agent).free_blocks(); }
-
-// A client of the manager at `address` that has registered `spec` as `ns`; null (with a
-// test failure) if either step fails.
-std::unique_ptr<Client> ConnectAndRegister(const std::string& address, const NamespaceId& ns,
-                                           const ModelSpec& spec) {
-  ClientOptions co;
-  co.address = address;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
-  if (!client.ok()) {
-    ADD_FAILURE() << client.status();
-    return nullptr;
-  }
-  if (absl::StatusOr<RegisterModelReply> r = (*client)->RegisterModel(ns, spec); !r.ok()) {
-    ADD_FAILURE() << r.status();
-    return nullptr;
-  }
-  return *std::move(client);
-}
-
-std::unique_ptr<v1::BlockAgent::Stub> BlockAgentStub(const Agent& agent) {
-  return v1::BlockAgent::NewStub(MakeChannel(agent.address()));
-}
 
 TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   std::unique_ptr<ManagerServer> manager = StartManager();
@@ -96,12 +73,11 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   ASSERT_NE(client, nullptr);
 
   auto ba = BlockAgentStub(*agent);
-  const std::vector<BlockId> ids = AllocateBlocks(*ba, 3, agent->epoch());
+  const std::vector<BlockId> ids = AllocateIn(*ba, 3, agent->epoch(), ns);
   ASSERT_EQ(ids.size(), 3u);
   ASSERT_EQ(FreeBlocksOf(*ba), 5u);
 
-  // The stream is open once the router knows the agent; evicting before that would send
-  // nothing.
+  // The inserts' commits and the evictions' frees go over the Commands stream.
   ASSERT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 1; }));
 
   std::vector<int32_t> tokens(3 * spec.page_size_tokens);
@@ -115,6 +91,12 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   ins = client->Insert(ns, all, pool, ids);
   ASSERT_TRUE(ins.ok()) << ins.status();
   ASSERT_EQ(ins->new_pages, 1u);
+  // Two commits acked. The committed blocks belong to the cache now: still not free, and
+  // their worker can no longer free them.
+  EXPECT_TRUE(WaitFor([&] { return MetricsHave(*manager, "commands_total{result=\"acked\"} 2"); }));
+  EXPECT_EQ(FreeBlocksOf(*ba), 5u);
+  EXPECT_EQ(FreeAsWorker(*ba, ids, agent->epoch()).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 
   // The leaf goes first: exactly its block comes back.
   absl::StatusOr<EvictReply> ev = client->EvictFromPool(pool, 1);
@@ -123,20 +105,14 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 6; })) << FreeBlocksOf(*ba);
   absl::SleepFor(absl::Milliseconds(100));  // and nothing more
   EXPECT_EQ(FreeBlocksOf(*ba), 6u);
-  EXPECT_TRUE(WaitFor([&] {
-    return absl::StrContains(manager->metrics().RenderText(),
-                             "kvcm_agent_commands_total{result=\"acked\"} 1");
-  }));
+  EXPECT_TRUE(WaitFor([&] { return MetricsHave(*manager, "commands_total{result=\"acked\"} 3"); }));
 
   // Then the rest.
   ev = client->EvictFromPool(pool, 2 * spec.BytesPerPage());
   ASSERT_TRUE(ev.ok()) << ev.status();
   ASSERT_EQ(ev->evicted_pages, 2u);
   EXPECT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba) == 8; })) << FreeBlocksOf(*ba);
-  EXPECT_TRUE(WaitFor([&] {
-    return absl::StrContains(manager->metrics().RenderText(),
-                             "kvcm_agent_commands_total{result=\"acked\"} 2");
-  }));
+  EXPECT_TRUE(WaitFor([&] { return MetricsHave(*manager, "commands_total{result=\"acked\"} 4"); }));
   const std::string metrics = manager->metrics().RenderText();
   EXPECT_THAT(metrics, HasSubstr("kvcm_agent_commands_total{result=\"failed\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("kvcm_agent_commands_total{result=\"dropped\"} 0"));
@@ -145,18 +121,9 @@ TEST(AgentCommandsTest, EvictedBlocksAreFreedOnTheAgentAndAcked) {
   EXPECT_TRUE(WaitFor([&] { return manager->commands().open_streams() == 0; }));
 }
 
-std::vector<int32_t> Tokens(size_t pages, uint32_t page_size, int32_t seed) {
-  std::vector<int32_t> tokens(pages * page_size);
-  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 7 + seed);
-  return tokens;
-}
-
-std::string Bytes(size_t n, int seed) {
-  std::string b(n, '\0');
-  for (size_t i = 0; i < n; ++i) b[i] = static_cast<char>((i * 13 + seed) & 0xff);
-  return b;
-}
-
+// The blocks of an insert whose pages the pool already holds (in other blocks) are
+// committed, then released back to their worker before the insert answers: the worker may
+// free them as soon as it has the answer.
 TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
   std::unique_ptr<ManagerServer> manager = StartManager({.policy = "cost"});
   std::unique_ptr<Agent> agent = StartAgent(manager->address(), 4, /*host_blocks=*/4);
@@ -170,25 +137,11 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
 
   // Two pages written into two GPU blocks of the agent's epoch, then indexed.
   auto ba = BlockAgentStub(*agent);
-  const std::vector<BlockId> gpu_blocks = AllocateBlocks(*ba, 2, agent->epoch());
+  const std::vector<BlockId> gpu_blocks = AllocateIn(*ba, 2, agent->epoch(), ns);
   ASSERT_EQ(gpu_blocks.size(), 2u);
   const std::string written = Bytes(2 * kBlockBytes, 5);
-  {
-    grpc::ClientContext ctx;
-    v1::WriteBlocksResponse resp;
-    auto writer = ba->WriteBlocks(&ctx, &resp);
-    v1::WriteBlocksRequest header;
-    header.mutable_header()->mutable_block_ids()->Add(gpu_blocks.begin(), gpu_blocks.end());
-    header.mutable_header()->set_owner_epoch(agent->epoch());
-    ASSERT_TRUE(writer->Write(header));
-    for (size_t off = 0; off < written.size(); off += 1 << 20) {
-      v1::WriteBlocksRequest chunk;
-      chunk.set_data(written.substr(off, 1 << 20));
-      ASSERT_TRUE(writer->Write(chunk));
-    }
-    writer->WritesDone();
-    ASSERT_TRUE(writer->Finish().ok());
-  }
+  const grpc::Status wrote = WriteAll(*ba, gpu_blocks, agent->epoch(), written);
+  ASSERT_TRUE(wrote.ok()) << wrote.error_message();
   const std::vector<int32_t> tokens = Tokens(2, spec.page_size_tokens, 3);
   const PoolRef gpu{"gpu-3", Tier::kGpu};
   ASSERT_TRUE(client->Insert(ns, tokens, gpu, gpu_blocks).ok());
@@ -217,17 +170,9 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
   EXPECT_NE(host_blocks[1], kPendingBlock);
 
   // The host blocks hold the bytes the GPU blocks held, in page order.
-  v1::ReadBlocksRequest read;
-  read.mutable_block_ids()->Add(host_blocks.begin(), host_blocks.end());
-  read.set_owner_epoch(agent->epoch());
-  read.set_tier(v1::TIER_HOST);
-  grpc::ClientContext ctx;
-  auto reader = ba->ReadBlocks(&ctx, read);
-  std::string got;
-  v1::ReadBlocksResponse chunk;
-  while (reader->Read(&chunk)) got += chunk.data();
-  ASSERT_TRUE(reader->Finish().ok());
-  EXPECT_TRUE(got == written) << "host blocks differ from the demoted GPU blocks";
+  absl::StatusOr<std::string> got = ReadAll(*ba, host_blocks, agent->epoch(), v1::TIER_HOST);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(*got == written) << "host blocks differ from the demoted GPU blocks";
   const std::string metrics = manager->metrics().RenderText();
   EXPECT_THAT(metrics, HasSubstr("kvcm_agent_commands_total{result=\"failed\"} 0"));
 }
@@ -303,6 +248,54 @@ v1::AgentCommandAck Ack(uint64_t sequence) {
   return ack;
 }
 
+// Heartbeats `epoch` of a fake agent every 50 ms until destroyed, so that the short
+// heartbeat timeout of FakeAgentTest does not declare it gone in the middle of a step.
+class Heartbeats {
+ public:
+  Heartbeats(FakeAgent* agent, uint64_t epoch)
+      : thread_([this, agent, epoch] {
+          while (!stop_.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+            (void)agent->Heartbeat(epoch);
+          }
+        }) {}
+  ~Heartbeats() {
+    stop_.Notify();
+    thread_.join();
+  }
+
+ private:
+  absl::Notification stop_;
+  std::thread thread_;
+};
+
+// Inserts on another thread while this one plays the agent on `s`: the insert's
+// CommitBlocks must name `blocks` in `ns`'s pool `pool`, and is acked with `newly` (the
+// blocks the agent had not committed before; all of `blocks` when nullopt). Returns the
+// insert's answer; *sequence (when given) gets the commit's sequence.
+absl::StatusOr<InsertReply> InsertCommitting(
+    Client& client, FakeAgent::Stream& s, const NamespaceId& ns, std::span<const int32_t> tokens,
+    const PoolRef& pool, const std::vector<BlockId>& blocks,
+    const std::optional<std::vector<BlockId>>& newly = std::nullopt, uint64_t* sequence = nullptr) {
+  std::future<absl::StatusOr<InsertReply>> insert =
+      std::async(std::launch::async, [&] { return client.Insert(ns, tokens, pool, blocks); });
+  v1::AgentCommand command;
+  if (!s.rw->Read(&command)) {
+    ADD_FAILURE() << "the stream ended before the insert's CommitBlocks";
+    return insert.get();
+  }
+  EXPECT_TRUE(command.has_commit()) << command.DebugString();
+  EXPECT_EQ(command.commit().tier(), static_cast<v1::Tier>(pool.tier));
+  EXPECT_EQ(command.commit().namespace_().tenant(), ns.tenant);
+  EXPECT_EQ(command.commit().namespace_().model(), ns.model);
+  EXPECT_THAT(command.commit().block_ids(), ElementsAreArray(blocks));
+  EXPECT_EQ(command.commit().page_hashes().size(), 16 * blocks.size());
+  if (sequence != nullptr) *sequence = command.sequence();
+  v1::AgentCommandAck ack = Ack(command.sequence());
+  for (BlockId b : newly.value_or(blocks)) ack.add_block_ids(b);
+  EXPECT_TRUE(s.rw->Write(ack));
+  return insert.get();
+}
+
 class FakeAgentTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -311,112 +304,214 @@ class FakeAgentTest : public ::testing::Test {
     ASSERT_NE(client_, nullptr);
   }
 
-  // Inserts `pages` pages into the fake agent's pool in blocks first_block.. and evicts the
-  // last `evict` of them.
-  std::vector<int32_t> InsertAndEvict(size_t pages, BlockId first_block, size_t evict) {
+  // Inserts `pages` pages into the fake agent's pool in blocks first_block.., answering the
+  // commit on `s` (acked with `newly`, or every block), and evicts the last `evict` of them
+  // (their FreeBlocks goes to `s`, unread).
+  std::vector<int32_t> InsertAndEvict(FakeAgent::Stream& s, size_t pages, BlockId first_block,
+                                      size_t evict,
+                                      const std::optional<std::vector<BlockId>>& newly = {}) {
     std::vector<int32_t> tokens = Tokens(pages, kDefaultPageSizeTokens, first_block);
     std::vector<BlockId> blocks(pages);
     for (size_t i = 0; i < pages; ++i) blocks[i] = first_block + i;
-    EXPECT_TRUE(client_->Insert(ns_, tokens, pool_, blocks).ok());
+    absl::StatusOr<InsertReply> ins =
+        InsertCommitting(*client_, s, ns_, tokens, pool_, blocks, newly);
+    EXPECT_TRUE(ins.ok()) << ins.status();
     if (evict > 0) {
-      const uint64_t page_bytes = FakeAgent::FindDeepSeekV3()->BytesPerPage();
-      EXPECT_TRUE(client_->EvictFromPool(pool_, evict * page_bytes).ok());
+      EXPECT_TRUE(client_->EvictFromPool(pool_, evict * page_bytes_).ok());
     }
     return tokens;
   }
+
+  size_t Unacked() { return manager_->commands().unacked_commands("fake-1"); }
 
   std::unique_ptr<ManagerServer> manager_;
   std::unique_ptr<Client> client_;
   const NamespaceId ns_{"tenant", "deepseek-v3"};
   const PoolRef pool_{"fake-1", Tier::kGpu};
+  const uint64_t page_bytes_ = FakeAgent::FindDeepSeekV3()->BytesPerPage();
 };
 
 TEST_F(FakeAgentTest, CommandsWaitForAStreamAndAreResentUntilAcked) {
   FakeAgent agent(manager_->address(), "fake-1");
   ASSERT_TRUE(agent.Register(1).ok());
-  InsertAndEvict(1, 9, 1);  // no stream yet: the FreeBlocks waits
-  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+  Heartbeats alive(&agent, 1);
 
+  // No stream yet: the insert's CommitBlocks waits for one, and the insert for its ack.
+  const std::vector<int32_t> first = Tokens(1, kDefaultPageSizeTokens, 9);
+  std::future<absl::StatusOr<InsertReply>> insert = std::async(std::launch::async, [&] {
+    return client_->Insert(ns_, first, pool_, std::vector<BlockId>{9});
+  });
+  ASSERT_TRUE(WaitFor([&] { return Unacked() == 1; }));
   v1::AgentCommand command;
   {
     std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
     ASSERT_TRUE(s->rw->Read(&command));
     EXPECT_EQ(command.sequence(), 1u);
-    ASSERT_TRUE(command.has_free());
-    EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(9));
+    ASSERT_TRUE(command.has_commit()) << command.DebugString();
+    EXPECT_THAT(command.commit().block_ids(), ElementsAre(9));
     s->ctx.TryCancel();  // the stream breaks before the ack
     s->rw->Finish();
   }
-  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+  EXPECT_EQ(Unacked(), 1u);
+  EXPECT_EQ(insert.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "the insert answered before its commit was acked";
+  EXPECT_EQ(client_->Match(ns_, first, {.probe = true})->matched_pages, 0u);
 
   std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
   ASSERT_TRUE(s->rw->Read(&command));
   EXPECT_EQ(command.sequence(), 1u);  // resent
   EXPECT_EQ(command.acked_through(), 0u);
-  ASSERT_TRUE(s->rw->Write(Ack(1)));
-  EXPECT_TRUE(WaitFor([&] { return manager_->commands().unacked_commands("fake-1") == 0; }));
+  ASSERT_TRUE(command.has_commit()) << command.DebugString();
+  v1::AgentCommandAck ack = Ack(1);
+  ack.add_block_ids(9);
+  ASSERT_TRUE(s->rw->Write(ack));
+  absl::StatusOr<InsertReply> inserted = insert.get();
+  ASSERT_TRUE(inserted.ok()) << inserted.status();
+  EXPECT_EQ(inserted->new_pages, 1u);
+  EXPECT_EQ(client_->Match(ns_, first, {.probe = true})->matched_pages, 1u);
+  EXPECT_TRUE(WaitFor([&] { return Unacked() == 0; }));
   ASSERT_TRUE(s->rw->Write(Ack(1)));  // a repeated ack is ignored
+  s->ctx.TryCancel();
+  s->rw->Finish();
 
-  InsertAndEvict(1, 20, 1);
+  // An eviction while no stream is open: its FreeBlocks waits for the next one.
+  ASSERT_TRUE(client_->EvictFromPool(pool_, page_bytes_).ok());
+  EXPECT_EQ(Unacked(), 1u);
+  s = agent.Open(1);
   ASSERT_TRUE(s->rw->Read(&command));
   EXPECT_EQ(command.sequence(), 2u);  // numbered per epoch, across streams
   EXPECT_EQ(command.acked_through(), 1u);
-  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(20));
+  ASSERT_TRUE(command.has_free()) << command.DebugString();
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(9));
+  ASSERT_TRUE(s->rw->Write(Ack(2)));
+  EXPECT_TRUE(WaitFor([&] { return Unacked() == 0; }));
+
+  uint64_t sequence = 0;
+  const std::vector<int32_t> second = Tokens(1, kDefaultPageSizeTokens, 12);
+  ASSERT_TRUE(
+      InsertCommitting(*client_, *s, ns_, second, pool_, {12}, std::nullopt, &sequence).ok());
+  EXPECT_EQ(sequence, 3u);
+  ASSERT_TRUE(client_->EvictFromPool(pool_, page_bytes_).ok());
+  ASSERT_TRUE(s->rw->Read(&command));
+  EXPECT_EQ(command.sequence(), 4u);
+  EXPECT_EQ(command.acked_through(), 3u);
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(12));
   // An ack of a sequence that was not sent next breaks the protocol.
-  ASSERT_TRUE(s->rw->Write(Ack(5)));
+  ASSERT_TRUE(s->rw->Write(Ack(7)));
   EXPECT_FALSE(s->rw->Read(&command));
   grpc::Status end = s->rw->Finish();
   EXPECT_EQ(end.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << end.error_message();
-  EXPECT_THAT(end.error_message(), HasSubstr("expected 2"));
-  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);  // still owed
+  EXPECT_THAT(end.error_message(), HasSubstr("expected 4"));
+  EXPECT_EQ(Unacked(), 1u);  // still owed, and sent again on the next stream
+  s = agent.Open(1);
+  ASSERT_TRUE(s->rw->Read(&command));
+  EXPECT_EQ(command.sequence(), 4u);
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(12));
+  ASSERT_TRUE(s->rw->Write(Ack(4)));
+  EXPECT_TRUE(WaitFor([&] { return Unacked() == 0; }));
 }
 
 TEST_F(FakeAgentTest, ANewEpochDropsThePagesAndTheQueueOfTheOldOne) {
   FakeAgent agent(manager_->address(), "fake-1");
   ASSERT_TRUE(agent.Register(1).ok());
-  InsertAndEvict(2, 0, 0);
-  const std::vector<int32_t> kept = InsertAndEvict(3, 0, 1);  // the third page leaves
-  ASSERT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
-  EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 1u);
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(1);
+  std::vector<int32_t> kept;
+  {
+    Heartbeats alive(&agent, 1);
+    InsertAndEvict(*s, 2, 0, 0);
+    // Pages 0-1 were committed by the first insert: only block 2 is new. The third page
+    // leaves again, and its FreeBlocks stays unacked.
+    kept = InsertAndEvict(*s, 3, 0, 1, std::vector<BlockId>{2});
+    ASSERT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
+    EXPECT_EQ(Unacked(), 1u);
 
-  ASSERT_TRUE(agent.Register(1).ok());  // a refresh of the same epoch keeps everything
-  EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
+    ASSERT_TRUE(agent.Register(1).ok());  // a refresh of the same epoch keeps everything
+    EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 2u);
+    EXPECT_EQ(Unacked(), 1u);
+  }
 
   ASSERT_TRUE(agent.Register(2).ok());  // restarted
   EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 0u);
   EXPECT_EQ(manager_->commands().unacked_commands("fake-1"), 0u);
   EXPECT_THAT(manager_->metrics().RenderText(),
               HasSubstr("kvcm_agent_commands_total{result=\"dropped\"} 1"));
-  // The old epoch is stale everywhere.
+  // The old epoch's stream ends (after the FreeBlocks it was sent), and the old epoch is
+  // stale everywhere.
+  v1::AgentCommand command;
+  while (s->rw->Read(&command)) {
+    EXPECT_TRUE(command.has_free()) << command.DebugString();
+  }
+  EXPECT_EQ(s->rw->Finish().error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(agent.Register(1).error_code(), grpc::StatusCode::ABORTED);
   std::unique_ptr<FakeAgent::Stream> old = agent.Open(1);
-  v1::AgentCommand command;
   EXPECT_FALSE(old->rw->Read(&command));
   EXPECT_EQ(old->rw->Finish().error_code(), grpc::StatusCode::ABORTED);
+
+  // The new epoch numbers its commands from 1 and resends nothing of the old one.
+  Heartbeats alive(&agent, 2);
+  s = agent.Open(2);
+  uint64_t sequence = 0;
+  const std::vector<BlockId> blocks = {0, 1, 2};
+  ASSERT_TRUE(
+      InsertCommitting(*client_, *s, ns_, kept, pool_, blocks, std::nullopt, &sequence).ok());
+  EXPECT_EQ(sequence, 1u);
+  EXPECT_EQ(client_->Match(ns_, kept, {.probe = true})->matched_pages, 3u);
 }
 
 TEST_F(FakeAgentTest, AGoneAgentsPagesAreDroppedAndItsEpochEnds) {
   FakeAgent agent(manager_->address(), "fake-1");
   ASSERT_TRUE(agent.Register(4).ok());
-  const std::vector<int32_t> tokens = InsertAndEvict(2, 0, 0);
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(4);
+  const std::vector<int32_t> tokens = InsertAndEvict(*s, 2, 0, 0);
   absl::StatusOr<MatchReply> pinned = client_->Match(ns_, tokens, {.pin = true});
   ASSERT_TRUE(pinned.ok());
   ASSERT_EQ(pinned->matched_pages, 2u);
-  std::unique_ptr<FakeAgent::Stream> s = agent.Open(4);
+  // An insert whose commit the agent reads and never acks.
+  const std::vector<int32_t> late = Tokens(1, kDefaultPageSizeTokens, 500);
+  std::future<absl::StatusOr<InsertReply>> stuck = std::async(std::launch::async, [&] {
+    return client_->Insert(ns_, late, pool_, std::vector<BlockId>{5});
+  });
+  v1::AgentCommand command;
+  ASSERT_TRUE(s->rw->Read(&command));
+  ASSERT_TRUE(command.has_commit()) << command.DebugString();
 
-  // No heartbeat for the 300 ms timeout: the sweeper drops the pages, pinned or not.
+  // No heartbeat for the 300 ms timeout: the sweeper drops the pages, pinned or not, and
+  // the waiting insert fails with nothing indexed.
   EXPECT_TRUE(
       WaitFor([&] { return client_->Match(ns_, tokens, {.probe = true})->matched_pages == 0; }));
+  const absl::StatusOr<InsertReply> late_insert = stuck.get();
+  EXPECT_EQ(late_insert.status().code(), absl::StatusCode::kAborted) << late_insert.status();
+  EXPECT_EQ(client_->Match(ns_, late, {.probe = true})->matched_pages, 0u);
   grpc::Status beat = agent.Heartbeat(4);
   EXPECT_EQ(beat.error_code(), grpc::StatusCode::NOT_FOUND) << beat.error_message();
-  EXPECT_EQ(agent.Register(4).error_code(), grpc::StatusCode::ABORTED);
-  v1::AgentCommand command;
   EXPECT_FALSE(s->rw->Read(&command));
   EXPECT_EQ(s->rw->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  std::unique_ptr<FakeAgent::Stream> refused = agent.Open(4);  // until it registers again
+  EXPECT_FALSE(refused->rw->Read(&command));
+  EXPECT_EQ(refused->rw->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(client_->Release(ns_, pinned->pin_id).ok());  // the pin outlives its pages
 
-  ASSERT_TRUE(agent.Register(5).ok());  // back as a new incarnation
+  // The agent kept its epoch (and its blocks) and registers it again, as a fresh
+  // registration: none of the dropped pages come back (a real agent reports its
+  // inventory for that), and its commands start over from 1.
+  ASSERT_TRUE(agent.Register(4).ok());
+  {
+    Heartbeats alive(&agent, 4);
+    EXPECT_TRUE(agent.Heartbeat(4).ok());
+    EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 0u);
+    s = agent.Open(4);
+    uint64_t sequence = 0;
+    const std::vector<BlockId> blocks = {0, 1};
+    ASSERT_TRUE(
+        InsertCommitting(*client_, *s, ns_, tokens, pool_, blocks, std::nullopt, &sequence).ok());
+    EXPECT_EQ(sequence, 1u);
+    EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 2u);
+  }
+  // An older epoch stays stale; a newer one is a new incarnation, without the old pages.
+  EXPECT_EQ(agent.Register(3).error_code(), grpc::StatusCode::ABORTED);
+  ASSERT_TRUE(agent.Register(5).ok());
   EXPECT_TRUE(agent.Heartbeat(5).ok());
+  EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 0u);
 }
 
 // The manager's side of a demotion, with the agent's answers chosen by the test: blocks the
@@ -435,8 +530,8 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
   const PoolRef gpu{"fake-2", Tier::kGpu};
   const std::vector<int32_t> kept = Tokens(2, spec.page_size_tokens, 1);
   const std::vector<int32_t> lost = Tokens(1, spec.page_size_tokens, 1000);
-  ASSERT_TRUE(client->Insert(ns, kept, gpu, std::vector<BlockId>{3, 4}).ok());
-  ASSERT_TRUE(client->Insert(ns, lost, gpu, std::vector<BlockId>{5}).ok());
+  ASSERT_TRUE(InsertCommitting(*client, *s, ns, kept, gpu, {3, 4}).ok());
+  ASSERT_TRUE(InsertCommitting(*client, *s, ns, lost, gpu, {5}).ok());
   const uint64_t page = spec.BytesPerPage();
 
   // First demotion: the agent copies blocks 3, 4 into host blocks 7, 8.
@@ -445,7 +540,7 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
   v1::AgentCommand command;
   ASSERT_TRUE(s->rw->Read(&command));
   ASSERT_TRUE(command.has_demote()) << command.DebugString();
-  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(3, 4));
+  EXPECT_THAT(command.demote().source_block_ids(), ElementsAre(3, 4));
   v1::AgentCommandAck ack = Ack(command.sequence());
   ack.add_block_ids(7);
   ack.add_block_ids(8);
@@ -453,7 +548,7 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
   ASSERT_TRUE(s->rw->Read(&command));  // then the GPU blocks are freed
   ASSERT_TRUE(command.has_free());
   EXPECT_EQ(command.free().tier(), v1::TIER_GPU);
-  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(3, 4));
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(3, 4));
   ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
   ASSERT_TRUE(WaitFor([&] { return manager->commands().unacked_commands("fake-2") == 0; }));
   absl::StatusOr<MatchReply> m = client->Match(ns, kept, {.probe = true});
@@ -466,13 +561,13 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
     host_blocks.insert(host_blocks.end(), seg.replicas[0].block_ids.begin(),
                        seg.replicas[0].block_ids.end());
   }
-  EXPECT_THAT(host_blocks, ::testing::ElementsAre(7, 8));
+  EXPECT_THAT(host_blocks, ElementsAre(7, 8));
 
   // Second demotion: the copy fails, so the index forgets the pending host page.
   ASSERT_TRUE(client->EvictFromPool(gpu, page).ok());
   ASSERT_TRUE(s->rw->Read(&command));
   ASSERT_TRUE(command.has_demote());
-  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(5));
+  EXPECT_THAT(command.demote().source_block_ids(), ElementsAre(5));
   EXPECT_EQ(client->Match(ns, lost, {.probe = true})->matched_pages, 1u);  // pending meanwhile
   ack = Ack(command.sequence());
   ack.set_code(static_cast<int32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
@@ -487,17 +582,17 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
   }));
   ASSERT_TRUE(s->rw->Read(&command));  // the GPU block of the failed copy is freed still
   ASSERT_TRUE(command.has_free());
-  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(5));
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(5));
   ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
 
   // Third: an answer with the wrong number of blocks is undone like a failure, and the
   // blocks it named are freed.
   const std::vector<int32_t> odd = Tokens(1, spec.page_size_tokens, 2000);
-  ASSERT_TRUE(client->Insert(ns, odd, gpu, std::vector<BlockId>{6}).ok());
+  ASSERT_TRUE(InsertCommitting(*client, *s, ns, odd, gpu, {6}).ok());
   ASSERT_TRUE(client->EvictFromPool(gpu, page).ok());
   ASSERT_TRUE(s->rw->Read(&command));
   ASSERT_TRUE(command.has_demote());
-  EXPECT_THAT(command.demote().source_block_ids(), ::testing::ElementsAre(6));
+  EXPECT_THAT(command.demote().source_block_ids(), ElementsAre(6));
   ack = Ack(command.sequence());
   ack.add_block_ids(10);
   ack.add_block_ids(11);
@@ -509,7 +604,7 @@ TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {
   ASSERT_TRUE(s->rw->Read(&command));
   ASSERT_TRUE(command.has_free());
   EXPECT_EQ(command.free().tier(), v1::TIER_HOST);
-  EXPECT_THAT(command.free().block_ids(), ::testing::ElementsAre(10, 11));
+  EXPECT_THAT(command.free().block_ids(), ElementsAre(10, 11));
   ASSERT_TRUE(s->rw->Write(Ack(command.sequence())));
   EXPECT_EQ(client->Match(ns, odd, {.probe = true})->matched_pages, 0u);
 }

@@ -1,20 +1,27 @@
 // AgentControl under random and hostile input, in process: a ManagerServer with the cost
 // policy (so evictions demote into HOST pools), a client inserting, matching, pinning and
 // evicting at random, and fake agents driven by the test whose Commands streams ack at
-// random: right and wrong sequences, error codes, demote acks with too few, too many,
-// repeated or pending block ids, streams cancelled mid-way and reopened, new epochs,
-// registrations with bad fields. The manager must never crash, must answer every call
-// with a documented code, and its byte accounting must stay exact throughout:
+// random: right and wrong sequences, error codes, commit acks naming all, some or foreign
+// blocks, demote acks with too few, too many, repeated or pending block ids, acks never
+// sent (the agent breaks the stream and reconnects), new epochs, registrations with bad
+// fields. Every Insert waits for its CommitBlocks ack, so the agents answer on threads of
+// their own and reconnect whenever a stream ends, as a real agent does. The manager must
+// never crash, must answer every call with a documented code (an Insert's may also be
+// one the agent gave its commit), and its byte accounting must stay exact throughout:
 // every pool's used bytes are its pages x bytes per page, within capacity.
 //
-//   KVCM_FUZZ_SEED=<n> picks the seed (printed on failure); KVCM_FUZZ_STEPS=<n> the length.
+//   KVCM_FUZZ_SEED=<n> picks the seed (printed at the start); KVCM_FUZZ_STEPS=<n> the length.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -47,8 +54,9 @@ uint64_t EnvOr(const char* name, uint64_t fallback) {
   return v != nullptr ? std::strtoull(v, nullptr, 10) : fallback;
 }
 
-// One fake agent: registers, and runs a Commands stream on its own thread that acks
-// whatever arrives, at random, until told to stop or the stream ends.
+// One fake agent: registers, and plays the agent's side of Commands on its own thread,
+// acking whatever arrives at random. Like a real agent it opens a new stream (hello with its
+// registered epoch) whenever one ends, until CloseStream.
 class ChaosAgent {
  public:
   ChaosAgent(const std::string& address, std::string id, uint64_t seed)
@@ -56,7 +64,7 @@ class ChaosAgent {
   ~ChaosAgent() { CloseStream(); }
 
   const std::string& id() const { return id_; }
-  uint64_t epoch() const { return epoch_; }
+  uint64_t epoch() const { return epoch_.load(); }
 
   grpc::Status Register(uint64_t epoch) {
     const uint64_t page = Spec().BytesPerPage();
@@ -87,49 +95,93 @@ class ChaosAgent {
     return control_->Heartbeat(&ctx, req, &resp);
   }
 
-  // Opens a stream (hello with `epoch`) and starts acking on a thread.
-  void OpenStream(uint64_t epoch) {
+  // Starts the agent's Commands thread; its first stream's hello names `hello_epoch`
+  // (possibly a bad one), every later one the registered epoch.
+  void OpenStream(uint64_t hello_epoch) {
     CloseStream();
-    ctx_ = std::make_unique<grpc::ClientContext>();
-    ctx_->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    stream_ = control_->Commands(ctx_.get());
-    v1::AgentCommandAck hello;
-    hello.set_agent_id(id_);
-    hello.set_epoch(epoch);
-    stream_->Write(hello);
-    reader_ = std::thread([this, seed = rng_()] { AckLoop(seed); });
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = false;
+    }
+    thread_ = std::thread([this, hello_epoch, seed = rng_()] { Run(hello_epoch, seed); });
   }
 
-  // Cancels the open stream, if any, and joins its thread. The final status must be one
-  // the Commands RPC documents.
+  // Cancels the open stream, if any, and joins the thread.
   void CloseStream() {
-    if (stream_ == nullptr) return;
-    ctx_->TryCancel();
-    reader_.join();
-    const grpc::Status s = stream_->Finish();
-    const grpc::StatusCode code = s.error_code();
-    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED ||
-                code == grpc::StatusCode::ABORTED || code == grpc::StatusCode::NOT_FOUND ||
-                code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::UNAVAILABLE)
-        << id_ << ": Commands ended with " << code << " " << s.error_message();
-    stream_.reset();
-    ctx_.reset();
+    if (!thread_.joinable()) return;
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      if (ctx_ != nullptr) ctx_->TryCancel();
+    }
+    thread_.join();
   }
 
   uint64_t commands_seen() const { return commands_seen_.load(); }
+  uint64_t commits_seen() const { return commits_seen_.load(); }
+  uint64_t streams() const { return streams_.load(); }
+  // The codes of the commit acks sent since the last call, as a bit mask (bit c: code c).
+  uint32_t TakeCommitCodes() { return commit_codes_.exchange(0); }
 
  private:
-  void AckLoop(uint64_t seed) {
+  void Run(uint64_t hello_epoch, uint64_t seed) {
     std::mt19937_64 rng(seed);
+    for (uint64_t epoch = hello_epoch;; epoch = epoch_.load()) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return;
+        ctx_ = &ctx;
+      }
+      std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> stream =
+          control_->Commands(&ctx);
+      v1::AgentCommandAck hello;
+      hello.set_agent_id(id_);
+      hello.set_epoch(epoch);
+      if (stream->Write(hello)) AckLoop(*stream, ctx, rng);
+      // Finish waits for every message the manager sent to be read.
+      v1::AgentCommand unread;
+      while (stream->Read(&unread)) {
+      }
+      const grpc::Status s = stream->Finish();
+      {
+        absl::MutexLock lock(&mu_);
+        ctx_ = nullptr;
+      }
+      ++streams_;
+      // The final status must be one the Commands RPC documents.
+      const grpc::StatusCode code = s.error_code();
+      EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED ||
+                  code == grpc::StatusCode::ABORTED || code == grpc::StatusCode::NOT_FOUND ||
+                  code == grpc::StatusCode::INVALID_ARGUMENT ||
+                  code == grpc::StatusCode::UNAVAILABLE)
+          << id_ << ": Commands ended with " << code << " " << s.error_message();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // then reconnect
+    }
+  }
+
+  void AckLoop(grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>& stream,
+               grpc::ClientContext& ctx, std::mt19937_64& rng) {
     v1::AgentCommand command;
-    while (stream_->Read(&command)) {
+    while (stream.Read(&command)) {
       ++commands_seen_;
+      const uint32_t dice = rng() % 40;
+      if (dice == 0) {  // silent: the stream breaks before the ack, the command is resent
+        ctx.TryCancel();
+        continue;
+      }
       v1::AgentCommandAck ack;
-      const uint32_t dice = rng() % 20;
-      // Mostly the right sequence; sometimes an old, a future or a zero one.
-      ack.set_sequence(dice == 0   ? command.sequence() + 1 + rng() % 3
-                       : dice == 1 ? command.sequence() - std::min<uint64_t>(command.sequence(), 1)
-                                   : command.sequence());
+      ack.set_sequence(command.sequence());
+      if (dice == 1 || dice == 2) {
+        // A future sequence (the manager ends the stream), or an old one (ignored, then
+        // the right ack follows).
+        v1::AgentCommandAck wrong;
+        wrong.set_sequence(dice == 1
+                               ? command.sequence() + 1 + rng() % 3
+                               : command.sequence() - std::min<uint64_t>(command.sequence(), 1));
+        if (!stream.Write(wrong)) break;
+      }
       if (rng() % 6 == 0) {
         ack.set_code(static_cast<int32_t>(1 + rng() % 16));
         ack.set_message("chaos");
@@ -144,20 +196,42 @@ class ChaosAgent {
                             : pick == 1 ? 0  // repeated ids
                                         : static_cast<BlockId>(rng() % kBlocks));
         }
+      } else if (command.has_commit()) {
+        // Mostly every block as newly committed; sometimes a subset, or ids the command
+        // did not name (repeated, pending, past the pool).
+        ++commits_seen_;
+        commit_codes_ |= uint32_t{1} << ack.code();
+        const auto& ids = command.commit().block_ids();
+        const uint32_t pick = rng() % 8;
+        for (const BlockId id : ids) {
+          if (pick < 6 || (pick == 6 && rng() % 2 == 0)) ack.add_block_ids(id);
+        }
+        if (pick == 7) {
+          for (uint32_t i = 0, n = rng() % 4; i < n; ++i) {
+            const uint32_t what = rng() % 4;
+            ack.add_block_ids(what == 0   ? kPendingBlock
+                              : what == 1 ? static_cast<BlockId>(kBlocks + rng() % 4)
+                                          : static_cast<BlockId>(rng() % kBlocks));
+          }
+        }
       }
       if (rng() % 40 == 0) ack.set_agent_id("spoofed");  // ignored after the hello
-      if (!stream_->Write(ack)) break;
+      if (!stream.Write(ack)) break;
     }
   }
 
   const std::string id_;
   std::unique_ptr<v1::AgentControl::Stub> control_;
-  std::mt19937_64 rng_;
-  uint64_t epoch_ = 0;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AgentCommandAck, v1::AgentCommand>> stream_;
-  std::thread reader_;
+  std::mt19937_64 rng_;  // the test thread's
+  std::atomic<uint64_t> epoch_{0};
+  std::thread thread_;
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* ctx_ ABSL_GUARDED_BY(mu_) = nullptr;  // the open stream's
   std::atomic<uint64_t> commands_seen_{0};
+  std::atomic<uint64_t> commits_seen_{0};
+  std::atomic<uint64_t> streams_{0};
+  std::atomic<uint32_t> commit_codes_{0};
 };
 
 // Every pool's bytes add up; what a failed call must not break.
@@ -174,6 +248,8 @@ void ExpectConsistent(CacheIndex& index, const std::string& where) {
 TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   const uint64_t seed = EnvOr("KVCM_FUZZ_SEED", 20261122);
   const uint64_t steps = EnvOr("KVCM_FUZZ_STEPS", 1500);
+  std::printf("KVCM_FUZZ_SEED=%llu KVCM_FUZZ_STEPS=%llu\n", static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(steps));
   SCOPED_TRACE(::testing::Message() << "KVCM_FUZZ_SEED=" << seed);
   std::mt19937_64 rng(seed);
 
@@ -204,6 +280,10 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
     agents.back()->OpenStream(1);
   }
 
+  // Insert answers by code. An insert waits for its commit's ack (and a release's), which
+  // the agents always send in the end, reconnecting whenever a stream breaks: an insert
+  // past its deadline means the manager lost a command or an answer.
+  std::map<absl::StatusCode, uint64_t> inserts;
   std::vector<uint64_t> pins;
   for (uint64_t step = 0; step < steps; ++step) {
     ChaosAgent& agent = *agents[rng() % agents.size()];
@@ -216,11 +296,30 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
     const uint32_t pages = static_cast<uint32_t>(tokens.size() / Spec().page_size_tokens);
     const uint32_t op = rng() % 100;
     if (op < 35) {
-      std::vector<BlockId> blocks(pages);
-      for (BlockId& b : blocks) b = static_cast<BlockId>(rng() % kBlocks);
+      // Distinct blocks of the pool, or now and then one named twice, which the manager
+      // refuses before asking the agent.
+      std::vector<BlockId> blocks(kBlocks);
+      std::iota(blocks.begin(), blocks.end(), BlockId{0});
+      std::shuffle(blocks.begin(), blocks.end(), rng);
+      blocks.resize(pages);
+      const bool repeated = pages > 1 && rng() % 10 == 0;
+      if (repeated) blocks[pages - 1] = blocks[0];
+      (void)agent.TakeCommitCodes();
       absl::StatusOr<InsertReply> r = client.Insert(ns, tokens, gpu, blocks);
-      ASSERT_TRUE(r.ok() || r.status().code() == absl::StatusCode::kResourceExhausted)
-          << r.status();
+      const absl::StatusCode code = r.status().code();
+      ++inserts[code];
+      if (repeated) {
+        ASSERT_EQ(code, absl::StatusCode::kInvalidArgument) << r.status();
+      } else {
+        // The index's and the inserter's own answers, or a code the agent gave a commit.
+        const uint32_t agent_codes = agent.TakeCommitCodes();
+        ASSERT_TRUE(r.ok() || code == absl::StatusCode::kResourceExhausted ||
+                    code == absl::StatusCode::kFailedPrecondition ||
+                    code == absl::StatusCode::kAborted || code == absl::StatusCode::kUnavailable ||
+                    (agent_codes & (uint32_t{1} << static_cast<int>(code))) != 0)
+            << r.status() << " (codes the agent acked commits with: 0x" << std::hex << agent_codes
+            << std::dec << ")";
+      }
     } else if (op < 55) {
       absl::StatusOr<MatchReply> m =
           client.Match(ns, tokens, {.requester_agent_id = agent.id(), .pin = rng() % 3 == 0});
@@ -281,11 +380,25 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   }
 
   uint64_t commands = 0;
+  uint64_t commits = 0;
+  uint64_t streams = 0;
   for (auto& a : agents) {
-    commands += a->commands_seen();
     a->CloseStream();
+    commands += a->commands_seen();
+    commits += a->commits_seen();
+    streams += a->streams();
   }
+  std::printf("commands %llu (commits %llu) over %llu streams; inserts by code:",
+              static_cast<unsigned long long>(commands), static_cast<unsigned long long>(commits),
+              static_cast<unsigned long long>(streams));
+  for (const auto& [code, n] : inserts) {
+    std::printf(" %s %llu", absl::StatusCodeToString(code).c_str(),
+                static_cast<unsigned long long>(n));
+  }
+  std::printf("\n");
   EXPECT_GT(commands, 50u) << "the run sent too few commands to mean much";
+  EXPECT_GT(commits, 50u) << "the run committed too little to mean much";
+  EXPECT_GT(inserts[absl::StatusCode::kOk], 50u) << "too few inserts went through";
   for (uint64_t pin : pins) (void)client.Release(ns, pin);
   // The sweep of dropped pools finishes once nothing pins them.
   const absl::Time give_up = absl::Now() + absl::Seconds(5);

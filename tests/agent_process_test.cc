@@ -228,17 +228,21 @@ TEST_F(AgentProcessTest, RestartedAgentRegistersANewEpochAndItsOldPagesAreDroppe
   std::string out =
       CtlOk({"register-model", "--tenant=acme", "--model=deepseek-v3", "--preset=deepseek-v3"});
   EXPECT_THAT(out, ::testing::HasSubstr("(created)"));
-  std::vector<std::string> insert = {"insert", "--agent=gpu0", "--tier=gpu", "--block_ids=5,6,7,8"};
+  // kvcmctl allocates the blocks on the agent (a fresh pool hands out 0, 1, 2, 3) and the
+  // agent commits them.
+  std::vector<std::string> insert = {"insert", "--agent=gpu0", "--tier=gpu"};
   insert.insert(insert.end(), prompt.begin(), prompt.end());
   out = CtlOk(insert);
   EXPECT_EQ(Field(out, "pool"), "gpu0:gpu") << out;
   EXPECT_EQ(Field(out, "new_pages"), "4") << out;
+  EXPECT_EQ(Field(out, "block_ids"), "0,1,2,3") << out;
+  EXPECT_EQ(Field(out, "agent_epoch"), absl::StrCat(old_epoch)) << out;
   std::vector<std::string> match = {"match"};
   match.insert(match.end(), prompt.begin(), prompt.end());
   out = CtlOk(match);
   EXPECT_EQ(Field(out, "prompt_pages"), "4") << out;
   EXPECT_EQ(Field(out, "matched_pages"), "4") << out;
-  EXPECT_THAT(out, ::testing::HasSubstr("gpu0:gpu blocks 5,6,7,8"));
+  EXPECT_THAT(out, ::testing::HasSubstr("gpu0:gpu blocks 0,1,2,3"));
   out = CtlOk({"stats"});
   EXPECT_THAT(out, ::testing::ContainsRegex("\ngpu0 +gpu +[^\n]* 4 +[0-9.]+\n")) << out;
 

@@ -95,10 +95,10 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
 
   a->control_ = v1::AgentControl::NewStub(MakeChannel(opts.manager_address));
   a->command_loop_ =
-      std::make_unique<CommandLoop>(&opts, a->pools(), &a->epoch_, a->control_.get());
+      std::make_unique<CommandLoop>(&opts, a->pools(), &a->epoch_, a->control_.get(), &a->specs_);
   // The open Commands stream belongs to the old epoch.
   a->control_loop_ = std::make_unique<ControlLoop>(
-      &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_,
+      &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, &a->specs_,
       [commands = a->command_loop_.get()] { commands->CancelStream(); });
   a->control_loop_->Start();
   a->command_loop_->Start();

@@ -2,8 +2,8 @@
 // and, when host_capacity_bytes > 0, a host-DRAM pool of the same geometry that the manager
 // demotes pages into, the epoch (agent_state.h) and the metrics; starts and stops the
 // components over them: the BlockAgent gRPC server (block_agent_service.h), the ControlLoop
-// that registers and heartbeats, the CommandLoop that runs the manager's commands, and the
-// optional Prometheus exposer.
+// that registers, reports the inventory and heartbeats, the CommandLoop that runs the manager's
+// commands, and the optional Prometheus exposer.
 //
 // Used by gpu/agent/main.cc and by tests. Thread-safe: Shutdown and Wait may be called from
 // any thread, concurrently and more than once; the accessors are safe at any time.
@@ -22,6 +22,7 @@
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/namespace_specs.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace prometheus {
@@ -50,7 +51,7 @@ class Agent {
   const std::string& address() const { return address_; }
   // "host:port" of /metrics; empty when disabled.
   const std::string& metrics_address() const { return metrics_address_; }
-  // The current epoch; changes when the manager forgot the agent (see ControlLoop).
+  // The current epoch; changes when the manager refuses it (ABORTED, see ControlLoop).
   uint64_t epoch() const { return epoch_.current(); }
   // Why this backend was chosen, e.g. "no CUDA device (...): using host DRAM".
   const std::string& backend_reason() const { return backend_reason_; }
@@ -78,6 +79,8 @@ class Agent {
   std::string backend_reason_;
   std::unique_ptr<BlockPool> pool_;
   std::unique_ptr<BlockPool> host_pool_;
+  // Specs of the committed namespaces: the CommandLoop writes, the ControlLoop reports.
+  NamespaceSpecs specs_;
   std::unique_ptr<AgentMetrics> metrics_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;

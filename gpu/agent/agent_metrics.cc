@@ -74,52 +74,13 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
 
 AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEpoch* epoch)
     : registry_(std::make_shared<prometheus::Registry>()),
-      pool_collector_(std::make_shared<PoolCollector>(std::move(agent_id), pools, epoch)) {
-  requests_ = &prometheus::BuildCounter()
-                   .Name("kvcm_agent_rpc_requests_total")
-                   .Help("Finished BlockAgent calls by rpc and status code.")
-                   .Register(*registry_);
-  prometheus::Family<prometheus::Histogram>& durations =
-      prometheus::BuildHistogram()
-          .Name("kvcm_agent_rpc_duration_seconds")
-          .Help("Server-side time of unary BlockAgent calls, decode to reply.")
-          .Register(*registry_);
-  for (int i = 0; i < kNumAgentRpcs; ++i) {
-    const AgentRpc rpc = static_cast<AgentRpc>(i);
-    if (rpc != AgentRpc::kWriteBlocks && rpc != AgentRpc::kReadBlocks) {
-      duration_by_rpc_[i] =
-          &durations.Add({{"rpc", std::string(RpcName(rpc))}}, RpcLatencyBucketsSeconds());
-    }
-    RequestCounter(rpc, absl::StatusCode::kOk);  // so that rates start from a zero sample
-  }
-}
+      pool_collector_(std::make_shared<PoolCollector>(std::move(agent_id), pools, epoch)),
+      rpcs_(std::make_unique<AgentRpcRecorder>(
+          *registry_, "kvcm_agent_rpc", "BlockAgent", [](AgentRpc rpc) {
+            return rpc == AgentRpc::kWriteBlocks || rpc == AgentRpc::kReadBlocks;
+          })) {}
 
 AgentMetrics::~AgentMetrics() = default;
-
-prometheus::Counter& AgentMetrics::RequestCounter(AgentRpc rpc, absl::StatusCode code) {
-  int c = static_cast<int>(code);
-  if (c < 0 || c >= kNumCodes) c = static_cast<int>(absl::StatusCode::kUnknown);
-  std::atomic<prometheus::Counter*>& slot = request_by_code_[static_cast<int>(rpc)][c];
-  prometheus::Counter* counter = slot.load(std::memory_order_acquire);
-  if (counter == nullptr) {
-    counter =
-        &requests_->Add({{"rpc", std::string(RpcName(rpc))},
-                         {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
-    slot.store(counter, std::memory_order_release);
-  }
-  return *counter;
-}
-
-void AgentMetrics::RecordRpc(AgentRpc rpc, absl::StatusCode code, absl::Duration latency) {
-  RequestCounter(rpc, code).Increment();
-  if (prometheus::Histogram* h = duration_by_rpc_[static_cast<int>(rpc)]; h != nullptr) {
-    h->Observe(absl::ToDoubleSeconds(latency));
-  }
-}
-
-void AgentMetrics::RecordStreamEnd(AgentRpc rpc, absl::StatusCode code) {
-  RequestCounter(rpc, code).Increment();
-}
 
 std::vector<std::weak_ptr<prometheus::Collectable>> AgentMetrics::collectables() const {
   return {registry_, pool_collector_};

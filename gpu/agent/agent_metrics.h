@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/rpc_metrics.h"
 #include "common/rpc_runner.h"
 #include "gpu/agent/agent_state.h"
 #include "prometheus/collectable.h"
@@ -38,19 +39,19 @@ enum class AgentRpc : int {
 inline constexpr int kNumAgentRpcs = 6;
 absl::string_view RpcName(AgentRpc rpc);
 
-class AgentMetrics final : public RpcMetricsRecorder<AgentRpc> {
+using AgentRpcRecorder = PrometheusRpcRecorder<AgentRpc, kNumAgentRpcs>;
+
+class AgentMetrics {
  public:
   // `pools` and `epoch` must outlive every scrape of collectables(); not owned.
   AgentMetrics(std::string agent_id, AgentPools pools, const AgentEpoch* epoch);
-  ~AgentMetrics() override;
+  ~AgentMetrics();
   AgentMetrics(const AgentMetrics&) = delete;
   AgentMetrics& operator=(const AgentMetrics&) = delete;
 
-  // kvcm_agent_rpc_requests_total{rpc,code} += 1 and kvcm_agent_rpc_duration_seconds{rpc}
-  // observes `latency`.
-  void RecordRpc(AgentRpc rpc, absl::StatusCode code, absl::Duration latency) override;
-  // A finished WriteBlocks or ReadBlocks: only kvcm_agent_rpc_requests_total.
-  void RecordStreamEnd(AgentRpc rpc, absl::StatusCode code) override;
+  // Where the BlockAgent's RpcRunner records: kvcm_agent_rpc_requests_total{rpc,code} and,
+  // for unary calls, kvcm_agent_rpc_duration_seconds{rpc}.
+  AgentRpcRecorder* rpcs() { return rpcs_.get(); }
 
   // What an exposer should serve: the RPC registry and the pool collector.
   std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
@@ -60,18 +61,10 @@ class AgentMetrics final : public RpcMetricsRecorder<AgentRpc> {
 
  private:
   class PoolCollector;
-  static constexpr int kNumCodes = 17;  // absl::StatusCode 0..16
-
-  prometheus::Counter& RequestCounter(AgentRpc rpc, absl::StatusCode code);
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<PoolCollector> pool_collector_;
-  prometheus::Family<prometheus::Counter>* requests_;
-  std::array<prometheus::Histogram*, kNumAgentRpcs> duration_by_rpc_{};
-  // Counters by (rpc, code), created on first use; Family::Add returns the same counter for
-  // the same labels, so a race only stores an equal pointer twice.
-  std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumAgentRpcs>
-      request_by_code_{};
+  std::unique_ptr<AgentRpcRecorder> rpcs_;
 };
 
 }  // namespace kvcm

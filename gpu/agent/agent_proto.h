@@ -1,5 +1,5 @@
-// The agent's value types written into their kvcm.v1 messages (as proto/core_types.h does for
-// the core's). Stateless.
+// The agent's value types in their kvcm.v1 messages (as proto/core_types.h does for the
+// core's, whose validating readers the agent uses too). Stateless.
 #ifndef KVCM_GPU_AGENT_AGENT_PROTO_H_
 #define KVCM_GPU_AGENT_AGENT_PROTO_H_
 

@@ -3,8 +3,9 @@
 //
 // Epochs: the agent starts with a fresh epoch (microseconds since the Unix epoch, so a
 // restarted agent always registers a larger one). Blocks the manager indexes belong to that
-// epoch (workers allocate them with it). When the manager forgets the agent, the ControlLoop
-// frees the epoch's blocks and moves to a larger one.
+// epoch (workers allocate them with it). A manager that forgot the agent (restarted) gets the
+// same epoch again with the inventory of its blocks; only when the manager refuses the epoch
+// (ABORTED) does the ControlLoop free the epoch's blocks and move to a larger one.
 //
 // Thread-safe: AgentEpoch is atomics; AgentPools is a pair of pointers to thread-safe pools.
 #ifndef KVCM_GPU_AGENT_AGENT_STATE_H_

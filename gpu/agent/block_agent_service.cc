@@ -1,5 +1,6 @@
 #include "gpu/agent/block_agent_service.h"
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include "gpu/agent/agent_proto.h"
 #include "gpu/agent/block_stream_reactors.h"
 #include "gpu/agent/pool_attention.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
@@ -19,14 +21,20 @@ constexpr int kMaxIdsPerRequest = 1 << 20;
 
 BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
                                      const AgentEpoch* epoch, AgentMetrics* metrics)
-    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics) {}
+    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics->rpcs()) {}
 
 grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
                                                       const v1::AllocateBlocksRequest* req,
                                                       v1::AllocateBlocksResponse* resp) {
   return rpc_.Unary(ctx, AgentRpc::kAllocate, [&]() -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(std::vector<BlockId> ids,
-                          pools_.main->Allocate(req->count(), req->owner_epoch()));
+    // With a namespace the blocks can be committed to its pages; without, they stay private.
+    std::optional<NamespaceId> ns;
+    if (req->has_namespace_()) {
+      KVCM_ASSIGN_OR_RETURN(ns, NamespaceFromProto(&req->namespace_(), "namespace"));
+    }
+    KVCM_ASSIGN_OR_RETURN(
+        std::vector<BlockId> ids,
+        pools_.main->Allocate(req->count(), req->owner_epoch(), ns ? &*ns : nullptr));
     resp->mutable_block_ids()->Add(ids.begin(), ids.end());
     return absl::OkStatus();
   });

@@ -1,6 +1,7 @@
 #include "gpu/agent/block_ledger.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -40,10 +41,15 @@ absl::Status BlockLedger::CheckList(std::span<const BlockId> ids, uint64_t epoch
                                        slots_.size(), " blocks"));
     }
   }
-  std::vector<BlockId> sorted(ids.begin(), ids.end());
+  // (id, index) pairs: a repeated id is reported with the index of its second occurrence.
+  std::vector<std::pair<BlockId, size_t>> sorted(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) sorted[i] = {ids[i], i};
   std::sort(sorted.begin(), sorted.end());
-  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end()); dup != sorted.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " lists block ", *dup, " twice"));
+  auto same_id = [](const auto& a, const auto& b) { return a.first == b.first; };
+  if (auto dup = std::adjacent_find(sorted.begin(), sorted.end(), same_id); dup != sorted.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", dup[1].second, "] lists block ",
+                                                   dup->first, " twice (first at [", dup->second,
+                                                   "])"));
   }
   return absl::OkStatus();
 }

@@ -91,7 +91,7 @@ TEST(BlockLedgerTest, CommitRefusesEveryBlockItMustNotTakeAndChangesNothing) {
   const Case cases[] = {
       {"empty", {}, absl::StatusCode::kInvalidArgument, "must not be empty"},
       {"twice in one call", Chain(std::vector<BlockId>{0, 0}), absl::StatusCode::kInvalidArgument,
-       "lists block 0 twice"},
+       "pages[1] lists block 0 twice (first at [0])"},
       {"past the pool", Chain(std::vector<BlockId>{0, 999}), absl::StatusCode::kInvalidArgument,
        "pages[1]: block 999 is past the pool of 8"},
       {"pending value", Chain(std::vector<BlockId>{0, kPendingBlock}),

@@ -8,12 +8,12 @@
 namespace kvcm {
 
 CommandLoop::CommandLoop(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-                         v1::AgentControl::Stub* control)
+                         v1::AgentControl::Stub* control, NamespaceSpecs* specs)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
       control_(control),
-      executor_(pools.main, options->tier, pools.host) {}
+      executor_(pools.main, options->tier, pools.host, specs) {}
 
 CommandLoop::~CommandLoop() { Stop(); }
 

@@ -1,8 +1,10 @@
 // CommandLoop: the agent's thread that, once registered, holds an AgentControl.Commands stream
 // open (reopening it every heartbeat_interval_ms while it cannot) and runs the manager's
-// FreeBlocks and DemoteBlocks through a CommandExecutor, each sequence once. A stream belongs
-// to one epoch: when the epoch changes, the next stream first frees what the old epoch still
-// holds and resets the executor.
+// commands (CommitBlocks, ReleaseBlocks, FreeBlocks, DemoteBlocks) through a CommandExecutor,
+// each sequence once. A stream belongs to one epoch: when the epoch changes, the next stream
+// first frees what the old epoch still holds and resets the executor. A manager that
+// restarted while the epoch stayed (ControlLoop re-registers it) changes nothing here: its
+// new manager_incarnation tells the executor to number from 1 again.
 //
 // Thread-compatible: Start and Stop must not run concurrently (Agent serializes them); Stop is
 // idempotent. CancelStream is thread-safe.
@@ -21,15 +23,17 @@
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/command_executor.h"
+#include "gpu/agent/namespace_specs.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace kvcm {
 
 class CommandLoop {
  public:
-  // The pointers are not owned and must outlive the loop.
+  // `specs` receives the spec of every namespace committed (the ControlLoop's inventories
+  // read it). The pointers are not owned and must outlive the loop.
   CommandLoop(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-              v1::AgentControl::Stub* control);
+              v1::AgentControl::Stub* control, NamespaceSpecs* specs);
   // Stops the thread.
   ~CommandLoop();
   CommandLoop(const CommandLoop&) = delete;

@@ -10,6 +10,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/model_spec.h"
+#include "common/page_hash.h"
 #include "common/types.h"
 
 namespace kvcm {
@@ -26,7 +28,26 @@ struct DemoteBlocksCommand {
   std::vector<BlockId> source_block_ids;  // in page order, distinct
 };
 
-using AgentCommandBody = std::variant<FreeBlocksCommand, DemoteBlocksCommand>;
+// Commits blocks of one of the agent's pools to the consecutive pages of one prompt in
+// `ns` (block_ids[i] holds pages[i]; the parent of pages[0] is first_parent, zero for a
+// prompt's first page), all or nothing; the ack names the blocks newly committed.
+struct CommitBlocksCommand {
+  Tier tier = Tier::kGpu;
+  NamespaceId ns;
+  ModelSpec spec;  // the namespace's, kept by the agent for its inventory
+  std::vector<BlockId> block_ids;
+  std::vector<PageHash> pages;
+  PageHash first_parent;
+};
+
+// Committed blocks back to allocated: the index did not take their pages.
+struct ReleaseBlocksCommand {
+  Tier tier = Tier::kGpu;
+  std::vector<BlockId> block_ids;  // distinct
+};
+
+using AgentCommandBody =
+    std::variant<FreeBlocksCommand, DemoteBlocksCommand, CommitBlocksCommand, ReleaseBlocksCommand>;
 
 struct AgentCommand {
   // Per agent epoch, from 1, increasing by one per command.
@@ -41,7 +62,7 @@ struct AgentCommandAck {
   uint64_t sequence = 0;
   // What executing the command returned on the agent.
   absl::Status status;
-  // DemoteBlocks with an OK status: the new HOST blocks.
+  // With an OK status: DemoteBlocks' new HOST blocks; CommitBlocks' newly committed blocks.
   std::vector<BlockId> block_ids;
 };
 

@@ -29,12 +29,7 @@ absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegisterLocked(const AgentRe
   if (e->registration.epoch > reg.epoch) {
     return StaleEpoch(reg.agent_id, reg.epoch, e->registration.epoch);
   }
-  if (e->dropped && e->registration.epoch == reg.epoch) {
-    return absl::AbortedError(absl::StrCat("agent ", reg.agent_id, ": epoch ", reg.epoch,
-                                           " was declared gone and its pages dropped; register "
-                                           "with a larger epoch"));
-  }
-  return RegisterOutcome{.new_epoch = e->registration.epoch != reg.epoch};
+  return RegisterOutcome{.new_epoch = e->dropped || e->registration.epoch != reg.epoch};
 }
 
 absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration& reg) {
@@ -71,7 +66,8 @@ absl::Status AgentRegistry::CheckLiveLocked(absl::string_view agent_id, uint64_t
     return absl::NotFoundError(absl::StrCat(
         "agent ", agent_id, ": epoch ", epoch, " was declared gone after ",
         absl::FormatDuration(heartbeat_timeout_),
-        " without a heartbeat and its pages were dropped; register with a larger epoch"));
+        " without a heartbeat and its pages were dropped; register again and report the "
+        "inventory"));
   }
   if (e.registration.epoch != epoch) {
     if (epoch < e.registration.epoch) return StaleEpoch(agent_id, epoch, e.registration.epoch);
@@ -94,6 +90,22 @@ absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch
   ++e.heartbeats;
   ++heartbeats_total_;
   return absl::OkStatus();
+}
+
+std::optional<AgentPool> AgentRegistry::FindPool(const PoolKey& pool) const {
+  absl::MutexLock lock(&mu_);
+  auto it = agents_.find(pool.agent_id);
+  if (it == agents_.end() || it->second.dropped) return std::nullopt;
+  const AgentRegistration& r = it->second.registration;
+  uint64_t num_blocks = 0;
+  if (pool.tier == r.tier) {
+    num_blocks = r.num_blocks;
+  } else if (pool.tier == Tier::kHost) {
+    num_blocks = r.host_num_blocks;
+  }
+  if (num_blocks == 0) return std::nullopt;
+  return AgentPool{
+      .epoch = r.epoch, .bytes_per_block = r.bytes_per_block, .num_blocks = num_blocks};
 }
 
 std::vector<AgentRegistration> AgentRegistry::TakeGone() {

@@ -5,14 +5,16 @@
 // incarnation. An agent whose last Register/Heartbeat is older than the heartbeat timeout
 // is reported gone; liveness is computed from the clock when asked, so no timer is needed.
 // A gone agent that heartbeats again in the same epoch is alive again, until TakeGone hands
-// it to the caller (who drops its pools from the index): from then on its epoch is dead,
-// heartbeats answer NOT_FOUND and it must register again with a larger epoch.
+// it to the caller (who drops its pools from the index): from then on its heartbeats answer
+// NOT_FOUND, and it registers again (with the same epoch, if it kept its blocks: it then
+// reports its inventory, as it does to a restarted manager).
 //
 // Thread-safe: every method locks mu_.
 #ifndef KVCM_SERVER_CORE_AGENT_REGISTRY_H_
 #define KVCM_SERVER_CORE_AGENT_REGISTRY_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,18 @@ struct AgentRegistration {
   // Capacity of the agent's HOST pool (the demotion target); 0 when it has none.
   uint64_t host_capacity_bytes = 0;
   std::string block_agent_address;
+  // Geometry of the pools: bytes of one block, and blocks in the main and HOST pools (0:
+  // no HOST pool).
+  uint64_t bytes_per_block = 0;
+  uint64_t num_blocks = 0;
+  uint64_t host_num_blocks = 0;
+};
+
+// One pool of a registered agent, as Insert needs it.
+struct AgentPool {
+  uint64_t epoch = 0;
+  uint64_t bytes_per_block = 0;
+  uint64_t num_blocks = 0;
 };
 
 // What Register changed.
@@ -81,15 +95,21 @@ class AgentRegistry {
   absl::Status CheckLive(absl::string_view agent_id, uint64_t epoch) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records (or refreshes) `reg` and counts as a heartbeat of zero usage when the epoch is
-  // new. ABORTED (nothing changed) when a higher epoch is registered, or the same epoch
-  // after TakeGone dropped it. REQUIRES: reg.epoch >= 1 and a valid agent id (the service
-  // validates).
+  // new to the registry: a first registration, a larger epoch, or the same epoch after
+  // TakeGone dropped it (the index holds nothing of the agent then). ABORTED (nothing
+  // changed) when a higher epoch is registered. REQUIRES: reg.epoch >= 1 and a valid agent
+  // id (the service validates).
   absl::StatusOr<RegisterOutcome> Register(const AgentRegistration& reg) ABSL_LOCKS_EXCLUDED(mu_);
 
   // NOT_FOUND for an unknown agent or one TakeGone dropped; ABORTED when `epoch` is not the
   // registered epoch.
   absl::Status Heartbeat(absl::string_view agent_id, uint64_t epoch, uint64_t used_bytes,
                          uint64_t free_blocks) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The pool `pool` of a registered agent (its main tier, or kHost when it has a host
+  // pool) in its current epoch, whether or not it is alive; nullopt when no agent (or an
+  // agent TakeGone dropped) has that pool.
+  std::optional<AgentPool> FindPool(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // The agents gone as of now and not taken before, in agent_id order; each is marked
   // dropped (see the class comment). The caller forgets their pools.

@@ -11,6 +11,8 @@ AgentRegistration Reg(const std::string& id, uint64_t epoch) {
   r.agent_id = id;
   r.device = "host";
   r.tier = Tier::kGpu;
+  r.bytes_per_block = 4096;
+  r.num_blocks = 10;
   r.epoch = epoch;
   r.capacity_bytes = 1 << 20;
   return r;
@@ -92,6 +94,24 @@ TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
   EXPECT_TRUE(registry.Heartbeat("a", 2, 0, 0).ok());
 }
 
+TEST(AgentRegistryTest, FindPoolKnowsTheGeometryOfTheCurrentEpoch) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500));
+  AgentRegistration r = Reg("a", 7);
+  r.bytes_per_block = 4096;
+  r.num_blocks = 59;
+  r.host_num_blocks = 100;
+  ASSERT_TRUE(registry.Register(r).ok());
+  std::optional<AgentPool> gpu = registry.FindPool(PoolKey{"a", r.tier});
+  ASSERT_TRUE(gpu.has_value());
+  EXPECT_EQ(gpu->epoch, 7u);
+  EXPECT_EQ(gpu->num_blocks, 59u);
+  EXPECT_EQ(gpu->bytes_per_block, 4096u);
+  EXPECT_EQ(registry.FindPool(PoolKey{"a", Tier::kHost})->num_blocks, 100u);
+  EXPECT_FALSE(registry.FindPool(PoolKey{"a", Tier::kDisk}).has_value());
+  EXPECT_FALSE(registry.FindPool(PoolKey{"b", r.tier}).has_value());
+}
+
 TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   FakeClock clock;
   AgentRegistry registry(&clock, absl::Milliseconds(500));
@@ -108,19 +128,25 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   EXPECT_EQ(gone[0].epoch, 3u);
   EXPECT_TRUE(registry.TakeGone().empty());  // taken once
 
-  // The dropped epoch stays dead: heartbeats are NOT_FOUND, re-registering it is ABORTED.
+  // Its heartbeats are NOT_FOUND: it registers again, with the same epoch when it kept its
+  // blocks, and that counts as new (the index dropped its pages; its inventory restores them).
   absl::Status beat = registry.Heartbeat("a", 3, 0, 0);
   EXPECT_EQ(beat.code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(beat.message().find("larger epoch"), absl::string_view::npos) << beat;
-  EXPECT_EQ(registry.Register(Reg("a", 3)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(beat.message().find("register again"), absl::string_view::npos) << beat;
+  EXPECT_FALSE(registry.FindPool(PoolKey{"a", Tier::kGpu}).has_value());
   EXPECT_FALSE(registry.Snapshot()[0].alive);
   EXPECT_EQ(registry.Counts().gone, 1u);
 
-  absl::StatusOr<RegisterOutcome> back = registry.Register(Reg("a", 4));
+  absl::StatusOr<RegisterOutcome> back = registry.Register(Reg("a", 3));
   ASSERT_TRUE(back.ok());
   EXPECT_TRUE(back->new_epoch);
   EXPECT_TRUE(registry.Snapshot()[0].alive);
-  EXPECT_TRUE(registry.Heartbeat("a", 4, 0, 0).ok());
+  EXPECT_TRUE(registry.Heartbeat("a", 3, 0, 0).ok());
+  // Registering the same epoch again while alive is a refresh, not a new epoch.
+  back = registry.Register(Reg("a", 3));
+  ASSERT_TRUE(back.ok());
+  EXPECT_FALSE(back->new_epoch);
+  EXPECT_TRUE(registry.Register(Reg("a", 4))->new_epoch);
 }
 
 }  // namespace

@@ -100,6 +100,13 @@ bool CacheIndex::HasPool(const PoolKey& pool) const {
   return budget_.Find(pool).has_value();
 }
 
+absl::StatusOr<uint64_t> CacheIndex::PoolGeneration(const PoolKey& pool) const {
+  absl::ReaderMutexLock lock(&mu_);
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+  return uint64_t{*id};
+}
+
 absl::StatusOr<std::vector<PageHash>> CacheIndex::HashTokens(
     const NamespaceId& ns, std::span<const int32_t> tokens) const {
   absl::StatusOr<RegisterModelResult> info = GetNamespace(ns);
@@ -304,6 +311,9 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
                                                    " (one per whole page)"));
   }
   if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
+  if (options.newly_committed.has_value() && options.newly_committed->size() != pages.size()) {
+    return absl::InvalidArgumentError("newly_committed must have one entry per page");
+  }
 
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
@@ -313,6 +323,12 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   Namespace& ns = **found;
 
   std::optional<PoolId> pool_id = budget_.Find(pool);
+  if (options.pool_generation.has_value() &&
+      (!pool_id.has_value() || uint64_t{*pool_id} != *options.pool_generation)) {
+    return absl::AbortedError(absl::StrCat("pool ", pool.ToString(),
+                                           " was dropped while its agent committed the blocks "
+                                           "(the agent's epoch ended, and its blocks with it)"));
+  }
   if (!pool_id.has_value() && options_.default_pool_capacity_bytes == 0) {
     return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
   }
@@ -325,6 +341,18 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   for (const PathStep& step : path) {
     if (!pool_id.has_value() || step.node->FindReplica(*pool_id) == nullptr) break;
     in_pool += step.matched;
+  }
+  if (options.newly_committed.has_value()) {
+    for (uint32_t i = in_pool; i < n; ++i) {
+      if ((*options.newly_committed)[i]) continue;
+      return absl::FailedPreconditionError(
+          absl::StrCat("block_ids[", i, "]: block ", block_ids[i],
+                       " was committed to this page before, but "
+                       "pool ",
+                       pool.ToString(),
+                       " no longer holds the page (it was evicted and the block "
+                       "is being freed); allocate a new block"));
+    }
   }
   const uint64_t need = uint64_t{n - in_pool} * ns.bytes_per_page;
   const uint64_t capacity =
@@ -424,6 +452,13 @@ absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinI
   if (!ns.ok()) return ns.status();
   absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
   if (!lease.ok()) return lease.status();
+  for (const RadixNode* node = (*lease)->node; !node->is_root(); node = node->parent) {
+    if (HasLiveReplica(node)) continue;
+    return absl::AbortedError(
+        absl::StrCat("pin ", pin_id,
+                     ": some of its pages are no longer held by any live pool (the agent "
+                     "holding them went away); release the pin and match again"));
+  }
   leases_.SetExpiry(*lease, now + *t);
   return now + *t;
 }

@@ -131,6 +131,17 @@ struct InsertOptions {
   // Take the new pages' bytes out of the pool's headroom (Reserve) first: the request that
   // reserved them is now storing its pages.
   bool use_reservation = false;
+  // Insert into an agent's pool after the agent committed the blocks (CommitBlocks):
+  // newly_committed[i] says whether block_ids[i] was committed by that command rather than
+  // earlier. Only such blocks may add a page to the pool; a page the pool lacks whose block
+  // was committed earlier is FAILED_PRECONDITION naming block_ids[i] (the pool held it
+  // once and evicted it: the block is on its way to being freed). Unset: an index-only
+  // pool, no check. REQUIRES when set: one entry per page.
+  std::optional<std::vector<bool>> newly_committed;
+  // The pool's generation (PoolGeneration) when the agent was asked to commit: ABORTED,
+  // nothing changed, when the pool has been dropped since (the agent's epoch ended, and the
+  // blocks with it).
+  std::optional<uint64_t> pool_generation;
 };
 
 struct EvictResult {
@@ -227,6 +238,9 @@ class CacheIndex {
 
   // Whether `pool` exists (SetPoolCapacity or an Insert created it).
   bool HasPool(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
+  // An id of the pool's current incarnation: DropPool starts a new one. NOT_FOUND for an
+  // unknown pool.
+  absl::StatusOr<uint64_t> PoolGeneration(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
   absl::StatusOr<MatchResult> Match(const NamespaceId& ns, std::span<const PageHash> pages,
@@ -252,7 +266,9 @@ class CacheIndex {
   // namespace), ABORTED for one whose lease expired.
   absl::Status Release(const NamespaceId& ns, PinId pin_id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Extends a live pin's lease to now + ttl (0: default). Same errors as Release.
+  // Extends a live pin's lease to now + ttl (0: default). Same errors as Release, and
+  // ABORTED for a pin some of whose pages no live pool holds any more (their agent's pools
+  // were dropped): the pin protects nothing, the caller should release it and match again.
   absl::StatusOr<absl::Time> RenewLease(const NamespaceId& ns, PinId pin_id, absl::Duration ttl)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -290,7 +306,8 @@ class CacheIndex {
   // nothing to free: the blocks are gone with the agent's old incarnation), in O(1): the
   // pool's replicas are retired at once (Match and eviction no longer see them) and the
   // pool starts empty under a fresh id with the same capacity and reservations. The
-  // retired replicas leave the tree through SweepRetired; pins keep working (a pin on pages
+  // retired replicas leave the tree through SweepRetired (an empty pool gets a fresh id
+  // too, so PoolGeneration changes); pins keep working (a pin on pages
   // only the dropped pool held just holds nothing). One kCleared event per namespace.
   // NOT_FOUND for an unknown pool.
   absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);

@@ -189,8 +189,10 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   if (!found.ok()) return found.status();
   const PoolId retired = *found;
   const DropPoolResult result{budget_.stats(retired).pages, budget_.used(retired)};
-  if (result.dropped_pages == 0) return result;  // nothing to forget
+  // A fresh id even for an empty pool: an insert that began in the old incarnation
+  // (InsertOptions::pool_generation) must not land in the new one.
   budget_.Replace(retired);
+  if (result.dropped_pages == 0) return result;  // nothing to forget
   sweeping_.push_back(retired);
   counters_.dropped_pages += result.dropped_pages;
   for (const auto& [id, ns] : namespaces_) Emit(CacheEvent::Kind::kCleared, *ns, retired, {});

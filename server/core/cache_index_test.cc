@@ -854,6 +854,33 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(CacheIndexTest, RenewingAPinWhosePagesDiedWithTheirAgentIsAborted) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({1}), gpu1_);
+  MatchResult pin = MustMatch(Prompt({1, 2}), {.pin = true});
+  ASSERT_TRUE(index_->RenewLease(ns_, pin.pin_id, absl::ZeroDuration()).ok());
+  const uint64_t generation = *index_->PoolGeneration(gpu0_);
+  ASSERT_TRUE(index_->DropPool(gpu0_).ok());  // page 2 now has no live replica
+  EXPECT_NE(*index_->PoolGeneration(gpu0_), generation);
+  absl::StatusOr<absl::Time> renewed = index_->RenewLease(ns_, pin.pin_id, absl::ZeroDuration());
+  EXPECT_EQ(renewed.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(renewed.status().message(), HasSubstr("match again"));
+  // Release still works, and a pin on pages another pool holds renews.
+  ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
+  MatchResult alive = MustMatch(Prompt({1}), {.pin = true});
+  EXPECT_TRUE(index_->RenewLease(ns_, alive.pin_id, absl::ZeroDuration()).ok());
+}
+
+TEST_F(CacheIndexTest, AnInsertBegunBeforeADropDoesNotLandInTheNewPool) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 10 * bpp_).ok());
+  const uint64_t generation = *index_->PoolGeneration(gpu0_);
+  ASSERT_TRUE(index_->DropPool(gpu0_).ok());  // empty, and still a new generation
+  absl::StatusOr<InsertResult> r = index_->Insert(ns_, Prompt({1}), gpu0_, std::vector<BlockId>{3},
+                                                  {.pool_generation = generation});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
+}
+
 TEST_F(CacheIndexTest, EvictFromNamespaceSeesOnlyLivePagesWhileASweepIsPending) {
   MustInsert(Prompt({1, 2}), gpu0_);
   MustInsert(Prompt({3}), gpu1_);

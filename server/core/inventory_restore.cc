@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/enum_names.h"
 
 namespace kvcm {
 namespace {
@@ -29,7 +30,8 @@ struct Node {
 
 absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey& pool,
                                                uint64_t bytes_per_block,
-                                               const InventoryBatch& batch) {
+                                               const InventoryBatch& batch,
+                                               std::optional<uint64_t> pool_generation) {
   // Validate everything before changing anything.
   {
     absl::flat_hash_set<BlockId> seen;
@@ -123,7 +125,9 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
       pages.push_back(nodes[i].entry->page);
       blocks.push_back(nodes[i].entry->block);
     }
-    absl::StatusOr<InsertResult> inserted = index.Insert(batch.ns, pages, pool, blocks);
+    absl::StatusOr<InsertResult> inserted =
+        index.Insert(batch.ns, pages, pool, blocks, {.pool_generation = pool_generation});
+    if (inserted.status().code() == absl::StatusCode::kAborted) return inserted.status();
     if (!inserted.ok()) continue;  // no room: freed below unless another path took them
     for (size_t k = 0; k < path.size(); ++k) {
       Node& n = nodes[path[k]];
@@ -148,6 +152,78 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     result.to_free.push_back(node.entry->block);
   }
   return result;
+}
+
+InventoryCollector::InventoryCollector(std::string agent_id, uint64_t bytes_per_block,
+                                       std::vector<Pool> pools)
+    : agent_id_(std::move(agent_id)),
+      bytes_per_block_(bytes_per_block),
+      pools_(std::move(pools)),
+      batches_(pools_.size()),
+      seen_(pools_.size()) {}
+
+absl::Status InventoryCollector::Add(Tier tier, const NamespaceId& ns, const ModelSpec& spec,
+                                     std::vector<InventoryPage> pages) {
+  size_t p = 0;
+  while (p < pools_.size() && pools_[p].tier != tier) ++p;
+  if (p == pools_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier ", TierName(tier), " is not a pool of agent ", agent_id_));
+  }
+  if (auto it = specs_.find(ns); it != specs_.end() && !(it->second == spec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec: namespace ", ns.ToString(), " came with another spec before"));
+  }
+  absl::flat_hash_set<BlockId>& seen = seen_[p];
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const BlockId b = pages[i].block;
+    absl::string_view why;
+    if (b == kPendingBlock) {
+      why = "is reserved (pending)";
+    } else if (b >= pools_[p].num_blocks) {
+      why = "is past the pool";
+    } else if (!seen.insert(b).second) {
+      why = "is listed twice";
+    }
+    if (!why.empty()) {
+      for (size_t j = 0; j < i; ++j) seen.erase(pages[j].block);  // added nothing
+      return absl::InvalidArgumentError(
+          absl::StrCat("block_ids[", i, "]: block ", b, " of pool ", TierName(tier), " ", why));
+    }
+  }
+  specs_.try_emplace(ns, spec);
+  InventoryBatch& batch = batches_[p][ns.ToString()];
+  if (batch.pages.empty()) {
+    batch.ns = ns;
+    batch.spec = spec;
+  }
+  batch.pages.insert(batch.pages.end(), pages.begin(), pages.end());
+  pages_ += pages.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<InventoryOutcome> InventoryCollector::Restore(CacheIndex& index) const {
+  InventoryOutcome out;
+  for (size_t p = 0; p < pools_.size(); ++p) {
+    const PoolKey pool{agent_id_, pools_[p].tier};
+    for (const auto& [name, batch] : batches_[p]) {
+      absl::StatusOr<RestoreResult> r =
+          RestoreInventory(index, pool, bytes_per_block_, batch, pools_[p].generation);
+      if (r.status().code() == absl::StatusCode::kAborted) return r.status();
+      std::vector<BlockId>& to_free = out.to_free[pools_[p].tier];
+      if (!r.ok()) {  // checked by Add, so not expected: the pages cannot be indexed
+        out.refused_pages += batch.pages.size();
+        for (const InventoryPage& page : batch.pages) to_free.push_back(page.block);
+        continue;
+      }
+      out.indexed_pages += r->indexed_pages;
+      out.orphan_pages += r->orphan_pages;
+      out.duplicate_pages += r->duplicate_pages;
+      out.refused_pages += r->refused_pages;
+      to_free.insert(to_free.end(), r->to_free.begin(), r->to_free.end());
+    }
+  }
+  return out;
 }
 
 }  // namespace kvcm

@@ -16,9 +16,14 @@
 #define KVCM_SERVER_CORE_INVENTORY_RESTORE_H_
 
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "common/model_spec.h"
 #include "common/page_hash.h"
@@ -54,9 +59,60 @@ struct RestoreResult {
 // Registers the namespace when the index does not know it. INVALID_ARGUMENT naming the
 // field, with nothing changed, for a batch the agent cannot have produced: a bad namespace
 // name or spec, a block listed twice or kPendingBlock. NOT_FOUND for an unknown pool.
-absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey& pool,
-                                               uint64_t bytes_per_block,
-                                               const InventoryBatch& batch);
+// With `pool_generation` (CacheIndex::PoolGeneration when the inventory began), ABORTED as
+// soon as the pool turns out dropped since: the agent's epoch ended, and its blocks with it.
+absl::StatusOr<RestoreResult> RestoreInventory(
+    CacheIndex& index, const PoolKey& pool, uint64_t bytes_per_block, const InventoryBatch& batch,
+    std::optional<uint64_t> pool_generation = std::nullopt);
+
+// What a whole inventory restored, over every pool of one agent.
+struct InventoryOutcome {
+  uint64_t indexed_pages = 0;
+  uint64_t orphan_pages = 0;
+  uint64_t duplicate_pages = 0;
+  uint64_t refused_pages = 0;
+  // Blocks the agent should free, by pool tier.
+  absl::btree_map<Tier, std::vector<BlockId>> to_free;
+};
+
+// Gathers the chunks of one agent's inventory (AgentControl.ReportInventory), checking each
+// as it comes, then restores them all at once: a stream that breaks off changes nothing.
+// Not thread-safe: one stream owns it.
+class InventoryCollector {
+ public:
+  // One of the agent's pools: its tier, blocks and current generation in the index.
+  struct Pool {
+    Tier tier = Tier::kGpu;
+    uint64_t num_blocks = 0;
+    uint64_t generation = 0;
+  };
+  // `pools`: the agent's pools, whose blocks are all `bytes_per_block` bytes.
+  InventoryCollector(std::string agent_id, uint64_t bytes_per_block, std::vector<Pool> pools);
+
+  // Adds committed blocks of namespace `ns` (with its `spec`) in pool `tier`.
+  // INVALID_ARGUMENT naming the field, with nothing added: a tier that is not one of the
+  // agent's pools ("tier"), a spec other than the one `ns` came with before ("spec"), a
+  // block past its pool, kPendingBlock or already listed in this inventory
+  // ("block_ids[i]").
+  absl::Status Add(Tier tier, const NamespaceId& ns, const ModelSpec& spec,
+                   std::vector<InventoryPage> pages);
+
+  // Restores every namespace of every pool into `index`. ABORTED when a pool was dropped
+  // since the collector was made (what was restored went with it).
+  absl::StatusOr<InventoryOutcome> Restore(CacheIndex& index) const;
+
+  uint64_t pages() const { return pages_; }
+
+ private:
+  const std::string agent_id_;
+  const uint64_t bytes_per_block_;
+  const std::vector<Pool> pools_;
+  absl::flat_hash_map<NamespaceId, ModelSpec> specs_;
+  // Per pool (index into pools_), per namespace.
+  std::vector<absl::btree_map<std::string, InventoryBatch>> batches_;
+  std::vector<absl::flat_hash_set<BlockId>> seen_;
+  uint64_t pages_ = 0;
+};
 
 }  // namespace kvcm
 

@@ -184,5 +184,67 @@ TEST_F(InventoryRestoreTest, PagesThePoolHasNoRoomForAreFreed) {
   EXPECT_THAT(r->to_free, UnorderedElementsAre(1, 2, 3));
 }
 
+TEST_F(InventoryRestoreTest, CollectorGathersChunksThenRestoresEveryPool) {
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 100 * Mla().BytesPerPage()).ok());
+  InventoryCollector collector(
+      "gpu-0", Mla().BytesPerPage(),
+      {{.tier = Tier::kGpu, .num_blocks = 50, .generation = *index_->PoolGeneration(kPool)},
+       {.tier = Tier::kHost, .num_blocks = 50, .generation = *index_->PoolGeneration(host)}});
+  // A prompt split over two chunks (the child first), and its copy in the HOST pool.
+  std::vector<InventoryPage> path = Path({1, 2, 3}, {4, 5, 6});
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), {path[2]}).ok());
+  EXPECT_EQ(IndexedPages(), 0u) << "nothing is restored before the stream ends";
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), {path[0], path[1]}).ok());
+  ASSERT_TRUE(collector.Add(Tier::kHost, kNs, Mla(), Path({1}, {4})).ok());
+  ASSERT_TRUE(
+      collector.Add(Tier::kHost, kNs, Mla(), {{.block = 9, .page = P(8), .parent = P(7)}}).ok());
+
+  absl::StatusOr<InventoryOutcome> out = collector.Restore(*index_);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->indexed_pages, 4u);
+  EXPECT_EQ(out->orphan_pages, 1u);
+  EXPECT_THAT(out->to_free[Tier::kHost], ElementsAre(9));
+  EXPECT_TRUE(out->to_free[Tier::kGpu].empty());
+  EXPECT_THAT(Blocks({1, 2, 3}), ElementsAre(4, 5, 6));
+}
+
+TEST_F(InventoryRestoreTest, CollectorRefusesWhatNoAgentCanHoldAndAddsNothing) {
+  InventoryCollector collector(
+      "gpu-0", Mla().BytesPerPage(),
+      {{.tier = Tier::kGpu, .num_blocks = 10, .generation = *index_->PoolGeneration(kPool)}});
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), Path({1}, {3})).ok());
+  struct Case {
+    const char* name;
+    Tier tier;
+    ModelSpec spec;
+    std::vector<InventoryPage> pages;
+    const char* message;
+  };
+  ModelSpec fp8 = Mla();
+  fp8.dtype = KvDtype::kFp8;
+  const Case cases[] = {
+      {"not a pool of the agent", Tier::kHost, Mla(), Path({2}, {4}), "tier host"},
+      {"two specs", Tier::kGpu, fp8, Path({2}, {4}), "spec: namespace acme/dsv3"},
+      {"past the pool", Tier::kGpu, Mla(), Path({2, 5}, {4, 10}), "block_ids[1]: block 10"},
+      {"pending", Tier::kGpu, Mla(), Path({2}, {kPendingBlock}), "reserved"},
+      {"twice in one chunk", Tier::kGpu, Mla(), Path({2, 5}, {4, 4}), "listed twice"},
+      {"twice across chunks", Tier::kGpu, Mla(), Path({2}, {3}), "block_ids[0]: block 3"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = collector.Add(c.tier, kNs, c.spec, c.pages);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.name;
+    EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.name;
+  }
+  EXPECT_EQ(collector.pages(), 1u);
+  // Block 4 was refused above, so it is still free to list.
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), Path({2}, {4})).ok());
+
+  // The pool was dropped (its agent re-registered) before the restore: nothing lands.
+  ASSERT_TRUE(index_->DropPool(kPool).ok());
+  EXPECT_EQ(collector.Restore(*index_).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(IndexedPages(), 0u);
+}
+
 }  // namespace
 }  // namespace kvcm

@@ -9,6 +9,7 @@
 #include "proto/core_types.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/command_stream.h"
+#include "server/service/inventory_stream.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
@@ -89,6 +90,7 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
                                   "], got ", h.capacity_bytes()));
     }
     call.registration.host_capacity_bytes = h.capacity_bytes();
+    call.registration.host_num_blocks = h.num_blocks();
   }
   AgentRegistration& r = call.registration;
   r.agent_id = req.agent_id();
@@ -97,6 +99,8 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   r.epoch = req.epoch();
   r.capacity_bytes = req.capacity_bytes();
   r.block_agent_address = req.block_agent_address();
+  r.bytes_per_block = bytes_per_block;
+  r.num_blocks = g.num_blocks();
   return call;
 }
 
@@ -123,12 +127,18 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
     s->set_used_bytes(a.used_bytes);
     s->set_free_blocks(a.free_blocks);
     s->set_heartbeats(a.heartbeats);
+    s->set_block_agent_address(a.registration.block_agent_address);
   }
 }
 
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
-                                         ServiceMetrics* metrics, AgentCommandBook* commands)
-    : index_(index), agents_(agents), rpc_(metrics), commands_(commands) {}
+                                         ServiceMetrics* metrics, AgentCommandBook* commands,
+                                         uint64_t manager_incarnation)
+    : index_(index),
+      agents_(agents),
+      rpc_(metrics),
+      commands_(commands),
+      manager_incarnation_(manager_incarnation) {}
 
 grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterAgentRequest* req,
@@ -172,7 +182,12 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
     grpc::CallbackServerContext* /*ctx*/) {
-  return OpenCommandStream(commands_, agents_);
+  return OpenCommandStream(commands_, agents_, manager_incarnation_);
+}
+
+grpc::ServerReadReactor<v1::InventoryChunk>* AgentControlService::ReportInventory(
+    grpc::CallbackServerContext* /*ctx*/, v1::InventoryReply* reply) {
+  return OpenInventoryStream(index_, agents_, &rpc_, reply);
 }
 
 }  // namespace kvcm

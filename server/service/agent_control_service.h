@@ -53,8 +53,9 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Commands streams attach
   // to `commands`.
+  // `manager_incarnation` tags every command this process sends (non-zero, random).
   AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics,
-                      AgentCommandBook* commands);
+                      AgentCommandBook* commands, uint64_t manager_incarnation);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterAgentRequest* req,
@@ -64,12 +65,15 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
                                       v1::HeartbeatResponse* resp) override;
   grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* Commands(
       grpc::CallbackServerContext* ctx) override;
+  grpc::ServerReadReactor<v1::InventoryChunk>* ReportInventory(grpc::CallbackServerContext* ctx,
+                                                               v1::InventoryReply* reply) override;
 
  private:
   CacheIndex* const index_;
   AgentRegistry* const agents_;
   RpcRunner<Rpc> rpc_;
   AgentCommandBook* const commands_;
+  const uint64_t manager_incarnation_;
 };
 
 }  // namespace kvcm

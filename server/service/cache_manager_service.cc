@@ -1,5 +1,6 @@
 #include "server/service/cache_manager_service.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -144,8 +145,14 @@ class CacheManagerService::WatchEventsReactor final
 };
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                                         RequestLimits limits, const AgentRegistry* agents)
-    : index_(index), hub_(hub), rpc_(metrics), limits_(limits), agents_(agents) {}
+                                         RequestLimits limits, const AgentRegistry* agents,
+                                         AgentInserter* inserter)
+    : index_(index),
+      hub_(hub),
+      rpc_(metrics),
+      limits_(limits),
+      agents_(agents),
+      inserter_(inserter) {}
 
 grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
                                                              const v1::RegisterModelRequest* req,
@@ -173,13 +180,23 @@ grpc::ServerUnaryReactor* CacheManagerService::Match(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContext* ctx,
                                                       const v1::InsertRequest* req,
                                                       v1::InsertResponse* resp) {
-  return rpc_.Unary(ctx, Rpc::kInsert, [&]() -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(InsertCall call, InsertFromProto(*index_, *req, limits_));
-    KVCM_ASSIGN_OR_RETURN(InsertResult result,
-                          index_->Insert(call.ns, call.prompt.pages, call.pool, call.block_ids,
-                                         {.use_reservation = req->use_reservation()}));
-    InsertResultToProto(result, resp);
-    return absl::OkStatus();
+  return rpc_.UnaryAsync(ctx, Rpc::kInsert, [&](std::function<void(const absl::Status&)> finish) {
+    absl::StatusOr<InsertCall> call = InsertFromProto(*index_, *req, limits_);
+    if (!call.ok()) {
+      finish(call.status());
+      return;
+    }
+    // Into an agent's pool the answer comes once the agent has committed the blocks.
+    inserter_->Insert(InsertCommand{.ns = std::move(call->ns),
+                                    .pages = std::move(call->prompt.pages),
+                                    .pool = std::move(call->pool),
+                                    .block_ids = std::move(call->block_ids),
+                                    .use_reservation = call->use_reservation,
+                                    .agent_epoch = call->agent_epoch},
+                      [resp, finish](absl::StatusOr<InsertResult> result) {
+                        if (result.ok()) InsertResultToProto(*result, resp);
+                        finish(result.status());
+                      });
   });
 }
 

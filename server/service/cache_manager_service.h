@@ -16,6 +16,7 @@
 #include "common/log.h"
 #include "common/rpc_runner.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
+#include "server/core/agent_inserter.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/event_hub.h"
@@ -26,10 +27,10 @@ namespace kvcm {
 
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
-  // None of the pointers is owned; all must outlive the service. Stats lists the agents of
-  // `agents` when it is not null.
+  // None of the pointers is owned; all must outlive the service. Inserts go through
+  // `inserter` (into agents' pools, through their ledgers); Stats lists `agents`.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                      RequestLimits limits, const AgentRegistry* agents = nullptr);
+                      RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter);
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -63,6 +64,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   RpcRunner<Rpc> rpc_;
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
+  AgentInserter* const inserter_;
 };
 
 }  // namespace kvcm

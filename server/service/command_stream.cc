@@ -23,8 +23,9 @@ class CommandStreamReactor final
       public CommandStream,
       public std::enable_shared_from_this<CommandStreamReactor> {
  public:
-  CommandStreamReactor(AgentCommandBook* book, const AgentRegistry* agents)
-      : book_(book), agents_(agents) {}
+  CommandStreamReactor(AgentCommandBook* book, const AgentRegistry* agents,
+                       uint64_t manager_incarnation)
+      : book_(book), agents_(agents), manager_incarnation_(manager_incarnation) {}
 
   void Start(std::shared_ptr<CommandStreamReactor> self) {
     self_ = std::move(self);
@@ -108,7 +109,7 @@ class CommandStreamReactor final
       if (id_ == 0 || write_in_flight_ || finishing_) return;
       std::optional<AgentCommand> next = book_->TakeNext(id_);
       if (!next.has_value()) return;
-      AgentCommandToProto(*next, &writing_);
+      AgentCommandToProto(*next, manager_incarnation_, &writing_);
       write_in_flight_ = true;
     }
     StartWrite(&writing_);
@@ -131,6 +132,7 @@ class CommandStreamReactor final
 
   AgentCommandBook* const book_;
   const AgentRegistry* const agents_;
+  const uint64_t manager_incarnation_;
   // Keeps the reactor alive until OnDone.
   std::shared_ptr<CommandStreamReactor> self_;
 
@@ -152,8 +154,8 @@ class CommandStreamReactor final
 }  // namespace
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
-    AgentCommandBook* book, const AgentRegistry* agents) {
-  auto reactor = std::make_shared<CommandStreamReactor>(book, agents);
+    AgentCommandBook* book, const AgentRegistry* agents, uint64_t manager_incarnation) {
+  auto reactor = std::make_shared<CommandStreamReactor>(book, agents, manager_incarnation);
   reactor->Start(reactor);
   return reactor.get();
 }

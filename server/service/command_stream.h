@@ -15,9 +15,10 @@
 namespace kvcm {
 
 // The reactor of one Commands call; it deletes itself once the call is done and the book
-// has let go of it. `book` and `agents` are not owned and must outlive every call.
+// has let go of it. `book` and `agents` are not owned and must outlive every call; every
+// command written carries `manager_incarnation`.
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
-    AgentCommandBook* book, const AgentRegistry* agents);
+    AgentCommandBook* book, const AgentRegistry* agents, uint64_t manager_incarnation);
 
 }  // namespace kvcm
 

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -78,10 +79,14 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   limits.max_pages_per_request = opts.max_pages_per_request;
   limits.max_lease_ttl_ms = opts.max_lease_ttl_ms;
   limits.default_lease_ttl_ms = opts.default_lease_ttl_ms;
+  s->inserter_ =
+      std::make_unique<AgentInserter>(s->index_.get(), s->commands_.get(), s->agents_.get());
   s->service_ = std::make_unique<CacheManagerService>(s->index_.get(), hub, s->metrics_.get(),
-                                                      limits, s->agents_.get());
-  s->agent_service_ = std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(),
-                                                            s->metrics_.get(), s->commands_.get());
+                                                      limits, s->agents_.get(), s->inserter_.get());
+  // Numbers this process's commands apart from a predecessor's in the same agent epochs.
+  const uint64_t incarnation = absl::Uniform<uint64_t>(absl::BitGen(), 1, ~uint64_t{0});
+  s->agent_service_ = std::make_unique<AgentControlService>(
+      s->index_.get(), s->agents_.get(), s->metrics_.get(), s->commands_.get(), incarnation);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -87,6 +87,7 @@ class ManagerServer {
   // Queued demotions complete into block_commands_: Shutdown closes commands_ first.
   std::unique_ptr<AgentCommandBook> commands_;
   std::unique_ptr<BlockCommandIssuer> block_commands_;
+  std::unique_ptr<AgentInserter> inserter_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<AgentControlService> agent_service_;
   std::unique_ptr<grpc::Server> server_;

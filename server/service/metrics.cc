@@ -71,6 +71,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "RegisterAgent";
     case Rpc::kHeartbeat:
       return "Heartbeat";
+    case Rpc::kReportInventory:
+      return "ReportInventory";
   }
   return "unknown";
 }
@@ -200,24 +202,10 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
 ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
                                const AgentRegistry* agents)
     : registry_(std::make_shared<prometheus::Registry>()),
-      index_collector_(std::make_shared<IndexCollector>(index, hub, agents)) {
-  requests_ = &prometheus::BuildCounter()
-                   .Name("kvcm_rpc_requests_total")
-                   .Help("Finished CacheManager and AgentControl calls by rpc and status code.")
-                   .Register(*registry_);
-  durations_ =
-      &prometheus::BuildHistogram()
-           .Name("kvcm_rpc_duration_seconds")
-           .Help("Server-side time of unary CacheManager and AgentControl calls, decode to reply.")
-           .Register(*registry_);
-  for (int i = 0; i < kNumRpcs; ++i) {
-    const Rpc rpc = static_cast<Rpc>(i);
-    if (rpc != Rpc::kWatchEvents) {
-      duration_by_rpc_[i] =
-          &durations_->Add({{"rpc", std::string(RpcName(rpc))}}, RpcLatencyBucketsSeconds());
-    }
-    RequestCounter(rpc, absl::StatusCode::kOk);  // so that rates start from a zero sample
-  }
+      index_collector_(std::make_shared<IndexCollector>(index, hub, agents)),
+      rpcs_(std::make_unique<PrometheusRpcRecorder<Rpc, kNumRpcs>>(
+          *registry_, "kvcm_rpc", "CacheManager and AgentControl",
+          [](Rpc rpc) { return rpc == Rpc::kWatchEvents || rpc == Rpc::kReportInventory; })) {
   prometheus::Family<prometheus::Counter>& commands =
       prometheus::BuildCounter()
           .Name("kvcm_agent_commands_total")
@@ -234,31 +222,6 @@ ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
 }
 
 ServiceMetrics::~ServiceMetrics() = default;
-
-prometheus::Counter& ServiceMetrics::RequestCounter(Rpc rpc, absl::StatusCode code) {
-  int c = static_cast<int>(code);
-  if (c < 0 || c >= kNumCodes) c = static_cast<int>(absl::StatusCode::kUnknown);
-  std::atomic<prometheus::Counter*>& slot = request_by_code_[static_cast<int>(rpc)][c];
-  prometheus::Counter* counter = slot.load(std::memory_order_acquire);
-  if (counter == nullptr) {
-    counter =
-        &requests_->Add({{"rpc", std::string(RpcName(rpc))},
-                         {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))}});
-    slot.store(counter, std::memory_order_release);
-  }
-  return *counter;
-}
-
-void ServiceMetrics::RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency) {
-  RequestCounter(rpc, code).Increment();
-  if (prometheus::Histogram* h = duration_by_rpc_[static_cast<int>(rpc)]; h != nullptr) {
-    h->Observe(absl::ToDoubleSeconds(latency));
-  }
-}
-
-void ServiceMetrics::RecordStreamEnd(Rpc rpc, absl::StatusCode code) {
-  RequestCounter(rpc, code).Increment();
-}
 
 void ServiceMetrics::RecordAgentCommand(AgentCommandResult result) {
   agent_commands_[static_cast<int>(result)]->Increment();

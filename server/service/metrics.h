@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/rpc_metrics.h"
 #include "common/rpc_runner.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -43,8 +44,9 @@ enum class Rpc : int {
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
+  kReportInventory,
 };
-inline constexpr int kNumRpcs = 12;
+inline constexpr int kNumRpcs = 13;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of
@@ -71,9 +73,13 @@ class ServiceMetrics final : public RpcMetricsRecorder<Rpc> {
 
   // One finished call: kvcm_rpc_requests_total{rpc,code} += 1 and, for unary calls,
   // kvcm_rpc_duration_seconds{rpc} observes `latency`.
-  void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency) override;
+  void RecordRpc(Rpc rpc, absl::StatusCode code, absl::Duration latency) override {
+    rpcs_->RecordRpc(rpc, code, latency);
+  }
   // A finished streaming call: only kvcm_rpc_requests_total.
-  void RecordStreamEnd(Rpc rpc, absl::StatusCode code) override;
+  void RecordStreamEnd(Rpc rpc, absl::StatusCode code) override {
+    rpcs_->RecordStreamEnd(rpc, code);
+  }
   // kvcm_agent_commands_total{result} += 1.
   void RecordAgentCommand(AgentCommandResult result);
 
@@ -85,19 +91,11 @@ class ServiceMetrics final : public RpcMetricsRecorder<Rpc> {
 
  private:
   class IndexCollector;
-  static constexpr int kNumCodes = 17;  // absl::StatusCode 0..16
-
-  prometheus::Counter& RequestCounter(Rpc rpc, absl::StatusCode code);
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<IndexCollector> index_collector_;
-  prometheus::Family<prometheus::Counter>* requests_;
-  prometheus::Family<prometheus::Histogram>* durations_;
-  std::array<prometheus::Histogram*, kNumRpcs> duration_by_rpc_{};
+  std::unique_ptr<PrometheusRpcRecorder<Rpc, kNumRpcs>> rpcs_;
   std::array<prometheus::Counter*, kNumAgentCommandResults> agent_commands_{};
-  // Counters by (rpc, code), created on first use; Family::Add returns the same counter for
-  // the same labels, so a race only stores an equal pointer twice.
-  std::array<std::array<std::atomic<prometheus::Counter*>, kNumCodes>, kNumRpcs> request_by_code_{};
 };
 
 }  // namespace kvcm

@@ -3,6 +3,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -19,26 +20,6 @@ absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentEr
 
 std::string Path(absl::string_view parent, absl::string_view child) {
   return absl::StrCat(parent, ".", child);
-}
-
-// The offending value for an error message: escaped and cut to 64 bytes.
-std::string Quoted(absl::string_view value) {
-  constexpr size_t kMaxShown = 64;
-  std::string shown = absl::CHexEscape(value.substr(0, kMaxShown));
-  return absl::StrCat("\"", shown, value.size() > kMaxShown ? "...\"" : "\"");
-}
-
-// 1..128 bytes of [A-Za-z0-9] plus the characters in `extra`.
-absl::Status ValidateName(absl::string_view value, absl::string_view field,
-                          absl::string_view extra) {
-  bool ok = !value.empty() && value.size() <= kMaxNameBytes;
-  for (size_t i = 0; ok && i < value.size(); ++i) {
-    ok = absl::ascii_isalnum(static_cast<unsigned char>(value[i])) ||
-         extra.find(value[i]) != absl::string_view::npos;
-  }
-  if (ok) return absl::OkStatus();
-  return Invalid(
-      absl::StrCat(field, " must be 1..128 bytes of [A-Za-z0-9", extra, "], got ", Quoted(value)));
 }
 
 template <typename Message>
@@ -101,13 +82,6 @@ absl::string_view TierProtoName(int tier) {
 
 }  // namespace
 
-absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field) {
-  if (ns == nullptr) return Invalid(absl::StrCat(field, " is required"));
-  KVCM_RETURN_IF_ERROR(ValidateName(ns->tenant(), Path(field, "tenant"), "._-"));
-  KVCM_RETURN_IF_ERROR(ValidateName(ns->model(), Path(field, "model"), "._/-"));
-  return NamespaceId{ns->tenant(), ns->model()};
-}
-
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field) {
   return ValidateName(agent_id, field, "._:-");
 }
@@ -134,46 +108,6 @@ absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view
     }
   }
   return key;
-}
-
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec) {
-  if (spec == nullptr) return Invalid("spec is required");
-  ModelSpec out;
-  switch (spec->attention()) {
-    case v1::ATTENTION_KIND_MHA:
-    case v1::ATTENTION_KIND_MQA:
-    case v1::ATTENTION_KIND_GQA:
-    case v1::ATTENTION_KIND_MLA:
-      out.attention = static_cast<AttentionKind>(spec->attention());
-      break;
-    default:
-      return Invalid(
-          absl::StrCat("spec.attention must be ATTENTION_KIND_MHA, _MQA, _GQA or _MLA, got ",
-                       static_cast<int>(spec->attention())));
-  }
-  switch (spec->dtype()) {
-    case v1::KV_DTYPE_BF16:
-    case v1::KV_DTYPE_FP16:
-    case v1::KV_DTYPE_FP8:
-    case v1::KV_DTYPE_INT8:
-      out.dtype = static_cast<KvDtype>(spec->dtype());
-      break;
-    default:
-      return Invalid(absl::StrCat("spec.dtype must be KV_DTYPE_BF16, _FP16, _FP8 or _INT8, got ",
-                                  static_cast<int>(spec->dtype())));
-  }
-  out.num_layers = spec->num_layers();
-  out.num_heads = spec->num_heads();
-  out.num_kv_heads = spec->num_kv_heads();
-  out.head_dim = spec->head_dim();
-  out.kv_lora_rank = spec->kv_lora_rank();
-  out.rope_dim = spec->rope_dim();
-  out.qk_nope_head_dim = spec->qk_nope_head_dim();
-  out.v_head_dim = spec->v_head_dim();
-  out.page_size_tokens =
-      spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
-  KVCM_RETURN_IF_ERROR(out.Validate());  // its messages already say "spec.<field>"
-  return out;
 }
 
 absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,
@@ -293,6 +227,20 @@ absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::In
                                 call.prompt.pages.size(), " (one per whole page)"));
   }
   call.block_ids.assign(req.block_ids().begin(), req.block_ids().end());
+  absl::flat_hash_map<BlockId, size_t> first_use;
+  first_use.reserve(call.block_ids.size());
+  for (size_t i = 0; i < call.block_ids.size(); ++i) {
+    if (call.block_ids[i] == kPendingBlock) {
+      return Invalid(
+          absl::StrCat("block_ids[", i, "] is 0xFFFFFFFF, the value reserved for a pending block"));
+    }
+    if (auto [it, fresh] = first_use.emplace(call.block_ids[i], i); !fresh) {
+      return Invalid(absl::StrCat("block_ids[", i, "] repeats block_ids[", it->second, "] (block ",
+                                  call.block_ids[i], "): a block holds one page"));
+    }
+  }
+  call.use_reservation = req.use_reservation();
+  call.agent_epoch = req.agent_epoch();
   return call;
 }
 
@@ -418,16 +366,33 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
   out->set_sequence(sequence);
 }
 
-void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out) {
+void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
+                         v1::AgentCommand* out) {
   out->Clear();
   out->set_sequence(command.sequence);
   out->set_acked_through(command.acked_through);
+  out->set_manager_incarnation(manager_incarnation);
   if (const auto* free = std::get_if<FreeBlocksCommand>(&command.body)) {
     out->mutable_free()->set_tier(static_cast<v1::Tier>(free->tier));
     out->mutable_free()->mutable_block_ids()->Add(free->block_ids.begin(), free->block_ids.end());
   } else if (const auto* demote = std::get_if<DemoteBlocksCommand>(&command.body)) {
     out->mutable_demote()->mutable_source_block_ids()->Add(demote->source_block_ids.begin(),
                                                            demote->source_block_ids.end());
+  } else if (const auto* commit = std::get_if<CommitBlocksCommand>(&command.body)) {
+    v1::CommitBlocks* c = out->mutable_commit();
+    c->set_tier(static_cast<v1::Tier>(commit->tier));
+    c->mutable_namespace_()->set_tenant(commit->ns.tenant);
+    c->mutable_namespace_()->set_model(commit->ns.model);
+    ModelSpecToProto(commit->spec, c->mutable_spec());
+    c->mutable_block_ids()->Add(commit->block_ids.begin(), commit->block_ids.end());
+    c->set_page_hashes(EncodePageHashes(commit->pages));
+    if (commit->first_parent != PageHash{}) {
+      c->set_first_parent_hash(EncodePageHashes({&commit->first_parent, 1}));
+    }
+  } else if (const auto* release = std::get_if<ReleaseBlocksCommand>(&command.body)) {
+    out->mutable_release()->set_tier(static_cast<v1::Tier>(release->tier));
+    out->mutable_release()->mutable_block_ids()->Add(release->block_ids.begin(),
+                                                     release->block_ids.end());
   }
 }
 

@@ -35,19 +35,13 @@ struct RequestLimits {
 
 // ---- Shared types. `field` is the path used in error messages, e.g. "namespace". ----
 
-// Missing namespace, tenant not 1..128 bytes of [A-Za-z0-9._-], or model not 1..128 bytes of
-// [A-Za-z0-9._/-] -> INVALID_ARGUMENT.
-absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field);
+// NamespaceFromProto and ModelSpecFromProto: proto/core_types.h.
 
 // agent_id 1..128 bytes of [A-Za-z0-9._:-].
 absl::Status ValidateAgentId(absl::string_view agent_id, absl::string_view field);
 
 // Missing pool, bad agent_id, or tier not GPU/HOST/DISK -> INVALID_ARGUMENT.
 absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view field);
-
-// Field "spec". Unknown attention or dtype, or impossible geometry -> INVALID_ARGUMENT.
-// page_size_tokens 0 becomes kDefaultPageSizeTokens.
-absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec);
 
 // A prompt as the namespace's chained page hashes.
 struct ResolvedPrompt {
@@ -85,9 +79,12 @@ struct InsertCall {
   NamespaceId ns;
   ResolvedPrompt prompt;
   PoolKey pool;
-  std::vector<BlockId> block_ids;  // one per page of prompt.pages
+  std::vector<BlockId> block_ids;  // one per page of prompt.pages, distinct
+  bool use_reservation = false;
+  uint64_t agent_epoch = 0;
 };
-// Also INVALID_ARGUMENT when the prompt has no whole page or block_ids is not one per page.
+// Also INVALID_ARGUMENT when the prompt has no whole page, or block_ids is not one distinct
+// id per page or holds 0xFFFFFFFF.
 absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::InsertRequest& req,
                                            const RequestLimits& limits);
 void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out);
@@ -124,7 +121,8 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
 
 // ---- AgentControl.Commands. ----
 
-void AgentCommandToProto(const AgentCommand& command, v1::AgentCommand* out);
+void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
+                         v1::AgentCommand* out);
 // An ack (not the hello): code 0 is OK, any other code an error with `message` (a code
 // outside google.rpc.Code becomes UNKNOWN).
 AgentCommandAck AgentCommandAckFromProto(const v1::AgentCommandAck& ack);

@@ -241,6 +241,24 @@ TEST_F(ProtoConvertTest, InsertBlockCountMustMatchPages) {
               absl::StatusCode::kInvalidArgument, "prompt has no whole page");
 }
 
+TEST_F(ProtoConvertTest, InsertBlockIdsAreDistinctAndNeverPending) {
+  v1::InsertRequest req = InsertTokens(12, 3);
+  req.set_block_ids(2, 0);
+  ExpectError(InsertFromProto(*index_, req, limits_), absl::StatusCode::kInvalidArgument,
+              "block_ids[2] repeats block_ids[0] (block 0): a block holds one page");
+  req = InsertTokens(12, 3);
+  req.set_block_ids(1, kPendingBlock);
+  ExpectError(InsertFromProto(*index_, req, limits_), absl::StatusCode::kInvalidArgument,
+              "block_ids[1] is 0xFFFFFFFF, the value reserved for a pending block");
+  req = InsertTokens(12, 3);
+  req.set_agent_epoch(42);
+  req.set_use_reservation(true);
+  absl::StatusOr<InsertCall> call = InsertFromProto(*index_, req, limits_);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->agent_epoch, 42u);
+  EXPECT_TRUE(call->use_reservation);
+}
+
 TEST_F(ProtoConvertTest, InsertPoolRules) {
   v1::InsertRequest req = InsertTokens(8, 2);
   req.clear_pool();
@@ -452,25 +470,50 @@ TEST_F(ProtoConvertTest, WatchFilterAndEvents) {
   EXPECT_EQ(DecodePageHashes(proto.page_hashes()), event.pages);
 }
 
-TEST(AgentCommandConvertTest, CommandsToProto) {
+TEST_F(ProtoConvertTest, AgentCommandsToProto) {
   v1::AgentCommand out;
   AgentCommandToProto(
       AgentCommand{.sequence = 3,
                    .body = FreeBlocksCommand{.tier = Tier::kHost, .block_ids = {4, 5}},
                    .acked_through = 2},
-      &out);
+      99, &out);
   EXPECT_EQ(out.sequence(), 3u);
   EXPECT_EQ(out.acked_through(), 2u);
+  EXPECT_EQ(out.manager_incarnation(), 99u);
   ASSERT_TRUE(out.has_free());
   EXPECT_EQ(out.free().tier(), v1::TIER_HOST);
   EXPECT_THAT(out.free().block_ids(), ::testing::ElementsAre(4, 5));
 
   AgentCommandToProto(
-      AgentCommand{.sequence = 4, .body = DemoteBlocksCommand{.source_block_ids = {7}}}, &out);
+      AgentCommand{.sequence = 4, .body = DemoteBlocksCommand{.source_block_ids = {7}}}, 99, &out);
   EXPECT_EQ(out.sequence(), 4u);
   EXPECT_EQ(out.acked_through(), 0u);
   ASSERT_TRUE(out.has_demote());
   EXPECT_THAT(out.demote().source_block_ids(), ::testing::ElementsAre(7));
+
+  const std::vector<PageHash> pages = {{1, 2}, {3, 4}};
+  AgentCommandToProto(AgentCommand{.sequence = 5,
+                                   .body = CommitBlocksCommand{.tier = Tier::kGpu,
+                                                               .ns = ns_,
+                                                               .spec = spec_,
+                                                               .block_ids = {8, 9},
+                                                               .pages = pages}},
+                      99, &out);
+  ASSERT_TRUE(out.has_commit());
+  EXPECT_EQ(out.commit().tier(), v1::TIER_GPU);
+  EXPECT_EQ(out.commit().namespace_().tenant(), ns_.tenant);
+  EXPECT_EQ(ModelSpecFromProto(&out.commit().spec()).value(), spec_);
+  EXPECT_THAT(out.commit().block_ids(), ::testing::ElementsAre(8, 9));
+  EXPECT_EQ(DecodePageHashes(out.commit().page_hashes()), pages);
+  EXPECT_TRUE(out.commit().first_parent_hash().empty());
+
+  AgentCommandToProto(
+      AgentCommand{.sequence = 6,
+                   .body = ReleaseBlocksCommand{.tier = Tier::kHost, .block_ids = {9}}},
+      99, &out);
+  ASSERT_TRUE(out.has_release());
+  EXPECT_EQ(out.release().tier(), v1::TIER_HOST);
+  EXPECT_THAT(out.release().block_ids(), ::testing::ElementsAre(9));
 }
 
 TEST(AgentCommandConvertTest, AcksFromProto) {
