@@ -105,6 +105,23 @@ absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t off
   return backend_->CopyOut(BlockOffset(id) + offset_in_block, dst);
 }
 
+absl::Status BlockPool::ReadCommittedBlock(BlockId id, const NamespaceId& ns, const PageHash& page,
+                                           std::span<std::byte> dst,
+                                           absl::string_view field) const {
+  absl::MutexLock lock(&mu_);
+  if (id >= ledger_.num_blocks()) {
+    return absl::OutOfRangeError(
+        absl::StrCat(field, ": block ", id, " is past the pool of ", ledger_.num_blocks()));
+  }
+  const CommittedBlock c = ledger_.Committed(id);
+  if (c.ns == nullptr || *c.ns != ns || c.page != page) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(field, ": block ", id, " no longer holds page ", page.ToHex(), " of ",
+                     ns.ToString(), " (evicted or reused)"));
+  }
+  return backend_->CopyOut(BlockOffset(id), dst.first(bytes_per_block_));
+}
+
 absl::Status BlockPool::WithOwnedArena(
     std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
     absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {

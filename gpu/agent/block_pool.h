@@ -100,6 +100,14 @@ class BlockPool {
   absl::Status ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
                          std::span<std::byte> dst) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Copies the whole of block `id` into `dst` if it is committed to page `page` of `ns`
+  // (what a peer pulling the page expects it to hold): FAILED_PRECONDITION naming
+  // `field` otherwise (freed, or reused for another page, since the peer matched it);
+  // OUT_OF_RANGE for an id past the pool. REQUIRES: dst.size() == bytes_per_block.
+  absl::Status ReadCommittedBlock(BlockId id, const NamespaceId& ns, const PageHash& page,
+                                  std::span<std::byte> dst, absl::string_view field) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the arena
   // (backend().base(), arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no
   // WriteBlocks or Free interleaves; returns what `fn` returns. The arena is device memory

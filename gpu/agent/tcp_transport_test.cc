@@ -1,0 +1,264 @@
+#include "gpu/agent/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/base/internal/endian.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "gpu/agent/agent_test_util.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.pb.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kBlocks = 16;
+constexpr uint64_t kEpoch = 3;
+const NamespaceId kNs{"acme", "small"};
+
+PageHash Page(uint64_t i) { return PageHash{i + 1, ~i}; }
+
+// Waits for one pull's outcome.
+class Outcome {
+ public:
+  PullDone Done() {
+    return [this](absl::StatusOr<TransferStats> r) {
+      result_ = std::move(r);
+      done_.Notify();
+    };
+  }
+  absl::StatusOr<TransferStats> Wait() {
+    EXPECT_TRUE(done_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+    return result_.value_or(absl::InternalError("no outcome"));
+  }
+
+ private:
+  absl::Notification done_;
+  std::optional<absl::StatusOr<TransferStats>> result_;
+};
+
+// Agent A's pool with committed pages and a transport serving it; agent B's pool and a
+// transport pulling into it.
+class TcpTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    a_ = MakeHostPool(SmallGqa(), kBlocks);
+    b_ = MakeHostPool(SmallGqa(), kBlocks);
+    block_bytes_ = a_->geometry().bytes_per_block();
+    absl::StatusOr<std::unique_ptr<Transport>> ta =
+        MakeTcpTransport({}, AgentPools{.main = a_.get()}, Tier::kGpu);
+    ASSERT_TRUE(ta.ok()) << ta.status();
+    ta_ = *std::move(ta);
+    absl::StatusOr<std::unique_ptr<Transport>> tb =
+        MakeTcpTransport({.io_timeout_ms = 500}, AgentPools{.main = b_.get()}, Tier::kGpu);
+    ASSERT_TRUE(tb.ok()) << tb.status();
+    tb_ = *std::move(tb);
+  }
+
+  // Commits `n` pages with random bytes in A; returns their blocks.
+  std::vector<BlockId> CommitInA(uint32_t n, uint64_t first_page = 0) {
+    std::vector<BlockId> ids = *a_->Allocate(n, kEpoch, &kNs);
+    std::vector<std::byte> bytes(n * block_bytes_);
+    std::mt19937 rng(static_cast<uint32_t>(first_page + 7));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+    EXPECT_TRUE(a_->WriteBlocks(ids, kEpoch, bytes).ok());
+    std::vector<CommitEntry> entries;
+    for (uint32_t i = 0; i < n; ++i) {
+      entries.push_back({.block = ids[i],
+                         .page = Page(first_page + i),
+                         .parent = first_page + i == 0 ? PageHash{} : Page(first_page + i - 1)});
+    }
+    EXPECT_TRUE(a_->Commit(kNs, kEpoch, entries, "block_ids").ok());
+    return ids;
+  }
+
+  std::vector<std::byte> Bytes(BlockPool& pool, BlockId id) {
+    std::vector<std::byte> out(block_bytes_);
+    EXPECT_TRUE(pool.ReadBlock(id, kEpoch, 0, out).ok());
+    return out;
+  }
+
+  PullSpec Spec(const std::vector<BlockId>& from, uint64_t first_page,
+                const std::vector<BlockId>& into) {
+    PullSpec spec{.peer_address = ta_->address(),
+                  .peer_tier = Tier::kGpu,
+                  .ns = kNs,
+                  .peer_blocks = from,
+                  .dst = b_.get(),
+                  .dst_blocks = into,
+                  .dst_owner_epoch = kEpoch};
+    for (size_t i = 0; i < from.size(); ++i) spec.pages.push_back(Page(first_page + i));
+    return spec;
+  }
+
+  std::unique_ptr<BlockPool> a_, b_;
+  uint64_t block_bytes_ = 0;
+  std::unique_ptr<Transport> ta_, tb_;
+};
+
+TEST_F(TcpTransportTest, APullCopiesCommittedBlocksBitForBit) {
+  const std::vector<BlockId> from = CommitInA(5);
+  const std::vector<BlockId> into = *b_->Allocate(5, kEpoch, &kNs);
+  Outcome out;
+  tb_->Pull(Spec(from, 0, into), out.Done());
+  absl::StatusOr<TransferStats> r = out.Wait();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes, 5 * block_bytes_);
+  for (size_t i = 0; i < from.size(); ++i) {
+    EXPECT_EQ(Bytes(*b_, into[i]), Bytes(*a_, from[i])) << "block " << i;
+  }
+  // The transport commits nothing: B's blocks are still only allocated.
+  EXPECT_EQ(b_->Stats().committed_blocks, 0u);
+}
+
+TEST_F(TcpTransportTest, ABlockThatNoLongerHoldsItsPageFailsThePull) {
+  const std::vector<BlockId> from = CommitInA(3);
+  const std::vector<BlockId> into = *b_->Allocate(3, kEpoch, &kNs);
+  // Block 1 was evicted and freed on A since the puller matched it.
+  ASSERT_TRUE(a_->FreeCommitted({&from[1], 1}, kEpoch, "free").ok());
+  Outcome out;
+  tb_->Pull(Spec(from, 0, into), out.Done());
+  absl::StatusOr<TransferStats> r = out.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("block_ids[1]"));
+
+  // Another page of the namespace asked for in a committed block: refused too.
+  Outcome wrong;
+  PullSpec spec = Spec({from[0]}, 9, {into[0]});
+  tb_->Pull(spec, wrong.Done());
+  EXPECT_EQ(wrong.Wait().status().code(), absl::StatusCode::kFailedPrecondition);
+  // ... and so is another tenant asking for the same page hash.
+  Outcome tenant;
+  spec = Spec({from[0]}, 0, {into[0]});
+  spec.ns = NamespaceId{"other", "small"};
+  tb_->Pull(spec, tenant.Done());
+  EXPECT_EQ(tenant.Wait().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(TcpTransportTest, BadSpecsAndUnreachablePeersAreErrors) {
+  const std::vector<BlockId> from = CommitInA(2);
+  const std::vector<BlockId> into = *b_->Allocate(2, kEpoch, &kNs);
+  Outcome uneven;
+  tb_->Pull(Spec(from, 0, {into[0]}), uneven.Done());
+  EXPECT_EQ(uneven.Wait().status().code(), absl::StatusCode::kInvalidArgument);
+
+  Outcome host;  // A has no host pool
+  PullSpec spec = Spec(from, 0, into);
+  spec.peer_tier = Tier::kHost;
+  tb_->Pull(spec, host.Done());
+  absl::StatusOr<TransferStats> r = host.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("not a pool of this agent"));
+
+  Outcome nobody;
+  spec = Spec(from, 0, into);
+  spec.peer_address = "127.0.0.1:1";
+  tb_->Pull(spec, nobody.Done());
+  EXPECT_EQ(nobody.Wait().status().code(), absl::StatusCode::kUnavailable);
+
+  EXPECT_EQ(
+      MakeTcpTransport({.listen_address = "localhost:1"}, AgentPools{.main = a_.get()}, Tier::kGpu)
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+// A peer that answers a valid header, then `behaviour`: half a block and close, or silence.
+class FakePeer {
+ public:
+  enum class Behaviour { kCloseMidBlock, kGoSilent };
+  FakePeer(Behaviour behaviour, uint64_t block_bytes) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(listen(fd_, 1), 0);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, behaviour, block_bytes] {
+      const int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      char buf[4096];
+      (void)recv(c, buf, sizeof(buf), 0);  // the request
+      v1::PullBlocksHeader h;
+      h.set_bytes_per_block(block_bytes);
+      const std::string body = h.SerializeAsString();
+      char len4[4];
+      absl::little_endian::Store32(len4, static_cast<uint32_t>(body.size()));
+      (void)send(c, len4, 4, 0);
+      (void)send(c, body.data(), body.size(), 0);
+      const char tag = 1;
+      (void)send(c, &tag, 1, 0);
+      std::vector<char> half(block_bytes / 2);
+      (void)send(c, half.data(), half.size(), 0);
+      if (behaviour == Behaviour::kGoSilent) release_.WaitForNotification();
+      close(c);
+    });
+  }
+  ~FakePeer() {
+    release_.Notify();
+    shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    close(fd_);
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  absl::Notification release_;
+  std::thread thread_;
+};
+
+TEST_F(TcpTransportTest, APeerThatDiesOrGoesSilentMidBlockFailsThePull) {
+  const std::vector<BlockId> into = *b_->Allocate(1, kEpoch, &kNs);
+  for (FakePeer::Behaviour b :
+       {FakePeer::Behaviour::kCloseMidBlock, FakePeer::Behaviour::kGoSilent}) {
+    FakePeer peer(b, block_bytes_);
+    PullSpec spec = Spec({0}, 0, into);
+    spec.peer_address = peer.address();
+    Outcome out;
+    tb_->Pull(spec, out.Done());
+    const absl::StatusCode want = b == FakePeer::Behaviour::kCloseMidBlock
+                                      ? absl::StatusCode::kUnavailable
+                                      : absl::StatusCode::kDeadlineExceeded;  // 500 ms timeout
+    EXPECT_EQ(out.Wait().status().code(), want);
+  }
+  // The destination block is still B's, allocated, never committed.
+  EXPECT_TRUE(b_->CheckOwned(into, kEpoch, "into").ok());
+  EXPECT_EQ(b_->Stats().committed_blocks, 0u);
+}
+
+TEST_F(TcpTransportTest, ConcurrentPullsAndShutdownWithPullsInFlight) {
+  const std::vector<BlockId> from = CommitInA(8);
+  std::vector<Outcome> outs(8);
+  std::vector<BlockId> into = *b_->Allocate(8, kEpoch, &kNs);
+  for (size_t i = 0; i < 8; ++i) tb_->Pull(Spec({from[i]}, i, {into[i]}), outs[i].Done());
+  for (size_t i = 0; i < 8; ++i) {
+    ASSERT_TRUE(outs[i].Wait().ok()) << i;
+    EXPECT_EQ(Bytes(*b_, into[i]), Bytes(*a_, from[i]));
+  }
+  // Destroying a transport with a pull in flight completes the pull (with an error, or
+  // with its bytes if it won the race) and joins every thread.
+  Outcome late;
+  tb_->Pull(Spec(from, 0, into), late.Done());
+  tb_.reset();
+  (void)late.Wait();
+}
+
+}  // namespace
+}  // namespace kvcm

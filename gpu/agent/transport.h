@@ -1,0 +1,68 @@
+// Transport: moves whole blocks from a peer agent's pool into this agent's pool, over a data
+// path of its own (not the control RPCs). Backends: TCP (tcp_transport.h), for hosts without
+// GPUs and every test; NCCL between GPUs (to come). Each hides its connections behind this
+// interface, as Mooncake's transfer engine hides its communicators.
+//
+// A transfer is a pull: the destination names the peer's blocks and the page each must hold,
+// and the bytes land in blocks it allocated. The peer serves a block only while it is
+// committed to that page, so a block evicted or reused mid-transfer fails the pull instead of
+// sending other bytes. Nothing is committed by the transport: the caller commits the
+// destination blocks through the ledger once the pull succeeded, or frees them when it fails.
+//
+// Lock order: a transport takes a pool's lock only to copy one block in or out of its arena
+// (BlockPool::ReadCommittedBlock, WriteBlocks), never across a network wait.
+#ifndef KVCM_GPU_AGENT_TRANSPORT_H_
+#define KVCM_GPU_AGENT_TRANSPORT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/page_hash.h"
+#include "common/types.h"
+#include "gpu/agent/block_pool.h"
+
+namespace kvcm {
+
+// One pull: peer_blocks[i] of the peer's pool, holding pages[i] of `ns`, into dst_blocks[i]
+// of `dst`.
+struct PullSpec {
+  std::string peer_address;  // the serving agent's data address, "host:port"
+  Tier peer_tier = Tier::kGpu;
+  NamespaceId ns;
+  std::vector<BlockId> peer_blocks;
+  std::vector<PageHash> pages;      // one per peer block
+  BlockPool* dst = nullptr;         // not owned; must outlive the pull
+  std::vector<BlockId> dst_blocks;  // allocated to dst_owner_epoch, one per peer block
+  uint64_t dst_owner_epoch = 0;
+};
+
+struct TransferStats {
+  uint64_t bytes = 0;
+  absl::Duration elapsed;
+};
+
+// How a pull ended. On an error the destination blocks may hold part of the bytes; they stay
+// allocated (never committed) for the caller to free or reuse.
+using PullDone = std::function<void(absl::StatusOr<TransferStats> result)>;
+
+// Thread-safe: Pull may be called from any thread; pulls and served requests run
+// concurrently, each on a thread of the transport.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Where peers pull from ("host:port").
+  virtual std::string address() const = 0;
+  // Starts `spec`; `done` runs exactly once, on a transport thread. INVALID_ARGUMENT for a
+  // spec whose lists differ in length or are empty, a null dst, or a peer whose block size
+  // is not dst's; the peer's FAILED_PRECONDITION for a block that no longer holds its page;
+  // UNAVAILABLE / DEADLINE_EXCEEDED when the peer cannot be reached or goes silent.
+  virtual void Pull(PullSpec spec, PullDone done) = 0;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_TRANSPORT_H_
