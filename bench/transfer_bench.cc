@@ -1,0 +1,167 @@
+// kvcm_transfer_bench: the TCP Transport pulling whole DeepSeek-V3 blocks (1 and 64 per
+// transfer) from one host pool into another over loopback, beside raw loopback TCP moving the
+// same bytes from one buffer to another in the same run (a sender thread, a receiver, the
+// same socket options). The ratio is what the transport costs over the wire itself: the
+// framing, the per-block copies out of and into the pools, and the pool checks.
+//
+//   kvcm_transfer_bench [--smoke] [--reps=N]
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "common/model_catalog.h"
+#include "gpu/agent/block_pool.h"
+#include "gpu/agent/device_backend.h"
+#include "gpu/agent/tcp_transport.h"
+
+namespace kvcm {
+namespace {
+
+constexpr uint64_t kEpoch = 1;
+const NamespaceId kNs{"acme", "deepseek-v3"};
+
+double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+std::unique_ptr<BlockPool> HostPool(const ModelSpec& spec, uint64_t blocks) {
+  PoolGeometry g{.spec = spec, .num_blocks = blocks};
+  std::unique_ptr<DeviceBackend> backend = *CreateHostBackend(g.pool_bytes());
+  return *BlockPool::Create(g, std::move(backend));
+}
+
+// Raw loopback TCP: `bytes` from a buffer in one thread to a buffer in another; seconds.
+double RawLoopback(uint64_t bytes, uint64_t chunk) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  listen(listener, 1);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::vector<char> src(chunk, 'x');
+  std::thread sender([&] {
+    const int fd = accept(listener, nullptr, nullptr);
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    for (uint64_t left = bytes; left > 0;) {
+      const size_t n = std::min<uint64_t>(left, chunk);
+      for (size_t off = 0; off < n;) {
+        const ssize_t s = send(fd, src.data() + off, n - off, MSG_NOSIGNAL);
+        if (s <= 0) break;
+        off += static_cast<size_t>(s);
+      }
+      left -= n;
+    }
+    close(fd);
+  });
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const auto start = std::chrono::steady_clock::now();
+  connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  std::vector<char> dst(chunk);
+  for (uint64_t got = 0; got < bytes;) {
+    const ssize_t r = recv(fd, dst.data(), std::min<uint64_t>(chunk, bytes - got), 0);
+    if (r <= 0) break;
+    got += static_cast<uint64_t>(r);
+  }
+  const double s = Seconds(std::chrono::steady_clock::now() - start);
+  sender.join();
+  close(fd);
+  close(listener);
+  return s;
+}
+
+int Run(int argc, char** argv) {
+  bool smoke = false;
+  int reps = 5;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--smoke") == 0) {
+      smoke = true;
+    } else if (std::strncmp(argv[i], "--reps=", 7) == 0 && absl::SimpleAtoi(argv[i] + 7, &reps) &&
+               reps > 0) {
+    } else {
+      std::fprintf(stderr, "usage: %s [--smoke] [--reps=N]\n", argv[0]);
+      return 2;
+    }
+  }
+  ModelSpec spec = *FindModel("deepseek-v3");
+  if (smoke) {
+    spec.num_layers = 2;
+    reps = 1;
+  }
+  const uint64_t max_blocks = 64;
+  std::unique_ptr<BlockPool> a = HostPool(spec, max_blocks);
+  std::unique_ptr<BlockPool> b = HostPool(spec, max_blocks);
+  const uint64_t block_bytes = a->geometry().bytes_per_block();
+
+  // A holds max_blocks committed pages; B max_blocks allocated blocks to pull into.
+  std::vector<BlockId> from = *a->Allocate(max_blocks, kEpoch, &kNs);
+  std::vector<CommitEntry> entries;
+  for (uint64_t i = 0; i < max_blocks; ++i) {
+    entries.push_back({.block = from[i], .page = PageHash{i + 1, i}, .parent = PageHash{i, i - 1}});
+  }
+  entries[0].parent = PageHash{};
+  if (!a->Commit(kNs, kEpoch, entries, "block_ids").ok()) return 1;
+  std::vector<BlockId> into = *b->Allocate(max_blocks, kEpoch, &kNs);
+  std::unique_ptr<Transport> ta = *MakeTcpTransport({}, AgentPools{.main = a.get()}, Tier::kGpu);
+  std::unique_ptr<Transport> tb = *MakeTcpTransport({}, AgentPools{.main = b.get()}, Tier::kGpu);
+
+  absl::PrintF("block %d bytes (DeepSeek-V3 bf16, %d layers), %d reps, median\n", block_bytes,
+               spec.num_layers, reps);
+  absl::PrintF("%-8s %12s %12s %14s %14s %8s\n", "blocks", "transport", "raw tcp", "transport GB/s",
+               "raw GB/s", "ratio");
+  for (uint64_t n : {uint64_t{1}, max_blocks}) {
+    std::vector<double> pulls, raws;
+    for (int r = 0; r < reps; ++r) {
+      PullSpec spec_n{.peer_address = ta->address(),
+                      .ns = kNs,
+                      .peer_blocks = {from.begin(), from.begin() + n},
+                      .dst = b.get(),
+                      .dst_blocks = {into.begin(), into.begin() + n},
+                      .dst_owner_epoch = kEpoch};
+      for (uint64_t i = 0; i < n; ++i) spec_n.pages.push_back(entries[i].page);
+      absl::Notification done;
+      absl::StatusOr<TransferStats> result;
+      const auto start = std::chrono::steady_clock::now();
+      tb->Pull(spec_n, [&](absl::StatusOr<TransferStats> s) {
+        result = std::move(s);
+        done.Notify();
+      });
+      done.WaitForNotification();
+      pulls.push_back(Seconds(std::chrono::steady_clock::now() - start));
+      if (!result.ok()) {
+        std::fprintf(stderr, "pull failed: %s\n", result.status().ToString().c_str());
+        return 1;
+      }
+      raws.push_back(RawLoopback(n * block_bytes, block_bytes));
+    }
+    std::sort(pulls.begin(), pulls.end());
+    std::sort(raws.begin(), raws.end());
+    const double pull = pulls[pulls.size() / 2], raw = raws[raws.size() / 2];
+    const double gb = static_cast<double>(n * block_bytes) / 1e9;
+    absl::PrintF("%-8d %10.2f ms %10.2f ms %14.2f %14.2f %7.0f%%\n", n, pull * 1e3, raw * 1e3,
+                 gb / pull, gb / raw, 100 * raw / pull);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvcm
+
+int main(int argc, char** argv) { return kvcm::Run(argc, argv); }
