@@ -191,6 +191,7 @@ struct ManagerStats {
     uint64_t used_bytes = 0;          // from the last heartbeat
     uint64_t free_blocks = 0;         // from the last heartbeat
     std::string block_agent_address;  // where it serves BlockAgent; may be empty
+    std::string data_address;         // where peers pull its blocks; may be empty
   };
   std::vector<Pool> pools;
   std::vector<Namespace> namespaces;

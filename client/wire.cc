@@ -95,9 +95,10 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
     ns.radix_nodes = n.radix_nodes();
   }
   for (const v1::AgentStats& a : response.agents()) {
-    out.agents.push_back(ManagerStats::Agent{
-        a.agent_id(), a.device(), static_cast<Tier>(a.tier()), a.epoch(), a.alive(),
-        a.last_heartbeat_age_ms(), a.used_bytes(), a.free_blocks(), a.block_agent_address()});
+    out.agents.push_back(ManagerStats::Agent{a.agent_id(), a.device(), static_cast<Tier>(a.tier()),
+                                             a.epoch(), a.alive(), a.last_heartbeat_age_ms(),
+                                             a.used_bytes(), a.free_blocks(),
+                                             a.block_agent_address(), a.data_address()});
   }
   const v1::Counters& c = response.counters();
   out.counters.match_requests = c.match_requests();

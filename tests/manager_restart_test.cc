@@ -89,9 +89,9 @@ class ManagerRestartTest : public ::testing::Test {
         (*p)->Finish(absl::Seconds(10));
       }
     }
-    for (const std::string& name : {"manager", "manager2", "gpu0", "gpu1"}) {
+    for (const char* name : {"manager", "manager2", "gpu0", "gpu1"}) {
       const std::string path = absl::StrCat(base_, "_", name, ".log");
-      if (HasFailure()) std::fprintf(stderr, "--- %s ---\n%s\n", name.c_str(), Read(path).c_str());
+      if (HasFailure()) std::fprintf(stderr, "--- %s ---\n%s\n", name, Read(path).c_str());
       std::remove(path.c_str());
     }
   }

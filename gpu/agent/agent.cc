@@ -13,6 +13,7 @@
 #include "gpu/agent/block_agent_service.h"
 #include "gpu/agent/command_loop.h"
 #include "gpu/agent/control_loop.h"
+#include "gpu/agent/tcp_transport.h"
 #include "prometheus/exposer.h"
 
 namespace kvcm {
@@ -61,8 +62,18 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   }
   a->metrics_ = std::make_unique<AgentMetrics>(opts.agent_id, a->pools(), &a->epoch_);
 
-  a->service_ =
-      std::make_unique<BlockAgentService>(&opts, a->pools(), &a->epoch_, a->metrics_.get());
+  KVCM_ASSIGN_OR_RETURN(a->transport_,
+                        MakeTcpTransport({.listen_address = opts.data_listen_address,
+                                          .io_timeout_ms = opts.transfer_io_timeout_ms},
+                                         a->pools(), opts.tier));
+  a->data_address_ = a->transport_->address();
+  std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address);
+  a->manager_ = v1::CacheManager::NewStub(manager);
+  a->fetcher_ =
+      std::make_unique<Fetcher>(opts.agent_id, opts.tier, a->pools(), &a->epoch_,
+                                a->transport_.get(), a->manager_.get(), a->metrics_.get());
+  a->service_ = std::make_unique<BlockAgentService>(&opts, a->pools(), &a->epoch_,
+                                                    a->metrics_.get(), a->fetcher_.get());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &port);
@@ -93,12 +104,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
         absl::StrCat(HostOf(opts.metrics_address), ":", ports.empty() ? 0 : ports.front());
   }
 
-  a->control_ = v1::AgentControl::NewStub(MakeChannel(opts.manager_address));
+  a->control_ = v1::AgentControl::NewStub(manager);
   a->command_loop_ =
       std::make_unique<CommandLoop>(&opts, a->pools(), &a->epoch_, a->control_.get(), &a->specs_);
   // The open Commands stream belongs to the old epoch.
   a->control_loop_ = std::make_unique<ControlLoop>(
-      &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, &a->specs_,
+      &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, a->data_address_, &a->specs_,
       [commands = a->command_loop_.get()] { commands->CancelStream(); });
   a->control_loop_->Start();
   a->command_loop_->Start();
@@ -114,6 +125,7 @@ void Agent::Shutdown() {
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
+  transport_.reset();  // cancels pulls in flight (their fetches fail) and joins its threads
   exposer_.reset();
   shutdown_done_.Notify();
 }

@@ -22,8 +22,11 @@
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/fetcher.h"
 #include "gpu/agent/namespace_specs.h"
+#include "gpu/agent/transport.h"
 #include "kvcm/v1/agent.grpc.pb.h"
+#include "kvcm/v1/cache_manager.grpc.pb.h"
 
 namespace prometheus {
 class Exposer;
@@ -49,6 +52,8 @@ class Agent {
 
   // "host:port" of the BlockAgent server with the bound port filled in.
   const std::string& address() const { return address_; }
+  // Where peers pull this agent's blocks ("host:port").
+  const std::string& data_address() const { return data_address_; }
   // "host:port" of /metrics; empty when disabled.
   const std::string& metrics_address() const { return metrics_address_; }
   // The current epoch; changes when the manager refuses it (ABORTED, see ControlLoop).
@@ -82,10 +87,15 @@ class Agent {
   // Specs of the committed namespaces: the CommandLoop writes, the ControlLoop reports.
   NamespaceSpecs specs_;
   std::unique_ptr<AgentMetrics> metrics_;
+  // The data path to peers, and the Fetch work over it; the manager stub Fetch inserts with.
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<v1::CacheManager::Stub> manager_;
+  std::unique_ptr<Fetcher> fetcher_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string address_;
+  std::string data_address_;
   std::string metrics_address_;
   std::unique_ptr<v1::AgentControl::Stub> control_;
   std::unique_ptr<CommandLoop> command_loop_;

@@ -35,8 +35,9 @@ enum class AgentRpc : int {
   kReadBlocks,
   kRunAttention,
   kStats,
+  kFetch,
 };
-inline constexpr int kNumAgentRpcs = 6;
+inline constexpr int kNumAgentRpcs = 7;
 absl::string_view RpcName(AgentRpc rpc);
 
 using AgentRpcRecorder = PrometheusRpcRecorder<AgentRpc, kNumAgentRpcs>;
@@ -53,6 +54,11 @@ class AgentMetrics {
   // for unary calls, kvcm_agent_rpc_duration_seconds{rpc}.
   AgentRpcRecorder* rpcs() { return rpcs_.get(); }
 
+  // One pull of blocks from a peer ended with `status`, having moved `bytes` in `elapsed`:
+  // kvcm_transfer_bytes_total and kvcm_transfer_seconds on success,
+  // kvcm_transfer_failures_total{reason=<code>} otherwise.
+  void RecordTransfer(const absl::Status& status, uint64_t bytes, absl::Duration elapsed);
+
   // What an exposer should serve: the RPC registry and the pool collector.
   std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
 
@@ -65,6 +71,9 @@ class AgentMetrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<PoolCollector> pool_collector_;
   std::unique_ptr<AgentRpcRecorder> rpcs_;
+  prometheus::Counter* transfer_bytes_ = nullptr;
+  prometheus::Histogram* transfer_seconds_ = nullptr;
+  prometheus::Family<prometheus::Counter>* transfer_failures_ = nullptr;
 };
 
 }  // namespace kvcm

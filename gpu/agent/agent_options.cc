@@ -3,6 +3,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/model_catalog.h"
+#include "gpu/agent/tcp_transport.h"
 
 namespace kvcm {
 namespace {
@@ -47,6 +48,11 @@ absl::Status AgentOptions::Validate() const {
   if (manager_address.empty()) return Invalid("manager_address", "is required");
   if (listen_address.empty() || !absl::StrContains(listen_address, ':')) {
     return Invalid("listen_address", "must be host:port");
+  }
+  if (transfer_io_timeout_ms < 1) return Invalid("transfer_io_timeout_ms", "must be >= 1");
+  if (absl::Status s = TcpTransportOptions{.listen_address = data_listen_address}.Validate();
+      !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("data_", s.message()));  // data_listen_address
   }
   if (device_index < 0) return Invalid("device_index", "must be >= 0");
   if (tier != Tier::kGpu && tier != Tier::kHost && tier != Tier::kDisk) {

@@ -22,6 +22,11 @@ struct AgentOptions {
   std::string manager_address = "127.0.0.1:50051";
   // Where this agent serves BlockAgent, "host:port" (port 0 picks a free one).
   std::string listen_address = "127.0.0.1:0";
+  // Where peers pull this agent's blocks (the TCP transport's data port), "a.b.c.d:port"
+  // (port 0 picks a free one).
+  std::string data_listen_address = "127.0.0.1:0";
+  // A peer silent for this long fails a transfer. >= 1.
+  uint32_t transfer_io_timeout_ms = 10'000;
   // CUDA device of the pool when one is present. >= 0.
   int device_index = 0;
   // False forces the host backend even on a machine with a GPU.

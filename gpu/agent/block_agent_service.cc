@@ -20,8 +20,29 @@ constexpr int kMaxIdsPerRequest = 1 << 20;
 }  // namespace
 
 BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
-                                     const AgentEpoch* epoch, AgentMetrics* metrics)
-    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics->rpcs()) {}
+                                     const AgentEpoch* epoch, AgentMetrics* metrics,
+                                     Fetcher* fetcher)
+    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics->rpcs()), fetcher_(fetcher) {}
+
+grpc::ServerUnaryReactor* BlockAgentService::Fetch(grpc::CallbackServerContext* ctx,
+                                                   const v1::FetchRequest* req,
+                                                   v1::FetchResponse* resp) {
+  return rpc_.UnaryAsync(
+      ctx, AgentRpc::kFetch, [&](std::function<void(const absl::Status&)> finish) {
+        if (fetcher_ == nullptr) {
+          finish(absl::UnimplementedError("this agent has no transport"));
+          return;
+        }
+        fetcher_->Fetch(*req, [resp, finish](absl::StatusOr<FetchResult> r) {
+          if (r.ok()) {
+            resp->mutable_block_ids()->Add(r->block_ids.begin(), r->block_ids.end());
+            resp->set_fetched_pages(r->fetched_pages);
+            resp->set_bytes(r->bytes);
+          }
+          finish(r.status());
+        });
+      });
+}
 
 grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
                                                       const v1::AllocateBlocksRequest* req,

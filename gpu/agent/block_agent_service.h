@@ -15,15 +15,17 @@
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
+#include "gpu/agent/fetcher.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace kvcm {
 
 class BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
-  // None of the pointers is owned; all must outlive the service.
+  // None of the pointers is owned; all must outlive the service. Fetch answers
+  // UNIMPLEMENTED when `fetcher` is null (an agent without a transport).
   BlockAgentService(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-                    AgentMetrics* metrics);
+                    AgentMetrics* metrics, Fetcher* fetcher = nullptr);
 
   grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx,
                                      const v1::AllocateBlocksRequest* req,
@@ -40,12 +42,15 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx,
                                   const v1::BlockAgentStatsRequest* req,
                                   v1::BlockAgentStatsResponse* resp) override;
+  grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
+                                  v1::FetchResponse* resp) override;
 
  private:
   const AgentOptions& options_;
   const AgentPools pools_;
   const AgentEpoch* const epoch_;
   RpcRunner<AgentRpc> rpc_;
+  Fetcher* const fetcher_;
 };
 
 }  // namespace kvcm

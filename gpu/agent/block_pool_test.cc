@@ -267,7 +267,7 @@ TEST(BlockPoolTest, CopyBlocksToCopiesWholeBlocksInEveryDirection) {
     return *BlockPool::Create(g, std::move(backend));
   };
   const uint64_t bpb = g.bytes_per_block();
-  for (const auto [src_device, dst_device] :
+  for (const auto& [src_device, dst_device] :
        {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
     SCOPED_TRACE(::testing::Message()
                  << "src device " << src_device << ", dst device " << dst_device);

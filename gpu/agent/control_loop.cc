@@ -34,12 +34,14 @@ std::chrono::system_clock::time_point InventoryDeadline(size_t chunks) {
 
 ControlLoop::ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
                          v1::AgentControl::Stub* control, std::string block_agent_address,
-                         const NamespaceSpecs* specs, std::function<void()> on_new_epoch)
+                         std::string data_address, const NamespaceSpecs* specs,
+                         std::function<void()> on_new_epoch)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
       control_(control),
       block_agent_address_(std::move(block_agent_address)),
+      data_address_(std::move(data_address)),
       specs_(specs),
       on_new_epoch_(std::move(on_new_epoch)) {}
 
@@ -85,6 +87,7 @@ absl::Status ControlLoop::Register() {
   }
   req.set_epoch(epoch_->current());
   req.set_block_agent_address(block_agent_address_);
+  req.set_data_address(data_address_);
   v1::RegisterAgentResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(CallDeadline(options_));

@@ -49,7 +49,8 @@ class ControlLoop {
   // after each epoch renewal. The pointers are not owned and must outlive the loop.
   ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
               v1::AgentControl::Stub* control, std::string block_agent_address,
-              const NamespaceSpecs* specs, std::function<void()> on_new_epoch);
+              std::string data_address, const NamespaceSpecs* specs,
+              std::function<void()> on_new_epoch);
   // Stops the thread.
   ~ControlLoop();
   ControlLoop(const ControlLoop&) = delete;
@@ -81,6 +82,7 @@ class ControlLoop {
   AgentEpoch* const epoch_;
   v1::AgentControl::Stub* const control_;
   const std::string block_agent_address_;
+  const std::string data_address_;
   const NamespaceSpecs* const specs_;
   const std::function<void()> on_new_epoch_;
   absl::Notification stop_;

@@ -156,7 +156,7 @@ class ControlLoopTest : public ::testing::Test {
   void StartLoop() {
     loop_ = std::make_unique<ControlLoop>(
         &options_, AgentPools{.main = gpu_.get(), .host = host_.get()}, &epoch_, stub_.get(),
-        "127.0.0.1:1", &specs_, [this] { ++new_epochs_; });
+        "127.0.0.1:1", "127.0.0.1:2", &specs_, [this] { ++new_epochs_; });
     loop_->Start();
   }
 

@@ -34,6 +34,10 @@ ABSL_FLAG(std::string, manager_address, kDefaults.manager_address,
           "kvcm-manager gRPC address host:port.");
 ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
           "BlockAgent gRPC address host:port (port 0 picks a free one).");
+ABSL_FLAG(std::string, data_listen_address, kDefaults.data_listen_address,
+          "where peers pull this agent's blocks (TCP), a.b.c.d:port; port 0 picks one");
+ABSL_FLAG(uint32_t, transfer_io_timeout_ms, kDefaults.transfer_io_timeout_ms,
+          "a peer silent this long fails a transfer");
 ABSL_FLAG(int, device_index, kDefaults.device_index, "CUDA device of the pool.");
 ABSL_FLAG(bool, use_device, kDefaults.use_device,
           "Use the GPU when present; false forces host DRAM.");
@@ -85,6 +89,8 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.agent_id = absl::GetFlag(FLAGS_agent_id);
   o.manager_address = absl::GetFlag(FLAGS_manager_address);
   o.listen_address = absl::GetFlag(FLAGS_listen_address);
+  o.data_listen_address = absl::GetFlag(FLAGS_data_listen_address);
+  o.transfer_io_timeout_ms = absl::GetFlag(FLAGS_transfer_io_timeout_ms);
   o.device_index = absl::GetFlag(FLAGS_device_index);
   o.use_device = absl::GetFlag(FLAGS_use_device);
   o.tier = OrFail(kvcm::ParseTier(absl::GetFlag(FLAGS_tier), "--tier"));

@@ -40,6 +40,7 @@ struct AgentRegistration {
   // Capacity of the agent's HOST pool (the demotion target); 0 when it has none.
   uint64_t host_capacity_bytes = 0;
   std::string block_agent_address;
+  std::string data_address;  // where peers pull its blocks; may be empty
   // Geometry of the pools: bytes of one block, and blocks in the main and HOST pools (0:
   // no HOST pool).
   uint64_t bytes_per_block = 0;

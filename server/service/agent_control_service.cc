@@ -36,6 +36,9 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
     return Invalid("block_agent_address",
                    absl::StrCat("must be at most ", kMaxAddressBytes, " bytes"));
   }
+  if (req.data_address().size() > kMaxAddressBytes) {
+    return Invalid("data_address", absl::StrCat("must be at most ", kMaxAddressBytes, " bytes"));
+  }
   switch (req.tier()) {
     case v1::TIER_GPU:
     case v1::TIER_HOST:
@@ -99,6 +102,7 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   r.epoch = req.epoch();
   r.capacity_bytes = req.capacity_bytes();
   r.block_agent_address = req.block_agent_address();
+  r.data_address = req.data_address();
   r.bytes_per_block = bytes_per_block;
   r.num_blocks = g.num_blocks();
   return call;
@@ -128,6 +132,7 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
     s->set_free_blocks(a.free_blocks);
     s->set_heartbeats(a.heartbeats);
     s->set_block_agent_address(a.registration.block_agent_address);
+    s->set_data_address(a.registration.data_address);
   }
 }
 

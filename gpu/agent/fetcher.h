@@ -1,0 +1,64 @@
+// Fetcher: BlockAgent.Fetch's work — a new replica of a prompt's pages in this agent's pool,
+// pulled from another agent's pool. It allocates blocks for the namespace, pulls the bytes
+// through the Transport, then inserts the prompt into this pool at the manager, which
+// commits the blocks here (CommitBlocks) before indexing them. Blocks of a failed pull or
+// insert, and blocks of pages the pool already held, go back to the free list: a fetch
+// leaks nothing whatever fails, on either side.
+//
+// Thread-safe: Fetch may run concurrently; each fetch's completion runs on a transport
+// thread.
+#ifndef KVCM_GPU_AGENT_FETCHER_H_
+#define KVCM_GPU_AGENT_FETCHER_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/page_hash.h"
+#include "common/types.h"
+#include "gpu/agent/agent_metrics.h"
+#include "gpu/agent/agent_state.h"
+#include "gpu/agent/transport.h"
+#include "kvcm/v1/agent.pb.h"
+#include "kvcm/v1/cache_manager.grpc.pb.h"
+
+namespace kvcm {
+
+struct FetchResult {
+  std::vector<BlockId> block_ids;  // this pool's block of every page, as indexed
+  uint32_t fetched_pages = 0;
+  uint64_t bytes = 0;
+};
+
+using FetchDone = std::function<void(absl::StatusOr<FetchResult> result)>;
+
+class Fetcher {
+ public:
+  // None of the pointers is owned; all must outlive the fetcher and its fetches.
+  Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const AgentEpoch* epoch,
+          Transport* transport, v1::CacheManager::Stub* manager, AgentMetrics* metrics);
+
+  // Runs `req` (BlockAgent.Fetch); `done` runs exactly once, inline for a request refused
+  // before anything was allocated, else on a transport thread. Errors as documented on
+  // BlockAgent.Fetch.
+  void Fetch(const v1::FetchRequest& req, FetchDone done);
+
+ private:
+  struct Job;
+  void OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, FetchDone done);
+  void FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch);
+
+  const std::string agent_id_;
+  const Tier main_tier_;
+  const AgentPools pools_;
+  const AgentEpoch* const epoch_;
+  Transport* const transport_;
+  v1::CacheManager::Stub* const manager_;
+  AgentMetrics* const metrics_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_GPU_AGENT_FETCHER_H_
