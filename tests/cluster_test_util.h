@@ -36,9 +36,10 @@ inline std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
 inline constexpr uint64_t kBlockBytes = 1152ull * 61 * 64;  // a DeepSeek-V3 bf16 page
 
 inline std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uint64_t blocks,
-                                         uint64_t host_blocks = 0) {
+                                         uint64_t host_blocks = 0,
+                                         const std::string& agent_id = "gpu-3") {
   AgentOptions o;
-  o.agent_id = "gpu-3";
+  o.agent_id = agent_id;
   o.manager_address = manager_address;
   o.use_device = false;
   o.capacity_bytes = blocks * kBlockBytes;

@@ -64,6 +64,7 @@ class Agent {
   // The host pool; null when host_capacity_bytes is 0.
   BlockPool* host_pool() { return host_pool_.get(); }
   const AgentOptions& options() const { return options_; }
+  AgentMetrics& metrics() { return *metrics_; }
   // Whether the last Register or Heartbeat succeeded.
   bool registered() const { return epoch_.registered(); }
 

@@ -1,0 +1,180 @@
+// BlockAgent.Fetch end to end, in process: a manager and two agents (host pools, TCP
+// transport). A prompt cached on agent A is fetched by agent B: B's copy holds A's bytes bit
+// for bit and the index lists both replicas. A source block evicted since the Match, or an
+// unreachable source, fails the fetch with B's pool as it was (nothing leaked), and the
+// transfer metrics count bytes and failures by reason.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "common/credentials.h"
+#include "common/page_hash.h"
+#include "gmock/gmock.h"
+#include "gpu/agent/agent.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "server/service/manager_server.h"
+#include "tests/agent_test_util.h"
+#include "tests/cluster_test_util.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::AllocateIn;
+using ::kvcm::testing::BlockAgentStub;
+using ::kvcm::testing::Bytes;
+using ::kvcm::testing::ConnectAndRegister;
+using ::kvcm::testing::FreeBlocksOf;
+using ::kvcm::testing::kBlockBytes;
+using ::kvcm::testing::ReadAll;
+using ::kvcm::testing::StartAgent;
+using ::kvcm::testing::StartManager;
+using ::kvcm::testing::Tokens;
+using ::kvcm::testing::WaitFor;
+using ::kvcm::testing::WriteAll;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kBlocks = 8;
+
+class FetchTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    manager_ = StartManager();
+    a_ = StartAgent(manager_->address(), kBlocks, 0, "gpu-a");
+    b_ = StartAgent(manager_->address(), kBlocks, 0, "gpu-b");
+    ASSERT_TRUE(WaitFor([&] { return a_->registered() && b_->registered(); }));
+    spec_ = a_->pool().geometry().spec;
+    client_ = ConnectAndRegister(manager_->address(), ns_, spec_);
+    ASSERT_NE(client_, nullptr);
+    absl::StatusOr<RegisterModelReply> reg = client_->RegisterModel(ns_, spec_);
+    ASSERT_TRUE(reg.ok());
+    fingerprint_ = reg->key_fingerprint;
+    ba_ = BlockAgentStub(*a_);
+    bb_ = BlockAgentStub(*b_);
+  }
+
+  // Caches `pages` pages of prompt `seed` on A with random bytes; returns the bytes.
+  std::string CacheOnA(int seed, size_t pages) {
+    const std::vector<int32_t> tokens = Tokens(pages, spec_.page_size_tokens, seed);
+    const std::vector<BlockId> blocks = AllocateIn(*ba_, pages, a_->epoch(), ns_);
+    const std::string bytes = Bytes(pages * a_->pool().geometry().bytes_per_block(), seed);
+    EXPECT_TRUE(WriteAll(*ba_, blocks, a_->epoch(), bytes).ok());
+    EXPECT_TRUE(client_->Insert(ns_, tokens, PoolRef{"gpu-a", Tier::kGpu}, blocks).ok());
+    return bytes;
+  }
+
+  // The blocks each agent's pool holds for prompt `seed`, by agent id.
+  std::map<std::string, std::vector<BlockId>> Replicas(int seed, size_t pages) {
+    absl::StatusOr<MatchReply> m =
+        client_->Match(ns_, Tokens(pages, spec_.page_size_tokens, seed), {.probe = true});
+    std::map<std::string, std::vector<BlockId>> out;
+    if (!m.ok()) return out;
+    for (const MatchReply::Segment& seg : m->segments) {
+      for (const MatchReply::Replica& r : seg.replicas) {
+        auto& blocks = out[r.pool.agent_id];
+        blocks.insert(blocks.end(), r.block_ids.begin(), r.block_ids.end());
+      }
+    }
+    return out;
+  }
+
+  v1::FetchRequest Request(int seed, size_t pages, const std::vector<BlockId>& source) {
+    v1::FetchRequest req;
+    req.mutable_namespace_()->set_tenant(ns_.tenant);
+    req.mutable_namespace_()->set_model(ns_.model);
+    absl::StatusOr<std::vector<PageHash>> hashes =
+        manager_->index().HashTokens(ns_, Tokens(pages, spec_.page_size_tokens, seed));
+    EXPECT_TRUE(hashes.ok());
+    req.mutable_prompt()->set_page_hashes(EncodePageHashes(*hashes));
+    req.mutable_prompt()->mutable_scheme()->set_version(kPageHashVersion);
+    req.mutable_prompt()->mutable_scheme()->set_page_size_tokens(spec_.page_size_tokens);
+    req.mutable_prompt()->mutable_scheme()->set_key_fingerprint(fingerprint_);
+    req.set_source_data_address(a_->data_address());
+    req.mutable_source_block_ids()->Add(source.begin(), source.end());
+    return req;
+  }
+
+  grpc::Status Fetch(const v1::FetchRequest& req, v1::FetchResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return bb_->Fetch(&ctx, req, resp);
+  }
+
+  std::unique_ptr<ManagerServer> manager_;
+  std::unique_ptr<Agent> a_, b_;
+  ModelSpec spec_;
+  const NamespaceId ns_{"acme", "deepseek-v3"};
+  std::unique_ptr<Client> client_;
+  uint64_t fingerprint_ = 0;
+  std::unique_ptr<v1::BlockAgent::Stub> ba_, bb_;
+};
+
+TEST_F(FetchTest, APrefixCachedOnAIsFetchedByBAndIndexedAsASecondReplica) {
+  const std::string bytes = CacheOnA(1, 3);
+  const std::vector<BlockId> on_a = Replicas(1, 3)["gpu-a"];
+  ASSERT_EQ(on_a.size(), 3u);
+
+  v1::FetchResponse resp;
+  grpc::Status s = Fetch(Request(1, 3, on_a), &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.fetched_pages(), 3u);
+  EXPECT_EQ(resp.bytes(), bytes.size());
+  const std::vector<BlockId> on_b(resp.block_ids().begin(), resp.block_ids().end());
+  EXPECT_EQ(Replicas(1, 3)["gpu-b"], on_b);
+  EXPECT_EQ(Replicas(1, 3)["gpu-a"], on_a);
+  // B's copy holds A's bytes, bit for bit, and belongs to the cache (committed).
+  absl::StatusOr<std::string> copy = ReadAll(*bb_, on_b, b_->epoch());
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_TRUE(*copy == bytes);
+  EXPECT_EQ(b_->pool().Stats().committed_blocks, 3u);
+  EXPECT_EQ(FreeBlocksOf(*bb_), kBlocks - 3);
+  EXPECT_THAT(b_->metrics().RenderText(),
+              HasSubstr(absl::StrCat("kvcm_transfer_bytes_total ", bytes.size())));
+
+  // Fetching again: the pages are there already; B's new blocks are handed back and freed.
+  v1::FetchResponse again;
+  ASSERT_TRUE(Fetch(Request(1, 3, on_a), &again).ok());
+  EXPECT_EQ(std::vector<BlockId>(again.block_ids().begin(), again.block_ids().end()), on_b);
+  EXPECT_EQ(FreeBlocksOf(*bb_), kBlocks - 3);
+}
+
+TEST_F(FetchTest, AFailedFetchLeavesTheDestinationAsItWas) {
+  CacheOnA(2, 2);
+  const std::vector<BlockId> on_a = Replicas(2, 2)["gpu-a"];
+  ASSERT_EQ(on_a.size(), 2u);
+  // A evicts the prompt after the Match: its blocks no longer hold the pages.
+  ASSERT_TRUE(client_->EvictFromPool(PoolRef{"gpu-a", Tier::kGpu}, 2 * kBlockBytes).ok());
+  ASSERT_TRUE(WaitFor([&] { return FreeBlocksOf(*ba_) == kBlocks; }));
+
+  v1::FetchResponse resp;
+  grpc::Status stale = Fetch(Request(2, 2, on_a), &resp);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << stale.error_message();
+  EXPECT_THAT(stale.error_message(), HasSubstr("no longer holds page"));
+
+  v1::FetchRequest nowhere = Request(2, 2, on_a);
+  nowhere.set_source_data_address("127.0.0.1:1");
+  EXPECT_EQ(Fetch(nowhere, &resp).error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  v1::FetchRequest bad = Request(2, 2, on_a);
+  bad.clear_source_block_ids();
+  grpc::Status invalid = Fetch(bad, &resp);
+  EXPECT_EQ(invalid.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(invalid.error_message(), HasSubstr("source_block_ids"));
+
+  // Nothing leaked on B and nothing was indexed there.
+  EXPECT_EQ(FreeBlocksOf(*bb_), kBlocks);
+  EXPECT_TRUE(Replicas(2, 2).empty());
+  const std::string metrics = b_->metrics().RenderText();
+  EXPECT_THAT(metrics, HasSubstr("kvcm_transfer_failures_total{reason=\"FAILED_PRECONDITION\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("kvcm_transfer_failures_total{reason=\"UNAVAILABLE\"} 1"));
+}
+
+}  // namespace
+}  // namespace kvcm
