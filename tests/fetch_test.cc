@@ -168,6 +168,16 @@ TEST_F(FetchTest, AFailedFetchLeavesTheDestinationAsItWas) {
   EXPECT_EQ(invalid.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(invalid.error_message(), HasSubstr("source_block_ids"));
 
+  // Tiers that are no tier at all (257 would wrap to TIER_GPU in a one-byte Tier).
+  v1::FetchRequest wrap = Request(2, 2, on_a);
+  wrap.set_tier(static_cast<v1::Tier>(257));
+  EXPECT_EQ(Fetch(wrap, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  wrap = Request(2, 2, on_a);
+  wrap.set_source_tier(static_cast<v1::Tier>(99));
+  grpc::Status source_tier = Fetch(wrap, &resp);
+  EXPECT_EQ(source_tier.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(source_tier.error_message(), HasSubstr("source_tier 99"));
+
   // Nothing leaked on B and nothing was indexed there.
   EXPECT_EQ(FreeBlocksOf(*bb_), kBlocks);
   EXPECT_TRUE(Replicas(2, 2).empty());

@@ -24,6 +24,21 @@ struct AgentPools {
   BlockPool* main = nullptr;
   // The host-DRAM pool the manager demotes into; null when host_capacity_bytes is 0.
   BlockPool* host = nullptr;
+
+  // The pool a message names by `tier`: `main` for the tier it is registered as
+  // (`main_tier`), `host` for Tier::kHost; null for any other tier or a missing host pool.
+  BlockPool* ForTier(Tier main_tier, Tier tier) const {
+    if (tier == main_tier) return main;
+    return tier == Tier::kHost ? host : nullptr;
+  }
+  // The same for a tier as it came on the wire (a v1::Tier value, which may be any int):
+  // null unless it is one of the Tier values, so that no value wraps into one.
+  BlockPool* ForWireTier(Tier main_tier, int wire_tier) const {
+    if (wire_tier < static_cast<int>(Tier::kGpu) || wire_tier > static_cast<int>(Tier::kDisk)) {
+      return nullptr;
+    }
+    return ForTier(main_tier, static_cast<Tier>(wire_tier));
+  }
 };
 
 // Frees every block allocated to `epoch` in both pools; returns how many.

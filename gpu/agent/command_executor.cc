@@ -6,6 +6,7 @@
 #include "common/page_hash.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_proto.h"
+#include "gpu/agent/agent_state.h"
 #include "proto/core_types.h"
 
 namespace kvcm {
@@ -91,12 +92,7 @@ v1::AgentCommandAck CommandExecutor::Execute(const v1::AgentCommand& command) {
 }
 
 absl::StatusOr<BlockPool*> CommandExecutor::PoolOf(v1::Tier tier, absl::string_view field) const {
-  BlockPool* pool = nullptr;
-  if (tier == static_cast<v1::Tier>(tier_)) {
-    pool = pool_;
-  } else if (tier == v1::TIER_HOST) {
-    pool = host_pool_;
-  }
+  BlockPool* pool = AgentPools{.main = pool_, .host = host_pool_}.ForWireTier(tier_, tier);
   if (pool == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " ", static_cast<int>(tier), " is not a pool of this agent"));

@@ -58,11 +58,14 @@ void Fetcher::Fetch(const v1::FetchRequest& req, FetchDone done) {
                                      pages, " pages, with at least one page to fetch")));
   }
   if (req.source_data_address().empty()) return done(Invalid("source_data_address is required"));
-  job->tier = req.tier() == v1::TIER_UNSPECIFIED ? main_tier_ : static_cast<Tier>(req.tier());
-  job->pool = job->tier == main_tier_    ? pools_.main
-              : job->tier == Tier::kHost ? pools_.host
-                                         : nullptr;
+  job->pool =
+      req.tier() == v1::TIER_UNSPECIFIED ? pools_.main : pools_.ForWireTier(main_tier_, req.tier());
   if (job->pool == nullptr) return done(Invalid("tier is not a pool of this agent"));
+  job->tier = req.tier() == v1::TIER_UNSPECIFIED ? main_tier_ : static_cast<Tier>(req.tier());
+  if (req.source_tier() < v1::TIER_UNSPECIFIED || req.source_tier() > v1::TIER_DISK) {
+    return done(Invalid(
+        absl::StrCat("source_tier ", static_cast<int>(req.source_tier()), " is not a tier")));
+  }
 
   job->epoch = epoch_->current();
   absl::StatusOr<std::vector<BlockId>> blocks =

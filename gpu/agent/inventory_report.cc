@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/page_hash.h"
+#include "gpu/agent/agent_state.h"
 #include "proto/core_types.h"
 
 namespace kvcm {
@@ -78,12 +79,7 @@ InventoryFreeResult FreeInventoryRefusals(const v1::InventoryReply& reply, uint6
   };
   for (const v1::PoolBlocks& list : reply.to_free()) {
     if (list.block_ids_size() == 0) continue;
-    BlockPool* target = nullptr;
-    if (list.tier() == static_cast<v1::Tier>(tier)) {
-      target = &pool;
-    } else if (list.tier() == v1::TIER_HOST) {
-      target = host_pool;
-    }
+    BlockPool* target = AgentPools{.main = &pool, .host = host_pool}.ForWireTier(tier, list.tier());
     if (target == nullptr) {
       refuse(list.block_ids_size(),
              absl::InvalidArgumentError(absl::StrCat("to_free.tier ", static_cast<int>(list.tier()),

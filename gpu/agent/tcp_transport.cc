@@ -22,7 +22,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/enum_names.h"
 #include "kvcm/v1/agent.pb.h"
 #include "proto/core_types.h"
 
@@ -256,24 +255,18 @@ class TcpTransport final : public Transport {
     }
   }
 
-  BlockPool* PoolOf(Tier tier) const {
-    if (tier == main_tier_) return pools_.main;
-    if (tier == Tier::kHost) return pools_.host;
-    return nullptr;
-  }
-
   // One served pull: the request, the header, then every block or an error.
   void Serve(int fd) {
     v1::PullBlocksRequest req;
     if (!RecvFrame(fd, &req).ok()) return;
-    BlockPool* pool = PoolOf(static_cast<Tier>(req.tier()));
+    BlockPool* pool = pools_.ForWireTier(main_tier_, req.tier());
     const uint64_t block_bytes = pool != nullptr ? pool->geometry().bytes_per_block() : 0;
     absl::StatusOr<NamespaceId> ns =
         NamespaceFromProto(req.has_namespace_() ? &req.namespace_() : nullptr, "namespace");
     absl::Status check;
     if (pool == nullptr) {
-      check = absl::InvalidArgumentError(absl::StrCat(
-          "tier ", TierName(static_cast<Tier>(req.tier())), " is not a pool of this agent"));
+      check = absl::InvalidArgumentError(
+          absl::StrCat("tier ", static_cast<int>(req.tier()), " is not a pool of this agent"));
     } else if (!ns.ok()) {
       check = ns.status();
     } else if (req.block_ids_size() == 0) {

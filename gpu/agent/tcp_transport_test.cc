@@ -162,6 +162,12 @@ TEST_F(TcpTransportTest, BadSpecsAndUnreachablePeersAreErrors) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(r.status().message(), HasSubstr("not a pool of this agent"));
 
+  Outcome wraps;  // a value no Tier names
+  spec = Spec(from, 0, into);
+  spec.peer_tier = static_cast<Tier>(4);
+  tb_->Pull(spec, wraps.Done());
+  EXPECT_EQ(wraps.Wait().status().code(), absl::StatusCode::kInvalidArgument);
+
   Outcome nobody;
   spec = Spec(from, 0, into);
   spec.peer_address = "127.0.0.1:1";
