@@ -20,17 +20,12 @@ namespace kvcm {
 namespace {
 
 using ::kvcm::testing::FreePort;
+using ::kvcm::testing::OutputField;
 using ::kvcm::testing::ProcessResult;
+using ::kvcm::testing::ReadFile;
 using ::kvcm::testing::Subprocess;
 
 constexpr int kHeartbeatTimeoutMs = 500;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // The AGENTS row of `agent_id` in `kvcmctl stats` output; empty when absent.
 std::string AgentRow(const std::string& stats, const std::string& agent_id) {
@@ -48,14 +43,6 @@ uint64_t RowEpoch(const std::string& row) {
   uint64_t epoch = 0;
   if (cols.size() < 5 || !absl::SimpleAtoi(cols[4], &epoch)) return 0;
   return epoch;
-}
-
-// The value of a "name: value" line of kvcmctl output; "" when absent.
-std::string Field(const std::string& out, const std::string& name) {
-  for (absl::string_view line : absl::StrSplit(out, '\n')) {
-    if (absl::ConsumePrefix(&line, name + ": ")) return std::string(line);
-  }
-  return "";
 }
 
 class AgentProcessTest : public ::testing::Test {
@@ -233,15 +220,15 @@ TEST_F(AgentProcessTest, RestartedAgentRegistersANewEpochAndItsOldPagesAreDroppe
   std::vector<std::string> insert = {"insert", "--agent=gpu0", "--tier=gpu"};
   insert.insert(insert.end(), prompt.begin(), prompt.end());
   out = CtlOk(insert);
-  EXPECT_EQ(Field(out, "pool"), "gpu0:gpu") << out;
-  EXPECT_EQ(Field(out, "new_pages"), "4") << out;
-  EXPECT_EQ(Field(out, "block_ids"), "0,1,2,3") << out;
-  EXPECT_EQ(Field(out, "agent_epoch"), absl::StrCat(old_epoch)) << out;
+  EXPECT_EQ(OutputField(out, "pool"), "gpu0:gpu") << out;
+  EXPECT_EQ(OutputField(out, "new_pages"), "4") << out;
+  EXPECT_EQ(OutputField(out, "block_ids"), "0,1,2,3") << out;
+  EXPECT_EQ(OutputField(out, "agent_epoch"), absl::StrCat(old_epoch)) << out;
   std::vector<std::string> match = {"match"};
   match.insert(match.end(), prompt.begin(), prompt.end());
   out = CtlOk(match);
-  EXPECT_EQ(Field(out, "prompt_pages"), "4") << out;
-  EXPECT_EQ(Field(out, "matched_pages"), "4") << out;
+  EXPECT_EQ(OutputField(out, "prompt_pages"), "4") << out;
+  EXPECT_EQ(OutputField(out, "matched_pages"), "4") << out;
   EXPECT_THAT(out, ::testing::HasSubstr("gpu0:gpu blocks 0,1,2,3"));
   out = CtlOk({"stats"});
   EXPECT_THAT(out, ::testing::ContainsRegex("\ngpu0 +gpu +[^\n]* 4 +[0-9.]+\n")) << out;
@@ -263,8 +250,8 @@ TEST_F(AgentProcessTest, RestartedAgentRegistersANewEpochAndItsOldPagesAreDroppe
               ::testing::HasSubstr(absl::StrCat("as gpu0 epoch ", new_epoch)));
 
   out = CtlOk(match);
-  EXPECT_EQ(Field(out, "prompt_pages"), "4") << out;
-  EXPECT_EQ(Field(out, "matched_pages"), "0") << out;
+  EXPECT_EQ(OutputField(out, "prompt_pages"), "4") << out;
+  EXPECT_EQ(OutputField(out, "matched_pages"), "0") << out;
   EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("gpu0:gpu blocks")));
   // The pool's row comes to count no page (PAGES 0, USED% 0.00; polled, as the index may
   // sweep a dropped pool's pages after the fact); one agent row, the new epoch's.

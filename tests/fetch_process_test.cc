@@ -32,21 +32,12 @@ namespace {
 
 using ::kvcm::testing::FreePort;
 using ::kvcm::testing::Subprocess;
+using ::kvcm::testing::WaitUntil;
 
 constexpr uint64_t kPageBytes = 1152ull * 61 * 64;  // DeepSeek-V3 bf16, 64 tokens
 constexpr uint32_t kPages = 64;
 constexpr uint64_t kAgentBlocks = 70;
 const NamespaceId kNs{"acme", "deepseek-v3"};
-
-template <typename Pred>
-bool WaitUntil(Pred pred, absl::Duration timeout) {
-  const absl::Time give_up = absl::Now() + timeout;
-  while (!pred()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return true;
-}
 
 class FetchProcessTest : public ::testing::Test {
  protected:

@@ -40,14 +40,8 @@ using ::testing::Not;
 using ::kvcm::testing::FreePort;
 using ::kvcm::testing::HttpGet;
 using ::kvcm::testing::ProcessResult;
+using ::kvcm::testing::ReadFile;
 using ::kvcm::testing::Subprocess;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // The unsigned number after "key: " in `text`; 0 when absent.
 uint64_t Field(const std::string& text, const std::string& key) {

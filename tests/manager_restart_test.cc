@@ -37,32 +37,17 @@ namespace kvcm {
 namespace {
 
 using ::kvcm::testing::FreePort;
+using ::kvcm::testing::OutputField;
 using ::kvcm::testing::ProcessResult;
+using ::kvcm::testing::ReadFile;
 using ::kvcm::testing::Subprocess;
+using ::kvcm::testing::WaitUntil;
 
 constexpr char kSecret[] = "0123456789abcdef0123456789abcdef";
 constexpr uint64_t kPageBytes = 1152ull * 61 * 64;  // DeepSeek-V3 bf16, 64 tokens
 constexpr uint64_t kAgentBlocks = 32;
 constexpr int kPrompts = 16;  // 3 pages each, alternating agents: no agent fills up
 const NamespaceId kNs{"acme", "deepseek-v3"};
-
-std::string Field(const std::string& out, const std::string& name) {
-  for (absl::string_view line : absl::StrSplit(out, '\n')) {
-    if (absl::ConsumePrefix(&line, name + ": ")) return std::string(line);
-  }
-  return "";
-}
-
-// Polls `pred` every 20 ms until it holds or `timeout` passes.
-template <typename Pred>
-bool WaitUntil(Pred pred, absl::Duration timeout) {
-  const absl::Time give_up = absl::Now() + timeout;
-  while (!pred()) {
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return true;
-}
 
 std::string Agent(int seed) { return absl::StrCat("gpu", seed % 2); }
 
@@ -91,20 +76,9 @@ class ManagerRestartTest : public ::testing::Test {
     }
     for (const char* name : {"manager", "manager2", "gpu0", "gpu1"}) {
       const std::string path = absl::StrCat(base_, "_", name, ".log");
-      if (HasFailure()) std::fprintf(stderr, "--- %s ---\n%s\n", name, Read(path).c_str());
+      if (HasFailure()) std::fprintf(stderr, "--- %s ---\n%s\n", name, ReadFile(path).c_str());
       std::remove(path.c_str());
     }
-  }
-
-  static std::string Read(const std::string& path) {
-    std::string out;
-    if (FILE* f = std::fopen(path.c_str(), "r")) {
-      char buf[4096];
-      size_t n;
-      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
-      std::fclose(f);
-    }
-    return out;
   }
 
   void StartManager(const std::string& log) {
@@ -222,7 +196,7 @@ TEST_F(ManagerRestartTest, KillNineMidLoadLosesNoPageAndLeaksNoBlock) {
         ProcessResult r = Ctl(args);
         if (r.exited && r.exit_code == 0) {
           absl::MutexLock lock(&mu);
-          inserted[seed] = Field(r.out, "block_ids");
+          inserted[seed] = OutputField(r.out, "block_ids");
           break;
         }
         absl::SleepFor(absl::Milliseconds(50));

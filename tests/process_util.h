@@ -14,11 +14,16 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -200,6 +205,33 @@ inline int FreePort() {
   }
   close(fd);
   return port;
+}
+
+// The whole file at `path`; "" when it cannot be read.
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The value of a "name: value" line of kvcmctl output; "" when absent.
+inline std::string OutputField(const std::string& out, const std::string& name) {
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (absl::ConsumePrefix(&line, name + ": ")) return std::string(line);
+  }
+  return "";
+}
+
+// Polls `pred` every 20 ms until it holds (true) or `timeout` passes (false).
+template <typename Pred>
+bool WaitUntil(Pred pred, absl::Duration timeout) {
+  const absl::Time give_up = absl::Now() + timeout;
+  while (!pred()) {
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
 }
 
 }  // namespace kvcm::testing
