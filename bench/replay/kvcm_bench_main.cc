@@ -61,7 +61,10 @@ ABSL_FLAG(std::string, modes, "global,local",
           "local (one independent index per GPU). With --gpus=1 they are the same and only "
           "global runs.");
 ABSL_FLAG(std::string, route, "round-robin",
-          "Request routing: round-robin, hash-of-first-page or least-loaded (fewest running).");
+          "Request routing, by the core's router (the manager's Route RPC): round-robin, "
+          "hash-of-first-page, least-loaded (fewest running) or prefill-saved (most expected "
+          "prefill saved: cached pages, and fetched ones where moving beats recomputing; "
+          "global mode only).");
 ABSL_FLAG(double, prefill_tokens_per_s, 10000,
           "Prefill throughput of one GPU (tokens/s): the cost of an uncached token.");
 ABSL_FLAG(double, decode_ms_per_token, 20, "Decode time per output token (ms).");
@@ -291,7 +294,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::vector<std::string>> mode_names =
       SplitList("modes", absl::GetFlag(FLAGS_modes));
   if (!mode_names.ok()) return Fail(mode_names.status());
-  absl::StatusOr<Route> route = ParseRoute(absl::GetFlag(FLAGS_route));
+  absl::StatusOr<RoutePolicy> route = ParseRoutePolicy(absl::GetFlag(FLAGS_route));
   if (!route.ok()) return Fail(route.status());
   const int32_t gpus = smoke ? 2 : absl::GetFlag(FLAGS_gpus);
   if (gpus < 1) return Fail(absl::InvalidArgumentError("--gpus must be at least 1"));
@@ -322,7 +325,7 @@ int Main(int argc, char** argv) {
   absl::PrintF(
       "model %s (%s), %d GPU(s), route %s, prefill %.0f tokens/s, decode %.1f ms/token, "
       "link %.0f Gbit/s\n",
-      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_kv_dtype), gpus, RouteName(*route),
+      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_kv_dtype), gpus, RoutePolicyName(*route),
       base.prefill_tokens_per_s, base.decode_ms_per_token, base.link_gbps);
   for (const Trace& t : *traces) {
     std::printf("workload %-16s %6zu requests, %9llu pages (%llu distinct) of %u tokens\n",
@@ -359,7 +362,7 @@ int Main(int argc, char** argv) {
                                    .capacity_fraction = capacity,
                                    .mode = std::string(ClusterModeName(mode)),
                                    .gpus = base.gpus,
-                                   .route = std::string(RouteName(*route)),
+                                   .route = std::string(RoutePolicyName(*route)),
                                    .result = *result});
         }
       }
@@ -372,7 +375,7 @@ int Main(int argc, char** argv) {
       {"model", absl::GetFlag(FLAGS_model)},
       {"kv_dtype", absl::GetFlag(FLAGS_kv_dtype)},
       {"gpus", absl::StrCat(gpus)},
-      {"route", std::string(RouteName(*route))},
+      {"route", std::string(RoutePolicyName(*route))},
       {"prefill_tokens_per_s", absl::StrCat(base.prefill_tokens_per_s)},
       {"decode_ms_per_token", absl::StrCat(base.decode_ms_per_token)},
       {"link_gbps", absl::StrCat(base.link_gbps)},

@@ -492,15 +492,33 @@ TEST(ReplayTest, RoutesSpreadOrConcentrateRequests) {
   options.spec = Spec(16);
   options.gpus = 3;
   options.mode = ClusterMode::kLocal;
-  options.route = Route::kFirstPageHash;
+  options.route = RoutePolicy::kFirstPageHash;
   absl::StatusOr<ReplayResult> by_hash = Replay(trace, options);
   ASSERT_TRUE(by_hash.ok()) << by_hash.status();
-  options.route = Route::kLeastLoaded;
+  options.route = RoutePolicy::kLeastLoaded;
   absl::StatusOr<ReplayResult> least = Replay(trace, options);
   ASSERT_TRUE(least.ok()) << least.status();
   // Routing by the first page sends each system prompt to one GPU: it is computed once.
   EXPECT_EQ(by_hash->hit_pages, (trace.requests.size() - 3) * 12);
   EXPECT_LT(least->hit_pages, by_hash->hit_pages);
+}
+
+TEST(ReplayTest, PrefillSavedRoutingMovesLessThanRoundRobin) {
+  const Trace trace = SmallTraces()[0];  // chat: 3 system prompts
+  ReplayOptions options;
+  options.spec = Spec(16);
+  options.gpus = 2;  // three system prompts do not follow a 2-way round-robin
+  options.route = RoutePolicy::kRoundRobin;
+  absl::StatusOr<ReplayResult> rr = Replay(trace, options);
+  ASSERT_TRUE(rr.ok()) << rr.status();
+  options.route = RoutePolicy::kPrefillSaved;
+  absl::StatusOr<ReplayResult> saved = Replay(trace, options);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  // Round-robin hits the system prompts through transfers; routing by prefill saved sends
+  // each request where its prompt already is, so the same hits need fewer transfers.
+  EXPECT_GT(rr->transferred_pages, 0u);
+  EXPECT_LT(saved->transferred_pages, rr->transferred_pages);
+  EXPECT_GE(saved->hit_pages, rr->hit_pages);
 }
 
 TEST(ReplayTest, RejectsBadOptions) {
@@ -514,7 +532,11 @@ TEST(ReplayTest, RejectsBadOptions) {
   options.policy = "lru";
   options.capacity_fraction = 0;
   EXPECT_TRUE(absl::IsInvalidArgument(Replay(trace, options).status()));
-  EXPECT_FALSE(ParseRoute("random").ok());
+  options.capacity_fraction = 1;
+  options.gpus = 2;
+  options.mode = ClusterMode::kLocal;
+  options.route = RoutePolicy::kPrefillSaved;
+  EXPECT_THAT(Replay(trace, options).status().message(), HasSubstr("global index"));
   EXPECT_FALSE(ParseClusterMode("mesh").ok());
 }
 

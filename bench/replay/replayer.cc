@@ -39,17 +39,9 @@ struct Completion {
   }
 };
 
-// The GPU of request i when the trace alone decides it; nullopt for least-loaded.
-std::optional<uint32_t> StaticRoute(Route route, size_t i, const TraceRequest& r, uint32_t gpus) {
-  switch (route) {
-    case Route::kRoundRobin:
-      return static_cast<uint32_t>(i % gpus);
-    case Route::kFirstPageHash:
-      return r.pages.empty() ? 0 : static_cast<uint32_t>(r.pages[0].lo % gpus);
-    case Route::kLeastLoaded:
-      return std::nullopt;
-  }
-  return std::nullopt;
+// Whether the trace alone decides each request's GPU (not the replay's state).
+bool RouteIsStatic(RoutePolicy route) {
+  return route == RoutePolicy::kRoundRobin || route == RoutePolicy::kFirstPageHash;
 }
 
 class ReplayRun {
@@ -90,6 +82,14 @@ class ReplayRun {
     const double total = options_.capacity_fraction * static_cast<double>(result_.distinct_pages) *
                          static_cast<double>(result_.bytes_per_page);
     result_.capacity_bytes_per_gpu = static_cast<uint64_t>(total / gpus);
+    for (uint32_t g = 0; g < gpus; ++g) {
+      pools_.push_back(PoolKey{absl::StrCat("gpu-", g), Tier::kGpu});
+      candidates_.push_back(
+          RouteCandidate{.agent_id = pools_.back().agent_id, .link_gbps = options_.link_gbps});
+    }
+    cost_ = RouteCost{.bytes_per_page = result_.bytes_per_page,
+                      .page_size_tokens = options_.spec.page_size_tokens,
+                      .prefill_tokens_per_s = options_.prefill_tokens_per_s};
 
     // Oracles for "opt": one per GPU when each GPU has its own index and the trace alone
     // decides which requests it serves; otherwise one over the whole trace.
@@ -97,10 +97,10 @@ class ReplayRun {
     const size_t num_indexes = local ? gpus : 1;
     if (options_.policy == "opt") {
       std::vector<uint32_t> routes;
-      if (local && options_.route != Route::kLeastLoaded) {
+      if (local && RouteIsStatic(options_.route)) {
         routes.reserve(trace_.requests.size());
         for (size_t i = 0; i < trace_.requests.size(); ++i) {
-          routes.push_back(*StaticRoute(options_.route, i, trace_.requests[i], gpus));
+          routes.push_back(Rank(i, trace_.requests[i], MatchResult{}).front().candidate);
         }
         for (uint32_t g = 0; g < gpus; ++g) {
           oracles_.push_back(std::make_unique<TraceNextUseOracle>(trace_, routes, g));
@@ -110,8 +110,6 @@ class ReplayRun {
       }
     }
 
-    for (uint32_t g = 0; g < gpus; ++g)
-      pools_.push_back(PoolKey{absl::StrCat("gpu-", g), Tier::kGpu});
     for (size_t k = 0; k < num_indexes; ++k) {
       CacheIndexOptions o;
       o.policy = options_.policy;
@@ -146,6 +144,7 @@ class ReplayRun {
       indexes_.push_back(std::move(*index));
     }
     in_flight_.assign(gpus, 0);
+    prefill_busy_until_ms_.assign(gpus, 0);
     return absl::OkStatus();
   }
 
@@ -179,10 +178,32 @@ class ReplayRun {
     return absl::OkStatus();
   }
 
-  uint32_t PickGpu(size_t i, const TraceRequest& r) const {
-    if (std::optional<uint32_t> g = StaticRoute(options_.route, i, r, options_.gpus)) return *g;
-    return static_cast<uint32_t>(std::min_element(in_flight_.begin(), in_flight_.end()) -
-                                 in_flight_.begin());
+  // The GPUs for request i, best first. `match` is a probe of the global index (only
+  // prefill-saved reads it).
+  std::vector<RouteEstimate> Rank(size_t i, const TraceRequest& r, const MatchResult& match) {
+    for (uint32_t g = 0; g < options_.gpus; ++g) {
+      candidates_[g].load = in_flight_.empty() ? 0 : in_flight_[g];
+      // Prefill still ahead of GPU g if it ran its requests' prefills one after another.
+      const double backlog_ms = prefill_busy_until_ms_.empty()
+                                    ? 0
+                                    : std::max(0.0, prefill_busy_until_ms_[g] - r.arrival_ms);
+      candidates_[g].queued_prefill_tokens =
+          static_cast<uint64_t>(backlog_ms * options_.prefill_tokens_per_s / 1e3);
+    }
+    return RankAgents(options_.route, match, candidates_, cost_, i,
+                      r.pages.empty() ? nullptr : &r.pages[0]);
+  }
+
+  absl::StatusOr<uint32_t> PickGpu(size_t i, const TraceRequest& r) {
+    MatchResult probe;
+    if (options_.route == RoutePolicy::kPrefillSaved && !r.pages.empty()) {
+      absl::StatusOr<MatchResult> m =
+          Timed([&] { return indexes_[0]->Match(kNamespace, r.pages, {.probe = true}); });
+      if (!m.ok()) return m.status();
+      probe = *std::move(m);
+      result_.page_ops += r.pages.size();  // looked up by Route's probe
+    }
+    return static_cast<uint32_t>(Rank(i, r, probe).front().candidate);
   }
 
   absl::Status Serve(size_t i) {
@@ -191,7 +212,9 @@ class ReplayRun {
     SetTime(r.arrival_ms);
     for (auto& oracle : oracles_) oracle->set_cursor(i);
 
-    const uint32_t gpu = PickGpu(i, r);
+    absl::StatusOr<uint32_t> picked = PickGpu(i, r);
+    if (!picked.ok()) return picked.status();
+    const uint32_t gpu = *picked;
     CacheIndex* index = indexes_.size() == 1 ? indexes_[0].get() : indexes_[gpu].get();
     const double page_tokens = options_.spec.page_size_tokens;
     const double prefill_ms_per_token = 1e3 / options_.prefill_tokens_per_s;
@@ -211,20 +234,12 @@ class ReplayRun {
           Timed([&] { return index->Match(kNamespace, r.pages, match_options); });
       if (!m.ok()) return m.status();
       pin = m->pin_id;
-      hit = m->local_pages;
-      const uint64_t remote = m->matched_pages - m->local_pages;
-      if (remote > 0) {
-        const double move_ms = static_cast<double>(remote) * result_.bytes_per_page * 8 /
-                               (options_.link_gbps * 1e9) * 1e3;
-        const double recompute_ms = remote * page_tokens * prefill_ms_per_token;
-        if (move_ms < recompute_ms) {
-          hit += remote;
-          result_.transferred_pages += remote;
-          transfer_ms = move_ms;
-        } else {
-          result_.recomputed_remote_pages += remote;
-        }
-      }
+      // What the manager's Route would tell the worker about this GPU.
+      const RouteEstimate e = EstimateFor(*m, gpu, candidates_[gpu], cost_);
+      hit = e.cached_pages + e.fetch_pages;
+      result_.transferred_pages += e.fetch_pages;
+      result_.recomputed_remote_pages += m->matched_pages - e.cached_pages - e.fetch_pages;
+      transfer_ms = e.transfer_ms;
       std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(r.pages.size()));
       absl::StatusOr<InsertResult> ins =
           Timed([&] { return index->Insert(kNamespace, r.pages, pools_[gpu], blocks); });
@@ -247,6 +262,8 @@ class ReplayRun {
     const double finish_ms =
         r.arrival_ms + prefill_tokens * prefill_ms_per_token + transfer_ms + decode_ms;
     running_.push(Completion{finish_ms, i, gpu, index, pin});
+    prefill_busy_until_ms_[gpu] = std::max(prefill_busy_until_ms_[gpu], r.arrival_ms) +
+                                  prefill_tokens * prefill_ms_per_token + transfer_ms;
     ++in_flight_[gpu];
     last_finish_ms_ = std::max(last_finish_ms_, finish_ms);
     return absl::OkStatus();
@@ -260,7 +277,12 @@ class ReplayRun {
   std::vector<std::unique_ptr<CacheIndex>> indexes_;
   std::vector<CacheIndex*> raw_indexes_;
   std::vector<PoolKey> pools_;
+  std::vector<RouteCandidate> candidates_;  // one per GPU, as pools_
+  RouteCost cost_;
   std::vector<uint32_t> in_flight_;  // running requests per GPU
+  // Per GPU: when its prefill backlog would end were prefills run one at a time (the
+  // router's queued_prefill_tokens; the replay itself does not queue requests).
+  std::vector<double> prefill_busy_until_ms_;
   std::priority_queue<Completion, std::vector<Completion>, std::greater<Completion>> running_;
   BlockAllocator blocks_;
   ReplayResult result_;
@@ -280,26 +302,6 @@ absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name) {
       absl::StrCat("cluster mode \"", name, "\" is unknown; known: global, local"));
 }
 
-absl::string_view RouteName(Route route) {
-  switch (route) {
-    case Route::kRoundRobin:
-      return "round-robin";
-    case Route::kFirstPageHash:
-      return "hash-of-first-page";
-    case Route::kLeastLoaded:
-      return "least-loaded";
-  }
-  return "?";
-}
-
-absl::StatusOr<Route> ParseRoute(absl::string_view name) {
-  for (Route r : {Route::kRoundRobin, Route::kFirstPageHash, Route::kLeastLoaded}) {
-    if (name == RouteName(r)) return r;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "route \"", name, "\" is unknown; known: round-robin, hash-of-first-page, least-loaded"));
-}
-
 absl::Status ReplayOptions::Validate() const {
   if (absl::Status s = spec.Validate(); !s.ok()) return s;
   const auto positive = [](double v) { return std::isfinite(v) && v > 0; };
@@ -317,6 +319,11 @@ absl::Status ReplayOptions::Validate() const {
     return absl::InvalidArgumentError("decode_ms_per_token must not be negative");
   }
   if (!positive(link_gbps)) return absl::InvalidArgumentError("link_gbps must be positive");
+  if (route == RoutePolicy::kPrefillSaved && mode == ClusterMode::kLocal && gpus > 1) {
+    return absl::InvalidArgumentError(
+        "route prefill-saved needs the global index (mode global): in local mode no GPU "
+        "sees what the others hold");
+  }
   return absl::OkStatus();
 }
 

@@ -1,9 +1,11 @@
 // Replays a request trace through the real kvcm::CacheIndex on simulated time.
 //
 // Per request, at its arrival time:
-//   1. Match(pin = true) on the GPU the router picked. In global mode a prefix held only by
-//      other GPUs is either transferred (it then counts as a hit) or recomputed, whichever
-//      the cost model says is faster: bytes / link bandwidth vs tokens / prefill rate.
+//   1. Route, with the core's router (server/core/router.h), the manager's Route RPC uses:
+//      the policy picks a GPU (prefill-saved first probes the index, changing nothing).
+//      Match(pin = true) on that GPU. In global mode a prefix held only by other GPUs is
+//      either transferred (it then counts as a hit) or recomputed, whichever the router's
+//      cost model says is faster: bytes / link bandwidth vs tokens / prefill rate.
 //   2. Insert the prompt's whole pages into that GPU's pool (block ids from a per-pool
 //      counter). Pages already there are kept; pages held elsewhere become replicas here.
 //      RESOURCE_EXHAUSTED (the pool is too small or all pinned) counts as a failed insert.
@@ -38,21 +40,14 @@
 #include "bench/replay/trace.h"
 #include "common/model_spec.h"
 #include "server/core/cache_index.h"
+#include "server/core/router.h"
 
 namespace kvcm::bench {
 
 enum class ClusterMode : uint8_t { kGlobal, kLocal };
-enum class Route : uint8_t {
-  kRoundRobin,     // request i goes to GPU i mod gpus
-  kFirstPageHash,  // by the hash of the prompt's first page (GPU 0 when it has none)
-  kLeastLoaded,    // the GPU running the fewest requests (lowest index on ties)
-};
 
 absl::string_view ClusterModeName(ClusterMode mode);
 absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name);  // "global", "local"
-absl::string_view RouteName(Route route);
-// "round-robin", "hash-of-first-page", "least-loaded"
-absl::StatusOr<Route> ParseRoute(absl::string_view name);
 
 struct ReplayOptions {
   // Eviction policy of every CacheIndex (CacheIndexOptions::policy). "opt" gets a next-use
@@ -67,7 +62,9 @@ struct ReplayOptions {
   double capacity_fraction = 1.0;
   uint32_t gpus = 1;
   ClusterMode mode = ClusterMode::kGlobal;
-  Route route = Route::kRoundRobin;
+  // The core's RankAgents over the GPUs, with the request index as the round-robin step
+  // and the GPU's running requests as its load. prefill-saved needs the global index.
+  RoutePolicy route = RoutePolicy::kRoundRobin;
   // Prefill throughput of one GPU, tokens/s: what recomputing an uncached token costs.
   double prefill_tokens_per_s = 10'000;
   // Decode time per output token, ms.
