@@ -342,6 +342,50 @@ absl::StatusOr<MatchReply> Client::MatchHashes(const NamespaceId& ns,
   return wire::FromProto(response);
 }
 
+absl::StatusOr<RouteParams::Policy> ParseRouteParamsPolicy(absl::string_view name) {
+  using Policy = RouteParams::Policy;
+  static constexpr std::pair<absl::string_view, Policy> kNames[] = {
+      {"prefill-saved", Policy::kPrefillSaved},
+      {"round-robin", Policy::kRoundRobin},
+      {"hash-of-first-page", Policy::kFirstPageHash},
+      {"least-loaded", Policy::kLeastLoaded}};
+  for (const auto& [n, policy] : kNames) {
+    if (n == name) return policy;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "route policy \"", name,
+      "\" is unknown; known: prefill-saved, round-robin, hash-of-first-page, least-loaded"));
+}
+
+absl::StatusOr<RouteReply> Client::Route(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                         const RouteParams& params, const CallOptions& call) {
+  const absl::Time deadline = DeadlineOf(call);
+  v1::RouteResponse response;
+  absl::Status status = SendPrompt(ns, deadline, [&](const std::optional<NamespaceKey>& key) {
+    v1::RouteRequest request;
+    NamespaceToProto(ns, request.mutable_namespace_());
+    FillPrompt(key, tokens, request.mutable_prompt());
+    for (const RouteParams::Candidate& c : params.candidates) {
+      v1::RouteCandidate* out = request.add_candidates();
+      out->set_agent_id(c.agent_id);
+      out->set_load(c.load);
+      out->set_queued_prefill_tokens(c.queued_prefill_tokens);
+    }
+    request.set_policy(static_cast<v1::RoutePolicy>(params.policy));
+    request.set_prefill_tokens_per_s(params.prefill_tokens_per_s);
+    request.set_probe(params.probe);
+    request.set_pin(params.pin);
+    request.set_lease_ttl_ms(params.lease_ttl_ms);
+    return Invoke(deadline, [&](grpc::ClientContext* context) {
+      return rpc_->stub->Route(context, request, &response);
+    });
+  });
+  if (!status.ok()) {
+    return status;
+  }
+  return wire::FromProto(response);
+}
+
 absl::StatusOr<PinnedPrefix> Client::MatchAndPin(const NamespaceId& ns,
                                                  std::span<const int32_t> tokens,
                                                  MatchParams params, const CallOptions& call) {

@@ -119,6 +119,52 @@ struct MatchReply {
   absl::Time lease_expiry = absl::InfinitePast();
 };
 
+struct RouteParams {
+  // How the manager orders the candidates (kvcm.v1.RoutePolicy).
+  enum class Policy : uint8_t {
+    kPrefillSaved = 1,   // most prefill saved, minus the queue's wait
+    kRoundRobin = 2,     // the manager's Route counter
+    kFirstPageHash = 3,  // the prompt's first page hash
+    kLeastLoaded = 4,    // lowest load
+  };
+  struct Candidate {
+    std::string agent_id;
+    uint64_t load = 0;                   // any unit, the same for every candidate
+    uint64_t queued_prefill_tokens = 0;  // waiting for or in prefill on the agent
+  };
+  // Agents to choose from; empty: every live agent.
+  std::vector<Candidate> candidates;
+  Policy policy = Policy::kPrefillSaved;
+  // Prefill throughput of the model on one GPU, tokens/s; 0: the manager's default.
+  double prefill_tokens_per_s = 0;
+  // Change nothing (no recency, no pin, no counters). Excludes pin.
+  bool probe = false;
+  // Pin the matched pages for the chosen agent, as MatchParams::pin.
+  bool pin = false;
+  uint32_t lease_ttl_ms = 0;
+};
+
+// Policy by name: "prefill-saved", "round-robin", "hash-of-first-page", "least-loaded".
+absl::StatusOr<RouteParams::Policy> ParseRouteParamsPolicy(absl::string_view name);
+
+struct RouteReply {
+  // What serving the prompt on one agent is expected to save (kvcm.v1.RankedAgent).
+  struct Ranked {
+    std::string agent_id;
+    uint32_t cached_pages = 0;     // leading pages it holds
+    uint32_t fetch_pages = 0;      // pages after those worth fetching from other agents
+    uint32_t recompute_pages = 0;  // pages left to prefill
+    double transfer_ms = 0;
+    double saved_prefill_ms = 0;
+    double link_gbps = 0;
+    uint64_t load = 0;
+    double queue_ms = 0;
+  };
+  std::vector<Ranked> ranked;  // best first
+  // The prompt matched for ranked[0] (its replicas first; pinned when asked).
+  MatchReply match;
+};
+
 struct InsertParams {
   // The agent epoch the blocks were allocated in (BlockAgent.Stats): ABORTED, nothing
   // changed, when the agent restarted since. 0: not checked.
@@ -331,6 +377,12 @@ class Client {
   // params.pin is forced on, and params.probe must be false.
   absl::StatusOr<PinnedPrefix> MatchAndPin(const NamespaceId& ns, std::span<const int32_t> tokens,
                                            MatchParams params = {}, const CallOptions& call = {});
+
+  // Which agent should serve `tokens`: every candidate ranked by expected prefill saved
+  // (or by a cache-blind policy), and the match for the best one. Hashes locally and
+  // re-registers a stale key like Match.
+  absl::StatusOr<RouteReply> Route(const NamespaceId& ns, std::span<const int32_t> tokens,
+                                   const RouteParams& params = {}, const CallOptions& call = {});
 
   // Records that `pool` holds the whole pages of `tokens` in blocks `block_ids` (exactly one
   // per whole page, distinct). Hashes locally when it can, like Match. In an agent's pool the

@@ -20,9 +20,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -105,6 +107,23 @@ int RunRegisterModel(const Invocation& in) {
 
 // --- match --------------------------------------------------------------------------------
 
+void PrintMatch(const MatchReply& m) {
+  absl::PrintF("prompt_pages: %u\n", m.prompt_pages);
+  absl::PrintF("matched_pages: %u\n", m.matched_pages);
+  absl::PrintF("matched_tokens: %u\n", m.matched_tokens);
+  absl::PrintF("local_pages: %u\n", m.local_pages);
+  for (const MatchReply::Segment& s : m.segments) {
+    absl::PrintF("segment pages [%u, %u):\n", s.first_page, s.first_page + s.num_pages);
+    for (const MatchReply::Replica& r : s.replicas) {
+      absl::PrintF("  %s blocks %s\n", r.pool.ToString(), absl::StrJoin(r.block_ids, ","));
+    }
+  }
+  absl::PrintF("pin_id: %d\n", m.pin_id);
+  if (m.pin_id != 0) {
+    absl::PrintF("lease_expiry: %s\n", cli::FormatExpiry(m.lease_expiry));
+  }
+}
+
 void DefineMatch(cli::FlagSet& f) {
   cli::DefineNamespace(f);
   cli::DefineTokens(f);
@@ -136,20 +155,81 @@ int RunMatch(const Invocation& in) {
     return in.Failed(m.status());
   }
   absl::PrintF("prompt_tokens: %d\n", tokens->size());
-  absl::PrintF("prompt_pages: %u\n", m->prompt_pages);
-  absl::PrintF("matched_pages: %u\n", m->matched_pages);
-  absl::PrintF("matched_tokens: %u\n", m->matched_tokens);
-  absl::PrintF("local_pages: %u\n", m->local_pages);
-  for (const MatchReply::Segment& s : m->segments) {
-    absl::PrintF("segment pages [%u, %u):\n", s.first_page, s.first_page + s.num_pages);
-    for (const MatchReply::Replica& r : s.replicas) {
-      absl::PrintF("  %s blocks %s\n", r.pool.ToString(), absl::StrJoin(r.block_ids, ","));
+  PrintMatch(*m);
+  return kExitOk;
+}
+
+// --- route --------------------------------------------------------------------------------
+
+void DefineRoute(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  cli::DefineTokens(f);
+  f.AddString("candidates", "",
+              "comma-separated agent ids to choose from; empty: every live agent");
+  f.AddString("loads", "",
+              "comma-separated load of each candidate (same order), e.g. running requests");
+  f.AddString("policy", "prefill-saved",
+              "prefill-saved, round-robin, hash-of-first-page or least-loaded");
+  f.AddUint("prefill_tokens_per_s", 0, "prefill throughput of one GPU; 0 = the manager's default");
+  f.AddBool("pin", "pin the matched pages for the chosen agent (release with 'release --pin_id')");
+  f.AddUint("lease_ttl_ms", 0, "lease of the pin; 0 = the manager's default");
+  f.AddBool("probe", "look only: no recency update, no pin, no counters");
+}
+
+int RunRoute(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
+  if (!tokens.ok()) {
+    return in.Usage(tokens.status().message());
+  }
+  absl::StatusOr<RouteParams::Policy> policy = ParseRouteParamsPolicy(in.flags.GetString("policy"));
+  if (!policy.ok()) {
+    return in.Usage(absl::StrCat("--policy: ", policy.status().message()));
+  }
+  if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
+    return in.Usage("--lease_ttl_ms: too large");
+  }
+  RouteParams params;
+  params.policy = *policy;
+  params.prefill_tokens_per_s = static_cast<double>(in.flags.GetUint("prefill_tokens_per_s"));
+  params.pin = in.flags.GetBool("pin");
+  params.probe = in.flags.GetBool("probe");
+  params.lease_ttl_ms = static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms"));
+  const std::vector<std::string> ids =
+      absl::StrSplit(in.flags.GetString("candidates"), ',', absl::SkipEmpty());
+  const std::vector<std::string> loads =
+      absl::StrSplit(in.flags.GetString("loads"), ',', absl::SkipEmpty());
+  if (!loads.empty() && loads.size() != ids.size()) {
+    return in.Usage(
+        absl::StrCat("--loads: ", loads.size(), " values for ", ids.size(), " candidates"));
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    RouteParams::Candidate& c = params.candidates.emplace_back();
+    c.agent_id = ids[i];
+    if (!loads.empty() && !absl::SimpleAtoi(loads[i], &c.load)) {
+      return in.Usage(absl::StrCat("--loads: \"", loads[i], "\" is not a number"));
     }
   }
-  absl::PrintF("pin_id: %d\n", m->pin_id);
-  if (m->pin_id != 0) {
-    absl::PrintF("lease_expiry: %s\n", cli::FormatExpiry(m->lease_expiry));
+  absl::StatusOr<RouteReply> r = in.client->Route(*ns, *tokens, params);
+  if (!r.ok()) {
+    return in.Failed(r.status());
   }
+  absl::PrintF("prompt_tokens: %d\n", tokens->size());
+  for (size_t i = 0; i < r->ranked.size(); ++i) {
+    const RouteReply::Ranked& a = r->ranked[i];
+    absl::PrintF(
+        "rank %d: %s cached_pages=%u fetch_pages=%u recompute_pages=%u saved_prefill_ms=%.3f "
+        "transfer_ms=%.3f queue_ms=%.3f link_gbps=%.1f load=%d\n",
+        i + 1, a.agent_id, a.cached_pages, a.fetch_pages, a.recompute_pages, a.saved_prefill_ms,
+        a.transfer_ms, a.queue_ms, a.link_gbps, a.load);
+  }
+  if (!r->ranked.empty()) {
+    absl::PrintF("chosen_agent: %s\n", r->ranked[0].agent_id);
+  }
+  PrintMatch(r->match);
   return kExitOk;
 }
 
@@ -480,6 +560,7 @@ constexpr Command kCommands[] = {
     {"register-model", "create or confirm a (tenant, model) namespace; prints bytes per token",
      DefineRegisterModel, RunRegisterModel},
     {"match", "longest cached prefix of a prompt, optionally pinned", DefineMatch, RunMatch},
+    {"route", "rank agents by the prefill each would save on a prompt", DefineRoute, RunRoute},
     {"insert", "record that an agent's pool holds a prompt's pages", DefineInsert, RunInsert},
     {"release", "drop a pin taken by 'match --pin'", DefineRelease, RunRelease},
     {"renew", "extend a pin's lease", DefineRenew, RunRenew},
@@ -511,6 +592,8 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "  kvcmctl insert --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-0\n"
       "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
+      "  kvcmctl route --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
+      "--candidates=gpu-0,gpu-1\n"
       "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
       "  kvcmctl --addr=kvcm:50051 stats\n"
       "\nRun 'kvcmctl <command> --help' for a command's flags.\n");

@@ -63,6 +63,24 @@ MatchReply FromProto(const v1::MatchResponse& response) {
   return out;
 }
 
+RouteReply FromProto(const v1::RouteResponse& response) {
+  RouteReply out;
+  out.ranked.reserve(response.ranked_size());
+  for (const v1::RankedAgent& r : response.ranked()) {
+    out.ranked.push_back(RouteReply::Ranked{.agent_id = r.agent_id(),
+                                            .cached_pages = r.cached_pages(),
+                                            .fetch_pages = r.fetch_pages(),
+                                            .recompute_pages = r.recompute_pages(),
+                                            .transfer_ms = r.transfer_ms(),
+                                            .saved_prefill_ms = r.saved_prefill_ms(),
+                                            .link_gbps = r.link_gbps(),
+                                            .load = r.load(),
+                                            .queue_ms = r.queue_ms()});
+  }
+  out.match = FromProto(response.match());
+  return out;
+}
+
 InsertReply FromProto(const v1::InsertResponse& response) {
   InsertReply out;
   out.already_present_pages = response.already_present_pages();

@@ -26,6 +26,7 @@ void SetHashes(std::span<const PageHash> pages, uint32_t page_size_tokens, uint6
                v1::Prompt* out);
 
 MatchReply FromProto(const v1::MatchResponse& response);
+RouteReply FromProto(const v1::RouteResponse& response);
 InsertReply FromProto(const v1::InsertResponse& response);
 EvictReply FromProto(const v1::EvictResponse& response);
 ManagerStats FromProto(const v1::StatsResponse& response);

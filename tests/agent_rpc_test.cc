@@ -4,7 +4,9 @@
 // refusals that change nothing; RunAttention against MlaDecodeCpu on the same latents.
 #include <grpcpp/grpcpp.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -196,6 +198,12 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
        [](v1::RegisterAgentRequest* r) { r->mutable_geometry()->set_num_blocks(0); }},
       {"capacity_bytes", [](v1::RegisterAgentRequest* r) { r->set_capacity_bytes(1ull << 50); }},
       {"epoch", [](v1::RegisterAgentRequest* r) { r->set_epoch(0); }},
+      {"transport",
+       [](v1::RegisterAgentRequest* r) {
+         r->set_data_address("127.0.0.1:9");
+         r->set_transport("udp");
+       }},
+      {"transport", [](v1::RegisterAgentRequest* r) { r->set_transport("nccl"); }},
   };
   for (const Case& c : cases) {
     v1::RegisterAgentRequest req = GoodRegistration(5);
@@ -222,6 +230,22 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
   ASSERT_EQ(s.agents_size(), 1);
   EXPECT_EQ(s.agents(0).epoch(), 5u);
   EXPECT_EQ(s.agents(0).heartbeats(), 1u);
+
+  // A bandwidth no link has is refused, and the last good one stays.
+  for (double gbps : {std::nan(""), -1.0, 1e7, std::numeric_limits<double>::infinity()}) {
+    grpc::ClientContext ctx;
+    v1::HeartbeatRequest req;
+    req.set_agent_id("a1");
+    req.set_epoch(5);
+    req.set_pull_gbps(gbps);
+    v1::HeartbeatResponse resp;
+    const grpc::Status st = ac->Heartbeat(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << gbps;
+    EXPECT_THAT(st.error_message(), HasSubstr("pull_gbps"));
+  }
+  s = Stats(*cm);
+  EXPECT_EQ(s.agents(0).heartbeats(), 1u);
+  EXPECT_EQ(s.agents(0).pull_gbps(), 0);
 }
 
 // An agent over a small MLA bf16 pool: 2 layers, 16-token pages, 16 blocks (36,864 B each).

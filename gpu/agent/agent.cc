@@ -110,7 +110,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   // The open Commands stream belongs to the old epoch.
   a->control_loop_ = std::make_unique<ControlLoop>(
       &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, a->data_address_, &a->specs_,
-      [commands = a->command_loop_.get()] { commands->CancelStream(); });
+      a->metrics_.get(), [commands = a->command_loop_.get()] { commands->CancelStream(); });
   a->control_loop_->Start();
   a->command_loop_->Start();
   return a;

@@ -107,9 +107,21 @@ void AgentMetrics::RecordTransfer(const absl::Status& status, uint64_t bytes,
   if (status.ok()) {
     transfer_bytes_->Increment(static_cast<double>(bytes));
     transfer_seconds_->Observe(absl::ToDoubleSeconds(elapsed));
+    const double seconds = absl::ToDoubleSeconds(elapsed);
+    if (bytes > 0 && seconds > 0) {
+      constexpr double kWeight = 1.0 / 8;
+      const double gbps = static_cast<double>(bytes) * 8 / seconds / 1e9;
+      absl::MutexLock lock(&pull_mu_);
+      pull_gbps_ = pull_gbps_ == 0 ? gbps : pull_gbps_ + kWeight * (gbps - pull_gbps_);
+    }
     return;
   }
   transfer_failures_->Add({{"reason", absl::StatusCodeToString(status.code())}}).Increment();
+}
+
+double AgentMetrics::pull_gbps() const {
+  absl::MutexLock lock(&pull_mu_);
+  return pull_gbps_;
 }
 
 std::vector<std::weak_ptr<prometheus::Collectable>> AgentMetrics::collectables() const {

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/rpc_metrics.h"
 #include "common/rpc_runner.h"
@@ -57,7 +58,12 @@ class AgentMetrics {
   // One pull of blocks from a peer ended with `status`, having moved `bytes` in `elapsed`:
   // kvcm_transfer_bytes_total and kvcm_transfer_seconds on success,
   // kvcm_transfer_failures_total{reason=<code>} otherwise.
+  // A successful pull also moves pull_gbps().
   void RecordTransfer(const absl::Status& status, uint64_t bytes, absl::Duration elapsed);
+
+  // Bandwidth of recent successful pulls, Gbit/s: a moving average with weight 1/8 per pull
+  // (as TCP smooths its RTT), 0 before the first. Heartbeats report it for Route.
+  double pull_gbps() const;
 
   // What an exposer should serve: the RPC registry and the pool collector.
   std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
@@ -74,6 +80,8 @@ class AgentMetrics {
   prometheus::Counter* transfer_bytes_ = nullptr;
   prometheus::Histogram* transfer_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* transfer_failures_ = nullptr;
+  mutable absl::Mutex pull_mu_;
+  double pull_gbps_ ABSL_GUARDED_BY(pull_mu_) = 0;
 };
 
 }  // namespace kvcm

@@ -35,13 +35,14 @@ std::chrono::system_clock::time_point InventoryDeadline(size_t chunks) {
 ControlLoop::ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
                          v1::AgentControl::Stub* control, std::string block_agent_address,
                          std::string data_address, const NamespaceSpecs* specs,
-                         std::function<void()> on_new_epoch)
+                         const AgentMetrics* metrics, std::function<void()> on_new_epoch)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
       control_(control),
       block_agent_address_(std::move(block_agent_address)),
       data_address_(std::move(data_address)),
+      metrics_(metrics),
       specs_(specs),
       on_new_epoch_(std::move(on_new_epoch)) {}
 
@@ -162,6 +163,7 @@ absl::Status ControlLoop::Heartbeat() {
   req.set_epoch(epoch_->current());
   req.set_used_bytes(s.used_bytes);
   req.set_free_blocks(s.free_blocks);
+  req.set_pull_gbps(metrics_->pull_gbps());
   v1::HeartbeatResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(CallDeadline(options_));

@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/namespace_specs.h"
@@ -46,10 +47,11 @@ class ControlLoop {
  public:
   // `block_agent_address` is what Register tells the manager to call. `specs` are the specs
   // of the committed namespaces, for the inventory. `on_new_epoch` runs on the loop's thread
-  // after each epoch renewal. The pointers are not owned and must outlive the loop.
+  // after each epoch renewal. Heartbeats report `metrics`' pull bandwidth. The pointers are
+  // not owned and must outlive the loop.
   ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
               v1::AgentControl::Stub* control, std::string block_agent_address,
-              std::string data_address, const NamespaceSpecs* specs,
+              std::string data_address, const NamespaceSpecs* specs, const AgentMetrics* metrics,
               std::function<void()> on_new_epoch);
   // Stops the thread.
   ~ControlLoop();
@@ -83,6 +85,7 @@ class ControlLoop {
   v1::AgentControl::Stub* const control_;
   const std::string block_agent_address_;
   const std::string data_address_;
+  const AgentMetrics* const metrics_;
   const NamespaceSpecs* const specs_;
   const std::function<void()> on_new_epoch_;
   absl::Notification stop_;

@@ -41,6 +41,7 @@ class FakeManager final : public v1::AgentControl::Service {
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse*) override {
     absl::MutexLock lock(&mu_);
+    last_pull_gbps_ = req->pull_gbps();
     return Check(req->epoch());
   }
 
@@ -86,6 +87,10 @@ class FakeManager final : public v1::AgentControl::Service {
     absl::MutexLock lock(&mu_);
     return register_epochs_;
   }
+  double last_pull_gbps() const {
+    absl::MutexLock lock(&mu_);
+    return last_pull_gbps_;
+  }
   std::vector<std::vector<v1::InventoryChunk>> inventories() const {
     absl::MutexLock lock(&mu_);
     return inventories_;
@@ -105,6 +110,7 @@ class FakeManager final : public v1::AgentControl::Service {
   std::vector<std::vector<v1::InventoryChunk>> inventories_ ABSL_GUARDED_BY(mu_);
   std::vector<grpc::StatusCode> inventory_failures_ ABSL_GUARDED_BY(mu_);
   v1::InventoryReply reply_ ABSL_GUARDED_BY(mu_);
+  double last_pull_gbps_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
 // Polls `done` for up to 10 s.
@@ -154,9 +160,11 @@ class ControlLoopTest : public ::testing::Test {
   }
 
   void StartLoop() {
-    loop_ = std::make_unique<ControlLoop>(
-        &options_, AgentPools{.main = gpu_.get(), .host = host_.get()}, &epoch_, stub_.get(),
-        "127.0.0.1:1", "127.0.0.1:2", &specs_, [this] { ++new_epochs_; });
+    const AgentPools pools{.main = gpu_.get(), .host = host_.get()};
+    metrics_ = std::make_unique<AgentMetrics>(options_.agent_id, pools, &epoch_);
+    loop_ = std::make_unique<ControlLoop>(&options_, pools, &epoch_, stub_.get(), "127.0.0.1:1",
+                                          "127.0.0.1:2", &specs_, metrics_.get(),
+                                          [this] { ++new_epochs_; });
     loop_->Start();
   }
 
@@ -168,6 +176,7 @@ class ControlLoopTest : public ::testing::Test {
   std::unique_ptr<BlockPool> host_ = MakeHostPool(SmallGqa(), 4);
   NamespaceSpecs specs_;
   AgentEpoch epoch_;
+  std::unique_ptr<AgentMetrics> metrics_;
   std::atomic<int> new_epochs_{0};
   std::unique_ptr<ControlLoop> loop_;
 };
@@ -253,6 +262,17 @@ TEST_F(ControlLoopTest, AnInventoryRefusedAsInvalidStartsANewEpoch) {
   EXPECT_EQ(gpu_->Stats().committed_blocks, 0u);
   // Nothing left to report under the new epoch: no second stream.
   EXPECT_EQ(manager_.inventories().size(), 1u);
+}
+
+TEST_F(ControlLoopTest, HeartbeatsReportTheMeasuredPullBandwidth) {
+  StartLoop();
+  ASSERT_TRUE(Eventually([&] { return manager_.last_pull_gbps() == 0; }));  // no pull yet
+  // 1 GB in 1 s, then 2 GB in 1 s: 8 Gbit/s, then 8 + (16 - 8) / 8 = 9 Gbit/s.
+  metrics_->RecordTransfer(absl::OkStatus(), 1'000'000'000, absl::Seconds(1));
+  ASSERT_TRUE(Eventually([&] { return manager_.last_pull_gbps() == 8; }));
+  metrics_->RecordTransfer(absl::OkStatus(), 2'000'000'000, absl::Seconds(1));
+  metrics_->RecordTransfer(absl::UnavailableError("peer gone"), 0, absl::Seconds(1));
+  EXPECT_TRUE(Eventually([&] { return manager_.last_pull_gbps() == 9; }));
 }
 
 TEST_F(ControlLoopTest, NoCommittedBlocksSendsNoInventory) {

@@ -40,8 +40,7 @@ absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration&
   absl::StatusOr<RegisterOutcome> outcome = CheckRegisterLocked(reg, inserted ? nullptr : &e);
   if (!outcome.ok()) return outcome;
   if (outcome->new_epoch) {
-    e.used_bytes = 0;
-    e.free_blocks = 0;
+    e.usage = AgentUsage{};
     e.heartbeats = 0;
     e.dropped = false;
   }
@@ -79,14 +78,13 @@ absl::Status AgentRegistry::CheckLiveLocked(absl::string_view agent_id, uint64_t
 }
 
 absl::Status AgentRegistry::Heartbeat(absl::string_view agent_id, uint64_t epoch,
-                                      uint64_t used_bytes, uint64_t free_blocks) {
+                                      const AgentUsage& usage) {
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckLiveLocked(agent_id, epoch); !s.ok()) return s;
   Entry& e = agents_.find(agent_id)->second;
   e.last_seen = now;
-  e.used_bytes = used_bytes;
-  e.free_blocks = free_blocks;
+  e.usage = usage;
   ++e.heartbeats;
   ++heartbeats_total_;
   return absl::OkStatus();
@@ -130,8 +128,7 @@ std::vector<AgentInfo> AgentRegistry::Snapshot() const {
     info.registration = e.registration;
     info.alive = Alive(e, now);
     info.last_heartbeat_age = now - e.last_seen;
-    info.used_bytes = e.used_bytes;
-    info.free_blocks = e.free_blocks;
+    info.usage = e.usage;
     info.heartbeats = e.heartbeats;
   }
   return out;

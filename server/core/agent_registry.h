@@ -41,6 +41,7 @@ struct AgentRegistration {
   uint64_t host_capacity_bytes = 0;
   std::string block_agent_address;
   std::string data_address;  // where peers pull its blocks; may be empty
+  std::string transport;     // how it pulls: "tcp", "nccl"; empty when it has no data port
   // Geometry of the pools: bytes of one block, and blocks in the main and HOST pools (0:
   // no HOST pool).
   uint64_t bytes_per_block = 0;
@@ -62,14 +63,20 @@ struct RegisterOutcome {
   bool new_epoch = false;
 };
 
+// What a heartbeat reports.
+struct AgentUsage {
+  uint64_t used_bytes = 0;   // of the main pool, held by allocated blocks
+  uint64_t free_blocks = 0;  // of the main pool
+  double pull_gbps = 0;      // measured on the agent's recent pulls; 0: none yet
+};
+
 // One agent as reported by Snapshot().
 struct AgentInfo {
   AgentRegistration registration;
   bool alive = false;
   absl::Duration last_heartbeat_age;
-  uint64_t used_bytes = 0;   // from the last heartbeat
-  uint64_t free_blocks = 0;  // from the last heartbeat
-  uint64_t heartbeats = 0;   // received in this epoch
+  AgentUsage usage;         // from the last heartbeat
+  uint64_t heartbeats = 0;  // received in this epoch
 };
 
 // Totals for metrics.
@@ -104,8 +111,8 @@ class AgentRegistry {
 
   // NOT_FOUND for an unknown agent or one TakeGone dropped; ABORTED when `epoch` is not the
   // registered epoch.
-  absl::Status Heartbeat(absl::string_view agent_id, uint64_t epoch, uint64_t used_bytes,
-                         uint64_t free_blocks) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Heartbeat(absl::string_view agent_id, uint64_t epoch, const AgentUsage& usage)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // The pool `pool` of a registered agent (its main tier, or kHost when it has a host
   // pool) in its current epoch, whether or not it is alive; nullopt when no agent (or an
@@ -126,8 +133,7 @@ class AgentRegistry {
   struct Entry {
     AgentRegistration registration;
     absl::Time last_seen;
-    uint64_t used_bytes = 0;
-    uint64_t free_blocks = 0;
+    AgentUsage usage;
     uint64_t heartbeats = 0;
     bool dropped = false;  // by TakeGone; only a larger epoch revives it
   };

@@ -26,22 +26,22 @@ TEST(AgentRegistryTest, HeartbeatTimeoutMarksGoneAndHeartbeatRevives) {
   EXPECT_TRUE(registry.Snapshot()[0].alive);
 
   clock.Advance(absl::Milliseconds(400));
-  ASSERT_TRUE(registry.Heartbeat("a", 7, 4096, 3).ok());
+  ASSERT_TRUE(registry.Heartbeat("a", 7, {.used_bytes = 4096, .free_blocks = 3}).ok());
   clock.Advance(absl::Milliseconds(500));
   EXPECT_TRUE(registry.Snapshot()[0].alive);  // exactly the timeout: still alive
   clock.Advance(absl::Milliseconds(1));
   std::vector<AgentInfo> agents = registry.Snapshot();
   EXPECT_FALSE(agents[0].alive);
   EXPECT_EQ(agents[0].last_heartbeat_age, absl::Milliseconds(501));
-  EXPECT_EQ(agents[0].used_bytes, 4096u);
-  EXPECT_EQ(agents[0].free_blocks, 3u);
+  EXPECT_EQ(agents[0].usage.used_bytes, 4096u);
+  EXPECT_EQ(agents[0].usage.free_blocks, 3u);
   EXPECT_EQ(agents[0].heartbeats, 1u);
   AgentCounts counts = registry.Counts();
   EXPECT_EQ(counts.alive, 0u);
   EXPECT_EQ(counts.gone, 1u);
   EXPECT_EQ(counts.heartbeats_total, 1u);
 
-  ASSERT_TRUE(registry.Heartbeat("a", 7, 0, 4).ok());
+  ASSERT_TRUE(registry.Heartbeat("a", 7, {.used_bytes = 0, .free_blocks = 4}).ok());
   EXPECT_TRUE(registry.Snapshot()[0].alive);
   EXPECT_EQ(registry.Counts().alive, 1u);
 }
@@ -57,15 +57,15 @@ TEST(AgentRegistryTest, StaleEpochIsAbortedAndChangesNothing) {
   old.device = "cuda:3";
   EXPECT_EQ(registry.Register(old).status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(registry.Snapshot()[0].registration.device, "host");
-  EXPECT_EQ(registry.Heartbeat("a", 9, 0, 0).code(), absl::StatusCode::kAborted);
-  EXPECT_EQ(registry.Heartbeat("a", 11, 0, 0).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Heartbeat("a", 9, {}).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Heartbeat("a", 11, {}).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(registry.Counts().heartbeats_total, 0u);
 }
 
 TEST(AgentRegistryTest, UnknownAgentIsNotFound) {
   FakeClock clock;
   AgentRegistry registry(&clock, absl::Seconds(1));
-  EXPECT_EQ(registry.Heartbeat("nobody", 1, 0, 0).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Heartbeat("nobody", 1, {}).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(registry.Snapshot().empty());
 }
 
@@ -76,11 +76,11 @@ TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
   absl::StatusOr<RegisterOutcome> first = registry.Register(Reg("a", 1));
   ASSERT_TRUE(first.ok());
   EXPECT_TRUE(first->new_epoch);
-  ASSERT_TRUE(registry.Heartbeat("a", 1, 100, 5).ok());
+  ASSERT_TRUE(registry.Heartbeat("a", 1, {.used_bytes = 100, .free_blocks = 5}).ok());
   absl::StatusOr<RegisterOutcome> refresh = registry.Register(Reg("a", 1));
   ASSERT_TRUE(refresh.ok());
   EXPECT_FALSE(refresh->new_epoch);  // same epoch: a refresh keeps usage
-  EXPECT_EQ(registry.Snapshot()[0].used_bytes, 100u);
+  EXPECT_EQ(registry.Snapshot()[0].usage.used_bytes, 100u);
   absl::StatusOr<RegisterOutcome> restarted = registry.Register(Reg("a", 2));
   ASSERT_TRUE(restarted.ok());
   EXPECT_TRUE(restarted->new_epoch);
@@ -88,10 +88,10 @@ TEST(AgentRegistryTest, NewEpochReplacesAndResetsUsage) {
   ASSERT_EQ(agents.size(), 2u);
   EXPECT_EQ(agents[0].registration.agent_id, "a");  // agent_id order
   EXPECT_EQ(agents[0].registration.epoch, 2u);
-  EXPECT_EQ(agents[0].used_bytes, 0u);
+  EXPECT_EQ(agents[0].usage.used_bytes, 0u);
   EXPECT_EQ(agents[0].heartbeats, 0u);
-  EXPECT_EQ(registry.Heartbeat("a", 1, 0, 0).code(), absl::StatusCode::kAborted);
-  EXPECT_TRUE(registry.Heartbeat("a", 2, 0, 0).ok());
+  EXPECT_EQ(registry.Heartbeat("a", 1, {}).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(registry.Heartbeat("a", 2, {}).ok());
 }
 
 TEST(AgentRegistryTest, FindPoolKnowsTheGeometryOfTheCurrentEpoch) {
@@ -120,7 +120,7 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   EXPECT_TRUE(registry.TakeGone().empty());
 
   clock.Advance(absl::Milliseconds(400));
-  ASSERT_TRUE(registry.Heartbeat("b", 1, 0, 0).ok());
+  ASSERT_TRUE(registry.Heartbeat("b", 1, {}).ok());
   clock.Advance(absl::Milliseconds(101));  // a: 501 ms silent, b: 101 ms
   std::vector<AgentRegistration> gone = registry.TakeGone();
   ASSERT_EQ(gone.size(), 1u);
@@ -130,7 +130,7 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
 
   // Its heartbeats are NOT_FOUND: it registers again, with the same epoch when it kept its
   // blocks, and that counts as new (the index dropped its pages; its inventory restores them).
-  absl::Status beat = registry.Heartbeat("a", 3, 0, 0);
+  absl::Status beat = registry.Heartbeat("a", 3, {});
   EXPECT_EQ(beat.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(beat.message().find("register again"), absl::string_view::npos) << beat;
   EXPECT_FALSE(registry.FindPool(PoolKey{"a", Tier::kGpu}).has_value());
@@ -141,7 +141,7 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   ASSERT_TRUE(back.ok());
   EXPECT_TRUE(back->new_epoch);
   EXPECT_TRUE(registry.Snapshot()[0].alive);
-  EXPECT_TRUE(registry.Heartbeat("a", 3, 0, 0).ok());
+  EXPECT_TRUE(registry.Heartbeat("a", 3, {}).ok());
   // Registering the same epoch again while alive is a refresh, not a new epoch.
   back = registry.Register(Reg("a", 3));
   ASSERT_TRUE(back.ok());

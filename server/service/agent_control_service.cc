@@ -1,5 +1,6 @@
 #include "server/service/agent_control_service.h"
 
+#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -38,6 +39,12 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   }
   if (req.data_address().size() > kMaxAddressBytes) {
     return Invalid("data_address", absl::StrCat("must be at most ", kMaxAddressBytes, " bytes"));
+  }
+  if (req.transport() != "" && req.transport() != "tcp" && req.transport() != "nccl") {
+    return Invalid("transport", "must be \"tcp\", \"nccl\" or empty");
+  }
+  if (!req.transport().empty() && req.data_address().empty()) {
+    return Invalid("transport", "needs a data_address to pull from");
   }
   switch (req.tier()) {
     case v1::TIER_GPU:
@@ -103,6 +110,7 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   r.capacity_bytes = req.capacity_bytes();
   r.block_agent_address = req.block_agent_address();
   r.data_address = req.data_address();
+  r.transport = req.transport().empty() && !r.data_address.empty() ? "tcp" : req.transport();
   r.bytes_per_block = bytes_per_block;
   r.num_blocks = g.num_blocks();
   return call;
@@ -128,11 +136,13 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
     s->set_last_heartbeat_age_ms(static_cast<uint64_t>(
         std::max<int64_t>(0, absl::ToInt64Milliseconds(a.last_heartbeat_age))));
     s->set_tier(static_cast<v1::Tier>(a.registration.tier));
-    s->set_used_bytes(a.used_bytes);
-    s->set_free_blocks(a.free_blocks);
+    s->set_used_bytes(a.usage.used_bytes);
+    s->set_free_blocks(a.usage.free_blocks);
     s->set_heartbeats(a.heartbeats);
     s->set_block_agent_address(a.registration.block_agent_address);
     s->set_data_address(a.registration.data_address);
+    s->set_transport(a.registration.transport);
+    s->set_pull_gbps(a.usage.pull_gbps);
   }
 }
 
@@ -181,7 +191,17 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
   return rpc_.Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
     if (req->epoch() < 1) return Invalid("epoch", "must be >= 1");
-    return agents_->Heartbeat(req->agent_id(), req->epoch(), req->used_bytes(), req->free_blocks());
+    // Beyond any link there is (1 Pbit/s): a sender's mistake, not a measurement.
+    constexpr double kMaxPullGbps = 1e6;
+    if (!std::isfinite(req->pull_gbps()) || req->pull_gbps() < 0 ||
+        req->pull_gbps() > kMaxPullGbps) {
+      return Invalid("pull_gbps",
+                     absl::StrCat("must be in [0, ", kMaxPullGbps, "], got ", req->pull_gbps()));
+    }
+    return agents_->Heartbeat(req->agent_id(), req->epoch(),
+                              {.used_bytes = req->used_bytes(),
+                               .free_blocks = req->free_blocks(),
+                               .pull_gbps = req->pull_gbps()});
   });
 }
 

@@ -12,6 +12,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
+#include <span>
+#include <vector>
+
 #include "absl/status/status.h"
 #include "common/log.h"
 #include "common/rpc_runner.h"
@@ -25,12 +29,21 @@
 
 namespace kvcm {
 
+// Route's cost model where requests and agents say nothing (ServerOptions route_*).
+struct RouteDefaults {
+  double prefill_tokens_per_s = 10'000;
+  double tcp_link_gbps = 25;
+  double nccl_link_gbps = 400;
+};
+
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Inserts go through
-  // `inserter` (into agents' pools, through their ledgers); Stats lists `agents`.
+  // `inserter` (into agents' pools, through their ledgers); Stats lists `agents`, Route
+  // chooses among them.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                      RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter);
+                      RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter,
+                      RouteDefaults route_defaults = {});
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -44,6 +57,8 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx,
                                        const v1::RenewLeaseRequest* req,
                                        v1::RenewLeaseResponse* resp) override;
+  grpc::ServerUnaryReactor* Route(grpc::CallbackServerContext* ctx, const v1::RouteRequest* req,
+                                  v1::RouteResponse* resp) override;
   grpc::ServerUnaryReactor* Evict(grpc::CallbackServerContext* ctx, const v1::EvictRequest* req,
                                   v1::EvictResponse* resp) override;
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx, const v1::ReserveRequest* req,
@@ -59,12 +74,21 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
  private:
   class WatchEventsReactor;
 
+  // The live agents Route chooses among, with their link bandwidth: `named` in order, or
+  // every live agent by id when `named` is empty. NOT_FOUND naming candidates[i] for an
+  // agent that is unknown or gone; FAILED_PRECONDITION when no agent is live.
+  absl::StatusOr<std::vector<RouteCandidate>> RouteCandidates(
+      std::span<const RouteCall::Candidate> named) const;
+
   CacheIndex* const index_;
   EventHub* const hub_;
   RpcRunner<Rpc> rpc_;
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
   AgentInserter* const inserter_;
+  const RouteDefaults route_defaults_;
+  // Round-robin step of Route: one per non-probe call.
+  std::atomic<uint64_t> route_sequence_{0};
 };
 
 }  // namespace kvcm

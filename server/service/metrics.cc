@@ -67,6 +67,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "Stats";
     case Rpc::kWatchEvents:
       return "WatchEvents";
+    case Rpc::kRoute:
+      return "Route";
     case Rpc::kRegisterAgent:
       return "RegisterAgent";
     case Rpc::kHeartbeat:

@@ -41,12 +41,13 @@ enum class Rpc : int {
   kUnreserve,
   kStats,
   kWatchEvents,
+  kRoute,
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
   kReportInventory,
 };
-inline constexpr int kNumRpcs = 13;
+inline constexpr int kNumRpcs = 14;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of

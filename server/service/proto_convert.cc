@@ -1,5 +1,6 @@
 #include "server/service/proto_convert.h"
 
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -188,6 +189,70 @@ absl::StatusOr<MatchCall> MatchFromProto(const CacheIndex& index, const v1::Matc
   call.options.probe = req.probe();
   call.options.lease_ttl = absl::Milliseconds(req.lease_ttl_ms());
   return call;
+}
+
+absl::StatusOr<RouteCall> RouteFromProto(const CacheIndex& index, const v1::RouteRequest& req,
+                                         const RequestLimits& limits) {
+  RouteCall call;
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  if (req.candidates_size() > kMaxRouteCandidates) {
+    return Invalid(
+        absl::StrCat("candidates: at most ", kMaxRouteCandidates, ", got ", req.candidates_size()));
+  }
+  absl::flat_hash_map<absl::string_view, int> seen;
+  for (int i = 0; i < req.candidates_size(); ++i) {
+    const v1::RouteCandidate& c = req.candidates(i);
+    const std::string field = absl::StrCat("candidates[", i, "].agent_id");
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(c.agent_id(), field));
+    if (auto [it, inserted] = seen.emplace(c.agent_id(), i); !inserted) {
+      return Invalid(absl::StrCat(field, " repeats candidates[", it->second, "]"));
+    }
+    call.candidates.push_back({c.agent_id(), c.load(), c.queued_prefill_tokens()});
+  }
+  switch (req.policy()) {
+    case v1::ROUTE_POLICY_UNSPECIFIED:
+    case v1::ROUTE_POLICY_PREFILL_SAVED:
+      call.policy = RoutePolicy::kPrefillSaved;
+      break;
+    case v1::ROUTE_POLICY_ROUND_ROBIN:
+    case v1::ROUTE_POLICY_FIRST_PAGE_HASH:
+    case v1::ROUTE_POLICY_LEAST_LOADED:
+      call.policy = static_cast<RoutePolicy>(req.policy());
+      break;
+    default:
+      return Invalid(absl::StrCat("policy ", static_cast<int>(req.policy()), " is unknown"));
+  }
+  if (!std::isfinite(req.prefill_tokens_per_s()) || req.prefill_tokens_per_s() < 0) {
+    return Invalid(
+        absl::StrCat("prefill_tokens_per_s must be 0 (the manager's default) or "
+                     "positive and finite, got ",
+                     req.prefill_tokens_per_s()));
+  }
+  call.prefill_tokens_per_s = req.prefill_tokens_per_s();
+  if (req.probe() && req.pin()) {
+    return Invalid("probe and pin are mutually exclusive: a probe takes no pin");
+  }
+  KVCM_RETURN_IF_ERROR(ValidateLeaseTtl(req.lease_ttl_ms(), "lease_ttl_ms", limits));
+  KVCM_ASSIGN_OR_RETURN(
+      call.prompt, ResolvePrompt(index, call.ns, IfSet(req.has_prompt(), req.prompt()), limits));
+  call.probe = req.probe();
+  call.pin = req.pin();
+  call.lease_ttl = absl::Milliseconds(req.lease_ttl_ms());
+  return call;
+}
+
+void RouteEstimateToProto(const RouteEstimate& estimate, const RouteCandidate& candidate,
+                          v1::RankedAgent* out) {
+  out->set_agent_id(candidate.agent_id);
+  out->set_cached_pages(estimate.cached_pages);
+  out->set_fetch_pages(estimate.fetch_pages);
+  out->set_recompute_pages(estimate.recompute_pages);
+  out->set_transfer_ms(estimate.transfer_ms);
+  out->set_saved_prefill_ms(estimate.saved_prefill_ms);
+  out->set_link_gbps(candidate.link_gbps);
+  out->set_load(candidate.load);
+  out->set_queue_ms(estimate.queue_ms);
 }
 
 void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,

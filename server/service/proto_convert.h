@@ -22,6 +22,7 @@
 #include "proto/core_types.h"
 #include "server/core/agent_command.h"
 #include "server/core/cache_index.h"
+#include "server/core/router.h"
 
 namespace kvcm {
 
@@ -74,6 +75,32 @@ absl::StatusOr<MatchCall> MatchFromProto(const CacheIndex& index, const v1::Matc
                                          const RequestLimits& limits);
 void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,
                         v1::MatchResponse* out);
+
+struct RouteCall {
+  NamespaceId ns;
+  ResolvedPrompt prompt;
+  struct Candidate {
+    std::string agent_id;
+    uint64_t load = 0;
+    uint64_t queued_prefill_tokens = 0;
+  };
+  std::vector<Candidate> candidates;  // empty: every live agent
+  RoutePolicy policy = RoutePolicy::kPrefillSaved;
+  double prefill_tokens_per_s = 0;  // 0: the manager's default
+  bool probe = false;
+  bool pin = false;
+  absl::Duration lease_ttl = absl::ZeroDuration();
+};
+// Most candidates one Route may name.
+inline constexpr int kMaxRouteCandidates = 256;
+// Also INVALID_ARGUMENT for more than kMaxRouteCandidates candidates, a bad or repeated
+// candidates[i].agent_id, an unknown policy, a negative or non-finite prefill_tokens_per_s,
+// and probe with pin. Candidates are not looked up here (the service checks they are live).
+absl::StatusOr<RouteCall> RouteFromProto(const CacheIndex& index, const v1::RouteRequest& req,
+                                         const RequestLimits& limits);
+// One ranked candidate; `candidate` is what the caller sent for it.
+void RouteEstimateToProto(const RouteEstimate& estimate, const RouteCandidate& candidate,
+                          v1::RankedAgent* out);
 
 struct InsertCall {
   NamespaceId ns;

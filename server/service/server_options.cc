@@ -47,6 +47,9 @@ const std::vector<Field>& Fields() {
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
+      {"route_prefill_tokens_per_s", &ServerOptions::route_prefill_tokens_per_s},
+      {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
+      {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
   };
   return *kFields;
 }
@@ -113,6 +116,9 @@ absl::Status ServerOptions::Validate() const {
   }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
+  if (route_prefill_tokens_per_s < 1) return Invalid("route_prefill_tokens_per_s", "must be >= 1");
+  if (route_tcp_link_gbps < 1) return Invalid("route_tcp_link_gbps", "must be >= 1");
+  if (route_nccl_link_gbps < 1) return Invalid("route_nccl_link_gbps", "must be >= 1");
   return absl::OkStatus();
 }
 

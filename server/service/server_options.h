@@ -57,6 +57,13 @@ struct ServerOptions {
   // An agent with no Register/Heartbeat for longer than this is reported gone (Stats,
   // kvcm_agents{state="gone"}). >= 1.
   uint32_t agent_heartbeat_timeout_ms = 10'000;
+  // Route's cost model. Prefill throughput of one GPU, tokens per second, when a
+  // RouteRequest sends none (the cost of recomputing an uncached token). >= 1.
+  uint32_t route_prefill_tokens_per_s = 10'000;
+  // Link bandwidth, Gbit/s, of an agent that has not measured its pulls yet, by its
+  // transport: TCP (a datacentre NIC) and NCCL (NVLink or InfiniBand). >= 1.
+  uint32_t route_tcp_link_gbps = 25;
+  uint32_t route_nccl_link_gbps = 400;
 
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
