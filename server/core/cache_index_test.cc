@@ -593,6 +593,27 @@ TEST_F(CacheIndexTest, CostAwareDropsACopyBeforeAnOnlyCopy) {
   EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
 }
 
+TEST_F(CacheIndexTest, CostAwareDropsACopyFirstHoweverHotItIs) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  MustInsert(Prompt({4}), gpu1_, 40);  // the oldest page of gpu-1, its only copy
+  clock_.Advance(absl::Seconds(60));
+  MustInsert(Prompt({2}), gpu0_, 20);  // old, never reused, gpu-0's only copy
+  clock_.Advance(absl::Seconds(60));
+  MustInsert(Prompt({1}), gpu0_, 10);
+  MustInsert(Prompt({1}), gpu1_, 11);  // [1] has two copies, and is hot
+  for (int i = 0; i < 5; ++i) MustMatch(Prompt({1}));
+  ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
+  MatchResult m = MustMatch(Prompt({1}), {.probe = true});
+  ASSERT_EQ(m.matched_pages, 1u);
+  ASSERT_EQ(m.segments[0].replicas.size(), 1u);
+  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // gpu-0's copy went, not [2]
+  EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
+  // gpu-1's [1] is the only copy now: it is scored as one, so the older [4] goes first.
+  ASSERT_TRUE(index_->EvictFromPool(gpu1_, 1).ok());
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 1u);
+  EXPECT_EQ(MustMatch(Prompt({4}), {.probe = true}).matched_pages, 0u);
+}
+
 TEST_F(CacheIndexTest, CostAwareTrimsTheVictimToTheShortfall) {
   Reset(CacheIndexOptions{.policy = "cost"});
   ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 4 * bpp_).ok());

@@ -62,6 +62,10 @@ class LruPolicy final : public EvictionPolicy {
 
 class CostAwarePolicy final : public EvictionPolicy {
  public:
+  // Subtracted from the score of a node with another copy: more seconds than any clock in
+  // use reads since the Unix epoch (about 1.8e9 now), so those nodes sort first.
+  static constexpr double kReplicatedFirst = 1e12;
+
   explicit CostAwarePolicy(absl::Duration reuse_credit)
       : reuse_credit_s_(absl::ToDoubleSeconds(reuse_credit)) {}
   absl::string_view name() const override { return "cost"; }
@@ -72,6 +76,9 @@ class CostAwarePolicy final : public EvictionPolicy {
   double Score(const RadixNode& node) const override {
     // Reuses beyond ten add nothing, so that a once-popular node cannot stay forever.
     constexpr uint32_t kMaxReuses = 10;
+    // A node another pool also holds goes before every node that is the only copy: losing
+    // it costs a transfer, not a recompute. Among such nodes, least recently used first.
+    if (node.replicas.size() > 1) return node.last_access_s - kReplicatedFirst;
     const double reuses = std::min<uint32_t>(node.hits > 0 ? node.hits - 1 : 0, kMaxReuses);
     if (reuses == 0) return node.last_access_s;
     // Recompute cost saved per byte: prefill cost is taken as the same for every token
@@ -83,9 +90,7 @@ class CostAwarePolicy final : public EvictionPolicy {
     const double bytes_per_token =
         static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
     const double per_byte = std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
-    const double copies = std::max<size_t>(1, node.replicas.size());
-    const double worth = per_byte / (copies * copies);
-    return node.last_access_s + reuse_credit_s_ * reuses * worth;
+    return node.last_access_s + reuse_credit_s_ * reuses * per_byte;
   }
 
  private:

@@ -111,12 +111,15 @@ std::unique_ptr<EvictionPolicy> MakeLruPolicy();
 // "cost": keeps what saves the most prefill per byte. Each reuse of a node buys it extra
 // time in the cache, in proportion to the prefill it saves per byte:
 //   priority = last_access_s + reuse_credit * min(hits - 1, 10) * worth
-//   worth    = (recompute cost per byte, relative to a DeepSeek-V3 page at depth 0) / copies^2
+//   worth    = recompute cost per byte, relative to a DeepSeek-V3 page
 // Recency decays everything (a reuse is worth a fixed amount of time, so an old reuse
-// counts for less than a fresh access once that time has passed); the cost per byte grows
-// with the node's depth (attention over a longer prefix) and shrinks with its model's
-// bytes per token (an MLA page saves ~71x more per byte than an MHA-shaped one); a node
-// with other copies is worth less (dropping one copy loses a transfer, not a recompute).
+// counts for less than a fresh access once that time has passed); the cost per byte
+// shrinks with the model's bytes per token (an MLA page saves ~71x more per byte than an
+// MHA-shaped one). Replica-aware: a node that another pool also holds (another agent's GPU,
+// or this agent's HOST pool) is evicted before every node that is the only copy, least
+// recently used first among them, because dropping it loses a transfer, not a recompute.
+// Replicas of a dropped pool count until SweepRetired removes them (it runs continuously
+// in the manager).
 // A run evicted and inserted again within the regret window keeps its hit count (see
 // CacheIndex), so reuse that outlives a stay in the cache still counts. Eviction takes only
 // the tail pages it needs from a victim node. docs/EVICTION.md has the measurements
