@@ -45,8 +45,9 @@ enum class Rpc : int {
   kRegisterAgent,
   kHeartbeat,
   kReportInventory,
+  kNcclBootstrap,
 };
-inline constexpr int kNumRpcs = 13;
+inline constexpr int kNumRpcs = 14;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of
