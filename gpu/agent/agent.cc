@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
+#include "common/grpc_status.h"
 #include "common/log.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_metrics.h"
@@ -15,6 +16,9 @@
 #include "gpu/agent/control_loop.h"
 #include "gpu/agent/tcp_transport.h"
 #include "prometheus/exposer.h"
+#ifdef KVCM_HAVE_NCCL
+#include "gpu/agent/nccl_transport.h"
+#endif
 
 namespace kvcm {
 namespace {
@@ -62,12 +66,11 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   }
   a->metrics_ = std::make_unique<AgentMetrics>(opts.agent_id, a->pools(), &a->epoch_);
 
-  KVCM_ASSIGN_OR_RETURN(a->transport_,
-                        MakeTcpTransport({.listen_address = opts.data_listen_address,
-                                          .io_timeout_ms = opts.transfer_io_timeout_ms},
-                                         a->pools(), opts.tier));
-  a->data_address_ = a->transport_->address();
   std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address);
+  // Before the transport: an NCCL transport bootstraps its links through it.
+  a->control_ = v1::AgentControl::NewStub(manager);
+  KVCM_ASSIGN_OR_RETURN(a->transport_, a->CreateTransport());
+  a->data_address_ = a->transport_->address();
   a->manager_ = v1::CacheManager::NewStub(manager);
   a->fetcher_ =
       std::make_unique<Fetcher>(opts.agent_id, opts.tier, a->pools(), &a->epoch_,
@@ -104,9 +107,20 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
         absl::StrCat(HostOf(opts.metrics_address), ":", ports.empty() ? 0 : ports.front());
   }
 
-  a->control_ = v1::AgentControl::NewStub(manager);
-  a->command_loop_ =
-      std::make_unique<CommandLoop>(&opts, a->pools(), &a->epoch_, a->control_.get(), &a->specs_);
+  a->command_loop_ = std::make_unique<CommandLoop>(
+      &opts, a->pools(), &a->epoch_, a->control_.get(), &a->specs_,
+      [transport = a->transport_.get()](const v1::NcclConnect& c) {
+        const LinkOffer offer{.from_agent_id = c.from_agent_id(),
+                              .link_id = c.link_id(),
+                              .unique_id = c.unique_id(),
+                              .rank = c.rank(),
+                              .peer_rank = c.peer_rank(),
+                              .nranks = c.nranks()};
+        if (absl::Status s = transport->AcceptLinkOffer(offer); !s.ok()) {
+          LogWarning(absl::StrCat("NCCL link offer ", c.link_id(), " of ", c.from_agent_id(), ": ",
+                                  s.ToString()));
+        }
+      });
   // The open Commands stream belongs to the old epoch.
   a->control_loop_ = std::make_unique<ControlLoop>(
       &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, a->data_address_, &a->specs_,
@@ -114,6 +128,50 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->control_loop_->Start();
   a->command_loop_->Start();
   return a;
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> Agent::CreateTransport() {
+  const AgentOptions& opts = options_;
+  const TcpTransportOptions data{.listen_address = opts.data_listen_address,
+                                 .io_timeout_ms = opts.transfer_io_timeout_ms};
+  if (opts.transport == TransportKind::kTcp) return MakeTcpTransport(data, pools(), opts.tier);
+#ifndef KVCM_HAVE_NCCL
+  return absl::FailedPreconditionError(
+      "--transport=nccl: this kvcm-agent was built without NCCL (KVCM_NCCL_LIBRARY was not "
+      "found at configure time); use --transport=tcp");
+#else
+  if (!pool_->backend().is_device()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--transport=nccl needs the pool on a CUDA device, but it is in ", pool_->backend().name(),
+        " memory (", backend_reason_, "); use --transport=tcp"));
+  }
+  return MakeNcclTransport(
+      {.data = data,
+       .agent_id = opts.agent_id,
+       .device = opts.device_index,
+       .staging_bytes = opts.nccl_staging_bytes,
+       .max_links = opts.nccl_max_links,
+       .connect_timeout_ms = opts.nccl_connect_timeout_ms},
+      pools(), opts.tier,
+      [this](const std::string& peer, uint64_t link_id, const std::string& unique_id) {
+        return BootstrapLink(peer, link_id, unique_id);
+      });
+#endif
+}
+
+absl::Status Agent::BootstrapLink(const std::string& peer_agent_id, uint64_t link_id,
+                                  const std::string& unique_id) {
+  v1::NcclBootstrapRequest req;
+  req.set_agent_id(options_.agent_id);
+  req.set_epoch(epoch_.current());
+  req.set_peer_agent_id(peer_agent_id);
+  req.set_link_id(link_id);
+  req.set_unique_id(unique_id);
+  v1::NcclBootstrapResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(options_.nccl_connect_timeout_ms));
+  return FromGrpcStatus(control_->NcclBootstrap(&ctx, req, &resp));
 }
 
 void Agent::Shutdown() {

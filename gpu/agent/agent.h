@@ -43,8 +43,9 @@ class Agent {
  public:
   // Validates `options`, creates the backend and pool, serves BlockAgent and starts the
   // control and command threads. INVALID_ARGUMENT for bad options, UNAVAILABLE when an
-  // address cannot be bound, RESOURCE_EXHAUSTED when the pool's memory cannot be allocated.
-  // The manager need not be up yet.
+  // address cannot be bound, RESOURCE_EXHAUSTED when the pool's memory cannot be allocated,
+  // FAILED_PRECONDITION for transport kNccl in a build without NCCL or with the pool not on
+  // a CUDA device. The manager need not be up yet.
   static absl::StatusOr<std::unique_ptr<Agent>> Start(AgentOptions options);
   ~Agent();
   Agent(const Agent&) = delete;
@@ -77,6 +78,11 @@ class Agent {
  private:
   explicit Agent(AgentOptions options);
   AgentPools pools() { return {.main = pool_.get(), .host = host_pool_.get()}; }
+  // The transport options_.transport names, over the pools (which must exist).
+  absl::StatusOr<std::unique_ptr<Transport>> CreateTransport();
+  // AgentControl.NcclBootstrap for the NCCL transport's new links.
+  absl::Status BootstrapLink(const std::string& peer_agent_id, uint64_t link_id,
+                             const std::string& unique_id);
 
   // Declared in the order they are built; the server stops (in Shutdown) before the
   // service and the metrics it uses are destroyed.
@@ -89,6 +95,8 @@ class Agent {
   NamespaceSpecs specs_;
   std::unique_ptr<AgentMetrics> metrics_;
   // The data path to peers, and the Fetch work over it; the manager stub Fetch inserts with.
+  // Made before the transport, which may bootstrap NCCL links through it.
+  std::unique_ptr<v1::AgentControl::Stub> control_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<v1::CacheManager::Stub> manager_;
   std::unique_ptr<Fetcher> fetcher_;
@@ -98,7 +106,6 @@ class Agent {
   std::string address_;
   std::string data_address_;
   std::string metrics_address_;
-  std::unique_ptr<v1::AgentControl::Stub> control_;
   std::unique_ptr<CommandLoop> command_loop_;
   std::unique_ptr<ControlLoop> control_loop_;
 

@@ -19,6 +19,16 @@ bool IsAgentIdChar(char c) {
 
 }  // namespace
 
+absl::string_view TransportName(TransportKind kind) {
+  return kind == TransportKind::kNccl ? "nccl" : "tcp";
+}
+
+absl::StatusOr<TransportKind> ParseTransport(absl::string_view text, absl::string_view field) {
+  if (text == "tcp") return TransportKind::kTcp;
+  if (text == "nccl") return TransportKind::kNccl;
+  return Invalid(field, absl::StrCat("must be tcp or nccl, got \"", text, "\""));
+}
+
 absl::StatusOr<PoolGeometry> AgentOptions::Geometry() const {
   ModelSpec resolved = spec;
   if (!model.empty()) {
@@ -82,7 +92,21 @@ absl::Status AgentOptions::Validate() const {
     if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");
     if (absl::StatusOr<PoolGeometry> host = HostGeometry(); !host.ok()) return host.status();
   }
-  return Geometry().status();
+  if (transport != TransportKind::kTcp && transport != TransportKind::kNccl) {
+    return Invalid("transport", "must be tcp or nccl");
+  }
+  if (nccl_max_links < 1 || nccl_max_links > 1024) {
+    return Invalid("nccl_max_links", absl::StrCat("must be in [1, 1024], got ", nccl_max_links));
+  }
+  if (nccl_connect_timeout_ms < 1) return Invalid("nccl_connect_timeout_ms", "must be >= 1");
+  absl::StatusOr<PoolGeometry> geometry = Geometry();
+  if (!geometry.ok()) return geometry.status();
+  if (transport == TransportKind::kNccl && nccl_staging_bytes < geometry->bytes_per_block()) {
+    return Invalid("nccl_staging_bytes",
+                   absl::StrCat("must hold at least one block (", geometry->bytes_per_block(),
+                                " bytes), got ", nccl_staging_bytes));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvcm

@@ -8,11 +8,23 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/model_spec.h"
 #include "common/types.h"
 #include "gpu/agent/pool_geometry.h"
 
 namespace kvcm {
+
+// How block bytes move between agents.
+enum class TransportKind {
+  kTcp,   // the data port's sockets (tcp_transport.h)
+  kNccl,  // NCCL links between GPUs, bootstrapped through the manager (nccl_transport.h)
+};
+// "tcp" / "nccl": the flag's spelling and RegisterAgentRequest.transport.
+absl::string_view TransportName(TransportKind kind);
+// INVALID_ARGUMENT naming `field` for anything but "tcp" or "nccl".
+absl::StatusOr<TransportKind> ParseTransport(absl::string_view text,
+                                             absl::string_view field = "transport");
 
 struct AgentOptions {
   // Id of this agent, also its pool's agent_id at the manager. 1..128 bytes of
@@ -25,8 +37,23 @@ struct AgentOptions {
   // Where peers pull this agent's blocks (the TCP transport's data port), "a.b.c.d:port"
   // (port 0 picks a free one).
   std::string data_listen_address = "127.0.0.1:0";
-  // A peer silent for this long fails a transfer. >= 1.
+  // A peer silent for this long fails a transfer; over NCCL, a send or receive that does not
+  // complete within it aborts the link. >= 1.
   uint32_t transfer_io_timeout_ms = 10'000;
+  // How this agent pulls and serves block bytes; registered with the manager. kNccl needs a
+  // build with NCCL (KVCM_HAVE_NCCL) and the pool on a CUDA device: Agent::Start refuses it
+  // otherwise (FAILED_PRECONDITION). Requests and acks still use the data port.
+  TransportKind transport = TransportKind::kTcp;
+  // NCCL: bytes of the device staging buffer of each link end; a chunk of a pull is at most
+  // this. At least one block.
+  uint64_t nccl_staging_bytes = 64ull << 20;
+  // NCCL: most links held at once, of each kind (links to pull from peers, links peers pull
+  // from this agent over); the least recently used idle one is dropped for a new one.
+  // 1..1024.
+  uint32_t nccl_max_links = 16;
+  // NCCL: how long making a link may take (the manager's relay, ncclCommInitRank of both
+  // ranks, the warm-up send/recv). >= 1.
+  uint32_t nccl_connect_timeout_ms = 30'000;
   // CUDA device of the pool when one is present. >= 0.
   int device_index = 0;
   // False forces the host backend even on a machine with a GPU.

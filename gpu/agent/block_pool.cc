@@ -108,6 +108,14 @@ absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t off
 absl::Status BlockPool::ReadCommittedBlock(BlockId id, const NamespaceId& ns, const PageHash& page,
                                            std::span<std::byte> dst,
                                            absl::string_view field) const {
+  return WithCommittedBlock(id, ns, page, field, [&](const std::byte* /*block*/) {
+    return backend_->CopyOut(BlockOffset(id), dst.first(bytes_per_block_));
+  });
+}
+
+absl::Status BlockPool::WithCommittedBlock(
+    BlockId id, const NamespaceId& ns, const PageHash& page, absl::string_view field,
+    absl::FunctionRef<absl::Status(const std::byte* block)> fn) const {
   absl::MutexLock lock(&mu_);
   if (id >= ledger_.num_blocks()) {
     return absl::OutOfRangeError(
@@ -119,7 +127,16 @@ absl::Status BlockPool::ReadCommittedBlock(BlockId id, const NamespaceId& ns, co
         absl::StrCat(field, ": block ", id, " no longer holds page ", page.ToHex(), " of ",
                      ns.ToString(), " (evicted or reused)"));
   }
-  return backend_->CopyOut(BlockOffset(id), dst.first(bytes_per_block_));
+  return fn(backend_->base() + BlockOffset(id));
+}
+
+absl::Status BlockPool::WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
+                                          absl::FunctionRef<absl::Status(std::byte* block)> fn) {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = ledger_.Check({&id, 1}, owner_epoch, /*writable=*/true, field); !s.ok()) {
+    return s;
+  }
+  return fn(backend_->base() + BlockOffset(id));
 }
 
 absl::Status BlockPool::WithOwnedArena(

@@ -108,6 +108,24 @@ class BlockPool {
                                   std::span<std::byte> dst, absl::string_view field) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Runs `fn` on the start of block `id` in the arena (bytes_per_block long; device memory
+  // when backend().is_device()) while holding mu_, if the block is committed to page `page`
+  // of `ns`; errors as ReadCommittedBlock otherwise, without running `fn`. For copies of a
+  // served block into a transfer's staging buffer: `fn` must finish its copy before
+  // returning and must not call back into the pool.
+  absl::Status WithCommittedBlock(BlockId id, const NamespaceId& ns, const PageHash& page,
+                                  absl::string_view field,
+                                  absl::FunctionRef<absl::Status(const std::byte* block)> fn) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs `fn` on the start of block `id` in the arena while holding mu_, if the block is
+  // allocated to `owner_epoch` and not committed (writable, as WriteBlocks checks; errors
+  // name `field`). For copies from a transfer's staging buffer into a pulled block; `fn` as
+  // for WithCommittedBlock.
+  absl::Status WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
+                                 absl::FunctionRef<absl::Status(std::byte* block)> fn)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the arena
   // (backend().base(), arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no
   // WriteBlocks or Free interleaves; returns what `fn` returns. The arena is device memory

@@ -466,6 +466,52 @@ TEST(BlockPoolTest, WithOwnedArenaHandsAnyArenaWithTheOwnershipChecks) {
   EXPECT_EQ(seen, host->backend().base());
 }
 
+TEST(BlockPoolTest, WithCommittedBlockAndWithWritableBlockHandOutOneCheckedBlock) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
+  const NamespaceId ns{"acme", "small"};
+  const PageHash page{1, 2};
+  absl::StatusOr<std::vector<BlockId>> ids = pool->Allocate(2, 3, &ns);
+  ASSERT_TRUE(ids.ok());
+  const BlockId writable = (*ids)[0];
+  const BlockId committed = (*ids)[1];
+  ASSERT_TRUE(
+      pool->Commit(ns, 3, std::vector<CommitEntry>{{.block = committed, .page = page}}, "block_ids")
+          .ok());
+  const std::byte* seen = nullptr;
+  auto record = [&](const std::byte* block) {
+    seen = block;
+    return absl::OkStatus();
+  };
+  // A committed block of that page: fn gets the block's start.
+  EXPECT_TRUE(pool->WithCommittedBlock(committed, ns, page, "b", record).ok());
+  EXPECT_EQ(seen, pool->backend().base() + pool->BlockOffset(committed));
+  // Another page, another namespace, a merely allocated block, an id past the pool: not run.
+  seen = nullptr;
+  EXPECT_EQ(pool->WithCommittedBlock(committed, ns, PageHash{9, 9}, "b", record).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->WithCommittedBlock(committed, {"other", "small"}, page, "b", record).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(pool->WithCommittedBlock(writable, ns, page, "b[0]", record).message(),
+              HasSubstr("b[0]"));
+  EXPECT_EQ(pool->WithCommittedBlock(99, ns, page, "b", record).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(seen, nullptr);
+
+  // Writable: allocated to the owner and not committed.
+  auto write = [&](std::byte* block) {
+    seen = block;
+    return absl::OkStatus();
+  };
+  EXPECT_TRUE(pool->WithWritableBlock(writable, 3, "d", write).ok());
+  EXPECT_EQ(seen, pool->backend().base() + pool->BlockOffset(writable));
+  seen = nullptr;
+  EXPECT_EQ(pool->WithWritableBlock(committed, 3, "d", write).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(pool->WithWritableBlock(writable, 4, "d", write).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(seen, nullptr);
+}
+
 TEST(DeviceBackendTest, HostBackendChecksRanges) {
   absl::StatusOr<std::unique_ptr<DeviceBackend>> host = CreateHostBackend(16);
   ASSERT_TRUE(host.ok());

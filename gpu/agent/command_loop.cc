@@ -1,5 +1,7 @@
 #include "gpu/agent/command_loop.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
@@ -8,11 +10,13 @@
 namespace kvcm {
 
 CommandLoop::CommandLoop(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-                         v1::AgentControl::Stub* control, NamespaceSpecs* specs)
+                         v1::AgentControl::Stub* control, NamespaceSpecs* specs,
+                         std::function<void(const v1::NcclConnect&)> on_link_offer)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
       control_(control),
+      on_link_offer_(std::move(on_link_offer)),
       executor_(pools.main, options->tier, pools.host, specs) {}
 
 CommandLoop::~CommandLoop() { Stop(); }
@@ -58,6 +62,10 @@ absl::Status CommandLoop::RunStream() {
   if (stream->Write(hello)) {
     v1::AgentCommand command;
     while (stream->Read(&command)) {
+      if (command.has_nccl_connect()) {  // unnumbered: no ack
+        if (on_link_offer_) on_link_offer_(command.nccl_connect());
+        continue;
+      }
       if (!stream->Write(executor_.Execute(command))) break;
     }
     stream->WritesDone();

@@ -4,7 +4,9 @@
 // each sequence once. A stream belongs to one epoch: when the epoch changes, the next stream
 // first frees what the old epoch still holds and resets the executor. A manager that
 // restarted while the epoch stayed (ControlLoop re-registers it) changes nothing here: its
-// new manager_incarnation tells the executor to number from 1 again.
+// new manager_incarnation tells the executor to number from 1 again. NCCL link offers
+// (AgentCommand.nccl_connect, sequence 0) bypass the executor and are not acknowledged: they
+// go to `on_link_offer`, which must not block.
 //
 // Thread-compatible: Start and Stop must not run concurrently (Agent serializes them); Stop is
 // idempotent. CancelStream is thread-safe.
@@ -13,6 +15,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -31,9 +34,11 @@ namespace kvcm {
 class CommandLoop {
  public:
   // `specs` receives the spec of every namespace committed (the ControlLoop's inventories
-  // read it). The pointers are not owned and must outlive the loop.
+  // read it). The pointers are not owned and must outlive the loop. `on_link_offer` (may be
+  // empty: offers are dropped) runs on the loop's thread.
   CommandLoop(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-              v1::AgentControl::Stub* control, NamespaceSpecs* specs);
+              v1::AgentControl::Stub* control, NamespaceSpecs* specs,
+              std::function<void(const v1::NcclConnect&)> on_link_offer = {});
   // Stops the thread.
   ~CommandLoop();
   CommandLoop(const CommandLoop&) = delete;
@@ -55,6 +60,7 @@ class CommandLoop {
   const AgentPools pools_;
   const AgentEpoch* const epoch_;
   v1::AgentControl::Stub* const control_;
+  const std::function<void(const v1::NcclConnect&)> on_link_offer_;
   // The loop's thread only.
   CommandExecutor executor_;
   absl::Notification stop_;

@@ -89,6 +89,7 @@ absl::Status ControlLoop::Register() {
   req.set_epoch(epoch_->current());
   req.set_block_agent_address(block_agent_address_);
   req.set_data_address(data_address_);
+  req.set_transport(std::string(TransportName(options_.transport)));
   v1::RegisterAgentResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(CallDeadline(options_));

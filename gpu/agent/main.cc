@@ -38,6 +38,15 @@ ABSL_FLAG(std::string, data_listen_address, kDefaults.data_listen_address,
           "where peers pull this agent's blocks (TCP), a.b.c.d:port; port 0 picks one");
 ABSL_FLAG(uint32_t, transfer_io_timeout_ms, kDefaults.transfer_io_timeout_ms,
           "a peer silent this long fails a transfer");
+ABSL_FLAG(std::string, transport, "tcp",
+          "How block bytes move between agents: tcp, or nccl (NCCL links between GPUs, "
+          "bootstrapped through the manager; needs a build with NCCL and a CUDA device).");
+ABSL_FLAG(uint64_t, nccl_staging_bytes, kDefaults.nccl_staging_bytes,
+          "NCCL: bytes of each link's device staging buffer (the largest chunk of a pull).");
+ABSL_FLAG(uint32_t, nccl_max_links, kDefaults.nccl_max_links,
+          "NCCL: most links held at once, of each kind (pulling, served).");
+ABSL_FLAG(uint32_t, nccl_connect_timeout_ms, kDefaults.nccl_connect_timeout_ms,
+          "NCCL: how long making a link (relay, ncclCommInitRank, warm-up) may take.");
 ABSL_FLAG(int, device_index, kDefaults.device_index, "CUDA device of the pool.");
 ABSL_FLAG(bool, use_device, kDefaults.use_device,
           "Use the GPU when present; false forces host DRAM.");
@@ -91,6 +100,10 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.listen_address = absl::GetFlag(FLAGS_listen_address);
   o.data_listen_address = absl::GetFlag(FLAGS_data_listen_address);
   o.transfer_io_timeout_ms = absl::GetFlag(FLAGS_transfer_io_timeout_ms);
+  o.transport = OrFail(kvcm::ParseTransport(absl::GetFlag(FLAGS_transport), "--transport"));
+  o.nccl_staging_bytes = absl::GetFlag(FLAGS_nccl_staging_bytes);
+  o.nccl_max_links = absl::GetFlag(FLAGS_nccl_max_links);
+  o.nccl_connect_timeout_ms = absl::GetFlag(FLAGS_nccl_connect_timeout_ms);
   o.device_index = absl::GetFlag(FLAGS_device_index);
   o.use_device = absl::GetFlag(FLAGS_use_device);
   o.tier = OrFail(kvcm::ParseTier(absl::GetFlag(FLAGS_tier), "--tier"));
@@ -148,6 +161,8 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   kvcm::LogInfo(
       absl::StrCat("backend ", agent->pool().backend().name(), ": ", agent->backend_reason()));
+  kvcm::LogInfo(absl::StrCat("transport ", kvcm::TransportName(agent->options().transport),
+                             ", data port ", agent->data_address()));
   kvcm::LogInfo(absl::StrCat("pool: ", g.num_blocks, " blocks of ", g.bytes_per_block(),
                              " bytes, layout ", g.Layout().ToString()));
   if (const kvcm::BlockPool* host = agent->host_pool(); host != nullptr) {

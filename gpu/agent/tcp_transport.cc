@@ -8,145 +8,38 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <list>
-#include <string_view>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/internal/endian.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "gpu/agent/data_socket.h"
+#include "gpu/agent/link_transfer.h"
 #include "kvcm/v1/agent.pb.h"
 #include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
 
-constexpr uint32_t kMaxFrameBytes = 16 << 20;  // a request of ~800k blocks; plenty
-constexpr uint8_t kTagBlock = 1;
-constexpr uint8_t kTagError = 2;
 constexpr size_t kHashBytes = 16;
-
-absl::Status Errno(absl::string_view what) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
-}
-
-// "a.b.c.d:port" -> sockaddr; INVALID_ARGUMENT naming `field` otherwise.
-absl::StatusOr<sockaddr_in> ParseAddress(absl::string_view address, absl::string_view field) {
-  const size_t colon = address.rfind(':');
-  uint32_t port = 0;
-  sockaddr_in out{};
-  out.sin_family = AF_INET;
-  const std::string host(address.substr(0, colon == absl::string_view::npos ? 0 : colon));
-  if (colon == absl::string_view::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port > 65535 || inet_pton(AF_INET, host.c_str(), &out.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " must be \"a.b.c.d:port\" (numeric IPv4), got \"", address, "\""));
-  }
-  out.sin_port = htons(static_cast<uint16_t>(port));
-  return out;
-}
-
-// Blocking I/O on a socket with SO_RCVTIMEO / SO_SNDTIMEO set: a peer silent for the timeout
-// fails the call (DEADLINE_EXCEEDED), a closed or reset one UNAVAILABLE.
-absl::Status SendAll(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t sent = send(fd, p, n, MSG_NOSIGNAL);
-    if (sent < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        return absl::DeadlineExceededError("peer stopped reading");
-      }
-      return Errno("send");
-    }
-    p += sent;
-    n -= static_cast<size_t>(sent);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RecvAll(int fd, void* data, size_t n) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t got = recv(fd, p, n, 0);
-    if (got == 0) return absl::UnavailableError("peer closed the connection");
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        return absl::DeadlineExceededError("peer went silent");
-      }
-      return Errno("recv");
-    }
-    p += got;
-    n -= static_cast<size_t>(got);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SendFrame(int fd, const google::protobuf::MessageLite& message) {
-  const std::string body = message.SerializeAsString();
-  char len[4];
-  absl::little_endian::Store32(len, static_cast<uint32_t>(body.size()));
-  if (absl::Status s = SendAll(fd, len, sizeof(len)); !s.ok()) return s;
-  return SendAll(fd, body.data(), body.size());
-}
-
-absl::Status RecvFrame(int fd, google::protobuf::MessageLite* message) {
-  char len[4];
-  if (absl::Status s = RecvAll(fd, len, sizeof(len)); !s.ok()) return s;
-  const uint32_t n = absl::little_endian::Load32(len);
-  if (n > kMaxFrameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("frame of ", n, " bytes is too large"));
-  }
-  std::string body(n, '\0');
-  if (absl::Status s = RecvAll(fd, body.data(), n); !s.ok()) return s;
-  if (!message->ParseFromString(body)) return absl::InvalidArgumentError("malformed frame");
-  return absl::OkStatus();
-}
-
-void SetSocketOptions(int fd, uint32_t io_timeout_ms) {
-  timeval tv{};
-  tv.tv_sec = io_timeout_ms / 1000;
-  tv.tv_usec = static_cast<suseconds_t>(io_timeout_ms % 1000) * 1000;
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  const int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
-
-v1::PullBlocksHeader HeaderOf(const absl::Status& status, uint64_t bytes_per_block) {
-  v1::PullBlocksHeader h;
-  h.set_code(static_cast<int32_t>(status.code()));
-  h.set_message(std::string(status.message()));
-  h.set_bytes_per_block(bytes_per_block);
-  return h;
-}
-
-absl::Status StatusOf(const v1::PullBlocksHeader& h) {
-  if (h.code() == 0) return absl::OkStatus();
-  constexpr int32_t kMaxCode = static_cast<int32_t>(absl::StatusCode::kUnauthenticated);
-  const absl::StatusCode code = h.code() > 0 && h.code() <= kMaxCode
-                                    ? static_cast<absl::StatusCode>(h.code())
-                                    : absl::StatusCode::kUnknown;
-  return absl::Status(code, absl::StrCat("peer: ", h.message()));
-}
 
 class TcpTransport final : public Transport {
  public:
   TcpTransport(TcpTransportOptions options, AgentPools pools, Tier main_tier, int listen_fd,
-               std::string address)
+               std::string address, std::optional<LinkPort> links)
       : options_(std::move(options)),
         pools_(pools),
         main_tier_(main_tier),
         listen_fd_(listen_fd),
-        address_(std::move(address)) {
+        address_(std::move(address)),
+        links_(std::move(links)),
+        io_timeout_(absl::Milliseconds(options_.io_timeout_ms)) {
     acceptor_ = std::thread([this] { AcceptLoop(); });
   }
 
@@ -156,6 +49,7 @@ class TcpTransport final : public Transport {
       stopping_ = true;
       for (int fd : open_fds_) shutdown(fd, SHUT_RDWR);  // wakes blocked sends and recvs
     }
+    if (links_.has_value()) links_->links->CancelAll();  // wakes link sends and recvs
     shutdown(listen_fd_, SHUT_RDWR);
     acceptor_.join();
     close(listen_fd_);
@@ -274,6 +168,10 @@ class TcpTransport final : public Transport {
     } else if (req.page_hashes().size() != kHashBytes * req.block_ids_size()) {
       check = absl::InvalidArgumentError("page_hashes must hold 16 bytes per block");
     }
+    if (check.ok() && req.mode() == v1::PULL_MODE_NCCL && links_.has_value()) {
+      ServeOverLink(fd, req, *pool, *ns);
+      return;
+    }
     if (!SendFrame(fd, HeaderOf(check, block_bytes)).ok() || !check.ok()) return;
 
     const std::vector<PageHash> pages = DecodePageHashes(req.page_hashes());
@@ -292,6 +190,33 @@ class TcpTransport final : public Transport {
     }
   }
 
+  // A checked PULL_MODE_NCCL request: the header, then the blocks over the puller's link,
+  // or link_needed when this agent does not know that link.
+  void ServeOverLink(int fd, const v1::PullBlocksRequest& req, const BlockPool& pool,
+                     const NamespaceId& ns) {
+    const uint64_t block_bytes = pool.geometry().bytes_per_block();
+    absl::StatusOr<LinkCache::Lease> lease =
+        links_->links->LeaseServed(req.puller_agent_id(), req.link_id(), io_timeout_);
+    if (!lease.ok()) {
+      v1::PullBlocksHeader h = HeaderOf(lease.status(), block_bytes);
+      if (absl::IsNotFound(lease.status())) {
+        h = HeaderOf(absl::FailedPreconditionError(lease.status().message()), block_bytes);
+        h.set_link_needed(true);
+        h.set_agent_id(links_->agent_id);
+      }
+      (void)SendFrame(fd, h);
+      return;
+    }
+    absl::StatusOr<uint32_t> chunk =
+        LinkChunkBlocks(block_bytes, lease->link().staging_bytes(), req.link_chunk_bytes());
+    if (!SendFrame(fd, HeaderOf(chunk.status(), block_bytes)).ok() || !chunk.ok()) return;
+    const std::vector<PageHash> pages = DecodePageHashes(req.page_hashes());
+    const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
+    const LinkTransferResult served =
+        kvcm::ServeOverLink(fd, pool, ns, ids, pages, *chunk, lease->link(), io_timeout_);
+    if (served.link_broken) lease->MarkBroken();
+  }
+
   absl::StatusOr<uint64_t> RunPull(const PullSpec& spec) {
     const size_t n = spec.peer_blocks.size();
     if (spec.dst == nullptr || n == 0 || spec.pages.size() != n || spec.dst_blocks.size() != n) {
@@ -301,18 +226,58 @@ class TcpTransport final : public Transport {
     }
     absl::StatusOr<sockaddr_in> peer = ParseAddress(spec.peer_address, "peer_address");
     if (!peer.ok()) return peer.status();
+    if (!links_.has_value()) return PullOnce(*peer, spec, nullptr, nullptr);
+
+    // The cached link to this peer, if any; a server that does not know it (or any) answers
+    // link_needed with its agent id, and one new link is bootstrapped for a second try.
+    std::optional<LinkCache::Lease> lease;
+    if (absl::StatusOr<LinkCache::Lease> cached = links_->links->LeasePull(
+            spec.peer_address, io_timeout_ + absl::Milliseconds(links_->connect_timeout_ms));
+        cached.ok()) {
+      lease.emplace(*std::move(cached));
+    } else if (!absl::IsNotFound(cached.status())) {
+      return cached.status();
+    }
+    for (int attempt = 0;; ++attempt) {
+      std::string link_needed_by;
+      absl::StatusOr<uint64_t> result =
+          PullOnce(*peer, spec, lease.has_value() ? &*lease : nullptr, &link_needed_by);
+      if (link_needed_by.empty()) return result;
+      if (attempt > 0) {
+        return absl::UnavailableError(absl::StrCat("peer ", spec.peer_address,
+                                                   " does not know the link bootstrapped for it"));
+      }
+      const uint64_t stale = lease.has_value() ? lease->link_id() : 0;
+      lease.reset();  // idle again: ConnectPull replaces it
+      absl::StatusOr<LinkCache::Lease> fresh =
+          links_->links->ConnectPull(spec.peer_address, link_needed_by, stale,
+                                     io_timeout_ + absl::Milliseconds(links_->connect_timeout_ms));
+      if (!fresh.ok()) {
+        return absl::Status(fresh.status().code(),
+                            absl::StrCat("NCCL link to ", link_needed_by, " at ", spec.peer_address,
+                                         ": ", fresh.status().message()));
+      }
+      lease.emplace(*std::move(fresh));
+    }
+  }
+
+  // One connection to `peer`: the request (over `lease`'s link when given), the header and
+  // the blocks. A server that answers link_needed sets *link_needed_by to its agent id.
+  absl::StatusOr<uint64_t> PullOnce(const sockaddr_in& peer, const PullSpec& spec,
+                                    LinkCache::Lease* lease, std::string* link_needed_by) {
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return Errno("socket");
     if (!Track(fd)) {
       close(fd);
       return absl::CancelledError("the transport is stopping");
     }
-    absl::StatusOr<uint64_t> result = PullOn(fd, *peer, spec);
+    absl::StatusOr<uint64_t> result = PullOn(fd, peer, spec, lease, link_needed_by);
     Untrack(fd);
     return result;
   }
 
-  absl::StatusOr<uint64_t> PullOn(int fd, const sockaddr_in& peer, const PullSpec& spec) {
+  absl::StatusOr<uint64_t> PullOn(int fd, const sockaddr_in& peer, const PullSpec& spec,
+                                  LinkCache::Lease* lease, std::string* link_needed_by) {
     SetSocketOptions(fd, options_.io_timeout_ms);
     if (connect(fd, reinterpret_cast<const sockaddr*>(&peer), sizeof(peer)) != 0) {
       return Errno(absl::StrCat("connect to ", spec.peer_address));
@@ -322,33 +287,33 @@ class TcpTransport final : public Transport {
     NamespaceToProto(spec.ns, req.mutable_namespace_());
     req.mutable_block_ids()->Add(spec.peer_blocks.begin(), spec.peer_blocks.end());
     req.set_page_hashes(EncodePageHashes(spec.pages));
+    if (links_.has_value()) {
+      req.set_mode(v1::PULL_MODE_NCCL);
+      req.set_puller_agent_id(links_->agent_id);
+      if (lease != nullptr) {
+        req.set_link_id(lease->link_id());
+        req.set_link_chunk_bytes(lease->link().staging_bytes());
+      }
+    }
     if (absl::Status s = SendFrame(fd, req); !s.ok()) return s;
 
     v1::PullBlocksHeader header;
     if (absl::Status s = RecvFrame(fd, &header); !s.ok()) return s;
+    if (header.link_needed() && links_.has_value() && !header.agent_id().empty()) {
+      *link_needed_by = header.agent_id();
+      return StatusOf(header);
+    }
     if (absl::Status s = StatusOf(header); !s.ok()) return s;
     const uint64_t block_bytes = spec.dst->geometry().bytes_per_block();
     if (header.bytes_per_block() != block_bytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("peer blocks are ", header.bytes_per_block(), " bytes, ours ", block_bytes));
     }
-    std::vector<std::byte> staging(block_bytes);
-    for (size_t i = 0; i < spec.peer_blocks.size(); ++i) {
-      uint8_t tag = 0;
-      if (absl::Status s = RecvAll(fd, &tag, 1); !s.ok()) return s;
-      if (tag == kTagError) {
-        if (absl::Status s = RecvFrame(fd, &header); !s.ok()) return s;
-        return StatusOf(header);
-      }
-      if (tag != kTagBlock) return absl::DataLossError(absl::StrCat("unknown tag ", tag));
-      if (absl::Status s = RecvAll(fd, staging.data(), staging.size()); !s.ok()) return s;
-      if (absl::Status s =
-              spec.dst->WriteBlocks({&spec.dst_blocks[i], 1}, spec.dst_owner_epoch, staging);
-          !s.ok()) {
-        return s;
-      }
-    }
-    return block_bytes * spec.peer_blocks.size();
+    bool broken = false;
+    absl::StatusOr<uint64_t> got =
+        ReceiveBlocks(fd, spec, lease != nullptr ? &lease->link() : nullptr, io_timeout_, &broken);
+    if (broken) lease->MarkBroken();
+    return got;
   }
 
   const TcpTransportOptions options_;
@@ -356,6 +321,8 @@ class TcpTransport final : public Transport {
   const Tier main_tier_;
   const int listen_fd_;
   const std::string address_;
+  const std::optional<LinkPort> links_;
+  const absl::Duration io_timeout_;
   std::thread acceptor_;
 
   absl::Mutex mu_;
@@ -379,8 +346,12 @@ absl::Status TcpTransportOptions::Validate() const {
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(TcpTransportOptions options,
-                                                            AgentPools pools, Tier main_tier) {
+                                                            AgentPools pools, Tier main_tier,
+                                                            std::optional<LinkPort> links) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
+  if (links.has_value() && (links->links == nullptr || links->agent_id.empty())) {
+    return absl::InvalidArgumentError("links: a link port needs its cache and the agent's id");
+  }
   sockaddr_in addr = *ParseAddress(options.listen_address, "listen_address");
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
@@ -396,8 +367,8 @@ absl::StatusOr<std::unique_ptr<Transport>> MakeTcpTransport(TcpTransportOptions 
   char host[INET_ADDRSTRLEN] = {};
   inet_ntop(AF_INET, &addr.sin_addr, host, sizeof(host));
   std::string address = absl::StrCat(host, ":", ntohs(addr.sin_port));
-  return std::unique_ptr<Transport>(
-      new TcpTransport(std::move(options), pools, main_tier, fd, std::move(address)));
+  return std::unique_ptr<Transport>(new TcpTransport(std::move(options), pools, main_tier, fd,
+                                                     std::move(address), std::move(links)));
 }
 
 }  // namespace kvcm

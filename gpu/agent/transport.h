@@ -1,7 +1,7 @@
 // Transport: moves whole blocks from a peer agent's pool into this agent's pool, over a data
 // path of its own (not the control RPCs). Backends: TCP (tcp_transport.h), for hosts without
-// GPUs and every test; NCCL between GPUs (to come). Each hides its connections behind this
-// interface, as Mooncake's transfer engine hides its communicators.
+// GPUs and every test; NCCL between GPUs (nccl_transport.h). Each hides its connections
+// behind this interface, as Mooncake's transfer engine hides its communicators.
 //
 // A transfer is a pull: the destination names the peer's blocks and the page each must hold,
 // and the bytes land in blocks it allocated. The peer serves a block only while it is
@@ -10,7 +10,9 @@
 // destination blocks through the ledger once the pull succeeded, or frees them when it fails.
 //
 // Lock order: a transport takes a pool's lock only to copy one block in or out of its arena
-// (BlockPool::ReadCommittedBlock, WriteBlocks), never across a network wait.
+// (BlockPool::ReadCommittedBlock, WriteBlocks, or WithCommittedBlock / WithWritableBlock
+// into a link's staging buffer), one pool at a time, never across a network wait; its own
+// locks (the link cache's) are never held while it takes a pool's.
 #ifndef KVCM_GPU_AGENT_TRANSPORT_H_
 #define KVCM_GPU_AGENT_TRANSPORT_H_
 
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/page_hash.h"
 #include "common/types.h"
@@ -49,6 +52,16 @@ struct TransferStats {
 // allocated (never committed) for the caller to free or reuse.
 using PullDone = std::function<void(absl::StatusOr<TransferStats> result)>;
 
+// An NCCL link another agent offered through the manager (AgentCommand.nccl_connect).
+struct LinkOffer {
+  std::string from_agent_id;  // the agent that will pull over the link (rank peer_rank)
+  uint64_t link_id = 0;       // its name for the link
+  std::string unique_id;      // the ncclUniqueId, 128 bytes
+  int32_t rank = 1;           // this agent's rank
+  int32_t peer_rank = 0;
+  int32_t nranks = 2;
+};
+
 // Thread-safe: Pull may be called from any thread; pulls and served requests run
 // concurrently, each on a thread of the transport.
 class Transport {
@@ -61,6 +74,15 @@ class Transport {
   // is not dst's; the peer's FAILED_PRECONDITION for a block that no longer holds its page;
   // UNAVAILABLE / DEADLINE_EXCEEDED when the peer cannot be reached or goes silent.
   virtual void Pull(PullSpec spec, PullDone done) = 0;
+  // Joins the link `offer` names, on a thread of the transport, and serves its puller over
+  // it once joined. FAILED_PRECONDITION for a transport without links (TCP); the offer's
+  // errors (INVALID_ARGUMENT naming the field) otherwise. Returns without waiting for the
+  // join.
+  virtual absl::Status AcceptLinkOffer(const LinkOffer& offer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("this agent's transport takes no NCCL link offers (link ", offer.link_id,
+                     " of ", offer.from_agent_id, "); start it with --transport=nccl"));
+  }
 };
 
 }  // namespace kvcm

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -116,6 +117,27 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   return call;
 }
 
+absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequest& req) {
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
+  if (req.epoch() < 1) return Invalid("epoch", "must be >= 1");
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.peer_agent_id(), "peer_agent_id"));
+  if (req.peer_agent_id() == req.agent_id()) {
+    return Invalid("peer_agent_id", "must not be the calling agent");
+  }
+  if (req.link_id() == 0) return Invalid("link_id", "must be non-zero");
+  if (req.unique_id().size() != kNcclUniqueIdBytes) {
+    return Invalid("unique_id",
+                   absl::StrCat("must be exactly ", kNcclUniqueIdBytes,
+                                " bytes (an ncclUniqueId), got ", req.unique_id().size()));
+  }
+  return NcclLinkOffer{.from_agent_id = req.agent_id(),
+                       .link_id = req.link_id(),
+                       .unique_id = req.unique_id(),
+                       .rank = 1,
+                       .peer_rank = 0,
+                       .nranks = 2};
+}
+
 uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r) {
   uint64_t pages = 0;
   for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
@@ -148,11 +170,13 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
 
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
                                          ServiceMetrics* metrics, AgentCommandBook* commands,
+                                         NcclBootstrapRelay* nccl_relay,
                                          uint64_t manager_incarnation)
     : index_(index),
       agents_(agents),
       rpc_(metrics),
       commands_(commands),
+      nccl_relay_(nccl_relay),
       manager_incarnation_(manager_incarnation) {}
 
 grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
@@ -179,6 +203,7 @@ grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerCont
       KVCM_RETURN_IF_ERROR(index_->SetPoolCapacity(host, r.host_capacity_bytes));
     }
     KVCM_RETURN_IF_ERROR(agents_->Register(r).status());
+    nccl_relay_->OnRegistered(r.agent_id, r.epoch, req->transport());
     resp->set_heartbeat_timeout_ms(
         static_cast<uint32_t>(absl::ToInt64Milliseconds(agents_->heartbeat_timeout())));
     return absl::OkStatus();
@@ -207,12 +232,48 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
     grpc::CallbackServerContext* /*ctx*/) {
-  return OpenCommandStream(commands_, agents_, manager_incarnation_);
+  return OpenCommandStream(commands_, agents_, nccl_relay_, manager_incarnation_);
 }
 
 grpc::ServerReadReactor<v1::InventoryChunk>* AgentControlService::ReportInventory(
     grpc::CallbackServerContext* /*ctx*/, v1::InventoryReply* reply) {
   return OpenInventoryStream(index_, agents_, &rpc_, reply);
+}
+
+grpc::ServerUnaryReactor* AgentControlService::NcclBootstrap(grpc::CallbackServerContext* ctx,
+                                                             const v1::NcclBootstrapRequest* req,
+                                                             v1::NcclBootstrapResponse* /*resp*/) {
+  return rpc_.Unary(ctx, Rpc::kNcclBootstrap, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(NcclLinkOffer offer, NcclLinkOfferFromProto(*req));
+    if (absl::Status s = agents_->CheckLive(req->agent_id(), req->epoch()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("agent_id: ", s.message()));
+    }
+    // Both agents' liveness and epochs, as of now.
+    const AgentInfo* caller = nullptr;
+    const AgentInfo* peer = nullptr;
+    const std::vector<AgentInfo> all = agents_->Snapshot();
+    for (const AgentInfo& a : all) {
+      if (a.registration.agent_id == req->agent_id()) caller = &a;
+      if (a.registration.agent_id == req->peer_agent_id()) peer = &a;
+    }
+    if (caller == nullptr || !caller->alive) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("agent_id ", req->agent_id(), " is not alive (heartbeat first)"));
+    }
+    if (!nccl_relay_->IsNccl(req->agent_id(), req->epoch())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("agent_id ", req->agent_id(), " did not register transport \"nccl\""));
+    }
+    if (peer == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("peer_agent_id ", req->peer_agent_id(), " is not registered"));
+    }
+    if (!peer->alive) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("peer_agent_id ", req->peer_agent_id(), " is not alive"));
+    }
+    return nccl_relay_->Relay(req->peer_agent_id(), peer->registration.epoch, std::move(offer));
+  });
 }
 
 }  // namespace kvcm

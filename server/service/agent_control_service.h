@@ -3,9 +3,11 @@
 // Register validates the request, checks the epoch against the AgentRegistry, sizes the
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
 // refreshes the agent's liveness and usage; Commands streams move commands and acks in and out of
-// the AgentCommandBook (command_stream.h). Handlers are thin: each is one call of RpcRunner::Unary
-// (common/rpc_runner.h), which times the body, records the RPC metrics, logs failures at a bounded
-// rate and finishes with the body's status (same code and message), like CacheManagerService.
+// the AgentCommandBook (command_stream.h); NcclBootstrap checks both agents of an NCCL link
+// and hands the offer to the NcclBootstrapRelay, which the peer's Commands stream writes. Handlers
+// are thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body,
+// records the RPC metrics, logs failures at a bounded rate and finishes with the body's status
+// (same code and message), like CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -25,6 +27,7 @@
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/metrics.h"
+#include "server/service/nccl_bootstrap_relay.h"
 
 namespace kvcm {
 
@@ -42,6 +45,11 @@ struct RegisterAgentCall {
 // TIER_GPU or with num_blocks / capacity_bytes out of range ("host_pool.<field>").
 absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req);
 
+// The offer a valid NcclBootstrapRequest makes. INVALID_ARGUMENT naming the field for a bad
+// agent_id, epoch 0, a bad peer_agent_id or the caller's own, link_id 0, or a unique_id that
+// is not exactly kNcclUniqueIdBytes.
+absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequest& req);
+
 // Forgets the pages the index holds in the pools of agent `r` (its main pool and its HOST
 // pool): its process restarted or is gone, and its blocks with it. Returns the pages.
 uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r);
@@ -54,8 +62,10 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   // None of the pointers is owned; all must outlive the service. Commands streams attach
   // to `commands`.
   // `manager_incarnation` tags every command this process sends (non-zero, random).
+  // `nccl_relay` holds the link offers of NcclBootstrap for the peers' streams.
   AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics,
-                      AgentCommandBook* commands, uint64_t manager_incarnation);
+                      AgentCommandBook* commands, NcclBootstrapRelay* nccl_relay,
+                      uint64_t manager_incarnation);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterAgentRequest* req,
@@ -67,12 +77,16 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
       grpc::CallbackServerContext* ctx) override;
   grpc::ServerReadReactor<v1::InventoryChunk>* ReportInventory(grpc::CallbackServerContext* ctx,
                                                                v1::InventoryReply* reply) override;
+  grpc::ServerUnaryReactor* NcclBootstrap(grpc::CallbackServerContext* ctx,
+                                          const v1::NcclBootstrapRequest* req,
+                                          v1::NcclBootstrapResponse* resp) override;
 
  private:
   CacheIndex* const index_;
   AgentRegistry* const agents_;
   RpcRunner<Rpc> rpc_;
   AgentCommandBook* const commands_;
+  NcclBootstrapRelay* const nccl_relay_;
   const uint64_t manager_incarnation_;
 };
 

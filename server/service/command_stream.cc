@@ -14,18 +14,32 @@
 namespace kvcm {
 namespace {
 
+// An offer as the unnumbered AgentCommand that carries it.
+void NcclLinkOfferToProto(const NcclLinkOffer& offer, uint64_t manager_incarnation,
+                          v1::AgentCommand* out) {
+  out->Clear();
+  out->set_manager_incarnation(manager_incarnation);
+  v1::NcclConnect* c = out->mutable_nccl_connect();
+  c->set_from_agent_id(offer.from_agent_id);
+  c->set_link_id(offer.link_id);
+  c->set_unique_id(offer.unique_id);
+  c->set_rank(offer.rank);
+  c->set_peer_rank(offer.peer_rank);
+  c->set_nranks(offer.nranks);
+}
+
 // One Commands call. Owned by itself (self_) until OnDone and by the book while attached.
 // gRPC operations are started outside mu_, so no reaction can run inline under it; one
 // write is in flight at a time (write_in_flight_ reserves it), and Finish waits for it.
-// Lock order: a book sender's locks, then mu_ (Wake), then the book's.
+// Lock order: a book sender's locks, then mu_ (Wake), then the book's or the relay's.
 class CommandStreamReactor final
     : public grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>,
       public CommandStream,
       public std::enable_shared_from_this<CommandStreamReactor> {
  public:
   CommandStreamReactor(AgentCommandBook* book, const AgentRegistry* agents,
-                       uint64_t manager_incarnation)
-      : book_(book), agents_(agents), manager_incarnation_(manager_incarnation) {}
+                       NcclBootstrapRelay* relay, uint64_t manager_incarnation)
+      : book_(book), agents_(agents), relay_(relay), manager_incarnation_(manager_incarnation) {}
 
   void Start(std::shared_ptr<CommandStreamReactor> self) {
     self_ = std::move(self);
@@ -45,9 +59,12 @@ class CommandStreamReactor final
         FinishWith(ToGrpcStatus(id.status()));
         return;
       }
+      const NcclBootstrapRelay::StreamId relay_id =
+          relay_->Attach(ack_.agent_id(), ack_.epoch(), shared_from_this());
       {
         absl::MutexLock lock(&mu_);
         id_ = *id;
+        relay_id_ = relay_id;
       }
       Pump();
     } else if (!book_->OnAck(stream_id(), AgentCommandAckFromProto(ack_)).ok()) {
@@ -98,18 +115,30 @@ class CommandStreamReactor final
     return id_;
   }
 
+  // Detaches from the book and the relay.
   void DetachFromBook() {
+    NcclBootstrapRelay::StreamId relay_id = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      relay_id = relay_id_;
+    }
+    if (relay_id != 0) relay_->Detach(relay_id);
     if (const AgentCommandBook::StreamId id = stream_id(); id != 0) book_->Detach(id);
   }
 
-  // Writes the book's next command if the stream is attached, idle and not finishing.
+  // Writes the relay's next link offer, else the book's next command, if the stream is
+  // attached, idle and not finishing.
   void Pump() {
     {
       absl::MutexLock lock(&mu_);
       if (id_ == 0 || write_in_flight_ || finishing_) return;
-      std::optional<AgentCommand> next = book_->TakeNext(id_);
-      if (!next.has_value()) return;
-      AgentCommandToProto(*next, manager_incarnation_, &writing_);
+      if (std::optional<NcclLinkOffer> offer = relay_->TakeNext(relay_id_); offer.has_value()) {
+        NcclLinkOfferToProto(*offer, manager_incarnation_, &writing_);
+      } else if (std::optional<AgentCommand> next = book_->TakeNext(id_); next.has_value()) {
+        AgentCommandToProto(*next, manager_incarnation_, &writing_);
+      } else {
+        return;
+      }
       write_in_flight_ = true;
     }
     StartWrite(&writing_);
@@ -132,6 +161,7 @@ class CommandStreamReactor final
 
   AgentCommandBook* const book_;
   const AgentRegistry* const agents_;
+  NcclBootstrapRelay* const relay_;
   const uint64_t manager_incarnation_;
   // Keeps the reactor alive until OnDone.
   std::shared_ptr<CommandStreamReactor> self_;
@@ -143,6 +173,8 @@ class CommandStreamReactor final
   absl::Mutex mu_;
   // The book's id of this stream once attached; 0 before.
   AgentCommandBook::StreamId id_ ABSL_GUARDED_BY(mu_) = 0;
+  // The relay's id of this stream, set with id_.
+  NcclBootstrapRelay::StreamId relay_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
@@ -154,8 +186,9 @@ class CommandStreamReactor final
 }  // namespace
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
-    AgentCommandBook* book, const AgentRegistry* agents, uint64_t manager_incarnation) {
-  auto reactor = std::make_shared<CommandStreamReactor>(book, agents, manager_incarnation);
+    AgentCommandBook* book, const AgentRegistry* agents, NcclBootstrapRelay* relay,
+    uint64_t manager_incarnation) {
+  auto reactor = std::make_shared<CommandStreamReactor>(book, agents, relay, manager_incarnation);
   reactor->Start(reactor);
   return reactor.get();
 }

@@ -2,7 +2,9 @@
 // wire and the AgentCommandBook, which holds the protocol. It reads the hello (checked
 // against the AgentRegistry, then attached to the book), then acks, converted and handed to
 // the book; it writes what the book gives, one write in flight; it finishes when the agent
-// closes its side, a write fails, or the book ends the stream.
+// closes its side, a write fails, or the book ends the stream. It also writes the NCCL link
+// offers the NcclBootstrapRelay holds for the agent (sequence 0, unacknowledged), before
+// the book's next command.
 #ifndef KVCM_SERVER_SERVICE_COMMAND_STREAM_H_
 #define KVCM_SERVER_SERVICE_COMMAND_STREAM_H_
 
@@ -11,14 +13,16 @@
 #include "kvcm/v1/agent.pb.h"
 #include "server/core/agent_command_book.h"
 #include "server/core/agent_registry.h"
+#include "server/service/nccl_bootstrap_relay.h"
 
 namespace kvcm {
 
 // The reactor of one Commands call; it deletes itself once the call is done and the book
-// has let go of it. `book` and `agents` are not owned and must outlive every call; every
-// command written carries `manager_incarnation`.
+// has let go of it. `book`, `agents` and `relay` are not owned and must outlive every call;
+// every command written carries `manager_incarnation`.
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
-    AgentCommandBook* book, const AgentRegistry* agents, uint64_t manager_incarnation);
+    AgentCommandBook* book, const AgentRegistry* agents, NcclBootstrapRelay* relay,
+    uint64_t manager_incarnation);
 
 }  // namespace kvcm
 

@@ -88,8 +88,10 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
                     .nccl_link_gbps = static_cast<double>(opts.route_nccl_link_gbps)});
   // Numbers this process's commands apart from a predecessor's in the same agent epochs.
   const uint64_t incarnation = absl::Uniform<uint64_t>(absl::BitGen(), 1, ~uint64_t{0});
-  s->agent_service_ = std::make_unique<AgentControlService>(
-      s->index_.get(), s->agents_.get(), s->metrics_.get(), s->commands_.get(), incarnation);
+  s->nccl_relay_ = std::make_unique<NcclBootstrapRelay>();
+  s->agent_service_ =
+      std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(), s->metrics_.get(),
+                                            s->commands_.get(), s->nccl_relay_.get(), incarnation);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -153,6 +155,7 @@ void ManagerServer::SweepLeases() {
 void ManagerServer::DropGoneAgents() {
   for (const AgentRegistration& r : agents_->TakeGone()) {
     commands_->Forget(r.agent_id);
+    nccl_relay_->Forget(r.agent_id);
     const uint64_t pages = DropAgentPools(*index_, r);
     LogWarning(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " is gone (no heartbeat for ",
                             absl::FormatDuration(agents_->heartbeat_timeout()), "): dropped its ",

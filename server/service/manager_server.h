@@ -1,8 +1,8 @@
 // ManagerServer: a running kvcm-manager. Owns the CacheIndex, the EventHub and the
 // BlockCommandIssuer fed by the index's event listener, the AgentRegistry, the
-// AgentCommandBook, the metrics, the gRPC server of CacheManager and AgentControl (with
-// health checking and reflection), the optional Prometheus exposer, and the lease-sweep
-// thread.
+// AgentCommandBook, the NcclBootstrapRelay, the metrics, the gRPC server of CacheManager and
+// AgentControl (with health checking and reflection), the optional Prometheus exposer, and the
+// lease-sweep thread.
 //
 // Used by server/main.cc and by tests (listen_address "127.0.0.1:0", metrics_address
 // "127.0.0.1:0" or empty). Thread-safe: Shutdown and Wait may be called from any thread,
@@ -28,6 +28,7 @@
 #include "server/service/cache_manager_service.h"
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
+#include "server/service/nccl_bootstrap_relay.h"
 #include "server/service/server_options.h"
 
 namespace prometheus {
@@ -62,6 +63,7 @@ class ManagerServer {
   AgentRegistry& agents() { return *agents_; }
   ServiceMetrics& metrics() { return *metrics_; }
   AgentCommandBook& commands() { return *commands_; }
+  NcclBootstrapRelay& nccl_relay() { return *nccl_relay_; }
 
   // Ends every WatchEvents stream, stops accepting calls, lets in-flight calls finish for
   // up to options().shutdown_grace_ms (then cancels them), and stops the exporter and the
@@ -88,6 +90,8 @@ class ManagerServer {
   std::unique_ptr<AgentCommandBook> commands_;
   std::unique_ptr<BlockCommandIssuer> block_commands_;
   std::unique_ptr<AgentInserter> inserter_;
+  // NCCL link offers between agents (AgentControl.NcclBootstrap); outlives the streams.
+  std::unique_ptr<NcclBootstrapRelay> nccl_relay_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<AgentControlService> agent_service_;
   std::unique_ptr<grpc::Server> server_;

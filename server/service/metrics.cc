@@ -75,6 +75,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "Heartbeat";
     case Rpc::kReportInventory:
       return "ReportInventory";
+    case Rpc::kNcclBootstrap:
+      return "NcclBootstrap";
   }
   return "unknown";
 }

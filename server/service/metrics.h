@@ -46,8 +46,9 @@ enum class Rpc : int {
   kRegisterAgent,
   kHeartbeat,
   kReportInventory,
+  kNcclBootstrap,
 };
-inline constexpr int kNumRpcs = 14;
+inline constexpr int kNumRpcs = 15;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of
