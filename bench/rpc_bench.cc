@@ -15,13 +15,17 @@
 //           validation, index or metrics.
 //   echo:   an EchoMessage of exactly the serialized size of call i's MatchRequest, answered
 //           with one of exactly the size of its MatchResponse, to the baseline server.
-// Arms run in blocks of --block calls, in rotated order (match canned echo, canned echo
-// match, ...), so that machine noise lands on all of them alike. A latency is the client's
-// wall time of one call, ClientContext construction included; cpu_us is the process's CPU
+//   route:  a probe Route of the same prompt over every agent of the workload (8, registered
+//           live in the manager's registry), policy prefill-saved, to the ManagerServer: a
+//           router's call.
+// Arms run in blocks of --block calls, in rotated order (match canned echo route, canned
+// echo route match, ...), so that machine noise lands on all of them alike. A latency is the
+// client's wall time of one call, ClientContext construction included; cpu_us is the process's CPU
 // time (client, servers, gRPC threads) per call of the arm. Two in-process arms then run
 // the same prompts to split a Match RPC's cost: "core" is CacheIndex::Match alone,
 // "handler" the service's handler body (MatchFromProto, CacheIndex::Match,
-// MatchResultToProto) without gRPC.
+// MatchResultToProto) without gRPC; "route-core" is Route's core work, a probe
+// CacheIndex::Match and RankAgents over the 8 agents.
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -49,6 +53,7 @@
 #include "common/page_hash.h"
 #include "echo.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
+#include "server/core/router.h"
 #include "server/service/manager_server.h"
 #include "server/service/proto_convert.h"
 #include "server/service/server_options.h"
@@ -57,7 +62,7 @@ ABSL_FLAG(bool, smoke, false, "tiny index and few calls: proves the benchmark ru
 ABSL_FLAG(int, calls, 20'000, "measured calls per arm");
 ABSL_FLAG(int, warmup, 2'000, "unmeasured calls per arm before measuring");
 ABSL_FLAG(int, block, 250, "calls per arm in a row before switching to the other arm");
-ABSL_FLAG(std::string, arms, "match,canned,echo",
+ABSL_FLAG(std::string, arms, "match,canned,echo,route",
           "RPC arms to measure, comma-separated (one arm alone is for profiling)");
 ABSL_FLAG(bool, mutex_deadlock_detection, false,
           "keep Abseil's Mutex deadlock detection on (Debian's Abseil is built without "
@@ -227,6 +232,7 @@ int Run() {
   options.metrics_address = "";  // no exporter; the service still records its metrics
   options.hash_secret_hex = "6b76636d2d62656e63682d7365637265";
   options.default_pool_capacity_bytes = ~uint64_t{0} / 2;  // nothing evicts
+  options.agent_heartbeat_timeout_ms = 24 * 3'600'000;     // the route arm's agents stay live
   absl::StatusOr<std::unique_ptr<ManagerServer>> manager = ManagerServer::Start(options);
   if (!manager.ok()) {
     std::fprintf(stderr, "ManagerServer::Start: %s\n", manager.status().ToString().c_str());
@@ -245,6 +251,31 @@ int Run() {
     return 1;
   }
   const NamespaceStats stats = index.Stats().namespaces.at(0);
+  // The workload's agents, live in the registry (their pools stay the index-only ones the
+  // build filled): what Route chooses among.
+  std::vector<RouteCandidate> route_candidates;
+  for (uint32_t a = 0; a < workload.options().agents; ++a) {
+    const PoolKey& pool = workload.PoolOf(a);
+    const AgentRegistration agent{.agent_id = pool.agent_id,
+                                  .device = "bench",
+                                  .epoch = 1,
+                                  .capacity_bytes = DeepSeekV3Spec().BytesPerPage(),
+                                  .data_address = "127.0.0.1:1",
+                                  .transport = "tcp",
+                                  .bytes_per_block = DeepSeekV3Spec().BytesPerPage(),
+                                  .num_blocks = 1};
+    if (absl::StatusOr<RegisterOutcome> r = (*manager)->agents().Register(agent); !r.ok()) {
+      std::fprintf(stderr, "Register %s: %s\n", pool.agent_id.c_str(),
+                   r.status().ToString().c_str());
+      return 1;
+    }
+    route_candidates.push_back(
+        {.agent_id = pool.agent_id, .link_gbps = static_cast<double>(options.route_tcp_link_gbps)});
+  }
+  const RouteCost route_cost{
+      .bytes_per_page = DeepSeekV3Spec().BytesPerPage(),
+      .page_size_tokens = workload.options().page_size_tokens,
+      .prefill_tokens_per_s = static_cast<double>(options.route_prefill_tokens_per_s)};
 
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -255,6 +286,7 @@ int Run() {
   // Distinct prompts, cycled: random full-hit conversations, as a client sends them.
   const uint32_t distinct = std::min<uint32_t>(workload.conversations(), 4'096);
   std::vector<pb::MatchRequest> match_requests(distinct);
+  std::vector<pb::RouteRequest> route_requests(distinct);
   std::vector<echo_pb::EchoMessage> echo_requests(distinct);
   std::vector<std::span<const PageHash>> prompts(distinct);
   std::vector<MatchOptions> in_process_options(distinct);
@@ -270,6 +302,10 @@ int Run() {
     req.mutable_prompt()->mutable_scheme()->set_page_size_tokens(
         workload.options().page_size_tokens);
     req.mutable_prompt()->mutable_scheme()->set_key_fingerprint(KeyFingerprint(reg->hash_key));
+    pb::RouteRequest& route = route_requests[i];
+    *route.mutable_namespace_() = req.namespace_();
+    *route.mutable_prompt() = req.prompt();
+    route.set_probe(true);
     req.set_requester_agent_id(workload.PoolOf(c).agent_id);
     in_process_options[i].requester_agent_id = workload.PoolOf(c).agent_id;
     // The response this request gets sets the size of the echo's reply.
@@ -302,7 +338,8 @@ int Run() {
   auto echo_stub = echo_pb::Echo::NewStub(baseline_channel);
   auto canned_stub = pb::CacheManager::NewStub(baseline_channel);
 
-  Arm match("match"), canned("canned"), echo("echo"), in_process("core"), handler("handler");
+  Arm match("match"), canned("canned"), echo("echo"), route("route"), in_process("core"),
+      handler("handler"), route_core("route-core");
   auto call_match = [&](pb::CacheManager::Stub* stub, uint32_t i, Arm* arm) {
     pb::MatchResponse resp;
     const auto start = SteadyClock::now();
@@ -337,18 +374,38 @@ int Run() {
     arm->request_bytes += echo_requests[i].ByteSizeLong();
     arm->response_bytes += resp.ByteSizeLong();
   };
+  auto call_route = [&](uint32_t i, Arm* arm) {
+    pb::RouteResponse resp;
+    const auto start = SteadyClock::now();
+    grpc::Status s;
+    {
+      grpc::ClientContext ctx;
+      s = match_stub->Route(&ctx, route_requests[i], &resp);
+    }
+    const auto end = SteadyClock::now();
+    if (!s.ok() || resp.ranked_size() != static_cast<int>(route_candidates.size()) ||
+        resp.ranked(0).cached_pages() != prompts[i].size()) {
+      std::fprintf(stderr, "Route RPC: %s\n", s.error_message().c_str());
+      std::exit(1);
+    }
+    arm->latency.Add(end - start);
+    arm->request_bytes += route_requests[i].ByteSizeLong();
+    arm->response_bytes += resp.ByteSizeLong();
+  };
   // Arm j's call i.
   auto call = [&](int j, uint32_t i, Arm* arm) {
     if (j == 0) {
       call_match(match_stub.get(), i, arm);
     } else if (j == 1) {
       call_match(canned_stub.get(), i, arm);
-    } else {
+    } else if (j == 2) {
       call_echo(i, arm);
+    } else {
+      call_route(i, arm);
     }
   };
-  Arm* const arms[] = {&match, &canned, &echo};
-  constexpr int kArms = 3;
+  Arm* const arms[] = {&match, &canned, &echo, &route};
+  constexpr int kArms = 4;
 
   Arm discard("warm-up");
   for (int i = 0; i < warmup; ++i) {
@@ -410,6 +467,26 @@ int Run() {
     handler.latency.Add(SteadyClock::now() - start);
   }
 
+  route_core.latency.Reserve(calls);
+  for (int i = 0; i < calls; ++i) {
+    const uint32_t q = i % distinct;
+    const auto start = SteadyClock::now();
+    {
+      absl::StatusOr<MatchResult> m = index.Match(kNamespace, prompts[q], {.probe = true});
+      if (!m.ok()) {
+        std::fprintf(stderr, "Match: %s\n", m.status().ToString().c_str());
+        return 1;
+      }
+      const std::vector<RouteEstimate> ranked = RankAgents(
+          RoutePolicy::kPrefillSaved, *m, route_candidates, route_cost, 0, &prompts[q][0]);
+      if (ranked.front().cached_pages != prompts[q].size()) {
+        std::fprintf(stderr, "route-core: the holder was not ranked first\n");
+        return 1;
+      }
+    }
+    route_core.latency.Add(SteadyClock::now() - start);
+  }
+
   std::printf("kvcm_rpc_bench%s: %s, absl mutex deadlock detection %s\n", smoke ? " --smoke" : "",
               MachineSummary().c_str(),
               absl::GetFlag(FLAGS_mutex_deadlock_detection) ? "as built" : "off");
@@ -424,12 +501,20 @@ int Run() {
   PrintArm(match);
   PrintArm(canned);
   PrintArm(echo);
+  PrintArm(route);
   PrintArm(in_process);
   PrintArm(handler);
+  PrintArm(route_core);
   const double p50_ratio = match.latency.Percentile(0.5) / echo.latency.Percentile(0.5);
   const double p99_ratio = match.latency.Percentile(0.99) / echo.latency.Percentile(0.99);
   std::printf("ratio match/echo: p50 %.3f (target <= 1.2: %s), p99 %.3f\n", p50_ratio,
               p50_ratio <= 1.2 ? "met" : "missed", p99_ratio);
+  if (route.latency.size() > 0 && match.latency.size() > 0) {
+    std::printf("ratio route/match: p50 %.3f, p99 %.3f (route ranks %zu agents)\n",
+                route.latency.Percentile(0.5) / match.latency.Percentile(0.5),
+                route.latency.Percentile(0.99) / match.latency.Percentile(0.99),
+                route_candidates.size());
+  }
   std::printf(
       "match p50 - echo p50 = %.1f us; server's Match handler time during the match arm "
       "(kvcm_rpc_duration_seconds): mean %.1f us\n",
