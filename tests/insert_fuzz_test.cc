@@ -1,10 +1,10 @@
 // Hostile inserts over gRPC: a manager and an agent (host pool) in process, two tenants'
 // workers and an attacker making random calls — allocate blocks for either namespace, insert
 // prompts naming their own blocks, the other tenant's, random or out-of-range ids, evict,
-// free. After every step the index must agree with the agent's block ledger: every block a
-// Match returns is committed, on the agent, to exactly that page of that namespace, and no
-// block is returned for two pages. So no sequence of calls can make a Match answer bytes
-// that belong to another prefix or tenant.
+// free, route. After every step the index must agree with the agent's block ledger: every
+// block a Match or Route returns is committed, on the agent, to exactly that page of that
+// namespace, and no block is returned for two pages. So no sequence of calls can make a
+// Match answer bytes that belong to another prefix or tenant.
 //
 // KVCM_FUZZ_SEED=<n> picks the seed (printed; a failure names the seed and step) and
 // KVCM_FUZZ_STEPS=<n> the number of calls.
@@ -66,7 +66,7 @@ class InsertFuzzer {
 
   void Step() {
     const int tenant = Pick(2);
-    switch (Pick(6)) {
+    switch (Pick(7)) {
       case 0:
       case 1:
         Allocate(tenant);
@@ -87,11 +87,14 @@ class InsertFuzzer {
       case 5:
         Free(tenant);
         break;
+      case 6:
+        Route(tenant);
+        break;
     }
   }
 
-  // Every block a Match returns is committed to that page of that namespace on the agent,
-  // and no block serves two (namespace, page) pairs.
+  // Every block a Match (or a Route's match) returns is committed to that page of that
+  // namespace on the agent, and no block serves two (namespace, page) pairs.
   void CheckIndexAgreesWithTheLedger() {
     absl::flat_hash_map<BlockId, CommittedBlock> ledger;
     for (const CommittedBlock& c : agent_->pool().Inventory()) ledger[c.block] = c;
@@ -102,18 +105,23 @@ class InsertFuzzer {
         ASSERT_TRUE(pages.ok());
         absl::StatusOr<MatchReply> m = client_->Match(ns_[t], tokens, {.probe = true});
         ASSERT_TRUE(m.ok()) << m.status();
-        for (const MatchReply::Segment& seg : m->segments) {
-          for (const MatchReply::Replica& r : seg.replicas) {
-            for (uint32_t i = 0; i < seg.num_pages; ++i) {
-              const BlockId b = r.block_ids[i];
-              const PageHash& page = (*pages)[seg.first_page + i];
-              auto it = ledger.find(b);
-              ASSERT_NE(it, ledger.end()) << "block " << b << " is indexed but not committed";
-              EXPECT_EQ(*it->second.ns, ns_[t]) << "block " << b << " holds another namespace";
-              EXPECT_EQ(it->second.page, page) << "block " << b << " holds another page";
-              auto [o, fresh] = owner.try_emplace(b, t, page);
-              EXPECT_TRUE(fresh || o->second == std::make_pair(t, page))
-                  << "block " << b << " serves two pages";
+        absl::StatusOr<RouteReply> r = client_->Route(ns_[t], tokens, {.probe = true});
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ(r->match.matched_pages, m->matched_pages);
+        for (const MatchReply* match : {&*m, &r->match}) {
+          for (const MatchReply::Segment& seg : match->segments) {
+            for (const MatchReply::Replica& rep : seg.replicas) {
+              for (uint32_t i = 0; i < seg.num_pages; ++i) {
+                const BlockId b = rep.block_ids[i];
+                const PageHash& page = (*pages)[seg.first_page + i];
+                auto it = ledger.find(b);
+                ASSERT_NE(it, ledger.end()) << "block " << b << " is indexed but not committed";
+                EXPECT_EQ(*it->second.ns, ns_[t]) << "block " << b << " holds another namespace";
+                EXPECT_EQ(it->second.page, page) << "block " << b << " holds another page";
+                auto [o, fresh] = owner.try_emplace(b, t, page);
+                EXPECT_TRUE(fresh || o->second == std::make_pair(t, page))
+                    << "block " << b << " serves two pages";
+              }
             }
           }
         }
@@ -168,6 +176,27 @@ class InsertFuzzer {
                   c == absl::StatusCode::kResourceExhausted)
           << r.status();
     }
+  }
+
+  // A Route as a router or a worker makes it: probe, plain, or pinned and released at once;
+  // now and then naming an agent that does not exist (NOT_FOUND, nothing changes).
+  void Route(int tenant) {
+    const std::vector<int32_t>& tokens = prompts_[tenant][Pick(kPromptsPerTenant)];
+    RouteParams params;
+    const uint64_t kind = Pick(4);
+    params.probe = kind == 0;
+    params.pin = kind == 1;
+    if (kind == 3) params.candidates = {{.agent_id = "gpu-0"}, {.agent_id = "nobody"}};
+    absl::StatusOr<RouteReply> r = client_->Route(ns_[tenant], tokens, params);
+    if (kind == 3) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+      return;
+    }
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->ranked.size(), 1u);
+    EXPECT_EQ(r->ranked[0].agent_id, "gpu-0");
+    EXPECT_EQ(r->ranked[0].cached_pages, r->match.local_pages);
+    if (r->match.pin_id != 0) EXPECT_TRUE(client_->Release(ns_[tenant], r->match.pin_id).ok());
   }
 
   void Free(int tenant) {
