@@ -4,8 +4,15 @@
 
 namespace kvcm {
 
+PinId LeaseTable::NewId() {
+  while (true) {
+    const PinId id = random_.Next64();
+    if (id != 0 && !leases_.contains(id) && !expired_.contains(id)) return id;
+  }
+}
+
 PinId LeaseTable::Add(RadixNode* node, absl::Time expiry) {
-  PinId id = next_id_++;
+  const PinId id = NewId();
   leases_.emplace(id, Lease{id, node, expiry});
   by_expiry_.emplace(expiry, id);
   return id;

@@ -1,7 +1,9 @@
 // LeaseTable: live pins, their leases, and recently expired pin ids.
 //
 // A pin holds one radix node (and so its whole path from the root). Leases expire by the
-// injected clock; CacheIndex drops expired pins through Expire().
+// injected clock; CacheIndex drops expired pins through Expire(). Pin ids are 64 random bits
+// from the kernel's CSPRNG (never 0, never a live or remembered id), so a client cannot
+// guess another's pin.
 //
 // Not thread-safe: CacheIndex serialises access.
 #ifndef KVCM_SERVER_CORE_LEASE_TABLE_H_
@@ -16,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/secure_random.h"
 #include "server/core/radix_tree.h"
 
 namespace kvcm {
@@ -49,8 +52,11 @@ class LeaseTable {
   size_t size() const { return leases_.size(); }
 
  private:
+  // A fresh random id: not 0, not live, not remembered as expired.
+  PinId NewId();
+
   const absl::Duration expired_memory_;
-  PinId next_id_ = 1;
+  SecureRandom random_;
   absl::flat_hash_map<PinId, Lease> leases_;
   absl::btree_set<std::pair<absl::Time, PinId>> by_expiry_;
   // Expired ids and the tree they belonged to, forgotten after expired_memory_.

@@ -52,5 +52,27 @@ TEST(LeaseTableTest, RenewMovesExpiry) {
   EXPECT_EQ(table.Find(id, &tree).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(LeaseTableTest, PinIdsCannotBeGuessedFromEachOther) {
+  RadixTree tree(nullptr);
+  LeaseTable table(absl::Seconds(60));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::vector<PinId> ids;
+  for (int i = 0; i < 64; ++i) ids.push_back(table.Add(tree.root(), t0 + absl::Seconds(5)));
+  int high = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_NE(ids[i], 0u);
+    if (i > 0) {
+      // Neither the next nor the previous id of another pin.
+      EXPECT_NE(ids[i], ids[i - 1] + 1);
+      EXPECT_NE(ids[i] + 1, ids[i - 1]);
+    }
+    high += ids[i] >> 63;
+  }
+  EXPECT_GT(high, 0) << "ids use all 64 bits, not a counter's low ones";
+  EXPECT_LT(high, 64);
+  // A neighbour of a live id is not a pin.
+  EXPECT_EQ(table.Find(ids[0] + 1, &tree).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace kvcm
