@@ -1,6 +1,7 @@
-// Blocks a command-line worker allocates on an agent for an Insert (kvcmctl insert), the way
-// an inference worker does: allocated to the namespace with the agent's epoch as owner
-// (agent.proto, CommitBlocks), handed back when the manager did not keep them.
+// What a command-line worker asks of agents, the way an inference worker does: blocks it
+// allocates for an Insert (kvcmctl insert), allocated to the namespace with the agent's epoch
+// as owner (agent.proto, CommitBlocks) and handed back when the manager did not keep them;
+// and the fetches that give an agent a replica of pages other agents hold (kvcmctl fetch).
 #ifndef KVCM_CLIENT_AGENT_BLOCKS_H_
 #define KVCM_CLIENT_AGENT_BLOCKS_H_
 
@@ -10,8 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/fetch_plan.h"
+#include "common/page_hash.h"
 #include "common/types.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
@@ -35,6 +40,31 @@ class AgentBlocks {
   uint64_t epoch_ = 0;
   std::vector<BlockId> ids_;
 };
+
+// A prompt's page hashes with the scheme of the client that hashed them (RegisterModel
+// gives the key's fingerprint and the page size).
+struct HashedPrompt {
+  std::vector<PageHash> pages;
+  uint32_t page_size_tokens = 0;
+  uint64_t key_fingerprint = 0;
+};
+
+struct FetchedPages {
+  std::vector<BlockId> block_ids;  // the destination's block of each page [0, plan.end_page())
+  uint32_t fetched_pages = 0;      // pulled from the sources
+  uint64_t bytes = 0;              // moved
+};
+
+// Runs `plan` on the destination agent `dest`: one BlockAgent.Fetch per run, in order, each
+// naming the destination's blocks of the pages before the run. `data_addresses` maps each
+// source's agent id to where it serves its blocks (ManagerStats::Agent::data_address);
+// `timeout` bounds each call. REQUIRES: prompt.pages covers plan.end_page() pages. The
+// first failing run's error (NOT_FOUND for a source with no data address); the runs before
+// it stay done (their pages are indexed on the destination).
+absl::StatusOr<FetchedPages> FetchPlanned(
+    v1::BlockAgent::Stub& dest, const NamespaceId& ns, const HashedPrompt& prompt,
+    const FetchPlan& plan, const absl::flat_hash_map<std::string, std::string>& data_addresses,
+    absl::Duration timeout = absl::Seconds(60));
 
 }  // namespace kvcm
 

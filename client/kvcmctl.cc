@@ -8,7 +8,9 @@
 // 'models' lists the built-in model catalogue and needs no manager.
 //
 // A separate process has no namespace hash key, so match and insert send tokens and the
-// manager hashes them; the library's local hashing is for long-lived clients.
+// manager hashes them; the library's local hashing is for long-lived clients. fetch needs
+// page hashes (BlockAgent.Fetch takes no tokens): it re-registers the namespace with the
+// spec the manager reports, which is idempotent and gives it the key.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
@@ -33,7 +35,9 @@
 #include "client/cli_args.h"
 #include "client/cli_inputs.h"
 #include "client/client.h"
+#include "client/fetch_plan.h"
 #include "client/kvcmctl_print.h"
+#include "common/credentials.h"
 #include "common/model_catalog.h"
 
 namespace kvcm {
@@ -365,6 +369,114 @@ int RunInsert(const Invocation& in) {
   return kExitOk;
 }
 
+// --- fetch --------------------------------------------------------------------------------
+
+void DefineFetch(cli::FlagSet& f) {
+  cli::DefineNamespace(f);
+  cli::DefineTokens(f);
+  f.AddString("agent", "", "agent that pulls the pages it lacks into its own pool (required)");
+  f.AddString("from", "", "agent to pull from; default: each page's first replica elsewhere");
+  f.AddUint("timeout_ms", 60000, "deadline of each BlockAgent.Fetch");
+}
+
+const ManagerStats::Agent* FindAgent(const ManagerStats& stats, absl::string_view id) {
+  for (const ManagerStats::Agent& a : stats.agents) {
+    if (a.agent_id == id) return &a;
+  }
+  return nullptr;
+}
+
+// What a worker does before serving a prompt on --agent: find the pages it lacks where other
+// agents hold them (a probe Match with it as requester), and have it pull them
+// (BlockAgent.Fetch, one call per source run); the manager indexes the new replica.
+int RunFetch(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
+  if (!tokens.ok()) {
+    return in.Usage(tokens.status().message());
+  }
+  const std::string& dest_id = in.flags.GetString("agent");
+  if (dest_id.empty()) {
+    return in.Usage("--agent is required");
+  }
+  std::optional<std::string> from;
+  if (!in.flags.GetString("from").empty()) {
+    from = in.flags.GetString("from");
+    if (*from == dest_id) {
+      return in.Usage("--from must name another agent than --agent");
+    }
+  }
+  if (in.flags.GetUint("timeout_ms") == 0) {
+    return in.Usage("--timeout_ms: must be > 0");
+  }
+
+  absl::StatusOr<ManagerStats> stats = in.client->Stats();
+  if (!stats.ok()) {
+    return in.Failed(stats.status());
+  }
+  const ManagerStats::Agent* dest = FindAgent(*stats, dest_id);
+  if (dest == nullptr || dest->block_agent_address.empty()) {
+    return in.Failed(absl::NotFoundError(absl::StrCat(
+        "agent ", dest_id, dest == nullptr ? " is not registered" : " serves no BlockAgent",
+        " (see stats)")));
+  }
+  if (from.has_value() && FindAgent(*stats, *from) == nullptr) {
+    return in.Failed(
+        absl::NotFoundError(absl::StrCat("agent ", *from, " is not registered (see stats)")));
+  }
+  const ManagerStats::Namespace* spec = nullptr;
+  for (const ManagerStats::Namespace& n : stats->namespaces) {
+    if (n.ns == *ns) spec = &n;
+  }
+  if (spec == nullptr) {
+    return in.Failed(absl::NotFoundError(
+        absl::StrCat("namespace ", ns->ToString(), " is not registered (see register-model)")));
+  }
+  absl::StatusOr<RegisterModelReply> key = in.client->RegisterModel(*ns, spec->spec);
+  if (!key.ok()) {
+    return in.Failed(key.status());
+  }
+  absl::StatusOr<MatchReply> match =
+      in.client->Match(*ns, *tokens, {.requester_agent_id = dest_id, .probe = true});
+  if (!match.ok()) {
+    return in.Failed(match.status());
+  }
+  absl::StatusOr<FetchPlan> plan = PlanFetch(*match, PoolRef{dest_id, dest->tier}, from);
+  if (!plan.ok()) {
+    return in.Failed(plan.status());
+  }
+  absl::StatusOr<std::vector<PageHash>> pages = in.client->HashPrompt(*ns, *tokens);
+  if (!pages.ok()) {
+    return in.Failed(pages.status());
+  }
+  absl::flat_hash_map<std::string, std::string> data_addresses;
+  for (const ManagerStats::Agent& a : stats->agents) data_addresses[a.agent_id] = a.data_address;
+
+  auto stub = v1::BlockAgent::NewStub(MakeChannel(dest->block_agent_address));
+  absl::StatusOr<FetchedPages> fetched =
+      FetchPlanned(*stub, *ns,
+                   HashedPrompt{.pages = *std::move(pages),
+                                .page_size_tokens = key->spec.page_size_tokens,
+                                .key_fingerprint = key->key_fingerprint},
+                   *plan, data_addresses, absl::Milliseconds(in.flags.GetUint("timeout_ms")));
+  if (!fetched.ok()) {
+    return in.Failed(fetched.status());
+  }
+  absl::PrintF("agent: %s\n", dest_id);
+  absl::PrintF("local_pages: %u\n", plan->local_blocks.size());
+  for (const FetchRun& run : plan->runs) {
+    absl::PrintF("from %s pages [%u, %u) blocks %s\n", run.source.ToString(), run.first_page,
+                 run.first_page + run.source_blocks.size(), absl::StrJoin(run.source_blocks, ","));
+  }
+  absl::PrintF("fetched_pages: %u\n", fetched->fetched_pages);
+  absl::PrintF("bytes: %d (%s)\n", fetched->bytes, cli::HumanBytes(fetched->bytes));
+  absl::PrintF("block_ids: %s\n", absl::StrJoin(fetched->block_ids, ","));
+  return kExitOk;
+}
+
 // --- release / renew ----------------------------------------------------------------------
 
 void DefineRelease(cli::FlagSet& f) {
@@ -562,6 +674,8 @@ constexpr Command kCommands[] = {
     {"match", "longest cached prefix of a prompt, optionally pinned", DefineMatch, RunMatch},
     {"route", "rank agents by the prefill each would save on a prompt", DefineRoute, RunRoute},
     {"insert", "record that an agent's pool holds a prompt's pages", DefineInsert, RunInsert},
+    {"fetch", "pull a prompt's cached pages into an agent from the agents that hold them",
+     DefineFetch, RunFetch},
     {"release", "drop a pin taken by 'match --pin'", DefineRelease, RunRelease},
     {"renew", "extend a pin's lease", DefineRenew, RunRenew},
     {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
@@ -594,6 +708,8 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
       "  kvcmctl route --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--candidates=gpu-0,gpu-1\n"
+      "  kvcmctl fetch --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
+      "--agent=gpu-1\n"
       "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
       "  kvcmctl --addr=kvcm:50051 stats\n"
       "\nRun 'kvcmctl <command> --help' for a command's flags.\n");

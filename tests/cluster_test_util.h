@@ -21,6 +21,7 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/block_agent_calls.h"
 
 namespace kvcm::testing {
 
@@ -51,81 +52,6 @@ inline std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uin
 }
 
 inline uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) { return StatsOf(agent).free_blocks(); }
-
-// BlockAgent.Allocate of `count` blocks for `owner_epoch` in namespace `ns`: blocks that can
-// be committed to pages of `ns` when owner_epoch is the agent's epoch. The call's status;
-// the ids are appended to *ids.
-inline grpc::Status AllocateTo(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t owner_epoch,
-                               const NamespaceId& ns, std::vector<BlockId>* ids) {
-  v1::AllocateBlocksRequest req;
-  req.set_count(count);
-  req.set_owner_epoch(owner_epoch);
-  NamespaceToProto(ns, req.mutable_namespace_());
-  v1::AllocateBlocksResponse resp;
-  grpc::ClientContext ctx;
-  const grpc::Status status = agent.Allocate(&ctx, req, &resp);
-  if (status.ok()) ids->insert(ids->end(), resp.block_ids().begin(), resp.block_ids().end());
-  return status;
-}
-
-// The same, where a failed call is a test failure (EXPECT) and returns no blocks.
-inline std::vector<BlockId> AllocateIn(v1::BlockAgent::Stub& agent, uint32_t count,
-                                       uint64_t owner_epoch, const NamespaceId& ns) {
-  std::vector<BlockId> ids;
-  const grpc::Status status = AllocateTo(agent, count, owner_epoch, ns, &ids);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return ids;
-}
-
-// BlockAgent.Free, as the worker that allocated the blocks.
-inline grpc::Status FreeAsWorker(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
-                                 uint64_t owner_epoch) {
-  v1::FreeBlocksRequest req;
-  req.mutable_block_ids()->Add(ids.begin(), ids.end());
-  req.set_owner_epoch(owner_epoch);
-  v1::FreeBlocksResponse resp;
-  grpc::ClientContext ctx;
-  return agent.Free(&ctx, req, &resp);
-}
-
-// BlockAgent.WriteBlocks of `bytes` (block_ids x the block size) into `ids`.
-inline grpc::Status WriteAll(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
-                             uint64_t owner_epoch, const std::string& bytes) {
-  grpc::ClientContext ctx;
-  v1::WriteBlocksResponse resp;
-  auto writer = agent.WriteBlocks(&ctx, &resp);
-  v1::WriteBlocksRequest header;
-  header.mutable_header()->mutable_block_ids()->Add(ids.begin(), ids.end());
-  header.mutable_header()->set_owner_epoch(owner_epoch);
-  bool sent = writer->Write(header);
-  for (size_t off = 0; sent && off < bytes.size(); off += 1 << 20) {
-    v1::WriteBlocksRequest chunk;
-    chunk.set_data(bytes.substr(off, 1 << 20));
-    sent = writer->Write(chunk);
-  }
-  writer->WritesDone();
-  return writer->Finish();
-}
-
-// BlockAgent.ReadBlocks of `ids` from the pool of `tier`.
-inline absl::StatusOr<std::string> ReadAll(v1::BlockAgent::Stub& agent,
-                                           std::span<const BlockId> ids, uint64_t owner_epoch,
-                                           v1::Tier tier = v1::TIER_UNSPECIFIED) {
-  v1::ReadBlocksRequest read;
-  read.mutable_block_ids()->Add(ids.begin(), ids.end());
-  read.set_owner_epoch(owner_epoch);
-  read.set_tier(tier);
-  grpc::ClientContext ctx;
-  auto reader = agent.ReadBlocks(&ctx, read);
-  std::string got;
-  v1::ReadBlocksResponse chunk;
-  while (reader->Read(&chunk)) got += chunk.data();
-  const grpc::Status status = reader->Finish();
-  if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-  }
-  return got;
-}
 
 // A client of the manager at `address` that has registered `spec` as `ns`; null (with a
 // test failure) if either step fails.

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs a README command block as written: the fenced block after the line
-# "<!-- demo: NAME -->", in a scratch directory, with B (the build directory) and PORT (a
-# free loopback port) set. Fails when the block fails or takes longer than 120 s.
+# "<!-- demo: NAME -->", in a scratch directory, with B (the build directory), PORT (a free
+# loopback port) and REPO (the README's directory) set. Fails when the block fails or takes
+# longer than 120 s.
 #   tests/readme_demo_test.sh README.md restart BUILD_DIR
 set -euo pipefail
-readme=$1 name=$2 build=$(cd "$3" && pwd)
+readme=$1 name=$2 build=$(cd "$3" && pwd) repo=$(cd "$(dirname "$1")" && pwd)
 
 block=$(awk -v marker="<!-- demo: $name -->" '
   $0 == marker { found = 1; next }
@@ -25,7 +26,7 @@ trap cleanup EXIT
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cd "$scratch"
 printf '%s\n' "$block" > demo.sh
-B="$build" PORT="$port" timeout --kill-after=5 120 bash -euo pipefail demo.sh || {
+B="$build" PORT="$port" REPO="$repo" timeout --kill-after=5 120 bash -euo pipefail demo.sh || {
   status=$?
   for log in *.log; do echo "--- $log ---"; cat "$log"; done
   exit $status

@@ -1,0 +1,100 @@
+// BlockAgent calls through a stub, as a worker makes them: allocate blocks for a namespace,
+// free them, write and read their bytes. For the in-process and the multi-process tests
+// alike (nothing here starts a server). Header-only, test code.
+#ifndef KVCM_TESTS_BLOCK_AGENT_CALLS_H_
+#define KVCM_TESTS_BLOCK_AGENT_CALLS_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/types.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "proto/core_types.h"
+
+namespace kvcm::testing {
+
+// BlockAgent.Allocate of `count` blocks for `owner_epoch` in namespace `ns`: blocks that can
+// be committed to pages of `ns` when owner_epoch is the agent's epoch. The call's status;
+// the ids are appended to *ids.
+inline grpc::Status AllocateTo(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t owner_epoch,
+                               const NamespaceId& ns, std::vector<BlockId>* ids) {
+  v1::AllocateBlocksRequest req;
+  req.set_count(count);
+  req.set_owner_epoch(owner_epoch);
+  NamespaceToProto(ns, req.mutable_namespace_());
+  v1::AllocateBlocksResponse resp;
+  grpc::ClientContext ctx;
+  const grpc::Status status = agent.Allocate(&ctx, req, &resp);
+  if (status.ok()) ids->insert(ids->end(), resp.block_ids().begin(), resp.block_ids().end());
+  return status;
+}
+
+// The same, where a failed call is a test failure (EXPECT) and returns no blocks.
+inline std::vector<BlockId> AllocateIn(v1::BlockAgent::Stub& agent, uint32_t count,
+                                       uint64_t owner_epoch, const NamespaceId& ns) {
+  std::vector<BlockId> ids;
+  const grpc::Status status = AllocateTo(agent, count, owner_epoch, ns, &ids);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return ids;
+}
+
+// BlockAgent.Free, as the worker that allocated the blocks.
+inline grpc::Status FreeAsWorker(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
+                                 uint64_t owner_epoch) {
+  v1::FreeBlocksRequest req;
+  req.mutable_block_ids()->Add(ids.begin(), ids.end());
+  req.set_owner_epoch(owner_epoch);
+  v1::FreeBlocksResponse resp;
+  grpc::ClientContext ctx;
+  return agent.Free(&ctx, req, &resp);
+}
+
+// BlockAgent.WriteBlocks of `bytes` (block_ids x the block size) into `ids`.
+inline grpc::Status WriteAll(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
+                             uint64_t owner_epoch, const std::string& bytes) {
+  grpc::ClientContext ctx;
+  v1::WriteBlocksResponse resp;
+  auto writer = agent.WriteBlocks(&ctx, &resp);
+  v1::WriteBlocksRequest header;
+  header.mutable_header()->mutable_block_ids()->Add(ids.begin(), ids.end());
+  header.mutable_header()->set_owner_epoch(owner_epoch);
+  bool sent = writer->Write(header);
+  for (size_t off = 0; sent && off < bytes.size(); off += 1 << 20) {
+    v1::WriteBlocksRequest chunk;
+    chunk.set_data(bytes.substr(off, 1 << 20));
+    sent = writer->Write(chunk);
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+// BlockAgent.ReadBlocks of `ids` from the pool of `tier`.
+inline absl::StatusOr<std::string> ReadAll(v1::BlockAgent::Stub& agent,
+                                           std::span<const BlockId> ids, uint64_t owner_epoch,
+                                           v1::Tier tier = v1::TIER_UNSPECIFIED) {
+  v1::ReadBlocksRequest read;
+  read.mutable_block_ids()->Add(ids.begin(), ids.end());
+  read.set_owner_epoch(owner_epoch);
+  read.set_tier(tier);
+  grpc::ClientContext ctx;
+  auto reader = agent.ReadBlocks(&ctx, read);
+  std::string got;
+  v1::ReadBlocksResponse chunk;
+  while (reader->Read(&chunk)) got += chunk.data();
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  return got;
+}
+
+}  // namespace kvcm::testing
+
+#endif  // KVCM_TESTS_BLOCK_AGENT_CALLS_H_
