@@ -1,5 +1,6 @@
 #include "gpu/agent/agent.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <utility>
@@ -66,7 +67,14 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   }
   a->metrics_ = std::make_unique<AgentMetrics>(opts.agent_id, a->pools(), &a->epoch_);
 
-  std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address);
+  // Reconnect as often as the control loop retries, not after gRPC's default 1 s backoff: an
+  // agent started before its manager registers as soon as the manager listens.
+  grpc::ChannelArguments manager_args;
+  manager_args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+                      static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
+  manager_args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                      static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
+  std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address, manager_args);
   // Before the transport: an NCCL transport bootstraps its links through it.
   a->control_ = v1::AgentControl::NewStub(manager);
   KVCM_ASSIGN_OR_RETURN(a->transport_, a->CreateTransport());
