@@ -65,6 +65,24 @@ struct Invocation {
   }
 };
 
+// --tenant/--model and the prompt's tokens: what every command about a prompt takes.
+struct PromptFlags {
+  NamespaceId ns;
+  std::vector<int32_t> tokens;
+};
+
+absl::StatusOr<PromptFlags> PromptFlagsFrom(const cli::FlagSet& flags) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(flags);
+  if (!ns.ok()) {
+    return ns.status();
+  }
+  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(flags);
+  if (!tokens.ok()) {
+    return tokens.status();
+  }
+  return PromptFlags{*std::move(ns), *std::move(tokens)};
+}
+
 // --- stats --------------------------------------------------------------------------------
 
 void DefineStats(cli::FlagSet&) {}
@@ -138,14 +156,12 @@ void DefineMatch(cli::FlagSet& f) {
 }
 
 int RunMatch(const Invocation& in) {
-  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
-  if (!ns.ok()) {
-    return in.Usage(ns.status().message());
+  absl::StatusOr<PromptFlags> prompt = PromptFlagsFrom(in.flags);
+  if (!prompt.ok()) {
+    return in.Usage(prompt.status().message());
   }
-  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
-  if (!tokens.ok()) {
-    return in.Usage(tokens.status().message());
-  }
+  const NamespaceId& ns = prompt->ns;
+  const std::vector<int32_t>& tokens = prompt->tokens;
   if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
     return in.Usage("--lease_ttl_ms: too large");
   }
@@ -154,11 +170,11 @@ int RunMatch(const Invocation& in) {
   params.pin = in.flags.GetBool("pin");
   params.lease_ttl_ms = static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms"));
   params.probe = in.flags.GetBool("probe");
-  absl::StatusOr<MatchReply> m = in.client->Match(*ns, *tokens, params);
+  absl::StatusOr<MatchReply> m = in.client->Match(ns, tokens, params);
   if (!m.ok()) {
     return in.Failed(m.status());
   }
-  absl::PrintF("prompt_tokens: %d\n", tokens->size());
+  absl::PrintF("prompt_tokens: %d\n", tokens.size());
   PrintMatch(*m);
   return kExitOk;
 }
@@ -181,14 +197,12 @@ void DefineRoute(cli::FlagSet& f) {
 }
 
 int RunRoute(const Invocation& in) {
-  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
-  if (!ns.ok()) {
-    return in.Usage(ns.status().message());
+  absl::StatusOr<PromptFlags> prompt = PromptFlagsFrom(in.flags);
+  if (!prompt.ok()) {
+    return in.Usage(prompt.status().message());
   }
-  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
-  if (!tokens.ok()) {
-    return in.Usage(tokens.status().message());
-  }
+  const NamespaceId& ns = prompt->ns;
+  const std::vector<int32_t>& tokens = prompt->tokens;
   absl::StatusOr<RouteParams::Policy> policy = ParseRouteParamsPolicy(in.flags.GetString("policy"));
   if (!policy.ok()) {
     return in.Usage(absl::StrCat("--policy: ", policy.status().message()));
@@ -217,11 +231,11 @@ int RunRoute(const Invocation& in) {
       return in.Usage(absl::StrCat("--loads: \"", loads[i], "\" is not a number"));
     }
   }
-  absl::StatusOr<RouteReply> r = in.client->Route(*ns, *tokens, params);
+  absl::StatusOr<RouteReply> r = in.client->Route(ns, tokens, params);
   if (!r.ok()) {
     return in.Failed(r.status());
   }
-  absl::PrintF("prompt_tokens: %d\n", tokens->size());
+  absl::PrintF("prompt_tokens: %d\n", tokens.size());
   for (size_t i = 0; i < r->ranked.size(); ++i) {
     const RouteReply::Ranked& a = r->ranked[i];
     absl::PrintF(
@@ -299,14 +313,12 @@ int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<co
 }
 
 int RunInsert(const Invocation& in) {
-  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
-  if (!ns.ok()) {
-    return in.Usage(ns.status().message());
+  absl::StatusOr<PromptFlags> prompt = PromptFlagsFrom(in.flags);
+  if (!prompt.ok()) {
+    return in.Usage(prompt.status().message());
   }
-  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
-  if (!tokens.ok()) {
-    return in.Usage(tokens.status().message());
-  }
+  const NamespaceId& ns = prompt->ns;
+  const std::vector<int32_t>& tokens = prompt->tokens;
   if (in.flags.GetString("agent").empty()) {
     return in.Usage("--agent is required");
   }
@@ -336,19 +348,19 @@ int RunInsert(const Invocation& in) {
     }
     uint32_t page_size = 0;
     for (const ManagerStats::Namespace& n : stats->namespaces) {
-      if (n.ns == *ns) {
+      if (n.ns == ns) {
         page_size = n.spec.page_size_tokens;
       }
     }
     if (page_size == 0) {
       return in.Failed(absl::NotFoundError(
-          absl::StrCat("namespace ", ns->ToString(), " is not registered (see register-model)")));
+          absl::StrCat("namespace ", ns.ToString(), " is not registered (see register-model)")));
     }
-    const size_t pages = tokens->size() / page_size;
+    const size_t pages = tokens.size() / page_size;
     if (!in.flags.IsSet("first_block") && pages > 0) {
       for (const ManagerStats::Agent& a : stats->agents) {
         if (a.agent_id == pool.agent_id && !a.block_agent_address.empty()) {
-          return InsertThroughAgent(in, *ns, *tokens, pool, pages, a.block_agent_address);
+          return InsertThroughAgent(in, ns, tokens, pool, pages, a.block_agent_address);
         }
       }
     }
@@ -361,7 +373,7 @@ int RunInsert(const Invocation& in) {
     }
   }
 
-  absl::StatusOr<InsertReply> r = in.client->Insert(*ns, *tokens, pool, block_ids);
+  absl::StatusOr<InsertReply> r = in.client->Insert(ns, tokens, pool, block_ids);
   if (!r.ok()) {
     return in.Failed(r.status());
   }
@@ -390,14 +402,12 @@ const ManagerStats::Agent* FindAgent(const ManagerStats& stats, absl::string_vie
 // agents hold them (a probe Match with it as requester), and have it pull them
 // (BlockAgent.Fetch, one call per source run); the manager indexes the new replica.
 int RunFetch(const Invocation& in) {
-  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
-  if (!ns.ok()) {
-    return in.Usage(ns.status().message());
+  absl::StatusOr<PromptFlags> prompt = PromptFlagsFrom(in.flags);
+  if (!prompt.ok()) {
+    return in.Usage(prompt.status().message());
   }
-  absl::StatusOr<std::vector<int32_t>> tokens = cli::TokensFrom(in.flags);
-  if (!tokens.ok()) {
-    return in.Usage(tokens.status().message());
-  }
+  const NamespaceId& ns = prompt->ns;
+  const std::vector<int32_t>& tokens = prompt->tokens;
   const std::string& dest_id = in.flags.GetString("agent");
   if (dest_id.empty()) {
     return in.Usage("--agent is required");
@@ -429,18 +439,18 @@ int RunFetch(const Invocation& in) {
   }
   const ManagerStats::Namespace* spec = nullptr;
   for (const ManagerStats::Namespace& n : stats->namespaces) {
-    if (n.ns == *ns) spec = &n;
+    if (n.ns == ns) spec = &n;
   }
   if (spec == nullptr) {
     return in.Failed(absl::NotFoundError(
-        absl::StrCat("namespace ", ns->ToString(), " is not registered (see register-model)")));
+        absl::StrCat("namespace ", ns.ToString(), " is not registered (see register-model)")));
   }
-  absl::StatusOr<RegisterModelReply> key = in.client->RegisterModel(*ns, spec->spec);
+  absl::StatusOr<RegisterModelReply> key = in.client->RegisterModel(ns, spec->spec);
   if (!key.ok()) {
     return in.Failed(key.status());
   }
   absl::StatusOr<MatchReply> match =
-      in.client->Match(*ns, *tokens, {.requester_agent_id = dest_id, .probe = true});
+      in.client->Match(ns, tokens, {.requester_agent_id = dest_id, .probe = true});
   if (!match.ok()) {
     return in.Failed(match.status());
   }
@@ -448,7 +458,7 @@ int RunFetch(const Invocation& in) {
   if (!plan.ok()) {
     return in.Failed(plan.status());
   }
-  absl::StatusOr<std::vector<PageHash>> pages = in.client->HashPrompt(*ns, *tokens);
+  absl::StatusOr<std::vector<PageHash>> pages = in.client->HashPrompt(ns, tokens);
   if (!pages.ok()) {
     return in.Failed(pages.status());
   }
@@ -457,7 +467,7 @@ int RunFetch(const Invocation& in) {
 
   auto stub = v1::BlockAgent::NewStub(MakeChannel(dest->block_agent_address));
   absl::StatusOr<FetchedPages> fetched =
-      FetchPlanned(*stub, *ns,
+      FetchPlanned(*stub, ns,
                    HashedPrompt{.pages = *std::move(pages),
                                 .page_size_tokens = key->spec.page_size_tokens,
                                 .key_fingerprint = key->key_fingerprint},
