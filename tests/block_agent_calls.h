@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/page_hash.h"
 #include "common/types.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
@@ -93,6 +94,25 @@ inline absl::StatusOr<std::string> ReadAll(v1::BlockAgent::Stub& agent,
     return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
   }
   return got;
+}
+
+// A BlockAgent.Fetch of prompt `pages` of `ns` (hashed with the namespace key whose
+// fingerprint is `key_fingerprint`, `page_size_tokens` per page) from `source_blocks` of the
+// agent serving on `source_data_address`.
+inline v1::FetchRequest FetchRequestFor(const NamespaceId& ns, std::span<const PageHash> pages,
+                                        uint32_t page_size_tokens, uint64_t key_fingerprint,
+                                        const std::string& source_data_address,
+                                        std::span<const BlockId> source_blocks) {
+  v1::FetchRequest req;
+  NamespaceToProto(ns, req.mutable_namespace_());
+  req.mutable_prompt()->set_page_hashes(EncodePageHashes(pages));
+  v1::HashScheme* scheme = req.mutable_prompt()->mutable_scheme();
+  scheme->set_version(kPageHashVersion);
+  scheme->set_page_size_tokens(page_size_tokens);
+  scheme->set_key_fingerprint(key_fingerprint);
+  req.set_source_data_address(source_data_address);
+  req.mutable_source_block_ids()->Add(source_blocks.begin(), source_blocks.end());
+  return req;
 }
 
 }  // namespace kvcm::testing

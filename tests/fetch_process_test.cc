@@ -23,6 +23,7 @@
 #include "common/page_hash.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
+#include "tests/block_agent_calls.h"
 #include "tests/process_cluster.h"
 
 namespace kvcm {
@@ -68,18 +69,10 @@ class FetchProcessTest : public ::testing::Test {
   }
 
   v1::FetchRequest Request() {
-    v1::FetchRequest req;
-    req.mutable_namespace_()->set_tenant(kNs.tenant);
-    req.mutable_namespace_()->set_model(kNs.model);
     absl::StatusOr<std::vector<PageHash>> pages = client_->HashPrompt(kNs, tokens_);
     EXPECT_TRUE(pages.ok()) << pages.status();
-    req.mutable_prompt()->set_page_hashes(EncodePageHashes(*pages));
-    req.mutable_prompt()->mutable_scheme()->set_version(kPageHashVersion);
-    req.mutable_prompt()->mutable_scheme()->set_page_size_tokens(page_size_);
-    req.mutable_prompt()->mutable_scheme()->set_key_fingerprint(fingerprint_);
-    req.set_source_data_address(cluster_->agent("gpu-a").data_address);
-    req.mutable_source_block_ids()->Add(a_blocks_.begin(), a_blocks_.end());
-    return req;
+    return testing::FetchRequestFor(kNs, pages.ok() ? *pages : std::vector<PageHash>{}, page_size_,
+                                    fingerprint_, cluster_->agent("gpu-a").data_address, a_blocks_);
   }
 
   std::vector<BlockId> Matched(const std::string& agent) {

@@ -111,18 +111,12 @@ class NcclFetchTest : public ::testing::Test {
 
   grpc::Status Fetch(int seed, size_t pages, const std::vector<BlockId>& source,
                      v1::FetchResponse* resp) {
-    v1::FetchRequest req;
-    req.mutable_namespace_()->set_tenant(ns_.tenant);
-    req.mutable_namespace_()->set_model(ns_.model);
     absl::StatusOr<std::vector<PageHash>> hashes =
         manager_->index().HashTokens(ns_, Tokens(pages, spec_.page_size_tokens, seed));
     EXPECT_TRUE(hashes.ok());
-    req.mutable_prompt()->set_page_hashes(EncodePageHashes(*hashes));
-    req.mutable_prompt()->mutable_scheme()->set_version(kPageHashVersion);
-    req.mutable_prompt()->mutable_scheme()->set_page_size_tokens(spec_.page_size_tokens);
-    req.mutable_prompt()->mutable_scheme()->set_key_fingerprint(fingerprint_);
-    req.set_source_data_address(a_->data_address());
-    req.mutable_source_block_ids()->Add(source.begin(), source.end());
+    const v1::FetchRequest req =
+        testing::FetchRequestFor(ns_, hashes.ok() ? *hashes : std::vector<PageHash>{},
+                                 spec_.page_size_tokens, fingerprint_, a_->data_address(), source);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     return bb_->Fetch(&ctx, req, resp);

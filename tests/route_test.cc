@@ -268,21 +268,13 @@ TEST_F(RouteTest, AMeasuredPullBandwidthReplacesTheDefault) {
       client_->Route(ns_, tokens_, {.candidates = {{.agent_id = "gpu-c"}}});
   ASSERT_TRUE(planned.ok()) << planned.status();
   ASSERT_EQ(planned->ranked[0].fetch_pages, kPages);
-  v1::FetchRequest req;
-  req.mutable_namespace_()->set_tenant(ns_.tenant);
-  req.mutable_namespace_()->set_model(ns_.model);
   absl::StatusOr<std::vector<PageHash>> hashes = manager_->index().HashTokens(ns_, tokens_);
   ASSERT_TRUE(hashes.ok());
-  req.mutable_prompt()->set_page_hashes(EncodePageHashes(*hashes));
-  req.mutable_prompt()->mutable_scheme()->set_version(kPageHashVersion);
-  req.mutable_prompt()->mutable_scheme()->set_page_size_tokens(spec_.page_size_tokens);
   absl::StatusOr<RegisterModelReply> reg = client_->RegisterModel(ns_, spec_);
   ASSERT_TRUE(reg.ok());
-  req.mutable_prompt()->mutable_scheme()->set_key_fingerprint(reg->key_fingerprint);
-  const MatchReply::Segment& seg = planned->match.segments[0];
-  req.set_source_data_address(agents_[1]->data_address());
-  req.mutable_source_block_ids()->Add(seg.replicas[0].block_ids.begin(),
-                                      seg.replicas[0].block_ids.end());
+  const v1::FetchRequest req = testing::FetchRequestFor(
+      ns_, *hashes, spec_.page_size_tokens, reg->key_fingerprint, agents_[1]->data_address(),
+      planned->match.segments[0].replicas[0].block_ids);
   v1::FetchResponse resp;
   grpc::ClientContext ctx;
   const grpc::Status fetched = c->Fetch(&ctx, req, &resp);
