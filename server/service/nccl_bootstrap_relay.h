@@ -8,9 +8,9 @@
 // offers still waiting when a stream ends are dropped with it.
 //
 // Plain protocol state (no gRPC): the Commands reactor moves offers out (TakeNext), the
-// AgentControlService moves them in (Relay). It lives in server/service rather than
-// server/core only because the registration it needs (the agent's transport) is not yet part
-// of AgentRegistration; see docs/AGENTS.md, "NCCL transport".
+// AgentControlService moves them in (Relay). It keeps its own record of each agent's
+// transport per epoch (AgentRegistration has it too) so that the check and the queueing of an
+// offer happen under one lock; see docs/AGENTS.md, "NCCL transport".
 //
 // Thread-safe. Lock order: a stream's own lock (its Wake calls TakeNext), then mu_. Wake is
 // called after mu_ is released.
