@@ -196,7 +196,9 @@ class InsertFuzzer {
     ASSERT_EQ(r->ranked.size(), 1u);
     EXPECT_EQ(r->ranked[0].agent_id, "gpu-0");
     EXPECT_EQ(r->ranked[0].cached_pages, r->match.local_pages);
-    if (r->match.pin_id != 0) EXPECT_TRUE(client_->Release(ns_[tenant], r->match.pin_id).ok());
+    if (r->match.pin_id != 0) {
+      EXPECT_TRUE(client_->Release(ns_[tenant], r->match.pin_id).ok());
+    }
   }
 
   void Free(int tenant) {

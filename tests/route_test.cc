@@ -294,7 +294,9 @@ TEST_F(RouteTest, AMeasuredPullBandwidthReplacesTheDefault) {
   absl::StatusOr<RouteReply> r = client_->Route(ns_, tokens_, {.probe = true});
   ASSERT_TRUE(r.ok());
   for (const RouteReply::Ranked& a : r->ranked) {
-    if (a.agent_id != "gpu-a") EXPECT_EQ(a.cached_pages, kPages) << a.agent_id;
+    if (a.agent_id != "gpu-a") {
+      EXPECT_EQ(a.cached_pages, kPages) << a.agent_id;
+    }
   }
 }
 
