@@ -68,6 +68,10 @@ ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
           "How long shutdown waits for in-flight calls, in milliseconds.");
 ABSL_FLAG(uint32_t, agent_heartbeat_timeout_ms, kDefaults.agent_heartbeat_timeout_ms,
           "An agent silent for longer than this is reported gone, in milliseconds.");
+ABSL_FLAG(uint32_t, max_namespaces, kDefaults.max_namespaces,
+          "Most namespaces RegisterModel creates in all (agents' namespaces are never refused).");
+ABSL_FLAG(uint32_t, max_namespaces_per_tenant, kDefaults.max_namespaces_per_tenant,
+          "Most namespaces RegisterModel creates per tenant.");
 ABSL_FLAG(uint32_t, route_prefill_tokens_per_s, kDefaults.route_prefill_tokens_per_s,
           "Route: prefill throughput of one GPU (tokens/s) when a request sends none.");
 ABSL_FLAG(uint32_t, route_tcp_link_gbps, kDefaults.route_tcp_link_gbps,

@@ -66,6 +66,13 @@ class ServiceRpcTest : public ::testing::Test {
 
   // DeepSeek-V3's MLA geometry with 16-token pages.
   v1::RegisterModelResponse Register() {
+    v1::RegisterModelResponse resp;
+    grpc::Status s = TryRegister(&resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  grpc::Status TryRegister(v1::RegisterModelResponse* resp) {
     v1::RegisterModelRequest req;
     *req.mutable_namespace_() = ns_;
     v1::ModelSpec* spec = req.mutable_spec();
@@ -76,11 +83,8 @@ class ServiceRpcTest : public ::testing::Test {
     spec->set_rope_dim(64);
     spec->set_dtype(v1::KV_DTYPE_BF16);
     spec->set_page_size_tokens(kPageSize);
-    v1::RegisterModelResponse resp;
     grpc::ClientContext ctx;
-    grpc::Status s = stub_->RegisterModel(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp;
+    return stub_->RegisterModel(&ctx, req, resp);
   }
 
   static std::vector<int32_t> Tokens(int n, int32_t first = 100) {
@@ -343,6 +347,23 @@ v1::CacheEvent ReadEvent(grpc::ClientReader<v1::CacheEvent>* reader) {
   v1::CacheEvent event;
   EXPECT_TRUE(reader->Read(&event)) << "stream ended early";
   return event;
+}
+
+TEST_F(ServiceRpcTest, ATenantCannotCreateNamespacesWithoutBound) {
+  // The default cap (max_namespaces_per_tenant = 64), reached the way an attacker would.
+  for (int i = 0; i < 64; ++i) {
+    ns_.set_model(absl::StrCat("model-", i));
+    ASSERT_TRUE(Register().created());
+  }
+  ns_.set_model("model-64");
+  v1::RegisterModelResponse resp;
+  const grpc::Status refused = TryRegister(&resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("max_namespaces_per_tenant"));
+  EXPECT_EQ(Stats().namespaces_size(), 64) << "the refused namespace was not created";
+  // Other tenants are not affected.
+  ns_.set_tenant("other");
+  EXPECT_TRUE(Register().created());
 }
 
 TEST_F(ServiceRpcTest, WatchEventsStreamsStoredThenRemoved) {

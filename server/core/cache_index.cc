@@ -24,6 +24,10 @@ absl::Status CacheIndexOptions::Validate() const {
   if (regret_window < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("regret_window must not be negative");
   }
+  if (max_namespaces < 1) return absl::InvalidArgumentError("max_namespaces must be >= 1");
+  if (max_namespaces_per_tenant < 1) {
+    return absl::InvalidArgumentError("max_namespaces_per_tenant must be >= 1");
+  }
   return absl::OkStatus();
 }
 
@@ -63,7 +67,8 @@ absl::StatusOr<PoolId> CacheIndex::FindPool(const PoolKey& pool) const {
 }
 
 absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId& ns,
-                                                              const ModelSpec& spec) {
+                                                              const ModelSpec& spec,
+                                                              NamespaceSource source) {
   if (ns.tenant.empty() || ns.model.empty()) {
     return absl::InvalidArgumentError("namespace.tenant and namespace.model must be set");
   }
@@ -79,6 +84,21 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
     }
     return RegisterModelResult{existing.spec, existing.key, false};
   }
+  uint32_t& tenant_count = namespaces_per_tenant_[ns.tenant];
+  if (source == NamespaceSource::kClient) {
+    if (namespaces_.size() >= options_.max_namespaces) {
+      if (tenant_count == 0) namespaces_per_tenant_.erase(ns.tenant);
+      return absl::ResourceExhaustedError(absl::StrCat("max_namespaces: the manager holds ",
+                                                       namespaces_.size(), " namespaces already; ",
+                                                       ns.ToString(), " was not created"));
+    }
+    if (tenant_count >= options_.max_namespaces_per_tenant) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("max_namespaces_per_tenant: tenant ", ns.tenant, " has ", tenant_count,
+                       " namespaces already; ", ns.ToString(), " was not created"));
+    }
+  }
+  ++tenant_count;
   HashKey key = DeriveNamespaceKey(options_.hash_secret, ns.tenant, ns.model);
   // The byte-blind arm charges what an MHA-shaped cache would hold for the same tokens.
   const uint64_t page_bytes = options_.policy == "lru-mha"

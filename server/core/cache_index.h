@@ -57,6 +57,11 @@ struct CacheIndexOptions {
   absl::Duration expired_pin_memory = absl::Minutes(10);
   // An eviction counts as regretted when its page is requested again within this window.
   absl::Duration regret_window = absl::Minutes(5);
+  // Most namespaces, in all and per tenant, that RegisterModel creates (RESOURCE_EXHAUSTED
+  // beyond). Namespaces rebuilt from agents' inventories are not refused: what agents hold
+  // is the truth. >= 1.
+  uint32_t max_namespaces = 4'096;
+  uint32_t max_namespaces_per_tenant = 64;
   // Time source; RealClock::Get() when null. Not owned.
   Clock* clock = nullptr;
 
@@ -216,10 +221,16 @@ class CacheIndex {
   // Replaces the event listener (null to stop). Safe to call at any time.
   void SetEventListener(CacheEventListener listener) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Who asks for a namespace: a client (within max_namespaces and max_namespaces_per_tenant)
+  // or the rebuild from agents' inventories (never refused for a count).
+  enum class NamespaceSource : uint8_t { kClient, kInventory };
+
   // Creates namespace `ns` or confirms it. FAILED_PRECONDITION when it exists with another
-  // spec; INVALID_ARGUMENT for a bad spec or name.
-  absl::StatusOr<RegisterModelResult> RegisterModel(const NamespaceId& ns, const ModelSpec& spec)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // spec; INVALID_ARGUMENT for a bad spec or name; RESOURCE_EXHAUSTED naming the limit when a
+  // client's new namespace would pass max_namespaces or max_namespaces_per_tenant.
+  absl::StatusOr<RegisterModelResult> RegisterModel(
+      const NamespaceId& ns, const ModelSpec& spec,
+      NamespaceSource source = NamespaceSource::kClient) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The namespace's spec and hash key; NOT_FOUND when unregistered.
   absl::StatusOr<RegisterModelResult> GetNamespace(const NamespaceId& ns) const
@@ -380,6 +391,7 @@ class CacheIndex {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<NamespaceId, std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint32_t> namespaces_per_tenant_ ABSL_GUARDED_BY(mu_);
   ByteBudget budget_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);

@@ -593,6 +593,30 @@ TEST_F(CacheIndexTest, CostAwareDropsACopyBeforeAnOnlyCopy) {
   EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
 }
 
+TEST_F(CacheIndexTest, NamespaceCountsAreCappedForClientsNotForAgents) {
+  Reset(CacheIndexOptions{.max_namespaces = 4, .max_namespaces_per_tenant = 2});
+  // ns_ is acme's first namespace.
+  ASSERT_TRUE(index_->RegisterModel({"acme", "m2"}, Mla()).ok());
+  absl::StatusOr<RegisterModelResult> third = index_->RegisterModel({"acme", "m3"}, Mla());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("max_namespaces_per_tenant"));
+  EXPECT_EQ(index_->GetNamespace({"acme", "m3"}).status().code(), absl::StatusCode::kNotFound);
+  // Confirming an existing one is not creating one.
+  EXPECT_TRUE(index_->RegisterModel({"acme", "m2"}, Mla()).ok());
+  ASSERT_TRUE(index_->RegisterModel({"u", "m"}, Mla()).ok());
+  ASSERT_TRUE(index_->RegisterModel({"v", "m"}, Mla()).ok());  // the fourth in all
+  absl::StatusOr<RegisterModelResult> fifth = index_->RegisterModel({"w", "m"}, Mla());
+  EXPECT_EQ(fifth.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(fifth.status().message(), HasSubstr("max_namespaces:"));
+  EXPECT_EQ(index_->Stats().namespaces.size(), 4u);
+  // What an agent's inventory holds is rebuilt whatever the count.
+  EXPECT_TRUE(
+      index_->RegisterModel({"acme", "m3"}, Mla(), CacheIndex::NamespaceSource::kInventory).ok());
+  EXPECT_TRUE(
+      index_->RegisterModel({"w", "m"}, Mla(), CacheIndex::NamespaceSource::kInventory).ok());
+  EXPECT_EQ(index_->Stats().namespaces.size(), 6u);
+}
+
 TEST_F(CacheIndexTest, CostAwareDropsACopyFirstHoweverHotItIs) {
   Reset(CacheIndexOptions{.policy = "cost"});
   MustInsert(Prompt({4}), gpu1_, 40);  // the oldest page of gpu-1, its only copy

@@ -63,7 +63,9 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     return result;
   };
   if (batch.spec.BytesPerPage() != bytes_per_block) return refuse_all();
-  if (!index.RegisterModel(batch.ns, batch.spec).ok()) return refuse_all();  // another spec
+  if (!index.RegisterModel(batch.ns, batch.spec, CacheIndex::NamespaceSource::kInventory).ok()) {
+    return refuse_all();  // another spec
+  }
 
   // The pool's distinct pages; a second block of the same page is a duplicate.
   std::vector<Node> nodes;

@@ -57,6 +57,10 @@ struct ServerOptions {
   // An agent with no Register/Heartbeat for longer than this is reported gone (Stats,
   // kvcm_agents{state="gone"}). >= 1.
   uint32_t agent_heartbeat_timeout_ms = 10'000;
+  // Most namespaces RegisterModel creates, in all and per tenant (RESOURCE_EXHAUSTED
+  // beyond; namespaces rebuilt from agents are never refused). >= 1.
+  uint32_t max_namespaces = 4'096;
+  uint32_t max_namespaces_per_tenant = 64;
   // Route's cost model. Prefill throughput of one GPU, tokens per second, when a
   // RouteRequest sends none (the cost of recomputing an uncached token). >= 1.
   uint32_t route_prefill_tokens_per_s = 10'000;
