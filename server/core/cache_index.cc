@@ -401,9 +401,11 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     const uint64_t evictable = budget_.evictable(*pool_id);
     if (evictable < shortfall) {
       if (guard != nullptr) UnpinPath(guard);
-      return absl::ResourceExhaustedError(absl::StrCat("pool ", pool.ToString(), " is short of ",
-                                                       shortfall, " bytes and only ", evictable,
-                                                       " are evictable (the rest is pinned)"));
+      // Say what holds the space: pins, headroom reserved for admitted work, or both.
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pool ", pool.ToString(), " is short of ", shortfall, " bytes and only ",
+                       evictable, " are evictable (", budget_.pinned(*pool_id), " bytes pinned, ",
+                       budget_.reserved(*pool_id), " reserved by Reserve)"));
     }
     result.evicted_bytes = EvictLocked(*pool_id, shortfall).evicted_bytes;
     if (guard != nullptr) UnpinPath(guard);

@@ -435,6 +435,15 @@ TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
 }
 
+TEST_F(CacheIndexTest, AnInsertRefusedForReservedSpaceSaysSo) {
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 2 * bpp_).ok());
+  ASSERT_TRUE(index_->Reserve(gpu0_, 2 * bpp_).ok());  // the whole pool, nothing pinned
+  absl::StatusOr<InsertResult> r = index_->Insert(ns_, Prompt({1}), gpu0_, Blocks(0, 1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("0 bytes pinned"));
+  EXPECT_THAT(r.status().message(), HasSubstr(absl::StrCat(2 * bpp_, " reserved by Reserve")));
+}
+
 TEST_F(CacheIndexTest, ReserveErrorsChangeNothing) {
   ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 3 * bpp_).ok());
   MustInsert(Prompt({1, 2}), gpu0_);
