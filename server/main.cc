@@ -72,6 +72,8 @@ ABSL_FLAG(uint32_t, max_namespaces, kDefaults.max_namespaces,
           "Most namespaces RegisterModel creates in all (agents' namespaces are never refused).");
 ABSL_FLAG(uint32_t, max_namespaces_per_tenant, kDefaults.max_namespaces_per_tenant,
           "Most namespaces RegisterModel creates per tenant.");
+ABSL_FLAG(uint32_t, max_pins_per_tenant, kDefaults.max_pins_per_tenant,
+          "Most live pins of one tenant; a pinning Match or Route beyond is refused.");
 ABSL_FLAG(uint32_t, route_prefill_tokens_per_s, kDefaults.route_prefill_tokens_per_s,
           "Route: prefill throughput of one GPU (tokens/s) when a request sends none.");
 ABSL_FLAG(uint32_t, route_tcp_link_gbps, kDefaults.route_tcp_link_gbps,

@@ -25,6 +25,9 @@ absl::Status CacheIndexOptions::Validate() const {
     return absl::InvalidArgumentError("regret_window must not be negative");
   }
   if (max_namespaces < 1) return absl::InvalidArgumentError("max_namespaces must be >= 1");
+  if (max_pins_per_tenant < 1) {
+    return absl::InvalidArgumentError("max_pins_per_tenant must be >= 1");
+  }
   if (max_namespaces_per_tenant < 1) {
     return absl::InvalidArgumentError("max_namespaces_per_tenant must be >= 1");
   }
@@ -213,9 +216,16 @@ void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
       kind, ns.id, budget_.key(pool), {pages.begin(), pages.end()}, std::move(block_ids)});
 }
 
+void CacheIndex::ForgetPin(const Lease& lease) {
+  const std::string& tenant = static_cast<const Namespace*>(lease.node->tree->owner())->id.tenant;
+  auto it = pins_per_tenant_.find(tenant);
+  if (--it->second == 0) pins_per_tenant_.erase(it);
+}
+
 void CacheIndex::ExpireLeasesLocked(absl::Time now) {
   leases_.Expire(now, [this](const Lease& lease) {
     UnpinPath(lease.node);
+    ForgetPin(lease);
     ++counters_.lease_expiries;
   });
 }
@@ -254,6 +264,14 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
+  if (options.pin) {
+    auto held = pins_per_tenant_.find(ns.id.tenant);
+    if (held != pins_per_tenant_.end() && held->second >= options_.max_pins_per_tenant) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("max_pins_per_tenant: tenant ", ns.id.tenant, " holds ", held->second,
+                       " live pins; release some (nothing was matched or pinned)"));
+    }
+  }
 
   thread_local std::vector<PathStep> path;
   MatchResult result;
@@ -289,6 +307,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       PinPath(path.back().node);
       result.lease_expiry = now + ttl;
       result.pin_id = leases_.Add(path.back().node, result.lease_expiry);
+      ++pins_per_tenant_[ns.id.tenant];
       ++counters_.pins_taken;
     }
   }
@@ -458,6 +477,7 @@ absl::Status CacheIndex::Release(const NamespaceId& ns_id, PinId pin_id) {
   absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
   if (!lease.ok()) return lease.status();
   UnpinPath((*lease)->node);
+  ForgetPin(**lease);
   leases_.Erase(pin_id);
   ++counters_.pins_released;
   return absl::OkStatus();

@@ -62,6 +62,9 @@ struct CacheIndexOptions {
   // is the truth. >= 1.
   uint32_t max_namespaces = 4'096;
   uint32_t max_namespaces_per_tenant = 64;
+  // Most live pins of one tenant's namespaces: a Match(pin) beyond is RESOURCE_EXHAUSTED,
+  // with nothing matched or pinned, so no tenant can pin a pool full. >= 1.
+  uint32_t max_pins_per_tenant = 65'536;
   // Time source; RealClock::Get() when null. Not owned.
   Clock* clock = nullptr;
 
@@ -346,6 +349,8 @@ class CacheIndex {
   absl::StatusOr<PoolId> FindPool(const PoolKey& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> LeaseTtl(absl::Duration requested) const;
   void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pin of `lease`'s tenant was released or expired.
+  void ForgetPin(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Keeps (node, replica) registered with the policy exactly when it is an unpinned leaf of
   // its pool.
@@ -392,6 +397,7 @@ class CacheIndex {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<NamespaceId, std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, uint32_t> namespaces_per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, uint32_t> pins_per_tenant_ ABSL_GUARDED_BY(mu_);
   ByteBudget budget_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);

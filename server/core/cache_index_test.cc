@@ -435,6 +435,30 @@ TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
 }
 
+TEST_F(CacheIndexTest, ATenantsLivePinsAreCapped) {
+  Reset(CacheIndexOptions{.max_pins_per_tenant = 2});
+  MustInsert(Prompt({1}), gpu0_);
+  const MatchResult a = MustMatch(Prompt({1}), {.pin = true});
+  const MatchResult b = MustMatch(Prompt({1}), {.pin = true});
+  const uint64_t matches = index_->Stats().counters.match_requests;
+  absl::StatusOr<MatchResult> third = index_->Match(ns_, Prompt({1}), {.pin = true});
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(third.status().message(), HasSubstr("max_pins_per_tenant"));
+  EXPECT_EQ(index_->Stats().counters.match_requests, matches) << "nothing was matched";
+  // Probes and plain matches still work; another tenant's pins are its own.
+  EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 1u);
+  const NamespaceId other{"other", "m"};
+  ASSERT_TRUE(index_->RegisterModel(other, Mla()).ok());
+  ASSERT_TRUE(index_->Insert(other, Prompt({1}, &other), gpu0_, Blocks(5, 1)).ok());
+  EXPECT_TRUE(index_->Match(other, Prompt({1}, &other), {.pin = true}).ok());
+  // A released pin and an expired one both give their place back.
+  ASSERT_TRUE(index_->Release(ns_, a.pin_id).ok());
+  EXPECT_TRUE(index_->Match(ns_, Prompt({1}), {.pin = true, .lease_ttl = absl::Seconds(1)}).ok());
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_TRUE(index_->Match(ns_, Prompt({1}), {.pin = true}).ok());
+  ASSERT_TRUE(index_->Release(ns_, b.pin_id).ok());
+}
+
 TEST_F(CacheIndexTest, AnInsertRefusedForReservedSpaceSaysSo) {
   ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 2 * bpp_).ok());
   ASSERT_TRUE(index_->Reserve(gpu0_, 2 * bpp_).ok());  // the whole pool, nothing pinned

@@ -49,6 +49,7 @@ const std::vector<Field>& Fields() {
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
       {"max_namespaces", &ServerOptions::max_namespaces},
       {"max_namespaces_per_tenant", &ServerOptions::max_namespaces_per_tenant},
+      {"max_pins_per_tenant", &ServerOptions::max_pins_per_tenant},
       {"route_prefill_tokens_per_s", &ServerOptions::route_prefill_tokens_per_s},
       {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
       {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
@@ -120,6 +121,7 @@ absl::Status ServerOptions::Validate() const {
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
   if (max_namespaces < 1) return Invalid("max_namespaces", "must be >= 1");
   if (max_namespaces_per_tenant < 1) return Invalid("max_namespaces_per_tenant", "must be >= 1");
+  if (max_pins_per_tenant < 1) return Invalid("max_pins_per_tenant", "must be >= 1");
   if (route_prefill_tokens_per_s < 1) return Invalid("route_prefill_tokens_per_s", "must be >= 1");
   if (route_tcp_link_gbps < 1) return Invalid("route_tcp_link_gbps", "must be >= 1");
   if (route_nccl_link_gbps < 1) return Invalid("route_nccl_link_gbps", "must be >= 1");
@@ -145,6 +147,7 @@ absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   out.regret_window = absl::Milliseconds(regret_window_ms);
   out.max_namespaces = max_namespaces;
   out.max_namespaces_per_tenant = max_namespaces_per_tenant;
+  out.max_pins_per_tenant = max_pins_per_tenant;
   return out;
 }
 

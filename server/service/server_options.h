@@ -61,6 +61,8 @@ struct ServerOptions {
   // beyond; namespaces rebuilt from agents are never refused). >= 1.
   uint32_t max_namespaces = 4'096;
   uint32_t max_namespaces_per_tenant = 64;
+  // Most live pins of one tenant (Match/Route with pin beyond: RESOURCE_EXHAUSTED). >= 1.
+  uint32_t max_pins_per_tenant = 65'536;
   // Route's cost model. Prefill throughput of one GPU, tokens per second, when a
   // RouteRequest sends none (the cost of recomputing an uncached token). >= 1.
   uint32_t route_prefill_tokens_per_s = 10'000;

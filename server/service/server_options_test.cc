@@ -56,6 +56,7 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.max_event_queue = 0; }, "max_event_queue"},
       {[](ServerOptions& o) { o.max_namespaces = 0; }, "max_namespaces"},
       {[](ServerOptions& o) { o.max_namespaces_per_tenant = 0; }, "max_namespaces_per_tenant"},
+      {[](ServerOptions& o) { o.max_pins_per_tenant = 0; }, "max_pins_per_tenant"},
       {[](ServerOptions& o) { o.route_prefill_tokens_per_s = 0; }, "route_prefill_tokens_per_s"},
       {[](ServerOptions& o) { o.route_tcp_link_gbps = 0; }, "route_tcp_link_gbps"},
       {[](ServerOptions& o) { o.route_nccl_link_gbps = 0; }, "route_nccl_link_gbps"},
@@ -132,7 +133,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 21u);
+  EXPECT_EQ(names.size(), 22u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
