@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages kvcm builds, tests and serves with.
+# Installs the Debian 12 packages kvcm builds, tests and serves with (clang and
+# libclang-rt-14-dev, which holds libclang_rt.fuzzer, build the fuzz/ harnesses).
 # Does nothing when everything is already there; needs root (or sudo) otherwise.
 set -euo pipefail
 
@@ -8,6 +9,7 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   clang-format prometheus
+  clang libclang-rt-14-dev
 )
 
 missing=()

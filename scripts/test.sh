@@ -2,8 +2,10 @@
 # Installs what is missing, builds kvcm with tests and benchmarks, and runs ctest.
 #   ./scripts/test.sh               # everything
 #   ./scripts/test.sh -R CacheIndex # extra arguments go to ctest
+# Then builds the libFuzzer harnesses and runs each briefly (scripts/fuzz.sh).
 # Environment: BUILD_DIR (default build/test), JOBS (default: nproc), KVCM_ENABLE_CUDA
-# (AUTO/ON/OFF, default AUTO: CUDA code compiles whenever nvcc is present).
+# (AUTO/ON/OFF, default AUTO: CUDA code compiles whenever nvcc is present), FUZZ_SECONDS
+# (per harness, default 5; 0 skips the fuzzers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,3 +24,8 @@ cmake -S . -B "$build_dir" -G Ninja \
   -DKVCM_BUILD_BENCH=ON
 cmake --build "$build_dir" -j "$jobs"
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
+
+fuzz_seconds=${FUZZ_SECONDS:-5}
+if [ "$fuzz_seconds" -gt 0 ]; then
+  JOBS=$jobs ./scripts/fuzz.sh "$fuzz_seconds"
+fi

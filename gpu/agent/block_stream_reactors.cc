@@ -12,7 +12,7 @@ namespace kvcm {
 WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                        RpcRunner<AgentRpc>* rpc, grpc::CallbackServerContext* ctx,
                                        v1::WriteBlocksResponse* resp)
-    : options_(*options), pool_(*pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
+    : stage_(options, pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
   StartRead(&msg_);
 }
 
@@ -28,7 +28,7 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
     StartSendInitialMetadata();
     return;
   }
-  if (absl::Status s = Take(); !s.ok()) {
+  if (absl::Status s = stage_.Take(msg_); !s.ok()) {
     End(s);
     return;
   }
@@ -36,15 +36,18 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
 }
 
 void WriteBlocksReactor::OnSendInitialMetadataDone(bool ok) {
-  End(ok ? Apply() : absl::CancelledError("WriteBlocks: the call failed"));
+  End(ok ? stage_.Apply(resp_) : absl::CancelledError("WriteBlocks: the call failed"));
 }
 
-absl::Status WriteBlocksReactor::Take() {
+WriteBlocksStage::WriteBlocksStage(const AgentOptions* options, BlockPool* pool)
+    : options_(*options), pool_(*pool) {}
+
+absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
   if (!have_header_) {
-    if (!msg_.has_header()) {
+    if (!msg.has_header()) {
       return absl::InvalidArgumentError("header must be the stream's first message");
     }
-    const v1::WriteBlocksHeader& h = msg_.header();
+    const v1::WriteBlocksHeader& h = msg.header();
     if (h.block_ids_size() > static_cast<int>(options_.max_blocks_per_call)) {
       return absl::InvalidArgumentError(absl::StrCat("header.block_ids must list at most ",
                                                      options_.max_blocks_per_call, " blocks"));
@@ -57,8 +60,8 @@ absl::Status WriteBlocksReactor::Take() {
     have_header_ = true;
     return absl::OkStatus();
   }
-  if (msg_.has_header()) return absl::InvalidArgumentError("header sent twice");
-  const std::string& data = msg_.data();
+  if (msg.has_header()) return absl::InvalidArgumentError("header sent twice");
+  const std::string& data = msg.data();
   if (data.empty() || data.size() > options_.max_message_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data chunk must be 1..", options_.max_message_bytes, " bytes, got ", data.size()));
@@ -73,15 +76,46 @@ absl::Status WriteBlocksReactor::Take() {
   return absl::OkStatus();
 }
 
-absl::Status WriteBlocksReactor::Apply() {
+absl::Status WriteBlocksStage::Apply(v1::WriteBlocksResponse* resp) {
   if (!have_header_) return absl::InvalidArgumentError("header is missing (empty stream)");
   KVCM_RETURN_IF_ERROR(pool_.WriteBlocks(ids_, owner_epoch_, staged_));
-  resp_->set_bytes_written(staged_.size());
+  resp->set_bytes_written(staged_.size());
   return absl::OkStatus();
 }
 
 void WriteBlocksReactor::End(const absl::Status& status) {
   Finish(rpc_->StreamEnd(AgentRpc::kWriteBlocks, status));
+}
+
+absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
+                             const v1::ReadBlocksRequest& req) {
+  const uint32_t max_blocks = options.max_blocks_per_call;
+  if (pool == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier ", static_cast<int>(req.tier()), " is not a pool of this agent"));
+  }
+  if (static_cast<size_t>(req.block_ids_size()) > max_blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_ids must list at most ", max_blocks, " blocks"));
+  }
+  const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
+  return pool->CheckOwned(ids, req.owner_epoch(), "block_ids");
+}
+
+absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
+                             uint64_t owner_epoch, uint64_t offset, std::string& out) {
+  const uint64_t bpb = pool.geometry().bytes_per_block();
+  const uint64_t n = out.size();
+  for (uint64_t filled = 0; filled < n;) {
+    const uint64_t pos = offset + filled;
+    const uint64_t off = pos % bpb;
+    const uint64_t take = std::min(bpb - off, n - filled);
+    KVCM_RETURN_IF_ERROR(
+        pool.ReadBlock(ids[pos / bpb], owner_epoch, off,
+                       std::as_writable_bytes(std::span<char>(out.data() + filled, take))));
+    filled += take;
+  }
+  return absl::OkStatus();
 }
 
 ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
@@ -91,14 +125,7 @@ ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* poo
       chunk_bytes_(options->read_chunk_bytes),
       ids_(req->block_ids().begin(), req->block_ids().end()),
       owner_epoch_(req->owner_epoch()) {
-  const uint32_t max_blocks = options->max_blocks_per_call;
-  absl::Status s =
-      pool_ == nullptr
-          ? absl::InvalidArgumentError(absl::StrCat("tier ", static_cast<int>(req->tier()),
-                                                    " is not a pool of this agent"))
-      : ids_.size() > max_blocks ? absl::InvalidArgumentError(absl::StrCat(
-                                       "block_ids must list at most ", max_blocks, " blocks"))
-                                 : pool_->CheckOwned(ids_, owner_epoch_, "block_ids");
+  absl::Status s = CheckReadBlocks(*options, pool_, *req);
   if (!s.ok()) {
     End(s);
     return;
@@ -120,22 +147,12 @@ void ReadBlocksReactor::WriteNext() {
     End(absl::OkStatus());
     return;
   }
-  const uint64_t bpb = pool_->geometry().bytes_per_block();
   const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
   std::string* buf = chunk_.mutable_data();
   buf->resize(n);
-  for (uint64_t filled = 0; filled < n;) {
-    const uint64_t pos = sent_bytes_ + filled;
-    const uint64_t off = pos % bpb;
-    const uint64_t take = std::min(bpb - off, n - filled);
-    absl::Status s =
-        pool_->ReadBlock(ids_[pos / bpb], owner_epoch_, off,
-                         std::as_writable_bytes(std::span<char>(buf->data() + filled, take)));
-    if (!s.ok()) {
-      End(s);
-      return;
-    }
-    filled += take;
+  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, owner_epoch_, sent_bytes_, *buf); !s.ok()) {
+    End(s);
+    return;
   }
   sent_bytes_ += n;
   StartWrite(&chunk_);

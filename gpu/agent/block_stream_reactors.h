@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -25,6 +27,44 @@
 
 namespace kvcm {
 
+// The checks and staging of one WriteBlocks call, without gRPC: Take each message as it
+// arrives, Apply when the client half-closes. Not thread-safe (one call's messages arrive
+// one at a time).
+class WriteBlocksStage {
+ public:
+  // Writes into `pool`. `options` and `pool` are not owned and must outlive the stage.
+  WriteBlocksStage(const AgentOptions* options, BlockPool* pool);
+
+  // Checks and stages one message: the first must be the header (at most
+  // max_blocks_per_call blocks, each owned in its owner_epoch), the others data chunks of
+  // 1..max_message_bytes bytes, together at most the header's blocks' bytes.
+  // INVALID_ARGUMENT (or the pool's error) otherwise.
+  absl::Status Take(const v1::WriteBlocksRequest& msg);
+  // Writes the staged bytes into the header's blocks and sets resp->bytes_written.
+  absl::Status Apply(v1::WriteBlocksResponse* resp);
+
+ private:
+  const AgentOptions& options_;
+  BlockPool& pool_;
+  bool have_header_ = false;
+  std::vector<BlockId> ids_;
+  uint64_t owner_epoch_ = 0;
+  uint64_t expected_bytes_ = 0;
+  std::vector<std::byte> staged_;
+};
+
+// The checks of a ReadBlocks request read from `pool` (null when the agent has no pool of
+// req.tier): INVALID_ARGUMENT for no pool or more than max_blocks_per_call blocks, the
+// pool's error for a block not owned in req.owner_epoch.
+absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
+                             const v1::ReadBlocksRequest& req);
+
+// Fills `out` (its size is the chunk's) with the bytes at `offset` of the blocks `ids`
+// read one after the other. REQUIRES: CheckReadBlocks passed, offset + out.size() within
+// ids.size() blocks.
+absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
+                             uint64_t owner_epoch, uint64_t offset, std::string& out);
+
 class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
  public:
   // Writes into `pool`. `options`, `pool` and `rpc` are not owned and must outlive the call.
@@ -36,24 +76,14 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
   void OnDone() override { delete this; }
 
  private:
-  // Checks and stages one message.
-  absl::Status Take();
-  // Writes the staged bytes into the header's blocks.
-  absl::Status Apply();
   // Records the outcome and finishes. May run OnDone inline: touches nothing afterwards.
   void End(const absl::Status& status);
 
-  const AgentOptions& options_;
-  BlockPool& pool_;
+  WriteBlocksStage stage_;
   RpcRunner<AgentRpc>* const rpc_;
   grpc::CallbackServerContext* const ctx_;
   v1::WriteBlocksResponse* const resp_;
   v1::WriteBlocksRequest msg_;
-  bool have_header_ = false;
-  std::vector<BlockId> ids_;
-  uint64_t owner_epoch_ = 0;
-  uint64_t expected_bytes_ = 0;
-  std::vector<std::byte> staged_;
 };
 
 class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {

@@ -70,7 +70,9 @@ absl::StatusOr<uint64_t> ReceiveBlocks(int fd, const PullSpec& spec, BlockLink* 
     if (tag == kTagError) {
       v1::PullBlocksHeader header;
       if (absl::Status s = RecvFrame(fd, &header); !s.ok()) return s;
-      return StatusOf(header);
+      // A hostile or broken server may send code 0 here: not a result.
+      if (absl::Status s = StatusOf(header); !s.ok()) return s;
+      return absl::DataLossError(absl::StrCat("error tag at block ", i, " with an OK status"));
     }
     if (tag == kTagBlock) {
       socket_staging.resize(block_bytes);

@@ -382,6 +382,76 @@ TEST_F(LinkTransferTest, ThePullerAsksForALinkThenTimesOutOnASilentOne) {
   EXPECT_EQ(silent->links->served_links(), 1u);  // the offer reached "gpu-7"
 }
 
+// Found by fuzz/data_port_fuzzer (fuzz/regressions/data_port_fuzzer/error_tag_with_ok_status):
+// an OK status after the error tag aborted the puller (StatusOr built from an OK Status).
+TEST(ReceiveBlocksTest, AnErrorTagCarryingAnOkStatusIsDataLoss) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
+  const NamespaceId ns{"t", "m"};
+  PullSpec spec{.peer_address = "127.0.0.1:1",
+                .ns = ns,
+                .peer_blocks = {0, 1},
+                .pages = {PageHash{1, 1}, PageHash{2, 2}},
+                .dst = pool.get(),
+                .dst_blocks = *pool->Allocate(2, 1, &ns),
+                .dst_owner_epoch = 1};
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  const std::string block(pool->geometry().bytes_per_block(), 'b');
+  ASSERT_TRUE(SendAll(fds[1], &kTagBlock, 1).ok());
+  ASSERT_TRUE(SendAll(fds[1], block.data(), block.size()).ok());
+  ASSERT_TRUE(SendAll(fds[1], &kTagError, 1).ok());
+  ASSERT_TRUE(SendFrame(fds[1], HeaderOf(absl::OkStatus(), block.size())).ok());
+  bool broken = false;
+  absl::StatusOr<uint64_t> got = ReceiveBlocks(fds[0], spec, nullptr, absl::Seconds(5), &broken);
+  close(fds[0]);
+  close(fds[1]);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
+  EXPECT_FALSE(broken);
+}
+
+// Found while writing fuzz/data_port_fuzzer: link_needed with code 0 aborted the puller
+// (StatusOr built from an OK Status).
+TEST_F(LinkTransferTest, ALinkNeededHeaderWithAnOkCodeFailsThePull) {
+  auto puller = Start("gpu-0", 2, 16, /*io_timeout_ms=*/300);
+  auto silent = std::make_unique<Node>();
+  silent->id = "gpu-7";
+  silent->links = std::make_unique<LinkCache>(LinkCacheOptions{}, nullptr);
+  nodes_.push_back(silent.get());
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  const uint64_t bb = puller->pool->geometry().bytes_per_block();
+  std::thread fake([&] {
+    for (int i = 0; i < 2; ++i) {
+      const int fd = accept(listener, nullptr, nullptr);
+      SetSocketOptions(fd, 5'000);
+      v1::PullBlocksRequest req;
+      ASSERT_TRUE(RecvFrame(fd, &req).ok());
+      v1::PullBlocksHeader h = HeaderOf(absl::OkStatus(), bb);
+      h.set_link_needed(true);
+      h.set_agent_id("gpu-7");
+      ASSERT_TRUE(SendFrame(fd, h).ok());
+      close(fd);
+    }
+  });
+  PullSpec spec{.peer_address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)),
+                .ns = kNs,
+                .peer_blocks = {5},
+                .pages = {Page(0)},
+                .dst = puller->pool.get(),
+                .dst_blocks = *puller->pool->Allocate(1, kEpoch, &kNs),
+                .dst_owner_epoch = kEpoch};
+  absl::StatusOr<TransferStats> r = PullAndWait(*puller->transport, spec);
+  fake.join();
+  close(listener);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+}
+
 TEST(LinkChunkBlocksTest, TheSmallerStagingBoundsAChunk) {
   EXPECT_EQ(*LinkChunkBlocks(100, 1000, 0), 10u);
   EXPECT_EQ(*LinkChunkBlocks(100, 1000, 350), 3u);

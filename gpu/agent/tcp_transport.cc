@@ -155,19 +155,8 @@ class TcpTransport final : public Transport {
     if (!RecvFrame(fd, &req).ok()) return;
     BlockPool* pool = pools_.ForWireTier(main_tier_, req.tier());
     const uint64_t block_bytes = pool != nullptr ? pool->geometry().bytes_per_block() : 0;
-    absl::StatusOr<NamespaceId> ns =
-        NamespaceFromProto(req.has_namespace_() ? &req.namespace_() : nullptr, "namespace");
-    absl::Status check;
-    if (pool == nullptr) {
-      check = absl::InvalidArgumentError(
-          absl::StrCat("tier ", static_cast<int>(req.tier()), " is not a pool of this agent"));
-    } else if (!ns.ok()) {
-      check = ns.status();
-    } else if (req.block_ids_size() == 0) {
-      check = absl::InvalidArgumentError("block_ids is empty");
-    } else if (req.page_hashes().size() != kHashBytes * req.block_ids_size()) {
-      check = absl::InvalidArgumentError("page_hashes must hold 16 bytes per block");
-    }
+    const absl::StatusOr<NamespaceId> ns = CheckPullRequest(req, pool);
+    const absl::Status check = ns.status();
     if (check.ok() && req.mode() == v1::PULL_MODE_NCCL && links_.has_value()) {
       ServeOverLink(fd, req, *pool, *ns);
       return;
@@ -301,7 +290,9 @@ class TcpTransport final : public Transport {
     if (absl::Status s = RecvFrame(fd, &header); !s.ok()) return s;
     if (header.link_needed() && links_.has_value() && !header.agent_id().empty()) {
       *link_needed_by = header.agent_id();
-      return StatusOf(header);
+      // A server that asks for a link has failed this try, whatever code it sent.
+      if (absl::Status s = StatusOf(header); !s.ok()) return s;
+      return absl::FailedPreconditionError("peer: link needed");
     }
     if (absl::Status s = StatusOf(header); !s.ok()) return s;
     const uint64_t block_bytes = spec.dst->geometry().bytes_per_block();
@@ -333,6 +324,22 @@ class TcpTransport final : public Transport {
 };
 
 }  // namespace
+
+absl::StatusOr<NamespaceId> CheckPullRequest(const v1::PullBlocksRequest& req,
+                                             const BlockPool* pool) {
+  absl::StatusOr<NamespaceId> ns =
+      NamespaceFromProto(req.has_namespace_() ? &req.namespace_() : nullptr, "namespace");
+  if (pool == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier ", static_cast<int>(req.tier()), " is not a pool of this agent"));
+  }
+  if (!ns.ok()) return ns.status();
+  if (req.block_ids_size() == 0) return absl::InvalidArgumentError("block_ids is empty");
+  if (req.page_hashes().size() != kHashBytes * req.block_ids_size()) {
+    return absl::InvalidArgumentError("page_hashes must hold 16 bytes per block");
+  }
+  return ns;
+}
 
 absl::Status TcpTransportOptions::Validate() const {
   if (absl::StatusOr<sockaddr_in> a = ParseAddress(listen_address, "listen_address"); !a.ok()) {

@@ -18,8 +18,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "gpu/agent/agent_state.h"
+#include "gpu/agent/block_pool.h"
 #include "gpu/agent/link_cache.h"
 #include "gpu/agent/transport.h"
+#include "kvcm/v1/agent.pb.h"
 
 namespace kvcm {
 
@@ -46,6 +48,13 @@ struct LinkPort {
   // of the io timeout.
   uint32_t connect_timeout_ms = 30'000;
 };
+
+// The checks a served pull's request gets before any block is read, in order: `pool`, the
+// pool its tier names, exists (null: it does not); the namespace is valid; block_ids is not
+// empty; page_hashes holds 16 bytes per block. Returns the namespace, or INVALID_ARGUMENT
+// naming the field, which the server answers in the header.
+absl::StatusOr<NamespaceId> CheckPullRequest(const v1::PullBlocksRequest& req,
+                                             const BlockPool* pool);
 
 // Listens at once and serves the committed blocks of `pools` (the main pool registered as
 // `main_tier`, and TIER_HOST for pools.host). The pools must outlive the transport; its

@@ -117,6 +117,18 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   return call;
 }
 
+absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req) {
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
+  if (req.epoch() < 1) return Invalid("epoch", "must be >= 1");
+  // Beyond any link there is (1 Pbit/s): a sender's mistake, not a measurement.
+  constexpr double kMaxPullGbps = 1e6;
+  if (!std::isfinite(req.pull_gbps()) || req.pull_gbps() < 0 || req.pull_gbps() > kMaxPullGbps) {
+    return Invalid("pull_gbps",
+                   absl::StrCat("must be in [0, ", kMaxPullGbps, "], got ", req.pull_gbps()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequest& req) {
   KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
   if (req.epoch() < 1) return Invalid("epoch", "must be >= 1");
@@ -214,15 +226,7 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
                                                          const v1::HeartbeatRequest* req,
                                                          v1::HeartbeatResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
-    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
-    if (req->epoch() < 1) return Invalid("epoch", "must be >= 1");
-    // Beyond any link there is (1 Pbit/s): a sender's mistake, not a measurement.
-    constexpr double kMaxPullGbps = 1e6;
-    if (!std::isfinite(req->pull_gbps()) || req->pull_gbps() < 0 ||
-        req->pull_gbps() > kMaxPullGbps) {
-      return Invalid("pull_gbps",
-                     absl::StrCat("must be in [0, ", kMaxPullGbps, "], got ", req->pull_gbps()));
-    }
+    KVCM_RETURN_IF_ERROR(ValidateHeartbeat(*req));
     return agents_->Heartbeat(req->agent_id(), req->epoch(),
                               {.used_bytes = req->used_bytes(),
                                .free_blocks = req->free_blocks(),

@@ -45,6 +45,10 @@ struct RegisterAgentCall {
 // TIER_GPU or with num_blocks / capacity_bytes out of range ("host_pool.<field>").
 absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgentRequest& req);
 
+// INVALID_ARGUMENT naming the field for a bad agent_id, epoch 0, or pull_gbps negative,
+// non-finite or above 1e6.
+absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req);
+
 // The offer a valid NcclBootstrapRequest makes. INVALID_ARGUMENT naming the field for a bad
 // agent_id, epoch 0, a bad peer_agent_id or the caller's own, link_id 0, or a unique_id that
 // is not exactly kNcclUniqueIdBytes.

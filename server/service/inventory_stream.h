@@ -6,16 +6,46 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <optional>
+#include <string>
+
 #include "common/rpc_runner.h"
 #include "kvcm/v1/agent.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/core/inventory_restore.h"
 #include "server/service/metrics.h"
 
 namespace kvcm {
 
 // Most blocks one InventoryChunk may carry.
 inline constexpr int kMaxInventoryChunkBlocks = 16384;
+
+// One ReportInventory call without gRPC: Take checks each chunk as it arrives and collects
+// it, Restore indexes what was collected when the agent closes the stream. The reactor only
+// moves the chunks in. Not thread-safe (one call's chunks arrive one at a time).
+class InventoryReceiver {
+ public:
+  // Not owned; both must outlive the receiver.
+  InventoryReceiver(CacheIndex* index, const AgentRegistry* agents);
+
+  // The first chunk names the agent, which must be live in that epoch (its error otherwise,
+  // ABORTED when it has no pool); every chunk must repeat its agent_id and epoch and carry
+  // at most kMaxInventoryChunkBlocks blocks with 16 bytes of page_hashes and of
+  // parent_hashes each, a valid namespace and spec (INVALID_ARGUMENT naming the field).
+  absl::Status Take(const v1::InventoryChunk& chunk);
+  // Indexes every chunk taken (nothing when none was) and fills `reply`.
+  absl::Status Restore(v1::InventoryReply* reply);
+
+ private:
+  absl::Status Begin(const v1::InventoryChunk& chunk);
+
+  CacheIndex* const index_;
+  const AgentRegistry* const agents_;
+  std::string agent_id_;
+  uint64_t epoch_ = 0;
+  std::optional<InventoryCollector> collector_;
+};
 
 // The reactor of one ReportInventory call, filling `reply`; it deletes itself when the call
 // is done. The pointers are not owned and must outlive every call.
