@@ -139,12 +139,7 @@ struct Session {
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
         absl::StatusOr<InsertCall> c = InsertFromProto(*world.index, req, world.limits);
         if (!c.ok()) return c.status();
-        world.inserter.Insert(InsertCommand{.ns = std::move(c->ns),
-                                            .pages = std::move(c->prompt.pages),
-                                            .pool = std::move(c->pool),
-                                            .block_ids = std::move(c->block_ids),
-                                            .use_reservation = c->use_reservation,
-                                            .agent_epoch = c->agent_epoch},
+        world.inserter.Insert(ToInsertCommand(*std::move(c)),
                               [](absl::StatusOr<InsertResult> result) {
                                 v1::InsertResponse resp;
                                 if (result.ok()) InsertResultToProto(*result, &resp);

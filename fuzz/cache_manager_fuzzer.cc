@@ -153,16 +153,10 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, uint64_t& ro
       if (!c.ok()) return c.status();
       // Into an agent's pool the answer waits for the agent's ack (the book fails it when
       // the world closes); into an index-only pool it comes inline.
-      w.inserter.Insert(InsertCommand{.ns = std::move(c->ns),
-                                      .pages = std::move(c->prompt.pages),
-                                      .pool = std::move(c->pool),
-                                      .block_ids = std::move(c->block_ids),
-                                      .use_reservation = c->use_reservation,
-                                      .agent_epoch = c->agent_epoch},
-                        [](absl::StatusOr<InsertResult> result) {
-                          v1::InsertResponse resp;
-                          if (result.ok()) InsertResultToProto(*result, &resp);
-                        });
+      w.inserter.Insert(ToInsertCommand(*std::move(c)), [](absl::StatusOr<InsertResult> result) {
+        v1::InsertResponse resp;
+        if (result.ok()) InsertResultToProto(*result, &resp);
+      });
       return absl::OkStatus();  // the callback has the answer
     }
     case kRelease: {

@@ -190,12 +190,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContex
       return;
     }
     // Into an agent's pool the answer comes once the agent has committed the blocks.
-    inserter_->Insert(InsertCommand{.ns = std::move(call->ns),
-                                    .pages = std::move(call->prompt.pages),
-                                    .pool = std::move(call->pool),
-                                    .block_ids = std::move(call->block_ids),
-                                    .use_reservation = call->use_reservation,
-                                    .agent_epoch = call->agent_epoch},
+    inserter_->Insert(ToInsertCommand(*std::move(call)),
                       [resp, finish](absl::StatusOr<InsertResult> result) {
                         if (result.ok()) InsertResultToProto(*result, resp);
                         finish(result.status());

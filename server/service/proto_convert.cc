@@ -309,6 +309,15 @@ absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::In
   return call;
 }
 
+InsertCommand ToInsertCommand(InsertCall call) {
+  return InsertCommand{.ns = std::move(call.ns),
+                       .pages = std::move(call.prompt.pages),
+                       .pool = std::move(call.pool),
+                       .block_ids = std::move(call.block_ids),
+                       .use_reservation = call.use_reservation,
+                       .agent_epoch = call.agent_epoch};
+}
+
 void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out) {
   out->set_already_present_pages(result.already_present_pages);
   out->mutable_existing_block_ids()->Add(result.existing_block_ids.begin(),

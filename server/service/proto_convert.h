@@ -21,6 +21,7 @@
 #include "kvcm/v1/common.pb.h"
 #include "proto/core_types.h"
 #include "server/core/agent_command.h"
+#include "server/core/agent_inserter.h"
 #include "server/core/cache_index.h"
 #include "server/core/router.h"
 
@@ -114,6 +115,8 @@ struct InsertCall {
 // id per page or holds 0xFFFFFFFF.
 absl::StatusOr<InsertCall> InsertFromProto(const CacheIndex& index, const v1::InsertRequest& req,
                                            const RequestLimits& limits);
+// What the AgentInserter runs for a checked call.
+InsertCommand ToInsertCommand(InsertCall call);
 void InsertResultToProto(const InsertResult& result, v1::InsertResponse* out);
 
 // Release and RenewLease.
