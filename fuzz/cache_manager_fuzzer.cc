@@ -3,14 +3,12 @@
 // bodies do minus gRPC, against a ManagerWorld. An input is a sequence of calls (records:
 // the tag picks the RPC, the body is its serialized request), so pins taken by one Match
 // can be released, renewed or expired by the next calls. Every call must end in a Status.
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <variant>
 
-#include "absl/container/flat_hash_map.h"
 #include "fuzz/fuzz_input.h"
 #include "fuzz/manager_world.h"
 #include "server/core/router.h"
@@ -35,92 +33,7 @@ enum Call : uint8_t {
   kNumCalls
 };
 
-// CacheManagerService::RouteCandidates.
-absl::StatusOr<std::vector<RouteCandidate>> Candidates(const ManagerWorld& w,
-                                                       std::span<const RouteCall::Candidate> named,
-                                                       const RouteDefaults& defaults) {
-  std::vector<AgentInfo> agents = w.agents.Snapshot();
-  absl::flat_hash_map<absl::string_view, const AgentInfo*> by_id;
-  for (const AgentInfo& a : agents) {
-    if (a.alive) by_id.emplace(a.registration.agent_id, &a);
-  }
-  auto candidate = [&](const AgentInfo& a) {
-    const double measured = a.usage.pull_gbps;
-    const double by_transport =
-        a.registration.transport == "nccl" ? defaults.nccl_link_gbps : defaults.tcp_link_gbps;
-    return RouteCandidate{.agent_id = a.registration.agent_id,
-                          .link_gbps = measured > 0 ? measured : by_transport};
-  };
-  std::vector<RouteCandidate> out;
-  if (named.empty()) {
-    for (const AgentInfo& a : agents) {
-      if (a.alive) out.push_back(candidate(a));
-    }
-    if (out.empty()) return absl::FailedPreconditionError("no live agent to route to");
-    std::sort(out.begin(), out.end(), [](const RouteCandidate& a, const RouteCandidate& b) {
-      return a.agent_id < b.agent_id;
-    });
-    return out;
-  }
-  for (const RouteCall::Candidate& n : named) {
-    auto it = by_id.find(n.agent_id);
-    if (it == by_id.end()) return absl::NotFoundError("not a live agent");
-    RouteCandidate c = candidate(*it->second);
-    c.load = n.load;
-    c.queued_prefill_tokens = n.queued_prefill_tokens;
-    out.push_back(std::move(c));
-  }
-  return out;
-}
-
-// CacheManagerService::Route's body.
-absl::Status Route(ManagerWorld& w, const v1::RouteRequest& req, uint64_t& sequence,
-                   v1::RouteResponse* resp) {
-  const RouteDefaults defaults;
-  absl::StatusOr<RouteCall> call = RouteFromProto(*w.index, req, w.limits);
-  if (!call.ok()) return call.status();
-  absl::StatusOr<std::vector<RouteCandidate>> candidates =
-      Candidates(w, call->candidates, defaults);
-  if (!candidates.ok()) return candidates.status();
-  absl::StatusOr<RegisterModelResult> ns = w.index->GetNamespace(call->ns);
-  if (!ns.ok()) return ns.status();
-  const RouteCost cost{.bytes_per_page = ns->spec.BytesPerPage(),
-                       .page_size_tokens = ns->spec.page_size_tokens,
-                       .prefill_tokens_per_s = call->prefill_tokens_per_s > 0
-                                                   ? call->prefill_tokens_per_s
-                                                   : defaults.prefill_tokens_per_s};
-  const std::vector<PageHash>& pages = call->prompt.pages;
-  absl::StatusOr<MatchResult> match = w.index->Match(call->ns, pages, {.probe = true});
-  if (!match.ok()) return match.status();
-  const uint64_t seq = call->probe ? sequence : sequence++;
-  std::vector<RouteEstimate> ranked =
-      RankAgents(call->policy, *match, *candidates, cost, seq, pages.empty() ? nullptr : &pages[0]);
-  Require(!ranked.empty() && ranked.front().candidate < candidates->size(), "Route ranks");
-  RouteEstimate& best = ranked.front();
-  const RouteCandidate& chosen = (*candidates)[best.candidate];
-  if (call->probe) {
-    for (MatchedSegment& seg : match->segments) {
-      std::stable_partition(
-          seg.replicas.begin(), seg.replicas.end(),
-          [&](const MatchedSegment::Replica& r) { return r.pool->agent_id == chosen.agent_id; });
-    }
-    match->local_pages = best.cached_pages;
-  } else {
-    match = w.index->Match(
-        call->ns, pages,
-        {.requester_agent_id = chosen.agent_id, .pin = call->pin, .lease_ttl = call->lease_ttl});
-    if (!match.ok()) return match.status();
-    best = EstimateFor(*match, best.candidate, chosen, cost);
-  }
-  for (const RouteEstimate& e : ranked) {
-    RouteEstimateToProto(e, (*candidates)[e.candidate], resp->add_ranked());
-  }
-  MatchResultToProto(*match, call->prompt.page_size_tokens, resp->mutable_match());
-  return absl::OkStatus();
-}
-
-// One call; the Status is the RPC's answer (any is fine, as long as there is one).
-absl::Status Run(ManagerWorld& w, Call call, std::string_view body, uint64_t& route_sequence,
+absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler& route,
                  std::optional<std::optional<NamespaceId>>& watch) {
   switch (call) {
     case kRegisterModel: {
@@ -200,7 +113,7 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, uint64_t& ro
       v1::RouteRequest req;
       if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
       v1::RouteResponse resp;
-      return Route(w, req, route_sequence, &resp);
+      return route.Route(req, &resp);
     }
     case kStats: {
       v1::StatsResponse resp;
@@ -241,13 +154,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kvcm::v1::CacheEvent out;
     kvcm::CacheEventToProto(event, ++event_sequence, &out);
   });
-  uint64_t route_sequence = 0;
+  kvcm::RouteHandler route(world.index.get(), &world.agents, world.limits, {});
   Records records(data, size);
   uint8_t tag;
   std::string_view body;
   while (records.Next(&tag, &body)) {
     const Call call = static_cast<Call>(tag % kNumCalls);
-    Report(call, Run(world, call, body, route_sequence, watch));
+    Report(call, Run(world, call, body, route, watch));
   }
   world.index->SetEventListener(nullptr);
   return 0;

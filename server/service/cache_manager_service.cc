@@ -1,13 +1,11 @@
 #include "server/service/cache_manager_service.h"
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <variant>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/service/agent_control_service.h"
@@ -155,7 +153,7 @@ CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, Servi
       limits_(limits),
       agents_(agents),
       inserter_(inserter),
-      route_defaults_(route_defaults) {}
+      route_(index, agents, limits, route_defaults) {}
 
 grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
                                                              const v1::RegisterModelRequest* req,
@@ -254,89 +252,10 @@ grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerCon
   });
 }
 
-absl::StatusOr<std::vector<RouteCandidate>> CacheManagerService::RouteCandidates(
-    std::span<const RouteCall::Candidate> named) const {
-  std::vector<AgentInfo> agents = agents_->Snapshot();
-  absl::flat_hash_map<absl::string_view, const AgentInfo*> by_id;
-  for (const AgentInfo& a : agents) {
-    if (a.alive) by_id.emplace(a.registration.agent_id, &a);
-  }
-  auto candidate = [&](const AgentInfo& a) {
-    const double measured = a.usage.pull_gbps;
-    const double by_transport = a.registration.transport == "nccl" ? route_defaults_.nccl_link_gbps
-                                                                   : route_defaults_.tcp_link_gbps;
-    return RouteCandidate{.agent_id = a.registration.agent_id,
-                          .link_gbps = measured > 0 ? measured : by_transport};
-  };
-  std::vector<RouteCandidate> out;
-  if (named.empty()) {
-    for (const AgentInfo& a : agents) {
-      if (a.alive) out.push_back(candidate(a));
-    }
-    if (out.empty()) return absl::FailedPreconditionError("no live agent to route to");
-    std::sort(out.begin(), out.end(), [](const RouteCandidate& a, const RouteCandidate& b) {
-      return a.agent_id < b.agent_id;
-    });
-    return out;
-  }
-  for (size_t i = 0; i < named.size(); ++i) {
-    auto it = by_id.find(named[i].agent_id);
-    if (it == by_id.end()) {
-      return absl::NotFoundError(absl::StrCat("candidates[", i, "].agent_id \"", named[i].agent_id,
-                                              "\" is not a live agent"));
-    }
-    RouteCandidate c = candidate(*it->second);
-    c.load = named[i].load;
-    c.queued_prefill_tokens = named[i].queued_prefill_tokens;
-    out.push_back(std::move(c));
-  }
-  return out;
-}
-
 grpc::ServerUnaryReactor* CacheManagerService::Route(grpc::CallbackServerContext* ctx,
                                                      const v1::RouteRequest* req,
                                                      v1::RouteResponse* resp) {
-  return rpc_.Unary(ctx, Rpc::kRoute, [&]() -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(RouteCall call, RouteFromProto(*index_, *req, limits_));
-    KVCM_ASSIGN_OR_RETURN(std::vector<RouteCandidate> candidates, RouteCandidates(call.candidates));
-    KVCM_ASSIGN_OR_RETURN(RegisterModelResult ns, index_->GetNamespace(call.ns));
-    const RouteCost cost{.bytes_per_page = ns.spec.BytesPerPage(),
-                         .page_size_tokens = ns.spec.page_size_tokens,
-                         .prefill_tokens_per_s = call.prefill_tokens_per_s > 0
-                                                     ? call.prefill_tokens_per_s
-                                                     : route_defaults_.prefill_tokens_per_s};
-    const std::vector<PageHash>& pages = call.prompt.pages;
-    // One look at every replica ranks every candidate; it changes nothing.
-    KVCM_ASSIGN_OR_RETURN(MatchResult match, index_->Match(call.ns, pages, {.probe = true}));
-    const uint64_t sequence = call.probe ? route_sequence_.load(std::memory_order_relaxed)
-                                         : route_sequence_.fetch_add(1, std::memory_order_relaxed);
-    std::vector<RouteEstimate> ranked = RankAgents(call.policy, match, candidates, cost, sequence,
-                                                   pages.empty() ? nullptr : &pages[0]);
-    RouteEstimate& best = ranked.front();
-    const RouteCandidate& chosen = candidates[best.candidate];
-    if (call.probe) {
-      // The probe's replicas in the chosen agent's order, as Match would list them for it.
-      for (MatchedSegment& seg : match.segments) {
-        std::stable_partition(
-            seg.replicas.begin(), seg.replicas.end(),
-            [&](const MatchedSegment::Replica& r) { return r.pool->agent_id == chosen.agent_id; });
-      }
-      match.local_pages = best.cached_pages;
-    } else {
-      // What a Match from the chosen agent does: recency, counters and the pin. The index
-      // may have changed since the probe, so the chosen agent's estimate is redone on it.
-      KVCM_ASSIGN_OR_RETURN(match, index_->Match(call.ns, pages,
-                                                 {.requester_agent_id = chosen.agent_id,
-                                                  .pin = call.pin,
-                                                  .lease_ttl = call.lease_ttl}));
-      best = EstimateFor(match, best.candidate, chosen, cost);
-    }
-    for (const RouteEstimate& e : ranked) {
-      RouteEstimateToProto(e, candidates[e.candidate], resp->add_ranked());
-    }
-    MatchResultToProto(match, call.prompt.page_size_tokens, resp->mutable_match());
-    return absl::OkStatus();
-  });
+  return rpc_.Unary(ctx, Rpc::kRoute, [&] { return route_.Route(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext* ctx,

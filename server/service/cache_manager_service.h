@@ -12,10 +12,6 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <atomic>
-#include <span>
-#include <vector>
-
 #include "absl/status/status.h"
 #include "common/log.h"
 #include "common/rpc_runner.h"
@@ -26,15 +22,9 @@
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
 #include "server/service/proto_convert.h"
+#include "server/service/route_handler.h"
 
 namespace kvcm {
-
-// Route's cost model where requests and agents say nothing (ServerOptions route_*).
-struct RouteDefaults {
-  double prefill_tokens_per_s = 10'000;
-  double tcp_link_gbps = 25;
-  double nccl_link_gbps = 400;
-};
 
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
@@ -74,21 +64,13 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
  private:
   class WatchEventsReactor;
 
-  // The live agents Route chooses among, with their link bandwidth: `named` in order, or
-  // every live agent by id when `named` is empty. NOT_FOUND naming candidates[i] for an
-  // agent that is unknown or gone; FAILED_PRECONDITION when no agent is live.
-  absl::StatusOr<std::vector<RouteCandidate>> RouteCandidates(
-      std::span<const RouteCall::Candidate> named) const;
-
   CacheIndex* const index_;
   EventHub* const hub_;
   RpcRunner<Rpc> rpc_;
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
   AgentInserter* const inserter_;
-  const RouteDefaults route_defaults_;
-  // Round-robin step of Route: one per non-probe call.
-  std::atomic<uint64_t> route_sequence_{0};
+  RouteHandler route_;
 };
 
 }  // namespace kvcm

@@ -1,0 +1,58 @@
+// RouteHandler: the body of CacheManager.Route without gRPC (validation, the live
+// candidates with their link bandwidth, one probe match, the core's RankAgents, the pin for
+// the chosen agent, the response). CacheManagerService runs it in its handler; the fuzz
+// harness calls it directly, so both run the same code.
+//
+// Thread-safe: the index and registry are; the round-robin step is atomic.
+#ifndef KVCM_SERVER_SERVICE_ROUTE_HANDLER_H_
+#define KVCM_SERVER_SERVICE_ROUTE_HANDLER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvcm/v1/cache_manager.pb.h"
+#include "server/core/agent_registry.h"
+#include "server/core/cache_index.h"
+#include "server/core/router.h"
+#include "server/service/proto_convert.h"
+
+namespace kvcm {
+
+// Route's cost model where requests and agents say nothing (ServerOptions route_*).
+struct RouteDefaults {
+  double prefill_tokens_per_s = 10'000;
+  double tcp_link_gbps = 25;
+  double nccl_link_gbps = 400;
+};
+
+class RouteHandler {
+ public:
+  // Not owned; both must outlive the handler. `agents` may be null (no agent is live then).
+  RouteHandler(CacheIndex* index, const AgentRegistry* agents, RequestLimits limits,
+               RouteDefaults defaults);
+
+  // Fills `resp` as CacheManager.Route documents; its errors change nothing.
+  absl::Status Route(const v1::RouteRequest& req, v1::RouteResponse* resp);
+
+ private:
+  // The live agents to choose from, with their link bandwidth: `named` in order, or every
+  // live agent by id when `named` is empty. NOT_FOUND naming candidates[i] for an agent that
+  // is unknown or gone; FAILED_PRECONDITION when no agent is live.
+  absl::StatusOr<std::vector<RouteCandidate>> Candidates(
+      std::span<const RouteCall::Candidate> named) const;
+
+  CacheIndex* const index_;
+  const AgentRegistry* const agents_;
+  const RequestLimits limits_;
+  const RouteDefaults defaults_;
+  // Round-robin step: one per non-probe call.
+  std::atomic<uint64_t> sequence_{0};
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_ROUTE_HANDLER_H_
