@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
 #include "fuzz/manager_world.h"
 #include "server/service/inventory_stream.h"
@@ -16,18 +17,7 @@
 namespace kvcm::fuzz {
 namespace {
 
-enum Call : uint8_t {
-  kRegister,         // RegisterAgentRequest
-  kHeartbeat,        // HeartbeatRequest
-  kInventoryChunk,   // InventoryChunk of the open ReportInventory call (one opens)
-  kInventoryClose,   // the agent closes ReportInventory: restore
-  kCommandsMessage,  // AgentCommandAck on the open Commands stream (the first is the hello)
-  kCommandsClose,    // the agent closes its Commands stream
-  kNcclBootstrap,    // NcclBootstrapRequest
-  kInsert,           // CacheManager InsertRequest (into an agent's pool: a CommitBlocks)
-  kAdvanceClock,     // body[0] seconds pass (agents go stale after 10)
-  kNumCalls
-};
+using namespace agent_control_calls;  // NOLINT: the harness's calls
 
 // What the book needs of a stream; the harness drains it after every message instead.
 class FakeStream final : public CommandStream {

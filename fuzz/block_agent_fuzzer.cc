@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fuzz/agent_world.h"
+#include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_proto.h"
@@ -23,17 +24,7 @@
 namespace kvcm::fuzz {
 namespace {
 
-enum Call : uint8_t {
-  kAllocate,      // AllocateBlocksRequest
-  kFree,          // FreeBlocksRequest
-  kWriteMessage,  // WriteBlocksRequest of the open WriteBlocks call (one opens)
-  kWriteClose,    // the client half-closes WriteBlocks: apply
-  kReadBlocks,    // ReadBlocksRequest
-  kRunAttention,  // RunAttentionRequest
-  kFetch,         // FetchRequest
-  kStats,         // BlockAgentStatsRequest
-  kNumCalls
-};
+using namespace block_agent_calls;  // NOLINT: the harness's calls
 
 // Checks what the Fetcher asks of a transport, then refuses the pull as an unreachable
 // peer would.

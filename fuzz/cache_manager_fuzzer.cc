@@ -9,6 +9,7 @@
 #include <optional>
 #include <variant>
 
+#include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
 #include "fuzz/manager_world.h"
 #include "server/core/router.h"
@@ -17,21 +18,7 @@
 namespace kvcm::fuzz {
 namespace {
 
-enum Call : uint8_t {
-  kRegisterModel,
-  kMatch,
-  kInsert,
-  kRelease,
-  kRenewLease,
-  kEvict,
-  kReserve,
-  kUnreserve,
-  kRoute,
-  kStats,
-  kWatchEvents,
-  kAdvanceClock,  // not an RPC: time passes (body[0] seconds), so leases expire
-  kNumCalls
-};
+using namespace cache_manager_calls;  // NOLINT: the harness's calls
 
 absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler& route,
                  std::optional<std::optional<NamespaceId>>& watch) {

@@ -9,6 +9,7 @@
 
 #include "absl/base/internal/endian.h"
 #include "fuzz/agent_world.h"
+#include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
 #include "fuzz/manager_world.h"
 
@@ -47,21 +48,7 @@ void Hashes(const ManagerWorld& w, int prompt, v1::Prompt* out) {
 
 void CacheManagerSeeds(const fs::path& dir) {
   const ManagerWorld w;
-  // Tags as cache_manager_fuzzer's Call.
-  enum : uint8_t {
-    kRegisterModel,
-    kMatch,
-    kInsert,
-    kRelease,
-    kRenewLease,
-    kEvict,
-    kReserve,
-    kUnreserve,
-    kRoute,
-    kStats,
-    kWatchEvents,
-    kAdvanceClock
-  };
+  using namespace cache_manager_calls;  // NOLINT: the tags
   std::string s;
   v1::RegisterModelRequest reg;
   reg.mutable_namespace_()->set_tenant("tenant-b");
@@ -155,17 +142,7 @@ void CacheManagerSeeds(const fs::path& dir) {
 
 void AgentControlSeeds(const fs::path& dir) {
   const ManagerWorld w;
-  enum : uint8_t {
-    kRegister,
-    kHeartbeat,
-    kInventoryChunk,
-    kInventoryClose,
-    kCommandsMessage,
-    kCommandsClose,
-    kNcclBootstrap,
-    kInsert,
-    kAdvanceClock
-  };
+  using namespace agent_control_calls;  // NOLINT: the tags
   std::string s;
   AppendRecord(&s, kRegister, SeedRegistration("agent-2", 1));
   AppendRecord(&s, kRegister, SeedRegistration(kAgents[0], 2));
@@ -242,16 +219,7 @@ void AgentControlSeeds(const fs::path& dir) {
 
 void BlockAgentSeeds(const fs::path& dir) {
   const AgentWorld w;
-  enum : uint8_t {
-    kAllocate,
-    kFree,
-    kWriteMessage,
-    kWriteClose,
-    kReadBlocks,
-    kRunAttention,
-    kFetch,
-    kStats
-  };
+  using namespace block_agent_calls;  // NOLINT: the tags
   const uint64_t bpb = w.main->geometry().bytes_per_block();
   std::string s;
   v1::AllocateBlocksRequest alloc;
