@@ -86,7 +86,8 @@ struct Session {
       case kInventoryChunk: {
         v1::InventoryChunk chunk;
         if (!Parse(body, &chunk)) return absl::InvalidArgumentError("unparsable");
-        if (!inventory.has_value()) inventory.emplace(world.index.get(), &world.agents);
+        if (!inventory.has_value())
+          inventory.emplace(world.index.get(), &world.agents, OpenPrincipal());
         absl::Status s = inventory->Take(chunk);
         if (!s.ok()) inventory.reset();  // a failed chunk ends the call
         return s;

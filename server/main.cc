@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -59,9 +60,13 @@ ABSL_FLAG(uint32_t, max_message_bytes, kDefaults.max_message_bytes,
           "gRPC receive limit per message, in bytes.");
 ABSL_FLAG(uint32_t, lease_sweep_interval_ms, kDefaults.lease_sweep_interval_ms,
           "Period of the sweep that expires leases and drops gone agents' pages, in ms.");
-ABSL_FLAG(std::string, hash_secret_hex, kDefaults.hash_secret_hex,
-          "128-bit hash secret as 32 hex digits; empty draws a random one (client hash keys "
-          "then change on every restart).");
+ABSL_FLAG(std::string, hash_secret_file, kDefaults.hash_secret_file,
+          "File holding the 128-bit hash secret as 32 hex digits (or set KVCM_HASH_SECRET_HEX, or "
+          "hash_secret_hex in the config file; never on the command line). None set draws a "
+          "random one: client hash keys then change on every restart.");
+ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
+          "Bearer tokens file (sha256-of-token name roles=... per line, docs/SECURITY.md); "
+          "re-read when it changes. Empty: no authentication (dev mode only).");
 ABSL_FLAG(uint32_t, max_event_queue, kDefaults.max_event_queue,
           "Events a WatchEvents subscriber may have queued before it is dropped.");
 ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
@@ -88,13 +93,25 @@ namespace {
   std::exit(1);
 }
 
-// defaults < config file < flags set on the command line.
+// Options that are secrets: no flag, so they never show in `ps` (config file or environment).
+constexpr absl::string_view kSecretOptions[] = {"hash_secret_hex"};
+constexpr char kHashSecretEnv[] = "KVCM_HASH_SECRET_HEX";
+
+// defaults < config file < environment (secrets) < flags set on the command line.
 kvcm::ServerOptions OptionsFromFlags() {
   kvcm::ServerOptions options;
   if (const std::string config = absl::GetFlag(FLAGS_config); !config.empty()) {
     if (absl::Status s = options.MergeConfigFile(config); !s.ok()) Fail(s.message());
   }
+  if (const char* secret = std::getenv(kHashSecretEnv); secret != nullptr && *secret != '\0') {
+    options.hash_secret_hex = secret;
+    options.hash_secret_file.clear();
+  }
   for (absl::string_view name : kvcm::ServerOptions::Names()) {
+    if (std::find(std::begin(kSecretOptions), std::end(kSecretOptions), name) !=
+        std::end(kSecretOptions)) {
+      continue;
+    }
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr) Fail(absl::StrCat("internal error: option ", name, " has no flag"));
     // Abseil 20220623 keeps CommandLineFlag::IsSpecifiedOnCommandLine private; this is the

@@ -81,11 +81,20 @@ class ManagerRestartTest : public ::testing::Test {
     }
   }
 
+  // The secret as kvcm-manager takes it: from a file (never from argv).
+  std::string SecretFile() {
+    const std::string path = absl::StrCat(base_, "_secret");
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(kSecret, f);
+    std::fclose(f);
+    return path;
+  }
+
   void StartManager(const std::string& log) {
     manager_ = Subprocess::Start(
         {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
          "--metrics_address=", "--shutdown_grace_ms=500", "--agent_heartbeat_timeout_ms=10000",
-         absl::StrCat("--hash_secret_hex=", kSecret)},
+         absl::StrCat("--hash_secret_file=", SecretFile())},
         absl::StrCat(base_, "_", log, ".log"));
     ASSERT_NE(manager_, nullptr);
     const absl::Time give_up = absl::Now() + absl::Seconds(20);

@@ -39,8 +39,9 @@ AgentInserter::AgentInserter(CacheIndex* index, AgentCommandBook* book, const Ag
 void AgentInserter::Insert(InsertCommand insert, InsertDone done) {
   const std::optional<AgentPool> agent = agents_->FindPool(insert.pool);
   if (!agent.has_value()) {  // an index-only pool
-    done(index_->Insert(insert.ns, insert.pages, insert.pool, insert.block_ids,
-                        {.use_reservation = insert.use_reservation}));
+    done(index_->Insert(
+        insert.ns, insert.pages, insert.pool, insert.block_ids,
+        {.use_reservation = insert.use_reservation, .create_pool = insert.create_pool}));
     return;
   }
   absl::StatusOr<RegisterModelResult> ns = index_->GetNamespace(insert.ns);

@@ -37,6 +37,8 @@ struct InsertCommand {
   PoolKey pool;
   std::vector<BlockId> block_ids;  // one per page, distinct, none kPendingBlock
   bool use_reservation = false;
+  // InsertOptions::create_pool: may an Insert into an unknown pool create it.
+  bool create_pool = true;
   // The agent epoch the blocks were allocated in; 0 when the caller does not say.
   uint64_t agent_epoch = 0;
 };

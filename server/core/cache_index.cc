@@ -368,8 +368,12 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
                                            " was dropped while its agent committed the blocks "
                                            "(the agent's epoch ended, and its blocks with it)"));
   }
-  if (!pool_id.has_value() && options_.default_pool_capacity_bytes == 0) {
-    return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is not registered"));
+  if (!pool_id.has_value() && (options_.default_pool_capacity_bytes == 0 || !options.create_pool)) {
+    return absl::NotFoundError(absl::StrCat(
+        "pool ", pool.ToString(), " is not registered",
+        options_.default_pool_capacity_bytes == 0
+            ? ""
+            : " (pools come from agents; only an admin's Insert creates an index-only pool)"));
   }
 
   // Phase 1, read-only: what is already there and what the new page-locations cost.

@@ -150,6 +150,10 @@ struct InsertOptions {
   // nothing changed, when the pool has been dropped since (the agent's epoch ended, and the
   // blocks with it).
   std::optional<uint64_t> pool_generation;
+  // Whether an Insert into a pool nobody registered may create it (index-only, with
+  // default_pool_capacity_bytes). The service allows it to admins only: pools come from
+  // agents, so no client can make up capacity.
+  bool create_pool = true;
 };
 
 struct EvictResult {
@@ -162,6 +166,11 @@ struct EvictResult {
 struct DropPoolResult {
   uint64_t dropped_pages = 0;  // page-locations the pool held
   uint64_t dropped_bytes = 0;
+};
+
+struct DeleteNamespaceResult {
+  uint64_t removed_pages = 0;  // page-locations the namespace held
+  uint64_t dropped_pins = 0;   // live pins on it
 };
 
 struct SweepResult {
@@ -325,6 +334,13 @@ class CacheIndex {
   // only the dropped pool held just holds nothing). One kCleared event per namespace.
   // NOT_FOUND for an unknown pool.
   absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Removes namespace `ns` with everything it holds: its live pins are dropped (their ids
+  // become unknown), every page-location leaves with a kRemoved event (so its agent frees
+  // the block, as after an eviction), and the namespace stops counting against
+  // max_namespaces. Not counted as eviction. NOT_FOUND for an unknown namespace.
+  absl::StatusOr<DeleteNamespaceResult> DeleteNamespace(const NamespaceId& ns)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes up to `max_replicas` retired replicas (unpinned ones, leaves first) from the
   // tree, freeing nodes nothing else holds. The manager runs it in small steps on a timer,

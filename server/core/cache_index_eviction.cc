@@ -199,6 +199,51 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   return result;
 }
 
+absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const NamespaceId& ns_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = namespaces_.find(ns_id);
+  if (it == namespaces_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace ", ns_id.ToString(), " is not registered"));
+  }
+  Namespace& ns = *it->second;
+  DeleteNamespaceResult result;
+  result.dropped_pins = leases_.ForgetTree(&ns.tree, [this](const Lease& lease) {
+    UnpinPath(lease.node);
+    ForgetPin(lease);
+  });
+  // Preorder, then removed back to front: every node after its descendants, so each replica
+  // is an unpinned leaf of its pool (child_refs 0) when it goes.
+  std::vector<RadixNode*> order;
+  std::vector<RadixNode*> stack;
+  ns.tree.root()->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
+  while (!stack.empty()) {
+    RadixNode* node = stack.back();
+    stack.pop_back();
+    order.push_back(node);
+    node->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
+  }
+  for (auto n = order.rbegin(); n != order.rend(); ++n) {
+    RadixNode* node = *n;
+    const std::vector<PageHash> pages = node->pages;
+    while (!node->replicas.empty()) {
+      const PoolId pool = node->replicas.back().pool;
+      const bool live = !budget_.retired(pool);
+      const bool last = node->replicas.size() == 1;
+      result.removed_pages += pages.size();
+      std::vector<BlockId> blocks = RemoveReplica(node, pool, [](RadixNode*) {});
+      // A retired pool's blocks went with its agent's old epoch: nothing to free.
+      if (live) Emit(CacheEvent::Kind::kRemoved, ns, pool, pages, std::move(blocks));
+      if (last) break;  // RemoveReplica removed the node from the tree
+    }
+  }
+  auto tenant = namespaces_per_tenant_.find(ns_id.tenant);
+  if (tenant != namespaces_per_tenant_.end() && --tenant->second == 0) {
+    namespaces_per_tenant_.erase(tenant);
+  }
+  namespaces_.erase(it);
+  return result;
+}
+
 SweepResult CacheIndex::SweepRetired(size_t max_replicas) {
   absl::MutexLock lock(&mu_);
   SweepResult result;

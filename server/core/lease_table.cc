@@ -1,5 +1,7 @@
 #include "server/core/lease_table.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvcm {
@@ -55,6 +57,24 @@ void LeaseTable::Expire(absl::Time now, const std::function<void(const Lease&)>&
     expired_order_.emplace_back(now + expired_memory_, id);
     on_expired(lease);
   }
+}
+
+size_t LeaseTable::ForgetTree(const RadixTree* tree,
+                              const std::function<void(const Lease&)>& on_dropped) {
+  std::vector<PinId> ids;
+  for (const auto& [id, lease] : leases_) {
+    if (lease.node->tree == tree) ids.push_back(id);
+  }
+  for (PinId id : ids) {
+    auto it = leases_.find(id);
+    const Lease lease = it->second;
+    by_expiry_.erase({lease.expiry, id});
+    leases_.erase(it);
+    on_dropped(lease);
+  }
+  // expired_order_ keeps the ids; forgetting an id twice is harmless.
+  absl::erase_if(expired_, [tree](const auto& entry) { return entry.second == tree; });
+  return ids.size();
 }
 
 }  // namespace kvcm

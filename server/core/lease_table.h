@@ -49,6 +49,11 @@ class LeaseTable {
   // order), and remembers their ids as expired.
   void Expire(absl::Time now, const std::function<void(const Lease&)>& on_expired);
 
+  // Forgets every lease of `tree`, calling `on_dropped` for each live one, and the expired
+  // ids remembered for it: the tree is going away (CacheIndex::DeleteNamespace). Its pin ids
+  // are then unknown (NOT_FOUND). Returns the live leases dropped.
+  size_t ForgetTree(const RadixTree* tree, const std::function<void(const Lease&)>& on_dropped);
+
   size_t size() const { return leases_.size(); }
 
  private:

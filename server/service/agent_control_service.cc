@@ -183,18 +183,21 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
 AgentControlService::AgentControlService(CacheIndex* index, AgentRegistry* agents,
                                          ServiceMetrics* metrics, AgentCommandBook* commands,
                                          NcclBootstrapRelay* nccl_relay,
-                                         uint64_t manager_incarnation)
+                                         uint64_t manager_incarnation,
+                                         const Authenticator* authenticator)
     : index_(index),
       agents_(agents),
       rpc_(metrics),
       commands_(commands),
       nccl_relay_(nccl_relay),
-      manager_incarnation_(manager_incarnation) {}
+      manager_incarnation_(manager_incarnation),
+      access_(authenticator) {}
 
 grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterAgentRequest* req,
                                                         v1::RegisterAgentResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kRegisterAgent, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(RegisterAgentCall call, RegisterAgentFromProto(*req));
     const AgentRegistration& r = call.registration;
     // A stale agent must not resize the pool of its successor.
@@ -226,6 +229,7 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
                                                          const v1::HeartbeatRequest* req,
                                                          v1::HeartbeatResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_RETURN_IF_ERROR(ValidateHeartbeat(*req));
     return agents_->Heartbeat(req->agent_id(), req->epoch(),
                               {.used_bytes = req->used_bytes(),
@@ -235,19 +239,21 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
 }
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
-    grpc::CallbackServerContext* /*ctx*/) {
-  return OpenCommandStream(commands_, agents_, nccl_relay_, manager_incarnation_);
+    grpc::CallbackServerContext* ctx) {
+  return OpenCommandStream(commands_, agents_, nccl_relay_, manager_incarnation_,
+                           access_.Authenticate(*ctx));
 }
 
 grpc::ServerReadReactor<v1::InventoryChunk>* AgentControlService::ReportInventory(
-    grpc::CallbackServerContext* /*ctx*/, v1::InventoryReply* reply) {
-  return OpenInventoryStream(index_, agents_, &rpc_, reply);
+    grpc::CallbackServerContext* ctx, v1::InventoryReply* reply) {
+  return OpenInventoryStream(index_, agents_, &rpc_, access_.Authenticate(*ctx), reply);
 }
 
 grpc::ServerUnaryReactor* AgentControlService::NcclBootstrap(grpc::CallbackServerContext* ctx,
                                                              const v1::NcclBootstrapRequest* req,
                                                              v1::NcclBootstrapResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kNcclBootstrap, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(NcclLinkOffer offer, NcclLinkOfferFromProto(*req));
     if (absl::Status s = agents_->CheckLive(req->agent_id(), req->epoch()); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("agent_id: ", s.message()));

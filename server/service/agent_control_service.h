@@ -26,6 +26,7 @@
 #include "server/core/agent_command_book.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/service/access_control.h"
 #include "server/service/metrics.h"
 #include "server/service/nccl_bootstrap_relay.h"
 
@@ -66,10 +67,12 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   // None of the pointers is owned; all must outlive the service. Commands streams attach
   // to `commands`.
   // `manager_incarnation` tags every command this process sends (non-zero, random).
-  // `nccl_relay` holds the link offers of NcclBootstrap for the peers' streams.
+  // `nccl_relay` holds the link offers of NcclBootstrap for the peers' streams. Every call,
+  // the streams included, must come from an agent principal of `authenticator` acting as
+  // the agent id it names.
   AgentControlService(CacheIndex* index, AgentRegistry* agents, ServiceMetrics* metrics,
                       AgentCommandBook* commands, NcclBootstrapRelay* nccl_relay,
-                      uint64_t manager_incarnation);
+                      uint64_t manager_incarnation, const Authenticator* authenticator);
 
   grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx,
                                      const v1::RegisterAgentRequest* req,
@@ -92,6 +95,7 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   AgentCommandBook* const commands_;
   NcclBootstrapRelay* const nccl_relay_;
   const uint64_t manager_incarnation_;
+  const AccessControl access_;
 };
 
 }  // namespace kvcm

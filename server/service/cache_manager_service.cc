@@ -28,7 +28,7 @@ class CacheManagerService::WatchEventsReactor final
   // Starts a stream of `filter`'s events, or one that finishes at once with the filter's
   // error.
   static WatchEventsReactor* Start(CacheManagerService* service,
-                                   absl::StatusOr<std::optional<NamespaceId>> filter) {
+                                   absl::StatusOr<EventFilter> filter) {
     std::shared_ptr<WatchEventsReactor> reactor(new WatchEventsReactor(service));
     reactor->self_ = reactor;
     if (!filter.ok()) {
@@ -146,19 +146,23 @@ class CacheManagerService::WatchEventsReactor final
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
                                          RequestLimits limits, const AgentRegistry* agents,
-                                         AgentInserter* inserter, RouteDefaults route_defaults)
+                                         AgentInserter* inserter,
+                                         const Authenticator* authenticator,
+                                         RouteDefaults route_defaults)
     : index_(index),
       hub_(hub),
       rpc_(metrics),
       limits_(limits),
       agents_(agents),
       inserter_(inserter),
+      access_(authenticator),
       route_(index, agents, limits, route_defaults) {}
 
 grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
                                                              const v1::RegisterModelRequest* req,
                                                              v1::RegisterModelResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
     KVCM_ASSIGN_OR_RETURN(RegisterModelResult result, index_->RegisterModel(call.ns, call.spec));
     RegisterModelResultToProto(result, resp);
@@ -170,6 +174,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Match(grpc::CallbackServerContext
                                                      const v1::MatchRequest* req,
                                                      v1::MatchResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kMatch, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(MatchCall call, MatchFromProto(*index_, *req, limits_));
     KVCM_ASSIGN_OR_RETURN(MatchResult result,
                           index_->Match(call.ns, call.prompt.pages, call.options));
@@ -182,17 +187,23 @@ grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContex
                                                       const v1::InsertRequest* req,
                                                       v1::InsertResponse* resp) {
   return rpc_.UnaryAsync(ctx, Rpc::kInsert, [&](std::function<void(const absl::Status&)> finish) {
+    absl::StatusOr<std::shared_ptr<const Principal>> caller = access_.Check(*ctx, *req);
+    if (!caller.ok()) {
+      finish(caller.status());
+      return;
+    }
     absl::StatusOr<InsertCall> call = InsertFromProto(*index_, *req, limits_);
     if (!call.ok()) {
       finish(call.status());
       return;
     }
+    InsertCommand command = ToInsertCommand(*std::move(call));
+    command.create_pool = (*caller)->Has(Role::kAdmin);
     // Into an agent's pool the answer comes once the agent has committed the blocks.
-    inserter_->Insert(ToInsertCommand(*std::move(call)),
-                      [resp, finish](absl::StatusOr<InsertResult> result) {
-                        if (result.ok()) InsertResultToProto(*result, resp);
-                        finish(result.status());
-                      });
+    inserter_->Insert(std::move(command), [resp, finish](absl::StatusOr<InsertResult> result) {
+      if (result.ok()) InsertResultToProto(*result, resp);
+      finish(result.status());
+    });
   });
 }
 
@@ -200,6 +211,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Release(grpc::CallbackServerConte
                                                        const v1::ReleaseRequest* req,
                                                        v1::ReleaseResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kRelease, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(PinCall call, ReleaseFromProto(*req));
     return index_->Release(call.ns, call.pin_id);
   });
@@ -209,6 +221,7 @@ grpc::ServerUnaryReactor* CacheManagerService::RenewLease(grpc::CallbackServerCo
                                                           const v1::RenewLeaseRequest* req,
                                                           v1::RenewLeaseResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kRenewLease, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(PinCall call, RenewLeaseFromProto(*req, limits_));
     KVCM_ASSIGN_OR_RETURN(absl::Time expiry,
                           index_->RenewLease(call.ns, call.pin_id, call.lease_ttl));
@@ -221,6 +234,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Evict(grpc::CallbackServerContext
                                                      const v1::EvictRequest* req,
                                                      v1::EvictResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kEvict, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(EvictCall call, EvictFromProto(*req));
     absl::StatusOr<EvictResult> result =
         std::holds_alternative<PoolKey>(call.target)
@@ -236,6 +250,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Reserve(grpc::CallbackServerConte
                                                        const v1::ReserveRequest* req,
                                                        v1::ReserveResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kReserve, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
     KVCM_ASSIGN_OR_RETURN(uint64_t evicted, index_->Reserve(call.pool, call.bytes));
     resp->set_evicted_bytes(evicted);
@@ -247,6 +262,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerCon
                                                          const v1::ReserveRequest* req,
                                                          v1::UnreserveResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kUnreserve, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
     return index_->Unreserve(call.pool, call.bytes);
   });
@@ -255,22 +271,58 @@ grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CacheManagerService::Route(grpc::CallbackServerContext* ctx,
                                                      const v1::RouteRequest* req,
                                                      v1::RouteResponse* resp) {
-  return rpc_.Unary(ctx, Rpc::kRoute, [&] { return route_.Route(*req, resp); });
+  return rpc_.Unary(ctx, Rpc::kRoute, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    return route_.Route(*req, resp);
+  });
 }
 
 grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext* ctx,
-                                                     const v1::StatsRequest* /*req*/,
+                                                     const v1::StatsRequest* req,
                                                      v1::StatsResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kStats, [&]() -> absl::Status {
-    StatsToProto(index_->Stats(), limits_, resp);
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
+    IndexStats stats = index_->Stats();
+    if (!caller->Has(Role::kAdmin)) {
+      // Other tenants' namespaces, and the manager-wide counters that sum over them, are
+      // an admin's to read.
+      std::erase_if(stats.namespaces,
+                    [&](const NamespaceStats& n) { return !caller->MayProbe(n.ns.tenant); });
+      stats.counters = IndexCounters{};
+    }
+    StatsToProto(stats, limits_, resp);
     if (agents_ != nullptr) AgentsToProto(agents_->Snapshot(), resp);
     return absl::OkStatus();
   });
 }
 
+grpc::ServerUnaryReactor* CacheManagerService::DeleteNamespace(
+    grpc::CallbackServerContext* ctx, const v1::DeleteNamespaceRequest* req,
+    v1::DeleteNamespaceResponse* resp) {
+  return rpc_.Unary(ctx, Rpc::kDeleteNamespace, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_ASSIGN_OR_RETURN(
+        NamespaceId ns,
+        NamespaceFromProto(req->has_namespace_() ? &req->namespace_() : nullptr, "namespace"));
+    KVCM_ASSIGN_OR_RETURN(DeleteNamespaceResult result, index_->DeleteNamespace(ns));
+    resp->set_removed_pages(result.removed_pages);
+    resp->set_dropped_pins(result.dropped_pins);
+    LogInfo(absl::StrCat("namespace ", ns.ToString(), " deleted: ", result.removed_pages,
+                         " page-locations removed, ", result.dropped_pins, " pins dropped"));
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerWriteReactor<v1::CacheEvent>* CacheManagerService::WatchEvents(
-    grpc::CallbackServerContext* /*ctx*/, const v1::WatchEventsRequest* req) {
-  return WatchEventsReactor::Start(this, WatchFilterFromProto(*req));
+    grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
+  absl::StatusOr<EventFilter> filter = [&]() -> absl::StatusOr<EventFilter> {
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
+    KVCM_ASSIGN_OR_RETURN(std::optional<NamespaceId> ns, WatchFilterFromProto(*req));
+    EventFilter f{.ns = std::move(ns)};
+    if (!caller->Has(Role::kAdmin)) f.reader = std::move(caller);
+    return f;
+  }();
+  return WatchEventsReactor::Start(this, std::move(filter));
 }
 
 }  // namespace kvcm

@@ -1,9 +1,10 @@
 // CacheManagerService: the kvcm.v1.CacheManager gRPC service over a CacheIndex.
 //
 // Every unary handler is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body,
-// converts its status, records the RPC metrics and logs failures. The bodies
-// validate and convert with proto_convert.h before touching the index, so a rejected
-// request changes nothing. WatchEvents streams EventHub subscriptions.
+// converts its status, records the RPC metrics and logs failures. Each body first checks
+// the caller (AccessControl::Check, access_control.h), then validates and converts with
+// proto_convert.h before touching the index, so a rejected request changes nothing. WatchEvents
+// streams EventHub subscriptions.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, EventHub and ServiceMetrics.
@@ -19,6 +20,7 @@
 #include "server/core/agent_inserter.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/service/access_control.h"
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
 #include "server/service/proto_convert.h"
@@ -30,10 +32,10 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Inserts go through
   // `inserter` (into agents' pools, through their ledgers); Stats lists `agents`, Route
-  // chooses among them.
+  // chooses among them; every call's caller is checked against `authenticator`.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
                       RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter,
-                      RouteDefaults route_defaults = {});
+                      const Authenticator* authenticator, RouteDefaults route_defaults = {});
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -58,6 +60,9 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
                                       v1::UnreserveResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteNamespace(grpc::CallbackServerContext* ctx,
+                                            const v1::DeleteNamespaceRequest* req,
+                                            v1::DeleteNamespaceResponse* resp) override;
   grpc::ServerWriteReactor<v1::CacheEvent>* WatchEvents(grpc::CallbackServerContext* ctx,
                                                         const v1::WatchEventsRequest* req) override;
 
@@ -70,6 +75,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
   AgentInserter* const inserter_;
+  const AccessControl access_;
   RouteHandler route_;
 };
 

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "server/service/access_control.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
@@ -38,11 +39,20 @@ class CommandStreamReactor final
       public std::enable_shared_from_this<CommandStreamReactor> {
  public:
   CommandStreamReactor(AgentCommandBook* book, const AgentRegistry* agents,
-                       NcclBootstrapRelay* relay, uint64_t manager_incarnation)
-      : book_(book), agents_(agents), relay_(relay), manager_incarnation_(manager_incarnation) {}
+                       NcclBootstrapRelay* relay, uint64_t manager_incarnation,
+                       absl::StatusOr<std::shared_ptr<const Principal>> caller)
+      : book_(book),
+        agents_(agents),
+        relay_(relay),
+        manager_incarnation_(manager_incarnation),
+        caller_(std::move(caller)) {}
 
   void Start(std::shared_ptr<CommandStreamReactor> self) {
     self_ = std::move(self);
+    if (!caller_.ok()) {
+      FinishWith(ToGrpcStatus(caller_.status()));
+      return;
+    }
     StartRead(&ack_);
   }
 
@@ -102,6 +112,7 @@ class CommandStreamReactor final
  private:
   // Checks the hello in ack_ against the registry and attaches the stream to the book.
   absl::StatusOr<AgentCommandBook::StreamId> AcceptHello() {
+    if (absl::Status s = AuthorizeAgent(**caller_, ack_.agent_id()); !s.ok()) return s;
     if (absl::Status s = ValidateAgentId(ack_.agent_id(), "agent_id"); !s.ok()) {
       return absl::InvalidArgumentError(s.message());
     }
@@ -163,6 +174,8 @@ class CommandStreamReactor final
   const AgentRegistry* const agents_;
   NcclBootstrapRelay* const relay_;
   const uint64_t manager_incarnation_;
+  // Who opened the stream; an error refuses it in Start.
+  const absl::StatusOr<std::shared_ptr<const Principal>> caller_;
   // Keeps the reactor alive until OnDone.
   std::shared_ptr<CommandStreamReactor> self_;
 
@@ -187,8 +200,9 @@ class CommandStreamReactor final
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
     AgentCommandBook* book, const AgentRegistry* agents, NcclBootstrapRelay* relay,
-    uint64_t manager_incarnation) {
-  auto reactor = std::make_shared<CommandStreamReactor>(book, agents, relay, manager_incarnation);
+    uint64_t manager_incarnation, absl::StatusOr<std::shared_ptr<const Principal>> caller) {
+  auto reactor = std::make_shared<CommandStreamReactor>(book, agents, relay, manager_incarnation,
+                                                        std::move(caller));
   reactor->Start(reactor);
   return reactor.get();
 }

@@ -10,6 +10,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/token_table.h"
 #include "kvcm/v1/agent.pb.h"
 #include "server/core/agent_command_book.h"
 #include "server/core/agent_registry.h"
@@ -17,12 +21,14 @@
 
 namespace kvcm {
 
-// The reactor of one Commands call; it deletes itself once the call is done and the book
-// has let go of it. `book`, `agents` and `relay` are not owned and must outlive every call;
-// every command written carries `manager_incarnation`.
+// The reactor of one Commands call of `caller`; it deletes itself once the call is done and
+// the book has let go of it. A caller that did not authenticate is refused before anything
+// is read; the hello's agent_id must be one the caller may act as (AuthorizeAgent).
+// `book`, `agents` and `relay` are not owned and must outlive every call; every command
+// written carries `manager_incarnation`.
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* OpenCommandStream(
     AgentCommandBook* book, const AgentRegistry* agents, NcclBootstrapRelay* relay,
-    uint64_t manager_incarnation);
+    uint64_t manager_incarnation, absl::StatusOr<std::shared_ptr<const Principal>> caller);
 
 }  // namespace kvcm
 

@@ -36,7 +36,7 @@ void EventHub::Publish(const CacheEvent& event) {
   // Encoded once, on first use, and shared by every subscriber's queue.
   std::shared_ptr<const v1::CacheEvent> encoded;
   for (const std::shared_ptr<EventSubscription>& sub : subs_) {
-    if (sub->filter_.has_value() && !(*sub->filter_ == event.ns)) continue;
+    if (!sub->filter_.Matches(event.ns)) continue;
     if (encoded == nullptr) {
       auto proto = std::make_shared<v1::CacheEvent>();
       CacheEventToProto(event, sequence, proto.get());
@@ -59,7 +59,7 @@ void EventHub::Publish(const CacheEvent& event) {
   }
 }
 
-std::shared_ptr<EventSubscription> EventHub::Subscribe(std::optional<NamespaceId> filter,
+std::shared_ptr<EventSubscription> EventHub::Subscribe(EventFilter filter,
                                                        std::weak_ptr<EventSink> sink) {
   std::shared_ptr<EventSubscription> sub(new EventSubscription(std::move(filter), std::move(sink)));
   absl::MutexLock lock(&mu_);

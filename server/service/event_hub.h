@@ -22,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/token_table.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/cache_index.h"
 
@@ -36,6 +37,20 @@ class EventSink {
 };
 
 class EventHub;
+
+// Which events a subscription gets.
+struct EventFilter {
+  // Only this namespace's; every namespace when unset.
+  std::optional<NamespaceId> ns;
+  // Only namespaces of tenants this caller may probe (Principal::MayProbe); every tenant when
+  // null (an admin, or the open dev-mode caller).
+  std::shared_ptr<const Principal> reader;
+
+  bool Matches(const NamespaceId& id) const {
+    if (ns.has_value() && !(*ns == id)) return false;
+    return reader == nullptr || reader->MayProbe(id.tenant);
+  }
+};
 
 // One subscriber's queue. Created by EventHub::Subscribe; thread-safe.
 class EventSubscription {
@@ -56,10 +71,10 @@ class EventSubscription {
 
  private:
   friend class EventHub;
-  EventSubscription(std::optional<NamespaceId> filter, std::weak_ptr<EventSink> sink)
+  EventSubscription(EventFilter filter, std::weak_ptr<EventSink> sink)
       : filter_(std::move(filter)), sink_(std::move(sink)) {}
 
-  const std::optional<NamespaceId> filter_;  // nullopt: every namespace
+  const EventFilter filter_;
   const std::weak_ptr<EventSink> sink_;
 
   mutable absl::Mutex mu_;
@@ -84,11 +99,9 @@ class EventHub {
   // every matching subscriber. Quick and non-blocking: safe under the index lock.
   void Publish(const CacheEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // A new subscription to events of `filter` (every namespace when nullopt). It starts
-  // armed; `sink` is woken on the delivery thread while it is alive. After Close the
-  // subscription is already closed.
-  std::shared_ptr<EventSubscription> Subscribe(std::optional<NamespaceId> filter,
-                                               std::weak_ptr<EventSink> sink)
+  // A new subscription to the events `filter` matches. It starts armed; `sink` is woken on
+  // the delivery thread while it is alive. After Close the subscription is already closed.
+  std::shared_ptr<EventSubscription> Subscribe(EventFilter filter, std::weak_ptr<EventSink> sink)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Stops queueing for `sub`. Idempotent.
   void Unsubscribe(const EventSubscription* sub) ABSL_LOCKS_EXCLUDED(mu_);

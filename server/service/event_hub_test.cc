@@ -44,7 +44,7 @@ TEST(EventHubTest, SequencesAreManagerWideAndStartAtOne) {
   EventHub hub(16);
   hub.Publish(Stored(kA, 1));  // no subscriber yet: numbered, not queued
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   hub.Publish(Stored(kB, 2));
   hub.Publish(Stored(kA, 3));
   EXPECT_EQ(hub.published(), 3u);
@@ -63,7 +63,7 @@ TEST(EventHubTest, SequencesAreManagerWideAndStartAtOne) {
 TEST(EventHubTest, NamespaceFilter) {
   EventHub hub(16);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> only_a = hub.Subscribe(kA, sink);
+  std::shared_ptr<EventSubscription> only_a = hub.Subscribe({.ns = kA}, sink);
   hub.Publish(Stored(kB, 1));
   hub.Publish(Stored(kA, 2));
   EventSubscription::Next next = only_a->Pop();
@@ -76,7 +76,7 @@ TEST(EventHubTest, NamespaceFilter) {
 TEST(EventHubTest, ArmedSubscriptionIsWokenOncePerArming) {
   EventHub hub(16);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   hub.Publish(Stored(kA, 1));  // starts armed: wakes
   ASSERT_TRUE(sink->WaitForWakes(1));
   hub.Publish(Stored(kA, 2));  // not re-armed yet: no second wake
@@ -93,7 +93,7 @@ TEST(EventHubTest, ArmedSubscriptionIsWokenOncePerArming) {
 TEST(EventHubTest, OverflowDropsTheQueueAndEndsTheSubscription) {
   EventHub hub(2);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   for (uint64_t i = 0; i < 3; ++i) hub.Publish(Stored(kA, i));
   EXPECT_EQ(hub.overflows(), 1u);
   EXPECT_EQ(sub->queued(), 0u);
@@ -106,12 +106,12 @@ TEST(EventHubTest, OverflowDropsTheQueueAndEndsTheSubscription) {
 TEST(EventHubTest, CloseDrainsThenCloses) {
   EventHub hub(8);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   hub.Publish(Stored(kA, 1));
   hub.Close();
   EXPECT_EQ(sub->Pop().state, EventSubscription::State::kEvent);
   EXPECT_EQ(sub->Pop().state, EventSubscription::State::kClosed);
-  std::shared_ptr<EventSubscription> late = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> late = hub.Subscribe({}, sink);
   EXPECT_EQ(late->Pop().state, EventSubscription::State::kClosed);
   EXPECT_EQ(hub.subscribers(), 1u);  // `late` was never added
 }
@@ -119,7 +119,7 @@ TEST(EventHubTest, CloseDrainsThenCloses) {
 TEST(EventHubTest, UnsubscribeStopsQueueing) {
   EventHub hub(8);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   EXPECT_EQ(hub.subscribers(), 1u);
   hub.Unsubscribe(sub.get());
   hub.Unsubscribe(sub.get());  // idempotent
@@ -131,7 +131,7 @@ TEST(EventHubTest, UnsubscribeStopsQueueing) {
 TEST(EventHubTest, DeadSinkIsNotWoken) {
   EventHub hub(8);
   auto sink = std::make_shared<CountingSink>();
-  std::shared_ptr<EventSubscription> sub = hub.Subscribe(std::nullopt, sink);
+  std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   std::weak_ptr<CountingSink> weak = sink;
   sink.reset();  // the stream ended without unsubscribing
   hub.Publish(Stored(kA, 1));

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "server/core/inventory_restore.h"
+#include "server/service/access_control.h"
 #include "server/service/proto_convert.h"
 
 namespace kvcm {
@@ -19,8 +20,9 @@ absl::Status Invalid(absl::string_view what) { return absl::InvalidArgumentError
 
 }  // namespace
 
-InventoryReceiver::InventoryReceiver(CacheIndex* index, const AgentRegistry* agents)
-    : index_(index), agents_(agents) {}
+InventoryReceiver::InventoryReceiver(CacheIndex* index, const AgentRegistry* agents,
+                                     std::shared_ptr<const Principal> caller)
+    : index_(index), agents_(agents), caller_(std::move(caller)) {}
 
 absl::Status InventoryReceiver::Take(const v1::InventoryChunk& chunk) {
   if (!collector_.has_value()) {
@@ -60,6 +62,7 @@ absl::Status InventoryReceiver::Take(const v1::InventoryChunk& chunk) {
 absl::Status InventoryReceiver::Begin(const v1::InventoryChunk& chunk) {
   agent_id_ = chunk.agent_id();
   epoch_ = chunk.epoch();
+  if (absl::Status s = AuthorizeAgent(*caller_, agent_id_); !s.ok()) return s;
   if (absl::Status s = ValidateAgentId(agent_id_, "agent_id"); !s.ok()) return s;
   if (absl::Status s = agents_->CheckLive(agent_id_, epoch_); !s.ok()) return s;
   std::vector<InventoryCollector::Pool> pools;
@@ -111,9 +114,15 @@ namespace {
 // needs no lock.
 class InventoryReactor final : public grpc::ServerReadReactor<v1::InventoryChunk> {
  public:
+  // An authenticated `caller`; the call is refused at once when it is an error.
   InventoryReactor(CacheIndex* index, const AgentRegistry* agents, RpcRunner<Rpc>* rpc,
+                   absl::StatusOr<std::shared_ptr<const Principal>> caller,
                    v1::InventoryReply* reply)
-      : receiver_(index, agents), rpc_(rpc), reply_(reply) {
+      : receiver_(index, agents, caller.ok() ? *caller : nullptr), rpc_(rpc), reply_(reply) {
+    if (!caller.ok()) {
+      Finish(rpc_->StreamEnd(Rpc::kReportInventory, caller.status()));
+      return;
+    }
     StartRead(&chunk_);
   }
 
@@ -138,11 +147,10 @@ class InventoryReactor final : public grpc::ServerReadReactor<v1::InventoryChunk
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::InventoryChunk>* OpenInventoryStream(CacheIndex* index,
-                                                                 const AgentRegistry* agents,
-                                                                 RpcRunner<Rpc>* rpc,
-                                                                 v1::InventoryReply* reply) {
-  return new InventoryReactor(index, agents, rpc, reply);
+grpc::ServerReadReactor<v1::InventoryChunk>* OpenInventoryStream(
+    CacheIndex* index, const AgentRegistry* agents, RpcRunner<Rpc>* rpc,
+    absl::StatusOr<std::shared_ptr<const Principal>> caller, v1::InventoryReply* reply) {
+  return new InventoryReactor(index, agents, rpc, std::move(caller), reply);
 }
 
 }  // namespace kvcm

@@ -6,10 +6,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "common/rpc_runner.h"
+#include "common/token_table.h"
 #include "kvcm/v1/agent.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
@@ -26,8 +28,10 @@ inline constexpr int kMaxInventoryChunkBlocks = 16384;
 // moves the chunks in. Not thread-safe (one call's chunks arrive one at a time).
 class InventoryReceiver {
  public:
-  // Not owned; both must outlive the receiver.
-  InventoryReceiver(CacheIndex* index, const AgentRegistry* agents);
+  // Not owned; both must outlive the receiver. `caller` sent the chunks: the first chunk's
+  // agent_id must be one it may act as (AuthorizeAgent).
+  InventoryReceiver(CacheIndex* index, const AgentRegistry* agents,
+                    std::shared_ptr<const Principal> caller);
 
   // The first chunk names the agent, which must be live in that epoch (its error otherwise,
   // ABORTED when it has no pool); every chunk must repeat its agent_id and epoch and carry
@@ -42,17 +46,18 @@ class InventoryReceiver {
 
   CacheIndex* const index_;
   const AgentRegistry* const agents_;
+  const std::shared_ptr<const Principal> caller_;
   std::string agent_id_;
   uint64_t epoch_ = 0;
   std::optional<InventoryCollector> collector_;
 };
 
-// The reactor of one ReportInventory call, filling `reply`; it deletes itself when the call
-// is done. The pointers are not owned and must outlive every call.
-grpc::ServerReadReactor<v1::InventoryChunk>* OpenInventoryStream(CacheIndex* index,
-                                                                 const AgentRegistry* agents,
-                                                                 RpcRunner<Rpc>* rpc,
-                                                                 v1::InventoryReply* reply);
+// The reactor of one ReportInventory call of `caller`, filling `reply`; it deletes itself
+// when the call is done. A caller that did not authenticate is refused before any chunk is
+// read. The pointers are not owned and must outlive every call.
+grpc::ServerReadReactor<v1::InventoryChunk>* OpenInventoryStream(
+    CacheIndex* index, const AgentRegistry* agents, RpcRunner<Rpc>* rpc,
+    absl::StatusOr<std::shared_ptr<const Principal>> caller, v1::InventoryReply* reply);
 
 }  // namespace kvcm
 

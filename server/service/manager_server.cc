@@ -52,11 +52,23 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   std::unique_ptr<ManagerServer> s(new ManagerServer(std::move(options)));
   const ServerOptions& opts = s->options_;
   KVCM_ASSIGN_OR_RETURN(s->index_, CacheIndex::Create(std::move(index_options)));
-  if (opts.hash_secret_hex.empty()) {
+  if (opts.hash_secret_hex.empty() && opts.hash_secret_file.empty()) {
     LogWarning(
-        "hash_secret_hex is not set: using a random secret. Namespace hash keys change on "
+        "no hash secret is set: using a random secret. Namespace hash keys change on "
         "every restart, so clients must re-register (they get FAILED_PRECONDITION until they "
-        "do). Set hash_secret_hex to 32 hex digits to keep keys stable.");
+        "do). Set hash_secret_file (or KVCM_HASH_SECRET_HEX) to keep keys stable.");
+  }
+
+  if (opts.tokens_file.empty()) {
+    s->authenticator_ = Authenticator::Open();
+    LogWarning(
+        "\n********************************************************************************\n"
+        "* tokens_file is not set: callers are NOT authenticated. Anyone who reaches the   *\n"
+        "* manager may read and change every tenant's cache, evict, reserve and act as any  *\n"
+        "* agent. Dev mode only; see docs/SECURITY.md.                                      *\n"
+        "********************************************************************************");
+  } else {
+    KVCM_ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(opts.tokens_file));
   }
 
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
@@ -83,15 +95,16 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
       std::make_unique<AgentInserter>(s->index_.get(), s->commands_.get(), s->agents_.get());
   s->service_ = std::make_unique<CacheManagerService>(
       s->index_.get(), hub, s->metrics_.get(), limits, s->agents_.get(), s->inserter_.get(),
+      s->authenticator_.get(),
       RouteDefaults{.prefill_tokens_per_s = static_cast<double>(opts.route_prefill_tokens_per_s),
                     .tcp_link_gbps = static_cast<double>(opts.route_tcp_link_gbps),
                     .nccl_link_gbps = static_cast<double>(opts.route_nccl_link_gbps)});
   // Numbers this process's commands apart from a predecessor's in the same agent epochs.
   const uint64_t incarnation = absl::Uniform<uint64_t>(absl::BitGen(), 1, ~uint64_t{0});
   s->nccl_relay_ = std::make_unique<NcclBootstrapRelay>();
-  s->agent_service_ =
-      std::make_unique<AgentControlService>(s->index_.get(), s->agents_.get(), s->metrics_.get(),
-                                            s->commands_.get(), s->nccl_relay_.get(), incarnation);
+  s->agent_service_ = std::make_unique<AgentControlService>(
+      s->index_.get(), s->agents_.get(), s->metrics_.get(), s->commands_.get(),
+      s->nccl_relay_.get(), incarnation, s->authenticator_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -142,6 +155,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
 void ManagerServer::SweepLeases() {
   const absl::Duration interval = absl::Milliseconds(options_.lease_sweep_interval_ms);
   while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) {
+    if (absl::Status s = authenticator_->ReloadIfChanged(); !s.ok()) LogError(s.message());
     index_->ExpireLeases();
     DropGoneAgents();
     // Dropped pools leave the tree in small steps, so no call waits long for the lock.

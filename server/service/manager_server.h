@@ -24,6 +24,7 @@
 #include "server/core/agent_registry.h"
 #include "server/core/block_command_issuer.h"
 #include "server/core/cache_index.h"
+#include "server/service/access_control.h"
 #include "server/service/agent_control_service.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/event_hub.h"
@@ -82,6 +83,8 @@ class ManagerServer {
   void DropGoneAgents();
 
   const ServerOptions options_;
+  // Who may call; the tokens file is re-read by the sweeper when it changes.
+  std::unique_ptr<Authenticator> authenticator_;
   std::unique_ptr<CacheIndex> index_;
   std::unique_ptr<EventHub> hub_;
   std::unique_ptr<ServiceMetrics> metrics_;

@@ -69,6 +69,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "WatchEvents";
     case Rpc::kRoute:
       return "Route";
+    case Rpc::kDeleteNamespace:
+      return "DeleteNamespace";
     case Rpc::kRegisterAgent:
       return "RegisterAgent";
     case Rpc::kHeartbeat:

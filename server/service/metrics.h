@@ -42,13 +42,14 @@ enum class Rpc : int {
   kStats,
   kWatchEvents,
   kRoute,
+  kDeleteNamespace,
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
   kReportInventory,
   kNcclBootstrap,
 };
-inline constexpr int kNumRpcs = 15;
+inline constexpr int kNumRpcs = 16;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of

@@ -44,6 +44,8 @@ const std::vector<Field>& Fields() {
       {"max_message_bytes", &ServerOptions::max_message_bytes},
       {"lease_sweep_interval_ms", &ServerOptions::lease_sweep_interval_ms},
       {"hash_secret_hex", &ServerOptions::hash_secret_hex},
+      {"hash_secret_file", &ServerOptions::hash_secret_file},
+      {"tokens_file", &ServerOptions::tokens_file},
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
@@ -117,6 +119,9 @@ absl::Status ServerOptions::Validate() const {
     return Invalid("hash_secret_hex", absl::StrCat("must be empty or 32 hex digits, got ",
                                                    hash_secret_hex.size(), " characters"));
   }
+  if (!hash_secret_hex.empty() && !hash_secret_file.empty()) {
+    return Invalid("hash_secret_file", "and hash_secret_hex are exclusive: set one");
+  }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
   if (max_namespaces < 1) return Invalid("max_namespaces", "must be >= 1");
@@ -131,13 +136,26 @@ absl::Status ServerOptions::Validate() const {
 absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   if (absl::Status s = Validate(); !s.ok()) return s;
   CacheIndexOptions out;
-  if (hash_secret_hex.empty()) {
+  std::string secret_hex = hash_secret_hex;
+  if (!hash_secret_file.empty()) {
+    std::ifstream in(hash_secret_file);
+    if (!in) return Invalid("hash_secret_file", absl::StrCat("cannot read ", hash_secret_file));
+    std::ostringstream text;
+    text << in.rdbuf();
+    secret_hex = std::string(absl::StripAsciiWhitespace(text.str()));
+    if (secret_hex.size() != 32 || !IsHex(secret_hex)) {
+      return Invalid("hash_secret_file",
+                     absl::StrCat(hash_secret_file, " must hold 32 hex digits, it holds ",
+                                  secret_hex.size(), " characters"));
+    }
+  }
+  if (secret_hex.empty()) {
     std::random_device rd;
     auto draw64 = [&rd] { return (static_cast<uint64_t>(rd()) << 32) | rd(); };
     out.hash_secret.k0 = draw64();
     out.hash_secret.k1 = draw64();
   } else {
-    out.hash_secret = HashKey::FromBytes(absl::HexStringToBytes(hash_secret_hex));
+    out.hash_secret = HashKey::FromBytes(absl::HexStringToBytes(secret_hex));
   }
   out.policy = policy;
   out.default_pool_capacity_bytes = default_pool_capacity_bytes;

@@ -45,10 +45,19 @@ struct ServerOptions {
   // Period of the timer that expires lapsed leases when no call does it and drops the pages
   // of agents gone past agent_heartbeat_timeout_ms. >= 1.
   uint32_t lease_sweep_interval_ms = 1'000;
-  // 128-bit secret every namespace hash key derives from, as 32 hex digits. Empty draws a
-  // random one at start: clients' cached hash keys then stop matching after a restart
-  // (they get FAILED_PRECONDITION and must re-register).
+  // 128-bit secret every namespace hash key derives from, as 32 hex digits. Empty (with
+  // hash_secret_file empty too) draws a random one at start: clients' cached hash keys then
+  // stop matching after a restart (they get FAILED_PRECONDITION and must re-register).
+  // A secret never comes from the command line: kvcm-manager has no flag for it; set it in
+  // the config file, in the environment (KVCM_HASH_SECRET_HEX) or through hash_secret_file.
   std::string hash_secret_hex;
+  // A file holding the secret as 32 hex digits (surrounding whitespace ignored), e.g. a
+  // mounted Kubernetes Secret. Read at start; exclusive with hash_secret_hex.
+  std::string hash_secret_file;
+  // Tokens file (common/token_table.h: SHA-256 of each bearer token -> principal, roles).
+  // Empty: callers are not authenticated (everyone may do everything), which the manager
+  // allows only in the insecure dev mode and announces loudly. Re-read when it changes.
+  std::string tokens_file;
   // Events one WatchEvents subscriber may have queued before it is ended with
   // RESOURCE_EXHAUSTED. >= 1.
   uint32_t max_event_queue = 4'096;

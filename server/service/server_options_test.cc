@@ -133,11 +133,12 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 22u);
+  EXPECT_EQ(names.size(), 24u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
-                         name == "policy" || name == "hash_secret_hex";
+                         name == "policy" || name == "hash_secret_hex" ||
+                         name == "hash_secret_file" || name == "tokens_file";
     EXPECT_TRUE(options.Set(name, is_text ? "lru" : "5").ok()) << name;
     EXPECT_THAT(options.DebugString(), HasSubstr(std::string(name) + " = ")) << name;
   }

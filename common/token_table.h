@@ -1,0 +1,105 @@
+// Who is calling: bearer tokens and the principals they stand for.
+//
+// A kvcm tokens file maps the SHA-256 of each token to one principal, one per line:
+//
+//   # sha256(token), 64 hex digits                                     name        grants
+//   9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  acme-vllm   roles=worker
+//   tenant=acme 60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752  edge-router
+//   roles=router tenants=acme,globex
+//   fd61a03af4f77d870fc21e05e7e80678095c92d808cfb3b5c279ee04c74aca13  gpu-0       roles=agent
+//   agent=gpu-0 a4e624d686e03ed2767c0abd85c14426b0b1157d2ce81d27bb4fe4f6f01d3cd9  ops roles=admin
+//
+// The file never holds a token, only its hash, so reading it (or a leaked copy) does not let
+// anyone call. A token is any string of 16..1024 printable ASCII characters without spaces;
+// `openssl rand -hex 32` makes a good one and `printf %s "$TOKEN" | sha256sum` its hash.
+//
+// Roles (docs/SECURITY.md says what each may do):
+//   worker  its own tenant's namespaces (`tenant=`, required);
+//   router  probe Match / Route across the granted tenants (`tenants=a,b` or `tenants=*`);
+//   agent   AgentControl only, as its own agent id (`agent=`, required);
+//   admin   operator calls (Evict, Reserve of any pool, Stats of all tenants, DeleteNamespace).
+// A principal may hold several roles (`roles=worker,router`).
+#ifndef KVCM_COMMON_TOKEN_TABLE_H_
+#define KVCM_COMMON_TOKEN_TABLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvcm {
+
+enum class Role : uint8_t {
+  kWorker = 1 << 0,
+  kRouter = 1 << 1,
+  kAgent = 1 << 2,
+  kAdmin = 1 << 3,
+};
+
+// The caller an authenticated token names. Immutable once built.
+struct Principal {
+  // From the tokens file; for logs and error messages only.
+  std::string name;
+  // Bitwise OR of Role values.
+  uint8_t roles = 0;
+  // worker: the tenant whose namespaces it may use.
+  std::string tenant;
+  // worker of every tenant: only the open, dev-mode caller.
+  bool worker_of_any_tenant = false;
+  // router: the tenants whose namespaces it may probe; all of them when probes_any_tenant.
+  std::vector<std::string> router_tenants;
+  bool probes_any_tenant = false;
+  // agent: the agent id it may act as; every id when any_agent (the open, dev-mode caller).
+  std::string agent_id;
+  bool any_agent = false;
+
+  bool Has(Role role) const { return (roles & static_cast<uint8_t>(role)) != 0; }
+  // Whether it may use the namespaces of `t` as a worker (read, write, pin) ...
+  bool IsWorkerOf(absl::string_view t) const;
+  // ... or only probe them (Match/Route without pin or recency update).
+  bool MayProbe(absl::string_view t) const;
+  bool IsAgent(absl::string_view id) const;
+};
+
+// The principal of a manager run without a tokens file (the documented insecure dev mode):
+// every role, every tenant, every agent id.
+std::shared_ptr<const Principal> OpenPrincipal();
+
+// Role names as in the tokens file ("worker,router").
+std::string RoleNames(uint8_t roles);
+
+// Lowercase hex SHA-256 of `data`.
+std::string Sha256Hex(absl::string_view data);
+
+// The token of an `authorization` metadata value "Bearer <token>" (scheme case-insensitive);
+// UNAUTHENTICATED saying what is wrong otherwise.
+absl::StatusOr<absl::string_view> BearerToken(absl::string_view authorization);
+
+// The table of a tokens file. Thread-compatible; immutable after Parse.
+class TokenTable {
+ public:
+  // INVALID_ARGUMENT "<source>:<line>: ..." naming the first bad line: a hash that is not 64
+  // hex digits or appears twice, a name that is empty or repeated, an unknown key or role, a
+  // worker without tenant=, a router without tenants=, an agent without agent=, a tenant or
+  // agent id that kvcm would refuse in a request. A file with no principal is an error too.
+  static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source);
+  // Reads and parses `path`; NOT_FOUND when it cannot be read.
+  static absl::StatusOr<TokenTable> Load(const std::string& path);
+
+  // The principal `token` names; nullptr for an unknown token.
+  std::shared_ptr<const Principal> Find(absl::string_view token) const;
+
+  size_t size() const { return by_hash_.size(); }
+
+ private:
+  // Key: the raw 32-byte digest.
+  absl::flat_hash_map<std::string, std::shared_ptr<const Principal>> by_hash_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_COMMON_TOKEN_TABLE_H_

@@ -1,0 +1,186 @@
+#include "server/service/access_control.h"
+
+#include <sys/stat.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm {
+namespace {
+
+constexpr absl::string_view kAuthorization = "authorization";
+
+absl::Status Denied(const Principal& p, absl::string_view what) {
+  return absl::PermissionDeniedError(
+      absl::StrCat("principal ", p.name, " (roles ", RoleNames(p.roles), ") may not ", what));
+}
+
+// A worker of the namespace's tenant. An absent namespace is the empty tenant, which no
+// principal but the open one holds; validation then names the missing field.
+absl::Status NeedWorker(const Principal& p, const v1::Namespace& ns, absl::string_view what) {
+  if (p.IsWorkerOf(ns.tenant()) || p.Has(Role::kAdmin)) return absl::OkStatus();
+  return Denied(p, absl::StrCat(what, " in tenant \"", ns.tenant(), "\"'s namespaces"));
+}
+
+// A worker of the tenant, a router granted it, or an admin.
+absl::Status NeedProbe(const Principal& p, const v1::Namespace& ns, absl::string_view what) {
+  if (p.MayProbe(ns.tenant()) || p.Has(Role::kAdmin)) return absl::OkStatus();
+  return Denied(p, absl::StrCat(what, " in tenant \"", ns.tenant(), "\"'s namespaces"));
+}
+
+absl::Status NeedAdmin(const Principal& p, absl::string_view what) {
+  if (p.Has(Role::kAdmin)) return absl::OkStatus();
+  return Denied(p, absl::StrCat(what, " (role admin only)"));
+}
+
+bool SameFile(const struct stat& st, const timespec& mtime, off_t size) {
+  return st.st_mtim.tv_sec == mtime.tv_sec && st.st_mtim.tv_nsec == mtime.tv_nsec &&
+         st.st_size == size;
+}
+
+}  // namespace
+
+std::unique_ptr<Authenticator> Authenticator::Open() {
+  return std::unique_ptr<Authenticator>(new Authenticator(""));
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string path) {
+  if (path.empty()) return absl::InvalidArgumentError("tokens_file is empty");
+  std::unique_ptr<Authenticator> a(new Authenticator(std::move(path)));
+  struct stat st {};
+  if (stat(a->path_.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot read tokens_file ", a->path_));
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(a->path_);
+  if (!table.ok()) return table.status();
+  absl::MutexLock lock(&a->mu_);
+  a->table_ = std::make_shared<const TokenTable>(*std::move(table));
+  a->mtime_ = st.st_mtim;
+  a->size_ = st.st_size;
+  return a;
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::Authenticate(
+    const grpc::ServerContextBase& ctx) const {
+  if (open()) return OpenPrincipal();
+  const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
+  auto it = md.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
+  if (it == md.end()) {
+    return absl::UnauthenticatedError(
+        "no bearer token: send metadata \"authorization: Bearer <token>\" (kvcmctl --token_file "
+        "or KVCM_TOKEN)");
+  }
+  absl::StatusOr<absl::string_view> token =
+      BearerToken(absl::string_view(it->second.data(), it->second.size()));
+  if (!token.ok()) return token.status();
+  std::shared_ptr<const TokenTable> table;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    table = table_;
+  }
+  std::shared_ptr<const Principal> p = table->Find(*token);
+  if (p == nullptr) return absl::UnauthenticatedError("unknown bearer token");
+  return p;
+}
+
+absl::Status Authenticator::ReloadIfChanged() {
+  if (open()) return absl::OkStatus();
+  struct stat st {};
+  if (stat(path_.c_str(), &st) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot stat tokens_file ", path_, "; keeping the tokens loaded before"));
+  }
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (SameFile(st, mtime_, size_)) return absl::OkStatus();
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(path_);
+  absl::MutexLock lock(&mu_);
+  // Remember this version either way, so a bad file is reported once, not every sweep.
+  mtime_ = st.st_mtim;
+  size_ = st.st_size;
+  if (!table.ok()) {
+    return absl::Status(table.status().code(), absl::StrCat(table.status().message(),
+                                                            "; keeping the tokens loaded before"));
+  }
+  table_ = std::make_shared<const TokenTable>(*std::move(table));
+  return absl::OkStatus();
+}
+
+absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req) {
+  // The answer carries the namespace's hash key: only its own tenant may have it.
+  return NeedWorker(p, req.namespace_(), "register models");
+}
+
+absl::Status Authorize(const Principal& p, const v1::MatchRequest& req) {
+  return req.probe() ? NeedProbe(p, req.namespace_(), "probe")
+                     : NeedWorker(p, req.namespace_(), "match (without probe)");
+}
+
+absl::Status Authorize(const Principal& p, const v1::InsertRequest& req) {
+  return NeedWorker(p, req.namespace_(), "insert");
+}
+
+absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req) {
+  return NeedWorker(p, req.namespace_(), "release pins");
+}
+
+absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req) {
+  return NeedWorker(p, req.namespace_(), "renew pins");
+}
+
+absl::Status Authorize(const Principal& p, const v1::RouteRequest& req) {
+  return req.probe() ? NeedProbe(p, req.namespace_(), "route")
+                     : NeedWorker(p, req.namespace_(), "route without probe");
+}
+
+absl::Status Authorize(const Principal& p, const v1::EvictRequest& /*req*/) {
+  return NeedAdmin(p, "evict");
+}
+
+absl::Status Authorize(const Principal& p, const v1::ReserveRequest& /*req*/) {
+  // Workers reserve within their tenant's byte quota; the index charges the reservation to
+  // the caller's tenant (CacheManagerService::Reserve).
+  if (p.Has(Role::kWorker) || p.Has(Role::kAdmin)) return absl::OkStatus();
+  return Denied(p, "reserve pool headroom (roles worker or admin)");
+}
+
+absl::Status Authorize(const Principal& p, const v1::StatsRequest& /*req*/) {
+  // Anyone authenticated; CacheManagerService::Stats shows each caller only its tenants.
+  (void)p;
+  return absl::OkStatus();
+}
+
+absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req) {
+  if (p.Has(Role::kAdmin)) return absl::OkStatus();
+  if (!req.has_namespace_()) {
+    // Unfiltered: the stream is cut down to the tenants the caller may probe.
+    if (p.Has(Role::kWorker) || p.Has(Role::kRouter)) return absl::OkStatus();
+    return Denied(p, "watch events (roles worker, router or admin)");
+  }
+  return NeedProbe(p, req.namespace_(), "watch events");
+}
+
+absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& /*req*/) {
+  return NeedAdmin(p, "delete namespaces");
+}
+
+absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id) {
+  if (p.IsAgent(agent_id)) return absl::OkStatus();
+  return Denied(p, absl::StrCat("act as agent \"", agent_id, "\""));
+}
+
+absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req) {
+  return AuthorizeAgent(p, req.agent_id());
+}
+
+absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req) {
+  return AuthorizeAgent(p, req.agent_id());
+}
+
+absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req) {
+  return AuthorizeAgent(p, req.agent_id());
+}
+
+}  // namespace kvcm

@@ -1,0 +1,113 @@
+// Access control of kvcm-manager: who is calling (Authenticator) and what that caller may do
+// (the Authorize overloads, one per request type: the whole policy of docs/SECURITY.md in
+// one file).
+//
+// Every handler of CacheManager and AgentControl, the streaming ones included, starts with
+// AccessControl::Check (unary) or Authenticate + Authorize (streams, whose agent id arrives
+// in their first message), before it validates or touches anything: a refused call changes
+// nothing. UNAUTHENTICATED for a missing, malformed or unknown token; PERMISSION_DENIED for
+// a known caller asking for a namespace, pool, agent id or call its roles do not grant.
+// Messages name the principal and what it lacks, never the token.
+//
+// Without a tokens file (the documented insecure dev mode) every caller is OpenPrincipal():
+// all roles, all tenants, all agent ids.
+//
+// Thread-safe.
+#ifndef KVCM_SERVER_SERVICE_ACCESS_CONTROL_H_
+#define KVCM_SERVER_SERVICE_ACCESS_CONTROL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <ctime>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/token_table.h"
+#include "kvcm/v1/agent.pb.h"
+#include "kvcm/v1/cache_manager.pb.h"
+
+namespace kvcm {
+
+class Authenticator {
+ public:
+  // Every caller is OpenPrincipal().
+  static std::unique_ptr<Authenticator> Open();
+  // Callers are the principals of the tokens file at `path`; its errors are returned.
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(std::string path);
+
+  // The caller of `ctx`, from its `authorization: Bearer <token>` metadata.
+  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
+      const grpc::ServerContextBase& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Re-reads the tokens file when its modification time or size changed. A file that no
+  // longer parses keeps the previous table (the error is returned, for the log): a typo must
+  // not lock every caller out. Returns OK when nothing changed; no-op when open.
+  absl::Status ReloadIfChanged() ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool open() const { return path_.empty(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit Authenticator(std::string path) : path_(std::move(path)) {}
+
+  const std::string path_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+  timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
+  off_t size_ ABSL_GUARDED_BY(mu_) = -1;
+};
+
+// The policy. Each returns OK or PERMISSION_DENIED naming the principal, and is called
+// before the request is validated (a malformed namespace in a request is then refused as a
+// namespace the caller does not hold; validation names the field afterwards for callers
+// that may use it).
+absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req);
+absl::Status Authorize(const Principal& p, const v1::MatchRequest& req);
+absl::Status Authorize(const Principal& p, const v1::InsertRequest& req);
+absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req);
+absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req);
+absl::Status Authorize(const Principal& p, const v1::RouteRequest& req);
+absl::Status Authorize(const Principal& p, const v1::EvictRequest& req);
+// Reserve and Unreserve (they share the request type).
+absl::Status Authorize(const Principal& p, const v1::ReserveRequest& req);
+absl::Status Authorize(const Principal& p, const v1::StatsRequest& req);
+absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req);
+absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& req);
+// AgentControl: the agent role, as the agent id the request names.
+absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req);
+absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req);
+absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req);
+// Streams of AgentControl (Commands, ReportInventory): the agent id of their messages.
+absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id);
+
+// Authenticate then Authorize: the first line of every unary handler.
+class AccessControl {
+ public:
+  // Not owned; must outlive this.
+  explicit AccessControl(const Authenticator* authenticator) : authenticator_(authenticator) {}
+
+  template <typename Request>
+  absl::StatusOr<std::shared_ptr<const Principal>> Check(const grpc::ServerContextBase& ctx,
+                                                         const Request& req) const {
+    absl::StatusOr<std::shared_ptr<const Principal>> p = authenticator_->Authenticate(ctx);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = Authorize(**p, req); !s.ok()) return s;
+    return p;
+  }
+
+  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
+      const grpc::ServerContextBase& ctx) const {
+    return authenticator_->Authenticate(ctx);
+  }
+
+ private:
+  const Authenticator* const authenticator_;
+};
+
+}  // namespace kvcm
+
+#endif  // KVCM_SERVER_SERVICE_ACCESS_CONTROL_H_
