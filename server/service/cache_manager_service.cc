@@ -160,7 +160,10 @@ grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServe
                                                              v1::RegisterModelResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
-    KVCM_ASSIGN_OR_RETURN(RegisterModelResult result, index_->RegisterModel(call.ns, call.spec));
+    KVCM_ASSIGN_OR_RETURN(
+        RegisterModelResult result,
+        index_->RegisterModel(call.ns, call.spec, CacheIndex::NamespaceSource::kClient,
+                              call.max_page_age));
     RegisterModelResultToProto(result, resp);
     return absl::OkStatus();
   });
