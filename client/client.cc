@@ -189,16 +189,19 @@ absl::Status Client::Invoke(absl::Time deadline,
 
 absl::StatusOr<RegisterModelReply> Client::RegisterModel(const NamespaceId& ns,
                                                          const ModelSpec& spec,
+                                                         const RegisterModelParams& params,
                                                          const CallOptions& call) {
-  return RegisterModelUntil(ns, spec, DeadlineOf(call));
+  return RegisterModelUntil(ns, spec, params, DeadlineOf(call));
 }
 
 absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId& ns,
                                                               const ModelSpec& spec,
+                                                              const RegisterModelParams& params,
                                                               absl::Time deadline) {
   v1::RegisterModelRequest request;
   NamespaceToProto(ns, request.mutable_namespace_());
   ModelSpecToProto(spec, request.mutable_spec());
+  request.set_max_page_age_s(params.max_page_age_s);
   v1::RegisterModelResponse response;
   absl::Status status = Invoke(deadline, [&](grpc::ClientContext* context) {
     return rpc_->stub->RegisterModel(context, request, &response);
@@ -213,6 +216,7 @@ absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId&
   reply.bytes_per_page = response.bytes_per_page();
   reply.key_fingerprint = response.scheme().key_fingerprint();
   reply.created = response.created();
+  reply.max_page_age_s = response.max_page_age_s();
 
   // Hash locally only with a key this build provably hashes like the manager: the same
   // scheme version and a fingerprint that matches the key. Otherwise prompts go as tokens.
@@ -222,7 +226,8 @@ absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId&
       scheme.page_size_tokens() > 0) {
     const HashKey key = HashKey::FromBytes(response.hash_key());
     if (KeyFingerprint(key) == scheme.key_fingerprint()) {
-      keys_[ns] = NamespaceKey{key, scheme.key_fingerprint(), scheme.page_size_tokens(), spec};
+      keys_[ns] =
+          NamespaceKey{key, scheme.key_fingerprint(), scheme.page_size_tokens(), spec, params};
       return reply;
     }
   }
@@ -283,7 +288,8 @@ absl::Status Client::SendPrompt(
                          (status.code() == absl::StatusCode::kFailedPrecondition &&
                           absl::StartsWith(status.message(), "prompt.scheme"));
   if (!key.has_value() || !stale_key) return status;
-  absl::StatusOr<RegisterModelReply> refreshed = RegisterModelUntil(ns, key->spec, deadline);
+  absl::StatusOr<RegisterModelReply> refreshed =
+      RegisterModelUntil(ns, key->spec, key->params, deadline);
   if (!refreshed.ok()) {
     return absl::Status(status.code(),
                         absl::StrCat(status.message(), "; re-registering namespace ", ns.ToString(),

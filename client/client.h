@@ -86,6 +86,15 @@ struct RegisterModelReply {
   // KeyFingerprint of the namespace's hash key (the key itself stays inside the client).
   uint64_t key_fingerprint = 0;
   bool created = false;  // false: the namespace already existed with this spec
+  // The max page age in force for the namespace, seconds; 0: none.
+  uint32_t max_page_age_s = 0;
+};
+
+struct RegisterModelParams {
+  // Retention: seconds a cached page of the namespace may stay after it was committed
+  // (kvcm.v1.RegisterModelRequest.max_page_age_s). 0: the manager's default. Only
+  // tightens: a longer value than the namespace has leaves it unchanged.
+  uint32_t max_page_age_s = 0;
 };
 
 struct MatchParams {
@@ -203,6 +212,8 @@ struct ManagerStats {
     uint64_t pages = 0;           // distinct pages
     uint64_t page_locations = 0;  // pages x replicas
     uint64_t radix_nodes = 0;
+    uint32_t max_page_age_s = 0;  // retention limit in force; 0: none
+    uint64_t expired_pages = 0;   // page-locations removed for their age
   };
   struct Counters {
     uint64_t match_requests = 0;
@@ -219,6 +230,7 @@ struct ManagerStats {
     uint64_t lease_expiries = 0;
     uint64_t demoted_pages = 0;  // moved from a GPU pool to its agent's HOST pool
     uint64_t dropped_pages = 0;  // forgotten with a restarted or gone agent
+    uint64_t expired_pages = 0;  // older than their namespace's max page age
   };
   struct Limits {
     uint32_t max_tokens_per_request = 0;
@@ -252,6 +264,9 @@ struct ManagerStats {
 struct WatchedEvent {
   enum class Kind : uint8_t { kUnspecified = 0, kStored = 1, kRemoved = 2, kCleared = 3 };
   Kind kind = Kind::kUnspecified;
+  // Why pages were removed (kRemoved); kUnspecified otherwise.
+  enum class Reason : uint8_t { kUnspecified = 0, kEvicted = 1, kExpired = 2 };
+  Reason reason = Reason::kUnspecified;
   NamespaceId ns;
   PoolRef pool;
   std::vector<PageHash> pages;
@@ -352,8 +367,10 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Creates or confirms namespace `ns` and caches its hash key and page size, so later
-  // calls on `ns` hash prompts locally.
+  // calls on `ns` hash prompts locally. A re-registration after a manager restart (see
+  // SendPrompt) sends the same params again.
   absl::StatusOr<RegisterModelReply> RegisterModel(const NamespaceId& ns, const ModelSpec& spec,
+                                                   const RegisterModelParams& params = {},
                                                    const CallOptions& call = {});
 
   // Whether this client holds the hash key of `ns` (RegisterModel succeeded on it).
@@ -437,7 +454,8 @@ class Client {
     HashKey key;
     uint64_t fingerprint = 0;  // KeyFingerprint(key)
     uint32_t page_size_tokens = 0;
-    ModelSpec spec;  // as sent to RegisterModel; re-sent to refresh a stale key
+    ModelSpec spec;              // as sent to RegisterModel; re-sent to refresh a stale key
+    RegisterModelParams params;  // likewise
   };
 
   // The channel and the generated stub (kept out of this header).
@@ -453,7 +471,9 @@ class Client {
                       absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
 
   absl::StatusOr<RegisterModelReply> RegisterModelUntil(const NamespaceId& ns,
-                                                        const ModelSpec& spec, absl::Time deadline);
+                                                        const ModelSpec& spec,
+                                                        const RegisterModelParams& params,
+                                                        absl::Time deadline);
   std::optional<NamespaceKey> CachedKey(const NamespaceId& ns) const;
   // The cached key, or FAILED_PRECONDITION when RegisterModel was not called for `ns`.
   absl::StatusOr<NamespaceKey> RequireKey(const NamespaceId& ns) const;

@@ -279,6 +279,26 @@ TEST_F(ClientTest, HashesNeedARegisteredNamespace) {
   EXPECT_EQ(client_->Match(ns_, prompt).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(ClientTest, RegisterModelCarriesTheMaxPageAge) {
+  absl::StatusOr<RegisterModelReply> reg =
+      client_->RegisterModel(ns_, DeepSeekV3(), {.max_page_age_s = 600});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->max_page_age_s, 600u);
+  reg = client_->RegisterModel(ns_, DeepSeekV3(), {.max_page_age_s = 3600});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->max_page_age_s, 600u) << "a limit only tightens";
+  absl::StatusOr<ManagerStats> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->namespaces.size(), 1u);
+  EXPECT_EQ(stats->namespaces[0].max_page_age_s, 600u);
+  EXPECT_EQ(stats->namespaces[0].expired_pages, 0u);
+  EXPECT_EQ(stats->counters.expired_pages, 0u);
+  const absl::Status absurd =
+      client_->RegisterModel(ns_, DeepSeekV3(), {.max_page_age_s = kMaxPageAgeS + 1}).status();
+  EXPECT_EQ(absurd.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(absurd.message(), HasSubstr("max_page_age_s"));
+}
+
 TEST_F(ClientTest, ManagerErrorsKeepTheirCodeAndMessage) {
   ModelSpec bad = DeepSeekV3();
   bad.num_layers = 0;

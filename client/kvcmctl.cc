@@ -12,6 +12,7 @@
 // page hashes (BlockAgent.Fetch takes no tokens): it re-registers the namespace with the
 // spec the manager reports, which is idempotent and gives it the key.
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -101,6 +102,9 @@ int RunStats(const Invocation& in) {
 void DefineRegisterModel(cli::FlagSet& f) {
   cli::DefineNamespace(f);
   cli::DefineModelSpec(f);
+  f.AddUint("max_page_age_s", 0,
+            "retention: seconds a cached page may stay after it was committed (0: the manager's "
+            "default; only shortens an existing namespace's limit)");
 }
 
 int RunRegisterModel(const Invocation& in) {
@@ -112,7 +116,12 @@ int RunRegisterModel(const Invocation& in) {
   if (!spec.ok()) {
     return in.Usage(spec.status().message());
   }
-  absl::StatusOr<RegisterModelReply> reply = in.client->RegisterModel(*ns, *spec);
+  const uint64_t max_page_age_s = in.flags.GetUint("max_page_age_s");
+  if (max_page_age_s > UINT32_MAX) {
+    return in.Usage(absl::StrCat("--max_page_age_s=", max_page_age_s, " does not fit 32 bits"));
+  }
+  absl::StatusOr<RegisterModelReply> reply = in.client->RegisterModel(
+      *ns, *spec, {.max_page_age_s = static_cast<uint32_t>(max_page_age_s)});
   if (!reply.ok()) {
     return in.Failed(reply.status());
   }
@@ -124,6 +133,11 @@ int RunRegisterModel(const Invocation& in) {
   absl::PrintF("bytes_per_page: %d (%s)\n", reply->bytes_per_page,
                cli::HumanBytes(reply->bytes_per_page));
   absl::PrintF("key_fingerprint: %016x\n", reply->key_fingerprint);
+  if (reply->max_page_age_s == 0) {
+    absl::PrintF("max_page_age_s: none\n");
+  } else {
+    absl::PrintF("max_page_age_s: %u\n", reply->max_page_age_s);
+  }
   return kExitOk;
 }
 

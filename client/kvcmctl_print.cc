@@ -59,12 +59,15 @@ void PrintStats(absl::string_view address, const ManagerStats& stats) {
   }
 
   absl::PrintF("\nNAMESPACES (%d)\n", stats.namespaces.size());
-  absl::PrintF("%-32s %-4s %-5s %5s %12s %12s %10s %10s %8s\n", "NAMESPACE", "ATTN", "DTYPE",
-               "PAGE", "BYTES/TOKEN", "BYTES/PAGE", "PAGES", "LOCATIONS", "NODES");
+  absl::PrintF("%-32s %-4s %-5s %5s %12s %12s %10s %10s %8s %10s %10s\n", "NAMESPACE", "ATTN",
+               "DTYPE", "PAGE", "BYTES/TOKEN", "BYTES/PAGE", "PAGES", "LOCATIONS", "NODES",
+               "MAX_AGE_S", "EXPIRED");
   for (const ManagerStats::Namespace& n : stats.namespaces) {
-    absl::PrintF("%-32s %-4s %-5s %5u %12llu %12llu %10llu %10llu %8llu\n", n.ns.ToString(),
-                 AttentionName(n.spec.attention), DtypeName(n.spec.dtype), n.spec.page_size_tokens,
-                 n.bytes_per_token, n.bytes_per_page, n.pages, n.page_locations, n.radix_nodes);
+    absl::PrintF(
+        "%-32s %-4s %-5s %5u %12llu %12llu %10llu %10llu %8llu %10s %10llu\n", n.ns.ToString(),
+        AttentionName(n.spec.attention), DtypeName(n.spec.dtype), n.spec.page_size_tokens,
+        n.bytes_per_token, n.bytes_per_page, n.pages, n.page_locations, n.radix_nodes,
+        n.max_page_age_s == 0 ? std::string("-") : absl::StrCat(n.max_page_age_s), n.expired_pages);
   }
 
   absl::PrintF("\nAGENTS (%d)\n", stats.agents.size());
@@ -93,6 +96,7 @@ void PrintStats(absl::string_view address, const ManagerStats& stats) {
       {"lease_expiries", c.lease_expiries},
       {"demoted_pages", c.demoted_pages},
       {"dropped_pages", c.dropped_pages},
+      {"expired_pages", c.expired_pages},
   };
   for (const auto& [name, value] : rows) {
     absl::PrintF("%-24s %d\n", name, value);

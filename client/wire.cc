@@ -111,6 +111,8 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
     ns.pages = n.pages();
     ns.page_locations = n.page_locations();
     ns.radix_nodes = n.radix_nodes();
+    ns.max_page_age_s = n.max_page_age_s();
+    ns.expired_pages = n.expired_pages();
   }
   for (const v1::AgentStats& a : response.agents()) {
     out.agents.push_back(ManagerStats::Agent{a.agent_id(), a.device(), static_cast<Tier>(a.tier()),
@@ -133,6 +135,7 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   out.counters.lease_expiries = c.lease_expiries();
   out.counters.demoted_pages = c.demoted_pages();
   out.counters.dropped_pages = c.dropped_pages();
+  out.counters.expired_pages = c.expired_pages();
   out.active_pins = response.active_pins();
   out.policy = response.policy();
   const v1::Limits& l = response.limits();
@@ -155,6 +158,17 @@ WatchedEvent FromProto(const v1::CacheEvent& event) {
       break;
     default:
       out.kind = WatchedEvent::Kind::kUnspecified;
+      break;
+  }
+  switch (event.reason()) {
+    case v1::CacheEvent::REASON_EVICTED:
+      out.reason = WatchedEvent::Reason::kEvicted;
+      break;
+    case v1::CacheEvent::REASON_EXPIRED:
+      out.reason = WatchedEvent::Reason::kExpired;
+      break;
+    default:
+      out.reason = WatchedEvent::Reason::kUnspecified;
       break;
   }
   out.ns = FromProto(event.namespace_());

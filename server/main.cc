@@ -85,6 +85,9 @@ ABSL_FLAG(uint32_t, route_tcp_link_gbps, kDefaults.route_tcp_link_gbps,
           "Route: link bandwidth (Gbit/s) of a TCP agent that has not measured its pulls.");
 ABSL_FLAG(uint32_t, route_nccl_link_gbps, kDefaults.route_nccl_link_gbps,
           "Route: link bandwidth (Gbit/s) of an NCCL agent that has not measured its pulls.");
+ABSL_FLAG(uint32_t, default_max_page_age_s, kDefaults.default_max_page_age_s,
+          "Retention: seconds a cached page may stay after it was committed (0: no limit); "
+          "RegisterModel's max_page_age_s may only shorten it per namespace.");
 
 namespace {
 

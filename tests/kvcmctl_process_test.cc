@@ -257,6 +257,27 @@ TEST_F(KvcmctlProcessTest, ModelCatalogueOfflineAndAsPreset) {
   EXPECT_EQ(Field(out, "bytes_per_page"), 163'840u * 16) << out;
 }
 
+// register-model --max_page_age_s sets the namespace's retention limit, which only
+// tightens; stats shows it; a limit past 10 years is refused with the field named.
+TEST_F(KvcmctlProcessTest, RegisterModelSetsARetentionLimit) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  std::string out = CtlOk(With({"register-model", "--preset=deepseek-v3"}, kNs));
+  EXPECT_THAT(out, HasSubstr("max_page_age_s: none"));
+  out = CtlOk(With({"register-model", "--preset=deepseek-v3", "--max_page_age_s=600"}, kNs));
+  EXPECT_EQ(Field(out, "max_page_age_s"), 600u) << out;
+  out = CtlOk(With({"register-model", "--preset=deepseek-v3", "--max_page_age_s=900"}, kNs));
+  EXPECT_EQ(Field(out, "max_page_age_s"), 600u) << "a longer limit must not loosen it: " << out;
+  out = CtlOk({"stats"});
+  EXPECT_THAT(out, HasSubstr("MAX_AGE_S"));
+  EXPECT_THAT(out, testing::ContainsRegex(" 600 +0\n"));
+  EXPECT_THAT(out, HasSubstr("expired_pages"));
+  ProcessResult absurd =
+      Ctl(With({"register-model", "--preset=deepseek-v3", "--max_page_age_s=400000000"}, kNs));
+  EXPECT_NE(absurd.exit_code, 0) << absurd.Describe();
+  EXPECT_THAT(absurd.err, HasSubstr("max_page_age_s"));
+  EXPECT_THAT(absurd.err, HasSubstr("INVALID_ARGUMENT"));
+}
+
 // These need no manager: usage errors are caught before any call.
 TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   port_ = FreePort();
@@ -270,9 +291,9 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
     EXPECT_THAT(sub.out, HasSubstr("Flags:")) << command;
   }
   ProcessResult reg_help = Ctl({"register-model", "--help"});
-  for (const char* flag :
-       {"--tenant", "--model", "--preset", "--attention", "--layers", "--heads", "--kv_heads",
-        "--head_dim", "--kv_lora_rank", "--rope_dim", "--dtype", "--page_size"}) {
+  for (const char* flag : {"--tenant", "--model", "--preset", "--attention", "--layers", "--heads",
+                           "--kv_heads", "--head_dim", "--kv_lora_rank", "--rope_dim", "--dtype",
+                           "--page_size", "--max_page_age_s"}) {
     EXPECT_THAT(reg_help.out, HasSubstr(flag));
   }
 

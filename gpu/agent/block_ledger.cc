@@ -84,7 +84,8 @@ absl::Status BlockLedger::Free(std::span<const BlockId> ids, uint64_t owner_epoc
 
 absl::StatusOr<std::vector<BlockId>> BlockLedger::Commit(const NamespaceId& ns, uint64_t epoch,
                                                          std::span<const CommitEntry> entries,
-                                                         absl::string_view field) {
+                                                         absl::string_view field,
+                                                         int64_t committed_unix_ms) {
   std::vector<BlockId> ids;
   ids.reserve(entries.size());
   for (const CommitEntry& e : entries) ids.push_back(e.block);
@@ -132,6 +133,7 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Commit(const NamespaceId& ns, 
     slot.state = State::kCommitted;
     slot.page = e.page;
     slot.parent = e.parent;
+    slot.committed_unix_ms = committed_unix_ms;
     ++committed_;
   }
   return fresh;
@@ -148,6 +150,7 @@ absl::Status BlockLedger::CommitCopy(BlockId target, const CommittedBlock& sourc
   slot.ns = Intern(*source.ns);
   slot.page = source.page;
   slot.parent = source.parent;
+  slot.committed_unix_ms = source.committed_unix_ms;
   ++committed_;
   return absl::OkStatus();
 }
@@ -171,6 +174,7 @@ absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
     Slot& slot = slots_[id];
     slot.state = State::kAllocated;
     slot.page = slot.parent = PageHash{};
+    slot.committed_unix_ms = 0;
     --committed_;
   }
   return absl::OkStatus();
@@ -233,7 +237,8 @@ CommittedBlock BlockLedger::Committed(BlockId id) const {
                         .block = id,
                         .page = slot.page,
                         .parent = slot.parent,
-                        .owner_epoch = slot.owner_epoch};
+                        .owner_epoch = slot.owner_epoch,
+                        .committed_unix_ms = slot.committed_unix_ms};
 }
 
 uint32_t BlockLedger::Intern(const NamespaceId& ns) {

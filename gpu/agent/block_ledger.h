@@ -9,7 +9,8 @@
 //
 // Only a block allocated to namespace n in the agent's epoch can be committed, and only to
 // one page of n: a committed block holds page `page` of namespace `ns`, whose parent page
-// is `parent` (zero for a prompt's first page), so inventories can rebuild every chain. A
+// is `parent` (zero for a prompt's first page), so inventories can rebuild every chain, and
+// when it was committed, so a rebuilt index knows each page's age (retention). A
 // committed block is immutable (no writes) and belongs to the cache: only FreeCommitted
 // (the manager's FreeBlocks) or the end of its epoch frees it, never its allocator.
 //
@@ -47,6 +48,8 @@ struct CommittedBlock {
   PageHash page;
   PageHash parent;
   uint64_t owner_epoch = 0;
+  // When it was committed, Unix ms (0: not recorded).
+  int64_t committed_unix_ms = 0;
 };
 
 class BlockLedger {
@@ -75,13 +78,17 @@ class BlockLedger {
   // committed (not the repeated ones), in entry order. Errors name `field` (with the
   // entry's index): INVALID_ARGUMENT for an empty list, epoch 0, an id listed twice, an id
   // past the pool or kPendingBlock; FAILED_PRECONDITION for a block that is free, allocated
-  // to another namespace or owner epoch, or committed to another page.
+  // to another namespace or owner epoch, or committed to another page. The newly committed
+  // blocks record `committed_unix_ms` as their commit time (a repeated commit keeps its
+  // first time).
   absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
                                               std::span<const CommitEntry> entries,
-                                              absl::string_view field);
+                                              absl::string_view field,
+                                              int64_t committed_unix_ms = 0);
 
   // Commits allocated block `target` (any namespace) to the page `source` holds, in
-  // source's namespace: `target` received a copy of source's bytes (a demotion).
+  // source's namespace, with source's commit time (a copy is as old as its data):
+  // `target` received a copy of source's bytes (a demotion).
   // FAILED_PRECONDITION, changing nothing, unless `target` is allocated (not committed) to
   // source.owner_epoch. REQUIRES: source.ns != null, target < num_blocks.
   absl::Status CommitCopy(BlockId target, const CommittedBlock& source);
@@ -124,6 +131,7 @@ class BlockLedger {
     uint64_t owner_epoch = 0;
     PageHash page;
     PageHash parent;
+    int64_t committed_unix_ms = 0;
   };
 
   // INVALID_ARGUMENT / OUT_OF_RANGE checks shared by every list-taking call.

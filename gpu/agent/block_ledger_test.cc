@@ -179,6 +179,27 @@ TEST(BlockLedgerTest, CommitCopyGivesADemotedCopyTheSourcePage) {
   EXPECT_EQ(host.state(foreign[0]), State::kAllocated);
 }
 
+// Retention: every committed block knows when it was committed, so that a rebuilt index
+// keeps the pages' ages.
+TEST(BlockLedgerTest, CommitTimesAreRecordedKeptByRepeatsAndCopiedByDemotion) {
+  BlockLedger gpu(4), host(2);
+  std::vector<BlockId> ids = *gpu.Allocate(2, kEpoch, &kAcme);
+  ASSERT_TRUE(gpu.Commit(kAcme, kEpoch, Chain(ids), "pages", 1'000).ok());
+  EXPECT_EQ(gpu.Committed(ids[0]).committed_unix_ms, 1'000);
+  // A repeated commit commits nothing new and keeps the first time.
+  ASSERT_TRUE(gpu.Commit(kAcme, kEpoch, Chain(ids), "pages", 5'000).ok());
+  EXPECT_EQ(gpu.Committed(ids[1]).committed_unix_ms, 1'000);
+  // A demoted copy is as old as its source.
+  std::vector<BlockId> dst = *host.Allocate(1, kEpoch, nullptr);
+  ASSERT_TRUE(host.CommitCopy(dst[0], gpu.Committed(ids[1])).ok());
+  EXPECT_EQ(host.Committed(dst[0]).committed_unix_ms, 1'000);
+  // Released, the block is no longer committed; committed again, it gets the new time.
+  ASSERT_TRUE(gpu.Release({&ids[1], 1}, kEpoch, "block_ids").ok());
+  ASSERT_TRUE(
+      gpu.Commit(kAcme, kEpoch, std::vector<CommitEntry>{Chain(ids)[1]}, "pages", 7'000).ok());
+  EXPECT_EQ(gpu.Committed(ids[1]).committed_unix_ms, 7'000);
+}
+
 TEST(BlockLedgerTest, FreeAllOwnedByFreesCommittedAndAllocatedBlocksOfThatEpochOnly) {
   BlockLedger l(6);
   std::vector<BlockId> cache = *l.Allocate(2, kEpoch, &kAcme);

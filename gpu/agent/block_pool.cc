@@ -40,9 +40,10 @@ absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch)
 
 absl::StatusOr<std::vector<BlockId>> BlockPool::Commit(const NamespaceId& ns, uint64_t epoch,
                                                        std::span<const CommitEntry> entries,
-                                                       absl::string_view field) {
+                                                       absl::string_view field,
+                                                       int64_t committed_unix_ms) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Commit(ns, epoch, entries, field);
+  return ledger_.Commit(ns, epoch, entries, field, committed_unix_ms);
 }
 
 absl::Status BlockPool::Release(std::span<const BlockId> ids, uint64_t epoch,

@@ -68,7 +68,9 @@ class BlockPool {
   // The ledger's Commit, Release and FreeCommitted, under the pool's lock.
   absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
                                               std::span<const CommitEntry> entries,
-                                              absl::string_view field) ABSL_LOCKS_EXCLUDED(mu_);
+                                              absl::string_view field,
+                                              int64_t committed_unix_ms = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Release(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FreeCommitted(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field)

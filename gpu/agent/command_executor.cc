@@ -3,6 +3,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/page_hash.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_proto.h"
@@ -137,9 +139,13 @@ absl::StatusOr<std::vector<BlockId>> CommandExecutor::Commit(const v1::CommitBlo
   }
   // Before the commit, so that every committed block's namespace has a spec whenever an
   // inventory looks (a failed commit leaves a spec no block uses, which is harmless).
-  specs_->Set(ns, spec);
+  specs_->Set(ns, spec, commit.max_page_age_s());
+  // The manager's time, so that the ages the inventory reports are in the index's time
+  // base; a manager that sends none gets the agent's own clock.
+  const int64_t committed_unix_ms =
+      commit.committed_unix_ms() > 0 ? commit.committed_unix_ms() : absl::ToUnixMillis(absl::Now());
   // "block_ids": the manager forwards the message to the worker whose Insert named them.
-  return pool->Commit(ns, epoch_, entries, "block_ids");
+  return pool->Commit(ns, epoch_, entries, "block_ids", committed_unix_ms);
 }
 
 absl::Status CommandExecutor::Release(const v1::ReleaseBlocks& release) {

@@ -135,7 +135,8 @@ absl::Status ControlLoop::ReportInventory() {
   LogInfo(absl::StrCat("inventory of epoch ", epoch, ": reported ", report.blocks(),
                        " committed blocks in ", report.chunks(), " chunks; the manager indexed ",
                        reply.indexed_pages(), " pages, refused ", reply.orphan_pages(), " orphan, ",
-                       reply.duplicate_pages(), " duplicate and ", reply.refused_pages(),
+                       reply.duplicate_pages(), " duplicate, ", reply.expired_pages(),
+                       " expired (past the max page age) and ", reply.refused_pages(),
                        " other pages; freed ", freed.freed_blocks, " blocks"));
   if (freed.refused_blocks > 0) {
     LogWarning(absl::StrCat("inventory of epoch ", epoch, ": could not free ", freed.refused_blocks,

@@ -42,8 +42,12 @@ void InventoryReport::AddPool(const BlockPool& pool, Tier tier, const NamespaceS
       skipped_namespaces_.push_back(std::move(ns));
       continue;
     }
-    groups_.push_back(
-        {.tier = tier, .ns = std::move(ns), .spec = *spec, .blocks = std::move(blocks)});
+    const uint32_t max_page_age_s = specs.MaxPageAgeS(ns);
+    groups_.push_back({.tier = tier,
+                       .ns = std::move(ns),
+                       .spec = *spec,
+                       .max_page_age_s = max_page_age_s,
+                       .blocks = std::move(blocks)});
   }
 }
 
@@ -59,9 +63,12 @@ v1::InventoryChunk InventoryReport::Chunk(size_t i) const {
   std::vector<PageHash> pages, parents;
   pages.reserve(ref.end - ref.begin);
   parents.reserve(ref.end - ref.begin);
+  chunk.set_max_page_age_s(group.max_page_age_s);
   chunk.mutable_block_ids()->Reserve(static_cast<int>(ref.end - ref.begin));
+  chunk.mutable_committed_unix_ms()->Reserve(static_cast<int>(ref.end - ref.begin));
   for (size_t b = ref.begin; b < ref.end; ++b) {
     chunk.add_block_ids(group.blocks[b].block);
+    chunk.add_committed_unix_ms(group.blocks[b].committed_unix_ms);
     pages.push_back(group.blocks[b].page);
     parents.push_back(group.blocks[b].parent);
   }

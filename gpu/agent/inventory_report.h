@@ -7,7 +7,9 @@
 // grouped by (pool, namespace), each group cut into chunks of at most max_blocks_per_chunk
 // blocks. Every chunk carries the agent id, the epoch, the pool's tier, the namespace and the
 // spec NamespaceSpecs recorded for it; page and parent hashes are 16 bytes each (little-endian
-// lo then hi, as Prompt.page_hashes). A committed block whose namespace has no recorded spec
+// lo then hi, as Prompt.page_hashes), with each block's commit time and the namespace's
+// max page age, so that a rebuilt index keeps the pages' ages. A committed block whose
+// namespace has no recorded spec
 // cannot be reported; it is left out and counted in skipped_blocks() (CommandExecutor
 // records the spec before committing, so this does not happen).
 //
@@ -59,6 +61,7 @@ class InventoryReport {
     Tier tier = Tier::kGpu;
     NamespaceId ns;
     ModelSpec spec;
+    uint32_t max_page_age_s = 0;
     std::vector<CommittedBlock> blocks;  // in block order
   };
   // Blocks [begin, end) of groups_[group].

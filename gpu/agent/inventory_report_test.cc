@@ -98,6 +98,30 @@ TEST_F(InventoryReportTest, ChunksArePerPoolAndNamespaceAndBounded) {
   }
 }
 
+// Retention: each block's commit time and the namespace's own max page age travel with the
+// inventory, so a restarted manager keeps the pages' ages and the namespace's limit.
+TEST_F(InventoryReportTest, ChunksCarryCommitTimesAndTheNamespaceMaxPageAge) {
+  specs_.Set(kA, SmallGqa(), /*max_page_age_s=*/600);
+  std::vector<BlockId> ids = *gpu_->Allocate(2, kEpoch, &kA);
+  ASSERT_TRUE(gpu_->Commit(kA, kEpoch, std::vector<CommitEntry>{{ids[0], Page(0), ParentOf(0)}},
+                           "block_ids", 1'000)
+                  .ok());
+  ASSERT_TRUE(gpu_->Commit(kA, kEpoch, std::vector<CommitEntry>{{ids[1], Page(1), ParentOf(1)}},
+                           "block_ids", 2'000)
+                  .ok());
+  CommitChain(*gpu_, kB, 0, 1);  // no time given: 0, "not recorded"
+  InventoryReport report("agent-1", kEpoch, *gpu_, Tier::kGpu, nullptr, specs_);
+  ASSERT_EQ(report.chunks(), 2u);
+  const v1::InventoryChunk a = report.Chunk(0);
+  EXPECT_EQ(a.namespace_().model(), "a");
+  EXPECT_THAT(a.committed_unix_ms(), ElementsAre(1'000, 2'000));
+  EXPECT_EQ(a.max_page_age_s(), 600u);
+  const v1::InventoryChunk b = report.Chunk(1);
+  EXPECT_THAT(b.committed_unix_ms(), ElementsAre(0));
+  EXPECT_EQ(b.max_page_age_s(), 0u);
+  EXPECT_EQ(specs_.MaxPageAgeS(kB), 0u);
+}
+
 TEST_F(InventoryReportTest, ItIsASnapshot) {
   CommitChain(*gpu_, kA, 0, 1);
   InventoryReport report("agent-1", kEpoch, *gpu_, Tier::kGpu, nullptr, specs_);

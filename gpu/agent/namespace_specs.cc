@@ -2,9 +2,16 @@
 
 namespace kvcm {
 
-void NamespaceSpecs::Set(const NamespaceId& ns, const ModelSpec& spec) {
+void NamespaceSpecs::Set(const NamespaceId& ns, const ModelSpec& spec, uint32_t max_page_age_s) {
   absl::MutexLock lock(&mu_);
   specs_.insert_or_assign(ns, spec);
+  max_page_age_s_.insert_or_assign(ns, max_page_age_s);
+}
+
+uint32_t NamespaceSpecs::MaxPageAgeS(const NamespaceId& ns) const {
+  absl::MutexLock lock(&mu_);
+  auto it = max_page_age_s_.find(ns);
+  return it == max_page_age_s_.end() ? 0 : it->second;
 }
 
 std::optional<ModelSpec> NamespaceSpecs::Get(const NamespaceId& ns) const {

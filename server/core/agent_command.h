@@ -38,6 +38,12 @@ struct CommitBlocksCommand {
   std::vector<BlockId> block_ids;
   std::vector<PageHash> pages;
   PageHash first_parent;
+  // The manager's clock when it asked for the commit: the agent records it as the blocks'
+  // commit time, so that a rebuilt index knows the pages' ages in the same time base.
+  int64_t committed_unix_ms = 0;
+  // The namespace's own retention limit (0: the manager's default), kept by the agent for
+  // its inventory, so that a restarted manager has it before the worker registers again.
+  uint32_t max_page_age_s = 0;
 };
 
 // Committed blocks back to allocated: the index did not take their pages.

@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace kvcm {
 
@@ -14,6 +15,7 @@ struct AgentInserter::Pending {
   InsertCommand insert;
   uint64_t epoch = 0;            // the agent's, when the commit was queued
   uint64_t pool_generation = 0;  // the index pool's, likewise
+  absl::Time committed_at;       // the index's clock, likewise
 };
 
 namespace {
@@ -79,11 +81,16 @@ void AgentInserter::Insert(InsertCommand insert, InsertDone done) {
   auto pending = std::make_shared<Pending>();
   pending->epoch = agent->epoch;
   pending->pool_generation = *generation;
-  CommitBlocksCommand commit{.tier = insert.pool.tier,
-                             .ns = insert.ns,
-                             .spec = ns->spec,
-                             .block_ids = insert.block_ids,
-                             .pages = insert.pages};
+  // The pages' age counts from here, in the index and in the agent's ledger alike.
+  pending->committed_at = index_->Now();
+  CommitBlocksCommand commit{
+      .tier = insert.pool.tier,
+      .ns = insert.ns,
+      .spec = ns->spec,
+      .block_ids = insert.block_ids,
+      .pages = insert.pages,
+      .committed_unix_ms = absl::ToUnixMillis(pending->committed_at),
+      .max_page_age_s = static_cast<uint32_t>(absl::ToInt64Seconds(ns->registered_max_page_age))};
   pending->insert = std::move(insert);
   // `done` is moved into the completion only once the command is queued: a refused Enqueue
   // never runs the completion, and `done` must still be called here.
@@ -123,7 +130,8 @@ void AgentInserter::OnCommitted(const Pending& p, const absl::StatusOr<AgentComm
       index_->Insert(insert.ns, insert.pages, insert.pool, insert.block_ids,
                      {.use_reservation = insert.use_reservation,
                       .newly_committed = newly_committed,
-                      .pool_generation = p.pool_generation});
+                      .pool_generation = p.pool_generation,
+                      .committed_at = p.committed_at});
 
   // Blocks to hand back to their allocator: all this commit took if the index refused, else
   // those of pages the pool already held with another block.

@@ -31,6 +31,12 @@ absl::Status CacheIndexOptions::Validate() const {
   if (max_namespaces_per_tenant < 1) {
     return absl::InvalidArgumentError("max_namespaces_per_tenant must be >= 1");
   }
+  if (default_max_page_age < absl::ZeroDuration() ||
+      default_max_page_age > absl::Seconds(kMaxPageAgeS)) {
+    return absl::InvalidArgumentError(absl::StrCat("default_max_page_age must be in [0, ",
+                                                   kMaxPageAgeS, " s], got ",
+                                                   absl::FormatDuration(default_max_page_age)));
+  }
   return absl::OkStatus();
 }
 
@@ -69,23 +75,49 @@ absl::StatusOr<PoolId> CacheIndex::FindPool(const PoolKey& pool) const {
   return *id;
 }
 
+namespace {
+
+// What RegisterModel and GetNamespace answer about a namespace.
+RegisterModelResult ResultOf(const CacheIndex::Namespace& ns, bool created) {
+  return RegisterModelResult{
+      .spec = ns.spec,
+      .hash_key = ns.key,
+      .created = created,
+      .registered_max_page_age = ns.registered_max_age,
+      .max_page_age = ns.max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns.max_age};
+}
+
+}  // namespace
+
 absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId& ns,
                                                               const ModelSpec& spec,
-                                                              NamespaceSource source) {
+                                                              NamespaceSource source,
+                                                              absl::Duration max_page_age) {
   if (ns.tenant.empty() || ns.model.empty()) {
     return absl::InvalidArgumentError("namespace.tenant and namespace.model must be set");
   }
   if (absl::Status s = spec.Validate(); !s.ok()) return s;
+  if (max_page_age < absl::ZeroDuration() || max_page_age > absl::Seconds(kMaxPageAgeS)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_page_age_s must be in [0, ", kMaxPageAgeS,
+                                                   "] (0: the manager's default), got ",
+                                                   absl::ToInt64Seconds(max_page_age)));
+  }
   absl::MutexLock lock(&mu_);
   auto it = namespaces_.find(ns);
   if (it != namespaces_.end()) {
-    const Namespace& existing = *it->second;
+    Namespace& existing = *it->second;
     if (!(existing.spec == spec)) {
       return absl::FailedPreconditionError(
           absl::StrCat("namespace ", ns.ToString(), " is registered with spec {",
                        existing.spec.DebugString(), "}, not {", spec.DebugString(), "}"));
     }
-    return RegisterModelResult{existing.spec, existing.key, false};
+    // A retention limit only tightens: whoever asks for less keeps less.
+    if (max_page_age > absl::ZeroDuration() &&
+        (existing.registered_max_age == absl::ZeroDuration() ||
+         max_page_age < existing.registered_max_age)) {
+      SetMaxPageAge(existing, max_page_age);
+    }
+    return ResultOf(existing, false);
   }
   uint32_t& tenant_count = namespaces_per_tenant_[ns.tenant];
   if (source == NamespaceSource::kClient) {
@@ -107,15 +139,17 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
   const uint64_t page_bytes = options_.policy == "lru-mha"
                                   ? spec.MhaShapedBytesPerToken() * spec.page_size_tokens
                                   : spec.BytesPerPage();
-  namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key, page_bytes));
-  return RegisterModelResult{spec, key, true};
+  auto [added, inserted] =
+      namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key, page_bytes));
+  SetMaxPageAge(*added->second, max_page_age);
+  return ResultOf(*added->second, true);
 }
 
 absl::StatusOr<RegisterModelResult> CacheIndex::GetNamespace(const NamespaceId& ns) const {
   absl::ReaderMutexLock lock(&mu_);
   absl::StatusOr<Namespace*> found = FindNamespace(ns);
   if (!found.ok()) return found.status();
-  return RegisterModelResult{(*found)->spec, (*found)->key, false};
+  return ResultOf(**found, false);
 }
 
 bool CacheIndex::HasPool(const PoolKey& pool) const {
@@ -165,6 +199,7 @@ void CacheIndex::RefreshCandidate(RadixNode* node, Replica& replica) {
 RadixNode* CacheIndex::SplitNode(RadixNode* node, uint32_t k) {
   RadixNode* head = node->tree->Split(node, k);
   policy_->Rescore(node);  // the rest starts at another page and depth
+  for (const Replica& r : head->replicas) TrackExpiry(head, r);
   return head;
 }
 
@@ -191,10 +226,14 @@ void CacheIndex::UnpinPath(RadixNode* node) {
   }
 }
 
-void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids) {
+void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids,
+                            int64_t committed_ms) {
   assert(block_ids.size() == node->size());
   node->replicas.push_back(
-      Replica{.pool = pool, .block_ids = std::vector<BlockId>(block_ids.begin(), block_ids.end())});
+      Replica{.pool = pool,
+              .committed_ms = committed_ms,
+              .block_ids = std::vector<BlockId>(block_ids.begin(), block_ids.end())});
+  TrackExpiry(node, node->replicas.back());
   const uint64_t bytes = NodeBytes(node);
   budget_.Charge(pool, node->size(), bytes);
   node->tree->AddPageLocations(node->size());
@@ -210,10 +249,15 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
 }
 
 void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
-                      std::span<const PageHash> pages, std::vector<BlockId> block_ids) {
+                      std::span<const PageHash> pages, std::vector<BlockId> block_ids,
+                      CacheEvent::Reason reason) {
   if (!listener_) return;
-  listener_(CacheEvent{
-      kind, ns.id, budget_.key(pool), {pages.begin(), pages.end()}, std::move(block_ids)});
+  listener_(CacheEvent{.kind = kind,
+                       .ns = ns.id,
+                       .pool = budget_.key(pool),
+                       .pages = {pages.begin(), pages.end()},
+                       .block_ids = std::move(block_ids),
+                       .reason = reason});
 }
 
 void CacheIndex::ForgetPin(const Lease& lease) {
@@ -277,10 +321,13 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   MatchResult result;
   result.prompt_pages = static_cast<uint32_t>(pages.size());
   result.matched_pages = ns.tree.Walk(pages, &path);
-  if (!sweeping_.empty()) {
-    // Pages only dropped pools still hold are gone: the match ends before the first.
+  const int64_t cutoff_ms = ExpiryCutoffMs(ns, now);
+  if (!sweeping_.empty() || cutoff_ms != INT64_MIN) {
+    // Pages only dropped pools still hold are gone, and so are pages past their age: the
+    // match ends before the first. A node that holds an expired copy ends it even when
+    // another pool holds the pages younger: pinning the node would keep the old copy.
     for (size_t i = 0; i < path.size(); ++i) {
-      if (HasLiveReplica(path[i].node)) continue;
+      if (HasLiveReplica(path[i].node) && !HoldsExpired(path[i].node, cutoff_ms)) continue;
       result.matched_pages = path[i].first_page;
       path.resize(i);
       break;
@@ -360,6 +407,10 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
+  // A page the pool holds already keeps its own commit time, even when it is past its
+  // age (the sweep removes it, and the pages below it, soon).
+  const int64_t committed_ms = absl::ToUnixMillis(
+      options.committed_at.has_value() ? std::min(*options.committed_at, now) : now);
 
   std::optional<PoolId> pool_id = budget_.Find(pool);
   if (options.pool_generation.has_value() &&
@@ -447,7 +498,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
       result.existing_block_ids.insert(result.existing_block_ids.end(), r->block_ids.begin(),
                                        r->block_ids.begin() + step.matched);
     } else {
-      AddReplica(step.node, pid, block_ids.subspan(step.first_page, step.matched));
+      AddReplica(step.node, pid, block_ids.subspan(step.first_page, step.matched), committed_ms);
     }
     parent = step.node;
   }
@@ -458,7 +509,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
       leaf->hits = ghost->second.hits + 1;
       evicted_runs_.erase(ghost);
     }
-    AddReplica(leaf, pid, block_ids.subspan(in_tree));
+    AddReplica(leaf, pid, block_ids.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
   const uint64_t stamp = ++access_clock_;
@@ -498,12 +549,20 @@ absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinI
   if (!ns.ok()) return ns.status();
   absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
   if (!lease.ok()) return lease.status();
+  const int64_t cutoff_ms = ExpiryCutoffMs(**ns, now);
   for (const RadixNode* node = (*lease)->node; !node->is_root(); node = node->parent) {
-    if (HasLiveReplica(node)) continue;
-    return absl::AbortedError(
-        absl::StrCat("pin ", pin_id,
-                     ": some of its pages are no longer held by any live pool (the agent "
-                     "holding them went away); release the pin and match again"));
+    if (!HasLiveReplica(node)) {
+      return absl::AbortedError(
+          absl::StrCat("pin ", pin_id,
+                       ": some of its pages are no longer held by any live pool (the agent "
+                       "holding them went away); release the pin and match again"));
+    }
+    if (HoldsExpired(node, cutoff_ms)) {
+      return absl::AbortedError(absl::StrCat(
+          "pin ", pin_id,
+          ": some of its pages are past the namespace's max page age and leave when the pin "
+          "ends; release the pin and match again"));
+    }
   }
   leases_.SetExpiry(*lease, now + *t);
   return now + *t;
@@ -518,8 +577,15 @@ IndexStats CacheIndex::Stats() const {
   }
   stats.namespaces.reserve(namespaces_.size());
   for (const auto& [id, ns] : namespaces_) {
-    stats.namespaces.push_back(NamespaceStats{id, ns->spec, ns->tree.pages(),
-                                              ns->tree.page_locations(), ns->tree.nodes()});
+    stats.namespaces.push_back(NamespaceStats{
+        .ns = id,
+        .spec = ns->spec,
+        .pages = ns->tree.pages(),
+        .page_locations = ns->tree.page_locations(),
+        .radix_nodes = ns->tree.nodes(),
+        .max_page_age =
+            ns->max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns->max_age,
+        .expired_pages = ns->expired_pages});
   }
   std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);

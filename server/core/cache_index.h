@@ -35,6 +35,10 @@
 
 namespace kvcm {
 
+// Longest max page age a namespace or the manager may set (10 years): anything longer is
+// a mistake (a value in ms given as seconds), not a retention policy.
+inline constexpr uint32_t kMaxPageAgeS = 10 * 365 * 86'400;
+
 struct CacheIndexOptions {
   // Secret every namespace's hash key is derived from. Keep it stable across restarts, or
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
@@ -65,6 +69,10 @@ struct CacheIndexOptions {
   // Most live pins of one tenant's namespaces: a Match(pin) beyond is RESOURCE_EXHAUSTED,
   // with nothing matched or pinned, so no tenant can pin a pool full. >= 1.
   uint32_t max_pins_per_tenant = 65'536;
+  // Retention (docs/EVICTION.md): how long a page-location may stay indexed after it was
+  // committed, for every namespace; a namespace's own limit (RegisterModel) may only be
+  // shorter. 0: no limit. At most kMaxPageAgeS seconds.
+  absl::Duration default_max_page_age = absl::ZeroDuration();
   // Time source; RealClock::Get() when null. Not owned.
   Clock* clock = nullptr;
 
@@ -74,6 +82,9 @@ struct CacheIndexOptions {
 // What happened to the index, for WatchEvents subscribers.
 struct CacheEvent {
   enum class Kind : uint8_t { kStored = 1, kRemoved = 2, kCleared = 3 };
+  // Why pages were removed (kRemoved only; kNone for the other kinds and for a demotion
+  // the agent could not carry out).
+  enum class Reason : uint8_t { kNone = 0, kEvicted = 1, kExpired = 2 };
   Kind kind;
   NamespaceId ns;
   PoolKey pool;
@@ -89,6 +100,7 @@ struct CacheEvent {
   std::optional<PoolKey> demoted_from;
   std::vector<BlockId> source_block_ids;
   std::vector<PageHash> prefix;
+  Reason reason = Reason::kNone;
 };
 
 // Called with events in order, under the index's lock: must be quick and must not call back
@@ -150,6 +162,10 @@ struct InsertOptions {
   // nothing changed, when the pool has been dropped since (the agent's epoch ended, and the
   // blocks with it).
   std::optional<uint64_t> pool_generation;
+  // When the new page-locations were committed (the CommitBlocks command's time, or the
+  // agent ledger's for a rebuilt page): their age counts from it. Unset, or later than
+  // now: now. Pages the pool already holds keep their own time.
+  std::optional<absl::Time> committed_at;
   // Whether an Insert into a pool nobody registered may create it (index-only, with
   // default_pool_capacity_bytes). The service allows it to admins only: pools come from
   // agents, so no client can make up capacity.
@@ -179,12 +195,23 @@ struct SweepResult {
   uint64_t remaining_pages = 0;
 };
 
+struct ExpirySweepResult {
+  uint64_t expired_pages = 0;     // page-locations removed by this call
+  uint64_t removed_replicas = 0;  // radix-node replicas they were in
+  // The call stopped at max_steps before the end of its pass: call again.
+  bool more = false;
+};
+
 struct NamespaceStats {
   NamespaceId ns;
   ModelSpec spec;
   uint64_t pages = 0;
   uint64_t page_locations = 0;
   uint64_t radix_nodes = 0;
+  // The retention limit in force (the namespace's own or the manager's default, whichever
+  // is shorter); 0: none.
+  absl::Duration max_page_age = absl::ZeroDuration();
+  uint64_t expired_pages = 0;  // page-locations removed for their age
 };
 
 struct IndexCounters {
@@ -201,6 +228,7 @@ struct IndexCounters {
   uint64_t evicted_bytes = 0;
   uint64_t demoted_pages = 0;  // evicted from a GPU pool into the agent's HOST pool
   uint64_t dropped_pages = 0;  // page-locations forgotten with their pool (DropPool)
+  uint64_t expired_pages = 0;  // page-locations removed for their age (SweepExpired)
   uint64_t pins_taken = 0;
   uint64_t pins_released = 0;
   uint64_t lease_expiries = 0;
@@ -218,6 +246,10 @@ struct RegisterModelResult {
   ModelSpec spec;  // as stored
   HashKey hash_key;
   bool created = false;
+  // The namespace's own retention limit, as registered (0: the manager's default), and
+  // the limit in force (the shorter of the two; 0: none).
+  absl::Duration registered_max_page_age = absl::ZeroDuration();
+  absl::Duration max_page_age = absl::ZeroDuration();
 };
 
 class CacheIndex {
@@ -240,9 +272,17 @@ class CacheIndex {
   // Creates namespace `ns` or confirms it. FAILED_PRECONDITION when it exists with another
   // spec; INVALID_ARGUMENT for a bad spec or name; RESOURCE_EXHAUSTED naming the limit when a
   // client's new namespace would pass max_namespaces or max_namespaces_per_tenant.
+  //
+  // `max_page_age` is the namespace's retention limit (0: the manager's default; the
+  // shorter of the two is in force). It only ever tightens: confirming a namespace with a
+  // shorter non-zero limit lowers it (pages already older leave at the next SweepExpired),
+  // a longer one or 0 leaves it as it is (the result says what is in force).
+  // INVALID_ARGUMENT "max_page_age_s", nothing changed, when it is negative or longer than
+  // kMaxPageAgeS.
   absl::StatusOr<RegisterModelResult> RegisterModel(
       const NamespaceId& ns, const ModelSpec& spec,
-      NamespaceSource source = NamespaceSource::kClient) ABSL_LOCKS_EXCLUDED(mu_);
+      NamespaceSource source = NamespaceSource::kClient,
+      absl::Duration max_page_age = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The namespace's spec and hash key; NOT_FOUND when unregistered.
   absl::StatusOr<RegisterModelResult> GetNamespace(const NamespaceId& ns) const
@@ -266,6 +306,9 @@ class CacheIndex {
   absl::StatusOr<uint64_t> PoolGeneration(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
+  // Never returns a page-location past its namespace's max page age: the match ends before
+  // the first radix node that still holds one (even when another pool holds the same pages
+  // younger), because a new pin there would keep the old copy; SweepExpired removes it.
   absl::StatusOr<MatchResult> Match(const NamespaceId& ns, std::span<const PageHash> pages,
                                     const MatchOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -292,6 +335,8 @@ class CacheIndex {
   // Extends a live pin's lease to now + ttl (0: default). Same errors as Release, and
   // ABORTED for a pin some of whose pages no live pool holds any more (their agent's pools
   // were dropped): the pin protects nothing, the caller should release it and match again.
+  // ABORTED too for a pin on pages of which some copy is past its max page age: a pin may
+  // keep expired pages only until its lease ends.
   absl::StatusOr<absl::Time> RenewLease(const NamespaceId& ns, PinId pin_id, absl::Duration ttl)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -347,6 +392,19 @@ class CacheIndex {
   // so the index lock is never held for long.
   SweepResult SweepRetired(size_t max_replicas) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Removes page-locations past their namespace's max page age (age = time since commit),
+  // oldest first, with kRemoved events (reason kExpired) so that their blocks are freed,
+  // as evictions do. A page-location's descendants in the same pool leave with it (a pool
+  // holds whole prefixes). Pinned ones stay until their pins are released or lapse. Does
+  // at most `max_steps` replicas' work (removed, or looked at and left) per call, so the
+  // index lock is never held for long; one pass over every namespace with a limit may take
+  // several calls (`more`). The manager runs it from its lease sweep. REQUIRES:
+  // max_steps >= 1.
+  ExpirySweepResult SweepExpired(size_t max_steps) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The index's clock (CacheIndexOptions::clock).
+  absl::Time Now() const { return clock_->Now(); }
+
   // Releases every pin whose lease ended at or before now. Also done lazily by every
   // mutating call; the service runs it on a timer so idle managers expire pins too.
   void ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
@@ -376,9 +434,10 @@ class CacheIndex {
   // Adds / drops one pin on `node` and every ancestor, keeping pinned bytes in step.
   void PinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnpinPath(RadixNode* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives `node` a replica in `pool`. REQUIRES: the parent (unless root) holds `pool`.
-  void AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives `node` a replica in `pool`, committed at `committed_ms` (Unix ms).
+  // REQUIRES: the parent (unless root) holds `pool`.
+  void AddReplica(RadixNode* node, PoolId pool, std::span<const BlockId> block_ids,
+                  int64_t committed_ms) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the candidate (node, pool); removes the node when no replica is left.
   // Returns the bytes freed.
   uint64_t EvictReplica(RadixNode* node, PoolId pool, absl::Time now)
@@ -391,6 +450,29 @@ class CacheIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `node` has a replica in a pool that is not retired.
   bool HasLiveReplica(const RadixNode* node) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Retention (cache_index_expiry.cc). The limit in force for a namespace registered with
+  // `registered` (0: the default); InfiniteDuration when none.
+  absl::Duration MaxPageAgeFor(absl::Duration registered) const;
+  // Sets ns's registered limit and the one in force, starting its expiry queue when it
+  // gets a limit.
+  void SetMaxPageAge(Namespace& ns, absl::Duration registered) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Commit times at or before this (Unix ms) are past ns's limit at `now`; INT64_MIN when
+  // it has none.
+  static int64_t ExpiryCutoffMs(const Namespace& ns, absl::Time now);
+  // Whether `node` holds a replica, in a pool that is not retired, committed at or before
+  // `cutoff_ms`.
+  bool HoldsExpired(const RadixNode* node, int64_t cutoff_ms) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Keeps ns's expiry queue in step with (node, replica) entering or leaving the tree.
+  void TrackExpiry(RadixNode* node, const Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UntrackExpiry(RadixNode* node, const Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One namespace's part of SweepExpired; false when `steps` reached `max_steps` first.
+  bool SweepNamespace(Namespace& ns, absl::Time now, size_t max_steps, size_t& steps,
+                      ExpirySweepResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `top`'s replica in `pool` and every descendant's, leaves first, as expired;
+  // false, with the rest left for the next call, when `steps` reaches `max_steps`.
+  // REQUIRES: top unpinned (so is every descendant).
+  bool ExpireSubtree(RadixNode* top, PoolId pool, size_t max_steps, size_t& steps,
+                     ExpirySweepResult& result) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives `node` (a victim in GPU pool `gpu`) a replica in the same agent's HOST pool, with
   // whatever of its prefix the HOST pool lacks (pools stay prefix-closed), evicting from
   // the HOST pool to make room. False, changing nothing, when there is no HOST pool or it
@@ -404,7 +486,8 @@ class CacheIndex {
   void CountRegret(std::span<const PageHash> missed, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
-            std::span<const PageHash> pages, std::vector<BlockId> block_ids = {})
+            std::span<const PageHash> pages, std::vector<BlockId> block_ids = {},
+            CacheEvent::Reason reason = CacheEvent::Reason::kNone)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheIndexOptions options_;
@@ -437,6 +520,10 @@ class CacheIndex {
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
   // Retired pools (DropPool) with replicas left in the tree, oldest first.
   std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);
+  // Namespaces with a retention limit (they keep an expiry queue), and the one SweepExpired
+  // goes on with.
+  std::vector<Namespace*> expiring_ ABSL_GUARDED_BY(mu_);
+  size_t expiry_next_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcm

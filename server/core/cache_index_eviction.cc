@@ -19,6 +19,7 @@ std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
                          [pool](const Replica& r) { return r.pool == pool; });
   assert(it != node->replicas.end() && it->evictable);
   policy_->Remove(node, pool);
+  UntrackExpiry(node, *it);
   std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
   budget_.Refund(pool, node->size(), NodeBytes(node));
@@ -61,7 +62,8 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   });
   counters_.evicted_pages += pages;
   counters_.evicted_bytes += bytes;
-  Emit(CacheEvent::Kind::kRemoved, ns, pool, removed_pages, std::move(block_ids));
+  Emit(CacheEvent::Kind::kRemoved, ns, pool, removed_pages, std::move(block_ids),
+       CacheEvent::Reason::kEvicted);
   return bytes;
 }
 
@@ -78,6 +80,11 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
   }
   if (chain.empty()) return true;  // already has a host copy
   if (need > budget_.capacity(*host)) return false;
+  // A demoted copy keeps its age (it is the same data, moved): one already past it leaves.
+  const int64_t cutoff_ms = ExpiryCutoffMs(*OwnerOf(node), clock_->Now());
+  for (const RadixNode* n : chain) {
+    if (n->FindReplica(gpu)->committed_ms <= cutoff_ms) return false;
+  }
   if (const uint64_t shortfall = budget_.Shortfall(*host, need); shortfall > 0) {
     PinPath(node);  // the path's host pages must stay while the host pool makes room
     const bool room = budget_.evictable(*host) >= shortfall;
@@ -90,7 +97,8 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
   CacheEvent event{.kind = CacheEvent::Kind::kStored, .demoted_from = budget_.key(gpu)};
   for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
     RadixNode* n = *it;
-    AddReplica(n, *host, std::vector<BlockId>(n->size(), kPendingBlock));
+    AddReplica(n, *host, std::vector<BlockId>(n->size(), kPendingBlock),
+               n->FindReplica(gpu)->committed_ms);
     const Replica* source = n->FindReplica(gpu);
     event.pages.insert(event.pages.end(), n->pages.begin(), n->pages.end());
     event.source_block_ids.insert(event.source_block_ids.end(), source->block_ids.begin(),

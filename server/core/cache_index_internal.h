@@ -1,14 +1,33 @@
 // Internals of CacheIndex shared by its .cc files (cache_index.cc: namespaces, matching,
-// inserting, pins; cache_index_eviction.cc: budgets, eviction, demotion). Not a public API.
+// inserting, pins; cache_index_eviction.cc: budgets, eviction, demotion;
+// cache_index_expiry.cc: retention). Not a public API.
 #ifndef KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 #define KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <utility>
 
+#include "absl/container/btree_set.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
+
+// One replica in a namespace's expiry queue, ordered oldest first. The node pointer is only
+// a key (and the way to the replica while it is in the queue): an entry leaves the queue
+// when its replica leaves the tree, so it never outlives its node.
+struct ExpiryEntry {
+  int64_t committed_ms = 0;
+  RadixNode* node = nullptr;
+  PoolId pool = 0;
+
+  friend bool operator<(const ExpiryEntry& a, const ExpiryEntry& b) {
+    if (a.committed_ms != b.committed_ms) return a.committed_ms < b.committed_ms;
+    if (a.node != b.node) return std::less<const RadixNode*>()(a.node, b.node);
+    return a.pool < b.pool;
+  }
+};
 
 struct CacheIndex::Namespace {
   Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in, uint64_t page_bytes)
@@ -21,6 +40,17 @@ struct CacheIndex::Namespace {
   const HashKey key;
   const uint64_t bytes_per_page;
   RadixTree tree;
+
+  // Retention: the limit RegisterModel (or an inventory) gave (0: the manager's default),
+  // and the one in force (InfiniteDuration: none).
+  absl::Duration registered_max_age = absl::ZeroDuration();
+  absl::Duration max_age = absl::InfiniteDuration();
+  // Every replica of the tree by commit time, kept only while max_age is finite, and
+  // where SweepExpired stopped in it (a key, not an iterator: the set changes between
+  // calls).
+  absl::btree_set<ExpiryEntry> expiry;
+  std::optional<ExpiryEntry> expiry_resume;
+  uint64_t expired_pages = 0;
 };
 
 inline CacheIndex::Namespace* OwnerOf(const RadixNode* node) {

@@ -1,6 +1,8 @@
 #include "server/core/inventory_restore.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <span>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -22,6 +24,9 @@ struct Node {
   const InventoryPage* entry;
   uint32_t parent = kNone;  // index of the parent page; kNone for a first page or a missing one
   Chain chain = Chain::kUnknown;
+  int64_t committed_ms = 0;  // clamped to [.., now]; now when the agent gave none
+  // Past the max page age itself or below such a page (rooted pages only).
+  enum : uint8_t { kAgeUnknown, kYoung, kExpired } age = kAgeUnknown;
   bool has_child = false;
   enum : uint8_t { kNotYet, kIndexed, kSuperseded } outcome = kNotYet;
 };
@@ -46,6 +51,11 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
         return absl::InvalidArgumentError(
             absl::StrCat("pages[", i, "].block_id: block ", b, " is listed twice"));
       }
+      if (batch.pages[i].committed_unix_ms < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("pages[", i, "].committed_unix_ms: ", batch.pages[i].committed_unix_ms,
+                         " is before 1970"));
+      }
     }
   }
   if (batch.ns.tenant.empty() || batch.ns.model.empty()) {
@@ -63,9 +73,12 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     return result;
   };
   if (batch.spec.BytesPerPage() != bytes_per_block) return refuse_all();
-  if (!index.RegisterModel(batch.ns, batch.spec, CacheIndex::NamespaceSource::kInventory).ok()) {
-    return refuse_all();  // another spec
+  absl::StatusOr<RegisterModelResult> registered = index.RegisterModel(
+      batch.ns, batch.spec, CacheIndex::NamespaceSource::kInventory, batch.max_page_age);
+  if (registered.status().code() == absl::StatusCode::kInvalidArgument) {
+    return registered.status();  // the max page age
   }
+  if (!registered.ok()) return refuse_all();  // another spec
 
   // The pool's distinct pages; a second block of the same page is a duplicate.
   std::vector<Node> nodes;
@@ -80,7 +93,10 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
       result.to_free.push_back(p.block);
     }
   }
+  const int64_t now_ms = absl::ToUnixMillis(index.Now());
   for (Node& n : nodes) {
+    const int64_t t = n.entry->committed_unix_ms;
+    n.committed_ms = t == 0 ? now_ms : std::min(t, now_ms);
     if (n.entry->parent == PageHash{}) continue;
     if (auto it = index_of.find(n.entry->parent); it != index_of.end()) n.parent = it->second;
   }
@@ -108,16 +124,37 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     for (uint32_t w : walk) nodes[w].chain = label;
     walk.clear();
   }
+  // Which rooted pages are past the namespace's max page age, or below one that is: a pool
+  // holds whole prefixes, so those leave with it. Labelled as the chains were.
+  const absl::Duration limit = registered->max_page_age;
+  const int64_t cutoff_ms =
+      limit == absl::ZeroDuration() ? INT64_MIN : absl::ToUnixMillis(index.Now() - limit);
+  for (uint32_t start = 0; start < nodes.size(); ++start) {
+    if (nodes[start].chain != Chain::kRooted) continue;
+    uint32_t i = start;
+    while (i != kNone && nodes[i].age == Node::kAgeUnknown) {
+      walk.push_back(i);
+      i = nodes[i].parent;
+    }
+    bool expired = i != kNone && nodes[i].age == Node::kExpired;
+    for (auto w = walk.rbegin(); w != walk.rend(); ++w) {  // from the top down
+      expired = expired || nodes[*w].committed_ms <= cutoff_ms;
+      nodes[*w].age = expired ? Node::kExpired : Node::kYoung;
+    }
+    walk.clear();
+  }
   for (const Node& n : nodes) {
-    if (n.chain == Chain::kRooted && n.parent != kNone) nodes[n.parent].has_child = true;
+    if (n.age == Node::kYoung && n.parent != kNone) nodes[n.parent].has_child = true;
   }
 
-  // Insert every rooted leaf's path, first page first.
+  // Insert every young rooted leaf's path, first page first: one insert per run of pages
+  // with one commit time (a prompt's pages committed by one insert share it), so that every
+  // page gets its own time back.
   std::vector<uint32_t> path;
   std::vector<PageHash> pages;
   std::vector<BlockId> blocks;
   for (uint32_t leaf = 0; leaf < nodes.size(); ++leaf) {
-    if (nodes[leaf].chain != Chain::kRooted || nodes[leaf].has_child) continue;
+    if (nodes[leaf].age != Node::kYoung || nodes[leaf].has_child) continue;
     path.clear();
     for (uint32_t i = leaf; i != kNone; i = nodes[i].parent) path.push_back(i);
     std::reverse(path.begin(), path.end());
@@ -127,17 +164,25 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
       pages.push_back(nodes[i].entry->page);
       blocks.push_back(nodes[i].entry->block);
     }
-    absl::StatusOr<InsertResult> inserted =
-        index.Insert(batch.ns, pages, pool, blocks, {.pool_generation = pool_generation});
-    if (inserted.status().code() == absl::StatusCode::kAborted) return inserted.status();
-    if (!inserted.ok()) continue;  // no room: freed below unless another path took them
-    for (size_t k = 0; k < path.size(); ++k) {
-      Node& n = nodes[path[k]];
-      if (n.outcome != Node::kNotYet) continue;
-      // A page the pool already held in another block keeps that block; ours is spare.
-      const bool other_block =
-          k < inserted->already_present_pages && inserted->existing_block_ids[k] != blocks[k];
-      n.outcome = other_block ? Node::kSuperseded : Node::kIndexed;
+    for (size_t end = 1; end <= path.size(); ++end) {
+      if (end < path.size() && nodes[path[end]].committed_ms == nodes[path[end - 1]].committed_ms) {
+        continue;  // the run goes on
+      }
+      // Pages [0, end) now: the runs before are in already, with their own times.
+      absl::StatusOr<InsertResult> inserted =
+          index.Insert(batch.ns, std::span(pages).first(end), pool, std::span(blocks).first(end),
+                       {.pool_generation = pool_generation,
+                        .committed_at = absl::FromUnixMillis(nodes[path[end - 1]].committed_ms)});
+      if (inserted.status().code() == absl::StatusCode::kAborted) return inserted.status();
+      if (!inserted.ok()) break;  // no room: freed below unless another path took them
+      for (size_t k = 0; k < end; ++k) {
+        Node& n = nodes[path[k]];
+        if (n.outcome != Node::kNotYet) continue;
+        // A page the pool already held in another block keeps that block; ours is spare.
+        const bool other_block =
+            k < inserted->already_present_pages && inserted->existing_block_ids[k] != blocks[k];
+        n.outcome = other_block ? Node::kSuperseded : Node::kIndexed;
+      }
     }
   }
 
@@ -148,6 +193,8 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
     }
     if (node.outcome == Node::kSuperseded) {
       ++result.duplicate_pages;
+    } else if (node.age == Node::kExpired) {
+      ++result.expired_pages;
     } else {
       (node.chain == Chain::kRooted ? result.refused_pages : result.orphan_pages) += 1;
     }
@@ -165,7 +212,8 @@ InventoryCollector::InventoryCollector(std::string agent_id, uint64_t bytes_per_
       seen_(pools_.size()) {}
 
 absl::Status InventoryCollector::Add(Tier tier, const NamespaceId& ns, const ModelSpec& spec,
-                                     std::vector<InventoryPage> pages) {
+                                     std::vector<InventoryPage> pages,
+                                     absl::Duration max_page_age) {
   size_t p = 0;
   while (p < pools_.size() && pools_[p].tier != tier) ++p;
   if (p == pools_.size()) {
@@ -175,6 +223,10 @@ absl::Status InventoryCollector::Add(Tier tier, const NamespaceId& ns, const Mod
   if (auto it = specs_.find(ns); it != specs_.end() && !(it->second == spec)) {
     return absl::InvalidArgumentError(
         absl::StrCat("spec: namespace ", ns.ToString(), " came with another spec before"));
+  }
+  if (max_page_age < absl::ZeroDuration() || max_page_age > absl::Seconds(kMaxPageAgeS)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_page_age_s must be in [0, ", kMaxPageAgeS,
+                                                   "], got ", absl::ToInt64Seconds(max_page_age)));
   }
   absl::flat_hash_set<BlockId>& seen = seen_[p];
   for (size_t i = 0; i < pages.size(); ++i) {
@@ -186,6 +238,11 @@ absl::Status InventoryCollector::Add(Tier tier, const NamespaceId& ns, const Mod
       why = "is past the pool";
     } else if (!seen.insert(b).second) {
       why = "is listed twice";
+    } else if (pages[i].committed_unix_ms < 0) {
+      seen.erase(b);
+      for (size_t j = 0; j < i; ++j) seen.erase(pages[j].block);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "committed_unix_ms[", i, "]: ", pages[i].committed_unix_ms, " is before 1970"));
     }
     if (!why.empty()) {
       for (size_t j = 0; j < i; ++j) seen.erase(pages[j].block);  // added nothing
@@ -198,6 +255,10 @@ absl::Status InventoryCollector::Add(Tier tier, const NamespaceId& ns, const Mod
   if (batch.pages.empty()) {
     batch.ns = ns;
     batch.spec = spec;
+  }
+  if (max_page_age > absl::ZeroDuration() &&
+      (batch.max_page_age == absl::ZeroDuration() || max_page_age < batch.max_page_age)) {
+    batch.max_page_age = max_page_age;  // as RegisterModel would: only tightens
   }
   batch.pages.insert(batch.pages.end(), pages.begin(), pages.end());
   pages_ += pages.size();
@@ -222,6 +283,7 @@ absl::StatusOr<InventoryOutcome> InventoryCollector::Restore(CacheIndex& index) 
       out.orphan_pages += r->orphan_pages;
       out.duplicate_pages += r->duplicate_pages;
       out.refused_pages += r->refused_pages;
+      out.expired_pages += r->expired_pages;
       to_free.insert(to_free.end(), r->to_free.begin(), r->to_free.end());
     }
   }

@@ -246,5 +246,131 @@ TEST_F(InventoryRestoreTest, CollectorRefusesWhatNoAgentCanHoldAndAddsNothing) {
   EXPECT_EQ(IndexedPages(), 0u);
 }
 
+// Retention: rebuilt pages keep the commit times the agent recorded.
+class InventoryRestoreAgeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    index_ = std::make_unique<CacheIndex>(CacheIndexOptions{
+        .hash_secret = HashKey{1, 2}, .default_pool_capacity_bytes = 0, .clock = &clock_});
+    ASSERT_TRUE(index_->SetPoolCapacity(kPool, 100 * Mla().BytesPerPage()).ok());
+  }
+
+  // `pages` chained in `blocks`, committed `ages` ago (one per page).
+  std::vector<InventoryPage> Aged(std::vector<uint64_t> pages, std::vector<BlockId> blocks,
+                                  std::vector<absl::Duration> ages) {
+    std::vector<InventoryPage> out = Path(std::move(pages), std::move(blocks));
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i].committed_unix_ms = absl::ToUnixMillis(clock_.Now() - ages[i]);
+    }
+    return out;
+  }
+
+  absl::StatusOr<RestoreResult> Restore(std::vector<InventoryPage> pages,
+                                        absl::Duration max_age = absl::Hours(1)) {
+    return RestoreInventory(
+        *index_, kPool, Mla().BytesPerPage(),
+        InventoryBatch{.ns = kNs, .spec = Mla(), .max_page_age = max_age, .pages = pages});
+  }
+
+  uint32_t Matched(std::vector<uint64_t> pages) {
+    absl::StatusOr<MatchResult> m = index_->Match(kNs, Pages(pages), {.probe = true});
+    return m.ok() ? m->matched_pages : 0;
+  }
+
+  uint64_t Sweep() {
+    uint64_t n = 0;
+    for (ExpirySweepResult r; (r = index_->SweepExpired(64)).expired_pages > 0 || r.more;) {
+      n += r.expired_pages;
+    }
+    return n;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<CacheIndex> index_;
+};
+
+TEST_F(InventoryRestoreAgeTest, APageKeepsItsAgeAndTheNamespaceItsLimit) {
+  const absl::Duration m50 = absl::Minutes(50);
+  absl::StatusOr<RestoreResult> r = Restore(Aged({1, 2, 3}, {7, 8, 9}, {m50, m50, m50}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 3u);
+  EXPECT_EQ(index_->GetNamespace(kNs)->max_page_age, absl::Hours(1));  // from the inventory
+  EXPECT_EQ(Matched({1, 2, 3}), 3u);
+  clock_.Advance(absl::Minutes(10) - absl::Milliseconds(1));
+  EXPECT_EQ(Sweep(), 0u);
+  clock_.Advance(absl::Milliseconds(1));  // 60 minutes old
+  EXPECT_EQ(Matched({1, 2, 3}), 0u);
+  EXPECT_EQ(Sweep(), 3u);
+}
+
+TEST_F(InventoryRestoreAgeTest, PagesPastTheirAgeAreNotRebuiltAndTheirBlocksFreed) {
+  const absl::Duration old = absl::Hours(2), young = absl::Minutes(10);
+  std::vector<InventoryPage> pages = Aged({1, 2, 3}, {1, 2, 3}, {old, old, young});
+  // A young prompt beside it stays.
+  for (const InventoryPage& p : Aged({5, 6}, {5, 6}, {young, young})) pages.push_back(p);
+  absl::StatusOr<RestoreResult> r = Restore(pages);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Page 3 is young but below expired pages: the pool holds whole prefixes.
+  EXPECT_EQ(r->expired_pages, 3u);
+  EXPECT_EQ(r->indexed_pages, 2u);
+  EXPECT_THAT(r->to_free, UnorderedElementsAre(1, 2, 3));
+  EXPECT_EQ(Matched({1, 2, 3}), 0u);
+  EXPECT_EQ(Matched({5, 6}), 2u);
+}
+
+TEST_F(InventoryRestoreAgeTest, EachPageKeepsItsOwnCommitTime) {
+  // Page 3 was committed before its parents (it can be: the parents' first blocks were
+  // freed and their pages committed again); it expires first, alone.
+  const absl::Duration m5 = absl::Minutes(5), m50 = absl::Minutes(50);
+  ASSERT_TRUE(Restore(Aged({1, 2, 3}, {1, 2, 3}, {m5, m5, m50})).ok());
+  EXPECT_EQ(Matched({1, 2, 3}), 3u);
+  clock_.Advance(absl::Minutes(10));
+  EXPECT_EQ(Matched({1, 2, 3}), 2u);
+  EXPECT_EQ(Sweep(), 1u);
+  EXPECT_EQ(Matched({1, 2}), 2u);
+}
+
+TEST_F(InventoryRestoreAgeTest, NoTimeOrAFutureOneCountsFromTheRebuild) {
+  std::vector<InventoryPage> pages = Path({1}, {1});  // committed_unix_ms 0: not recorded
+  pages.push_back(Aged({9}, {9}, {-absl::Hours(3)})[0]);
+  ASSERT_TRUE(Restore(pages).ok());
+  clock_.Advance(absl::Minutes(59));
+  EXPECT_EQ(Sweep(), 0u);
+  clock_.Advance(absl::Minutes(1));
+  EXPECT_EQ(Sweep(), 2u);
+}
+
+TEST_F(InventoryRestoreAgeTest, BadTimesAndAgesAreInvalidArgumentAndAddNothing) {
+  std::vector<InventoryPage> pages = Path({1}, {1});
+  pages[0].committed_unix_ms = -5;
+  absl::StatusOr<RestoreResult> r = Restore(pages);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("committed_unix_ms"));
+  r = Restore(Path({1}, {1}), absl::Seconds(int64_t{kMaxPageAgeS} + 1));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("max_page_age_s"));
+  EXPECT_EQ(index_->GetNamespace(kNs).status().code(), absl::StatusCode::kNotFound);
+
+  InventoryCollector collector(
+      "gpu-0", Mla().BytesPerPage(),
+      {{.tier = Tier::kGpu, .num_blocks = 10, .generation = *index_->PoolGeneration(kPool)}});
+  std::vector<InventoryPage> bad = Path({1, 2}, {1, 2});
+  bad[1].committed_unix_ms = -1;
+  absl::Status s = collector.Add(Tier::kGpu, kNs, Mla(), bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("committed_unix_ms[1]"));
+  s = collector.Add(Tier::kGpu, kNs, Mla(), Path({1}, {1}),
+                    absl::Seconds(int64_t{kMaxPageAgeS} + 1));
+  EXPECT_THAT(s.message(), HasSubstr("max_page_age_s"));
+  EXPECT_EQ(collector.pages(), 0u);
+  // Nothing of the refused chunks stuck: the same blocks may be listed now; two chunks'
+  // limits keep the shorter.
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), Path({1}, {1}), absl::Seconds(900)).ok());
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), Path({2}, {2}), absl::Seconds(600)).ok());
+  ASSERT_TRUE(collector.Add(Tier::kGpu, kNs, Mla(), Path({3}, {3})).ok());
+  ASSERT_TRUE(collector.Restore(*index_).ok());
+  EXPECT_EQ(index_->GetNamespace(kNs)->max_page_age, absl::Seconds(600));
+}
+
 }  // namespace
 }  // namespace kvcm

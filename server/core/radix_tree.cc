@@ -104,6 +104,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
     Replica h;
     h.pool = r.pool;
     h.child_refs = 1;
+    h.committed_ms = r.committed_ms;
     h.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + k);
     r.block_ids.erase(r.block_ids.begin(), r.block_ids.begin() + k);
     head->replicas.push_back(std::move(h));

@@ -33,6 +33,9 @@ struct Replica {
   uint32_t child_refs = 0;
   // Whether the policy currently tracks this replica as an eviction candidate.
   bool evictable = false;
+  // When the pool's blocks were committed to these pages, in Unix milliseconds (their age,
+  // for retention, counts from it).
+  int64_t committed_ms = 0;
   std::vector<BlockId> block_ids;  // one per page of the node
 };
 

@@ -164,7 +164,10 @@ grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServe
   return rpc_.Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
-    KVCM_ASSIGN_OR_RETURN(RegisterModelResult result, index_->RegisterModel(call.ns, call.spec));
+    KVCM_ASSIGN_OR_RETURN(
+        RegisterModelResult result,
+        index_->RegisterModel(call.ns, call.spec, CacheIndex::NamespaceSource::kClient,
+                              call.max_page_age));
     RegisterModelResultToProto(result, resp);
     return absl::OkStatus();
   });

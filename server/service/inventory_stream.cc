@@ -48,13 +48,26 @@ absl::Status InventoryReceiver::Take(const v1::InventoryChunk& chunk) {
   if (!ns.ok()) return ns.status();
   absl::StatusOr<ModelSpec> spec = ModelSpecFromProto(chunk.has_spec() ? &chunk.spec() : nullptr);
   if (!spec.ok()) return spec.status();
+  // Commit times are optional (an agent that does not record them sends none), but when
+  // present there is one per block.
+  const int times = chunk.committed_unix_ms_size();
+  if (times != 0 && times != n) {
+    return Invalid(absl::StrCat("committed_unix_ms has ", times,
+                                " entries, expected 0 or one per "
+                                "block (",
+                                n, ")"));
+  }
   const std::vector<PageHash> pages = DecodePageHashes(chunk.page_hashes());
   const std::vector<PageHash> parents = DecodePageHashes(chunk.parent_hashes());
   std::vector<InventoryPage> entries(n);
   for (int i = 0; i < n; ++i) {
-    entries[i] = InventoryPage{.block = chunk.block_ids(i), .page = pages[i], .parent = parents[i]};
+    entries[i] = InventoryPage{.block = chunk.block_ids(i),
+                               .page = pages[i],
+                               .parent = parents[i],
+                               .committed_unix_ms = times == 0 ? 0 : chunk.committed_unix_ms(i)};
   }
-  return collector_->Add(static_cast<Tier>(chunk.tier()), *ns, *spec, std::move(entries));
+  return collector_->Add(static_cast<Tier>(chunk.tier()), *ns, *spec, std::move(entries),
+                         absl::Seconds(chunk.max_page_age_s()));
 }
 
 // The first chunk: the agent must be registered in this epoch; its pools are noted with
@@ -95,6 +108,7 @@ absl::Status InventoryReceiver::Restore(v1::InventoryReply* reply) {
   reply->set_orphan_pages(outcome->orphan_pages);
   reply->set_duplicate_pages(outcome->duplicate_pages);
   reply->set_refused_pages(outcome->refused_pages);
+  reply->set_expired_pages(outcome->expired_pages);
   for (const auto& [tier, blocks] : outcome->to_free) {
     if (blocks.empty()) continue;
     v1::PoolBlocks* free = reply->add_to_free();
@@ -104,7 +118,8 @@ absl::Status InventoryReceiver::Restore(v1::InventoryReply* reply) {
   LogInfo(absl::StrCat("agent ", agent_id_, " epoch ", epoch_, ": inventory of ",
                        collector_->pages(), " committed blocks; indexed ", outcome->indexed_pages,
                        ", orphans ", outcome->orphan_pages, ", duplicates ",
-                       outcome->duplicate_pages, ", refused ", outcome->refused_pages));
+                       outcome->duplicate_pages, ", refused ", outcome->refused_pages, ", expired ",
+                       outcome->expired_pages));
   return absl::OkStatus();
 }
 

@@ -46,9 +46,11 @@ ManagerServer::ManagerServer(ServerOptions options) : options_(std::move(options
 
 ManagerServer::~ManagerServer() { Shutdown(); }
 
-absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOptions options) {
+absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOptions options,
+                                                                    Clock* index_clock) {
   KVCM_RETURN_IF_ERROR(options.Validate());
   KVCM_ASSIGN_OR_RETURN(CacheIndexOptions index_options, options.ToCacheIndexOptions());
+  index_options.clock = index_clock;
   std::unique_ptr<ManagerServer> s(new ManagerServer(std::move(options)));
   const ServerOptions& opts = s->options_;
   KVCM_ASSIGN_OR_RETURN(s->index_, CacheIndex::Create(std::move(index_options)));
@@ -162,6 +164,9 @@ void ManagerServer::SweepLeases() {
     constexpr size_t kSweepStep = 256;
     while (!stop_sweeper_.HasBeenNotified() &&
            index_->SweepRetired(kSweepStep).removed_replicas == kSweepStep) {
+    }
+    // Pages past their age leave the same way; their kRemoved events free the blocks.
+    while (!stop_sweeper_.HasBeenNotified() && index_->SweepExpired(kSweepStep).more) {
     }
   }
 }

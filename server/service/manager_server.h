@@ -41,8 +41,11 @@ namespace kvcm {
 class ManagerServer {
  public:
   // Validates `options`, builds the index and starts serving. INVALID_ARGUMENT for bad
-  // options; UNAVAILABLE when an address cannot be bound.
-  static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(ServerOptions options);
+  // options; UNAVAILABLE when an address cannot be bound. `index_clock` (not owned; must
+  // outlive the server) replaces the real clock of the index (leases, page ages): tests
+  // pass a FakeClock. Agents' heartbeats keep the real clock.
+  static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(ServerOptions options,
+                                                              Clock* index_clock = nullptr);
 
   // Shuts down (see Shutdown) and waits for it.
   ~ManagerServer();
@@ -76,8 +79,8 @@ class ManagerServer {
 
  private:
   explicit ManagerServer(ServerOptions options);
-  // Expires leases, drops gone agents and sweeps dropped pools' pages out of the index,
-  // every lease_sweep_interval_ms until Shutdown.
+  // Expires leases, drops gone agents, sweeps dropped pools' pages out of the index and
+  // removes pages past their max page age, every lease_sweep_interval_ms until Shutdown.
   void SweepLeases();
   // Forgets the pools and queued commands of agents the registry declares gone.
   void DropGoneAgents();

@@ -165,6 +165,11 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     counter("kvcm_pages_dropped_total",
             "Page-locations forgotten because their agent restarted or was declared gone.",
             c.dropped_pages);
+    // No tenant or model label: a namespace's own count is in Stats (NamespaceStats).
+    counter("kvcm_pages_expired_total",
+            "Page-locations removed because they were older than their namespace's max page "
+            "age.",
+            c.expired_pages);
     out.push_back(Scalar(
         "kvcm_hit_ratio", "matched_tokens_total / requested_tokens_total since start.", kGauge,
         c.requested_tokens == 0

@@ -155,6 +155,12 @@ absl::StatusOr<RegisterModelCall> RegisterModelFromProto(const v1::RegisterModel
   KVCM_ASSIGN_OR_RETURN(
       call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
   KVCM_ASSIGN_OR_RETURN(call.spec, ModelSpecFromProto(IfSet(req.has_spec(), req.spec())));
+  if (req.max_page_age_s() > kMaxPageAgeS) {
+    return absl::InvalidArgumentError(absl::StrCat("max_page_age_s must be at most ", kMaxPageAgeS,
+                                                   " (10 years; 0: the manager's default), got ",
+                                                   req.max_page_age_s()));
+  }
+  call.max_page_age = absl::Seconds(req.max_page_age_s());
   return call;
 }
 
@@ -168,6 +174,7 @@ void RegisterModelResultToProto(const RegisterModelResult& result, v1::RegisterM
   scheme->set_page_size_tokens(result.spec.page_size_tokens);
   scheme->set_key_fingerprint(KeyFingerprint(result.hash_key));
   out->set_created(result.created);
+  out->set_max_page_age_s(static_cast<uint32_t>(absl::ToInt64Seconds(result.max_page_age)));
 }
 
 absl::StatusOr<MatchCall> MatchFromProto(const CacheIndex& index, const v1::MatchRequest& req,
@@ -400,6 +407,8 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ns->set_pages(n.pages);
     ns->set_page_locations(n.page_locations);
     ns->set_radix_nodes(n.radix_nodes);
+    ns->set_max_page_age_s(static_cast<uint32_t>(absl::ToInt64Seconds(n.max_page_age)));
+    ns->set_expired_pages(n.expired_pages);
   }
   const IndexCounters& c = stats.counters;
   v1::Counters* pc = out->mutable_counters();
@@ -414,6 +423,7 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   pc->set_pins_released(c.pins_released);
   pc->set_lease_expiries(c.lease_expiries);
   pc->set_dropped_pages(c.dropped_pages);
+  pc->set_expired_pages(c.expired_pages);
   pc->set_requested_tokens(c.requested_tokens);
   pc->set_matched_tokens(c.matched_tokens);
   pc->set_eviction_regret_pages(c.eviction_regret_pages);
@@ -438,6 +448,7 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
   PoolToProto(event.pool, out->mutable_pool());
   out->set_page_hashes(EncodePageHashes(event.pages));
   out->set_sequence(sequence);
+  out->set_reason(static_cast<v1::CacheEvent::Reason>(event.reason));  // same values
 }
 
 void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
@@ -463,6 +474,8 @@ void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnati
     if (commit->first_parent != PageHash{}) {
       c->set_first_parent_hash(EncodePageHashes({&commit->first_parent, 1}));
     }
+    c->set_committed_unix_ms(commit->committed_unix_ms);
+    c->set_max_page_age_s(commit->max_page_age_s);
   } else if (const auto* release = std::get_if<ReleaseBlocksCommand>(&command.body)) {
     out->mutable_release()->set_tier(static_cast<v1::Tier>(release->tier));
     out->mutable_release()->mutable_block_ids()->Add(release->block_ids.begin(),

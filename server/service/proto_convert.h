@@ -63,7 +63,9 @@ absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const Name
 struct RegisterModelCall {
   NamespaceId ns;
   ModelSpec spec;
+  absl::Duration max_page_age = absl::ZeroDuration();  // 0: the manager's default
 };
+// Also INVALID_ARGUMENT "max_page_age_s" beyond kMaxPageAgeS.
 absl::StatusOr<RegisterModelCall> RegisterModelFromProto(const v1::RegisterModelRequest& req);
 void RegisterModelResultToProto(const RegisterModelResult& result, v1::RegisterModelResponse* out);
 

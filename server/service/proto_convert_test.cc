@@ -374,6 +374,35 @@ TEST_F(ProtoConvertTest, RegisterModelSpecs) {
   ExpectError(RegisterModelFromProto(req), absl::StatusCode::kInvalidArgument, "spec.num_layers");
 }
 
+TEST_F(ProtoConvertTest, RegisterModelMaxPageAge) {
+  v1::RegisterModelRequest req;
+  NamespaceToProto(ns_, req.mutable_namespace_());
+  ModelSpecToProto(spec_, req.mutable_spec());
+  absl::StatusOr<RegisterModelCall> call = RegisterModelFromProto(req);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->max_page_age, absl::ZeroDuration());  // the manager's default
+  req.set_max_page_age_s(kMaxPageAgeS);
+  call = RegisterModelFromProto(req);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->max_page_age, absl::Seconds(kMaxPageAgeS));
+  req.set_max_page_age_s(kMaxPageAgeS + 1);
+  ExpectError(RegisterModelFromProto(req), absl::StatusCode::kInvalidArgument, "max_page_age_s");
+
+  // The response and Stats say what is in force.
+  absl::StatusOr<RegisterModelResult> r =
+      index_->RegisterModel(ns_, spec_, CacheIndex::NamespaceSource::kClient, absl::Seconds(600));
+  ASSERT_TRUE(r.ok()) << r.status();
+  v1::RegisterModelResponse resp;
+  RegisterModelResultToProto(*r, &resp);
+  EXPECT_EQ(resp.max_page_age_s(), 600u);
+  v1::StatsResponse stats;
+  StatsToProto(index_->Stats(), RequestLimits{}, &stats);
+  ASSERT_EQ(stats.namespaces_size(), 1);
+  EXPECT_EQ(stats.namespaces(0).max_page_age_s(), 600u);
+  EXPECT_EQ(stats.namespaces(0).expired_pages(), 0u);
+  EXPECT_EQ(stats.counters().expired_pages(), 0u);
+}
+
 TEST_F(ProtoConvertTest, RegisterModelResponseCarriesTheScheme) {
   absl::StatusOr<RegisterModelResult> r = index_->GetNamespace(ns_);
   ASSERT_TRUE(r.ok());
@@ -468,6 +497,13 @@ TEST_F(ProtoConvertTest, WatchFilterAndEvents) {
   EXPECT_EQ(proto.pool().tier(), v1::TIER_DISK);
   EXPECT_EQ(proto.namespace_().tenant(), "acme");
   EXPECT_EQ(DecodePageHashes(proto.page_hashes()), event.pages);
+  EXPECT_EQ(proto.reason(), v1::CacheEvent::REASON_UNSPECIFIED);
+  event.reason = CacheEvent::Reason::kExpired;
+  CacheEventToProto(event, 78, &proto);
+  EXPECT_EQ(proto.reason(), v1::CacheEvent::REASON_EXPIRED);
+  event.reason = CacheEvent::Reason::kEvicted;
+  CacheEventToProto(event, 79, &proto);
+  EXPECT_EQ(proto.reason(), v1::CacheEvent::REASON_EVICTED);
 }
 
 TEST_F(ProtoConvertTest, AgentCommandsToProto) {
@@ -497,7 +533,9 @@ TEST_F(ProtoConvertTest, AgentCommandsToProto) {
                                                                .ns = ns_,
                                                                .spec = spec_,
                                                                .block_ids = {8, 9},
-                                                               .pages = pages}},
+                                                               .pages = pages,
+                                                               .committed_unix_ms = 1234,
+                                                               .max_page_age_s = 60}},
                       99, &out);
   ASSERT_TRUE(out.has_commit());
   EXPECT_EQ(out.commit().tier(), v1::TIER_GPU);
@@ -506,6 +544,8 @@ TEST_F(ProtoConvertTest, AgentCommandsToProto) {
   EXPECT_THAT(out.commit().block_ids(), ::testing::ElementsAre(8, 9));
   EXPECT_EQ(DecodePageHashes(out.commit().page_hashes()), pages);
   EXPECT_TRUE(out.commit().first_parent_hash().empty());
+  EXPECT_EQ(out.commit().committed_unix_ms(), 1234);
+  EXPECT_EQ(out.commit().max_page_age_s(), 60u);
 
   AgentCommandToProto(
       AgentCommand{.sequence = 6,

@@ -55,6 +55,7 @@ const std::vector<Field>& Fields() {
       {"route_prefill_tokens_per_s", &ServerOptions::route_prefill_tokens_per_s},
       {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
       {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
+      {"default_max_page_age_s", &ServerOptions::default_max_page_age_s},
   };
   return *kFields;
 }
@@ -130,6 +131,11 @@ absl::Status ServerOptions::Validate() const {
   if (route_prefill_tokens_per_s < 1) return Invalid("route_prefill_tokens_per_s", "must be >= 1");
   if (route_tcp_link_gbps < 1) return Invalid("route_tcp_link_gbps", "must be >= 1");
   if (route_nccl_link_gbps < 1) return Invalid("route_nccl_link_gbps", "must be >= 1");
+  if (default_max_page_age_s > kMaxPageAgeS) {
+    return Invalid("default_max_page_age_s",
+                   absl::StrCat("must be at most ", kMaxPageAgeS, " (10 years; 0: no limit), got ",
+                                default_max_page_age_s));
+  }
   return absl::OkStatus();
 }
 
@@ -166,6 +172,7 @@ absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   out.max_namespaces = max_namespaces;
   out.max_namespaces_per_tenant = max_namespaces_per_tenant;
   out.max_pins_per_tenant = max_pins_per_tenant;
+  out.default_max_page_age = absl::Seconds(default_max_page_age_s);
   return out;
 }
 

@@ -79,6 +79,11 @@ struct ServerOptions {
   // transport: TCP (a datacentre NIC) and NCCL (NVLink or InfiniBand). >= 1.
   uint32_t route_tcp_link_gbps = 25;
   uint32_t route_nccl_link_gbps = 400;
+  // Retention (docs/EVICTION.md): seconds a cached page may stay after it was committed,
+  // for every namespace; RegisterModel's max_page_age_s may set a shorter one per
+  // namespace. Expired pages leave at the lease sweep (and never match). 0: no limit.
+  // At most 315360000 (10 years).
+  uint32_t default_max_page_age_s = 0;
 
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;

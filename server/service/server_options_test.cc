@@ -60,6 +60,8 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.route_prefill_tokens_per_s = 0; }, "route_prefill_tokens_per_s"},
       {[](ServerOptions& o) { o.route_tcp_link_gbps = 0; }, "route_tcp_link_gbps"},
       {[](ServerOptions& o) { o.route_nccl_link_gbps = 0; }, "route_nccl_link_gbps"},
+      {[](ServerOptions& o) { o.default_max_page_age_s = kMaxPageAgeS + 1; },
+       "default_max_page_age_s"},
   };
   for (const Case& c : cases) {
     ServerOptions options;
@@ -87,6 +89,7 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   options.max_lease_ttl_ms = 9000;
   options.regret_window_ms = 42;
   options.default_pool_capacity_bytes = 123;
+  options.default_max_page_age_s = 3600;
   absl::StatusOr<CacheIndexOptions> index = options.ToCacheIndexOptions();
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ(index->hash_secret.ToBytes(),
@@ -95,6 +98,8 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   EXPECT_EQ(index->max_lease_ttl, absl::Milliseconds(9000));
   EXPECT_EQ(index->regret_window, absl::Milliseconds(42));
   EXPECT_EQ(index->default_pool_capacity_bytes, 123u);
+  EXPECT_EQ(index->default_max_page_age, absl::Hours(1));
+  EXPECT_EQ(ServerOptions().default_max_page_age_s, 0u) << "no retention limit by default";
   EXPECT_EQ(index->policy, "lru");
   EXPECT_TRUE(index->Validate().ok());
 
@@ -133,7 +138,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 24u);
+  EXPECT_EQ(names.size(), 25u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
