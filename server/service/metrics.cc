@@ -1,5 +1,6 @@
 #include "server/service/metrics.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "common/enum_names.h"
@@ -130,7 +131,25 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
                                        "Page-locations of a namespace (replicas count).", kGauge);
     MetricFamily ns_nodes =
         Family("kvcm_namespace_radix_nodes", "Radix tree nodes of a namespace.", kGauge);
-    for (const NamespaceStats& n : stats.namespaces) {
+    // Namespaces are made by clients: whatever they register, the exporter shows the
+    // kMaxNamespaceSeries largest (by page-locations) and sums the rest into one series.
+    std::vector<NamespaceStats> namespaces = stats.namespaces;
+    NamespaceStats other;
+    if (namespaces.size() > kMaxNamespaceSeries) {
+      std::nth_element(namespaces.begin(), namespaces.begin() + kMaxNamespaceSeries,
+                       namespaces.end(), [](const NamespaceStats& a, const NamespaceStats& b) {
+                         return a.page_locations > b.page_locations;
+                       });
+      for (auto it = namespaces.begin() + kMaxNamespaceSeries; it != namespaces.end(); ++it) {
+        other.pages += it->pages;
+        other.page_locations += it->page_locations;
+        other.radix_nodes += it->radix_nodes;
+      }
+      namespaces.resize(kMaxNamespaceSeries);
+      other.ns = NamespaceId{std::string(kOtherLabel), std::string(kOtherLabel)};
+      namespaces.push_back(std::move(other));
+    }
+    for (const NamespaceStats& n : namespaces) {
       std::vector<ClientMetric::Label> labels = {{"model", n.ns.model}, {"tenant", n.ns.tenant}};
       AddSample(&ns_pages, labels, static_cast<double>(n.pages));
       AddSample(&ns_locations, labels, static_cast<double>(n.page_locations));

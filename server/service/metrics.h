@@ -61,6 +61,11 @@ enum class AgentCommandResult : int {
 };
 inline constexpr int kNumAgentCommandResults = 3;
 
+// Most namespaces exported with their own (tenant, model) labels; the rest are summed into
+// one series labelled kOtherLabel, so /metrics stays bounded whatever clients register.
+inline constexpr size_t kMaxNamespaceSeries = 256;
+inline constexpr absl::string_view kOtherLabel = "_other";
+
 // Version reported by kvcm_build_info.
 absl::string_view KvcmVersion();
 

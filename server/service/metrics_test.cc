@@ -5,6 +5,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/clock.h"
@@ -58,6 +59,41 @@ TEST_F(MetricsTest, IndexSnapshotAtScrapeTime) {
   EXPECT_THAT(text, HasSubstr("kvcm_hit_ratio 1"));
   EXPECT_THAT(text, HasSubstr("kvcm_pages_inserted_total 3"));
   EXPECT_THAT(text, HasSubstr("kvcm_build_info{policy=\"lru\",version=\""));
+}
+
+TEST_F(MetricsTest, NamespaceSeriesAreBoundedWhateverClientsRegister) {
+  CacheIndexOptions options;
+  options.hash_secret = HashKey{1, 2};
+  options.max_namespaces = 1000;
+  options.max_namespaces_per_tenant = 1000;
+  std::unique_ptr<CacheIndex> index = *CacheIndex::Create(options);
+  ModelSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 1;
+  spec.kv_lora_rank = 128;
+  spec.rope_dim = 64;
+  spec.page_size_tokens = 4;
+  const PoolKey pool{"gpu-0", Tier::kGpu};
+  ASSERT_TRUE(index->SetPoolCapacity(pool, 1 << 20).ok());
+  // One namespace with pages (it must keep its own series), then many empty ones.
+  const NamespaceId big{"big", "m"};
+  ASSERT_TRUE(index->RegisterModel(big, spec).ok());
+  std::vector<int32_t> tokens(8, 3);
+  std::vector<BlockId> blocks = {0, 1};
+  ASSERT_TRUE(index->Insert(big, *index->HashTokens(big, tokens), pool, blocks).ok());
+  for (int i = 0; i < 600; ++i) {
+    ASSERT_TRUE(index->RegisterModel(NamespaceId{absl::StrCat("t", i), "m"}, spec).ok());
+  }
+  ServiceMetrics metrics(index.get(), &hub_);
+  const std::string text = metrics.RenderText();
+  size_t series = 0;
+  for (size_t at = text.find("\nkvcm_namespace_pages{"); at != std::string::npos;
+       at = text.find("\nkvcm_namespace_pages{", at + 1)) {
+    ++series;
+  }
+  EXPECT_EQ(series, kMaxNamespaceSeries + 1);
+  EXPECT_THAT(text, HasSubstr("kvcm_namespace_pages{model=\"m\",tenant=\"big\"} 2"));
+  EXPECT_THAT(text, HasSubstr("kvcm_namespace_pages{model=\"_other\",tenant=\"_other\"} 0"));
 }
 
 TEST_F(MetricsTest, RpcCountersByCode) {

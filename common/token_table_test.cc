@@ -1,0 +1,91 @@
+#include "common/token_table.h"
+
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kHashA = Sha256Hex("token-a-0123456789");
+const std::string kHashB = Sha256Hex("token-b-0123456789");
+
+void ExpectBadLine(const std::string& text, int line, absl::string_view what) {
+  absl::StatusOr<TokenTable> t = TokenTable::Parse(text, "tokens");
+  ASSERT_FALSE(t.ok()) << text;
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr(absl::StrCat("tokens:", line, ": ")));
+  EXPECT_THAT(t.status().message(), HasSubstr(what));
+}
+
+TEST(TokenTableTest, Sha256MatchesTheStandardVector) {
+  EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+}
+
+TEST(TokenTableTest, FindsThePrincipalOfEachToken) {
+  absl::StatusOr<TokenTable> t = TokenTable::Parse(
+      absl::StrCat("# comment\n\n", kHashA, "  acme   roles=worker tenant=acme  # inline\n",
+                   absl::AsciiStrToUpper(kHashB),
+                   "\tedge roles=router,worker tenant=edge "
+                   "tenants=acme,globex\n"),
+      "tokens");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->size(), 2u);
+  std::shared_ptr<const Principal> a = t->Find("token-a-0123456789");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->name, "acme");
+  EXPECT_TRUE(a->IsWorkerOf("acme"));
+  EXPECT_FALSE(a->IsWorkerOf("globex"));
+  EXPECT_TRUE(a->MayProbe("acme"));
+  EXPECT_FALSE(a->MayProbe("globex"));
+  EXPECT_FALSE(a->Has(Role::kAdmin));
+  std::shared_ptr<const Principal> b = t->Find("token-b-0123456789");
+  ASSERT_NE(b, nullptr);
+  EXPECT_TRUE(b->MayProbe("globex"));
+  EXPECT_FALSE(b->IsWorkerOf("globex")) << "tenants= grants probing, not work";
+  EXPECT_TRUE(b->IsWorkerOf("edge"));
+  EXPECT_EQ(t->Find("token-c-0123456789"), nullptr);
+  EXPECT_EQ(RoleNames(b->roles), "worker,router");
+}
+
+TEST(TokenTableTest, RefusesBadLinesNamingThem) {
+  ExpectBadLine("abc acme roles=worker tenant=acme\n", 1, "64 hex digits");
+  ExpectBadLine(absl::StrCat("\n", kHashA, " acme\n"), 2, "expected");
+  ExpectBadLine(absl::StrCat(kHashA, " acme roles=king tenant=acme\n"), 1, "unknown role");
+  ExpectBadLine(absl::StrCat(kHashA, " acme roles=worker\n"), 1, "needs tenant=");
+  ExpectBadLine(absl::StrCat(kHashA, " r roles=router\n"), 1, "needs tenants=");
+  ExpectBadLine(absl::StrCat(kHashA, " g roles=agent\n"), 1, "needs agent=");
+  ExpectBadLine(absl::StrCat(kHashA, " a roles=worker tenant=a tenants=*\n"), 1,
+                "tenants= is for role router");
+  ExpectBadLine(absl::StrCat(kHashA, " a roles=worker tenant=a/b\n"), 1, "bad tenant");
+  ExpectBadLine(absl::StrCat(kHashA, " a roles=admin color=red\n"), 1, "unknown key");
+  ExpectBadLine(absl::StrCat(kHashA, " a roles=admin\n", kHashA, " b roles=admin\n"), 2,
+                "appears twice");
+  ExpectBadLine(absl::StrCat(kHashA, " a roles=admin\n", kHashB, " a roles=admin\n"), 2,
+                "appears twice");
+  absl::StatusOr<TokenTable> empty = TokenTable::Parse("# nobody\n", "tokens");
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TokenTable::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(TokenTableTest, BearerTokenParsesTheHeader) {
+  EXPECT_EQ(*BearerToken("Bearer token-a-0123456789"), "token-a-0123456789");
+  EXPECT_EQ(*BearerToken("bearer   token-a-0123456789 "), "token-a-0123456789");
+  EXPECT_EQ(BearerToken("Basic dXNlcjpwYXNz").status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(BearerToken("Bearer short").status().code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST(TokenTableTest, TheOpenPrincipalMayDoEverything) {
+  std::shared_ptr<const Principal> p = OpenPrincipal();
+  EXPECT_TRUE(p->IsWorkerOf("any"));
+  EXPECT_TRUE(p->IsAgent("gpu-7"));
+  EXPECT_TRUE(p->Has(Role::kAdmin));
+}
+
+}  // namespace
+}  // namespace kvcm
