@@ -21,7 +21,7 @@ void SetDeadline(grpc::ClientContext* ctx) {
 absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const std::string& address, const NamespaceId& ns,
                                                   uint32_t count) {
   AgentBlocks out;
-  out.stub_ = v1::BlockAgent::NewStub(MakeChannel(address));
+  out.stub_ = v1::BlockAgent::NewStub(MakeInsecureChannel(address));
   v1::BlockAgentStatsResponse stats;
   {
     grpc::ClientContext ctx;

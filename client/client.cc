@@ -134,7 +134,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(options.max_backoff_ms, INT32_MAX)));
   auto rpc = std::make_unique<Rpc>();
-  rpc->channel = MakeChannel(options.address, args);
+  rpc->channel = MakeInsecureChannel(options.address, args);
   if (rpc->channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("address: cannot open ", options.address));
   }

@@ -465,7 +465,7 @@ int RunFetch(const Invocation& in) {
   absl::flat_hash_map<std::string, std::string> data_addresses;
   for (const ManagerStats::Agent& a : stats->agents) data_addresses[a.agent_id] = a.data_address;
 
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(dest->block_agent_address));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(dest->block_agent_address));
   absl::StatusOr<FetchedPages> fetched =
       FetchPlanned(*stub, ns,
                    HashedPrompt{.pages = *std::move(pages),

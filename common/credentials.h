@@ -1,25 +1,113 @@
-// The one place where kvcm's processes get their gRPC transport credentials: every server
-// (manager, agent) and every channel (client, agent -> manager, tests, benchmarks) is built
-// through these, so transport security changes here and nowhere else.
+// The one place where kvcm's processes get their gRPC transport security: every server
+// (manager, agent) and every channel (client, agent -> manager, kvcmctl -> agents, tests,
+// benchmarks) is built through these, so transport security changes here and nowhere else.
 //
-// Today kvcm speaks plaintext gRPC, for trusted networks only; TLS and mTLS (with their
-// options) arrive here with the security work.
+// TLS identities and trust come from PEM files that gRPC's FileWatcherCertificateProvider
+// re-reads every TlsOptions::reload_interval_s: replacing the files rotates a certificate
+// without a restart, for new connections (established ones keep theirs). Replace the
+// certificate and its key together (write both beside them, then rename over), or a reload
+// between the two writes sees a mismatched pair and the handshakes fail until the next.
+//
+// Plaintext exists only when a caller asks for it by name (TlsOptions::insecure,
+// MakeInsecureServerCredentials, ChannelFactory::Insecure): for trusted networks and tests.
 #ifndef KVCM_COMMON_CREDENTIALS_H_
 #define KVCM_COMMON_CREDENTIALS_H_
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
 namespace kvcm {
 
-std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials();
-std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials();
+// Default period of the certificate files' reload, in seconds.
+inline constexpr uint32_t kDefaultTlsReloadIntervalS = 60;
 
-// A channel to `address` ("host:port") with MakeChannelCredentials() and `args`.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
-                                           const grpc::ChannelArguments& args = {});
+// The PEM files of one process's TLS identity and trust. Plain value type.
+struct TlsOptions {
+  // Plaintext gRPC: no file below may be set.
+  bool insecure = false;
+  // Certificate chain this process presents, and its private key. A server needs both; a
+  // channel presents them as its client certificate when both are set (mTLS).
+  std::string cert_file;
+  std::string key_file;
+  // CA bundle peers are verified against. A server given one requires and verifies client
+  // certificates (mTLS); a channel needs one to verify its server (and its host name or IP,
+  // which the server certificate's subjectAltName must hold).
+  std::string ca_file;
+  // How often the files are re-read for rotation, in seconds. 1..86400.
+  uint32_t reload_interval_s = kDefaultTlsReloadIntervalS;
+
+  // INVALID_ARGUMENT naming the field for combinations that cannot work, without touching
+  // the files: insecure with a file; for a server, no cert_file and key_file; for a channel,
+  // no ca_file, or one of cert_file and key_file without the other.
+  absl::Status ValidateForServer() const;
+  absl::Status ValidateForChannel() const;
+  // Reads every file set and checks that it holds what it should: a certificate chain, a
+  // private key that matches that chain's certificate, a CA bundle of one or more
+  // certificates. INVALID_ARGUMENT "<field> \"<path>\": <why>" otherwise.
+  absl::Status CheckFiles() const;
+};
+
+// Credentials of a server: TLS (mTLS when ca_file is set) from `tls`, or plaintext when
+// tls.insecure. Errors as ValidateForServer and CheckFiles.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsOptions& tls);
+// Plaintext server credentials, for tests and benchmarks that ask for them by name.
+std::shared_ptr<grpc::ServerCredentials> MakeInsecureServerCredentials();
+
+// The metadata key and value prefix of a bearer token ("authorization: Bearer <token>").
+inline constexpr absl::string_view kAuthorizationKey = "authorization";
+inline constexpr absl::string_view kBearerPrefix = "Bearer ";
+
+// INVALID_ARGUMENT unless `token` is 1..4096 visible ASCII characters (no space or control
+// character), i.e. a valid HTTP/2 header value after "Bearer ".
+absl::Status ValidateBearerToken(absl::string_view token);
+
+// Reads a token file: its content with surrounding whitespace (a trailing newline) removed.
+// INVALID_ARGUMENT naming `field` and the path when it cannot be read or holds no valid
+// token.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path, absl::string_view field);
+
+// Opens channels with one set of credentials, and, when a bearer token is given, adds
+// "authorization: Bearer <token>" to the metadata of every call on them, unary and
+// streaming. The token travels in plaintext on an insecure channel.
+//
+// Copyable (the copies share the credentials, whose certificate watcher is started once);
+// thread-safe.
+class ChannelFactory {
+ public:
+  // TLS from `tls` (or plaintext when tls.insecure). Errors as ValidateForChannel,
+  // CheckFiles and ValidateBearerToken (for a non-empty token).
+  static absl::StatusOr<ChannelFactory> Create(const TlsOptions& tls,
+                                               std::string bearer_token = "");
+  // Plaintext and no token, for tests, benchmarks and dev mode that ask for it by name.
+  static ChannelFactory Insecure();
+
+  // A channel to `address` ("host:port" or any gRPC target), lazily connected.
+  std::shared_ptr<grpc::Channel> Open(const std::string& address,
+                                      const grpc::ChannelArguments& args = {}) const;
+
+  bool insecure() const { return insecure_; }
+  bool has_token() const { return !bearer_token_.empty(); }
+
+ private:
+  ChannelFactory(std::shared_ptr<grpc::ChannelCredentials> credentials, bool insecure,
+                 std::string bearer_token);
+
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  bool insecure_ = true;
+  std::string bearer_token_;
+};
+
+// A plaintext channel without a token: ChannelFactory::Insecure().Open(address, args).
+std::shared_ptr<grpc::Channel> MakeInsecureChannel(const std::string& address,
+                                                   const grpc::ChannelArguments& args = {});
 
 }  // namespace kvcm
 

@@ -60,7 +60,9 @@ uint64_t EnvOr(const char* name, uint64_t fallback) {
 class ChaosAgent {
  public:
   ChaosAgent(const std::string& address, std::string id, uint64_t seed)
-      : id_(std::move(id)), control_(v1::AgentControl::NewStub(MakeChannel(address))), rng_(seed) {}
+      : id_(std::move(id)),
+        control_(v1::AgentControl::NewStub(MakeInsecureChannel(address))),
+        rng_(seed) {}
   ~ChaosAgent() { CloseStream(); }
 
   const std::string& id() const { return id_; }
@@ -363,7 +365,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
       bad.set_epoch(rng() % 2);
       grpc::ClientContext ctx;
       v1::RegisterAgentResponse resp;
-      auto stub = v1::AgentControl::NewStub(MakeChannel(manager.address()));
+      auto stub = v1::AgentControl::NewStub(MakeInsecureChannel(manager.address()));
       const grpc::Status s = stub->Register(&ctx, bad, &resp);
       ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
       const IndexStats after = manager.index().Stats();

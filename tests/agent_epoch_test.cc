@@ -134,7 +134,7 @@ class AgentEpochTest : public ::testing::Test {
     tokens_.resize(kCacheBlocks * spec_.page_size_tokens);
     for (size_t i = 0; i < tokens_.size(); ++i) tokens_[i] = static_cast<int32_t>(i * 7 + 1);
 
-    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
+    ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
     cache_blocks_ = AllocateFor(*ba_, kCacheBlocks, epoch_, ns_);
     in_flight_ = AllocateFor(*ba_, 1, epoch_, ns_);
     private_blocks_ = AllocateBlocks(*ba_, kPrivateBlocks, kWorkerEpoch);

@@ -69,7 +69,7 @@ v1::StatsResponse WaitForStats(v1::CacheManager::Stub& stub, Pred pred) {
 
 TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   std::unique_ptr<ManagerServer> manager = StartManager(2'000);
-  auto cm = v1::CacheManager::NewStub(MakeChannel(manager->address()));
+  auto cm = v1::CacheManager::NewStub(MakeInsecureChannel(manager->address()));
 
   AgentOptions o;
   o.agent_id = "gpu-7";
@@ -93,7 +93,7 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   EXPECT_EQ(s.pools(0).capacity_bytes(), 5 * 1152ull * 61 * 64) << "exact, whole blocks";
 
   // Allocate through BlockAgent; the next heartbeats carry the usage.
-  auto ba = v1::BlockAgent::NewStub(MakeChannel((*agent)->address()));
+  auto ba = v1::BlockAgent::NewStub(MakeInsecureChannel((*agent)->address()));
   v1::AllocateBlocksRequest alloc;
   alloc.set_count(2);
   alloc.set_owner_epoch(9);
@@ -176,7 +176,7 @@ grpc::Status Heartbeat(v1::AgentControl::Stub& stub, const std::string& id, uint
 
 TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
   std::unique_ptr<ManagerServer> manager = StartManager(10'000);
-  auto channel = MakeChannel(manager->address());
+  auto channel = MakeInsecureChannel(manager->address());
   auto ac = v1::AgentControl::NewStub(channel);
   auto cm = v1::CacheManager::NewStub(channel);
 
@@ -330,7 +330,7 @@ constexpr uint64_t kMlaBlockBytes = 1152ull * 2 * 16;
 
 TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
   std::unique_ptr<Agent> agent = StartMlaAgent(10'000);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 8, 5);
   ASSERT_EQ(got.size(), 8u);
   const std::vector<BlockId> ids = {got[6], got[1], got[4]};  // scattered, out of order
@@ -351,7 +351,7 @@ TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
 
 TEST(BlockAgentDataTest, RefusedWritesAndReadsNameTheFieldAndChangeNothing) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
   ASSERT_EQ(ids.size(), 2u);
   const std::string original = RandomBytes(2 * kMlaBlockBytes, 2);
@@ -411,7 +411,7 @@ TEST(BlockAgentMetricsTest, MetricsEndpointServesRpcCountsAndLatencies) {
   const std::string& address = agent->metrics_address();
   int port = 0;
   ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
   ASSERT_EQ(ids.size(), 2u);
   ASSERT_TRUE(WriteBlocks(*stub, ids, 5, RandomBytes(2 * kMlaBlockBytes, 4), 1 << 20).ok());
@@ -449,7 +449,7 @@ std::vector<uint16_t> RandomBf16(size_t n, std::mt19937& rng) {
 
 TEST(BlockAgentAttentionTest, RunAttentionOnTheHostEqualsMlaDecodeCpuOnTheSameLatents) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 6, 5);
   ASSERT_EQ(got.size(), 6u);
   // Sequence 0: 37 tokens over 3 blocks; sequence 1: 20 tokens over 2 (both end mid-block).

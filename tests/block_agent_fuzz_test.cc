@@ -177,7 +177,7 @@ class BlockAgentFuzzer {
  public:
   BlockAgentFuzzer(Agent* agent, uint64_t seed)
       : agent_(agent),
-        stub_(v1::BlockAgent::NewStub(MakeChannel(agent->address()))),
+        stub_(v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()))),
         rng_(seed),
         main_(kBlocks) {
     if (agent_->host_pool() != nullptr) host_.emplace(kHostBlocks);
@@ -908,7 +908,7 @@ std::string ReadBlock(v1::BlockAgent::Stub& stub, BlockId id, uint64_t owner) {
 TEST(BlockAgentFuzzTest, WriteRefusedByGrpcAfterItsLastByteChangesNothing) {
   std::unique_ptr<Agent> agent = StartAgent(false);
   ASSERT_NE(agent, nullptr);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = ::kvcm::testing::AllocateBlocks(*stub, 1, kOwners[0]);
   ASSERT_EQ(ids.size(), 1u);
   const std::string before(kBlockBytes, 'a');

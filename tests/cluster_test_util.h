@@ -72,7 +72,7 @@ inline std::unique_ptr<Client> ConnectAndRegister(const std::string& address, co
 }
 
 inline std::unique_ptr<v1::BlockAgent::Stub> BlockAgentStub(const Agent& agent) {
-  return v1::BlockAgent::NewStub(MakeChannel(agent.address()));
+  return v1::BlockAgent::NewStub(MakeInsecureChannel(agent.address()));
 }
 
 // What a refused insert must leave as it was: the pages of every pool, the page locations

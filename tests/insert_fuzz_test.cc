@@ -48,7 +48,7 @@ class InsertFuzzer {
  public:
   InsertFuzzer(ManagerServer* manager, Agent* agent, uint64_t seed)
       : manager_(manager), agent_(agent), rng_(seed) {
-    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
+    ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
     client_ = *Client::Connect({.address = manager_->address()});
     spec_ = agent_->pool().geometry().spec;
     for (int t = 0; t < 2; ++t) {

@@ -38,7 +38,7 @@ class InventoryRpcTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ManagerServer>> m = ManagerServer::Start(o);
     ASSERT_TRUE(m.ok()) << m.status();
     manager_ = *std::move(m);
-    auto channel = MakeChannel(manager_->address());
+    auto channel = MakeInsecureChannel(manager_->address());
     ac_ = v1::AgentControl::NewStub(channel);
     spec_ = *FindModel("deepseek-v3");
 

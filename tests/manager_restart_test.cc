@@ -149,7 +149,7 @@ class ManagerRestartTest : public ::testing::Test {
     absl::StatusOr<ManagerStats> stats = client.Stats();
     if (!stats.ok()) return out;
     for (const ManagerStats::Agent& a : stats->agents) {
-      auto stub = v1::BlockAgent::NewStub(MakeChannel(a.block_agent_address));
+      auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(a.block_agent_address));
       v1::BlockAgentStatsResponse s;
       grpc::ClientContext ctx;
       if (!stub->Stats(&ctx, v1::BlockAgentStatsRequest(), &s).ok()) continue;

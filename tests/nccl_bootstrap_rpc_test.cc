@@ -35,7 +35,7 @@ class FakeAgent {
   FakeAgent(const std::string& manager, std::string id, uint64_t epoch)
       : id_(std::move(id)),
         epoch_(epoch),
-        control_(v1::AgentControl::NewStub(MakeChannel(manager))) {}
+        control_(v1::AgentControl::NewStub(MakeInsecureChannel(manager))) {}
   ~FakeAgent() { CloseStream(); }
 
   grpc::Status Register(const std::string& transport) {

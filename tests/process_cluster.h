@@ -122,7 +122,7 @@ class ProcessCluster {
   const ManagerStats::Agent& agent(const std::string& id) const { return agents_.at(id); }
 
   std::unique_ptr<v1::BlockAgent::Stub> Stub(const std::string& id) const {
-    return v1::BlockAgent::NewStub(MakeChannel(agent(id).block_agent_address));
+    return v1::BlockAgent::NewStub(MakeInsecureChannel(agent(id).block_agent_address));
   }
 
   // BlockAgent.Stats of agent `id` within 5 s, or the call's error.

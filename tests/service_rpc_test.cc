@@ -54,7 +54,7 @@ class ServiceRpcTest : public ::testing::Test {
     server_ = *std::move(server);
     ASSERT_GT(server_->port(), 0);
     ASSERT_EQ(server_->metrics_port() > 0, ServeMetrics());
-    channel_ = MakeChannel(absl::StrCat("127.0.0.1:", server_->port()));
+    channel_ = MakeInsecureChannel(absl::StrCat("127.0.0.1:", server_->port()));
     stub_ = v1::CacheManager::NewStub(channel_);
     ns_.set_tenant("acme");
     ns_.set_model("deepseek-v3");

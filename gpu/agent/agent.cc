@@ -74,7 +74,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
                       static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
   manager_args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                       static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
-  std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address, manager_args);
+  std::shared_ptr<grpc::Channel> manager = MakeInsecureChannel(opts.manager_address, manager_args);
   // Before the transport: an NCCL transport bootstraps its links through it.
   a->control_ = v1::AgentControl::NewStub(manager);
   KVCM_ASSIGN_OR_RETURN(a->transport_, a->CreateTransport());
@@ -87,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
                                                     a->metrics_.get(), a->fetcher_.get());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &port);
+  builder.AddListeningPort(opts.listen_address, MakeInsecureServerCredentials(), &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Room for a full data chunk plus the message's framing.
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));

@@ -96,7 +96,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &s->port_);
+  builder.AddListeningPort(opts.listen_address, MakeInsecureServerCredentials(), &s->port_);
   // gRPC sets SO_REUSEPORT by default, which would let a second manager share the port
   // silently; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
