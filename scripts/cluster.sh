@@ -57,7 +57,7 @@ step() {
   echo
 }
 
-"$build/server/kvcm-manager" --listen_address="127.0.0.1:$port" --metrics_address= \
+"$build/server/kvcm-manager" --insecure --listen_address="127.0.0.1:$port" --metrics_address= \
   > "$logs/manager.log" 2>&1 &
 pids+=($!)
 until_ok ctl --deadline_ms=500 stats

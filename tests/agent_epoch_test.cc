@@ -44,6 +44,7 @@ constexpr char kSecret[] = "00112233445566778899aabbccddeeff";
 // to 5 s rather than failing the test.
 std::unique_ptr<ManagerServer> StartManagerOn(int port) {
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = absl::StrCat("127.0.0.1:", port);
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;

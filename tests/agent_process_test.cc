@@ -94,11 +94,11 @@ class AgentProcessTest : public ::testing::Test {
   void StartManager(int heartbeat_timeout_ms = kHeartbeatTimeoutMs) {
     for (int attempt = 0; attempt < 3; ++attempt) {
       port_ = FreePort();
-      manager_ =
-          Subprocess::Start({KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
-                             "--metrics_address=", "--shutdown_grace_ms=1000",
-                             absl::StrCat("--agent_heartbeat_timeout_ms=", heartbeat_timeout_ms)},
-                            manager_log_);
+      manager_ = Subprocess::Start(
+          {KVCM_MANAGER_PATH, "--insecure", absl::StrCat("--listen_address=127.0.0.1:", port_),
+           "--metrics_address=", "--shutdown_grace_ms=1000",
+           absl::StrCat("--agent_heartbeat_timeout_ms=", heartbeat_timeout_ms)},
+          manager_log_);
       ASSERT_NE(manager_, nullptr);
       const absl::Time give_up = absl::Now() + absl::Seconds(20);
       while (manager_->Running() && absl::Now() < give_up) {

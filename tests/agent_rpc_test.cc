@@ -39,6 +39,7 @@ using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(uint32_t timeout_ms) {
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.agent_heartbeat_timeout_ms = timeout_ms;

@@ -26,6 +26,7 @@
 namespace kvcm::testing {
 
 inline std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
+  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;

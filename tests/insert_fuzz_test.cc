@@ -233,6 +233,7 @@ TEST(InsertFuzzTest, NoSequenceOfCallsMakesTheIndexDisagreeWithTheLedger) {
   const int steps = static_cast<int>(EnvOr("KVCM_FUZZ_STEPS", 600));
   std::cout << "KVCM_FUZZ_SEED=" << seed << " KVCM_FUZZ_STEPS=" << steps << std::endl;
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;

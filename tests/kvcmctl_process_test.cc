@@ -86,7 +86,7 @@ class KvcmctlProcessTest : public ::testing::Test {
       port_ = FreePort();
       metrics_port_ = FreePort();
       manager_ = Subprocess::Start(
-          {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+          {KVCM_MANAGER_PATH, "--insecure", absl::StrCat("--listen_address=127.0.0.1:", port_),
            absl::StrCat("--metrics_address=127.0.0.1:", metrics_port_), "--shutdown_grace_ms=1000"},
           log_path_);
       ASSERT_NE(manager_, nullptr);

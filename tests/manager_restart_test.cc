@@ -83,7 +83,7 @@ class ManagerRestartTest : public ::testing::Test {
 
   void StartManager(const std::string& log) {
     manager_ = Subprocess::Start(
-        {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+        {KVCM_MANAGER_PATH, "--insecure", absl::StrCat("--listen_address=127.0.0.1:", port_),
          "--metrics_address=", "--shutdown_grace_ms=500", "--agent_heartbeat_timeout_ms=10000",
          absl::StrCat("--hash_secret_hex=", kSecret)},
         absl::StrCat(base_, "_", log, ".log"));

@@ -48,7 +48,7 @@ class ProcessCluster {
     c->log_base_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcm_cluster_", getpid(), "_",
                                 clusters.fetch_add(1));
     c->manager_address_ = absl::StrCat("127.0.0.1:", FreePort());
-    std::vector<std::string> manager = {KVCM_MANAGER_PATH,
+    std::vector<std::string> manager = {KVCM_MANAGER_PATH, "--insecure",
                                         absl::StrCat("--listen_address=", c->manager_address_),
                                         "--metrics_address=", "--shutdown_grace_ms=500"};
     manager.insert(manager.end(), options.manager_flags.begin(), options.manager_flags.end());

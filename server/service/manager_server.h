@@ -39,8 +39,9 @@ namespace kvcm {
 
 class ManagerServer {
  public:
-  // Validates `options`, builds the index and starts serving. INVALID_ARGUMENT for bad
-  // options; UNAVAILABLE when an address cannot be bound.
+  // Validates `options`, reads the TLS files, builds the index and starts serving.
+  // INVALID_ARGUMENT for bad options or TLS files (naming the tls_* option and the path);
+  // UNAVAILABLE when an address cannot be bound. Logs a warning when options.insecure.
   static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(ServerOptions options);
 
   // Shuts down (see Shutdown) and waits for it.
