@@ -268,6 +268,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   ManagerServer& manager = **started;
 
   ClientOptions co;
+  co.insecure = true;
   co.address = manager.address();
   absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(co);
   ASSERT_TRUE(connected.ok()) << connected.status();

@@ -127,7 +127,7 @@ class AgentEpochTest : public ::testing::Test {
     ASSERT_EQ(AgentInfoOf(*manager_, kAgentId).registration.epoch, epoch_);
 
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     spec_ = agent_->pool().geometry().spec;
@@ -158,7 +158,7 @@ class AgentEpochTest : public ::testing::Test {
   // them (a fresh client: the old one's channel may still be reconnecting).
   std::vector<BlockId> MatchedBlocks() {
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     if (!client.ok()) return {};
     absl::StatusOr<MatchReply> m = (*client)->Match(ns_, tokens_, {.probe = true});
     std::vector<BlockId> out;
@@ -205,7 +205,7 @@ class AgentEpochTest : public ::testing::Test {
     std::vector<BlockId> blocks = cache_blocks_;
     blocks.push_back(in_flight_[0]);
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     ASSERT_TRUE(client.ok());
     absl::StatusOr<InsertReply> ins =
         (*client)->Insert(ns_, longer, PoolRef{kAgentId, Tier::kGpu}, blocks);
@@ -269,7 +269,7 @@ TEST_F(AgentEpochTest, PinsDoNotSurviveAManagerRestart) {
   ASSERT_NE(manager_, nullptr);
   ASSERT_TRUE(WaitFor([&] { return MatchedBlocks() == cache_blocks_; }));
   absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect({.address = manager_->address()});
+      Client::Connect({.address = manager_->address(), .insecure = true});
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE((*client)->RegisterModel(ns_, spec_).ok());
   EXPECT_EQ((*client)->RenewLease(ns_, pinned->pin_id, 0).status().code(),

@@ -59,6 +59,7 @@ inline uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) { return StatsOf(agent
 inline std::unique_ptr<Client> ConnectAndRegister(const std::string& address, const NamespaceId& ns,
                                                   const ModelSpec& spec) {
   ClientOptions co;
+  co.insecure = true;
   co.address = address;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
   if (!client.ok()) {

@@ -246,12 +246,12 @@ TEST_F(CredentialsTest, TokensAreCheckedAndReadFromFiles) {
 
   const std::string path = certs_->Path("token");
   std::ofstream(path) << "  tok-42\n";
-  absl::StatusOr<std::string> token = ReadTokenFile(path, "token_file");
+  absl::StatusOr<std::string> token = ReadBearerTokenFile(path, "token_file");
   ASSERT_TRUE(token.ok()) << token.status();
   EXPECT_EQ(*token, "tok-42");
   std::ofstream(path) << "\n";
-  EXPECT_THAT(ReadTokenFile(path, "token_file").status().message(), HasSubstr("token_file"));
-  absl::Status missing = ReadTokenFile(certs_->Path("none"), "token_file").status();
+  EXPECT_THAT(ReadBearerTokenFile(path, "token_file").status().message(), HasSubstr("token_file"));
+  absl::Status missing = ReadBearerTokenFile(certs_->Path("none"), "token_file").status();
   EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(missing.message(), HasSubstr("none"));
 }

@@ -49,7 +49,7 @@ class InsertFuzzer {
   InsertFuzzer(ManagerServer* manager, Agent* agent, uint64_t seed)
       : manager_(manager), agent_(agent), rng_(seed) {
     ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
-    client_ = *Client::Connect({.address = manager_->address()});
+    client_ = *Client::Connect({.address = manager_->address(), .insecure = true});
     spec_ = agent_->pool().geometry().spec;
     for (int t = 0; t < 2; ++t) {
       EXPECT_TRUE(client_->RegisterModel(ns_[t], spec_).ok());

@@ -105,7 +105,8 @@ class KvcmctlProcessTest : public ::testing::Test {
 
   // Runs kvcmctl against the manager with `args` and waits for it.
   ProcessResult Ctl(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_)};
+    std::vector<std::string> argv = {KVCMCTL_PATH, "--insecure",
+                                     absl::StrCat("--addr=127.0.0.1:", port_)};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) {
@@ -212,8 +213,8 @@ TEST_F(KvcmctlProcessTest, WatchPrintsStoredEvents) {
   CtlOk(With({"register-model"}, With(kNs, {"--attention=gqa", "--layers=80", "--heads=64",
                                             "--kv_heads=8", "--head_dim=128", "--page_size=16"})));
   std::unique_ptr<Subprocess> watch = Subprocess::Start(
-      {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_), "watch", "--tenant=acme",
-       "--model=deepseek-v3", "--count=1", "--duration_ms=20000"});
+      {KVCMCTL_PATH, "--insecure", absl::StrCat("--addr=127.0.0.1:", port_), "watch",
+       "--tenant=acme", "--model=deepseek-v3", "--count=1", "--duration_ms=20000"});
   ASSERT_NE(watch, nullptr);
   // The subscription is live at some point after the process starts: insert fresh prompts
   // until the watcher has seen one and exited.

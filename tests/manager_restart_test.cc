@@ -108,8 +108,8 @@ class ManagerRestartTest : public ::testing::Test {
   }
 
   ProcessResult Ctl(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_),
-                                     "--deadline_ms=3000"};
+    std::vector<std::string> argv = {
+        KVCMCTL_PATH, "--insecure", absl::StrCat("--addr=127.0.0.1:", port_), "--deadline_ms=3000"};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) return ProcessResult{};
@@ -118,7 +118,7 @@ class ManagerRestartTest : public ::testing::Test {
 
   std::unique_ptr<Client> Connect() {
     absl::StatusOr<std::unique_ptr<Client>> c =
-        Client::Connect({.address = absl::StrCat("127.0.0.1:", port_)});
+        Client::Connect({.address = absl::StrCat("127.0.0.1:", port_), .insecure = true});
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
   }

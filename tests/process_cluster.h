@@ -58,8 +58,8 @@ class ProcessCluster {
     // channel that found no server may take seconds to try again.
     const bool serving = WaitUntil(
         [&] {
-          absl::StatusOr<std::unique_ptr<Client>> probe =
-              Client::Connect({.address = c->manager_address_, .max_attempts = 1});
+          absl::StatusOr<std::unique_ptr<Client>> probe = Client::Connect(
+              {.address = c->manager_address_, .max_attempts = 1, .insecure = true});
           return probe.ok() && (*probe)->Stats({.deadline_ms = 500}).ok();
         },
         absl::Seconds(20));
@@ -68,7 +68,7 @@ class ProcessCluster {
       return nullptr;
     }
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = c->manager_address_});
+        Client::Connect({.address = c->manager_address_, .insecure = true});
     if (!client.ok()) {
       ADD_FAILURE() << client.status();
       return nullptr;

@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "common/credentials.h"
+#include "common/security_options.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
