@@ -62,7 +62,7 @@ step() {
 pids+=($!)
 until_ok ctl --deadline_ms=500 stats
 for i in 0 1 2; do
-  "$build/gpu/agent/kvcm-agent" --agent_id="gpu-$i" --manager_address="127.0.0.1:$port" \
+  "$build/gpu/agent/kvcm-agent" --insecure --agent_id="gpu-$i" --manager_address="127.0.0.1:$port" \
     --listen_address=127.0.0.1:0 --data_listen_address=127.0.0.1:0 --use_device=false \
     --model=deepseek-v3 --capacity_bytes=300000000 --heartbeat_interval_ms=200 \
     > "$logs/gpu-$i.log" 2>&1 &

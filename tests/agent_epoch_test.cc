@@ -113,6 +113,7 @@ class AgentEpochTest : public ::testing::Test {
     port_ = manager_->port();
 
     AgentOptions o;
+    o.insecure = true;
     o.agent_id = kAgentId;
     o.manager_address = manager_->address();
     o.use_device = false;

@@ -73,6 +73,7 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   auto cm = v1::CacheManager::NewStub(MakeInsecureChannel(manager->address()));
 
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "gpu-7";
   o.manager_address = manager->address();
   o.use_device = false;
@@ -255,6 +256,7 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
 std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes,
                                      const std::string& metrics_address = "") {
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "mla-test";
   o.manager_address = "127.0.0.1:1";
   o.use_device = false;

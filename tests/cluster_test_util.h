@@ -41,6 +41,7 @@ inline std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uin
                                          uint64_t host_blocks = 0,
                                          const std::string& agent_id = "gpu-3") {
   AgentOptions o;
+  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.agent_id = agent_id;
   o.manager_address = manager_address;
   o.use_device = false;

@@ -240,6 +240,7 @@ TEST(InsertFuzzTest, NoSequenceOfCallsMakesTheIndexDisagreeWithTheLedger) {
   absl::StatusOr<std::unique_ptr<ManagerServer>> manager = ManagerServer::Start(o);
   ASSERT_TRUE(manager.ok()) << manager.status();
   AgentOptions a;
+  a.insecure = true;
   a.agent_id = "gpu-0";
   a.manager_address = (*manager)->address();
   a.use_device = false;

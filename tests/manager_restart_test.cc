@@ -99,7 +99,7 @@ class ManagerRestartTest : public ::testing::Test {
   void StartAgent(int i) {
     const std::string id = absl::StrCat("gpu", i);
     agents_[i] = Subprocess::Start(
-        {KVCM_AGENT_PATH, absl::StrCat("--agent_id=", id),
+        {KVCM_AGENT_PATH, "--insecure", absl::StrCat("--agent_id=", id),
          absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
          "--model=deepseek-v3", absl::StrCat("--capacity_bytes=", kAgentBlocks * kPageBytes),
          "--heartbeat_interval_ms=100"},

@@ -75,7 +75,9 @@ class ProcessCluster {
     }
     c->client_ = *std::move(client);
     for (const std::string& id : options.agent_ids) {
-      std::vector<std::string> agent = {KVCM_AGENT_PATH, absl::StrCat("--agent_id=", id),
+      std::vector<std::string> agent = {KVCM_AGENT_PATH,
+                                        "--insecure",
+                                        absl::StrCat("--agent_id=", id),
                                         absl::StrCat("--manager_address=", c->manager_address_),
                                         "--listen_address=127.0.0.1:0",
                                         "--data_listen_address=127.0.0.1:0"};
