@@ -27,6 +27,11 @@ std::string TakeOpenSslError() {
   return text;
 }
 
+// Bytes buffered between the session and the socket, each way. A record carries at most
+// 16 KiB: unbuffered, a 4 MiB block would cost ~270 sends and twice as many receives, which
+// on loopback costs as much as the cipher.
+constexpr int kSocketBufferBytes = 256 << 10;
+
 // A BIO over the socket that sends with MSG_NOSIGNAL (OpenSSL's socket BIO uses write(),
 // whose SIGPIPE would kill the process when a peer resets) and reports the socket's
 // timeouts (EAGAIN) as retries, which the blocking session turns into WANT_READ/WRITE.
@@ -121,6 +126,10 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> LoadContext(const TlsOptions& tls) {
     return absl::InvalidArgumentError(absl::StrCat(field, " \"", path, "\": ", TakeOpenSslError()));
   };
   SSL_CTX_set_min_proto_version(ctx.get(), TLS1_3_VERSION);
+  // AES-128-GCM first (both ends are ours): the fastest suite with AES-NI.
+  SSL_CTX_set_ciphersuites(ctx.get(),
+                           "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:"
+                           "TLS_CHACHA20_POLY1305_SHA256");
   if (SSL_CTX_use_certificate_chain_file(ctx.get(), tls.cert_file.c_str()) != 1) {
     return failed("cert_file", tls.cert_file);
   }
@@ -153,6 +162,12 @@ absl::Status TlsSendAll(ssl_st* ssl, const void* data, size_t n) {
     if (result <= 0) return SslFailure(ssl, result, "send");
     p += sent;
     n -= sent;
+  }
+  // The records wait in the write buffer until flushed: every send ends on the wire.
+  BIO* out = SSL_get_wbio(ssl);
+  if (BIO_flush(out) <= 0) {
+    if (BIO_should_retry(out)) return absl::DeadlineExceededError("send: peer stopped reading");
+    return absl::UnavailableError("send: peer closed the connection");
   }
   return absl::OkStatus();
 }
@@ -226,11 +241,20 @@ absl::StatusOr<DataConn> DataTls::Handshake(int fd, bool server) {
   SSL* ssl = SSL_new(ctx.get());  // holds its own reference to the context
   if (ssl == nullptr) return absl::InternalError(absl::StrCat("SSL_new: ", TakeOpenSslError()));
   DataConn conn(fd, ssl);
-  BIO* bio = BIO_new(SocketMethod());
-  if (bio == nullptr) return absl::InternalError(absl::StrCat("BIO_new: ", TakeOpenSslError()));
-  BIO_set_data(bio, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
-  BIO_set_init(bio, 1);
-  SSL_set_bio(ssl, bio, bio);
+  BIO* socket = BIO_new(SocketMethod());
+  BIO* buffered = BIO_new(BIO_f_buffer());
+  if (socket == nullptr || buffered == nullptr ||
+      BIO_set_buffer_size(buffered, kSocketBufferBytes) != 1) {
+    BIO_free(socket);
+    BIO_free(buffered);
+    return absl::InternalError(absl::StrCat("BIO_new: ", TakeOpenSslError()));
+  }
+  BIO_set_data(socket, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
+  BIO_set_init(socket, 1);
+  // The session owns the chain (SSL_free frees both); OpenSSL flushes it after each
+  // handshake flight and alert, TlsSendAll after each send.
+  BIO* chain = BIO_push(buffered, socket);
+  SSL_set_bio(ssl, chain, chain);
   const int result = server ? SSL_accept(ssl) : SSL_connect(ssl);
   if (result != 1) {
     const long verify = SSL_get_verify_result(ssl);  // NOLINT(runtime/int)
