@@ -34,7 +34,8 @@ std::shared_ptr<grpc::ServerCredentials> MakeInsecureServerCredentials();
 
 // Opens channels with one set of credentials, and, when a bearer token is given, adds
 // "authorization: Bearer <token>" to the metadata of every call on them, unary and
-// streaming. The token travels in plaintext on an insecure channel.
+// streaming, in place of any authorization a caller set on its context. The token travels
+// in plaintext on an insecure channel.
 //
 // Copyable (the copies share the credentials, whose certificate watcher is started once);
 // thread-safe.

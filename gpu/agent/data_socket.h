@@ -24,7 +24,8 @@ namespace kvcm {
 
 // One end of a data connection: its socket and, on a TLS data port, the TLS session over
 // it (made by DataTls), through which the functions below read and write. Owns the session,
-// not the socket: close the socket after the DataConn is gone. Move-only.
+// not the socket: close the socket after the DataConn is gone. Move-only; one thread at a
+// time (another may shutdown() the socket to wake it).
 class DataConn {
  public:
   // Plaintext over `fd`.

@@ -137,6 +137,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   }
 
   if (!opts.metrics_address.empty()) {
+    // /metrics is plaintext HTTP even when gRPC is TLS: the exporter is not given TLS here
+    // (civetweb could take a certificate; not wired). Bind it to a trusted interface.
     // prometheus-cpp reports a bind failure by throwing (civetweb); this is the one place
     // where an exception is turned into a Status.
     try {
