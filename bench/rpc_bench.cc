@@ -127,7 +127,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartBaselineServer(const ServerOp
                                                                   CannedMatchService* canned,
                                                                   int* port) {
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, MakeServerCredentials(), port);
+  builder.AddListeningPort(options.listen_address, MakeInsecureServerCredentials(), port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.RegisterService(echo);
@@ -228,6 +228,7 @@ int Run() {
             : ChatWorkloadOptions{};
 
   ServerOptions options;
+  options.insecure = true;  // the gRPC cost alone, as the baseline server's
   options.listen_address = "127.0.0.1:0";
   options.metrics_address = "";  // no exporter; the service still records its metrics
   options.hash_secret_hex = "6b76636d2d62656e63682d7365637265";
@@ -279,7 +280,8 @@ int Run() {
 
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  auto match_stub = pb::CacheManager::NewStub(MakeChannel((*manager)->address(), channel_args));
+  auto match_stub =
+      pb::CacheManager::NewStub(MakeInsecureChannel((*manager)->address(), channel_args));
 
   EchoService echo_service;
   CannedMatchService canned_service;
@@ -334,7 +336,7 @@ int Run() {
     return 1;
   }
   std::shared_ptr<grpc::Channel> baseline_channel =
-      MakeChannel(absl::StrCat("127.0.0.1:", baseline_port), channel_args);
+      MakeInsecureChannel(absl::StrCat("127.0.0.1:", baseline_port), channel_args);
   auto echo_stub = echo_pb::Echo::NewStub(baseline_channel);
   auto canned_stub = pb::CacheManager::NewStub(baseline_channel);
 

@@ -1,8 +1,11 @@
 // kvcm_transfer_bench: the TCP Transport pulling whole DeepSeek-V3 blocks (1 and 64 per
-// transfer) from one host pool into another over loopback, beside raw loopback TCP moving the
-// same bytes from one buffer to another in the same run (a sender thread, a receiver, the
-// same socket options). The ratio is what the transport costs over the wire itself: the
-// framing, the per-block copies out of and into the pools, and the pool checks.
+// transfer) from one host pool into another over loopback, in plaintext and over mutual TLS
+// (the data port of agents that do not run insecure; throw-away certificates from
+// scripts/make_test_certs.sh), beside raw loopback TCP moving the same bytes from one buffer
+// to another in the same run (a sender thread, a receiver, the same socket options). The
+// ratios are what the transport costs over the wire itself (the framing, the per-block copies
+// out of and into the pools, the pool checks) and what TLS costs over plaintext (the
+// handshake, one per pull, and AES-GCM both ways).
 //
 //   kvcm_transfer_bench [--smoke] [--reps=N]
 #include <arpa/inet.h>
@@ -14,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -22,10 +26,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/model_catalog.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/data_tls.h"
 #include "gpu/agent/device_backend.h"
 #include "gpu/agent/tcp_transport.h"
 
@@ -87,6 +93,31 @@ double RawLoopback(uint64_t bytes, uint64_t chunk) {
   return s;
 }
 
+// Agent `name`'s data-port TLS from certificates made in `dir`.
+absl::StatusOr<std::shared_ptr<DataTls>> TestTls(const std::string& dir, const std::string& name) {
+  return DataTls::Create({.cert_file = absl::StrCat(dir, "/", name, ".pem"),
+                          .key_file = absl::StrCat(dir, "/", name, ".key"),
+                          .ca_file = absl::StrCat(dir, "/ca.pem")});
+}
+
+// One pull of `spec` through `t`; seconds, or a negative number when it failed.
+double TimedPull(Transport& t, const PullSpec& spec) {
+  absl::Notification done;
+  absl::StatusOr<TransferStats> result;
+  const auto start = std::chrono::steady_clock::now();
+  t.Pull(spec, [&](absl::StatusOr<TransferStats> s) {
+    result = std::move(s);
+    done.Notify();
+  });
+  done.WaitForNotification();
+  const double seconds = Seconds(std::chrono::steady_clock::now() - start);
+  if (!result.ok()) {
+    std::fprintf(stderr, "pull failed: %s\n", result.status().ToString().c_str());
+    return -1;
+  }
+  return seconds;
+}
+
 int Run(int argc, char** argv) {
   bool smoke = false;
   int reps = 5;
@@ -122,41 +153,56 @@ int Run(int argc, char** argv) {
   std::unique_ptr<Transport> ta = *MakeTcpTransport({}, AgentPools{.main = a.get()}, Tier::kGpu);
   std::unique_ptr<Transport> tb = *MakeTcpTransport({}, AgentPools{.main = b.get()}, Tier::kGpu);
 
+  char dir[] = "/tmp/kvcm_transfer_bench_XXXXXX";
+  if (mkdtemp(dir) == nullptr) return 1;
+  const std::string make_certs =
+      absl::StrCat("'", KVCM_MAKE_TEST_CERTS, "' ", dir, " agent-a agent-b >/dev/null");
+  if (std::system(make_certs.c_str()) != 0) {
+    std::fprintf(stderr, "%s failed\n", make_certs.c_str());
+    return 1;
+  }
+  absl::StatusOr<std::shared_ptr<DataTls>> tls_a = TestTls(dir, "agent-a");
+  absl::StatusOr<std::shared_ptr<DataTls>> tls_b = TestTls(dir, "agent-b");
+  std::system(absl::StrCat("rm -rf ", dir).c_str());  // loaded: the files may go
+  if (!tls_a.ok() || !tls_b.ok()) {
+    std::fprintf(stderr, "TLS: %s %s\n", tls_a.status().ToString().c_str(),
+                 tls_b.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<Transport> ta_tls =
+      *MakeTcpTransport({.tls = *tls_a}, AgentPools{.main = a.get()}, Tier::kGpu);
+  std::unique_ptr<Transport> tb_tls =
+      *MakeTcpTransport({.tls = *tls_b}, AgentPools{.main = b.get()}, Tier::kGpu);
+
   absl::PrintF("block %d bytes (DeepSeek-V3 bf16, %d layers), %d reps, median\n", block_bytes,
                spec.num_layers, reps);
-  absl::PrintF("%-8s %12s %12s %14s %14s %8s\n", "blocks", "transport", "raw tcp", "transport GB/s",
-               "raw GB/s", "ratio");
+  absl::PrintF("%-7s %11s %11s %11s %11s %11s %11s %9s %9s\n", "blocks", "plain", "tls", "raw tcp",
+               "plain GB/s", "tls GB/s", "raw GB/s", "plain/raw", "tls/plain");
   for (uint64_t n : {uint64_t{1}, max_blocks}) {
-    std::vector<double> pulls, raws;
+    std::vector<double> plains, tlss, raws;
     for (int r = 0; r < reps; ++r) {
-      PullSpec spec_n{.peer_address = ta->address(),
-                      .ns = kNs,
+      PullSpec spec_n{.ns = kNs,
                       .peer_blocks = {from.begin(), from.begin() + n},
                       .dst = b.get(),
                       .dst_blocks = {into.begin(), into.begin() + n},
                       .dst_owner_epoch = kEpoch};
       for (uint64_t i = 0; i < n; ++i) spec_n.pages.push_back(entries[i].page);
-      absl::Notification done;
-      absl::StatusOr<TransferStats> result;
-      const auto start = std::chrono::steady_clock::now();
-      tb->Pull(spec_n, [&](absl::StatusOr<TransferStats> s) {
-        result = std::move(s);
-        done.Notify();
-      });
-      done.WaitForNotification();
-      pulls.push_back(Seconds(std::chrono::steady_clock::now() - start));
-      if (!result.ok()) {
-        std::fprintf(stderr, "pull failed: %s\n", result.status().ToString().c_str());
-        return 1;
-      }
+      spec_n.peer_address = ta->address();
+      plains.push_back(TimedPull(*tb, spec_n));
+      spec_n.peer_address = ta_tls->address();
+      tlss.push_back(TimedPull(*tb_tls, spec_n));
+      if (plains.back() < 0 || tlss.back() < 0) return 1;
       raws.push_back(RawLoopback(n * block_bytes, block_bytes));
     }
-    std::sort(pulls.begin(), pulls.end());
+    std::sort(plains.begin(), plains.end());
+    std::sort(tlss.begin(), tlss.end());
     std::sort(raws.begin(), raws.end());
-    const double pull = pulls[pulls.size() / 2], raw = raws[raws.size() / 2];
+    const double plain = plains[plains.size() / 2], tls = tlss[tlss.size() / 2],
+                 raw = raws[raws.size() / 2];
     const double gb = static_cast<double>(n * block_bytes) / 1e9;
-    absl::PrintF("%-8d %10.2f ms %10.2f ms %14.2f %14.2f %7.0f%%\n", n, pull * 1e3, raw * 1e3,
-                 gb / pull, gb / raw, 100 * raw / pull);
+    absl::PrintF("%-7d %8.2f ms %8.2f ms %8.2f ms %11.2f %11.2f %11.2f %8.0f%% %8.0f%%\n", n,
+                 plain * 1e3, tls * 1e3, raw * 1e3, gb / plain, gb / tls, gb / raw,
+                 100 * raw / plain, 100 * plain / tls);
   }
   return 0;
 }

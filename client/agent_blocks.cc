@@ -18,10 +18,11 @@ void SetDeadline(grpc::ClientContext* ctx) {
 
 }  // namespace
 
-absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const std::string& address, const NamespaceId& ns,
+absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const ChannelFactory& channels,
+                                                  const std::string& address, const NamespaceId& ns,
                                                   uint32_t count) {
   AgentBlocks out;
-  out.stub_ = v1::BlockAgent::NewStub(MakeChannel(address));
+  out.stub_ = v1::BlockAgent::NewStub(channels.Open(address));
   v1::BlockAgentStatsResponse stats;
   {
     grpc::ClientContext ctx;

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/fetch_plan.h"
+#include "common/credentials.h"
 #include "common/page_hash.h"
 #include "common/types.h"
 #include "kvcm/v1/agent.grpc.pb.h"
@@ -24,9 +25,11 @@ namespace kvcm {
 
 class AgentBlocks {
  public:
-  // Connects to the BlockAgent at `address` and allocates `count` blocks for `ns` with the
-  // agent's epoch. The agent's errors as they are (RESOURCE_EXHAUSTED when it is full).
-  static absl::StatusOr<AgentBlocks> Allocate(const std::string& address, const NamespaceId& ns,
+  // Connects to the BlockAgent at `address` over `channels` (a client's credentials and
+  // token: Client::channels()) and allocates `count` blocks for `ns` with the agent's epoch.
+  // The agent's errors as they are (RESOURCE_EXHAUSTED when it is full).
+  static absl::StatusOr<AgentBlocks> Allocate(const ChannelFactory& channels,
+                                              const std::string& address, const NamespaceId& ns,
                                               uint32_t count);
 
   // Frees `ids` (blocks of this allocation the manager did not index); best effort.

@@ -1,5 +1,8 @@
 #include "client/cli_args.h"
 
+#include <cstdio>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "client/cli_inputs.h"
@@ -218,6 +221,49 @@ TEST(CliInputsTest, ExactlyOneTokenSource) {
   std::vector<absl::string_view> only_tenant = {"--tenant=a"};
   ASSERT_TRUE(ns.ParseAll(only_tenant).ok());
   EXPECT_THAT(NamespaceFrom(ns).status().message(), HasSubstr("--model is required"));
+}
+
+TEST(CliInputsTest, SecurityFlags) {
+  auto security = [](std::vector<absl::string_view> args, const char* env = nullptr) {
+    FlagSet f;
+    DefineSecurity(f);
+    EXPECT_TRUE(f.ParseAll(args).ok());
+    return SecurityFrom(f, env);
+  };
+  absl::StatusOr<Security> plain = security({"--insecure"});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(plain->tls.insecure);
+  EXPECT_EQ(plain->token, "");
+
+  absl::StatusOr<Security> tls = security({"--ca=ca.pem", "--cert=c.pem", "--key=c.key"});
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  EXPECT_FALSE(tls->tls.insecure);
+  EXPECT_EQ(tls->tls.ca_file, "ca.pem");
+  EXPECT_EQ(tls->tls.cert_file, "c.pem");
+  EXPECT_EQ(tls->tls.key_file, "c.key");
+  EXPECT_TRUE(tls->tls.ValidateForChannel().ok());
+
+  EXPECT_THAT(security({}).status().message(), HasSubstr("--ca is required"));
+  EXPECT_THAT(security({"--insecure", "--ca=ca.pem"}).status().message(),
+              HasSubstr("--insecure excludes"));
+  EXPECT_THAT(security({"--ca=ca.pem", "--cert=c.pem"}).status().message(),
+              HasSubstr("--cert and --key go together"));
+
+  // The token: --token_file or --token, else the environment.
+  EXPECT_EQ(security({"--insecure", "--token=t1"}, "env")->token, "t1");
+  EXPECT_EQ(security({"--insecure"}, "from-env")->token, "from-env");
+  EXPECT_EQ(security({"--insecure"}, "")->token, "");
+  const std::string path = ::testing::TempDir() + "/cli_token";
+  std::ofstream(path) << "from-file\n";
+  const std::string file_flag = "--token_file=" + path;
+  EXPECT_EQ(security({"--insecure", file_flag}, "env")->token, "from-file");
+  EXPECT_THAT(security({"--insecure", file_flag, "--token=t"}).status().message(),
+              HasSubstr("one of --token and --token_file"));
+  EXPECT_THAT(security({"--insecure", "--token_file=/nonexistent"}).status().message(),
+              HasSubstr("--token_file \"/nonexistent\""));
+  EXPECT_THAT(security({"--insecure", "--token=a b"}).status().message(), HasSubstr("--token"));
+  EXPECT_THAT(security({"--insecure"}, "bad token").status().message(), HasSubstr("KVCM_TOKEN"));
+  std::remove(path.c_str());
 }
 
 }  // namespace

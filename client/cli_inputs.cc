@@ -113,4 +113,54 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
   return spec;
 }
 
+void DefineSecurity(FlagSet& f) {
+  f.AddBool("insecure", "plaintext, for a manager started with --insecure (development only)");
+  f.AddString("ca", "", "PEM CA bundle that verifies the manager (and agents): TLS");
+  f.AddString("cert", "", "PEM client certificate, for a manager or agent that requires one");
+  f.AddString("key", "", "PEM private key of --cert");
+  f.AddString("token", "",
+              "bearer token sent with every call; visible to every user in ps: prefer "
+              "--token_file or KVCM_TOKEN");
+  f.AddString("token_file", "", "file holding the bearer token (default: $KVCM_TOKEN)");
+}
+
+absl::StatusOr<Security> SecurityFrom(const FlagSet& f, const char* env_token) {
+  Security out;
+  out.tls = TlsOptions{.insecure = f.GetBool("insecure"),
+                       .cert_file = f.GetString("cert"),
+                       .key_file = f.GetString("key"),
+                       .ca_file = f.GetString("ca")};
+  if (out.tls.insecure) {
+    if (!out.tls.ca_file.empty() || !out.tls.cert_file.empty() || !out.tls.key_file.empty()) {
+      return absl::InvalidArgumentError("--insecure excludes --ca, --cert and --key");
+    }
+  } else if (out.tls.ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--ca is required to verify the manager (or --insecure for a plaintext manager)");
+  } else if (out.tls.cert_file.empty() != out.tls.key_file.empty()) {
+    return absl::InvalidArgumentError("--cert and --key go together");
+  }
+
+  if (f.IsSet("token") && f.IsSet("token_file")) {
+    return absl::InvalidArgumentError("give one of --token and --token_file");
+  }
+  if (f.IsSet("token_file")) {
+    absl::StatusOr<std::string> token =
+        ReadBearerTokenFile(f.GetString("token_file"), "--token_file");
+    if (!token.ok()) return token.status();
+    out.token = *std::move(token);
+  } else if (f.IsSet("token")) {
+    out.token = f.GetString("token");
+    if (absl::Status s = ValidateBearerToken(out.token); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token: ", s.message()));
+    }
+  } else if (env_token != nullptr && env_token[0] != '\0') {
+    out.token = env_token;
+    if (absl::Status s = ValidateBearerToken(out.token); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("KVCM_TOKEN: ", s.message()));
+    }
+  }
+  return out;
+}
+
 }  // namespace kvcm::cli

@@ -1,4 +1,5 @@
-// What kvcmctl's shared flags mean: a namespace, a prompt's tokens, a model spec, a tier.
+// What kvcmctl's shared flags mean: a namespace, a prompt's tokens, a model spec, a tier,
+// the transport security and bearer token of its connections.
 // Each Define* declares flags on a FlagSet; the matching *From reads them after parsing and
 // returns INVALID_ARGUMENT naming the flag when they are missing or wrong.
 #ifndef KVCM_CLIENT_CLI_INPUTS_H_
@@ -13,6 +14,7 @@
 #include "client/cli_args.h"
 #include "common/enum_names.h"
 #include "common/model_spec.h"
+#include "common/security_options.h"
 #include "common/types.h"
 
 namespace kvcm::cli {
@@ -32,6 +34,17 @@ absl::StatusOr<std::vector<int32_t>> TokensFrom(const FlagSet& f);
 // The spec is not validated here: the manager does it and names the field.
 void DefineModelSpec(FlagSet& f);
 absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f);
+
+// --insecure, --ca, --cert, --key; --token, --token_file (global flags).
+void DefineSecurity(FlagSet& f);
+struct Security {
+  TlsOptions tls;     // insecure, or ca_file with cert_file and key_file both or neither
+  std::string token;  // empty: none
+};
+// The connection's security: --insecure, or --ca (with --cert and --key for mutual TLS);
+// the token from --token_file, --token (not both), or else `env_token` (KVCM_TOKEN; null or
+// empty: none). Reads --token_file. INVALID_ARGUMENT naming the flag (or KVCM_TOKEN).
+absl::StatusOr<Security> SecurityFrom(const FlagSet& f, const char* env_token);
 
 }  // namespace kvcm::cli
 

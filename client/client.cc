@@ -15,6 +15,7 @@
 namespace kvcm {
 
 struct Client::Rpc {
+  ChannelFactory channels;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::CacheManager::Stub> stub;
 };
@@ -38,7 +39,25 @@ absl::Status ClientOptions::Validate() const {
   if (!(backoff_multiplier >= 1.0)) {
     return absl::InvalidArgumentError("backoff_multiplier: must be >= 1");
   }
+  // TlsOptions' fields carry the same names as these.
+  if (absl::Status s = Tls().ValidateForChannel(); !s.ok()) {
+    if (!insecure && ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "ca_file: is required to verify the manager (or insecure = true for plaintext)");
+    }
+    return s;
+  }
+  if (!token.empty()) {
+    if (absl::Status s = ValidateBearerToken(token); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("token: ", s.message()));
+    }
+  }
   return absl::OkStatus();
+}
+
+TlsOptions ClientOptions::Tls() const {
+  return TlsOptions{
+      .insecure = insecure, .cert_file = cert_file, .key_file = key_file, .ca_file = ca_file};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -133,8 +152,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
               static_cast<int>(std::min<int64_t>(options.initial_backoff_ms, INT32_MAX)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(std::min<int64_t>(options.max_backoff_ms, INT32_MAX)));
-  auto rpc = std::make_unique<Rpc>();
-  rpc->channel = MakeChannel(options.address, args);
+  absl::StatusOr<ChannelFactory> channels = ChannelFactory::Create(options.Tls(), options.token);
+  if (!channels.ok()) return channels.status();
+  auto rpc = std::make_unique<Rpc>(Rpc{.channels = *std::move(channels)});
+  rpc->channel = rpc->channels.Open(options.address, args);
   if (rpc->channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("address: cannot open ", options.address));
   }
@@ -146,6 +167,8 @@ Client::Client(ClientOptions options, std::unique_ptr<Rpc> rpc)
     : options_(std::move(options)), rpc_(std::move(rpc)) {}
 
 Client::~Client() = default;
+
+const ChannelFactory& Client::channels() const { return rpc_->channels; }
 
 absl::Time Client::DeadlineOf(const CallOptions& call) const {
   const int64_t ms = call.deadline_ms > 0 ? call.deadline_ms : options_.default_deadline_ms;

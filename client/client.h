@@ -38,6 +38,7 @@
 #include "absl/time/time.h"
 #include "common/model_spec.h"
 #include "common/page_hash.h"
+#include "common/security_options.h"
 #include "common/types.h"
 
 namespace grpc {
@@ -46,6 +47,8 @@ class Status;
 }  // namespace grpc
 
 namespace kvcm {
+
+class ChannelFactory;
 
 namespace v1 {
 class Prompt;
@@ -68,6 +71,23 @@ struct ClientOptions {
   int64_t max_backoff_ms = 1000;
   // Growth of the backoff per retry. >= 1.
   double backoff_multiplier = 2.0;
+
+  // Transport security (common/credentials.h): one of ca_file or insecure is required.
+  // ca_file (PEM) verifies the manager, whose certificate must name the address's host;
+  // cert_file and key_file (PEM, both or neither) are this client's certificate, which a
+  // manager serving mutual TLS requires. The files are re-read every minute. insecure = true
+  // speaks plaintext, for development on a trusted machine, and excludes the files.
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+  bool insecure = false;
+  // Bearer token sent as "authorization: Bearer <token>" with every call, streams included
+  // (and with BlockAgent calls on channels()); empty sends none. Visible ASCII, no spaces.
+  // Take it from a file or the environment: a command line is visible to every user (ps).
+  std::string token;
+
+  // The transport security above as the credentials factory takes it.
+  TlsOptions Tls() const;
 
   // INVALID_ARGUMENT naming the first bad field.
   absl::Status Validate() const;
@@ -360,7 +380,9 @@ class EventWatch {
 class Client {
  public:
   // Creates the channel; does not wait for the manager (the first call connects, and is
-  // retried while the manager is UNAVAILABLE). INVALID_ARGUMENT for bad options.
+  // retried while the manager is UNAVAILABLE; a refused TLS handshake is UNAVAILABLE too).
+  // INVALID_ARGUMENT for bad options, and for TLS files that cannot be read or do not hold
+  // what they should (naming the field and the path).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
   ~Client();
   Client(const Client&) = delete;
@@ -448,6 +470,9 @@ class Client {
 
   ClientCounters counters() const;
   const ClientOptions& options() const { return options_; }
+  // Opens channels with this client's credentials and token, e.g. to an agent's BlockAgent
+  // (common/credentials.h).
+  const ChannelFactory& channels() const;
 
  private:
   struct NamespaceKey {

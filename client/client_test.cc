@@ -92,6 +92,7 @@ int UnusedPort() { return LoopbackSocket(/*listen_for_connections=*/false).port(
 
 ServerOptions TestServerOptions(int port, std::string secret_hex) {
   ServerOptions options;
+  options.insecure = true;
   options.listen_address = absl::StrCat("127.0.0.1:", port);
   options.metrics_address = "";
   options.hash_secret_hex = std::move(secret_hex);
@@ -109,6 +110,7 @@ std::unique_ptr<ManagerServer> StartServer(int port = 0,
 
 std::unique_ptr<Client> ConnectTo(int port, ClientOptions options = {}) {
   options.address = absl::StrCat("127.0.0.1:", port);
+  options.insecure = true;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;
@@ -136,23 +138,42 @@ class ClientTest : public ::testing::Test {
 };
 
 TEST(ClientOptionsTest, ValidateNamesTheBadField) {
-  EXPECT_TRUE(ClientOptions().Validate().ok());
-  ClientOptions o;
+  const ClientOptions plaintext{.insecure = true};
+  EXPECT_TRUE(plaintext.Validate().ok());
+  ClientOptions o = plaintext;
   o.address = "";
   EXPECT_THAT(o.Validate().message(), HasSubstr("address"));
-  o = ClientOptions();
+  o = plaintext;
   o.max_attempts = 0;
   EXPECT_THAT(o.Validate().message(), HasSubstr("max_attempts"));
-  o = ClientOptions();
+  o = plaintext;
   o.default_deadline_ms = 0;
   EXPECT_THAT(o.Validate().message(), HasSubstr("default_deadline_ms"));
-  o = ClientOptions();
+  o = plaintext;
   o.max_backoff_ms = o.initial_backoff_ms - 1;
   EXPECT_THAT(o.Validate().message(), HasSubstr("max_backoff_ms"));
-  o = ClientOptions();
+  o = plaintext;
   o.backoff_multiplier = 0.5;
   EXPECT_THAT(o.Validate().message(), HasSubstr("backoff_multiplier"));
   EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = plaintext;
+  o.token = "two words";
+  EXPECT_THAT(o.Validate().message(), HasSubstr("token"));
+}
+
+TEST(ClientOptionsTest, TransportSecurityIsChosenExplicitly) {
+  auto validate = [](ClientOptions o) { return o.Validate(); };
+  EXPECT_THAT(validate({}).message(), HasSubstr("ca_file: is required"));
+  EXPECT_THAT(validate({}).message(), HasSubstr("insecure = true"));
+  EXPECT_TRUE(validate({.ca_file = "ca.pem"}).ok());
+  EXPECT_THAT(validate({.ca_file = "ca.pem", .cert_file = "c.pem"}).message(),
+              HasSubstr("key_file"));
+  EXPECT_THAT(validate({.ca_file = "ca.pem", .insecure = true}).message(),
+              HasSubstr("insecure excludes ca_file"));
+  // The files are read at Connect, which names the one that is missing.
+  absl::Status missing = Client::Connect({.ca_file = "/nonexistent/ca.pem"}).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(missing.message(), HasSubstr("ca_file \"/nonexistent/ca.pem\""));
 }
 
 TEST_F(ClientTest, RegisterInsertMatchReleaseRoundTrip) {

@@ -1,7 +1,12 @@
 // kvcmctl: command-line client of the kvcm-manager, for operators and demos.
 //
-//   kvcmctl [--addr=127.0.0.1:50051] [--deadline_ms=N] <command> [flags]
+//   kvcmctl [--addr=127.0.0.1:50051] [--deadline_ms=N] [--ca=ca.pem [--cert=c.pem --key=c.key]
+//           | --insecure] [--token_file=path] <command> [flags]
 //
+// Connections are TLS (--ca verifies the manager and the agents, --cert/--key is the client
+// certificate mutual TLS requires) unless --insecure; the bearer token comes from
+// --token_file, --token (visible in ps) or $KVCM_TOKEN, and goes with every call, the
+// agents' included.
 // Exit status: 0 on success; 1 when the manager answered an error or could not be reached
 // (the message names the gRPC code); 2 for a usage error (unknown command or flag, bad value).
 //
@@ -14,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <span>
@@ -302,7 +308,8 @@ void PrintInsert(const PoolRef& pool, const InsertReply& r) {
 // manager did not keep.
 int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<const int32_t> tokens,
                        const PoolRef& pool, size_t pages, const std::string& address) {
-  absl::StatusOr<AgentBlocks> blocks = AgentBlocks::Allocate(address, ns, pages);
+  absl::StatusOr<AgentBlocks> blocks =
+      AgentBlocks::Allocate(in.client->channels(), address, ns, pages);
   if (!blocks.ok()) {
     return in.Failed(blocks.status());
   }
@@ -479,7 +486,7 @@ int RunFetch(const Invocation& in) {
   absl::flat_hash_map<std::string, std::string> data_addresses;
   for (const ManagerStats::Agent& a : stats->agents) data_addresses[a.agent_id] = a.data_address;
 
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(dest->block_agent_address));
+  auto stub = v1::BlockAgent::NewStub(in.client->channels().Open(dest->block_agent_address));
   absl::StatusOr<FetchedPages> fetched =
       FetchPlanned(*stub, ns,
                    HashedPrompt{.pages = *std::move(pages),
@@ -712,6 +719,7 @@ void DefineGlobal(cli::FlagSet& f) {
   f.AddString("addr", "127.0.0.1:50051", "kvcm-manager address");
   f.AddInt("deadline_ms", 5000, "deadline of each call, retries included");
   f.AddInt("max_attempts", 5, "attempts per call while the manager is unavailable");
+  cli::DefineSecurity(f);
   f.AddBool("help", "show this help");
 }
 
@@ -735,7 +743,8 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "  kvcmctl fetch --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-1\n"
       "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
-      "  kvcmctl --addr=kvcm:50051 stats\n"
+      "  kvcmctl --addr=kvcm:50051 --ca=ca.pem --cert=me.pem --key=me.key stats\n"
+      "  kvcmctl --insecure stats          # a manager started with --insecure\n"
       "\nRun 'kvcmctl <command> --help' for a command's flags.\n");
 }
 
@@ -788,8 +797,19 @@ int Main(int argc, char** argv) {
   if (!command->needs_manager) {
     return command->run(Invocation{name, flags, nullptr});
   }
+  absl::StatusOr<cli::Security> security = cli::SecurityFrom(global, std::getenv("KVCM_TOKEN"));
+  if (!security.ok()) {
+    absl::FPrintF(stderr, "kvcmctl: %s\nRun 'kvcmctl --help' for usage.\n",
+                  security.status().message());
+    return kExitUsage;
+  }
   ClientOptions options;
   options.address = global.GetString("addr");
+  options.insecure = security->tls.insecure;
+  options.ca_file = security->tls.ca_file;
+  options.cert_file = security->tls.cert_file;
+  options.key_file = security->tls.key_file;
+  options.token = std::move(security->token);
   options.default_deadline_ms = global.GetInt("deadline_ms");
   // Out-of-range values are clamped just outside 1..100 so that Validate reports them.
   options.max_attempts =

@@ -1,5 +1,7 @@
 # System packages kvcm builds against (Debian 12; see scripts/install-deps.sh).
 find_package(Threads REQUIRED)
+# TLS: PEM checks of the credentials factory and the agents' TLS data port (libssl-dev).
+find_package(OpenSSL REQUIRED)
 find_package(absl CONFIG REQUIRED)
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)

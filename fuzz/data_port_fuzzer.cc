@@ -30,8 +30,9 @@ constexpr uint32_t kIoTimeoutMs = 1000;
 
 // TcpTransport's Serve, up to the socket writes (the blocks are read, not sent).
 void Serve(const AgentWorld& world, int fd) {
+  DataConn conn(fd);
   v1::PullBlocksRequest req;
-  if (!RecvFrame(fd, &req).ok()) return;
+  if (!RecvFrame(conn, &req).ok()) return;
   const BlockPool* pool = world.pools.ForWireTier(world.options.tier, req.tier());
   absl::StatusOr<NamespaceId> ns = CheckPullRequest(req, pool);
   if (!ns.ok()) return;
@@ -50,6 +51,7 @@ void Serve(const AgentWorld& world, int fd) {
 // TcpTransport's PullOn after it sent its request: four committed pages pulled into four
 // fresh blocks of the main pool.
 void Pull(AgentWorld& world, int fd) {
+  DataConn conn(fd);
   PullSpec spec{.peer_address = "127.0.0.1:1",
                 .ns = AgentNamespace(),
                 .peer_blocks = {0, 1, 2, 3},
@@ -60,11 +62,11 @@ void Pull(AgentWorld& world, int fd) {
   Require(dst.ok(), "allocate pull destination");
   spec.dst_blocks = *dst;
   v1::PullBlocksHeader header;
-  if (!RecvFrame(fd, &header).ok() || !StatusOf(header).ok()) return;
+  if (!RecvFrame(conn, &header).ok() || !StatusOf(header).ok()) return;
   if (header.bytes_per_block() != spec.dst->geometry().bytes_per_block()) return;
   bool broken = false;
   absl::StatusOr<uint64_t> got =
-      ReceiveBlocks(fd, spec, /*link=*/nullptr, absl::Milliseconds(kIoTimeoutMs), &broken);
+      ReceiveBlocks(conn, spec, /*link=*/nullptr, absl::Milliseconds(kIoTimeoutMs), &broken);
   Require(!got.ok() || *got == 4 * spec.dst->geometry().bytes_per_block(),
           "a complete pull received every byte");
 }
@@ -83,7 +85,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int buffer = static_cast<int>(2 * kMaxPeerBytes);
   setsockopt(peer, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
   setsockopt(ours, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
-  Require(kvcm::SendAll(peer, data + 1, size - 1).ok(), "peer bytes");
+  kvcm::DataConn peer_conn(peer);
+  Require(kvcm::SendAll(peer_conn, data + 1, size - 1).ok(), "peer bytes");
   shutdown(peer, SHUT_WR);
   {
     AgentWorld world;

@@ -31,7 +31,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ctl() { "$build/client/kvcmctl" --addr="127.0.0.1:$port" "$@"; }
+ctl() { "$build/client/kvcmctl" --insecure --addr="127.0.0.1:$port" "$@"; }
 # Retries a command every 0.1 s until it succeeds; fails after 30 s.
 until_ok() {
   local give_up=$((SECONDS + 30))
@@ -57,12 +57,12 @@ step() {
   echo
 }
 
-"$build/server/kvcm-manager" --listen_address="127.0.0.1:$port" --metrics_address= \
+"$build/server/kvcm-manager" --insecure --listen_address="127.0.0.1:$port" --metrics_address= \
   > "$logs/manager.log" 2>&1 &
 pids+=($!)
 until_ok ctl --deadline_ms=500 stats
 for i in 0 1 2; do
-  "$build/gpu/agent/kvcm-agent" --agent_id="gpu-$i" --manager_address="127.0.0.1:$port" \
+  "$build/gpu/agent/kvcm-agent" --insecure --agent_id="gpu-$i" --manager_address="127.0.0.1:$port" \
     --listen_address=127.0.0.1:0 --data_listen_address=127.0.0.1:0 --use_device=false \
     --model=deepseek-v3 --capacity_bytes=300000000 --heartbeat_interval_ms=200 \
     > "$logs/gpu-$i.log" 2>&1 &

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvcm builds, tests and serves with (clang and
-# libclang-rt-14-dev, which holds libclang_rt.fuzzer, build the fuzz/ harnesses).
+# libclang-rt-14-dev, which holds libclang_rt.fuzzer, build the fuzz/ harnesses; libssl-dev
+# is the agents' TLS data port, openssl makes the tests' certificates).
 # Does nothing when everything is already there; needs root (or sudo) otherwise.
 set -euo pipefail
 
@@ -8,6 +9,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config curl
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libssl-dev openssl
   clang-format prometheus
   clang libclang-rt-14-dev
 )

@@ -2,7 +2,10 @@
 # Builds kvcm-manager (with kvcmctl and kvcm-agent) in Release and runs the manager.
 #   ./scripts/run.sh                                  # 127.0.0.1:50051, metrics on :9464
 #   ./scripts/run.sh --listen_address=0.0.0.0:50051 --config=kvcm.conf
-# Every argument goes to kvcm-manager (see `kvcm-manager --help`).
+#   ./scripts/run.sh --tls_cert_file=m.pem --tls_key_file=m.key --tls_ca_file=ca.pem
+# Every argument goes to kvcm-manager (see `kvcm-manager --help`). Dev mode: given no
+# --tls_*, --insecure or --config argument, the manager gets --insecure (plaintext, with a
+# warning in its log), so that it starts with no set-up; kvcmctl then needs --insecure too.
 # Environment: BUILD_DIR (default build/release), JOBS (default: nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +31,19 @@ for extra in kvcmctl kvcm-agent; do
 done
 cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
 
+args=("$@")
+security_given=false
+for a in "${args[@]}"; do
+  case $a in --tls_* | --insecure* | --config*) security_given=true ;; esac
+done
+if [ "$security_given" = false ]; then
+  echo "run.sh: no TLS options given: starting in dev mode with --insecure (plaintext)"
+  args=(--insecure "${args[@]}")
+fi
+
 # kvcm-manager prints the gRPC and metrics addresses it actually bound on startup.
-echo "run.sh: starting $build_dir/server/kvcm-manager $*"
+echo "run.sh: starting $build_dir/server/kvcm-manager ${args[*]}"
 if [ -x "$build_dir/client/kvcmctl" ]; then
   echo "run.sh: client CLI at $build_dir/client/kvcmctl"
 fi
-exec "$build_dir/server/kvcm-manager" "$@"
+exec "$build_dir/server/kvcm-manager" "${args[@]}"

@@ -4,6 +4,8 @@
 //
 // Every kvcm::ServerOptions field is a flag of the same name. Precedence: built-in
 // defaults < the config file (`name = value` lines) < flags given on the command line.
+// Transport security is required: --tls_cert_file and --tls_key_file (and --tls_ca_file for
+// mutual TLS), or --insecure for plaintext in development.
 // SIGINT / SIGTERM shut the server down cleanly (exit status 0).
 #include <pthread.h>
 #include <signal.h>
@@ -88,6 +90,16 @@ ABSL_FLAG(uint32_t, route_nccl_link_gbps, kDefaults.route_nccl_link_gbps,
 ABSL_FLAG(uint32_t, default_max_page_age_s, kDefaults.default_max_page_age_s,
           "Retention: seconds a cached page may stay after it was committed (0: no limit); "
           "RegisterModel's max_page_age_s may only shorten it per namespace.");
+ABSL_FLAG(std::string, tls_cert_file, kDefaults.tls_cert_file,
+          "PEM certificate chain the gRPC port presents (TLS; with tls_key_file).");
+ABSL_FLAG(std::string, tls_key_file, kDefaults.tls_key_file, "PEM private key of tls_cert_file.");
+ABSL_FLAG(std::string, tls_ca_file, kDefaults.tls_ca_file,
+          "PEM CA bundle: when set, every client (agents too) must present a certificate it "
+          "signed (mutual TLS).");
+ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
+          "How often the TLS files are re-read, so that rotating them needs no restart (s).");
+ABSL_FLAG(bool, insecure, kDefaults.insecure,
+          "Serve plaintext gRPC instead of TLS: development on a trusted machine only.");
 
 namespace {
 
@@ -164,7 +176,11 @@ int main(int argc, char** argv) {
       manager->metrics_address().empty()
           ? std::string("metrics disabled")
           : absl::StrCat("metrics on http://", manager->metrics_address(), "/metrics");
-  std::printf("kvcm-manager listening on %s (%s)\n", manager->address().c_str(), metrics.c_str());
+  const char* security = options.insecure              ? "PLAINTEXT, insecure"
+                         : options.tls_ca_file.empty() ? "TLS"
+                                                       : "mutual TLS";
+  std::printf("kvcm-manager listening on %s (%s; %s)\n", manager->address().c_str(), security,
+              metrics.c_str());
   std::fflush(stdout);
   kvcm::LogInfo(absl::StrCat("options:\n", options.DebugString()));
 

@@ -181,7 +181,8 @@ TEST(AgentCommandsTest, EvictedGpuPagesAreDemotedIntoTheHostPool) {
 class FakeAgent {
  public:
   FakeAgent(const std::string& manager_address, std::string id)
-      : id_(std::move(id)), control_(v1::AgentControl::NewStub(MakeChannel(manager_address))) {}
+      : id_(std::move(id)),
+        control_(v1::AgentControl::NewStub(MakeInsecureChannel(manager_address))) {}
 
   grpc::Status Register(uint64_t epoch, uint64_t blocks = 16, uint64_t host_blocks = 0) {
     v1::RegisterAgentRequest req;
@@ -613,7 +614,7 @@ TEST(AgentCommandsTest, StaleEpochIsAbortedAndUnknownAgentNotFound) {
   std::unique_ptr<ManagerServer> manager = StartManager();
   std::unique_ptr<Agent> agent = StartAgent(manager->address(), 2);
   ASSERT_TRUE(WaitFor([&] { return agent->registered(); }));
-  auto control = v1::AgentControl::NewStub(MakeChannel(manager->address()));
+  auto control = v1::AgentControl::NewStub(MakeInsecureChannel(manager->address()));
 
   auto open = [&](const std::string& agent_id, uint64_t epoch) {
     grpc::ClientContext ctx;

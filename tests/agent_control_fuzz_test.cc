@@ -60,7 +60,9 @@ uint64_t EnvOr(const char* name, uint64_t fallback) {
 class ChaosAgent {
  public:
   ChaosAgent(const std::string& address, std::string id, uint64_t seed)
-      : id_(std::move(id)), control_(v1::AgentControl::NewStub(MakeChannel(address))), rng_(seed) {}
+      : id_(std::move(id)),
+        control_(v1::AgentControl::NewStub(MakeInsecureChannel(address))),
+        rng_(seed) {}
   ~ChaosAgent() { CloseStream(); }
 
   const std::string& id() const { return id_; }
@@ -254,6 +256,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   std::mt19937_64 rng(seed);
 
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -265,6 +268,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   ManagerServer& manager = **started;
 
   ClientOptions co;
+  co.insecure = true;
   co.address = manager.address();
   absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(co);
   ASSERT_TRUE(connected.ok()) << connected.status();
@@ -363,7 +367,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
       bad.set_epoch(rng() % 2);
       grpc::ClientContext ctx;
       v1::RegisterAgentResponse resp;
-      auto stub = v1::AgentControl::NewStub(MakeChannel(manager.address()));
+      auto stub = v1::AgentControl::NewStub(MakeInsecureChannel(manager.address()));
       const grpc::Status s = stub->Register(&ctx, bad, &resp);
       ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
       const IndexStats after = manager.index().Stats();

@@ -44,6 +44,7 @@ constexpr char kSecret[] = "00112233445566778899aabbccddeeff";
 // to 5 s rather than failing the test.
 std::unique_ptr<ManagerServer> StartManagerOn(int port) {
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = absl::StrCat("127.0.0.1:", port);
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -112,6 +113,7 @@ class AgentEpochTest : public ::testing::Test {
     port_ = manager_->port();
 
     AgentOptions o;
+    o.insecure = true;
     o.agent_id = kAgentId;
     o.manager_address = manager_->address();
     o.use_device = false;
@@ -126,7 +128,7 @@ class AgentEpochTest : public ::testing::Test {
     ASSERT_EQ(AgentInfoOf(*manager_, kAgentId).registration.epoch, epoch_);
 
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
     spec_ = agent_->pool().geometry().spec;
@@ -134,7 +136,7 @@ class AgentEpochTest : public ::testing::Test {
     tokens_.resize(kCacheBlocks * spec_.page_size_tokens);
     for (size_t i = 0; i < tokens_.size(); ++i) tokens_[i] = static_cast<int32_t>(i * 7 + 1);
 
-    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
+    ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
     cache_blocks_ = AllocateFor(*ba_, kCacheBlocks, epoch_, ns_);
     in_flight_ = AllocateFor(*ba_, 1, epoch_, ns_);
     private_blocks_ = AllocateBlocks(*ba_, kPrivateBlocks, kWorkerEpoch);
@@ -157,7 +159,7 @@ class AgentEpochTest : public ::testing::Test {
   // them (a fresh client: the old one's channel may still be reconnecting).
   std::vector<BlockId> MatchedBlocks() {
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     if (!client.ok()) return {};
     absl::StatusOr<MatchReply> m = (*client)->Match(ns_, tokens_, {.probe = true});
     std::vector<BlockId> out;
@@ -204,7 +206,7 @@ class AgentEpochTest : public ::testing::Test {
     std::vector<BlockId> blocks = cache_blocks_;
     blocks.push_back(in_flight_[0]);
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = manager_->address()});
+        Client::Connect({.address = manager_->address(), .insecure = true});
     ASSERT_TRUE(client.ok());
     absl::StatusOr<InsertReply> ins =
         (*client)->Insert(ns_, longer, PoolRef{kAgentId, Tier::kGpu}, blocks);
@@ -268,7 +270,7 @@ TEST_F(AgentEpochTest, PinsDoNotSurviveAManagerRestart) {
   ASSERT_NE(manager_, nullptr);
   ASSERT_TRUE(WaitFor([&] { return MatchedBlocks() == cache_blocks_; }));
   absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect({.address = manager_->address()});
+      Client::Connect({.address = manager_->address(), .insecure = true});
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE((*client)->RegisterModel(ns_, spec_).ok());
   EXPECT_EQ((*client)->RenewLease(ns_, pinned->pin_id, 0).status().code(),

@@ -76,7 +76,8 @@ class AgentProcessTest : public ::testing::Test {
   }
 
   ProcessResult Ctl(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_)};
+    std::vector<std::string> argv = {KVCMCTL_PATH, "--insecure",
+                                     absl::StrCat("--addr=127.0.0.1:", port_)};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) return ProcessResult{};
@@ -94,11 +95,11 @@ class AgentProcessTest : public ::testing::Test {
   void StartManager(int heartbeat_timeout_ms = kHeartbeatTimeoutMs) {
     for (int attempt = 0; attempt < 3; ++attempt) {
       port_ = FreePort();
-      manager_ =
-          Subprocess::Start({KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
-                             "--metrics_address=", "--shutdown_grace_ms=1000",
-                             absl::StrCat("--agent_heartbeat_timeout_ms=", heartbeat_timeout_ms)},
-                            manager_log_);
+      manager_ = Subprocess::Start(
+          {KVCM_MANAGER_PATH, "--insecure", absl::StrCat("--listen_address=127.0.0.1:", port_),
+           "--metrics_address=", "--shutdown_grace_ms=1000",
+           absl::StrCat("--agent_heartbeat_timeout_ms=", heartbeat_timeout_ms)},
+          manager_log_);
       ASSERT_NE(manager_, nullptr);
       const absl::Time give_up = absl::Now() + absl::Seconds(20);
       while (manager_->Running() && absl::Now() < give_up) {
@@ -138,9 +139,9 @@ class AgentProcessTest : public ::testing::Test {
   // A kvcm-agent process "gpu0" (host backend without a GPU) logging to `log_path`.
   std::unique_ptr<Subprocess> StartAgent(const std::string& log_path) {
     return Subprocess::Start(
-        {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
-         "--listen_address=127.0.0.1:0", "--model=deepseek-v3", "--capacity_bytes=50000000",
-         "--heartbeat_interval_ms=100"},
+        {KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0",
+         absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
+         "--model=deepseek-v3", "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
         log_path);
   }
 
@@ -155,9 +156,9 @@ class AgentProcessTest : public ::testing::Test {
 TEST_F(AgentProcessTest, AgentShowsAliveThenGoneAfterSigkill) {
   ASSERT_NO_FATAL_FAILURE(StartManager());
   agent_ = Subprocess::Start(
-      {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
-       "--listen_address=127.0.0.1:0", "--model=deepseek-v3", "--capacity_bytes=50000000",
-       "--heartbeat_interval_ms=100"},
+      {KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0",
+       absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
+       "--model=deepseek-v3", "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
       agent_log_);
   ASSERT_NE(agent_, nullptr);
 
@@ -186,10 +187,10 @@ TEST_F(AgentProcessTest, AgentShowsAliveThenGoneAfterSigkill) {
 
 TEST_F(AgentProcessTest, AgentExitsZeroOnSigterm) {
   ASSERT_NO_FATAL_FAILURE(StartManager());
-  agent_ = Subprocess::Start(
-      {KVCM_AGENT_PATH, "--agent_id=gpu0", absl::StrCat("--manager_address=127.0.0.1:", port_),
-       "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
-      agent_log_);
+  agent_ = Subprocess::Start({KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0",
+                              absl::StrCat("--manager_address=127.0.0.1:", port_),
+                              "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
+                             agent_log_);
   ASSERT_NE(agent_, nullptr);
   ASSERT_THAT(WaitForAgentState("alive", absl::Seconds(20)), ::testing::HasSubstr("alive"));
   agent_->Signal(SIGTERM);
@@ -268,12 +269,22 @@ TEST_F(AgentProcessTest, RestartedAgentRegistersANewEpochAndItsOldPagesAreDroppe
 }
 
 TEST_F(AgentProcessTest, BadOptionsExitNonZeroNamingTheField) {
-  std::unique_ptr<Subprocess> p = Subprocess::Start(
-      {KVCM_AGENT_PATH, "--agent_id=gpu0", "--model=deepseek-v3", "--capacity_bytes=1000"});
+  std::unique_ptr<Subprocess> p =
+      Subprocess::Start({KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0", "--model=deepseek-v3",
+                         "--capacity_bytes=1000"});
   ASSERT_NE(p, nullptr);
   ProcessResult r = p->Finish(absl::Seconds(15));
   EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
   EXPECT_THAT(r.err, ::testing::HasSubstr("capacity_bytes"));
+}
+
+TEST_F(AgentProcessTest, NeitherTlsNorInsecureExitsNamingTheOptions) {
+  std::unique_ptr<Subprocess> p = Subprocess::Start({KVCM_AGENT_PATH, "--agent_id=gpu0"});
+  ASSERT_NE(p, nullptr);
+  ProcessResult r = p->Finish(absl::Seconds(15));
+  EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
+  EXPECT_THAT(r.err, ::testing::HasSubstr("tls_cert_file, tls_key_file and tls_ca_file"));
+  EXPECT_THAT(r.err, ::testing::HasSubstr("insecure"));
 }
 
 }  // namespace

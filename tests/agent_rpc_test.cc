@@ -39,6 +39,7 @@ using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(uint32_t timeout_ms) {
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.agent_heartbeat_timeout_ms = timeout_ms;
@@ -69,9 +70,10 @@ v1::StatsResponse WaitForStats(v1::CacheManager::Stub& stub, Pred pred) {
 
 TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   std::unique_ptr<ManagerServer> manager = StartManager(2'000);
-  auto cm = v1::CacheManager::NewStub(MakeChannel(manager->address()));
+  auto cm = v1::CacheManager::NewStub(MakeInsecureChannel(manager->address()));
 
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "gpu-7";
   o.manager_address = manager->address();
   o.use_device = false;
@@ -93,7 +95,7 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   EXPECT_EQ(s.pools(0).capacity_bytes(), 5 * 1152ull * 61 * 64) << "exact, whole blocks";
 
   // Allocate through BlockAgent; the next heartbeats carry the usage.
-  auto ba = v1::BlockAgent::NewStub(MakeChannel((*agent)->address()));
+  auto ba = v1::BlockAgent::NewStub(MakeInsecureChannel((*agent)->address()));
   v1::AllocateBlocksRequest alloc;
   alloc.set_count(2);
   alloc.set_owner_epoch(9);
@@ -176,7 +178,7 @@ grpc::Status Heartbeat(v1::AgentControl::Stub& stub, const std::string& id, uint
 
 TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
   std::unique_ptr<ManagerServer> manager = StartManager(10'000);
-  auto channel = MakeChannel(manager->address());
+  auto channel = MakeInsecureChannel(manager->address());
   auto ac = v1::AgentControl::NewStub(channel);
   auto cm = v1::CacheManager::NewStub(channel);
 
@@ -254,6 +256,7 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
 std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes,
                                      const std::string& metrics_address = "") {
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "mla-test";
   o.manager_address = "127.0.0.1:1";
   o.use_device = false;
@@ -330,7 +333,7 @@ constexpr uint64_t kMlaBlockBytes = 1152ull * 2 * 16;
 
 TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
   std::unique_ptr<Agent> agent = StartMlaAgent(10'000);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 8, 5);
   ASSERT_EQ(got.size(), 8u);
   const std::vector<BlockId> ids = {got[6], got[1], got[4]};  // scattered, out of order
@@ -351,7 +354,7 @@ TEST(BlockAgentDataTest, WriteThenReadScatteredBlocksRoundTrips) {
 
 TEST(BlockAgentDataTest, RefusedWritesAndReadsNameTheFieldAndChangeNothing) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
   ASSERT_EQ(ids.size(), 2u);
   const std::string original = RandomBytes(2 * kMlaBlockBytes, 2);
@@ -411,7 +414,7 @@ TEST(BlockAgentMetricsTest, MetricsEndpointServesRpcCountsAndLatencies) {
   const std::string& address = agent->metrics_address();
   int port = 0;
   ASSERT_TRUE(absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) << address;
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = AllocateBlocks(*stub, 2, 5);
   ASSERT_EQ(ids.size(), 2u);
   ASSERT_TRUE(WriteBlocks(*stub, ids, 5, RandomBytes(2 * kMlaBlockBytes, 4), 1 << 20).ok());
@@ -449,7 +452,7 @@ std::vector<uint16_t> RandomBf16(size_t n, std::mt19937& rng) {
 
 TEST(BlockAgentAttentionTest, RunAttentionOnTheHostEqualsMlaDecodeCpuOnTheSameLatents) {
   std::unique_ptr<Agent> agent = StartMlaAgent(1 << 20);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> got = AllocateBlocks(*stub, 6, 5);
   ASSERT_EQ(got.size(), 6u);
   // Sequence 0: 37 tokens over 3 blocks; sequence 1: 20 tokens over 2 (both end mid-block).

@@ -149,6 +149,7 @@ Codes OwnershipErrors(const PoolModel& m, std::span<const BlockId> ids, uint64_t
 
 std::unique_ptr<Agent> StartAgent(bool with_host_pool) {
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "fuzz";
   o.manager_address = "127.0.0.1:1";  // unreachable; BlockAgent does not need the manager
   o.use_device = false;
@@ -177,7 +178,7 @@ class BlockAgentFuzzer {
  public:
   BlockAgentFuzzer(Agent* agent, uint64_t seed)
       : agent_(agent),
-        stub_(v1::BlockAgent::NewStub(MakeChannel(agent->address()))),
+        stub_(v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()))),
         rng_(seed),
         main_(kBlocks) {
     if (agent_->host_pool() != nullptr) host_.emplace(kHostBlocks);
@@ -908,7 +909,7 @@ std::string ReadBlock(v1::BlockAgent::Stub& stub, BlockId id, uint64_t owner) {
 TEST(BlockAgentFuzzTest, WriteRefusedByGrpcAfterItsLastByteChangesNothing) {
   std::unique_ptr<Agent> agent = StartAgent(false);
   ASSERT_NE(agent, nullptr);
-  auto stub = v1::BlockAgent::NewStub(MakeChannel(agent->address()));
+  auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(agent->address()));
   const std::vector<BlockId> ids = ::kvcm::testing::AllocateBlocks(*stub, 1, kOwners[0]);
   ASSERT_EQ(ids.size(), 1u);
   const std::string before(kBlockBytes, 'a');

@@ -26,6 +26,7 @@
 namespace kvcm::testing {
 
 inline std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
+  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -40,6 +41,7 @@ inline std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uin
                                          uint64_t host_blocks = 0,
                                          const std::string& agent_id = "gpu-3") {
   AgentOptions o;
+  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.agent_id = agent_id;
   o.manager_address = manager_address;
   o.use_device = false;
@@ -58,6 +60,7 @@ inline uint64_t FreeBlocksOf(v1::BlockAgent::Stub& agent) { return StatsOf(agent
 inline std::unique_ptr<Client> ConnectAndRegister(const std::string& address, const NamespaceId& ns,
                                                   const ModelSpec& spec) {
   ClientOptions co;
+  co.insecure = true;
   co.address = address;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(co);
   if (!client.ok()) {
@@ -72,7 +75,7 @@ inline std::unique_ptr<Client> ConnectAndRegister(const std::string& address, co
 }
 
 inline std::unique_ptr<v1::BlockAgent::Stub> BlockAgentStub(const Agent& agent) {
-  return v1::BlockAgent::NewStub(MakeChannel(agent.address()));
+  return v1::BlockAgent::NewStub(MakeInsecureChannel(agent.address()));
 }
 
 // What a refused insert must leave as it was: the pages of every pool, the page locations

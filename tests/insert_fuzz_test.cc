@@ -48,8 +48,8 @@ class InsertFuzzer {
  public:
   InsertFuzzer(ManagerServer* manager, Agent* agent, uint64_t seed)
       : manager_(manager), agent_(agent), rng_(seed) {
-    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
-    client_ = *Client::Connect({.address = manager_->address()});
+    ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
+    client_ = *Client::Connect({.address = manager_->address(), .insecure = true});
     spec_ = agent_->pool().geometry().spec;
     for (int t = 0; t < 2; ++t) {
       EXPECT_TRUE(client_->RegisterModel(ns_[t], spec_).ok());
@@ -233,12 +233,14 @@ TEST(InsertFuzzTest, NoSequenceOfCallsMakesTheIndexDisagreeWithTheLedger) {
   const int steps = static_cast<int>(EnvOr("KVCM_FUZZ_STEPS", 600));
   std::cout << "KVCM_FUZZ_SEED=" << seed << " KVCM_FUZZ_STEPS=" << steps << std::endl;
   ServerOptions o;
+  o.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
   absl::StatusOr<std::unique_ptr<ManagerServer>> manager = ManagerServer::Start(o);
   ASSERT_TRUE(manager.ok()) << manager.status();
   AgentOptions a;
+  a.insecure = true;
   a.agent_id = "gpu-0";
   a.manager_address = (*manager)->address();
   a.use_device = false;

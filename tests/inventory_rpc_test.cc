@@ -32,13 +32,14 @@ class InventoryRpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ServerOptions o;
+    o.insecure = true;
     o.listen_address = "127.0.0.1:0";
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;
     absl::StatusOr<std::unique_ptr<ManagerServer>> m = ManagerServer::Start(o);
     ASSERT_TRUE(m.ok()) << m.status();
     manager_ = *std::move(m);
-    auto channel = MakeChannel(manager_->address());
+    auto channel = MakeInsecureChannel(manager_->address());
     ac_ = v1::AgentControl::NewStub(channel);
     spec_ = *FindModel("deepseek-v3");
 

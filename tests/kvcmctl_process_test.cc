@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "tests/http_get.h"
 #include "tests/process_util.h"
+#include "tests/test_certs.h"
 
 namespace {
 
@@ -42,6 +43,7 @@ using ::kvcm::testing::HttpGet;
 using ::kvcm::testing::ProcessResult;
 using ::kvcm::testing::ReadFile;
 using ::kvcm::testing::Subprocess;
+using ::kvcm::testing::TestCerts;
 
 // The unsigned number after "key: " in `text`; 0 when absent.
 uint64_t Field(const std::string& text, const std::string& key) {
@@ -85,10 +87,11 @@ class KvcmctlProcessTest : public ::testing::Test {
     for (int attempt = 0; attempt < 3; ++attempt) {
       port_ = FreePort();
       metrics_port_ = FreePort();
-      manager_ = Subprocess::Start(
-          {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
-           absl::StrCat("--metrics_address=127.0.0.1:", metrics_port_), "--shutdown_grace_ms=1000"},
-          log_path_);
+      std::vector<std::string> argv = {
+          KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+          absl::StrCat("--metrics_address=127.0.0.1:", metrics_port_), "--shutdown_grace_ms=1000"};
+      argv.insert(argv.end(), manager_security_.begin(), manager_security_.end());
+      manager_ = Subprocess::Start(argv, log_path_);
       ASSERT_NE(manager_, nullptr);
       const absl::Time give_up = absl::Now() + absl::Seconds(20);
       while (manager_->Running() && absl::Now() < give_up) {
@@ -103,9 +106,13 @@ class KvcmctlProcessTest : public ::testing::Test {
     FAIL() << "kvcm-manager exited at start three times";
   }
 
-  // Runs kvcmctl against the manager with `args` and waits for it.
-  ProcessResult Ctl(const std::vector<std::string>& args) {
+  // Runs kvcmctl against the manager with `args` (after ctl_security_) and waits for it.
+  ProcessResult Ctl(const std::vector<std::string>& args) { return CtlWith(ctl_security_, args); }
+  // The same with the global flags `security` instead of ctl_security_.
+  ProcessResult CtlWith(const std::vector<std::string>& security,
+                        const std::vector<std::string>& args) {
     std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_)};
+    argv.insert(argv.end(), security.begin(), security.end());
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) {
@@ -122,6 +129,9 @@ class KvcmctlProcessTest : public ::testing::Test {
     return r.out;
   }
 
+  // Transport security flags of the manager and of kvcmctl: plaintext unless a test sets TLS.
+  std::vector<std::string> manager_security_ = {"--insecure"};
+  std::vector<std::string> ctl_security_ = {"--insecure"};
   std::string log_path_;
   int port_ = 0;
   int metrics_port_ = 0;
@@ -212,8 +222,8 @@ TEST_F(KvcmctlProcessTest, WatchPrintsStoredEvents) {
   CtlOk(With({"register-model"}, With(kNs, {"--attention=gqa", "--layers=80", "--heads=64",
                                             "--kv_heads=8", "--head_dim=128", "--page_size=16"})));
   std::unique_ptr<Subprocess> watch = Subprocess::Start(
-      {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_), "watch", "--tenant=acme",
-       "--model=deepseek-v3", "--count=1", "--duration_ms=20000"});
+      {KVCMCTL_PATH, "--insecure", absl::StrCat("--addr=127.0.0.1:", port_), "watch",
+       "--tenant=acme", "--model=deepseek-v3", "--count=1", "--duration_ms=20000"});
   ASSERT_NE(watch, nullptr);
   // The subscription is live at some point after the process starts: insert fresh prompts
   // until the watcher has seen one and exited.
@@ -330,6 +340,82 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   ProcessResult down = Ctl({"--deadline_ms=300", "stats"});
   EXPECT_EQ(down.exit_code, 1) << down.Describe();
   EXPECT_THAT(down.err, HasSubstr("UNAVAILABLE"));
+}
+
+}  // namespace
+
+namespace {
+
+// The manager serving mutual TLS; kvcmctl with the CA and a client certificate (and a token
+// file, which goes with every call) is served, and refused without any of them.
+TEST_F(KvcmctlProcessTest, StatsOverMutualTlsAndWhatIsRefused) {
+  absl::StatusOr<std::unique_ptr<TestCerts>> made = TestCerts::Make();
+  ASSERT_TRUE(made.ok()) << made.status();
+  const TestCerts& certs = **made;
+  manager_security_ = {absl::StrCat("--tls_cert_file=", certs.Path("manager.pem")),
+                       absl::StrCat("--tls_key_file=", certs.Path("manager.key")),
+                       absl::StrCat("--tls_ca_file=", certs.Path("ca.pem"))};
+  const std::string ca = absl::StrCat("--ca=", certs.Path("ca.pem"));
+  const std::string cert = absl::StrCat("--cert=", certs.Path("client.pem"));
+  const std::string key = absl::StrCat("--key=", certs.Path("client.key"));
+  ctl_security_ = {ca, cert, key};
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  EXPECT_THAT(CtlOk({"stats"}), HasSubstr("POOLS"));
+  EXPECT_THAT(ReadFile(log_path_), HasSubstr("(mutual TLS;"));
+  {
+    std::ofstream(certs.Path("token")) << "operator-token\n";
+    const std::string token_file = absl::StrCat("--token_file=", certs.Path("token"));
+    ProcessResult r = CtlWith({ca, cert, key, token_file}, {"stats"});
+    EXPECT_EQ(r.exit_code, 0) << r.Describe();
+  }
+
+  ProcessResult no_ca = CtlWith({}, {"stats"});
+  EXPECT_EQ(no_ca.exit_code, 2) << no_ca.Describe();
+  EXPECT_THAT(no_ca.err, HasSubstr("--ca is required"));
+  ProcessResult plaintext = CtlWith({"--insecure", "--deadline_ms=1000"}, {"stats"});
+  EXPECT_EQ(plaintext.exit_code, 1) << plaintext.Describe();
+  EXPECT_THAT(plaintext.err, HasSubstr("UNAVAILABLE"));
+  ProcessResult no_cert = CtlWith({ca, "--deadline_ms=1000"}, {"stats"});
+  EXPECT_EQ(no_cert.exit_code, 1) << no_cert.Describe();
+  EXPECT_THAT(no_cert.err, HasSubstr("UNAVAILABLE"));
+  ProcessResult stranger =
+      CtlWith({ca, absl::StrCat("--cert=", certs.Path("untrusted.pem")),
+               absl::StrCat("--key=", certs.Path("untrusted.key")), "--deadline_ms=1000"},
+              {"stats"});
+  EXPECT_EQ(stranger.exit_code, 1) << stranger.Describe();
+  ProcessResult missing = CtlWith({absl::StrCat("--ca=", certs.Path("nope.pem"))}, {"stats"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.Describe();
+  EXPECT_THAT(missing.err, HasSubstr(certs.Path("nope.pem")));
+}
+
+TEST_F(KvcmctlProcessTest, AManagerWithoutTransportSecurityOrWithAMissingFileDoesNotStart) {
+  std::unique_ptr<Subprocess> none =
+      Subprocess::Start({KVCM_MANAGER_PATH, "--listen_address=127.0.0.1:0", "--metrics_address="});
+  ASSERT_NE(none, nullptr);
+  ProcessResult r = none->Finish(absl::Seconds(15));
+  EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
+  EXPECT_THAT(r.err, HasSubstr("set tls_cert_file and tls_key_file"));
+  EXPECT_THAT(r.err, HasSubstr("insecure = true"));
+
+  std::unique_ptr<Subprocess> missing =
+      Subprocess::Start({KVCM_MANAGER_PATH, "--listen_address=127.0.0.1:0",
+                         "--metrics_address=", "--tls_cert_file=/nonexistent/m.pem",
+                         "--tls_key_file=/nonexistent/m.key"});
+  ASSERT_NE(missing, nullptr);
+  r = missing->Finish(absl::Seconds(15));
+  EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
+  EXPECT_THAT(r.err, HasSubstr("tls_cert_file \"/nonexistent/m.pem\": cannot open"));
+
+  // --insecure starts, and says loudly what it means.
+  std::unique_ptr<Subprocess> insecure = Subprocess::Start(
+      {KVCM_MANAGER_PATH, "--insecure", "--listen_address=127.0.0.1:0", "--metrics_address="});
+  ASSERT_NE(insecure, nullptr);
+  absl::SleepFor(absl::Milliseconds(500));
+  insecure->Signal(SIGTERM);
+  r = insecure->Finish(absl::Seconds(15));
+  EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();
+  EXPECT_THAT(r.err, HasSubstr("WARNING: insecure = true"));
+  EXPECT_THAT(r.out, HasSubstr("PLAINTEXT"));
 }
 
 }  // namespace

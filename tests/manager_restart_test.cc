@@ -92,7 +92,7 @@ class ManagerRestartTest : public ::testing::Test {
 
   void StartManager(const std::string& log) {
     manager_ = Subprocess::Start(
-        {KVCM_MANAGER_PATH, absl::StrCat("--listen_address=127.0.0.1:", port_),
+        {KVCM_MANAGER_PATH, "--insecure", absl::StrCat("--listen_address=127.0.0.1:", port_),
          "--metrics_address=", "--shutdown_grace_ms=500", "--agent_heartbeat_timeout_ms=10000",
          absl::StrCat("--hash_secret_file=", SecretFile())},
         absl::StrCat(base_, "_", log, ".log"));
@@ -108,7 +108,7 @@ class ManagerRestartTest : public ::testing::Test {
   void StartAgent(int i) {
     const std::string id = absl::StrCat("gpu", i);
     agents_[i] = Subprocess::Start(
-        {KVCM_AGENT_PATH, absl::StrCat("--agent_id=", id),
+        {KVCM_AGENT_PATH, "--insecure", absl::StrCat("--agent_id=", id),
          absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
          "--model=deepseek-v3", absl::StrCat("--capacity_bytes=", kAgentBlocks * kPageBytes),
          "--heartbeat_interval_ms=100"},
@@ -117,8 +117,8 @@ class ManagerRestartTest : public ::testing::Test {
   }
 
   ProcessResult Ctl(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {KVCMCTL_PATH, absl::StrCat("--addr=127.0.0.1:", port_),
-                                     "--deadline_ms=3000"};
+    std::vector<std::string> argv = {
+        KVCMCTL_PATH, "--insecure", absl::StrCat("--addr=127.0.0.1:", port_), "--deadline_ms=3000"};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) return ProcessResult{};
@@ -127,7 +127,7 @@ class ManagerRestartTest : public ::testing::Test {
 
   std::unique_ptr<Client> Connect() {
     absl::StatusOr<std::unique_ptr<Client>> c =
-        Client::Connect({.address = absl::StrCat("127.0.0.1:", port_)});
+        Client::Connect({.address = absl::StrCat("127.0.0.1:", port_), .insecure = true});
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
   }
@@ -158,7 +158,7 @@ class ManagerRestartTest : public ::testing::Test {
     absl::StatusOr<ManagerStats> stats = client.Stats();
     if (!stats.ok()) return out;
     for (const ManagerStats::Agent& a : stats->agents) {
-      auto stub = v1::BlockAgent::NewStub(MakeChannel(a.block_agent_address));
+      auto stub = v1::BlockAgent::NewStub(MakeInsecureChannel(a.block_agent_address));
       v1::BlockAgentStatsResponse s;
       grpc::ClientContext ctx;
       if (!stub->Stats(&ctx, v1::BlockAgentStatsRequest(), &s).ok()) continue;

@@ -35,7 +35,7 @@ class FakeAgent {
   FakeAgent(const std::string& manager, std::string id, uint64_t epoch)
       : id_(std::move(id)),
         epoch_(epoch),
-        control_(v1::AgentControl::NewStub(MakeChannel(manager))) {}
+        control_(v1::AgentControl::NewStub(MakeInsecureChannel(manager))) {}
   ~FakeAgent() { CloseStream(); }
 
   grpc::Status Register(const std::string& transport) {
@@ -114,6 +114,7 @@ class NcclBootstrapRpcTest : public ::testing::Test {
  protected:
   void StartManager(uint32_t heartbeat_timeout_ms = 10'000) {
     ServerOptions o;
+    o.insecure = true;
     o.listen_address = "127.0.0.1:0";
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;

@@ -48,7 +48,7 @@ class ProcessCluster {
     c->log_base_ = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/kvcm_cluster_", getpid(), "_",
                                 clusters.fetch_add(1));
     c->manager_address_ = absl::StrCat("127.0.0.1:", FreePort());
-    std::vector<std::string> manager = {KVCM_MANAGER_PATH,
+    std::vector<std::string> manager = {KVCM_MANAGER_PATH, "--insecure",
                                         absl::StrCat("--listen_address=", c->manager_address_),
                                         "--metrics_address=", "--shutdown_grace_ms=500"};
     manager.insert(manager.end(), options.manager_flags.begin(), options.manager_flags.end());
@@ -58,8 +58,8 @@ class ProcessCluster {
     // channel that found no server may take seconds to try again.
     const bool serving = WaitUntil(
         [&] {
-          absl::StatusOr<std::unique_ptr<Client>> probe =
-              Client::Connect({.address = c->manager_address_, .max_attempts = 1});
+          absl::StatusOr<std::unique_ptr<Client>> probe = Client::Connect(
+              {.address = c->manager_address_, .max_attempts = 1, .insecure = true});
           return probe.ok() && (*probe)->Stats({.deadline_ms = 500}).ok();
         },
         absl::Seconds(20));
@@ -68,14 +68,16 @@ class ProcessCluster {
       return nullptr;
     }
     absl::StatusOr<std::unique_ptr<Client>> client =
-        Client::Connect({.address = c->manager_address_});
+        Client::Connect({.address = c->manager_address_, .insecure = true});
     if (!client.ok()) {
       ADD_FAILURE() << client.status();
       return nullptr;
     }
     c->client_ = *std::move(client);
     for (const std::string& id : options.agent_ids) {
-      std::vector<std::string> agent = {KVCM_AGENT_PATH, absl::StrCat("--agent_id=", id),
+      std::vector<std::string> agent = {KVCM_AGENT_PATH,
+                                        "--insecure",
+                                        absl::StrCat("--agent_id=", id),
                                         absl::StrCat("--manager_address=", c->manager_address_),
                                         "--listen_address=127.0.0.1:0",
                                         "--data_listen_address=127.0.0.1:0"};
@@ -122,7 +124,7 @@ class ProcessCluster {
   const ManagerStats::Agent& agent(const std::string& id) const { return agents_.at(id); }
 
   std::unique_ptr<v1::BlockAgent::Stub> Stub(const std::string& id) const {
-    return v1::BlockAgent::NewStub(MakeChannel(agent(id).block_agent_address));
+    return v1::BlockAgent::NewStub(MakeInsecureChannel(agent(id).block_agent_address));
   }
 
   // BlockAgent.Stats of agent `id` within 5 s, or the call's error.

@@ -47,6 +47,7 @@ class RetentionTest : public ::testing::Test {
     port_ = manager_->port();
 
     AgentOptions o;
+    o.insecure = true;
     o.agent_id = kAgentId;
     o.manager_address = manager_->address();
     o.use_device = false;
@@ -58,7 +59,7 @@ class RetentionTest : public ::testing::Test {
     ASSERT_TRUE(WaitFor([&] { return agent_->registered(); }));
     epoch_ = agent_->epoch();
     spec_ = agent_->pool().geometry().spec;
-    ba_ = v1::BlockAgent::NewStub(MakeChannel(agent_->address()));
+    ba_ = v1::BlockAgent::NewStub(MakeInsecureChannel(agent_->address()));
 
     std::unique_ptr<Client> client = Connect();
     ASSERT_NE(client, nullptr);
@@ -76,6 +77,7 @@ class RetentionTest : public ::testing::Test {
   // (with a test failure) if it never binds.
   std::unique_ptr<ManagerServer> StartManagerOn(int port) {
     ServerOptions o;
+    o.insecure = true;
     o.listen_address = absl::StrCat("127.0.0.1:", port);
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;

@@ -81,7 +81,7 @@ class RouteTest : public ::testing::Test {
 
   // The raw stub, for requests the client would never send.
   grpc::Status RawRoute(const v1::RouteRequest& req, v1::RouteResponse* resp = nullptr) {
-    auto stub = v1::CacheManager::NewStub(MakeChannel(manager_->address()));
+    auto stub = v1::CacheManager::NewStub(MakeInsecureChannel(manager_->address()));
     v1::RouteResponse ignored;
     grpc::ClientContext ctx;
     return stub->Route(&ctx, req, resp != nullptr ? resp : &ignored);

@@ -40,6 +40,7 @@ class ServiceRpcTest : public ::testing::Test {
 
   void SetUp() override {
     ServerOptions options;
+    options.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = ServeMetrics() ? "127.0.0.1:0" : "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";
@@ -54,7 +55,7 @@ class ServiceRpcTest : public ::testing::Test {
     server_ = *std::move(server);
     ASSERT_GT(server_->port(), 0);
     ASSERT_EQ(server_->metrics_port() > 0, ServeMetrics());
-    channel_ = MakeChannel(absl::StrCat("127.0.0.1:", server_->port()));
+    channel_ = MakeInsecureChannel(absl::StrCat("127.0.0.1:", server_->port()));
     stub_ = v1::CacheManager::NewStub(channel_);
     ns_.set_tenant("acme");
     ns_.set_model("deepseek-v3");
@@ -504,6 +505,7 @@ TEST_F(ServiceRpcTest, LeaseSweeperExpiresIdlePins) {
 
 TEST_F(ServiceRpcTest, BusyPortIsUnavailable) {
   ServerOptions options;
+  options.insecure = true;
   options.listen_address = absl::StrCat("127.0.0.1:", server_->port());
   options.metrics_address = "";
   absl::StatusOr<std::unique_ptr<ManagerServer>> second = ManagerServer::Start(options);

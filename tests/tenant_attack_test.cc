@@ -62,6 +62,7 @@ class TenantAttackTest : public ::testing::Test {
     tokens_path_ = absl::StrCat(::testing::TempDir(), "/kvcm_tokens_", getpid());
     WriteFile(tokens_path_, TokensFile());
     ServerOptions options;
+    options.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";
@@ -72,7 +73,7 @@ class TenantAttackTest : public ::testing::Test {
     absl::StatusOr<std::unique_ptr<ManagerServer>> server = ManagerServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
-    channel_ = MakeChannel(server_->address());
+    channel_ = MakeInsecureChannel(server_->address());
     stub_ = v1::CacheManager::NewStub(channel_);
     agent_stub_ = v1::AgentControl::NewStub(channel_);
     acme_.set_tenant("acme");

@@ -26,7 +26,7 @@ absl::StatusOr<std::unique_ptr<WorkerSim>> WorkerSim::Create(Client* client, Nam
   sim->bytes_per_block_ = reg->bytes_per_page;
   for (AgentInfo& info : agents) {
     Agent a;
-    a.stub = v1::BlockAgent::NewStub(MakeChannel(info.block_agent_address));
+    a.stub = v1::BlockAgent::NewStub(MakeInsecureChannel(info.block_agent_address));
     v1::BlockAgentStatsResponse stats;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -15,6 +15,7 @@
 #include "gpu/agent/block_agent_service.h"
 #include "gpu/agent/command_loop.h"
 #include "gpu/agent/control_loop.h"
+#include "gpu/agent/data_tls.h"
 #include "gpu/agent/tcp_transport.h"
 #include "prometheus/exposer.h"
 #ifdef KVCM_HAVE_NCCL
@@ -23,6 +24,16 @@
 
 namespace kvcm {
 namespace {
+
+constexpr absl::string_view kInsecureWarning =
+    "\n"
+    "************************************************************************\n"
+    "* WARNING: insecure = true. kvcm-agent speaks PLAINTEXT: its BlockAgent *\n"
+    "* port, its data port (block bytes) and its calls to the manager (its  *\n"
+    "* token included) can be read and forged by anyone on the network.     *\n"
+    "* For development on a trusted machine only; in production set         *\n"
+    "* tls_cert_file, tls_key_file and tls_ca_file (mutual TLS).            *\n"
+    "************************************************************************";
 
 absl::string_view HostOf(absl::string_view address) {
   return address.substr(0, address.rfind(':'));
@@ -51,8 +62,31 @@ Agent::~Agent() { Shutdown(); }
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   KVCM_RETURN_IF_ERROR(options.Validate());
   KVCM_ASSIGN_OR_RETURN(PoolGeometry geometry, options.Geometry());
+  if (!options.token_file.empty()) {
+    KVCM_ASSIGN_OR_RETURN(options.token, ReadBearerTokenFile(options.token_file, "token_file"));
+  }
+  // Every certificate file is read now, so that a missing or mismatched one stops the start.
+  const TlsOptions tls = options.Tls();
+  auto tls_error = [](const absl::Status& s) {  // "cert_file ..." -> "tls_cert_file ..."
+    return absl::Status(s.code(), absl::StrCat("tls_", s.message()));
+  };
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+      MakeServerCredentials(tls);
+  if (!server_credentials.ok()) return tls_error(server_credentials.status());
+  absl::StatusOr<ChannelFactory> channels = ChannelFactory::Create(tls, options.token);
+  if (!channels.ok()) return tls_error(channels.status());
+  std::shared_ptr<DataTls> data_tls;
+  if (!tls.insecure) {
+    absl::StatusOr<std::shared_ptr<DataTls>> made = DataTls::Create(tls);
+    if (!made.ok()) return tls_error(made.status());
+    data_tls = *std::move(made);
+  } else {
+    LogWarning(kInsecureWarning);
+  }
+
   std::unique_ptr<Agent> a(new Agent(std::move(options)));
   const AgentOptions& opts = a->options_;
+  a->data_tls_ = std::move(data_tls);
 
   KVCM_ASSIGN_OR_RETURN(BackendChoice choice, CreateBackend({.arena_bytes = geometry.pool_bytes(),
                                                              .device_index = opts.device_index,
@@ -74,7 +108,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
                       static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
   manager_args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                       static_cast<int>(std::min<uint32_t>(opts.heartbeat_interval_ms, 1'000)));
-  std::shared_ptr<grpc::Channel> manager = MakeChannel(opts.manager_address, manager_args);
+  std::shared_ptr<grpc::Channel> manager = channels->Open(opts.manager_address, manager_args);
   // Before the transport: an NCCL transport bootstraps its links through it.
   a->control_ = v1::AgentControl::NewStub(manager);
   KVCM_ASSIGN_OR_RETURN(a->transport_, a->CreateTransport());
@@ -87,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
                                                     a->metrics_.get(), a->fetcher_.get());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &port);
+  builder.AddListeningPort(opts.listen_address, *server_credentials, &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Room for a full data chunk plus the message's framing.
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
@@ -141,7 +175,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
 absl::StatusOr<std::unique_ptr<Transport>> Agent::CreateTransport() {
   const AgentOptions& opts = options_;
   const TcpTransportOptions data{.listen_address = opts.data_listen_address,
-                                 .io_timeout_ms = opts.transfer_io_timeout_ms};
+                                 .io_timeout_ms = opts.transfer_io_timeout_ms,
+                                 .tls = data_tls_};
   if (opts.transport == TransportKind::kTcp) return MakeTcpTransport(data, pools(), opts.tier);
 #ifndef KVCM_HAVE_NCCL
   return absl::FailedPreconditionError(

@@ -35,14 +35,16 @@ class Exposer;
 namespace kvcm {
 
 class AgentMetrics;
+class DataTls;
 class BlockAgentService;
 class CommandLoop;
 class ControlLoop;
 
 class Agent {
  public:
-  // Validates `options`, creates the backend and pool, serves BlockAgent and starts the
-  // control and command threads. INVALID_ARGUMENT for bad options, UNAVAILABLE when an
+  // Validates `options`, reads its TLS and token files, creates the backend and pool, serves
+  // BlockAgent and starts the control and command threads. INVALID_ARGUMENT for bad options
+  // or TLS / token files (naming the option and the path), UNAVAILABLE when an
   // address cannot be bound, RESOURCE_EXHAUSTED when the pool's memory cannot be allocated,
   // FAILED_PRECONDITION for transport kNccl in a build without NCCL or with the pool not on
   // a CUDA device. The manager need not be up yet.
@@ -97,6 +99,8 @@ class Agent {
   // The data path to peers, and the Fetch work over it; the manager stub Fetch inserts with.
   // Made before the transport, which may bootstrap NCCL links through it.
   std::unique_ptr<v1::AgentControl::Stub> control_;
+  // The data port's TLS; null when insecure.
+  std::shared_ptr<DataTls> data_tls_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<v1::CacheManager::Stub> manager_;
   std::unique_ptr<Fetcher> fetcher_;

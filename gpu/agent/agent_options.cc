@@ -1,5 +1,7 @@
 #include "gpu/agent/agent_options.h"
 
+#include <utility>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/model_catalog.h"
@@ -15,6 +17,46 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 bool IsAgentIdChar(char c) {
   return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '.' ||
          c == '_' || c == ':' || c == '-';
+}
+
+// One of TLS (all three files) or insecure, and one token source at most.
+absl::Status ValidateSecurity(const AgentOptions& o) {
+  const std::pair<const char*, const std::string*> files[] = {{"tls_cert_file", &o.tls_cert_file},
+                                                              {"tls_key_file", &o.tls_key_file},
+                                                              {"tls_ca_file", &o.tls_ca_file}};
+  if (o.insecure) {
+    for (const auto& [name, value] : files) {
+      if (!value->empty()) {
+        return Invalid("insecure", absl::StrCat("= true excludes ", name, " (got both)"));
+      }
+    }
+  } else {
+    if (o.tls_cert_file.empty() && o.tls_key_file.empty() && o.tls_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "no transport security: set tls_cert_file, tls_key_file and tls_ca_file (mutual "
+          "TLS), or insecure = true for plaintext on a trusted network");
+    }
+    for (const auto& [name, value] : files) {
+      if (value->empty()) {
+        return Invalid(name,
+                       "is required for TLS (with tls_cert_file, tls_key_file and "
+                       "tls_ca_file)");
+      }
+    }
+    if (o.tls_reload_interval_s < 1 || o.tls_reload_interval_s > 86'400) {
+      return Invalid("tls_reload_interval_s",
+                     absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
+    }
+  }
+  if (!o.token.empty() && !o.token_file.empty()) {
+    return Invalid("token_file", "excludes a token given directly (KVCM_AGENT_TOKEN)");
+  }
+  if (!o.token.empty()) {
+    if (absl::Status s = ValidateBearerToken(o.token); !s.ok()) {
+      return Invalid("token", s.message());
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -106,7 +148,15 @@ absl::Status AgentOptions::Validate() const {
                    absl::StrCat("must hold at least one block (", geometry->bytes_per_block(),
                                 " bytes), got ", nccl_staging_bytes));
   }
-  return absl::OkStatus();
+  return ValidateSecurity(*this);
+}
+
+TlsOptions AgentOptions::Tls() const {
+  return TlsOptions{.insecure = insecure,
+                    .cert_file = tls_cert_file,
+                    .key_file = tls_key_file,
+                    .ca_file = tls_ca_file,
+                    .reload_interval_s = tls_reload_interval_s};
 }
 
 }  // namespace kvcm

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/model_spec.h"
+#include "common/security_options.h"
 #include "common/types.h"
 #include "gpu/agent/pool_geometry.h"
 
@@ -89,8 +90,32 @@ struct AgentOptions {
   // limit is 4 MiB).
   uint64_t read_chunk_bytes = 1ull << 20;
 
+  // Transport security (common/security_options.h; README "TLS"): one of TLS or insecure is
+  // required. TLS takes all three PEM files and is mutual everywhere: tls_cert_file and
+  // tls_key_file are this agent's identity, which its BlockAgent server and data port present
+  // and which it presents to the manager and to peers; tls_ca_file verifies the manager, the
+  // peers and BlockAgent's clients (workers, kvcmctl), who must all present certificates it
+  // signed. The certificates must name the addresses they are reached at (subjectAltName),
+  // the data port excepted (it checks the CA only). The files are re-read every
+  // tls_reload_interval_s (1..86400). insecure = true: plaintext everywhere, for development
+  // on a trusted machine only; excludes the tls_* files.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
+  uint32_t tls_reload_interval_s = 60;
+  bool insecure = false;
+  // The agent's bearer token, sent with every call to the manager (AgentControl, its streams,
+  // and the Inserts of Fetch). Either token_file, read at Start, or token itself (kvcm-agent
+  // sets it from $KVCM_AGENT_TOKEN; there is no flag, as a command line is visible in ps);
+  // not both. Neither: no token.
+  std::string token_file;
+  std::string token;
+
+  // The transport security above as the credentials factory takes it.
+  TlsOptions Tls() const;
+
   // INVALID_ARGUMENT naming the first bad option (spec errors as "spec.<field>", a pool
-  // that holds no block as "capacity_bytes").
+  // that holds no block as "capacity_bytes"). Does not read the TLS or token files.
   absl::Status Validate() const;
 
   // The pool's geometry: the resolved spec and the blocks capacity_bytes holds.

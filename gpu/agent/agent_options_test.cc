@@ -25,6 +25,7 @@ TEST(AgentOptionsTest, TransportParsesTcpAndNcclOnly) {
 
 TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   AgentOptions o;
+  o.insecure = true;
   o.capacity_bytes = 1ull << 30;
   ASSERT_TRUE(o.Validate().ok());
   AgentOptions links = o;
@@ -45,8 +46,64 @@ TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   EXPECT_TRUE(staging.Validate().ok());
 }
 
+TEST(AgentOptionsTest, TransportSecurityIsRequired) {
+  AgentOptions o;
+  o.capacity_bytes = 1ull << 30;
+  absl::Status none = o.Validate();
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(none.message(),
+              HasSubstr("set tls_cert_file, tls_key_file and tls_ca_file (mutual TLS), or "
+                        "insecure = true"));
+  o.tls_cert_file = "a.pem";
+  o.tls_key_file = "a.key";
+  EXPECT_THAT(o.Validate().message(), HasSubstr("tls_ca_file is required"));
+  o.tls_ca_file = "ca.pem";
+  EXPECT_TRUE(o.Validate().ok()) << "files are read at Start";
+  EXPECT_EQ(o.Tls().ca_file, "ca.pem");
+  EXPECT_FALSE(o.Tls().insecure);
+  o.tls_reload_interval_s = 0;
+  EXPECT_THAT(o.Validate().message(), HasSubstr("tls_reload_interval_s"));
+  o.tls_reload_interval_s = 60;
+  o.insecure = true;
+  EXPECT_THAT(o.Validate().message(), HasSubstr("insecure = true excludes tls_cert_file"));
+
+  AgentOptions plain;
+  plain.insecure = true;
+  plain.capacity_bytes = 1ull << 30;
+  EXPECT_TRUE(plain.Validate().ok());
+  plain.token = "t";
+  plain.token_file = "token";
+  EXPECT_THAT(plain.Validate().message(), HasSubstr("token_file excludes"));
+  plain.token_file.clear();
+  plain.token = "has space";
+  EXPECT_THAT(plain.Validate().message(), HasSubstr("token"));
+}
+
+TEST(AgentTlsStartTest, UnreadableFilesAreNamedAtStart) {
+  AgentOptions o;
+  o.agent_id = "gpu-8";
+  o.manager_address = "127.0.0.1:1";
+  o.capacity_bytes = 64ull << 20;
+  o.use_device = false;
+  o.tls_cert_file = "/nonexistent/agent.pem";
+  o.tls_key_file = "/nonexistent/agent.key";
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
+  EXPECT_EQ(agent.status().code(), absl::StatusCode::kInvalidArgument) << agent.status();
+  EXPECT_THAT(agent.status().message(), HasSubstr("tls_ca_file \"/nonexistent/ca.pem\""));
+
+  AgentOptions token = o;
+  token.tls_cert_file = token.tls_key_file = token.tls_ca_file = "";
+  token.insecure = true;
+  token.token_file = "/nonexistent/token";
+  agent = Agent::Start(token);
+  EXPECT_EQ(agent.status().code(), absl::StatusCode::kInvalidArgument) << agent.status();
+  EXPECT_THAT(agent.status().message(), HasSubstr("token_file \"/nonexistent/token\""));
+}
+
 TEST(AgentNcclStartTest, NcclWithoutNcclOrWithoutADeviceIsRefusedCleanly) {
   AgentOptions o;
+  o.insecure = true;
   o.agent_id = "gpu-9";
   o.manager_address = "127.0.0.1:1";  // never reached: the start fails first
   o.capacity_bytes = 64ull << 20;

@@ -12,6 +12,7 @@
 #include "absl/base/internal/endian.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/agent/data_tls.h"
 
 namespace kvcm {
 namespace {
@@ -39,7 +40,9 @@ absl::StatusOr<sockaddr_in> ParseAddress(absl::string_view address, absl::string
   return out;
 }
 
-absl::Status SendAll(int fd, const void* data, size_t n) {
+absl::Status SendAll(DataConn& conn, const void* data, size_t n) {
+  if (conn.ssl() != nullptr) return TlsSendAll(conn.ssl(), data, n);
+  const int fd = conn.fd();
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t sent = send(fd, p, n, MSG_NOSIGNAL);
@@ -56,7 +59,9 @@ absl::Status SendAll(int fd, const void* data, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status RecvAll(int fd, void* data, size_t n) {
+absl::Status RecvAll(DataConn& conn, void* data, size_t n) {
+  if (conn.ssl() != nullptr) return TlsRecvAll(conn.ssl(), data, n);
+  const int fd = conn.fd();
   char* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t got = recv(fd, p, n, 0);
@@ -74,23 +79,23 @@ absl::Status RecvAll(int fd, void* data, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status SendFrame(int fd, const google::protobuf::MessageLite& message) {
-  const std::string body = message.SerializeAsString();
-  char len[4];
-  absl::little_endian::Store32(len, static_cast<uint32_t>(body.size()));
-  if (absl::Status s = SendAll(fd, len, sizeof(len)); !s.ok()) return s;
-  return SendAll(fd, body.data(), body.size());
+absl::Status SendFrame(DataConn& conn, const google::protobuf::MessageLite& message) {
+  // One write of length and body: one TLS record (and one segment) for a small frame.
+  std::string framed(4, '\0');
+  absl::little_endian::Store32(framed.data(), static_cast<uint32_t>(message.ByteSizeLong()));
+  message.AppendToString(&framed);
+  return SendAll(conn, framed.data(), framed.size());
 }
 
-absl::Status RecvFrame(int fd, google::protobuf::MessageLite* message) {
+absl::Status RecvFrame(DataConn& conn, google::protobuf::MessageLite* message) {
   char len[4];
-  if (absl::Status s = RecvAll(fd, len, sizeof(len)); !s.ok()) return s;
+  if (absl::Status s = RecvAll(conn, len, sizeof(len)); !s.ok()) return s;
   const uint32_t n = absl::little_endian::Load32(len);
   if (n > kMaxFrameBytes) {
     return absl::InvalidArgumentError(absl::StrCat("frame of ", n, " bytes is too large"));
   }
   std::string body(n, '\0');
-  if (absl::Status s = RecvAll(fd, body.data(), n); !s.ok()) return s;
+  if (absl::Status s = RecvAll(conn, body.data(), n); !s.ok()) return s;
   if (!message->ParseFromString(body)) return absl::InvalidArgumentError("malformed frame");
   return absl::OkStatus();
 }
@@ -122,9 +127,9 @@ absl::Status StatusOf(const v1::PullBlocksHeader& h) {
   return absl::Status(code, absl::StrCat("peer: ", h.message()));
 }
 
-absl::Status CheckPeerOpen(int fd) {
+absl::Status CheckPeerOpen(const DataConn& conn) {
   char byte;
-  const ssize_t got = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  const ssize_t got = recv(conn.fd(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
   if (got == 0) return absl::UnavailableError("peer closed the connection");
   if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return Errno("recv");
   return absl::OkStatus();

@@ -10,7 +10,7 @@
 // of its blocks were checked and staged, so a block evicted mid-pull ends the transfer
 // with FAILED_PRECONDITION before its bytes are sent, and the link stays usable.
 //
-// Free functions; each call owns its socket and its leased link.
+// Free functions; each call owns its connection and its leased link.
 #ifndef KVCM_GPU_AGENT_LINK_TRANSFER_H_
 #define KVCM_GPU_AGENT_LINK_TRANSFER_H_
 
@@ -24,6 +24,7 @@
 #include "common/types.h"
 #include "gpu/agent/block_link.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/data_socket.h"
 #include "gpu/agent/transport.h"
 
 namespace kvcm {
@@ -46,17 +47,17 @@ struct LinkTransferResult {
 absl::StatusOr<uint32_t> LinkChunkBlocks(uint64_t block_bytes, uint64_t link_staging_bytes,
                                          uint64_t puller_chunk_bytes);
 
-// Server side, after an OK header on `fd`: sends `ids` of `pool`, each still committed to
+// Server side, after an OK header on `conn`: sends `ids` of `pool`, each still committed to
 // pages[i] of `ns`, in chunks of `chunk_blocks`, then waits for the puller's kTagDone.
 // REQUIRES: ids.size() == pages.size() >= 1, chunk_blocks >= 1 and fits the link.
-LinkTransferResult ServeOverLink(int fd, const BlockPool& pool, const NamespaceId& ns,
+LinkTransferResult ServeOverLink(DataConn& conn, const BlockPool& pool, const NamespaceId& ns,
                                  std::span<const BlockId> ids, std::span<const PageHash> pages,
                                  uint32_t chunk_blocks, BlockLink& link, absl::Duration timeout);
 
-// Puller side, after an OK header of the right block size on `fd`: receives every block of
+// Puller side, after an OK header of the right block size on `conn`: receives every block of
 // `spec` (tag 1 on the socket, or tag 3 chunks on `link`, which may be null when the request
 // asked for none) into spec.dst_blocks. Returns the bytes received.
-absl::StatusOr<uint64_t> ReceiveBlocks(int fd, const PullSpec& spec, BlockLink* link,
+absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, BlockLink* link,
                                        absl::Duration timeout, bool* link_broken);
 
 }  // namespace kvcm

@@ -341,19 +341,20 @@ TEST_F(LinkTransferTest, ThePullerAsksForALinkThenTimesOutOnASilentOne) {
     for (int i = 0; i < 2; ++i) {
       const int fd = accept(listener, nullptr, nullptr);
       SetSocketOptions(fd, 5'000);
+      DataConn conn(fd);
       v1::PullBlocksRequest req;
-      ASSERT_TRUE(RecvFrame(fd, &req).ok());
+      ASSERT_TRUE(RecvFrame(conn, &req).ok());
       seen.push_back(req);
       if (i == 0) {
         v1::PullBlocksHeader h = HeaderOf(absl::FailedPreconditionError("no link"), bb);
         h.set_link_needed(true);
         h.set_agent_id("gpu-7");
-        ASSERT_TRUE(SendFrame(fd, h).ok());
+        ASSERT_TRUE(SendFrame(conn, h).ok());
       } else {
-        ASSERT_TRUE(SendFrame(fd, HeaderOf(absl::OkStatus(), bb)).ok());
+        ASSERT_TRUE(SendFrame(conn, HeaderOf(absl::OkStatus(), bb)).ok());
         char announce[5] = {static_cast<char>(kTagLinkChunk)};
         absl::little_endian::Store32(announce + 1, 1);
-        ASSERT_TRUE(SendAll(fd, announce, sizeof(announce)).ok());
+        ASSERT_TRUE(SendAll(conn, announce, sizeof(announce)).ok());
         char byte;
         (void)recv(fd, &byte, 1, 0);  // holds the connection until the puller gives up
       }
@@ -397,12 +398,14 @@ TEST(ReceiveBlocksTest, AnErrorTagCarryingAnOkStatusIsDataLoss) {
   int fds[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
   const std::string block(pool->geometry().bytes_per_block(), 'b');
-  ASSERT_TRUE(SendAll(fds[1], &kTagBlock, 1).ok());
-  ASSERT_TRUE(SendAll(fds[1], block.data(), block.size()).ok());
-  ASSERT_TRUE(SendAll(fds[1], &kTagError, 1).ok());
-  ASSERT_TRUE(SendFrame(fds[1], HeaderOf(absl::OkStatus(), block.size())).ok());
+  DataConn server(fds[1]);
+  DataConn puller(fds[0]);
+  ASSERT_TRUE(SendAll(server, &kTagBlock, 1).ok());
+  ASSERT_TRUE(SendAll(server, block.data(), block.size()).ok());
+  ASSERT_TRUE(SendAll(server, &kTagError, 1).ok());
+  ASSERT_TRUE(SendFrame(server, HeaderOf(absl::OkStatus(), block.size())).ok());
   bool broken = false;
-  absl::StatusOr<uint64_t> got = ReceiveBlocks(fds[0], spec, nullptr, absl::Seconds(5), &broken);
+  absl::StatusOr<uint64_t> got = ReceiveBlocks(puller, spec, nullptr, absl::Seconds(5), &broken);
   close(fds[0]);
   close(fds[1]);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
@@ -430,12 +433,13 @@ TEST_F(LinkTransferTest, ALinkNeededHeaderWithAnOkCodeFailsThePull) {
     for (int i = 0; i < 2; ++i) {
       const int fd = accept(listener, nullptr, nullptr);
       SetSocketOptions(fd, 5'000);
+      DataConn conn(fd);
       v1::PullBlocksRequest req;
-      ASSERT_TRUE(RecvFrame(fd, &req).ok());
+      ASSERT_TRUE(RecvFrame(conn, &req).ok());
       v1::PullBlocksHeader h = HeaderOf(absl::OkStatus(), bb);
       h.set_link_needed(true);
       h.set_agent_id("gpu-7");
-      ASSERT_TRUE(SendFrame(fd, h).ok());
+      ASSERT_TRUE(SendFrame(conn, h).ok());
       close(fd);
     }
   });

@@ -3,8 +3,10 @@
 //
 //   kvcm-agent --agent_id=gpu0 --manager_address=127.0.0.1:50051 [--model=deepseek-v3 ...]
 //
-// Every kvcm::AgentOptions field is a flag; --model= (empty) takes the geometry from the
-// explicit --attention/--num_layers/... flags instead of the catalogue. SIGINT / SIGTERM
+// Every kvcm::AgentOptions field is a flag (but the token: --token_file, or $KVCM_AGENT_TOKEN);
+// --model= (empty) takes the geometry from the explicit --attention/--num_layers/... flags
+// instead of the catalogue. Transport security is required: --tls_cert_file, --tls_key_file
+// and --tls_ca_file (mutual TLS), or --insecure for plaintext in development. SIGINT / SIGTERM
 // shut the agent down cleanly (exit status 0).
 #include <pthread.h>
 #include <signal.h>
@@ -78,6 +80,19 @@ ABSL_FLAG(uint64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest BlockAgent request message, in bytes.");
 ABSL_FLAG(uint64_t, read_chunk_bytes, kDefaults.read_chunk_bytes,
           "Bytes per ReadBlocks response message.");
+ABSL_FLAG(std::string, tls_cert_file, kDefaults.tls_cert_file,
+          "PEM certificate of this agent: its BlockAgent and data ports, and its client "
+          "certificate to the manager and peers (mutual TLS, with tls_key_file, tls_ca_file).");
+ABSL_FLAG(std::string, tls_key_file, kDefaults.tls_key_file, "PEM private key of tls_cert_file.");
+ABSL_FLAG(std::string, tls_ca_file, kDefaults.tls_ca_file,
+          "PEM CA bundle that verifies the manager, peers and BlockAgent clients.");
+ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
+          "How often the TLS files are re-read, so that rotating them needs no restart (s).");
+ABSL_FLAG(bool, insecure, kDefaults.insecure,
+          "Plaintext everywhere instead of mutual TLS: development on a trusted machine only.");
+ABSL_FLAG(std::string, token_file, kDefaults.token_file,
+          "File holding this agent's bearer token for the manager; default: $KVCM_AGENT_TOKEN "
+          "(no token flag: a command line is visible in ps).");
 
 namespace {
 
@@ -126,6 +141,16 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.max_blocks_per_call = absl::GetFlag(FLAGS_max_blocks_per_call);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.read_chunk_bytes = absl::GetFlag(FLAGS_read_chunk_bytes);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  o.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
+  o.tls_reload_interval_s = absl::GetFlag(FLAGS_tls_reload_interval_s);
+  o.insecure = absl::GetFlag(FLAGS_insecure);
+  o.token_file = absl::GetFlag(FLAGS_token_file);
+  if (const char* token = std::getenv("KVCM_AGENT_TOKEN");
+      o.token_file.empty() && token != nullptr) {
+    o.token = token;
+  }
   return o;
 }
 
@@ -155,8 +180,9 @@ int main(int argc, char** argv) {
   if (!started.ok()) Fail(started.status().ToString());
   kvcm::Agent* agent = started->get();
   const kvcm::PoolGeometry& g = agent->pool().geometry();
-  std::printf("kvcm-agent %s serving BlockAgent on %s, epoch %llu\n",
+  std::printf("kvcm-agent %s serving BlockAgent on %s (%s), epoch %llu\n",
               absl::GetFlag(FLAGS_agent_id).c_str(), agent->address().c_str(),
+              agent->options().insecure ? "PLAINTEXT, insecure" : "mutual TLS",
               static_cast<unsigned long long>(agent->epoch()));
   std::fflush(stdout);
   kvcm::LogInfo(

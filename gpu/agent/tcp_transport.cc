@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/log.h"
 #include "gpu/agent/data_socket.h"
 #include "gpu/agent/link_transfer.h"
 #include "kvcm/v1/agent.pb.h"
@@ -138,7 +139,7 @@ class TcpTransport final : public Transport {
       Spawn([this, fd] {
         if (Track(fd)) {
           SetSocketOptions(fd, options_.io_timeout_ms);
-          Serve(fd);
+          ServeConnection(fd);
           Untrack(fd);
         } else {
           close(fd);
@@ -149,19 +150,43 @@ class TcpTransport final : public Transport {
     }
   }
 
+  // The connection over `fd`: plaintext, or TLS after the handshake as the server (when
+  // `accepted`) or the client.
+  absl::StatusOr<DataConn> Open(int fd, bool accepted) {
+    if (options_.tls == nullptr) return DataConn(fd);
+    return accepted ? options_.tls->Accept(fd) : options_.tls->Connect(fd);
+  }
+
+  // One accepted connection: refused when its TLS handshake fails, served otherwise.
+  void ServeConnection(int fd) {
+    sockaddr_in peer{};  // named in the log; asked before a refused peer can hang up
+    socklen_t len = sizeof(peer);
+    (void)getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len);
+    absl::StatusOr<DataConn> conn = Open(fd, /*accepted=*/true);
+    if (!conn.ok()) {
+      char host[INET_ADDRSTRLEN] = "?";
+      inet_ntop(AF_INET, &peer.sin_addr, host, sizeof(host));
+      refusals_.Log(LogSeverity::kWarning,
+                    absl::StrCat("data port: refused a connection from ", host, ":",
+                                 ntohs(peer.sin_port), ": ", conn.status().ToString()));
+      return;
+    }
+    Serve(*conn);
+  }
+
   // One served pull: the request, the header, then every block or an error.
-  void Serve(int fd) {
+  void Serve(DataConn& conn) {
     v1::PullBlocksRequest req;
-    if (!RecvFrame(fd, &req).ok()) return;
+    if (!RecvFrame(conn, &req).ok()) return;
     BlockPool* pool = pools_.ForWireTier(main_tier_, req.tier());
     const uint64_t block_bytes = pool != nullptr ? pool->geometry().bytes_per_block() : 0;
     const absl::StatusOr<NamespaceId> ns = CheckPullRequest(req, pool);
     const absl::Status check = ns.status();
     if (check.ok() && req.mode() == v1::PULL_MODE_NCCL && links_.has_value()) {
-      ServeOverLink(fd, req, *pool, *ns);
+      ServeOverLink(conn, req, *pool, *ns);
       return;
     }
-    if (!SendFrame(fd, HeaderOf(check, block_bytes)).ok() || !check.ok()) return;
+    if (!SendFrame(conn, HeaderOf(check, block_bytes)).ok() || !check.ok()) return;
 
     const std::vector<PageHash> pages = DecodePageHashes(req.page_hashes());
     std::vector<std::byte> staging(block_bytes);
@@ -170,10 +195,11 @@ class TcpTransport final : public Transport {
       absl::Status read = pool->ReadCommittedBlock(req.block_ids(i), *ns, pages[i], staging,
                                                    absl::StrCat("block_ids[", i, "]"));
       if (!read.ok()) {
-        if (SendAll(fd, &kTagError, 1).ok()) (void)SendFrame(fd, HeaderOf(read, block_bytes));
+        if (SendAll(conn, &kTagError, 1).ok()) (void)SendFrame(conn, HeaderOf(read, block_bytes));
         return;
       }
-      if (!SendAll(fd, &kTagBlock, 1).ok() || !SendAll(fd, staging.data(), staging.size()).ok()) {
+      if (!SendAll(conn, &kTagBlock, 1).ok() ||
+          !SendAll(conn, staging.data(), staging.size()).ok()) {
         return;  // the puller went away
       }
     }
@@ -181,7 +207,7 @@ class TcpTransport final : public Transport {
 
   // A checked PULL_MODE_NCCL request: the header, then the blocks over the puller's link,
   // or link_needed when this agent does not know that link.
-  void ServeOverLink(int fd, const v1::PullBlocksRequest& req, const BlockPool& pool,
+  void ServeOverLink(DataConn& conn, const v1::PullBlocksRequest& req, const BlockPool& pool,
                      const NamespaceId& ns) {
     const uint64_t block_bytes = pool.geometry().bytes_per_block();
     absl::StatusOr<LinkCache::Lease> lease =
@@ -193,16 +219,16 @@ class TcpTransport final : public Transport {
         h.set_link_needed(true);
         h.set_agent_id(links_->agent_id);
       }
-      (void)SendFrame(fd, h);
+      (void)SendFrame(conn, h);
       return;
     }
     absl::StatusOr<uint32_t> chunk =
         LinkChunkBlocks(block_bytes, lease->link().staging_bytes(), req.link_chunk_bytes());
-    if (!SendFrame(fd, HeaderOf(chunk.status(), block_bytes)).ok() || !chunk.ok()) return;
+    if (!SendFrame(conn, HeaderOf(chunk.status(), block_bytes)).ok() || !chunk.ok()) return;
     const std::vector<PageHash> pages = DecodePageHashes(req.page_hashes());
     const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
     const LinkTransferResult served =
-        kvcm::ServeOverLink(fd, pool, ns, ids, pages, *chunk, lease->link(), io_timeout_);
+        kvcm::ServeOverLink(conn, pool, ns, ids, pages, *chunk, lease->link(), io_timeout_);
     if (served.link_broken) lease->MarkBroken();
   }
 
@@ -271,6 +297,11 @@ class TcpTransport final : public Transport {
     if (connect(fd, reinterpret_cast<const sockaddr*>(&peer), sizeof(peer)) != 0) {
       return Errno(absl::StrCat("connect to ", spec.peer_address));
     }
+    absl::StatusOr<DataConn> conn = Open(fd, /*accepted=*/false);
+    if (!conn.ok()) {
+      return absl::Status(conn.status().code(),
+                          absl::StrCat(spec.peer_address, ": ", conn.status().message()));
+    }
     v1::PullBlocksRequest req;
     req.set_tier(static_cast<v1::Tier>(spec.peer_tier));
     NamespaceToProto(spec.ns, req.mutable_namespace_());
@@ -284,10 +315,10 @@ class TcpTransport final : public Transport {
         req.set_link_chunk_bytes(lease->link().staging_bytes());
       }
     }
-    if (absl::Status s = SendFrame(fd, req); !s.ok()) return s;
+    if (absl::Status s = SendFrame(*conn, req); !s.ok()) return s;
 
     v1::PullBlocksHeader header;
-    if (absl::Status s = RecvFrame(fd, &header); !s.ok()) return s;
+    if (absl::Status s = RecvFrame(*conn, &header); !s.ok()) return s;
     if (header.link_needed() && links_.has_value() && !header.agent_id().empty()) {
       *link_needed_by = header.agent_id();
       // A server that asks for a link has failed this try, whatever code it sent.
@@ -301,8 +332,8 @@ class TcpTransport final : public Transport {
           absl::StrCat("peer blocks are ", header.bytes_per_block(), " bytes, ours ", block_bytes));
     }
     bool broken = false;
-    absl::StatusOr<uint64_t> got =
-        ReceiveBlocks(fd, spec, lease != nullptr ? &lease->link() : nullptr, io_timeout_, &broken);
+    absl::StatusOr<uint64_t> got = ReceiveBlocks(
+        *conn, spec, lease != nullptr ? &lease->link() : nullptr, io_timeout_, &broken);
     if (broken) lease->MarkBroken();
     return got;
   }
@@ -320,6 +351,8 @@ class TcpTransport final : public Transport {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint32_t serving_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<int> open_fds_ ABSL_GUARDED_BY(mu_);
+  // Refused handshakes: a scanner or a misconfigured peer must not flood the log.
+  LogRateLimiter refusals_{10, absl::Minutes(1)};
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
 };
 

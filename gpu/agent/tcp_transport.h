@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/data_tls.h"
 #include "gpu/agent/link_cache.h"
 #include "gpu/agent/transport.h"
 #include "kvcm/v1/agent.pb.h"
@@ -32,6 +33,9 @@ struct TcpTransportOptions {
   uint32_t io_timeout_ms = 10'000;
   // Transfers served at once; further connections wait for the backlog. >= 1.
   uint32_t max_served_transfers = 16;
+  // Mutual TLS on every connection, served and pulled (data_tls.h); null: plaintext, for
+  // an agent that runs insecure.
+  std::shared_ptr<DataTls> tls;
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;

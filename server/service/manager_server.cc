@@ -20,6 +20,16 @@
 namespace kvcm {
 namespace {
 
+constexpr absl::string_view kInsecureWarning =
+    "\n"
+    "************************************************************************\n"
+    "* WARNING: insecure = true. kvcm-manager serves PLAINTEXT gRPC:        *\n"
+    "* anyone who can reach listen_address can read and change the cache,  *\n"
+    "* and tokens cross the network in the clear. For development on a     *\n"
+    "* trusted machine only; in production set tls_cert_file, tls_key_file *\n"
+    "* and tls_ca_file (mutual TLS).                                        *\n"
+    "************************************************************************";
+
 // Threads of the Prometheus exporter: scrapes are rare and each takes one Stats() snapshot.
 constexpr size_t kExposerThreads = 2;
 
@@ -51,6 +61,14 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   KVCM_RETURN_IF_ERROR(options.Validate());
   KVCM_ASSIGN_OR_RETURN(CacheIndexOptions index_options, options.ToCacheIndexOptions());
   index_options.clock = index_clock;
+  // The certificate files are read now, so that a missing or mismatched one stops the start.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.Tls());
+  if (!credentials.ok()) {  // "cert_file ..." -> "tls_cert_file ...", the option's name
+    return absl::Status(credentials.status().code(),
+                        absl::StrCat("tls_", credentials.status().message()));
+  }
+  if (options.insecure) LogWarning(kInsecureWarning);
   std::unique_ptr<ManagerServer> s(new ManagerServer(std::move(options)));
   const ServerOptions& opts = s->options_;
   KVCM_ASSIGN_OR_RETURN(s->index_, CacheIndex::Create(std::move(index_options)));
@@ -111,7 +129,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(opts.listen_address, MakeServerCredentials(), &s->port_);
+  builder.AddListeningPort(opts.listen_address, *credentials, &s->port_);
   // gRPC sets SO_REUSEPORT by default, which would let a second manager share the port
   // silently; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -134,6 +152,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   }
 
   if (!opts.metrics_address.empty()) {
+    // /metrics is plaintext HTTP even when gRPC is TLS: the exporter is not given TLS here
+    // (civetweb could take a certificate; not wired). Bind it to a trusted interface.
     // prometheus-cpp reports a bind failure by throwing (civetweb); this is the one place
     // where an exception is turned into a Status.
     try {

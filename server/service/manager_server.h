@@ -40,10 +40,11 @@ namespace kvcm {
 
 class ManagerServer {
  public:
-  // Validates `options`, builds the index and starts serving. INVALID_ARGUMENT for bad
-  // options; UNAVAILABLE when an address cannot be bound. `index_clock` (not owned; must
-  // outlive the server) replaces the real clock of the index (leases, page ages): tests
-  // pass a FakeClock. Agents' heartbeats keep the real clock.
+  // Validates `options`, reads the TLS files, builds the index and starts serving.
+  // INVALID_ARGUMENT for bad options or TLS files (naming the tls_* option and the path);
+  // UNAVAILABLE when an address cannot be bound. Logs a warning when options.insecure.
+  // `index_clock` (not owned; must outlive the server) replaces the real clock of the index
+  // (leases, page ages): tests pass a FakeClock. Agents' heartbeats keep the real clock.
   static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(ServerOptions options,
                                                               Clock* index_clock = nullptr);
 

@@ -21,7 +21,7 @@ namespace kvcm {
 namespace {
 
 using Member = std::variant<std::string ServerOptions::*, uint32_t ServerOptions::*,
-                            uint64_t ServerOptions::*>;
+                            uint64_t ServerOptions::*, bool ServerOptions::*>;
 
 struct Field {
   absl::string_view name;
@@ -56,6 +56,11 @@ const std::vector<Field>& Fields() {
       {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
       {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
       {"default_max_page_age_s", &ServerOptions::default_max_page_age_s},
+      {"tls_cert_file", &ServerOptions::tls_cert_file},
+      {"tls_key_file", &ServerOptions::tls_key_file},
+      {"tls_ca_file", &ServerOptions::tls_ca_file},
+      {"tls_reload_interval_s", &ServerOptions::tls_reload_interval_s},
+      {"insecure", &ServerOptions::insecure},
   };
   return *kFields;
 }
@@ -86,6 +91,32 @@ bool IsHostPort(absl::string_view address) {
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
+}
+
+// One of TLS (certificate and key) or insecure; the files themselves are read at Start.
+absl::Status ValidateTransportSecurity(const ServerOptions& o) {
+  if (o.insecure) {
+    for (const auto& [name, value] :
+         {std::pair{"tls_cert_file", &o.tls_cert_file}, std::pair{"tls_key_file", &o.tls_key_file},
+          std::pair{"tls_ca_file", &o.tls_ca_file}}) {
+      if (!value->empty()) {
+        return Invalid("insecure", absl::StrCat("= true excludes ", name, " (got both)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "no transport security: set tls_cert_file and tls_key_file (and tls_ca_file for "
+        "mutual TLS), or insecure = true to serve plaintext on a trusted network");
+  }
+  if (o.tls_cert_file.empty()) return Invalid("tls_cert_file", "is required with tls_key_file");
+  if (o.tls_key_file.empty()) return Invalid("tls_key_file", "is required with tls_cert_file");
+  if (o.tls_reload_interval_s < 1 || o.tls_reload_interval_s > 86'400) {
+    return Invalid("tls_reload_interval_s",
+                   absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -136,7 +167,15 @@ absl::Status ServerOptions::Validate() const {
                    absl::StrCat("must be at most ", kMaxPageAgeS, " (10 years; 0: no limit), got ",
                                 default_max_page_age_s));
   }
-  return absl::OkStatus();
+  return ValidateTransportSecurity(*this);
+}
+
+TlsOptions ServerOptions::Tls() const {
+  return TlsOptions{.insecure = insecure,
+                    .cert_file = tls_cert_file,
+                    .key_file = tls_key_file,
+                    .ca_file = tls_ca_file,
+                    .reload_interval_s = tls_reload_interval_s};
 }
 
 absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
@@ -194,13 +233,21 @@ absl::Status ServerOptions::Set(absl::string_view name, absl::string_view value)
       return bad_number("32-bit unsigned");
     }
     this->*(*m32) = v;
-  } else {
-    auto* m64 = std::get_if<uint64_t ServerOptions::*>(&field->member);
+  } else if (auto* m64 = std::get_if<uint64_t ServerOptions::*>(&field->member)) {
     uint64_t v = 0;
     if (value.empty() || !absl::ascii_isdigit(value[0]) || !absl::SimpleAtoi(value, &v)) {
       return bad_number("64-bit unsigned");
     }
     this->*(*m64) = v;
+  } else {
+    bool v = false;
+    if (value == "true" || value == "1") {
+      v = true;
+    } else if (value != "false" && value != "0") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": \"", value, "\" is not true, false, 1 or 0"));
+    }
+    this->*(*std::get_if<bool ServerOptions::*>(&field->member)) = v;
   }
   return absl::OkStatus();
 }
@@ -253,8 +300,10 @@ std::string ServerOptions::DebugString() const {
       value = absl::StrCat("\"", this->*(*m), "\"");
     } else if (auto* m32 = std::get_if<uint32_t ServerOptions::*>(&f.member)) {
       value = absl::StrCat(this->*(*m32));
+    } else if (auto* m64 = std::get_if<uint64_t ServerOptions::*>(&f.member)) {
+      value = absl::StrCat(this->*(*m64));
     } else {
-      value = absl::StrCat(this->*(*std::get_if<uint64_t ServerOptions::*>(&f.member)));
+      value = this->*(*std::get_if<bool ServerOptions::*>(&f.member)) ? "true" : "false";
     }
     if (f.name == "hash_secret_hex") value = hash_secret_hex.empty() ? "(random)" : "(set)";
     absl::StrAppend(&out, f.name, " = ", value, "\n");

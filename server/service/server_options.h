@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/security_options.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -85,14 +86,32 @@ struct ServerOptions {
   // At most 315360000 (10 years).
   uint32_t default_max_page_age_s = 0;
 
+  // Transport security of the gRPC port (common/credentials.h; README "TLS"): one of TLS or
+  // insecure is required. TLS serves tls_cert_file with its key tls_key_file (PEM);
+  // tls_ca_file makes it mutual: every client, agents included, must then present a
+  // certificate that CA signed. The files are re-read every tls_reload_interval_s (1..86400),
+  // so rotating them needs no restart. insecure = true serves plaintext, for development on
+  // a trusted machine only, and excludes the tls_* files. /metrics stays plaintext HTTP
+  // either way (prometheus-cpp's exporter is not given TLS here): bind it to a trusted
+  // interface.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
+  uint32_t tls_reload_interval_s = 60;
+  bool insecure = false;
+
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
+
+  // The transport security these options ask for. REQUIRES nothing; see Validate.
+  TlsOptions Tls() const;
 
   // The core's options. Draws a random hash secret when hash_secret_hex is empty.
   // REQUIRES: Validate().ok() (INVALID_ARGUMENT otherwise).
   absl::StatusOr<CacheIndexOptions> ToCacheIndexOptions() const;
 
-  // Sets option `name` from its text form (decimal for numbers). INVALID_ARGUMENT for an
+  // Sets option `name` from its text form (decimal for numbers, true/false/1/0 for
+  // booleans). INVALID_ARGUMENT for an
   // unknown name or a value that does not parse; range checks are left to Validate().
   absl::Status Set(absl::string_view name, absl::string_view value);
 

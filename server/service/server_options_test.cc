@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -19,8 +20,11 @@ void ExpectInvalid(const absl::Status& status, const std::string& message_part) 
   EXPECT_THAT(std::string(status.message()), HasSubstr(message_part));
 }
 
-TEST(ServerOptionsTest, DefaultsAreValid) {
+TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
   ServerOptions options;
+  EXPECT_FALSE(options.insecure);
+  ExpectInvalid(options.Validate(), "no transport security");
+  options.insecure = true;
   EXPECT_TRUE(options.Validate().ok()) << options.Validate();
   EXPECT_EQ(options.listen_address, "127.0.0.1:50051");
   EXPECT_EQ(options.metrics_address, "127.0.0.1:9464");
@@ -62,9 +66,29 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.route_nccl_link_gbps = 0; }, "route_nccl_link_gbps"},
       {[](ServerOptions& o) { o.default_max_page_age_s = kMaxPageAgeS + 1; },
        "default_max_page_age_s"},
+      {[](ServerOptions& o) { o.tls_ca_file = "ca.pem"; }, "insecure"},
+      {[](ServerOptions& o) { o.tls_cert_file = "m.pem"; }, "insecure"},
+      {[](ServerOptions& o) {
+         o.insecure = false;
+         o.tls_key_file = "m.key";
+       },
+       "tls_cert_file"},
+      {[](ServerOptions& o) {
+         o.insecure = false;
+         o.tls_cert_file = "m.pem";
+       },
+       "tls_key_file"},
+      {[](ServerOptions& o) {
+         o.insecure = false;
+         o.tls_cert_file = "m.pem";
+         o.tls_key_file = "m.key";
+         o.tls_reload_interval_s = 0;
+       },
+       "tls_reload_interval_s"},
   };
   for (const Case& c : cases) {
     ServerOptions options;
+    options.insecure = true;
     c.mutate(options);
     absl::Status status = options.Validate();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << status;
@@ -74,6 +98,7 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
 
 TEST(ServerOptionsTest, AcceptedAddressForms) {
   ServerOptions options;
+  options.insecure = true;
   for (const char* address : {"[::]:50051", "0.0.0.0:0", ":7000", "unix:/tmp/kvcm.sock"}) {
     options.listen_address = address;
     EXPECT_TRUE(options.Validate().ok()) << address;
@@ -84,6 +109,7 @@ TEST(ServerOptionsTest, AcceptedAddressForms) {
 
 TEST(ServerOptionsTest, ToCacheIndexOptions) {
   ServerOptions options;
+  options.insecure = true;
   options.hash_secret_hex = "00112233445566778899aabbccddeeff";
   options.default_lease_ttl_ms = 1500;
   options.max_lease_ttl_ms = 9000;
@@ -138,13 +164,14 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 25u);
+  EXPECT_EQ(names.size(), 30u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
                          name == "policy" || name == "hash_secret_hex" ||
-                         name == "hash_secret_file" || name == "tokens_file";
-    EXPECT_TRUE(options.Set(name, is_text ? "lru" : "5").ok()) << name;
+                         absl::EndsWith(name, "_file");
+    const bool is_bool = name == "insecure";
+    EXPECT_TRUE(options.Set(name, is_bool ? "true" : is_text ? "lru" : "5").ok()) << name;
     EXPECT_THAT(options.DebugString(), HasSubstr(std::string(name) + " = ")) << name;
   }
 }
@@ -167,7 +194,8 @@ TEST(ServerOptionsTest, ConfigText) {
       "  metrics_address=\"\"\n"
       "policy = \"lru\"\n"
       "max_pages_per_request = 128\r\n"
-      "default_pool_capacity_bytes = 4096\n",
+      "default_pool_capacity_bytes = 4096\n"
+      "insecure = true\n",
       "kvcm.conf");
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(options.listen_address, "0.0.0.0:6000");
@@ -175,6 +203,36 @@ TEST(ServerOptionsTest, ConfigText) {
   EXPECT_EQ(options.max_pages_per_request, 128u);
   EXPECT_EQ(options.default_pool_capacity_bytes, 4096u);
   EXPECT_TRUE(options.Validate().ok());
+}
+
+TEST(ServerOptionsTest, TransportSecurity) {
+  ServerOptions options;
+  const absl::Status none = options.Validate();
+  ExpectInvalid(none, "set tls_cert_file and tls_key_file (and tls_ca_file for mutual TLS)");
+  ExpectInvalid(none, "or insecure = true");
+
+  ASSERT_TRUE(options.Set("tls_cert_file", "/etc/kvcm/m.pem").ok());
+  ASSERT_TRUE(options.Set("tls_key_file", "/etc/kvcm/m.key").ok());
+  EXPECT_TRUE(options.Validate().ok()) << "TLS without client certificates";
+  ASSERT_TRUE(options.Set("tls_ca_file", "/etc/kvcm/ca.pem").ok());
+  ASSERT_TRUE(options.Set("tls_reload_interval_s", "5").ok());
+  EXPECT_TRUE(options.Validate().ok());
+  const TlsOptions tls = options.Tls();
+  EXPECT_FALSE(tls.insecure);
+  EXPECT_EQ(tls.cert_file, "/etc/kvcm/m.pem");
+  EXPECT_EQ(tls.key_file, "/etc/kvcm/m.key");
+  EXPECT_EQ(tls.ca_file, "/etc/kvcm/ca.pem");
+  EXPECT_EQ(tls.reload_interval_s, 5u);
+  EXPECT_TRUE(tls.ValidateForServer().ok());
+
+  ASSERT_TRUE(options.Set("insecure", "1").ok());
+  ExpectInvalid(options.Validate(), "insecure = true excludes tls_cert_file");
+  ExpectInvalid(options.Set("insecure", "yes"), "insecure: \"yes\" is not true, false, 1 or 0");
+  EXPECT_TRUE(options.insecure) << "a failed Set changes nothing";
+  ASSERT_TRUE(options.Set("insecure", "false").ok());
+  EXPECT_FALSE(options.insecure);
+  EXPECT_THAT(options.DebugString(), HasSubstr("insecure = false\n"));
+  EXPECT_THAT(options.DebugString(), HasSubstr("tls_ca_file = \"/etc/kvcm/ca.pem\"\n"));
 }
 
 TEST(ServerOptionsTest, ConfigErrorsCarryFileAndLine) {

@@ -1,0 +1,267 @@
+// The TCP transport's data port over mutual TLS (gpu/agent/data_tls.h): pulls between two
+// agents holding certificates of the cluster CA copy bit for bit; a peer without such a
+// certificate, or speaking plaintext, gets no block byte either way; a silent peer fails the
+// handshake at the io timeout; a certificate replaced on disk is used by new connections.
+#include "gpu/agent/data_tls.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "common/page_hash.h"
+#include "gmock/gmock.h"
+#include "gpu/agent/agent_test_util.h"
+#include "gpu/agent/data_socket.h"
+#include "gpu/agent/tcp_transport.h"
+#include "gtest/gtest.h"
+#include "proto/core_types.h"
+#include "tests/test_certs.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::TestCerts;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kBlocks = 16;
+constexpr uint64_t kEpoch = 3;
+const NamespaceId kNs{"acme", "small"};
+
+PageHash Page(uint64_t i) { return PageHash{i + 1, ~i}; }
+
+absl::StatusOr<TransferStats> PullAndWait(Transport& t, PullSpec spec) {
+  absl::Notification done;
+  absl::StatusOr<TransferStats> result = absl::InternalError("no outcome");
+  t.Pull(std::move(spec), [&](absl::StatusOr<TransferStats> r) {
+    result = std::move(r);
+    done.Notify();
+  });
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  return result;
+}
+
+// A connected loopback socket to `address` ("127.0.0.1:port"), or -1.
+int ConnectTo(const std::string& address) {
+  absl::StatusOr<sockaddr_in> addr = ParseAddress(address, "address");
+  if (!addr.ok()) return -1;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  SetSocketOptions(fd, 5'000);
+  return fd;
+}
+
+// Pool A with committed random pages served by transport `ta_`; pool B pulled into by `tb_`.
+class DataTlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<TestCerts>> certs = TestCerts::Make({"agent-a", "agent-b"});
+    ASSERT_TRUE(certs.ok()) << certs.status();
+    certs_ = *std::move(certs);
+    a_ = MakeHostPool(SmallGqa(), kBlocks);
+    b_ = MakeHostPool(SmallGqa(), kBlocks);
+    block_bytes_ = a_->geometry().bytes_per_block();
+    from_ = *a_->Allocate(4, kEpoch, &kNs);
+    std::vector<std::byte> bytes(4 * block_bytes_);
+    std::mt19937 rng(7);
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+    ASSERT_TRUE(a_->WriteBlocks(from_, kEpoch, bytes).ok());
+    std::vector<CommitEntry> entries;
+    for (uint32_t i = 0; i < 4; ++i) {
+      entries.push_back(
+          {.block = from_[i], .page = Page(i), .parent = i == 0 ? PageHash{} : Page(i - 1)});
+    }
+    ASSERT_TRUE(a_->Commit(kNs, kEpoch, entries, "block_ids").ok());
+  }
+
+  // `identity`'s DataTls (trusting ca.pem), or null for plaintext.
+  std::shared_ptr<DataTls> Tls(const std::optional<std::string>& identity) {
+    if (!identity.has_value()) return nullptr;
+    TlsOptions tls = certs_->Identity(*identity);
+    tls.ca_file = certs_->Path("ca.pem");
+    absl::StatusOr<std::shared_ptr<DataTls>> made = DataTls::Create(tls);
+    EXPECT_TRUE(made.ok()) << made.status();
+    return made.ok() ? *made : nullptr;
+  }
+
+  void StartA(const std::optional<std::string>& identity, uint32_t io_timeout_ms = 5'000) {
+    ta_ = *MakeTcpTransport({.io_timeout_ms = io_timeout_ms, .tls = Tls(identity)},
+                            AgentPools{.main = a_.get()}, Tier::kGpu);
+  }
+  void StartB(const std::optional<std::string>& identity, uint32_t io_timeout_ms = 5'000) {
+    tb_ = *MakeTcpTransport({.io_timeout_ms = io_timeout_ms, .tls = Tls(identity)},
+                            AgentPools{.main = b_.get()}, Tier::kGpu);
+  }
+
+  // Pulls A's four pages into four new blocks of B; the blocks, or the pull's error.
+  absl::StatusOr<std::vector<BlockId>> PullAll(const std::string& peer) {
+    std::vector<BlockId> into = *b_->Allocate(4, kEpoch, &kNs);
+    PullSpec spec{.peer_address = peer,
+                  .peer_tier = Tier::kGpu,
+                  .ns = kNs,
+                  .peer_blocks = from_,
+                  .dst = b_.get(),
+                  .dst_blocks = into,
+                  .dst_owner_epoch = kEpoch};
+    for (uint32_t i = 0; i < 4; ++i) spec.pages.push_back(Page(i));
+    absl::StatusOr<TransferStats> r = PullAndWait(*tb_, std::move(spec));
+    if (!r.ok()) {
+      EXPECT_TRUE(b_->Free(into, kEpoch).ok());
+      return r.status();
+    }
+    EXPECT_EQ(r->bytes, 4 * block_bytes_);
+    return into;
+  }
+
+  std::vector<std::byte> Bytes(BlockPool& pool, BlockId id) {
+    std::vector<std::byte> out(block_bytes_);
+    EXPECT_TRUE(pool.ReadBlock(id, kEpoch, 0, out).ok());
+    return out;
+  }
+
+  std::unique_ptr<TestCerts> certs_;
+  std::unique_ptr<BlockPool> a_, b_;
+  uint64_t block_bytes_ = 0;
+  std::vector<BlockId> from_;
+  std::unique_ptr<Transport> ta_, tb_;
+};
+
+TEST_F(DataTlsTest, APullBetweenTwoAgentsOfTheCaCopiesBitForBit) {
+  StartA("agent-a");
+  StartB("agent-b");
+  absl::StatusOr<std::vector<BlockId>> into = PullAll(ta_->address());
+  ASSERT_TRUE(into.ok()) << into.status();
+  for (size_t i = 0; i < from_.size(); ++i) {
+    EXPECT_EQ(Bytes(*b_, (*into)[i]), Bytes(*a_, from_[i])) << "block " << i;
+  }
+  // Again on a fresh connection: the context serves any number of handshakes.
+  EXPECT_TRUE(PullAll(ta_->address()).ok());
+}
+
+TEST_F(DataTlsTest, APeerWithoutACertificateOfTheCaIsRefusedBothWays) {
+  StartA("agent-a");
+  StartB("untrusted");  // signed by the untrusted CA, trusting ours
+  // TLS 1.3: the puller's handshake completes before A refuses its certificate, so the
+  // refusal (an alert) ends its first read.
+  absl::StatusOr<std::vector<BlockId>> pulled = PullAll(ta_->address());
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable) << pulled.status();
+
+  // The other way round: an agent of the CA does not pull from a server it cannot verify.
+  std::unique_ptr<Transport> stranger =
+      *MakeTcpTransport({.tls = Tls("untrusted")}, AgentPools{.main = a_.get()}, Tier::kGpu);
+  StartB("agent-b");
+  pulled = PullAll(stranger->address());
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable) << pulled.status();
+  EXPECT_THAT(pulled.status().message(), HasSubstr("certificate"));
+}
+
+TEST_F(DataTlsTest, PlaintextAndTlsDoNotMix) {
+  // A plaintext server may read a ClientHello as the length of a frame and wait for it.
+  StartA("agent-a", /*io_timeout_ms=*/1'000);
+  StartB(std::nullopt, /*io_timeout_ms=*/1'000);
+  EXPECT_FALSE(PullAll(ta_->address()).ok()) << "a plaintext puller of a TLS port";
+
+  std::unique_ptr<Transport> plain =
+      *MakeTcpTransport({.io_timeout_ms = 1'000}, AgentPools{.main = a_.get()}, Tier::kGpu);
+  StartB("agent-b", /*io_timeout_ms=*/1'000);
+  EXPECT_FALSE(PullAll(plain->address()).ok()) << "a TLS puller of a plaintext port";
+}
+
+// A plaintext request for committed blocks, written by hand: not one block byte comes back.
+TEST_F(DataTlsTest, APlaintextRequestGetsNoBlockBytes) {
+  StartA("agent-a");
+  const int fd = ConnectTo(ta_->address());
+  ASSERT_GE(fd, 0);
+  v1::PullBlocksRequest req;
+  req.set_tier(v1::TIER_GPU);
+  NamespaceToProto(kNs, req.mutable_namespace_());
+  req.mutable_block_ids()->Add(from_.begin(), from_.end());
+  std::vector<PageHash> pages;
+  for (uint32_t i = 0; i < 4; ++i) pages.push_back(Page(i));
+  req.set_page_hashes(EncodePageHashes(pages));
+  DataConn conn(fd);
+  (void)SendFrame(conn, req);  // the server may already have dropped the connection
+  std::vector<char> answer;
+  char buf[4096];
+  while (true) {
+    const ssize_t got = recv(fd, buf, sizeof(buf), 0);
+    if (got <= 0) break;
+    answer.insert(answer.end(), buf, buf + got);
+  }
+  close(fd);
+  EXPECT_LT(answer.size(), block_bytes_) << "the server answered with data";
+  const std::string text(answer.begin(), answer.end());
+  const std::vector<std::byte> first = Bytes(*a_, from_[0]);
+  const std::string block(reinterpret_cast<const char*>(first.data()), 64);
+  EXPECT_EQ(text.find(block), std::string::npos);
+}
+
+TEST_F(DataTlsTest, ASilentServerFailsTheHandshakeAtTheIoTimeout) {
+  // A listener that accepts (the kernel's backlog) and never speaks.
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  StartB("agent-b", /*io_timeout_ms=*/300);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<BlockId>> pulled =
+      PullAll(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)));
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kDeadlineExceeded) << pulled.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  close(listener);
+}
+
+TEST_F(DataTlsTest, ACertificateReplacedOnDiskIsUsedByNewConnections) {
+  StartA("agent-a");
+  StartB("agent-b");
+  ASSERT_TRUE(PullAll(ta_->address()).ok());
+  // A now presents a certificate of the untrusted CA: B refuses it once A has reloaded
+  // (its files are looked at every second).
+  ASSERT_TRUE(certs_->Replace("agent-a", "untrusted").ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(15);
+  absl::StatusOr<std::vector<BlockId>> pulled = std::vector<BlockId>{};
+  do {
+    if (pulled.ok() && !pulled->empty()) {
+      ASSERT_TRUE(b_->Free(*pulled, kEpoch).ok());
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+    pulled = PullAll(ta_->address());
+  } while (pulled.ok() && absl::Now() < give_up);
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable) << pulled.status();
+}
+
+TEST(DataTlsCreateTest, EveryFileIsRequiredAndChecked) {
+  absl::StatusOr<std::unique_ptr<TestCerts>> certs = TestCerts::Make({"agent-a"});
+  ASSERT_TRUE(certs.ok()) << certs.status();
+  TlsOptions tls = (*certs)->Identity("agent-a");
+  EXPECT_TRUE(DataTls::Create(tls).ok());
+  TlsOptions no_ca = tls;
+  no_ca.ca_file.clear();
+  EXPECT_THAT(DataTls::Create(no_ca).status().message(), HasSubstr("ca_file is required"));
+  TlsOptions missing = tls;
+  missing.key_file = (*certs)->Path("gone.key");
+  const absl::Status s = DataTls::Create(missing).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), AnyOf(HasSubstr("key_file \""), HasSubstr("gone.key")));
+}
+
+}  // namespace
+}  // namespace kvcm
