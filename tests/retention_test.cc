@@ -118,7 +118,8 @@ class RetentionTest : public ::testing::Test {
 
   // A fresh client (an old one's channel may still be reconnecting after a restart).
   std::unique_ptr<Client> Connect() {
-    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect({.address = manager_->address()});
+    absl::StatusOr<std::unique_ptr<Client>> c =
+        Client::Connect({.address = manager_->address(), .insecure = true});
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? *std::move(c) : nullptr;
   }
