@@ -577,6 +577,19 @@ absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uin
   return wire::FromProto(response);
 }
 
+absl::StatusOr<DeleteNamespaceReply> Client::DeleteNamespace(const NamespaceId& ns,
+                                                             const CallOptions& call) {
+  v1::DeleteNamespaceRequest request;
+  NamespaceToProto(ns, request.mutable_namespace_());
+  v1::DeleteNamespaceResponse response;
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+    return rpc_->stub->DeleteNamespace(context, request, &response);
+  });
+  if (!status.ok()) return status;
+  return DeleteNamespaceReply{.removed_pages = response.removed_pages(),
+                              .dropped_pins = response.dropped_pins()};
+}
+
 absl::StatusOr<ManagerStats> Client::Stats(const CallOptions& call) {
   v1::StatsRequest request;
   v1::StatsResponse response;

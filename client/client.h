@@ -215,6 +215,11 @@ struct EvictReply {
   uint64_t evicted_pages = 0;
 };
 
+struct DeleteNamespaceReply {
+  uint64_t removed_pages = 0;  // page-locations removed (their blocks are freed on agents)
+  uint64_t dropped_pins = 0;
+};
+
 struct ManagerStats {
   struct Pool {
     PoolRef pool;
@@ -458,6 +463,10 @@ class Client {
                                            const CallOptions& call = {});
   absl::StatusOr<EvictReply> EvictFromNamespace(const NamespaceId& ns, uint64_t bytes,
                                                 const CallOptions& call = {});
+
+  // Operator (role admin): removes a namespace with its pages and pins.
+  absl::StatusOr<DeleteNamespaceReply> DeleteNamespace(const NamespaceId& ns,
+                                                       const CallOptions& call = {});
 
   absl::StatusOr<ManagerStats> Stats(const CallOptions& call = {});
 

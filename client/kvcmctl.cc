@@ -557,6 +557,24 @@ int RunRenew(const Invocation& in) {
   return kExitOk;
 }
 
+// --- delete-namespace ---------------------------------------------------------------------
+
+void DefineDeleteNamespace(cli::FlagSet& f) { cli::DefineNamespace(f); }
+
+int RunDeleteNamespace(const Invocation& in) {
+  absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
+  if (!ns.ok()) {
+    return in.Usage(ns.status().message());
+  }
+  absl::StatusOr<DeleteNamespaceReply> r = in.client->DeleteNamespace(*ns);
+  if (!r.ok()) {
+    return in.Failed(r.status());
+  }
+  absl::PrintF("removed_pages: %d\n", r->removed_pages);
+  absl::PrintF("dropped_pins: %d\n", r->dropped_pins);
+  return kExitOk;
+}
+
 // --- evict --------------------------------------------------------------------------------
 
 void DefineEvict(cli::FlagSet& f) {
@@ -710,6 +728,8 @@ constexpr Command kCommands[] = {
     {"release", "drop a pin taken by 'match --pin'", DefineRelease, RunRelease},
     {"renew", "extend a pin's lease", DefineRenew, RunRenew},
     {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
+    {"delete-namespace", "remove a namespace with its pages and pins (operator)",
+     DefineDeleteNamespace, RunDeleteNamespace},
     {"watch", "print index change events as they happen", DefineWatch, RunWatch},
     {"models", "known models and the bytes their KV cache costs (offline)", DefineModels, RunModels,
      /*needs_manager=*/false},
