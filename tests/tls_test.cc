@@ -23,6 +23,8 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "common/credentials.h"
+#include "common/model_catalog.h"
+#include "common/token_table.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent.h"
 #include "gpu/agent/agent_test_util.h"
@@ -472,6 +474,102 @@ TEST_F(AgentTokenTest, AKvcmAgentProcessSendsTheTokenOfItsEnvironment) {
   testing::ProcessResult r = agent->Finish(absl::Seconds(10));
   EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("agent-secret-env"))) << "the token was logged";
+}
+
+}  // namespace
+}  // namespace kvcm
+
+namespace kvcm {
+namespace {
+
+// Issue 10's attacks again, with TLS on and through the real client: a manager serving mutual
+// TLS with a tokens file; "evil" holds a valid certificate and a valid worker token of its own
+// tenant, and tries acme's namespace, pins and cache. Every attempt fails with the right code
+// and acme's pages, pin and stats stay as they were.
+TEST(TlsTenantTest, AValidCertificateAndTokenOfAnotherTenantGetNothingOfAcme) {
+  TestCerts& certs = SharedCerts();
+  const std::string tokens = certs.Path("tenant_tokens");
+  {
+    std::ofstream out(tokens);
+    out << Sha256Hex("acme-token-0123456789") << " acme-vllm roles=worker tenant=acme\n"
+        << Sha256Hex("evil-token-0123456789") << " evil-vllm roles=worker tenant=evil\n"
+        << Sha256Hex("ops-token-01234567890") << " ops roles=admin\n";
+  }
+  ServerOptions o = ManagerTls(certs);
+  o.tokens_file = tokens;
+  std::unique_ptr<ManagerServer> manager = StartManager(o);
+  ASSERT_NE(manager, nullptr);
+  auto connect = [&](const std::string& token) {
+    ClientOptions c = ClientTls(certs, manager->address());
+    c.token = token;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(c);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? *std::move(client) : nullptr;
+  };
+  std::unique_ptr<Client> acme = connect("acme-token-0123456789");
+  std::unique_ptr<Client> evil = connect("evil-token-0123456789");
+  std::unique_ptr<Client> ops = connect("ops-token-01234567890");
+  std::unique_ptr<Client> nobody = connect("");
+  ASSERT_TRUE(acme && evil && ops && nobody);
+
+  const NamespaceId acme_ns{"acme", "deepseek-v3"}, evil_ns{"evil", "deepseek-v3"};
+  ModelSpec spec = *FindModel("deepseek-v3");
+  const std::vector<int32_t> prompt = Tokens(4, spec.page_size_tokens, 11);
+  const std::vector<BlockId> blocks = {1, 2, 3, 4};
+  const PoolRef pool{"index-pool", Tier::kGpu};
+  ASSERT_TRUE(acme->RegisterModel(acme_ns, spec).ok());
+  ASSERT_TRUE(evil->RegisterModel(evil_ns, spec).ok());
+  // Workers cannot make up pools; the operator creates an index-only one.
+  absl::StatusOr<InsertReply> made_up = acme->Insert(acme_ns, prompt, pool, blocks);
+  EXPECT_EQ(made_up.status().code(), absl::StatusCode::kNotFound) << made_up.status();
+  ASSERT_TRUE(ops->RegisterModel(acme_ns, spec).ok());
+  ASSERT_TRUE(ops->Insert(acme_ns, std::span(prompt).first(spec.page_size_tokens), pool,
+                          std::span(blocks).first(1))
+                  .ok());
+  ASSERT_TRUE(acme->Insert(acme_ns, prompt, pool, blocks).ok());
+  absl::StatusOr<MatchReply> pinned = acme->Match(acme_ns, prompt, {.pin = true});
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  ASSERT_EQ(pinned->matched_pages, 4u);
+  const absl::StatusOr<ManagerStats> before = ops->Stats();
+  ASSERT_TRUE(before.ok());
+
+  // No token: nothing at all.
+  EXPECT_EQ(nobody->Stats().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(nobody->Match(acme_ns, prompt, {.probe = true}).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // evil: acme's hash key, a probe with the right guess, acme's pin, eviction, acme's stats.
+  absl::Status s = evil->RegisterModel(acme_ns, spec).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("evil-vllm"));
+  s = evil->Match(acme_ns, prompt, {.probe = true}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  s = evil->Release(acme_ns, pinned->pin_id);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_EQ(evil->Release(evil_ns, pinned->pin_id).code(), absl::StatusCode::kNotFound);
+  s = evil->EvictFromNamespace(acme_ns, 1).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  s = evil->EvictFromPool(pool, 1).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  s = evil->DeleteNamespace(acme_ns).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  absl::StatusOr<ManagerStats> evil_view = evil->Stats();
+  ASSERT_TRUE(evil_view.ok());
+  for (const ManagerStats::Namespace& n : evil_view->namespaces) EXPECT_EQ(n.ns.tenant, "evil");
+
+  // acme's state is as it was.
+  absl::StatusOr<ManagerStats> after = ops->Stats();
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->namespaces.size(), before->namespaces.size());
+  for (size_t i = 0; i < after->namespaces.size(); ++i) {
+    EXPECT_EQ(after->namespaces[i].page_locations, before->namespaces[i].page_locations);
+  }
+  EXPECT_EQ(after->active_pins, before->active_pins);
+  EXPECT_EQ(after->counters.pins_released, before->counters.pins_released);
+  EXPECT_TRUE(acme->RenewLease(acme_ns, pinned->pin_id, 0).ok());
+  absl::StatusOr<MatchReply> still = acme->Match(acme_ns, prompt, {.probe = true});
+  ASSERT_TRUE(still.ok());
+  EXPECT_EQ(still->matched_pages, 4u);
+  EXPECT_TRUE(acme->Release(acme_ns, pinned->pin_id).ok());
 }
 
 }  // namespace
