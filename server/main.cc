@@ -88,6 +88,12 @@ ABSL_FLAG(uint32_t, route_nccl_link_gbps, kDefaults.route_nccl_link_gbps,
 ABSL_FLAG(uint32_t, default_max_page_age_s, kDefaults.default_max_page_age_s,
           "Retention: seconds a cached page may stay after it was committed (0: no limit); "
           "RegisterModel's max_page_age_s may only shorten it per namespace.");
+ABSL_FLAG(uint64_t, tenant_max_bytes, kDefaults.tenant_max_bytes,
+          "Bytes one tenant may hold, cached pages in every pool plus reserved headroom (0: "
+          "unlimited); beyond, its own unpinned pages are evicted, or the call is refused.");
+ABSL_FLAG(uint64_t, tenant_max_pinned_bytes, kDefaults.tenant_max_pinned_bytes,
+          "Bytes of one tenant's cached pages its pins may hold (0: unlimited); a pinning "
+          "Match or Route beyond is refused.");
 
 namespace {
 

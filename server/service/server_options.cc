@@ -56,6 +56,8 @@ const std::vector<Field>& Fields() {
       {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
       {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
       {"default_max_page_age_s", &ServerOptions::default_max_page_age_s},
+      {"tenant_max_bytes", &ServerOptions::tenant_max_bytes},
+      {"tenant_max_pinned_bytes", &ServerOptions::tenant_max_pinned_bytes},
   };
   return *kFields;
 }
@@ -136,6 +138,11 @@ absl::Status ServerOptions::Validate() const {
                    absl::StrCat("must be at most ", kMaxPageAgeS, " (10 years; 0: no limit), got ",
                                 default_max_page_age_s));
   }
+  if (tenant_max_bytes > 0 && tenant_max_pinned_bytes > tenant_max_bytes) {
+    return Invalid("tenant_max_pinned_bytes",
+                   absl::StrCat("must be at most tenant_max_bytes = ", tenant_max_bytes,
+                                " (0: unlimited), got ", tenant_max_pinned_bytes));
+  }
   return absl::OkStatus();
 }
 
@@ -173,6 +180,8 @@ absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   out.max_namespaces_per_tenant = max_namespaces_per_tenant;
   out.max_pins_per_tenant = max_pins_per_tenant;
   out.default_max_page_age = absl::Seconds(default_max_page_age_s);
+  out.tenant_max_bytes = tenant_max_bytes;
+  out.tenant_max_pinned_bytes = tenant_max_pinned_bytes;
   return out;
 }
 
