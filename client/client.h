@@ -198,7 +198,8 @@ struct InsertParams {
   // The agent epoch the blocks were allocated in (BlockAgent.Stats): ABORTED, nothing
   // changed, when the agent restarted since. 0: not checked.
   uint64_t agent_epoch = 0;
-  // Take the new pages' bytes out of the pool's reserved headroom first.
+  // Take the new pages' bytes out of the headroom the namespace's tenant reserved in the
+  // pool first.
   bool use_reservation = false;
 };
 
@@ -454,7 +455,9 @@ class Client {
 
   // Evicts at least `bytes` of unpinned pages (all or nothing; see EvictRequest).
   // Headroom for admitted work: makes `bytes` of `pool` free (evicting exactly the
-  // shortfall) and holds them; returns the bytes evicted. Unreserve gives them back.
+  // shortfall) and holds them; returns the bytes evicted. Unreserve gives them back. The
+  // headroom is the caller's tenant's (a worker's own; an admin's is the operators', which
+  // no Insert takes) and counts against the manager's tenant_max_bytes.
   absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
                                    const CallOptions& call = {});
   absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call = {});

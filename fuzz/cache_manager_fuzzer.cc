@@ -93,8 +93,8 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler
       if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
       absl::StatusOr<ReserveCall> c = ReserveFromProto(req);
       if (!c.ok()) return c.status();
-      if (call == kUnreserve) return w.index->Unreserve(c->pool, c->bytes);
-      return w.index->Reserve(c->pool, c->bytes).status();
+      if (call == kUnreserve) return w.index->Unreserve(c->pool, c->bytes, c->tenant);
+      return w.index->Reserve(c->pool, c->bytes, c->tenant).status();
     }
     case kRoute: {
       v1::RouteRequest req;

@@ -100,6 +100,12 @@ ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
           "How often the TLS files are re-read, so that rotating them needs no restart (s).");
 ABSL_FLAG(bool, insecure, kDefaults.insecure,
           "Serve plaintext gRPC instead of TLS: development on a trusted machine only.");
+ABSL_FLAG(uint64_t, tenant_max_bytes, kDefaults.tenant_max_bytes,
+          "Bytes one tenant may hold, cached pages in every pool plus reserved headroom (0: "
+          "unlimited); beyond, its own unpinned pages are evicted, or the call is refused.");
+ABSL_FLAG(uint64_t, tenant_max_pinned_bytes, kDefaults.tenant_max_pinned_bytes,
+          "Bytes of one tenant's cached pages its pins may hold (0: unlimited); a pinning "
+          "Match or Route beyond is refused.");
 
 namespace {
 

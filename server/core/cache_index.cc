@@ -31,6 +31,11 @@ absl::Status CacheIndexOptions::Validate() const {
   if (max_namespaces_per_tenant < 1) {
     return absl::InvalidArgumentError("max_namespaces_per_tenant must be >= 1");
   }
+  if (tenant_max_bytes > 0 && tenant_max_pinned_bytes > tenant_max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tenant_max_pinned_bytes (", tenant_max_pinned_bytes,
+                     ") must be at most tenant_max_bytes (", tenant_max_bytes, ")"));
+  }
   if (default_max_page_age < absl::ZeroDuration() ||
       default_max_page_age > absl::Seconds(kMaxPageAgeS)) {
     return absl::InvalidArgumentError(absl::StrCat("default_max_page_age must be in [0, ",
@@ -45,7 +50,10 @@ CacheIndex::CacheIndex(CacheIndexOptions options)
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
       policy_(*MakeEvictionPolicy(options_.policy,
                                   PolicyContext{options_.next_use, options_.reuse_credit})),
-      leases_(options_.expired_pin_memory) {}
+      leases_(options_.expired_pin_memory) {
+  // Quota evictions take a tenant's own candidates, in the policy's order.
+  if (options_.tenant_max_bytes > 0) policy_->TrackGroups();
+}
 
 CacheIndex::~CacheIndex() = default;
 
@@ -119,10 +127,10 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
     }
     return ResultOf(existing, false);
   }
-  uint32_t& tenant_count = namespaces_per_tenant_[ns.tenant];
+  auto known = tenants_.find(ns.tenant);
+  const uint32_t tenant_count = known == tenants_.end() ? 0 : known->second->namespaces;
   if (source == NamespaceSource::kClient) {
     if (namespaces_.size() >= options_.max_namespaces) {
-      if (tenant_count == 0) namespaces_per_tenant_.erase(ns.tenant);
       return absl::ResourceExhaustedError(absl::StrCat("max_namespaces: the manager holds ",
                                                        namespaces_.size(), " namespaces already; ",
                                                        ns.ToString(), " was not created"));
@@ -133,7 +141,8 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
                        " namespaces already; ", ns.ToString(), " was not created"));
     }
   }
-  ++tenant_count;
+  Tenant& tenant = InternTenant(ns.tenant);
+  ++tenant.namespaces;
   HashKey key = DeriveNamespaceKey(options_.hash_secret, ns.tenant, ns.model);
   // The byte-blind arm charges what an MHA-shaped cache would hold for the same tokens.
   const uint64_t page_bytes = options_.policy == "lru-mha"
@@ -141,6 +150,8 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
                                   : spec.BytesPerPage();
   auto [added, inserted] =
       namespaces_.emplace(ns, std::make_unique<Namespace>(ns, spec, key, page_bytes));
+  added->second->tenant = &tenant;
+  added->second->tree.set_group(tenant.group);
   SetMaxPageAge(*added->second, max_page_age);
   return ResultOf(*added->second, true);
 }
@@ -209,6 +220,7 @@ void CacheIndex::PinPath(RadixNode* node) {
     const uint64_t bytes = NodeBytes(n);
     for (Replica& r : n->replicas) {
       budget_.Pin(r.pool, bytes);
+      TenantPin(n, r.pool, true);
       RefreshCandidate(n, r);
     }
   }
@@ -221,6 +233,7 @@ void CacheIndex::UnpinPath(RadixNode* node) {
     const uint64_t bytes = NodeBytes(n);
     for (Replica& r : n->replicas) {
       budget_.Unpin(r.pool, bytes);
+      TenantPin(n, r.pool, false);
       RefreshCandidate(n, r);
     }
   }
@@ -238,6 +251,7 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
   budget_.Charge(pool, node->size(), bytes);
   node->tree->AddPageLocations(node->size());
   if (node->pin_count > 0) budget_.Pin(pool, bytes);
+  TenantStore(node, pool);
   if (!node->parent->is_root()) {
     Replica* up = node->parent->FindReplica(pool);
     assert(up != nullptr);  // pools are prefix-closed
@@ -260,11 +274,7 @@ void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
                        .reason = reason});
 }
 
-void CacheIndex::ForgetPin(const Lease& lease) {
-  const std::string& tenant = static_cast<const Namespace*>(lease.node->tree->owner())->id.tenant;
-  auto it = pins_per_tenant_.find(tenant);
-  if (--it->second == 0) pins_per_tenant_.erase(it);
-}
+void CacheIndex::ForgetPin(const Lease& lease) { --OwnerOf(lease.node)->tenant->pins; }
 
 void CacheIndex::ExpireLeasesLocked(absl::Time now) {
   leases_.Expire(now, [this](const Lease& lease) {
@@ -308,13 +318,11 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
-  if (options.pin) {
-    auto held = pins_per_tenant_.find(ns.id.tenant);
-    if (held != pins_per_tenant_.end() && held->second >= options_.max_pins_per_tenant) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("max_pins_per_tenant: tenant ", ns.id.tenant, " holds ", held->second,
-                       " live pins; release some (nothing was matched or pinned)"));
-    }
+  Tenant& tenant = *ns.tenant;
+  if (options.pin && tenant.pins >= options_.max_pins_per_tenant) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_pins_per_tenant: tenant ", ns.id.tenant, " holds ", tenant.pins,
+                     " live pins; release some (nothing was matched or pinned)"));
   }
 
   thread_local std::vector<PathStep> path;
@@ -331,6 +339,23 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       result.matched_pages = path[i].first_page;
       path.resize(i);
       break;
+    }
+  }
+
+  if (options.pin && options_.tenant_max_pinned_bytes > 0) {
+    // What the pin would add: the matched pages no pin holds yet, in every live pool.
+    uint64_t adding = 0;
+    for (const PathStep& step : path) {
+      if (step.node->pin_count > 0) continue;
+      for (const Replica& r : step.node->replicas) {
+        if (!budget_.retired(r.pool)) adding += uint64_t{step.matched} * ns.bytes_per_page;
+      }
+    }
+    if (tenant.pinned_bytes + adding > options_.tenant_max_pinned_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "tenant_max_pinned_bytes: tenant ", ns.id.tenant, " has ", tenant.pinned_bytes,
+          " bytes pinned (", tenant.pins, " pins) of its ", options_.tenant_max_pinned_bytes,
+          "; this pin would add ", adding, "; release some (nothing was matched or pinned)"));
     }
   }
 
@@ -354,7 +379,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       PinPath(path.back().node);
       result.lease_expiry = now + ttl;
       result.pin_id = leases_.Add(path.back().node, result.lease_expiry);
-      ++pins_per_tenant_[ns.id.tenant];
+      ++tenant.pins;
       ++counters_.pins_taken;
     }
   }
@@ -457,13 +482,16 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
 
   InsertResult result;
-  // Bytes the request reserved earlier stop being headroom and become the new pages.
-  const uint64_t from_reserve = options.use_reservation && pool_id.has_value()
-                                    ? std::min(need, budget_.reserved(*pool_id))
+  // Bytes the tenant reserved earlier in this pool stop being headroom and become the new
+  // pages.
+  Tenant& tenant = *ns.tenant;
+  auto reservation = tenant.reserved.find(pool);
+  const uint64_t from_reserve = options.use_reservation && reservation != tenant.reserved.end()
+                                    ? std::min(need, reservation->second)
                                     : 0;
-  const uint64_t shortfall =
-      pool_id.has_value() ? budget_.Shortfall(*pool_id, need - from_reserve) : 0;
-  if (shortfall > 0) {
+  const uint64_t adding = need - from_reserve;  // to the pool's and to the tenant's bytes
+  const uint64_t shortfall = pool_id.has_value() ? budget_.Shortfall(*pool_id, adding) : 0;
+  if (shortfall > 0 || QuotaShortfall(tenant, adding) > 0) {
     // Pin the prompt's own path so eviction cannot take the pages being extended. Split a
     // partly matched last node first, so its unmatched rest stays evictable: an insert is
     // never refused while evictable bytes could cover it.
@@ -472,19 +500,17 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     }
     RadixNode* guard = path.empty() ? nullptr : path.back().node;
     if (guard != nullptr) PinPath(guard);
-    const uint64_t evictable = budget_.evictable(*pool_id);
-    if (evictable < shortfall) {
-      if (guard != nullptr) UnpinPath(guard);
-      // Say what holds the space: pins, headroom reserved for admitted work, or both.
-      return absl::ResourceExhaustedError(
-          absl::StrCat("pool ", pool.ToString(), " is short of ", shortfall, " bytes and only ",
-                       evictable, " are evictable (", budget_.pinned(*pool_id), " bytes pinned, ",
-                       budget_.reserved(*pool_id), " reserved by Reserve)"));
-    }
-    result.evicted_bytes = EvictLocked(*pool_id, shortfall).evicted_bytes;
+    absl::StatusOr<uint64_t> evicted =
+        MakeRoom(tenant, adding, pool_id, pool, shortfall, "the insert");
     if (guard != nullptr) UnpinPath(guard);
+    if (!evicted.ok()) return evicted.status();
+    result.evicted_bytes = *evicted;
   }
-  if (from_reserve > 0) budget_.Unreserve(*pool_id, from_reserve);
+  if (from_reserve > 0) {
+    budget_.Unreserve(*pool_id, from_reserve);
+    tenant.reserved_bytes -= from_reserve;
+    if ((reservation->second -= from_reserve) == 0) tenant.reserved.erase(reservation);
+  }
 
   // Phase 2: apply.
   const PoolId pid =
@@ -590,6 +616,19 @@ IndexStats CacheIndex::Stats() const {
   std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);
   });
+  stats.tenants.reserve(tenants_.size());
+  for (const auto& [name, t] : tenants_) {
+    stats.tenants.push_back(TenantStats{.tenant = name,
+                                        .namespaces = t->namespaces,
+                                        .stored_bytes = t->stored_bytes,
+                                        .pinned_bytes = t->pinned_bytes,
+                                        .reserved_bytes = t->reserved_bytes,
+                                        .pins = t->pins});
+  }
+  std::sort(stats.tenants.begin(), stats.tenants.end(),
+            [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
+  stats.tenant_max_bytes = options_.tenant_max_bytes;
+  stats.tenant_max_pinned_bytes = options_.tenant_max_pinned_bytes;
   stats.counters = counters_;
   stats.active_pins = leases_.size();
   stats.policy = std::string(policy_->name());

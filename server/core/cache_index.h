@@ -22,6 +22,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/model_spec.h"
@@ -69,6 +70,16 @@ struct CacheIndexOptions {
   // Most live pins of one tenant's namespaces: a Match(pin) beyond is RESOURCE_EXHAUSTED,
   // with nothing matched or pinned, so no tenant can pin a pool full. >= 1.
   uint32_t max_pins_per_tenant = 65'536;
+  // Tenant quotas (docs/EVICTION.md), 0: unlimited. tenant_max_bytes: the bytes one tenant
+  // may hold, its page-locations in live pools (each replica, pages x bytes_per_page) plus
+  // what it reserved; an Insert or Reserve beyond first evicts the tenant's own unpinned
+  // pages (never another tenant's), and is RESOURCE_EXHAUSTED, nothing changed, when that
+  // cannot make room. tenant_max_pinned_bytes: the bytes of its page-locations that its pins
+  // may hold (each replica counts, a page under several pins once); a Match(pin) beyond is
+  // RESOURCE_EXHAUSTED with nothing matched or pinned. At most tenant_max_bytes when both
+  // are set.
+  uint64_t tenant_max_bytes = 0;
+  uint64_t tenant_max_pinned_bytes = 0;
   // Retention (docs/EVICTION.md): how long a page-location may stay indexed after it was
   // committed, for every namespace; a namespace's own limit (RegisterModel) may only be
   // shorter. 0: no limit. At most kMaxPageAgeS seconds.
@@ -148,8 +159,8 @@ struct InsertResult {
 };
 
 struct InsertOptions {
-  // Take the new pages' bytes out of the pool's headroom (Reserve) first: the request that
-  // reserved them is now storing its pages.
+  // Take the new pages' bytes out of the headroom ns's tenant reserved in the pool
+  // (Reserve) first: the request that reserved them is now storing its pages.
   bool use_reservation = false;
   // Insert into an agent's pool after the agent committed the blocks (CommitBlocks):
   // newly_committed[i] says whether block_ids[i] was committed by that command rather than
@@ -234,9 +245,26 @@ struct IndexCounters {
   uint64_t lease_expiries = 0;
 };
 
+// What one tenant holds, against CacheIndexOptions' quotas. Tenant "" holds the operators'
+// reservations (Reserve with no tenant), which no quota limits.
+struct TenantStats {
+  std::string tenant;
+  uint32_t namespaces = 0;
+  uint64_t stored_bytes = 0;    // its page-locations in live pools
+  uint64_t pinned_bytes = 0;    // of those, held by at least one pin
+  uint64_t reserved_bytes = 0;  // headroom it reserved, in all pools
+  uint64_t pins = 0;            // live pins
+  // stored_bytes + reserved_bytes: what tenant_max_bytes limits.
+  uint64_t held_bytes() const { return stored_bytes + reserved_bytes; }
+};
+
 struct IndexStats {
   std::vector<PoolStats> pools;
   std::vector<NamespaceStats> namespaces;
+  // Every tenant with a namespace or a reservation, by name.
+  std::vector<TenantStats> tenants;
+  uint64_t tenant_max_bytes = 0;  // the quotas in force (0: unlimited)
+  uint64_t tenant_max_pinned_bytes = 0;
   IndexCounters counters;
   uint64_t active_pins = 0;
   std::string policy;
@@ -306,6 +334,8 @@ class CacheIndex {
   absl::StatusOr<uint64_t> PoolGeneration(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
+  // With pin, RESOURCE_EXHAUSTED (nothing matched, pinned or counted) naming
+  // max_pins_per_tenant or tenant_max_pinned_bytes when the pin would pass either.
   // Never returns a page-location past its namespace's max page age: the match ends before
   // the first radix node that still holds one (even when another pool holds the same pages
   // younger), because a new pin there would keep the old copy; SweepExpired removes it.
@@ -313,20 +343,29 @@ class CacheIndex {
                                     const MatchOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Records that `pool` holds pages [0, pages.size()) of a prompt in blocks `block_ids`.
-  // Evicts exactly the shortfall from `pool` when the new pages do not fit; when even that
-  // cannot make room, RESOURCE_EXHAUSTED and nothing changes.
+  // Evicts exactly the shortfall from `pool` when the new pages do not fit, and then, when
+  // they would take ns's tenant past tenant_max_bytes, that tenant's own pages (any pool,
+  // policy order, never demoted); when either cannot make room, RESOURCE_EXHAUSTED (naming
+  // tenant_max_bytes for the quota) and nothing changes.
   // REQUIRES: block_ids.size() == pages.size() (INVALID_ARGUMENT otherwise).
   absl::StatusOr<InsertResult> Insert(const NamespaceId& ns, std::span<const PageHash> pages,
                                       const PoolKey& pool, std::span<const BlockId> block_ids,
                                       const InsertOptions& options = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Headroom for admitted work: makes `bytes` of `pool` free, evicting exactly the
-  // shortfall (whole nodes), and holds them reserved until Unreserve or an Insert with
-  // use_reservation takes them. RESOURCE_EXHAUSTED (nothing changed) when pins leave too
-  // little evictable; NOT_FOUND for an unknown pool. Returns the bytes evicted.
-  absl::StatusOr<uint64_t> Reserve(const PoolKey& pool, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Returns headroom no longer needed. OUT_OF_RANGE beyond what is reserved.
-  absl::Status Unreserve(const PoolKey& pool, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Headroom for `tenant`'s admitted work: makes `bytes` of `pool` free, evicting exactly
+  // the shortfall (whole nodes), and holds them reserved for the tenant until it Unreserves
+  // them or an Insert with use_reservation into one of its namespaces takes them. The bytes
+  // count against tenant_max_bytes: beyond it the tenant's own pages are evicted first, as
+  // for Insert. Tenant "": an operator's reservation, no quota (and no Insert takes it).
+  // RESOURCE_EXHAUSTED (nothing changed) when pins leave too little evictable in the pool
+  // or of the tenant's pages (naming tenant_max_bytes); NOT_FOUND for an unknown pool.
+  // Returns the bytes evicted.
+  absl::StatusOr<uint64_t> Reserve(const PoolKey& pool, uint64_t bytes, const std::string& tenant)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Returns headroom `tenant` no longer needs. OUT_OF_RANGE, nothing changed, beyond what
+  // that tenant holds reserved in `pool`.
+  absl::Status Unreserve(const PoolKey& pool, uint64_t bytes, const std::string& tenant)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drops pin `pin_id` of namespace `ns`. NOT_FOUND for an unknown pin (or one of another
   // namespace), ABORTED for one whose lease expired.
@@ -411,10 +450,16 @@ class CacheIndex {
 
   IndexStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Recomputes every tenant's usage from the trees, the pools and the leases and compares
+  // it with the counters kept as the index changes; INTERNAL naming the first difference.
+  // O(index): for tests.
+  absl::Status CheckTenantAccounting() const ABSL_LOCKS_EXCLUDED(mu_);
+
   const CacheIndexOptions& options() const { return options_; }
 
-  // Internal record of one namespace; defined in cache_index.cc.
+  // Internal records of one namespace and one tenant; defined in cache_index_internal.h.
   struct Namespace;
+  struct Tenant;
 
  private:
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
@@ -425,6 +470,43 @@ class CacheIndex {
   void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A pin of `lease`'s tenant was released or expired.
   void ForgetPin(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Tenant quotas (cache_index_quota.cc). The record of tenant `name`, created if new.
+  Tenant& InternTenant(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases `tenant`'s record once it has neither a namespace nor a reservation.
+  void MaybeForgetTenant(Tenant& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keep the tenant of `node` in step with its replica in `pool` entering / leaving the
+  // tree, and with `node` becoming pinned / unpinned there. Retired pools count for no one.
+  void TenantStore(const RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TenantUnstore(const RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TenantPin(const RadixNode* node, PoolId pool, bool pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A pool was retired: its bytes stop counting for every tenant.
+  void TenantDropPool(PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes `tenant` must free before `adding` more fit within tenant_max_bytes (0 without a
+  // quota, or for the operators' tenant "").
+  uint64_t QuotaShortfall(const Tenant& tenant, uint64_t adding) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED naming tenant_max_bytes, for `what` ("the insert") needing `adding`.
+  absl::Status QuotaExhausted(const Tenant& tenant, uint64_t adding, absl::string_view what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Evicts at least `bytes` of `tenant`'s unpinned pages in live pools, in the policy's
+  // cross-pool order, without demoting them; retired replicas met on the way are swept.
+  // REQUIRES: the tenant's evictable bytes >= `bytes`.
+  EvictResult EvictTenantLocked(Tenant& tenant, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What an Insert or Reserve is about to add to a tenant: a demotion during its eviction
+  // must leave room for it (DemoteToHost).
+  struct Incoming {
+    const Tenant* tenant;  // null: none
+    uint64_t bytes;
+  };
+  // Makes room for `adding` bytes of `tenant` in pool `pool` (nullopt: a pool the caller
+  // creates) that needs `pool_shortfall` evicted: checks that both the pool and the tenant
+  // can make room, then evicts from the pool and from the tenant. RESOURCE_EXHAUSTED,
+  // nothing changed, when one cannot; `what` and `pool_key` name the call in the message.
+  absl::StatusOr<uint64_t> MakeRoom(Tenant& tenant, uint64_t adding, std::optional<PoolId> pool,
+                                    const PoolKey& pool_key, uint64_t pool_shortfall,
+                                    absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Keeps (node, replica) registered with the policy exactly when it is an unpinned leaf of
   // its pool.
@@ -477,10 +559,15 @@ class CacheIndex {
   // whatever of its prefix the HOST pool lacks (pools stay prefix-closed), evicting from
   // the HOST pool to make room. False, changing nothing, when there is no HOST pool or it
   // cannot make room. New host blocks are kPendingBlock until the agent reports them.
-  bool DemoteToHost(RadixNode* node, PoolId gpu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // False too when the copies would take the node's tenant past tenant_max_bytes (leaving
+  // room for `incoming`).
+  bool DemoteToHost(RadixNode* node, PoolId gpu, const Incoming& incoming)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts at least `bytes` from `pool` in policy order.
   // REQUIRES: budget_.evictable(pool) >= bytes.
-  EvictResult EvictLocked(PoolId pool, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  EvictResult EvictLocked(PoolId pool, uint64_t bytes,
+                          const Incoming& incoming = Incoming{nullptr, 0})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the pages of a match's miss that were evicted within the regret window: the run
   // that starts at the first missed page, if one was evicted, capped by the pages asked.
   void CountRegret(std::span<const PageHash> missed, absl::Time now)
@@ -495,8 +582,9 @@ class CacheIndex {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<NamespaceId, std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint32_t> namespaces_per_tenant_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint32_t> pins_per_tenant_ ABSL_GUARDED_BY(mu_);
+  // Tenants with a namespace or a reservation: their counts, usage and reservations.
+  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
+  uint32_t next_tenant_group_ ABSL_GUARDED_BY(mu_) = 1;
   ByteBudget budget_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);

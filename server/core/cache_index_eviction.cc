@@ -1,6 +1,6 @@
 // CacheIndex: pool budgets, eviction (by policy, from a pool or a namespace), demotion to
-// the HOST tier and its block assignment, dropping a pool, reserved headroom and eviction
-// regret. See cache_index.h.
+// the HOST tier and its block assignment, dropping a pool, deleting a namespace and
+// eviction regret. See cache_index.h.
 #include <algorithm>
 #include <cassert>
 #include <queue>
@@ -22,6 +22,7 @@ std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
   UntrackExpiry(node, *it);
   std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
+  TenantUnstore(node, pool);
   budget_.Refund(pool, node->size(), NodeBytes(node));
   ns->tree.AddPageLocations(-int64_t{node->size()});
 
@@ -67,7 +68,7 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   return bytes;
 }
 
-bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
+bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu, const Incoming& incoming) {
   std::optional<PoolId> host = budget_.Find(PoolKey{budget_.key(gpu).agent_id, Tier::kHost});
   if (!host.has_value()) return false;
   // The node and the ancestors the host pool lacks: a suffix of the path, since the host
@@ -80,6 +81,11 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu) {
   }
   if (chain.empty()) return true;  // already has a host copy
   if (need > budget_.capacity(*host)) return false;
+  // The copies are the tenant's bytes too: a tenant at its quota loses the page instead.
+  if (const Tenant& tenant = *OwnerOf(node)->tenant;
+      QuotaShortfall(tenant, need + (incoming.tenant == &tenant ? incoming.bytes : 0)) > 0) {
+    return false;
+  }
   // A demoted copy keeps its age (it is the same data, moved): one already past it leaves.
   const int64_t cutoff_ms = ExpiryCutoffMs(*OwnerOf(node), clock_->Now());
   for (const RadixNode* n : chain) {
@@ -200,6 +206,7 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   // A fresh id even for an empty pool: an insert that began in the old incarnation
   // (InsertOptions::pool_generation) must not land in the new one.
   budget_.Replace(retired);
+  TenantDropPool(retired);
   if (result.dropped_pages == 0) return result;  // nothing to forget
   sweeping_.push_back(retired);
   counters_.dropped_pages += result.dropped_pages;
@@ -244,11 +251,10 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
       if (last) break;  // RemoveReplica removed the node from the tree
     }
   }
-  auto tenant = namespaces_per_tenant_.find(ns_id.tenant);
-  if (tenant != namespaces_per_tenant_.end() && --tenant->second == 0) {
-    namespaces_per_tenant_.erase(tenant);
-  }
+  Tenant& tenant = *ns.tenant;
+  --tenant.namespaces;
   namespaces_.erase(it);
+  MaybeForgetTenant(tenant);
   return result;
 }
 
@@ -277,7 +283,7 @@ SweepResult CacheIndex::SweepRetired(size_t max_replicas) {
   return result;
 }
 
-EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
+EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming& incoming) {
   EvictResult result;
   const absl::Time now = clock_->Now();
   while (result.evicted_bytes < bytes) {
@@ -293,7 +299,7 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes) {
       }
     }
     if (policy_->demotes_to_host() && budget_.key(pool).tier == Tier::kGpu &&
-        DemoteToHost(node, pool)) {
+        DemoteToHost(node, pool, incoming)) {
       result.demoted_pages += node->size();
       counters_.demoted_pages += node->size();
     }
@@ -331,36 +337,6 @@ absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_
     EvictLocked(*id, excess);
   }
   budget_.SetCapacity(id.has_value() ? *id : budget_.Intern(pool, capacity_bytes), capacity_bytes);
-  return absl::OkStatus();
-}
-
-absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes) {
-  if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
-  absl::MutexLock lock(&mu_);
-  ExpireLeasesLocked(clock_->Now());
-  absl::StatusOr<PoolId> id = FindPool(pool);
-  if (!id.ok()) return id.status();
-  const uint64_t shortfall = budget_.Shortfall(*id, bytes);
-  if (shortfall > budget_.evictable(*id)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("pool ", pool.ToString(), ": reserving ", bytes, " bytes needs evicting ",
-                     shortfall, " but only ", budget_.evictable(*id), " are unpinned"));
-  }
-  const uint64_t evicted = shortfall > 0 ? EvictLocked(*id, shortfall).evicted_bytes : 0;
-  budget_.Reserve(*id, bytes);
-  return evicted;
-}
-
-absl::Status CacheIndex::Unreserve(const PoolKey& pool, uint64_t bytes) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<PoolId> id = FindPool(pool);
-  if (!id.ok()) return id.status();
-  if (bytes > budget_.reserved(*id)) {
-    return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ",
-                                              budget_.reserved(*id), " bytes reserved in pool ",
-                                              pool.ToString()));
-  }
-  budget_.Unreserve(*id, bytes);
   return absl::OkStatus();
 }
 

@@ -416,7 +416,7 @@ TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
   MustInsert(Prompt({2}), gpu0_);
   MustInsert(Prompt({3}), gpu0_);
   // 2 pages free; reserving 3 evicts exactly 1 (the LRU page).
-  absl::StatusOr<uint64_t> evicted = index_->Reserve(gpu0_, 3 * bpp_);
+  absl::StatusOr<uint64_t> evicted = index_->Reserve(gpu0_, 3 * bpp_, ns_.tenant);
   ASSERT_TRUE(evicted.ok()) << evicted.status();
   EXPECT_EQ(*evicted, bpp_);
   EXPECT_EQ(MustMatch(Prompt({1}), {.probe = true}).matched_pages, 0u);
@@ -431,7 +431,7 @@ TEST_F(CacheIndexTest, ReservedHeadroomIsNotFreeAndEvictsExactlyTheShortfall) {
       *index_->Insert(ns_, Prompt({5, 6}), gpu0_, Blocks(0, 2), {.use_reservation = true});
   EXPECT_EQ(own.evicted_bytes, 0u);
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, bpp_);
-  ASSERT_TRUE(index_->Unreserve(gpu0_, bpp_).ok());
+  ASSERT_TRUE(index_->Unreserve(gpu0_, bpp_, ns_.tenant).ok());
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
 }
 
@@ -461,7 +461,7 @@ TEST_F(CacheIndexTest, ATenantsLivePinsAreCapped) {
 
 TEST_F(CacheIndexTest, AnInsertRefusedForReservedSpaceSaysSo) {
   ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 2 * bpp_).ok());
-  ASSERT_TRUE(index_->Reserve(gpu0_, 2 * bpp_).ok());  // the whole pool, nothing pinned
+  ASSERT_TRUE(index_->Reserve(gpu0_, 2 * bpp_, ns_.tenant).ok());  // the whole pool, nothing pinned
   absl::StatusOr<InsertResult> r = index_->Insert(ns_, Prompt({1}), gpu0_, Blocks(0, 1));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(r.status().message(), HasSubstr("0 bytes pinned"));
@@ -473,11 +473,12 @@ TEST_F(CacheIndexTest, ReserveErrorsChangeNothing) {
   MustInsert(Prompt({1, 2}), gpu0_);
   MatchResult pin = MustMatch(Prompt({1, 2}), {.pin = true});
   Snapshot before = Snap();
-  EXPECT_EQ(index_->Reserve(gpu0_, 2 * bpp_).status().code(),
+  EXPECT_EQ(index_->Reserve(gpu0_, 2 * bpp_, ns_.tenant).status().code(),
             absl::StatusCode::kResourceExhausted);  // 2 pinned + 2 > 3
-  EXPECT_EQ(index_->Reserve(gpu1_, 1).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(index_->Reserve(gpu0_, 0).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(index_->Unreserve(gpu0_, 1).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(index_->Reserve(gpu1_, 1, ns_.tenant).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->Reserve(gpu0_, 0, ns_.tenant).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(index_->Unreserve(gpu0_, 1, ns_.tenant).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(Snap(), before);
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).reserved_bytes, 0u);
   ASSERT_TRUE(index_->Release(ns_, pin.pin_id).ok());
@@ -876,7 +877,7 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   MustInsert(Prompt({4}), gpu0_);
   MatchResult shared = MustMatch(Prompt({1, 2}), {.pin = true});  // gpu1 holds it too
   MatchResult only = MustMatch(Prompt({4}), {.pin = true});       // gpu0 only
-  ASSERT_TRUE(index_->Reserve(gpu0_, bpp_).ok());
+  ASSERT_TRUE(index_->Reserve(gpu0_, bpp_, ns_.tenant).ok());
   std::vector<CacheEvent> events;
   index_->SetEventListener([&](const CacheEvent& e) { events.push_back(e); });
 
@@ -1064,6 +1065,8 @@ void CacheIndexTest::RunRandomOperations() {
     pages_in_pools += index_->SweepRetired(0).remaining_pages;
     ASSERT_EQ(pages_in_pools, s.namespaces[0].page_locations);
     ASSERT_EQ(s.active_pins, pins.size());
+    absl::Status tenants = index_->CheckTenantAccounting();
+    ASSERT_TRUE(tenants.ok()) << tenants;
   }
   for (PinId id : pins) ASSERT_TRUE(index_->Release(ns_, id).ok());
   while (index_->SweepRetired(16).removed_replicas > 0) {

@@ -38,6 +38,24 @@ std::optional<EvictionCandidate> EvictionPolicy::Victim(PoolId pool) const {
   return EvictionCandidate{std::get<2>(*by_pool_[pool].begin()), pool};
 }
 
+std::optional<EvictionCandidate> EvictionPolicy::GroupVictim(uint32_t group) const {
+  auto it = by_group_.find(group);
+  if (it == by_group_.end()) return std::nullopt;
+  const GroupKey& first = *it->second.begin();
+  return EvictionCandidate{std::get<2>(first), std::get<3>(first)};
+}
+
+void EvictionPolicy::AddToGroup(RadixNode* node, PoolId pool) {
+  by_group_[node->tree->group()].insert({node->priority, node->last_access, node, pool});
+}
+
+void EvictionPolicy::RemoveFromGroup(RadixNode* node, PoolId pool) {
+  auto it = by_group_.find(node->tree->group());
+  if (it == by_group_.end()) return;
+  it->second.erase({node->priority, node->last_access, node, pool});
+  if (it->second.empty()) by_group_.erase(it);
+}
+
 absl::btree_set<EvictionPolicy::Key>& EvictionPolicy::SetOf(PoolId pool) {
   if (pool >= by_pool_.size()) by_pool_.resize(pool + 1);
   return by_pool_[pool];

@@ -7,6 +7,8 @@
 //
 // Every policy here keeps one ordered set of candidates per pool, keyed by a score it
 // stores in RadixNode::priority (lower goes first); policies differ only in the score.
+// With TrackGroups it also keeps one set per group of trees (RadixTree::group(): CacheIndex
+// gives a tenant's trees one group), so that eviction can be confined to a tenant.
 //
 // Not thread-safe: CacheIndex serialises access.
 #ifndef KVCM_SERVER_CORE_EVICTION_POLICY_H_
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -70,8 +73,18 @@ class EvictionPolicy {
   virtual bool demotes_to_host() const { return false; }
 
   // (node, pool) became a candidate / stopped being one.
-  void Add(RadixNode* node, PoolId pool) { SetOf(pool).insert(KeyOf(node)); }
-  void Remove(RadixNode* node, PoolId pool) { SetOf(pool).erase(KeyOf(node)); }
+  void Add(RadixNode* node, PoolId pool) {
+    SetOf(pool).insert(KeyOf(node));
+    if (track_groups_) AddToGroup(node, pool);
+  }
+  void Remove(RadixNode* node, PoolId pool) {
+    SetOf(pool).erase(KeyOf(node));
+    if (track_groups_) RemoveFromGroup(node, pool);
+  }
+
+  // Also orders the candidates of each group of trees, across their pools (GroupVictim).
+  // REQUIRES: no candidate added yet.
+  void TrackGroups() { track_groups_ = true; }
 
   // `node` was on a matched or inserted path at logical time `stamp` (increasing), clock
   // time `now_s` (seconds). Updates its recency and hit count and re-scores it.
@@ -83,6 +96,10 @@ class EvictionPolicy {
 
   // The candidate of `pool` to evict next, or nullopt when there is none.
   std::optional<EvictionCandidate> Victim(PoolId pool) const;
+
+  // The candidate of group `group`'s trees to evict next, in any pool (retired ones
+  // included), in Priority order; nullopt when there is none. REQUIRES: TrackGroups().
+  std::optional<EvictionCandidate> GroupVictim(uint32_t group) const;
 
   // Rank of a candidate across pools (lower is evicted first); used when evicting from a
   // namespace rather than a pool.
@@ -97,11 +114,17 @@ class EvictionPolicy {
   using Key = std::tuple<double, uint64_t, RadixNode*>;
   static Key KeyOf(RadixNode* node) { return {node->priority, node->last_access, node}; }
   absl::btree_set<Key>& SetOf(PoolId pool);
+  // A candidate of a group: its pool key, then the pool.
+  using GroupKey = std::tuple<double, uint64_t, RadixNode*, PoolId>;
+  void AddToGroup(RadixNode* node, PoolId pool);
+  void RemoveFromGroup(RadixNode* node, PoolId pool);
   // Takes `node`'s candidates out, runs `update` on its fields, re-scores, puts them back.
   template <typename Update>
   void Rekey(RadixNode* node, Update update);
 
   std::vector<absl::btree_set<Key>> by_pool_;  // indexed by PoolId
+  bool track_groups_ = false;
+  absl::flat_hash_map<uint32_t, absl::btree_set<GroupKey>> by_group_;  // no empty sets
 };
 
 // "lru": SGLang RadixCache's order. Every node on a matched or inserted path gets the same

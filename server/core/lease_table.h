@@ -55,6 +55,11 @@ class LeaseTable {
   size_t ForgetTree(const RadixTree* tree, const std::function<void(const Lease&)>& on_dropped);
 
   size_t size() const { return leases_.size(); }
+  // Calls fn(const Lease&) for every live lease, in no particular order.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    for (const auto& [id, lease] : leases_) fn(lease);
+  }
 
  private:
   // A fresh random id: not 0, not live, not remembered as expired.

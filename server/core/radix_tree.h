@@ -134,6 +134,10 @@ class RadixTree {
     bytes_per_page_ = bytes_per_page;
     page_size_tokens_ = page_size_tokens;
   }
+  // Which group of trees the eviction policy files this tree's candidates under
+  // (EvictionPolicy::TrackGroups); CacheIndex gives all trees of one tenant one group.
+  uint32_t group() const { return group_; }
+  void set_group(uint32_t group) { group_ = group; }
   RadixNode* root() { return &root_; }
 
   // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
@@ -166,6 +170,7 @@ class RadixTree {
   void* const owner_;
   uint64_t bytes_per_page_ = 0;
   uint32_t page_size_tokens_ = 0;
+  uint32_t group_ = 0;
   RadixNode root_;
   uint64_t nodes_ = 0;  // excluding the root
   uint64_t pages_ = 0;

@@ -139,11 +139,20 @@ absl::Status Authorize(const Principal& p, const v1::EvictRequest& /*req*/) {
   return NeedAdmin(p, "evict");
 }
 
-absl::Status Authorize(const Principal& p, const v1::ReserveRequest& /*req*/) {
+absl::Status Authorize(const Principal& p, const v1::ReserveRequest& req) {
   // Workers reserve within their tenant's byte quota; the index charges the reservation to
-  // the caller's tenant (CacheManagerService::Reserve).
-  if (p.Has(Role::kWorker) || p.Has(Role::kAdmin)) return absl::OkStatus();
-  return Denied(p, "reserve pool headroom (roles worker or admin)");
+  // the tenant ReservationTenant names.
+  if (p.Has(Role::kAdmin)) return absl::OkStatus();
+  if (!p.Has(Role::kWorker)) return Denied(p, "reserve pool headroom (roles worker or admin)");
+  if (req.tenant().empty() || p.IsWorkerOf(req.tenant())) return absl::OkStatus();
+  return Denied(p, absl::StrCat("reserve headroom for tenant ", req.tenant(),
+                                " (a worker reserves for its own tenant only)"));
+}
+
+std::string ReservationTenant(const Principal& p, const v1::ReserveRequest& req) {
+  if (!req.tenant().empty()) return req.tenant();
+  if (p.Has(Role::kWorker) && !p.worker_of_any_tenant && !p.Has(Role::kAdmin)) return p.tenant;
+  return "";
 }
 
 absl::Status Authorize(const Principal& p, const v1::StatsRequest& /*req*/) {

@@ -72,8 +72,12 @@ absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req);
 absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req);
 absl::Status Authorize(const Principal& p, const v1::RouteRequest& req);
 absl::Status Authorize(const Principal& p, const v1::EvictRequest& req);
-// Reserve and Unreserve (they share the request type).
+// Reserve and Unreserve (they share the request type): a worker for its own tenant only.
 absl::Status Authorize(const Principal& p, const v1::ReserveRequest& req);
+// Whose reservation an authorized Reserve or Unreserve is: the tenant the request names; when
+// it names none, a worker's own tenant, or "" (an operator's reservation) for an admin or the
+// open dev-mode caller, who are workers of no single tenant.
+std::string ReservationTenant(const Principal& p, const v1::ReserveRequest& req);
 absl::Status Authorize(const Principal& p, const v1::StatsRequest& req);
 absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req);
 absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& req);

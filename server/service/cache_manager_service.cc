@@ -253,9 +253,10 @@ grpc::ServerUnaryReactor* CacheManagerService::Reserve(grpc::CallbackServerConte
                                                        const v1::ReserveRequest* req,
                                                        v1::ReserveResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kReserve, [&]() -> absl::Status {
-    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
-    KVCM_ASSIGN_OR_RETURN(uint64_t evicted, index_->Reserve(call.pool, call.bytes));
+    KVCM_ASSIGN_OR_RETURN(uint64_t evicted,
+                          index_->Reserve(call.pool, call.bytes, ReservationTenant(*caller, *req)));
     resp->set_evicted_bytes(evicted);
     return absl::OkStatus();
   });
@@ -265,9 +266,9 @@ grpc::ServerUnaryReactor* CacheManagerService::Unreserve(grpc::CallbackServerCon
                                                          const v1::ReserveRequest* req,
                                                          v1::UnreserveResponse* /*resp*/) {
   return rpc_.Unary(ctx, Rpc::kUnreserve, [&]() -> absl::Status {
-    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
     KVCM_ASSIGN_OR_RETURN(ReserveCall call, ReserveFromProto(*req));
-    return index_->Unreserve(call.pool, call.bytes);
+    return index_->Unreserve(call.pool, call.bytes, ReservationTenant(*caller, *req));
   });
 }
 
@@ -291,6 +292,8 @@ grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext
       // an admin's to read.
       std::erase_if(stats.namespaces,
                     [&](const NamespaceStats& n) { return !caller->MayProbe(n.ns.tenant); });
+      std::erase_if(stats.tenants,
+                    [&](const TenantStats& t) { return !caller->MayProbe(t.tenant); });
       stats.counters = IndexCounters{};
     }
     StatsToProto(stats, limits_, resp);

@@ -379,6 +379,10 @@ absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req) {
   KVCM_ASSIGN_OR_RETURN(call.pool, PoolFromProto(IfSet(req.has_pool(), req.pool()), "pool"));
   if (req.bytes() == 0) return Invalid("bytes must be > 0");
   call.bytes = req.bytes();
+  if (!req.tenant().empty()) {
+    KVCM_RETURN_IF_ERROR(ValidateName(req.tenant(), "tenant", "._-"));  // as namespace.tenant
+    call.tenant = req.tenant();
+  }
   return call;
 }
 
@@ -409,6 +413,17 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ns->set_radix_nodes(n.radix_nodes);
     ns->set_max_page_age_s(static_cast<uint32_t>(absl::ToInt64Seconds(n.max_page_age)));
     ns->set_expired_pages(n.expired_pages);
+  }
+  for (const TenantStats& t : stats.tenants) {
+    v1::TenantStats* ts = out->add_tenants();
+    ts->set_tenant(t.tenant);
+    ts->set_namespaces(t.namespaces);
+    ts->set_stored_bytes(t.stored_bytes);
+    ts->set_pinned_bytes(t.pinned_bytes);
+    ts->set_reserved_bytes(t.reserved_bytes);
+    ts->set_pins(t.pins);
+    ts->set_max_bytes(stats.tenant_max_bytes);
+    ts->set_max_pinned_bytes(stats.tenant_max_pinned_bytes);
   }
   const IndexCounters& c = stats.counters;
   v1::Counters* pc = out->mutable_counters();

@@ -140,6 +140,9 @@ absl::StatusOr<EvictCall> EvictFromProto(const v1::EvictRequest& req);
 struct ReserveCall {
   PoolKey pool;
   uint64_t bytes = 0;
+  // The request's tenant field, validated when set; whose reservation it is depends on the
+  // caller too (ReservationTenant in access_control.h).
+  std::string tenant;
 };
 // Reserve and Unreserve share a request.
 absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req);

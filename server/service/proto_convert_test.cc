@@ -443,6 +443,28 @@ TEST_F(ProtoConvertTest, MatchResultToProto) {
   EXPECT_EQ(resp.lease_expiry_unix_ms(), 0);
 }
 
+TEST_F(ProtoConvertTest, ReserveRequests) {
+  v1::ReserveRequest req;
+  req.set_bytes(10);
+  ExpectError(ReserveFromProto(req), absl::StatusCode::kInvalidArgument, "pool");
+  req.mutable_pool()->set_agent_id("gpu-0");
+  req.mutable_pool()->set_tier(v1::TIER_GPU);
+  absl::StatusOr<ReserveCall> call = ReserveFromProto(req);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->pool, (PoolKey{"gpu-0", Tier::kGpu}));
+  EXPECT_EQ(call->bytes, 10u);
+  EXPECT_EQ(call->tenant, "");
+  req.set_tenant("acme");
+  call = ReserveFromProto(req);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->tenant, "acme");
+  req.set_tenant("ac me");
+  ExpectError(ReserveFromProto(req), absl::StatusCode::kInvalidArgument, "tenant");
+  req.set_tenant("acme");
+  req.set_bytes(0);
+  ExpectError(ReserveFromProto(req), absl::StatusCode::kInvalidArgument, "bytes must be > 0");
+}
+
 TEST_F(ProtoConvertTest, StatsToProto) {
   IndexStats stats;
   stats.pools.push_back({PoolKey{"gpu-0", Tier::kGpu}, 1000, 600, 100, 3});
@@ -453,6 +475,14 @@ TEST_F(ProtoConvertTest, StatsToProto) {
   stats.counters.eviction_regret_pages = 2;
   stats.active_pins = 1;
   stats.policy = "lru";
+  stats.tenants.push_back({.tenant = "acme",
+                           .namespaces = 1,
+                           .stored_bytes = 600,
+                           .pinned_bytes = 100,
+                           .reserved_bytes = 50,
+                           .pins = 1});
+  stats.tenant_max_bytes = 4000;
+  stats.tenant_max_pinned_bytes = 1000;
   RequestLimits limits{100, 10, 2000, 500};
   v1::StatsResponse resp;
   StatsToProto(stats, limits, &resp);
@@ -472,6 +502,15 @@ TEST_F(ProtoConvertTest, StatsToProto) {
   EXPECT_EQ(resp.limits().max_pages_per_request(), 10u);
   EXPECT_EQ(resp.limits().max_lease_ttl_ms(), 2000u);
   EXPECT_EQ(resp.limits().default_lease_ttl_ms(), 500u);
+  ASSERT_EQ(resp.tenants_size(), 1);
+  EXPECT_EQ(resp.tenants(0).tenant(), "acme");
+  EXPECT_EQ(resp.tenants(0).namespaces(), 1u);
+  EXPECT_EQ(resp.tenants(0).stored_bytes(), 600u);
+  EXPECT_EQ(resp.tenants(0).pinned_bytes(), 100u);
+  EXPECT_EQ(resp.tenants(0).reserved_bytes(), 50u);
+  EXPECT_EQ(resp.tenants(0).pins(), 1u);
+  EXPECT_EQ(resp.tenants(0).max_bytes(), 4000u);
+  EXPECT_EQ(resp.tenants(0).max_pinned_bytes(), 1000u);
 }
 
 TEST_F(ProtoConvertTest, WatchFilterAndEvents) {

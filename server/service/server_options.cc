@@ -61,6 +61,8 @@ const std::vector<Field>& Fields() {
       {"tls_ca_file", &ServerOptions::tls_ca_file},
       {"tls_reload_interval_s", &ServerOptions::tls_reload_interval_s},
       {"insecure", &ServerOptions::insecure},
+      {"tenant_max_bytes", &ServerOptions::tenant_max_bytes},
+      {"tenant_max_pinned_bytes", &ServerOptions::tenant_max_pinned_bytes},
   };
   return *kFields;
 }
@@ -167,6 +169,11 @@ absl::Status ServerOptions::Validate() const {
                    absl::StrCat("must be at most ", kMaxPageAgeS, " (10 years; 0: no limit), got ",
                                 default_max_page_age_s));
   }
+  if (tenant_max_bytes > 0 && tenant_max_pinned_bytes > tenant_max_bytes) {
+    return Invalid("tenant_max_pinned_bytes",
+                   absl::StrCat("must be at most tenant_max_bytes = ", tenant_max_bytes,
+                                " (0: unlimited), got ", tenant_max_pinned_bytes));
+  }
   return ValidateTransportSecurity(*this);
 }
 
@@ -212,6 +219,8 @@ absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   out.max_namespaces_per_tenant = max_namespaces_per_tenant;
   out.max_pins_per_tenant = max_pins_per_tenant;
   out.default_max_page_age = absl::Seconds(default_max_page_age_s);
+  out.tenant_max_bytes = tenant_max_bytes;
+  out.tenant_max_pinned_bytes = tenant_max_pinned_bytes;
   return out;
 }
 

@@ -85,6 +85,15 @@ struct ServerOptions {
   // namespace. Expired pages leave at the lease sweep (and never match). 0: no limit.
   // At most 315360000 (10 years).
   uint32_t default_max_page_age_s = 0;
+  // Tenant quotas (docs/EVICTION.md), 0: unlimited. Bytes one tenant may hold: its cached
+  // pages in every pool (each replica counts) plus the headroom it reserved; an Insert or
+  // Reserve beyond evicts the tenant's own unpinned pages first, and is RESOURCE_EXHAUSTED
+  // when that cannot make room.
+  uint64_t tenant_max_bytes = 0;
+  // Bytes of a tenant's cached pages its pins may hold (each replica counts, a page under
+  // several pins once); a pinning Match or Route beyond is RESOURCE_EXHAUSTED. At most
+  // tenant_max_bytes when both are set.
+  uint64_t tenant_max_pinned_bytes = 0;
 
   // Transport security of the gRPC port (common/credentials.h; README "TLS"): one of TLS or
   // insecure is required. TLS serves tls_cert_file with its key tls_key_file (PEM);

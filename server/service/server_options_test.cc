@@ -85,6 +85,11 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
          o.tls_reload_interval_s = 0;
        },
        "tls_reload_interval_s"},
+      {[](ServerOptions& o) {
+         o.tenant_max_bytes = 1 << 20;
+         o.tenant_max_pinned_bytes = (1 << 20) + 1;
+       },
+       "tenant_max_pinned_bytes"},
   };
   for (const Case& c : cases) {
     ServerOptions options;
@@ -116,6 +121,8 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   options.regret_window_ms = 42;
   options.default_pool_capacity_bytes = 123;
   options.default_max_page_age_s = 3600;
+  options.tenant_max_bytes = 10 << 20;
+  options.tenant_max_pinned_bytes = 4 << 20;
   absl::StatusOr<CacheIndexOptions> index = options.ToCacheIndexOptions();
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ(index->hash_secret.ToBytes(),
@@ -125,6 +132,9 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   EXPECT_EQ(index->regret_window, absl::Milliseconds(42));
   EXPECT_EQ(index->default_pool_capacity_bytes, 123u);
   EXPECT_EQ(index->default_max_page_age, absl::Hours(1));
+  EXPECT_EQ(index->tenant_max_bytes, 10u << 20);
+  EXPECT_EQ(index->tenant_max_pinned_bytes, 4u << 20);
+  EXPECT_EQ(ServerOptions().tenant_max_bytes, 0u) << "no quota by default";
   EXPECT_EQ(ServerOptions().default_max_page_age_s, 0u) << "no retention limit by default";
   EXPECT_EQ(index->policy, "lru");
   EXPECT_TRUE(index->Validate().ok());
@@ -164,7 +174,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 30u);
+  EXPECT_EQ(names.size(), 32u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
