@@ -32,7 +32,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
 #include <memory>
 #include <span>
 #include <string>
@@ -42,12 +41,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/manager_metrics.h"
 #include "bench/workload.h"
 #include "common/credentials.h"
 #include "common/page_hash.h"
@@ -175,30 +173,6 @@ absl::StatusOr<echo_pb::EchoMessage> SizedEcho(size_t wire_bytes, size_t reply_w
         absl::StrCat("echo request of ", msg.ByteSizeLong(), " bytes, wanted ", wire_bytes));
   }
   return msg;
-}
-
-// kvcm_rpc_duration_seconds{rpc="Match"}: the service's own time in the Match handler
-// (validation, conversion, index), as (sum seconds, count) from the metrics text.
-std::pair<double, double> MatchHandlerSeconds(ManagerServer& server) {
-  std::pair<double, double> sum_count{0, 0};
-  for (absl::string_view line : absl::StrSplit(server.metrics().RenderText(), '\n')) {
-    const bool sum = absl::ConsumePrefix(&line, "kvcm_rpc_duration_seconds_sum{rpc=\"Match\"}");
-    if (!sum && !absl::ConsumePrefix(&line, "kvcm_rpc_duration_seconds_count{rpc=\"Match\"}")) {
-      continue;
-    }
-    double v = 0;
-    if (absl::SimpleAtod(absl::StripAsciiWhitespace(line), &v)) {
-      (sum ? sum_count.first : sum_count.second) = v;
-    }
-  }
-  return sum_count;
-}
-
-// CPU time of the whole process (client, servers and gRPC's threads), in seconds.
-double ProcessCpuSeconds() {
-  timespec ts;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 struct Arm {

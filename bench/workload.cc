@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ctime>
 #include <fstream>
 #include <numeric>
 #include <thread>
@@ -187,6 +188,12 @@ double SteadyClockOverheadNs() {
     h.Add(b - a);
   }
   return h.Percentile(0.5);
+}
+
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 std::string MachineSummary() {

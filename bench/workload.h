@@ -134,6 +134,9 @@ class LatencyHistogram {
 // a per-call latency measured with it means nothing.
 double SteadyClockOverheadNs();
 
+// CPU time of the whole process (every thread: client, in-process servers, gRPC's), seconds.
+double ProcessCpuSeconds();
+
 // Machine and load facts for the header of a benchmark run: "cpus=2 model=... load=...".
 std::string MachineSummary();
 

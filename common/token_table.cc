@@ -1,6 +1,7 @@
 #include "common/token_table.h"
 
 #include <openssl/evp.h>
+#include <openssl/opensslv.h>
 
 #include <algorithm>
 #include <fstream>
@@ -44,11 +45,26 @@ bool IsValidId(absl::string_view id) {
   });
 }
 
+// SHA-256, fetched from the default provider once. With EVP_sha256() OpenSSL 3 looks the
+// algorithm up again on every EVP_Digest: as much as the hashing of a token in a loop, more
+// between RPCs (the manager hashes one per call). Never freed.
+const EVP_MD* Sha256() {
+#if OPENSSL_VERSION_NUMBER >= 0x30000000L
+  static const EVP_MD* const kSha256 = [] {
+    const EVP_MD* md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+    return md != nullptr ? md : EVP_sha256();
+  }();
+  return kSha256;
+#else
+  return EVP_sha256();
+#endif
+}
+
 std::string RawDigest(absl::string_view data) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   // EVP_Digest with SHA-256 cannot fail for in-memory input short of allocation failure.
-  EVP_Digest(data.data(), data.size(), digest, &n, EVP_sha256(), nullptr);
+  EVP_Digest(data.data(), data.size(), digest, &n, Sha256(), nullptr);
   return std::string(reinterpret_cast<const char*>(digest), n);
 }
 
