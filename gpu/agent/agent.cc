@@ -35,6 +35,15 @@ constexpr absl::string_view kInsecureWarning =
     "* tls_cert_file, tls_key_file and tls_ca_file (mutual TLS).            *\n"
     "************************************************************************";
 
+constexpr absl::string_view kOpenWarning =
+    "\n"
+    "**************************************************************************\n"
+    "* WARNING: tokens_file is not set: BlockAgent callers are NOT            *\n"
+    "* authenticated. Anyone who reaches this agent (with a certificate of    *\n"
+    "* the cluster CA under TLS) may read, write and free every tenant's      *\n"
+    "* blocks and run attention over them. Dev mode only: see docs/AGENTS.md. *\n"
+    "**************************************************************************";
+
 absl::string_view HostOf(absl::string_view address) {
   return address.substr(0, address.rfind(':'));
 }
@@ -65,6 +74,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   if (!options.token_file.empty()) {
     KVCM_ASSIGN_OR_RETURN(options.token, ReadBearerTokenFile(options.token_file, "token_file"));
   }
+  std::unique_ptr<Authenticator> authenticator;
+  if (options.tokens_file.empty()) {
+    authenticator = Authenticator::Open();
+    LogWarning(kOpenWarning);
+  } else {
+    KVCM_ASSIGN_OR_RETURN(authenticator, Authenticator::FromFile(options.tokens_file));
+  }
   // Every certificate file is read now, so that a missing or mismatched one stops the start.
   const TlsOptions tls = options.Tls();
   auto tls_error = [](const absl::Status& s) {  // "cert_file ..." -> "tls_cert_file ..."
@@ -87,6 +103,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   std::unique_ptr<Agent> a(new Agent(std::move(options)));
   const AgentOptions& opts = a->options_;
   a->data_tls_ = std::move(data_tls);
+  a->authenticator_ = std::move(authenticator);
 
   KVCM_ASSIGN_OR_RETURN(BackendChoice choice, CreateBackend({.arena_bytes = geometry.pool_bytes(),
                                                              .device_index = opts.device_index,
@@ -117,8 +134,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->fetcher_ =
       std::make_unique<Fetcher>(opts.agent_id, opts.tier, a->pools(), &a->epoch_,
                                 a->transport_.get(), a->manager_.get(), a->metrics_.get());
-  a->service_ = std::make_unique<BlockAgentService>(&opts, a->pools(), &a->epoch_,
-                                                    a->metrics_.get(), a->fetcher_.get());
+  a->service_ = std::make_unique<BlockAgentService>(
+      &opts, a->pools(), &a->epoch_, a->metrics_.get(), a->fetcher_.get(), a->authenticator_.get());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(opts.listen_address, *server_credentials, &port);
@@ -166,7 +183,12 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   // The open Commands stream belongs to the old epoch.
   a->control_loop_ = std::make_unique<ControlLoop>(
       &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, a->data_address_, &a->specs_,
-      a->metrics_.get(), [commands = a->command_loop_.get()] { commands->CancelStream(); });
+      a->metrics_.get(), [commands = a->command_loop_.get()] { commands->CancelStream(); },
+      [authenticator = a->authenticator_.get()] {
+        if (absl::Status s = authenticator->ReloadIfChanged(); !s.ok()) {
+          LogError(absl::StrCat("tokens_file: ", s.message()));
+        }
+      });
   a->control_loop_->Start();
   a->command_loop_->Start();
   return a;

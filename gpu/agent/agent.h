@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/authenticator.h"
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/block_pool.h"
@@ -42,8 +43,8 @@ class ControlLoop;
 
 class Agent {
  public:
-  // Validates `options`, reads its TLS and token files, creates the backend and pool, serves
-  // BlockAgent and starts the control and command threads. INVALID_ARGUMENT for bad options
+  // Validates `options`, reads its TLS, token and tokens files, creates the backend and pool,
+  // serves BlockAgent and starts the control and command threads. INVALID_ARGUMENT for bad options
   // or TLS / token files (naming the option and the path), UNAVAILABLE when an
   // address cannot be bound, RESOURCE_EXHAUSTED when the pool's memory cannot be allocated,
   // FAILED_PRECONDITION for transport kNccl in a build without NCCL or with the pool not on
@@ -104,6 +105,8 @@ class Agent {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<v1::CacheManager::Stub> manager_;
   std::unique_ptr<Fetcher> fetcher_;
+  // Who may call BlockAgent (open without tokens_file); re-read by the control loop.
+  std::unique_ptr<Authenticator> authenticator_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -110,6 +110,12 @@ struct AgentOptions {
   // not both. Neither: no token.
   std::string token_file;
   std::string token;
+  // Who may call this agent's BlockAgent: a tokens file (common/token_table.h; hashes only,
+  // never a token), re-read every heartbeat_interval_ms when it changes. Workers then use
+  // only their tenant's blocks, routers only Stats, agents (peers) and admins everything
+  // (gpu/agent/block_agent_access.h). Empty: every caller may do everything (dev mode; a
+  // warning is logged). Read at Start.
+  std::string tokens_file;
 
   // The transport security above as the credentials factory takes it.
   TlsOptions Tls() const;

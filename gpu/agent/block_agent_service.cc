@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_proto.h"
+#include "gpu/agent/block_agent_access.h"
 #include "gpu/agent/block_stream_reactors.h"
 #include "gpu/agent/pool_attention.h"
 #include "proto/core_types.h"
@@ -17,18 +18,45 @@ namespace {
 // Most block ids one Free may carry, so a request's size is bounded.
 constexpr int kMaxIdsPerRequest = 1 << 20;
 
+const Authenticator* OpenAuthenticator() {
+  static const Authenticator* const open = Authenticator::Open().release();
+  return open;
+}
+
 }  // namespace
 
 BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
                                      const AgentEpoch* epoch, AgentMetrics* metrics,
-                                     Fetcher* fetcher)
-    : options_(*options), pools_(pools), epoch_(epoch), rpc_(metrics->rpcs()), fetcher_(fetcher) {}
+                                     Fetcher* fetcher, const Authenticator* authenticator)
+    : options_(*options),
+      pools_(pools),
+      epoch_(epoch),
+      rpc_(metrics->rpcs()),
+      fetcher_(fetcher),
+      authenticator_(authenticator != nullptr ? authenticator : OpenAuthenticator()) {}
+
+BlockPool* BlockAgentService::PoolOf(v1::Tier tier) const {
+  if (tier == v1::TIER_UNSPECIFIED || tier == static_cast<v1::Tier>(options_.tier)) {
+    return pools_.main;
+  }
+  return tier == v1::TIER_HOST ? pools_.host : nullptr;
+}
 
 grpc::ServerUnaryReactor* BlockAgentService::Fetch(grpc::CallbackServerContext* ctx,
                                                    const v1::FetchRequest* req,
                                                    v1::FetchResponse* resp) {
   return rpc_.UnaryAsync(
       ctx, AgentRpc::kFetch, [&](std::function<void(const absl::Status&)> finish) {
+        absl::StatusOr<std::shared_ptr<const Principal>> caller =
+            authenticator_->Authenticate(*ctx);
+        if (!caller.ok()) {
+          finish(caller.status());
+          return;
+        }
+        if (absl::Status s = AuthorizeFetch(**caller, PoolOf(req->tier()), *req); !s.ok()) {
+          finish(s);
+          return;
+        }
         if (fetcher_ == nullptr) {
           finish(absl::UnimplementedError("this agent has no transport"));
           return;
@@ -48,6 +76,9 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
                                                       const v1::AllocateBlocksRequest* req,
                                                       v1::AllocateBlocksResponse* resp) {
   return rpc_.Unary(ctx, AgentRpc::kAllocate, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
+                          authenticator_->Authenticate(*ctx));
+    KVCM_RETURN_IF_ERROR(AuthorizeAllocate(*caller, *req));
     // With a namespace the blocks can be committed to its pages; without, they stay private.
     std::optional<NamespaceId> ns;
     if (req->has_namespace_()) {
@@ -65,36 +96,46 @@ grpc::ServerUnaryReactor* BlockAgentService::Free(grpc::CallbackServerContext* c
                                                   const v1::FreeBlocksRequest* req,
                                                   v1::FreeBlocksResponse* /*resp*/) {
   return rpc_.Unary(ctx, AgentRpc::kFree, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
+                          authenticator_->Authenticate(*ctx));
     if (req->block_ids_size() > kMaxIdsPerRequest) {
       return absl::InvalidArgumentError(
           absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
     }
-    return pools_.main->Free(
-        std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
-        req->owner_epoch());
+    const std::span<const BlockId> ids(req->block_ids().data(), req->block_ids_size());
+    KVCM_RETURN_IF_ERROR(AuthorizeBlocks(*caller, pools_.main, ids, "free blocks"));
+    return pools_.main->Free(ids, req->owner_epoch());
   });
 }
 
 grpc::ServerReadReactor<v1::WriteBlocksRequest>* BlockAgentService::WriteBlocks(
     grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp) {
-  return new WriteBlocksReactor(&options_, pools_.main, &rpc_, ctx, resp);
+  return new WriteBlocksReactor(&options_, pools_.main, &rpc_, ctx, resp,
+                                authenticator_->Authenticate(*ctx));
 }
 
 grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
-    grpc::CallbackServerContext* /*ctx*/, const v1::ReadBlocksRequest* req) {
-  BlockPool* pool = nullptr;
-  if (req->tier() == v1::TIER_UNSPECIFIED || req->tier() == static_cast<v1::Tier>(options_.tier)) {
-    pool = pools_.main;
-  } else if (req->tier() == v1::TIER_HOST) {
-    pool = pools_.host;
+    grpc::CallbackServerContext* ctx, const v1::ReadBlocksRequest* req) {
+  BlockPool* pool = PoolOf(req->tier());
+  absl::Status access;
+  if (absl::StatusOr<std::shared_ptr<const Principal>> caller = authenticator_->Authenticate(*ctx);
+      !caller.ok()) {
+    access = caller.status();
+  } else {
+    access = AuthorizeBlocks(
+        **caller, pool, std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
+        "read blocks");
   }
-  return new ReadBlocksReactor(&options_, pool, &rpc_, req);
+  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access);
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerContext* ctx,
                                                           const v1::RunAttentionRequest* req,
                                                           v1::RunAttentionResponse* resp) {
   return rpc_.Unary(ctx, AgentRpc::kRunAttention, [&]() -> absl::Status {
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
+                          authenticator_->Authenticate(*ctx));
+    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req));
     PoolAttentionRequest in;
     in.block_table.reserve(req->block_table_size());
     for (const v1::BlockList& row : req->block_table()) {
@@ -118,6 +159,8 @@ grpc::ServerUnaryReactor* BlockAgentService::Stats(grpc::CallbackServerContext* 
                                                    const v1::BlockAgentStatsRequest* /*req*/,
                                                    v1::BlockAgentStatsResponse* resp) {
   return rpc_.Unary(ctx, AgentRpc::kStats, [&]() -> absl::Status {
+    // Any authenticated caller: the answer names no tenant.
+    KVCM_RETURN_IF_ERROR(authenticator_->Authenticate(*ctx).status());
     const BlockPoolStats s = pools_.main->Stats();
     resp->set_agent_id(options_.agent_id);
     resp->set_epoch(epoch_->current());

@@ -2,7 +2,9 @@
 // Free, RunAttention and Stats are each one call of RpcRunner::Unary (common/rpc_runner.h),
 // which times the body, records the RPC metrics, logs failures at a bounded rate and finishes
 // with the body's status; WriteBlocks and ReadBlocks start the reactors of
-// block_stream_reactors.h, which record their outcome through the same runner.
+// block_stream_reactors.h, which record their outcome through the same runner. Every handler
+// first authenticates the caller (Authenticator) and authorizes the call (block_agent_access.h):
+// UNAUTHENTICATED or PERMISSION_DENIED, and nothing changed, otherwise.
 //
 // Thread-safe: gRPC calls the handlers concurrently; the pools, the epoch and the metrics are
 // thread-safe.
@@ -11,6 +13,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/authenticator.h"
 #include "common/rpc_runner.h"
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_options.h"
@@ -23,9 +26,11 @@ namespace kvcm {
 class BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Fetch answers
-  // UNIMPLEMENTED when `fetcher` is null (an agent without a transport).
+  // UNIMPLEMENTED when `fetcher` is null (an agent without a transport). A null
+  // `authenticator` lets every caller do everything (as Authenticator::Open()).
   BlockAgentService(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
-                    AgentMetrics* metrics, Fetcher* fetcher = nullptr);
+                    AgentMetrics* metrics, Fetcher* fetcher = nullptr,
+                    const Authenticator* authenticator = nullptr);
 
   grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx,
                                      const v1::AllocateBlocksRequest* req,
@@ -46,11 +51,16 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
                                   v1::FetchResponse* resp) override;
 
  private:
+  // The pool `tier` names: the main pool for TIER_UNSPECIFIED or its own tier, the host pool
+  // for TIER_HOST; null when the agent has none.
+  BlockPool* PoolOf(v1::Tier tier) const;
+
   const AgentOptions& options_;
   const AgentPools pools_;
   const AgentEpoch* const epoch_;
   RpcRunner<AgentRpc> rpc_;
   Fetcher* const fetcher_;
+  const Authenticator* const authenticator_;
 };
 
 }  // namespace kvcm

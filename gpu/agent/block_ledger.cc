@@ -241,6 +241,12 @@ CommittedBlock BlockLedger::Committed(BlockId id) const {
                         .committed_unix_ms = slot.committed_unix_ms};
 }
 
+const NamespaceId* BlockLedger::NamespaceOf(BlockId id) const {
+  const Slot& slot = slots_[id];
+  if (slot.state == State::kFree || slot.ns == kNoNamespace) return nullptr;
+  return &namespaces_[slot.ns];
+}
+
 uint32_t BlockLedger::Intern(const NamespaceId& ns) {
   auto [it, inserted] = namespace_index_.try_emplace(ns, namespaces_.size());
   if (inserted) namespaces_.push_back(ns);

@@ -118,6 +118,10 @@ class BlockLedger {
   // The committed block `id` (ns null when it is not committed). REQUIRES: id < num_blocks.
   CommittedBlock Committed(BlockId id) const;
 
+  // The namespace block `id` was allocated to (committed blocks included); null for a free
+  // block or one allocated without a namespace. REQUIRES: id < num_blocks.
+  const NamespaceId* NamespaceOf(BlockId id) const;
+
   State state(BlockId id) const { return slots_[id].state; }
   uint32_t num_blocks() const { return static_cast<uint32_t>(slots_.size()); }
   uint32_t free_blocks() const { return static_cast<uint32_t>(free_.size()); }

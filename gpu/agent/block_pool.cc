@@ -72,6 +72,17 @@ absl::Status BlockPool::CheckOwned(std::span<const BlockId> ids, uint64_t owner_
   return ledger_.Check(ids, owner_epoch, /*writable=*/false, field);
 }
 
+absl::Status BlockPool::CheckNamespaces(
+    std::span<const BlockId> ids,
+    absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check) const {
+  absl::MutexLock lock(&mu_);
+  for (const BlockId id : ids) {
+    const NamespaceId* ns = id < ledger_.num_blocks() ? ledger_.NamespaceOf(id) : nullptr;
+    if (absl::Status s = check(id, ns); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
                                     std::span<const std::byte> bytes) {
   absl::MutexLock lock(&mu_);

@@ -88,6 +88,15 @@ class BlockPool {
   absl::Status CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
                           absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Runs `check` on each of `ids` in order, with the namespace it was allocated to (null for a
+  // free block, one allocated without a namespace, or an id past the pool), and returns the
+  // first error; nothing is changed. Holds mu_ throughout: `check` must not call the pool.
+  // The answer may be stale as soon as it returns, as CheckOwned's.
+  absl::Status CheckNamespaces(
+      std::span<const BlockId> ids,
+      absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Overwrites whole blocks: byte i of `bytes` goes to byte i % bytes_per_block of block
   // ids[i / bytes_per_block]. All or nothing: errors as CheckOwned (field "block_ids"),
   // FAILED_PRECONDITION for a committed block (immutable), and

@@ -6,13 +6,20 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "gpu/agent/block_agent_access.h"
 
 namespace kvcm {
 
 WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                        RpcRunner<AgentRpc>* rpc, grpc::CallbackServerContext* ctx,
-                                       v1::WriteBlocksResponse* resp)
-    : stage_(options, pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
+                                       v1::WriteBlocksResponse* resp,
+                                       absl::StatusOr<std::shared_ptr<const Principal>> caller)
+    : stage_(options, pool), pool_(pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
+  if (!caller.ok()) {
+    End(caller.status());
+    return;
+  }
+  caller_ = *std::move(caller);
   StartRead(&msg_);
 }
 
@@ -27,6 +34,18 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
     // tells the two apart, as it fails on a failed call; only a live call is applied.
     StartSendInitialMetadata();
     return;
+  }
+  if (!authorized_ && msg_.has_header()) {
+    // Before the header is checked: a refused call learns nothing of the blocks.
+    const v1::WriteBlocksHeader& h = msg_.header();
+    if (absl::Status s = AuthorizeBlocks(
+            *caller_, pool_, std::span<const BlockId>(h.block_ids().data(), h.block_ids_size()),
+            "write blocks");
+        !s.ok()) {
+      End(s);
+      return;
+    }
+    authorized_ = true;
   }
   if (absl::Status s = stage_.Take(msg_); !s.ok()) {
     End(s);
@@ -119,12 +138,17 @@ absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids
 }
 
 ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
-                                     RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req)
+                                     RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req,
+                                     const absl::Status& access)
     : pool_(pool),
       rpc_(rpc),
       chunk_bytes_(options->read_chunk_bytes),
       ids_(req->block_ids().begin(), req->block_ids().end()),
       owner_epoch_(req->owner_epoch()) {
+  if (!access.ok()) {
+    End(access);
+    return;
+  }
   absl::Status s = CheckReadBlocks(*options, pool_, *req);
   if (!s.ok()) {
     End(s);

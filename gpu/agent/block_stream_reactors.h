@@ -13,12 +13,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/rpc_runner.h"
+#include "common/token_table.h"
 #include "common/types.h"
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_options.h"
@@ -67,9 +70,12 @@ absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids
 
 class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
  public:
-  // Writes into `pool`. `options`, `pool` and `rpc` are not owned and must outlive the call.
+  // Writes into `pool` for `caller` (or ends with its error, reading nothing), once the
+  // header's blocks pass AuthorizeBlocks. `options`, `pool` and `rpc` are not owned and must
+  // outlive the call.
   WriteBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
-                     grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp);
+                     grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp,
+                     absl::StatusOr<std::shared_ptr<const Principal>> caller);
 
   void OnReadDone(bool ok) override;
   void OnSendInitialMetadataDone(bool ok) override;
@@ -80,6 +86,9 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
   void End(const absl::Status& status);
 
   WriteBlocksStage stage_;
+  BlockPool* const pool_;
+  std::shared_ptr<const Principal> caller_;
+  bool authorized_ = false;
   RpcRunner<AgentRpc>* const rpc_;
   grpc::CallbackServerContext* const ctx_;
   v1::WriteBlocksResponse* const resp_;
@@ -89,10 +98,12 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
 class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
  public:
   // Reads from `pool`, the pool req->tier names, or null when the agent has no such pool (the
-  // call then fails with INVALID_ARGUMENT). `options`, `pool` and `rpc` are not owned and must
-  // outlive the call.
+  // call then fails with INVALID_ARGUMENT). A failed `access` (the caller's authentication
+  // or authorization) ends the call with it before anything is read. `options`, `pool` and
+  // `rpc` are not owned and must outlive the call.
   ReadBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
-                    const v1::ReadBlocksRequest* req);
+                    const v1::ReadBlocksRequest* req,
+                    const absl::Status& access = absl::OkStatus());
 
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }

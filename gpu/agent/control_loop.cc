@@ -35,7 +35,8 @@ std::chrono::system_clock::time_point InventoryDeadline(size_t chunks) {
 ControlLoop::ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
                          v1::AgentControl::Stub* control, std::string block_agent_address,
                          std::string data_address, const NamespaceSpecs* specs,
-                         const AgentMetrics* metrics, std::function<void()> on_new_epoch)
+                         const AgentMetrics* metrics, std::function<void()> on_new_epoch,
+                         std::function<void()> on_round)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
@@ -44,7 +45,8 @@ ControlLoop::ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpo
       data_address_(std::move(data_address)),
       metrics_(metrics),
       specs_(specs),
-      on_new_epoch_(std::move(on_new_epoch)) {}
+      on_new_epoch_(std::move(on_new_epoch)),
+      on_round_(std::move(on_round)) {}
 
 ControlLoop::~ControlLoop() { Stop(); }
 
@@ -183,6 +185,7 @@ void ControlLoop::Run() {
   bool registered = false;
   bool logged_failure = false;
   do {
+    if (on_round_) on_round_();
     const absl::Status s = registered ? Heartbeat() : Join();
     if (stop_.HasBeenNotified()) return;
     if (s.ok()) {

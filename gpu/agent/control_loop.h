@@ -47,12 +47,13 @@ class ControlLoop {
  public:
   // `block_agent_address` is what Register tells the manager to call. `specs` are the specs
   // of the committed namespaces, for the inventory. `on_new_epoch` runs on the loop's thread
-  // after each epoch renewal. Heartbeats report `metrics`' pull bandwidth. The pointers are
-  // not owned and must outlive the loop.
+  // after each epoch renewal; `on_round` (when set) at the start of every round, once per
+  // heartbeat_interval_ms (the agent re-reads its tokens file there). Heartbeats report
+  // `metrics`' pull bandwidth. The pointers are not owned and must outlive the loop.
   ControlLoop(const AgentOptions* options, AgentPools pools, AgentEpoch* epoch,
               v1::AgentControl::Stub* control, std::string block_agent_address,
               std::string data_address, const NamespaceSpecs* specs, const AgentMetrics* metrics,
-              std::function<void()> on_new_epoch);
+              std::function<void()> on_new_epoch, std::function<void()> on_round = nullptr);
   // Stops the thread.
   ~ControlLoop();
   ControlLoop(const ControlLoop&) = delete;
@@ -88,6 +89,7 @@ class ControlLoop {
   const AgentMetrics* const metrics_;
   const NamespaceSpecs* const specs_;
   const std::function<void()> on_new_epoch_;
+  const std::function<void()> on_round_;
   absl::Notification stop_;
   std::thread thread_;
   absl::Mutex mu_;

@@ -93,6 +93,9 @@ ABSL_FLAG(bool, insecure, kDefaults.insecure,
 ABSL_FLAG(std::string, token_file, kDefaults.token_file,
           "File holding this agent's bearer token for the manager; default: $KVCM_AGENT_TOKEN "
           "(no token flag: a command line is visible in ps).");
+ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
+          "Tokens file (SHA-256 hashes and grants) of the callers BlockAgent accepts; re-read "
+          "when it changes. Empty: every caller may do everything (dev mode only).");
 
 namespace {
 
@@ -147,6 +150,7 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.tls_reload_interval_s = absl::GetFlag(FLAGS_tls_reload_interval_s);
   o.insecure = absl::GetFlag(FLAGS_insecure);
   o.token_file = absl::GetFlag(FLAGS_token_file);
+  o.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   if (const char* token = std::getenv("KVCM_AGENT_TOKEN");
       o.token_file.empty() && token != nullptr) {
     o.token = token;

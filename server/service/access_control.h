@@ -1,6 +1,6 @@
-// Access control of kvcm-manager: who is calling (Authenticator) and what that caller may do
-// (the Authorize overloads, one per request type: the whole policy of docs/SECURITY.md in
-// one file).
+// Access control of kvcm-manager: who is calling (Authenticator, common/authenticator.h) and
+// what that caller may do (the Authorize overloads, one per request type: the whole policy of
+// docs/SECURITY.md in one file).
 //
 // Every handler of CacheManager and AgentControl, the streaming ones included, starts with
 // AccessControl::Check (unary) or Authenticate + Authorize (streams, whose agent id arrives
@@ -18,48 +18,17 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <ctime>
 #include <memory>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "common/authenticator.h"
 #include "common/token_table.h"
 #include "kvcm/v1/agent.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
 
 namespace kvcm {
-
-class Authenticator {
- public:
-  // Every caller is OpenPrincipal().
-  static std::unique_ptr<Authenticator> Open();
-  // Callers are the principals of the tokens file at `path`; its errors are returned.
-  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(std::string path);
-
-  // The caller of `ctx`, from its `authorization: Bearer <token>` metadata.
-  absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
-      const grpc::ServerContextBase& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
-
-  // Re-reads the tokens file when its modification time or size changed. A file that no
-  // longer parses keeps the previous table (the error is returned, for the log): a typo must
-  // not lock every caller out. Returns OK when nothing changed; no-op when open.
-  absl::Status ReloadIfChanged() ABSL_LOCKS_EXCLUDED(mu_);
-
-  bool open() const { return path_.empty(); }
-  const std::string& path() const { return path_; }
-
- private:
-  explicit Authenticator(std::string path) : path_(std::move(path)) {}
-
-  const std::string path_;
-  mutable absl::Mutex mu_;
-  std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
-  timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
-  off_t size_ ABSL_GUARDED_BY(mu_) = -1;
-};
 
 // The policy. Each returns OK or PERMISSION_DENIED naming the principal, and is called
 // before the request is validated (a malformed namespace in a request is then refused as a

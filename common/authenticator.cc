@@ -1,0 +1,89 @@
+#include "common/authenticator.h"
+
+#include <sys/stat.h>
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm {
+namespace {
+
+constexpr absl::string_view kAuthorization = "authorization";
+
+bool SameFile(const struct stat& st, const timespec& mtime, off_t size) {
+  return st.st_mtim.tv_sec == mtime.tv_sec && st.st_mtim.tv_nsec == mtime.tv_nsec &&
+         st.st_size == size;
+}
+
+}  // namespace
+
+std::unique_ptr<Authenticator> Authenticator::Open() {
+  return std::unique_ptr<Authenticator>(new Authenticator(""));
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string path) {
+  if (path.empty()) return absl::InvalidArgumentError("tokens_file is empty");
+  std::unique_ptr<Authenticator> a(new Authenticator(std::move(path)));
+  struct stat st {};
+  if (stat(a->path_.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot read tokens_file ", a->path_));
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(a->path_);
+  if (!table.ok()) return table.status();
+  absl::MutexLock lock(&a->mu_);
+  a->table_ = std::make_shared<const TokenTable>(*std::move(table));
+  a->mtime_ = st.st_mtim;
+  a->size_ = st.st_size;
+  return a;
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::Authenticate(
+    const grpc::ServerContextBase& ctx) const {
+  if (open()) return OpenPrincipal();
+  const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
+  auto it = md.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
+  if (it == md.end()) {
+    return absl::UnauthenticatedError(
+        "no bearer token: send metadata \"authorization: Bearer <token>\" (kvcmctl --token_file "
+        "or KVCM_TOKEN)");
+  }
+  absl::StatusOr<absl::string_view> token =
+      BearerToken(absl::string_view(it->second.data(), it->second.size()));
+  if (!token.ok()) return token.status();
+  std::shared_ptr<const TokenTable> table;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    table = table_;
+  }
+  std::shared_ptr<const Principal> p = table->Find(*token);
+  if (p == nullptr) return absl::UnauthenticatedError("unknown bearer token");
+  return p;
+}
+
+absl::Status Authenticator::ReloadIfChanged() {
+  if (open()) return absl::OkStatus();
+  struct stat st {};
+  if (stat(path_.c_str(), &st) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot stat tokens_file ", path_, "; keeping the tokens loaded before"));
+  }
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (SameFile(st, mtime_, size_)) return absl::OkStatus();
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(path_);
+  absl::MutexLock lock(&mu_);
+  // Remember this version either way, so a bad file is reported once, not every sweep.
+  mtime_ = st.st_mtim;
+  size_ = st.st_size;
+  if (!table.ok()) {
+    return absl::Status(table.status().code(), absl::StrCat(table.status().message(),
+                                                            "; keeping the tokens loaded before"));
+  }
+  table_ = std::make_shared<const TokenTable>(*std::move(table));
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm

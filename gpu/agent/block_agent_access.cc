@@ -1,0 +1,71 @@
+#include "gpu/agent/block_agent_access.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvcm {
+namespace {
+
+absl::Status Denied(const Principal& p, absl::string_view what) {
+  return absl::PermissionDeniedError(
+      absl::StrCat("principal ", p.name, " (roles ", RoleNames(p.roles), ") may not ", what));
+}
+
+// Agents (peers) and admins may do everything.
+bool MayDoAll(const Principal& p) { return p.Has(Role::kAgent) || p.Has(Role::kAdmin); }
+
+}  // namespace
+
+absl::Status AuthorizeAllocate(const Principal& p, const v1::AllocateBlocksRequest& req) {
+  if (MayDoAll(p)) return absl::OkStatus();
+  if (!req.has_namespace_()) {
+    return Denied(p, "allocate blocks without a namespace (roles agent or admin)");
+  }
+  if (p.IsWorkerOf(req.namespace_().tenant())) return absl::OkStatus();
+  return Denied(p, absl::StrCat("allocate blocks in tenant \"", req.namespace_().tenant(),
+                                "\"'s namespaces"));
+}
+
+absl::Status AuthorizeBlocks(const Principal& p, const BlockPool* pool,
+                             std::span<const BlockId> ids, absl::string_view what) {
+  if (MayDoAll(p)) return absl::OkStatus();
+  if (!p.Has(Role::kWorker))
+    return Denied(p, absl::StrCat(what, " (roles worker, agent or admin)"));
+  if (pool == nullptr) return absl::OkStatus();
+  return pool->CheckNamespaces(ids, [&](BlockId id, const NamespaceId* ns) -> absl::Status {
+    if (ns != nullptr && p.IsWorkerOf(ns->tenant)) return absl::OkStatus();
+    if (ns == nullptr) {
+      return Denied(
+          p, absl::StrCat(what, ": block ", id, " is not allocated to a namespace of its tenant"));
+    }
+    return Denied(p, absl::StrCat(what, ": block ", id, " belongs to tenant \"", ns->tenant, "\""));
+  });
+}
+
+absl::Status AuthorizeFetch(const Principal& p, const BlockPool* pool,
+                            const v1::FetchRequest& req) {
+  if (MayDoAll(p)) return absl::OkStatus();
+  if (!p.IsWorkerOf(req.namespace_().tenant())) {
+    return Denied(
+        p, absl::StrCat("fetch into tenant \"", req.namespace_().tenant(), "\"'s namespaces"));
+  }
+  return AuthorizeBlocks(
+      p, pool, std::span<const BlockId>(req.local_block_ids().data(), req.local_block_ids_size()),
+      "fetch");
+}
+
+absl::Status AuthorizeRunAttention(const Principal& p, const BlockPool& pool,
+                                   const v1::RunAttentionRequest& req) {
+  if (MayDoAll(p)) return absl::OkStatus();
+  if (!p.Has(Role::kWorker)) return Denied(p, "run attention (roles worker, agent or admin)");
+  for (const v1::BlockList& row : req.block_table()) {
+    if (absl::Status s = AuthorizeBlocks(
+            p, &pool, std::span<const BlockId>(row.block_ids().data(), row.block_ids_size()),
+            "run attention");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm
