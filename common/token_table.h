@@ -2,15 +2,19 @@
 //
 // A kvcm tokens file maps the SHA-256 of each token to one principal, one per line:
 //
-//   # sha256(token), 64 hex digits                                     name        grants
-//   9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  acme-vllm   roles=worker
-//   tenant=acme 60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752  edge-router
-//   roles=router tenants=acme,globex
-//   fd61a03af4f77d870fc21e05e7e80678095c92d808cfb3b5c279ee04c74aca13  gpu-0       roles=agent
-//   agent=gpu-0 a4e624d686e03ed2767c0abd85c14426b0b1157d2ce81d27bb4fe4f6f01d3cd9  ops roles=admin
+//   # sha256(token), 64 hex digits, then the principal's name and its grants
+//   9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 acme-vllm
+//       roles=worker tenant=acme
+//   60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752 edge
+//       roles=router tenants=acme,globex
+//   fd61a03af4f77d870fc21e05e7e80678095c92d808cfb3b5c279ee04c74aca13 gpu-0
+//       roles=agent agent=gpu-0
+//   a4e624d686e03ed2767c0abd85c14426b0b1157d2ce81d27bb4fe4f6f01d3cd9 ops roles=admin
+//
+// (one line each in the file; wrapped here).
 //
 // The file never holds a token, only its hash, so reading it (or a leaked copy) does not let
-// anyone call. A token is any string of 16..1024 printable ASCII characters without spaces;
+// anyone call. A token is 16..4096 visible ASCII characters (no space);
 // `openssl rand -hex 32` makes a good one and `printf %s "$TOKEN" | sha256sum` its hash.
 //
 // Roles (docs/SECURITY.md says what each may do):
