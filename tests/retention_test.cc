@@ -246,7 +246,9 @@ TEST_F(RetentionTest, APageTooOldWhenRebuiltIsDroppedAndItsBlocksFreed) {
       << "the too old pages' blocks were not freed: " << FreeBlocks() << " free";
   EXPECT_EQ(Matched(3, 1), 0u);
   for (const NamespaceStats& n : manager_->index().Stats().namespaces) {
-    if (n.ns == ns_) EXPECT_EQ(n.page_locations, 2u);
+    if (n.ns == ns_) {
+      EXPECT_EQ(n.page_locations, 2u);
+    }
   }
   clock_.Advance(absl::Minutes(40));  // the second prompt is 60 minutes old
   EXPECT_TRUE(WaitFor([&] { return FreeBlocks() == kBlocks; }));

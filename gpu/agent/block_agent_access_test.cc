@@ -151,7 +151,7 @@ grpc::Status Fetch(v1::BlockAgent::Stub& stub, const NamespaceId& ns,
 TEST_F(BlockAgentAccessTest, NoOrUnknownTokenIsUnauthenticatedAndChangesNothing) {
   const std::vector<BlockId> ids = AcmeBlocks(2);
   const uint32_t free_before = pool_->Stats().free_blocks;
-  for (const std::string token : {std::string(), std::string(kUnknown)}) {
+  for (const std::string& token : {std::string(), std::string(kUnknown)}) {
     SCOPED_TRACE(token.empty() ? "no token" : "unknown token");
     auto stub = As(token);
     std::vector<BlockId> got;
