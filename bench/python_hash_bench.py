@@ -68,7 +68,9 @@ def main(argv: List[str]) -> int:
         if native.hash_pages(key, tokens, args.page_size) != expected:
             print(f"extension and pure Python disagree on {name}", file=sys.stderr)
             return 1
-        ext_ms[name] = median_ms(lambda: native.hash_pages(key, tokens, args.page_size), args.repeat)
+        ext_ms[name] = median_ms(
+            lambda t=tokens: native.hash_pages(key, t, args.page_size), args.repeat
+        )
         print(f"  extension, {name:14s} {ext_ms[name]:9.3f} ms")
     print(f"  pure Python, array('i')    {pure_ms:9.1f} ms")
     ratio = pure_ms / ext_ms["array('i')"]

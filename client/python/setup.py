@@ -9,10 +9,10 @@ The generated stubs are build outputs: never committed, never edited.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from functools import lru_cache
@@ -134,7 +134,13 @@ def _extensions() -> list[Extension]:
     ]
 
 
+# Build in a scratch directory, not client/python/build: two builds at once (ctest runs the
+# tests' install next to the README demo's) never share one, and none ships stale files.
+_BUILD_BASE = tempfile.mkdtemp(prefix="kvcm-build-")
+atexit.register(shutil.rmtree, _BUILD_BASE, ignore_errors=True)
+
 setup(
+    options={"build": {"build_base": _BUILD_BASE}},
     install_requires=list(_runtime_requirements()),
     ext_modules=_extensions(),
     cmdclass={"build_py": BuildPyWithStubs},

@@ -162,7 +162,9 @@ def test_extension_agrees_with_pure_on_random_prompts() -> None:
         prev = rng.randbytes(16) if rng.random() < 0.5 else hashing.ZERO_HASH
         page = rng.randint(1, 70)
         tokens = [rng.randint(-(2**31), 2**31 - 1) for _ in range(rng.randint(0, 300))]
-        assert native.hash_pages(key, tokens, page, prev) == pure.hash_pages(key, tokens, page, prev)
+        assert native.hash_pages(key, tokens, page, prev) == pure.hash_pages(
+            key, tokens, page, prev
+        )
         assert native.hash_page(key, prev, tokens) == pure.hash_page(key, prev, tokens)
 
 

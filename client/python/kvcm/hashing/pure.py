@@ -109,8 +109,7 @@ def token_bytes(tokens: Any) -> bytes:
             raw = view.tobytes()
             if len(raw) % 4 != 0:
                 raise ValueError(
-                    "tokens: a bytes buffer holds int32 tokens, 4 bytes each; "
-                    f"got {len(raw)} bytes"
+                    f"tokens: a bytes buffer holds int32 tokens, 4 bytes each; got {len(raw)} bytes"
                 )
             return raw if sys.byteorder == "little" else _swap32(raw)
         if fmt not in _INTEGER_FORMATS:
