@@ -230,3 +230,16 @@ def test_front_end_functions_and_wire_form() -> None:
         hashing.encode_page_hashes([bytes(16), bytes(3)])
     assert hashing.ZERO_HASH == bytes(16)
     assert Path(hashing.__file__).parent.name == "hashing"
+
+
+def test_bench_smoke() -> None:
+    """bench/python_hash_bench.py runs and finds both backends agreeing."""
+    _native()
+    out = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "python_hash_bench.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pure / extension (array('i')):" in out.stdout
