@@ -318,6 +318,22 @@ def test_evict_reserve_and_delete(client: kvcm.Client) -> None:
     assert client.stats().namespace(NS) is None
 
 
+def test_insert_takes_the_tenants_reservation(client: kvcm.Client) -> None:
+    register(client)
+    page_bytes = 70272 * PAGE
+    client.insert(NS, prompt(64, seed=5), GPU0, [9])  # creates the index-only pool
+    assert client.reserve(GPU0, 3 * page_bytes, tenant="acme") == 0
+    stats = client.stats()
+    assert stats.pool(GPU0).reserved_bytes == 3 * page_bytes
+    assert next(t for t in stats.tenants if t.tenant == "acme").reserved_bytes == 3 * page_bytes
+    client.insert(NS, prompt(128), GPU0, range(2), use_reservation=True)
+    assert client.stats().pool(GPU0).reserved_bytes == page_bytes
+    client.insert(NS, prompt(128, seed=6), GPU0, range(2, 4))  # not from the reservation
+    assert client.stats().pool(GPU0).reserved_bytes == page_bytes
+    client.unreserve(GPU0, page_bytes, tenant="acme")
+    assert client.stats().pool(GPU0).reserved_bytes == 0
+
+
 def test_stats_limits_and_tenants(client: kvcm.Client) -> None:
     register(client)
     stats = client.stats()
