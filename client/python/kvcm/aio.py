@@ -250,7 +250,9 @@ class Client(ClientCore):
         try:
             return await send(key)
         except KvcmError as e:
-            if key is None or not is_stale_key(e):
+            # Hashes the caller computed cannot be redone with a fresh key: their refusal
+            # is the answer (as the C++ MatchHashes / InsertHashes).
+            if key is None or prompt.page_hashes is not None or not is_stale_key(e):
                 raise
             try:
                 await self._register_until(ns, key.spec, key.max_page_age_s, deadline)

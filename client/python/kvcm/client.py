@@ -246,12 +246,15 @@ class Client(ClientCore):
     def _send_prompt(
         self, ns: Namespace, prompt: Prompt, deadline: float, send: Callable[[Any], T]
     ) -> T:
-        """send(key) with the namespace's cached key; re-registers once if it is stale."""
+        """send(key) with the namespace's cached key; when tokens were hashed with a stale
+        key, re-registers once and sends again."""
         key = self._prompt_key(ns, prompt)
         try:
             return send(key)
         except KvcmError as e:
-            if key is None or not is_stale_key(e):
+            # Hashes the caller computed cannot be redone with a fresh key: their refusal
+            # is the answer (as the C++ MatchHashes / InsertHashes).
+            if key is None or prompt.page_hashes is not None or not is_stale_key(e):
                 raise
             try:
                 self._register_until(ns, key.spec, key.max_page_age_s, deadline)

@@ -439,6 +439,25 @@ def test_stale_key_after_a_secret_change_is_refreshed(manager_factory) -> None:
             assert a._keys[NS].key == expected_key
 
 
+def test_stale_caller_hashes_are_refused_not_resent(manager_factory) -> None:
+    manager = manager_factory().start()
+    tokens = prompt(256)
+    with kvcm.Client(manager.address, insecure=True) as a:
+        register(a)
+        stale = a.hash_prompt(NS, tokens)
+        manager.restart(secret_hex="ffeeddccbbaa99887766554433221100")
+        with kvcm.Client(manager.address, insecure=True) as b:
+            register(b)
+            b.insert(NS, tokens, GPU0, range(4))
+            calls = a.counters.calls
+            with pytest.raises(kvcm.FailedPrecondition, match="prompt.scheme.key_fingerprint"):
+                a.match(NS, page_hashes=stale)
+            assert a.counters.calls == calls + 1  # no re-registration, nothing resent
+            # Hashes from tokens are redone with a fresh key.
+            assert a.match(NS, tokens).matched_pages == 4
+            assert a.match(NS, page_hashes=a.hash_prompt(NS, tokens)).matched_pages == 4
+
+
 def test_options_are_validated_naming_the_field(tmp_path) -> None:
     cases = {
         "ca_file: is required": dict(),
