@@ -1,0 +1,266 @@
+"""kvcm-router configuration: a TOML file and/or flags (a flag wins over the file).
+
+    listen = "0.0.0.0:8000"
+    policy = "kv-aware"              # kv-aware | round-robin | consistent-hash | least-loaded
+    tokenizer = "meta-llama/Meta-Llama-3-8B-Instruct"   # or a path; "words"/"bytes": tests
+    lora_adapters = ["sql-lora"]     # a request whose model is one of these uses that LoRA
+    engines = ["vllm-0=http://10.0.0.5:8000", "vllm-1=http://10.0.0.6:8000"]
+
+    manager = "kvcm.internal:50051"  # kv-aware only
+    ca_file = "/etc/kvcm/ca.pem"     # or insecure = true
+    token_file = "/etc/kvcm/router.token"
+    register_token_file = ""         # a token that may RegisterModel, for the hash key
+
+    [namespace]                      # the bridge's: same tenant, model, spec, page size
+    tenant = "acme"
+    model = "llama-3-8b"
+    preset = "llama-3-8b"
+    dtype = "bf16"
+    page_size = 16                   # kvcm page, a multiple of block_size
+    block_size = 16                  # the engines' block size
+
+Engine ids are the ids kvcm-vllm-bridge publishes the engines under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+from kvcm.router.policy import POLICIES
+from kvcm.types import CATALOG, KvDtype, ModelSpec, Namespace
+
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_DTYPES = {"bf16": KvDtype.BF16, "fp16": KvDtype.FP16, "fp8": KvDtype.FP8,
+           "int8": KvDtype.INT8}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    id: str
+    url: str  # base URL, e.g. http://10.0.0.5:8000 (the router appends /v1/...)
+
+
+def parse_engine(text: str, where: str = "engines") -> EngineSpec:
+    """'id=url' as an EngineSpec; ConfigError naming `where` otherwise."""
+    engine_id, sep, url = text.partition("=")
+    engine_id, url = engine_id.strip(), url.strip().rstrip("/")
+    if not sep or not _ENGINE_ID.match(engine_id):
+        raise ConfigError(f"{where}: {text!r} must be ID=URL with ID 1..128 of [A-Za-z0-9._:-]")
+    if not re.match(r"^https?://[^/]+", url):
+        raise ConfigError(f"{where}: engine {engine_id!r}: url {url!r} must be http(s)://HOST:PORT")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    return EngineSpec(engine_id, url)
+
+
+@dataclass
+class NamespaceConfig:
+    tenant: str = ""
+    model: str = ""
+    preset: str = ""  # a catalogue model (kvcm.CATALOG)
+    dtype: str = "bf16"
+    page_size: int = 0  # tokens per kvcm page; 0: block_size
+    block_size: int = 16  # the engines' KV block size, tokens
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.tenant, self.model)
+
+    @property
+    def page_tokens(self) -> int:
+        return self.page_size or self.block_size
+
+    def model_spec(self) -> ModelSpec:
+        base = CATALOG.get(self.preset.lower())
+        if base is None:
+            raise ConfigError(f"namespace.preset: {self.preset!r} is not a catalogue model; "
+                              f"known: {', '.join(CATALOG)}")
+        return base.with_(dtype=_DTYPES[self.dtype], page_size_tokens=self.page_tokens)
+
+
+@dataclass
+class RouterConfig:
+    listen: str = "127.0.0.1:8000"
+    policy: str = "kv-aware"
+    tokenizer: str = ""
+    engines: List[EngineSpec] = field(default_factory=list)
+    lora_adapters: List[str] = field(default_factory=list)
+    namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
+    # Manager connection (kv-aware).
+    manager: str = ""
+    insecure: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    token_file: str = ""  # the router's token; else $KVCM_TOKEN
+    register_token_file: str = ""  # a token that may RegisterModel; "": token_file's
+    # Route: the prefill throughput the queue charge uses, tokens/s per engine.
+    prefill_tokens_per_s: float = 10_000.0
+    route_deadline_ms: int = 200
+    # Bounded imbalance (kv-aware, consistent-hash): in_flight <= factor*least + margin;
+    # factor < 0 disables it.
+    imbalance_factor: float = 2.0
+    imbalance_margin: int = 4
+    hash_prefix_pages: int = 1  # consistent-hash: pages of the prompt hashed onto the ring
+    # Engines that fail are avoided for engine_down_s, doubling per failure up to 30 s.
+    engine_down_s: float = 2.0
+    upstream_timeout_s: float = 600.0
+    log_level: str = "info"
+
+    @property
+    def listen_host_port(self) -> Tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not self.engines:
+            raise ConfigError("engines: at least one ID=URL is required")
+        ids = [e.id for e in self.engines]
+        dup = {i for i in ids if ids.count(i) > 1}
+        if dup:
+            raise ConfigError(f"engines: id {sorted(dup)[0]!r} is listed twice")
+        if not self.tokenizer:
+            raise ConfigError("tokenizer: required: the engines' Hugging Face tokenizer (name "
+                              "or path), or 'words' / 'bytes' (test tokenizers)")
+        try:
+            _, port = self.listen_host_port
+        except ValueError:
+            raise ConfigError(f"listen: {self.listen!r} must be HOST:PORT") from None
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"listen: port {port} out of range")
+        ns = self.namespace
+        if ns.block_size <= 0:
+            raise ConfigError("namespace.block_size: must be > 0")
+        if ns.page_size < 0 or ns.page_tokens % ns.block_size != 0:
+            raise ConfigError(f"namespace.page_size: {ns.page_size} must be a multiple of "
+                              f"namespace.block_size {ns.block_size}")
+        if ns.dtype not in _DTYPES:
+            raise ConfigError(f"namespace.dtype: {ns.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.policy == "kv-aware":
+            if not self.manager:
+                raise ConfigError("manager: required by policy kv-aware (HOST:PORT)")
+            if not ns.tenant or not ns.model:
+                raise ConfigError("namespace.tenant and namespace.model: required by kv-aware "
+                                  "(the bridge's namespace)")
+            ns.model_spec()
+            if not self.insecure and not self.ca_file:
+                raise ConfigError("ca_file: required to verify the manager (or insecure = true)")
+        if self.prefill_tokens_per_s <= 0:
+            raise ConfigError("prefill_tokens_per_s: must be > 0")
+        if self.route_deadline_ms <= 0:
+            raise ConfigError("route_deadline_ms: must be > 0")
+        if self.imbalance_margin < 0:
+            raise ConfigError("imbalance_margin: must be >= 0")
+        if self.hash_prefix_pages <= 0:
+            raise ConfigError("hash_prefix_pages: must be > 0")
+        if self.engine_down_s <= 0 or self.upstream_timeout_s <= 0:
+            raise ConfigError("engine_down_s and upstream_timeout_s: must be > 0")
+
+
+def _from_toml(data: Dict[str, Any]) -> RouterConfig:
+    cfg = RouterConfig()
+    known = {f.name for f in fields(RouterConfig)}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{key}: unknown setting")
+        if key == "engines":
+            if not isinstance(value, list):
+                raise ConfigError("engines: must be a list of \"ID=URL\" strings")
+            cfg.engines = [parse_engine(str(v), f"engines[{i}]") for i, v in enumerate(value)]
+        elif key == "namespace":
+            if not isinstance(value, dict):
+                raise ConfigError("namespace: must be a table")
+            ns_known = {f.name for f in fields(NamespaceConfig)}
+            for k in value:
+                if k not in ns_known:
+                    raise ConfigError(f"namespace.{k}: unknown setting")
+            cfg.namespace = NamespaceConfig(**value)
+        else:
+            setattr(cfg, key, value)
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcm-router",
+        description="KV-aware OpenAI-compatible router in front of inference engines "
+                    "(docs/ROUTER.md).")
+    p.add_argument("--config", help="TOML file; flags override its settings")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8000)")
+    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer name or path; 'words' or "
+                                       "'bytes' for tests")
+    p.add_argument("--engine", action="append", metavar="ID=URL",
+                   help="an engine (repeatable); replaces the file's engines")
+    p.add_argument("--lora-adapter", action="append", metavar="NAME",
+                   help="a LoRA adapter name served by the engines (repeatable)")
+    p.add_argument("--manager", help="kvcm-manager HOST:PORT")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="plaintext to the manager (dev only)")
+    for name in ("ca-file", "cert-file", "key-file", "token-file", "register-token-file"):
+        p.add_argument(f"--{name}")
+    p.add_argument("--tenant")
+    p.add_argument("--model", help="namespace model (the bridge's)")
+    p.add_argument("--preset", help="catalogue model spec of the namespace")
+    p.add_argument("--dtype")
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--prefill-tokens-per-s", type=float)
+    p.add_argument("--route-deadline-ms", type=int)
+    p.add_argument("--imbalance-factor", type=float)
+    p.add_argument("--imbalance-margin", type=int)
+    p.add_argument("--hash-prefix-pages", type=int)
+    p.add_argument("--engine-down-s", type=float)
+    p.add_argument("--upstream-timeout-s", type=float)
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return p
+
+
+def load_config(argv: Optional[List[str]] = None) -> RouterConfig:
+    """The configuration from argv (and the TOML file it names), validated."""
+    args = build_parser().parse_args(argv)
+    cfg = RouterConfig()
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                cfg = _from_toml(tomllib.load(f))
+        except OSError as e:
+            raise ConfigError(f"config {args.config!r}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config {args.config!r}: {e}") from None
+        except TypeError as e:
+            raise ConfigError(f"config {args.config!r}: {e}") from None
+    for name in ("listen", "policy", "tokenizer", "manager", "insecure", "ca_file",
+                 "cert_file", "key_file", "token_file", "register_token_file",
+                 "prefill_tokens_per_s", "route_deadline_ms", "imbalance_factor",
+                 "imbalance_margin", "hash_prefix_pages", "engine_down_s",
+                 "upstream_timeout_s", "log_level"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.engine:
+        cfg.engines = [parse_engine(e, "--engine") for e in args.engine]
+    if args.lora_adapter:
+        cfg.lora_adapters = list(args.lora_adapter)
+    for flag, attr in (("tenant", "tenant"), ("model", "model"), ("preset", "preset"),
+                       ("dtype", "dtype"), ("page_size", "page_size"),
+                       ("block_size", "block_size")):
+        value = getattr(args, flag)
+        if value is not None:
+            setattr(cfg.namespace, attr, value)
+    cfg.validate()
+    return cfg
+
+
+__all__ = ["ConfigError", "EngineSpec", "NamespaceConfig", "RouterConfig", "load_config",
+           "parse_engine"]

@@ -1,0 +1,307 @@
+"""kvcm-router: an OpenAI-compatible HTTP front that sends each request to one engine.
+
+POST /v1/completions and /v1/chat/completions are passed through unchanged (streamed SSE
+too) to the engine the policy picks; GET /v1/models merges the engines' lists; /metrics is
+Prometheus text; /health says which engines are avoided. Answers carry `x-kvcm-engine`
+(the engine id). An engine that does not answer (refused, reset, timed out) gives 502 / 504
+naming it and is avoided for a while; an engine's own HTTP errors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from typing import Any, Dict, List, Optional
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvcm import aio as kvcm_aio
+from kvcm.router.config import ConfigError, RouterConfig, load_config
+from kvcm.router.core import Router, make_policy
+from kvcm.router.load import LoadTracker, Ticket
+from kvcm.router.manager_index import ManagerIndex
+from kvcm.router.metrics import RouterMetrics
+from kvcm.router.policy import ImbalanceGuard, RoutingRequest
+from kvcm.router.tokenizer import Tokenizer, TokenizerError, load_tokenizer, prompt_tokens
+
+log = logging.getLogger("kvcm.router")
+
+ENGINE_HEADER = "x-kvcm-engine"
+# Request headers never forwarded (hop-by-hop, or recomputed by the client library).
+_DROP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                 "te", "trailer", "upgrade", "proxy-authorization", "proxy-authenticate",
+                 "accept-encoding"}
+
+
+def error_response(status: int, message: str, kind: str,
+                   engine: Optional[str] = None) -> web.Response:
+    """An OpenAI-style error body."""
+    headers = {ENGINE_HEADER: engine} if engine else None
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def cached_tokens_of(usage: Any) -> Optional[int]:
+    """usage.prompt_tokens_details.cached_tokens, when the engine reported it."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    return None
+
+
+class _SseUsage:
+    """Finds the usage in an SSE stream passing through (vLLM sends it in a last chunk when
+    stream_options.include_usage is set)."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.cached_tokens: Optional[int] = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and b"cached_tokens" in line:
+                try:
+                    event = json.loads(line[5:])
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    found = cached_tokens_of(event.get("usage"))
+                    if found is not None:
+                        self.cached_tokens = found
+
+
+class RouterServer:
+    """The aiohttp application of one router. Build it inside the event loop that serves it
+    (the manager client binds to that loop at startup)."""
+
+    def __init__(self, cfg: RouterConfig, *, tokenizer: Optional[Tokenizer] = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+        self.engines = {e.id: e for e in cfg.engines}
+        self.metrics = RouterMetrics()
+        self.loads = LoadTracker(self.engines, down_s=cfg.engine_down_s)
+        self.index: Optional[ManagerIndex] = None
+        self._clients: List[kvcm_aio.Client] = []
+        self._session: Optional[aiohttp.ClientSession] = None
+        self.router: Optional[Router] = None
+        self.app = web.Application()
+        self.app.add_routes([
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+            web.get("/v1/models", self._models),
+            web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+        ])
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _manager_client(self, token_file: str) -> kvcm_aio.Client:
+        c = self.cfg
+        client = kvcm_aio.Client(
+            c.manager, insecure=c.insecure, ca_file=c.ca_file or None,
+            cert_file=c.cert_file or None, key_file=c.key_file or None,
+            token_file=token_file or None, default_deadline_ms=c.route_deadline_ms,
+            max_attempts=2)
+        self._clients.append(client)
+        return client
+
+    async def _start(self, app: web.Application) -> None:
+        c = self.cfg
+        guard = ImbalanceGuard(c.imbalance_factor, c.imbalance_margin)
+        if c.policy == "kv-aware":
+            client = self._manager_client(c.token_file)
+            register = (self._manager_client(c.register_token_file)
+                        if c.register_token_file else None)
+            self.index = ManagerIndex(
+                client, c.namespace.namespace, c.namespace.model_spec(),
+                block_size=c.namespace.block_size, prefill_tokens_per_s=c.prefill_tokens_per_s,
+                route_deadline_ms=c.route_deadline_ms, register_client=register)
+            await self.index.register()
+        policy = make_policy(c.policy, list(self.engines), page_size=c.namespace.page_tokens,
+                             block_size=c.namespace.block_size, guard=guard, index=self.index,
+                             hash_prefix_pages=c.hash_prefix_pages)
+        self.router = Router(policy, self.loads, self.metrics)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=c.upstream_timeout_s, sock_connect=5.0),
+            auto_decompress=False)
+        log.info("kvcm-router on http://%s: policy %s, engines %s", c.listen, c.policy,
+                 ", ".join(f"{e.id}={e.url}" for e in c.engines))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+        for client in self._clients:
+            await client.close()
+
+    # -- proxy ----------------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "/v1/completions", chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "/v1/chat/completions", chat=True)
+
+    def _routing_request(self, body: Any, chat: bool) -> RoutingRequest:
+        if not isinstance(body, dict):
+            raise TokenizerError("body: must be a JSON object")
+        tokens = prompt_tokens(self.tokenizer, body, chat)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise TokenizerError("cache_salt: must be a string")
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.cfg.lora_adapters else None
+        return RoutingRequest(tokens, lora_name=lora, cache_salt=salt or None)
+
+    async def _proxy(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        assert self.router is not None and self._session is not None
+        raw = await request.read()
+        try:
+            routing = self._routing_request(json.loads(raw), chat)
+        except ValueError as e:  # TokenizerError, or JSON that does not parse
+            message = str(e) if isinstance(e, TokenizerError) else f"body: not JSON: {e}"
+            return error_response(400, message, "invalid_request_error")
+        routed = await self.router.route(routing, endpoint=path)
+        ticket = routed.ticket
+        engine = self.engines[ticket.engine_id]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+        try:
+            return await self._forward(request, engine.url + path, raw, headers, ticket)
+        except asyncio.TimeoutError:
+            down = self.router.failed(ticket, "timeout", engine_down=True)
+            return error_response(
+                504, f"engine {engine.id} ({engine.url}) did not answer within "
+                f"{self.cfg.upstream_timeout_s:g} s; avoided for {down:g} s",
+                "upstream_timeout", engine.id)
+        except aiohttp.ClientConnectorError as e:
+            down = self.router.failed(ticket, "connect", engine_down=True)
+            return error_response(
+                502, f"engine {engine.id} ({engine.url}) is unreachable: {e.os_error}; "
+                f"avoided for {down:g} s", "upstream_unavailable", engine.id)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            down = self.router.failed(ticket, "disconnect", engine_down=True)
+            return error_response(
+                502, f"engine {engine.id} ({engine.url}) failed mid-answer: "
+                f"{type(e).__name__}: {e}; avoided for {down:g} s", "upstream_unavailable",
+                engine.id)
+        finally:
+            if ticket.open:  # the client went away, or the handler was cancelled
+                self.router.abandon(ticket)
+
+    async def _forward(self, request: web.Request, url: str, raw: bytes,
+                       headers: Dict[str, str], ticket: Ticket) -> web.StreamResponse:
+        assert self.router is not None and self._session is not None
+        engine_id = ticket.engine_id
+        async with self._session.post(url, data=raw, headers=headers) as up:
+            content_type = up.headers.get("Content-Type", "application/json")
+            if up.status >= 400:
+                data = await up.read()
+                self.router.failed(ticket, str(up.status), engine_down=False)
+                return web.Response(body=data, status=up.status,
+                                    headers={"Content-Type": content_type,
+                                             ENGINE_HEADER: engine_id})
+            if not content_type.startswith("text/event-stream"):
+                data = await up.read()
+                cached = None
+                try:
+                    cached = cached_tokens_of(json.loads(data).get("usage"))
+                except (ValueError, AttributeError):
+                    pass
+                self.router.finish(ticket, cached)
+                return web.Response(body=data, status=up.status,
+                                    headers={"Content-Type": content_type,
+                                             ENGINE_HEADER: engine_id})
+            resp = web.StreamResponse(status=up.status, headers={
+                "Content-Type": content_type, "Cache-Control": "no-cache",
+                ENGINE_HEADER: engine_id})
+            await resp.prepare(request)
+            usage = _SseUsage()
+            first = True
+            try:
+                async for chunk in up.content.iter_any():
+                    if first:
+                        self.router.prefill_done(ticket)
+                        first = False
+                    usage.feed(chunk)
+                    await resp.write(chunk)
+            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+                # The status is sent: all that is left is to cut the stream short.
+                code = "timeout" if isinstance(e, asyncio.TimeoutError) else "disconnect"
+                self.router.failed(ticket, code, engine_down=True)
+                log.warning("engine %s: stream cut: %s", engine_id, e)
+                return resp
+            await resp.write_eof()
+            self.router.finish(ticket, usage.cached_tokens)
+            return resp
+
+    # -- the rest -------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        merged: Dict[str, Any] = {}
+        errors = []
+        for engine_id in self.loads.available():
+            engine = self.engines[engine_id]
+            try:
+                async with self._session.get(engine.url + "/v1/models",
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        errors.append(f"{engine_id}: HTTP {r.status}")
+                        continue
+                    for model in (await r.json()).get("data", []):
+                        if isinstance(model, dict) and "id" in model:
+                            merged.setdefault(model["id"], model)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                errors.append(f"{engine_id}: {type(e).__name__}")
+        if not merged and errors:
+            return error_response(502, "no engine listed its models: " + "; ".join(errors),
+                                  "upstream_unavailable")
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        up = {e: self.loads.is_up(e) for e in self.engines}
+        body: Dict[str, Any] = {"status": "ok" if any(up.values()) else "no-engine",
+                                "policy": self.cfg.policy, "engines": up}
+        if self.index is not None:
+            body["manager_key"] = self.index.has_key
+        return web.json_response(body, status=200 if any(up.values()) else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"kvcm-router: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def make_app() -> web.Application:
+        return RouterServer(cfg).app
+
+    host, port = cfg.listen_host_port
+    try:
+        web.run_app(make_app(), host=host, port=port, print=None)
+    except TokenizerError as e:
+        print(f"kvcm-router: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
