@@ -31,7 +31,9 @@ class Served:
         return self
 
     async def stop(self) -> None:
-        await self._runner.cleanup()
+        """Stops listening (idempotent)."""
+        if self._runner.server is not None:
+            await self._runner.cleanup()
 
 
 async def start_engine(engine_id: str, **kw: Any) -> Tuple[OpenAIEngine, Served]:

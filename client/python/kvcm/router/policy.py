@@ -222,12 +222,18 @@ class KvAwarePolicy:
         self._block_size = block_size
         self._guard = guard or ImbalanceGuard(factor=-1)
         self._fallback = LeastLoadedPolicy()
+        self._turn = 0
 
     async def choose(self, request: RoutingRequest, engines: Sequence[str],
                      loads: LoadTracker) -> Decision:
+        # Route breaks full ties by candidate order: rotate it, so that requests nobody
+        # holds a prefix of share idle engines.
+        n = len(engines)
+        rotated = [engines[(self._turn + i) % n] for i in range(n)]
+        self._turn += 1
         candidates = [RouteCandidate(e, load=loads.in_flight(e),
                                      queued_prefill_tokens=loads.queued_prefill_tokens(e))
-                      for e in engines]
+                      for e in rotated]
         try:
             ranked = await self._index.rank(request, candidates)
         except IndexUnavailable as e:
