@@ -33,6 +33,7 @@ from kvcm.router.policy import prefix_key  # noqa: E402
 from kvcm.router.tokenizer import (  # noqa: E402
     ByteTokenizer,
     TokenizerError,
+    has_non_text_parts,
     load_tokenizer,
     prompt_tokens,
     render_simple_chat,
@@ -102,10 +103,15 @@ def test_chat_template_and_prompt_fields():
                               ({"prompt": 3}, False, "prompt"), ({"messages": []}, True,
                                                                  "messages"),
                               ({"messages": [{"content": "x"}]}, True, "messages[0].role"),
-                              ({"messages": [{"role": "user", "content": [
-                                  {"type": "image_url"}]}]}, True, "messages[0].content[0]")]:
+                              ({"messages": [{"role": "user", "content": ["x"]}]}, True,
+                               "messages[0].content[0]")]:
         with pytest.raises(TokenizerError, match=field.replace("[", r"\[").replace("]", r"\]")):
             prompt_tokens(t, body, chat)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}},
+                                          {"type": "text", "text": "what is it"}]}]
+    assert prompt_tokens(t, {"messages": image}, chat=True) == t.encode(
+        "<|user|>\nwhat is it\n<|assistant|>\n")
+    assert has_non_text_parts(image) and not has_non_text_parts(msgs)
     with pytest.raises(TokenizerError, match="tokenizer: required"):
         load_tokenizer("")
 
@@ -292,6 +298,13 @@ async def test_kv_aware_falls_back_to_least_loaded_and_counts_it():
     router = Router(KvAwarePolicy(DownIndex(), page_size=16, block_size=16), loads, metrics)
     d = (await router.route(request(0), endpoint="/v1/completions")).decision
     assert (d.engine_id, d.reason, d.fallback_cause) == ("e1", "fallback", "unavailable")
+    index = FixedIndex(ENGINES, cached_pages=3)
+    images = KvAwarePolicy(index, page_size=16, block_size=16)
+    d = await images.choose(RoutingRequest(request(0).tokens, hashable=False), ENGINES,
+                            LoadTracker(ENGINES))
+    assert (d.reason, d.fallback_cause, d.expected_cached_tokens) == ("fallback",
+                                                                      "unhashable", 0)
+    assert index.calls == []
     value = metrics.registry.get_sample_value
     assert value("kvcm_router_manager_fallbacks_total", {"cause": "unavailable"}) == 1
     assert value("kvcm_router_requests_total", {"engine": "e1", "policy": "kv-aware",

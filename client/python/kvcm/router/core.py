@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvcm.router.load import LoadTracker, Ticket
 from kvcm.router.metrics import RouterMetrics
@@ -63,9 +63,11 @@ class Router:
         if metrics is not None:
             metrics.init_engines(loads.engine_ids)
             for e in loads.engine_ids:
-                metrics.engine_up.labels(e).set_function(
-                    lambda e=e: 1.0 if loads.is_up(e) else 0.0)
+                metrics.engine_up.labels(e).set_function(self._up_function(e))
         self._last_fallback_log = float("-inf")
+
+    def _up_function(self, engine_id: str) -> Callable[[], float]:
+        return lambda: 1.0 if self.loads.is_up(engine_id) else 0.0
 
     async def route(self, request: RoutingRequest, endpoint: str = "") -> Routed:
         """Chooses an engine among the available ones and counts the request on it."""

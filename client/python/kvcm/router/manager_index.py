@@ -113,16 +113,18 @@ class ManagerIndex:
             raise IndexUnavailable("unavailable", "manager failed recently; not asked")
         if self._key is None and now >= self._next_register:
             await self.register()
+        tokens: Optional[List[int]] = None
+        hashes: Optional[bytes] = None
         if self._key is not None:
-            prompt = dict(page_hashes=b"".join(self.hash(request)))
+            hashes = b"".join(self.hash(request))
         elif request.lora_name or request.cache_salt:
             raise IndexUnavailable("no-key", "a salted or LoRA request needs the namespace key")
         else:
-            prompt = dict(tokens=list(request.tokens[:pages * self.page_size]))
+            tokens = list(request.tokens[:pages * self.page_size])
         while live:
             try:
                 result = await self.client.route(
-                    self.namespace, **prompt, candidates=live,
+                    self.namespace, tokens, page_hashes=hashes, candidates=live,
                     policy=RoutePolicy.PREFILL_SAVED,
                     prefill_tokens_per_s=self.prefill_tokens_per_s, probe=True,
                     deadline_ms=self.route_deadline_ms)

@@ -38,6 +38,8 @@ class RoutingRequest:
     tokens: Sequence[int]
     lora_name: Optional[str] = None
     cache_salt: Optional[str] = None
+    # False when the engine hashes inputs the router cannot see (images): no prefix match.
+    hashable: bool = True
 
 
 @dataclass(frozen=True)
@@ -235,10 +237,12 @@ class KvAwarePolicy:
                                      queued_prefill_tokens=loads.queued_prefill_tokens(e))
                       for e in rotated]
         try:
+            if not request.hashable:
+                raise IndexUnavailable("unhashable", "the prompt has non-text inputs")
             ranked = await self._index.rank(request, candidates)
-        except IndexUnavailable as e:
+        except IndexUnavailable as unavailable:
             engine = self._fallback.pick(engines, loads)
-            return Decision(engine, self.name, "fallback", fallback_cause=e.cause)
+            return Decision(engine, self.name, "fallback", fallback_cause=unavailable.cause)
         by_id: Dict[str, RankedAgent] = {r.agent_id: r for r in ranked}
         least = min(loads.in_flight(e) for e in engines)
         order = [r.agent_id for r in ranked if r.agent_id in engines]

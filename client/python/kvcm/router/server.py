@@ -26,7 +26,13 @@ from kvcm.router.load import LoadTracker, Ticket
 from kvcm.router.manager_index import ManagerIndex
 from kvcm.router.metrics import RouterMetrics
 from kvcm.router.policy import ImbalanceGuard, RoutingRequest
-from kvcm.router.tokenizer import Tokenizer, TokenizerError, load_tokenizer, prompt_tokens
+from kvcm.router.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    has_non_text_parts,
+    load_tokenizer,
+    prompt_tokens,
+)
 
 log = logging.getLogger("kvcm.router")
 
@@ -162,7 +168,9 @@ class RouterServer:
             raise TokenizerError("cache_salt: must be a string")
         model = body.get("model")
         lora = model if isinstance(model, str) and model in self.cfg.lora_adapters else None
-        return RoutingRequest(tokens, lora_name=lora, cache_salt=salt or None)
+        hashable = not (chat and has_non_text_parts(body.get("messages")))
+        return RoutingRequest(tokens, lora_name=lora, cache_salt=salt or None,
+                              hashable=hashable)
 
     async def _proxy(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         assert self.router is not None and self._session is not None

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Dict, List, Protocol, Sequence, runtime_checkable
 
 Message = Dict[str, Any]
 
@@ -46,8 +46,9 @@ class Tokenizer(Protocol):
 
 
 def message_text(message: Message, index: int) -> str:
-    """The text of one chat message: a string, or the text parts of a content list.
-    TokenizerError naming messages[i] for anything else (images have no token ids here)."""
+    """The text of one chat message: a string, or the text parts of a content list (other
+    parts, e.g. images, have no token ids here and are left out). TokenizerError naming
+    messages[i] for a malformed message."""
     if not isinstance(message, dict):
         raise TokenizerError(f"messages[{index}]: must be an object")
     content = message.get("content")
@@ -58,12 +59,23 @@ def message_text(message: Message, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise TokenizerError(
-                    f"messages[{index}].content[{j}]: only text parts can be tokenized")
-            parts.append(str(part.get("text", "")))
+                    f"messages[{index}].content[{j}]: must be an object with a type")
+            if part["type"] == "text":
+                parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise TokenizerError(f"messages[{index}].content: must be a string or a list of parts")
+
+
+def has_non_text_parts(messages: Any) -> bool:
+    """Whether a chat request carries parts other than text (images, audio): the engine's
+    block hashes then depend on inputs the router does not tokenize."""
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") != "text" for p in m["content"])
+               for m in messages)
 
 
 def render_simple_chat(messages: Sequence[Message]) -> str:
@@ -228,6 +240,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "WordTokenizer",
+    "has_non_text_parts",
     "load_tokenizer",
     "message_text",
     "prompt_tokens",
