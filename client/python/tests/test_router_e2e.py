@@ -72,7 +72,17 @@ class Cluster:
         self.client = kvcm.aio.Client(self.manager_address, insecure=True)
         await self.client.register_model(NS, kvcm.ModelSpec.llama3_8b(page_size_tokens=BLOCK))
         self.key = self.client._cached_key(NS).key
+        await self.wait_sessions({"e0", "e1"})
         return self
+
+    async def wait_sessions(self, engines: set) -> None:
+        """Until the bridge has a live session for each engine (as a deployment starts)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while not engines <= {e.engine_id for e in (await self.client.stats()).engines}:
+            if loop.time() > end:
+                raise AssertionError(f"no live bridge session for some of {engines}")
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         await self.router_served.stop()

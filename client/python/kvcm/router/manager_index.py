@@ -53,7 +53,7 @@ class ManagerIndex:
     def __init__(self, client: Client, ns: Namespace, spec: ModelSpec, *, block_size: int,
                  prefill_tokens_per_s: float, route_deadline_ms: int = 200,
                  register_client: Optional[Client] = None, retry_s: float = 1.0,
-                 not_live_s: float = 1.0,
+                 not_live_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if spec.page_size_tokens % block_size != 0:
             raise ValueError(
