@@ -190,11 +190,20 @@ def _from_toml(data: Dict[str, Any]) -> RouterConfig:
     return cfg
 
 
+class _Parser(argparse.ArgumentParser):
+    """Each --a_b option also answers to --a-b."""
+
+    def add_argument(self, *names: Any, **kw: Any) -> Any:
+        more = [n.replace("_", "-") for n in names
+                if isinstance(n, str) and n.startswith("--") and "_" in n]
+        return super().add_argument(*names, *more, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvcm-router",
         description="KV-aware OpenAI-compatible router in front of inference engines "
-                    "(docs/ROUTER.md).")
+                    "(docs/ROUTER.md). Every --a_b flag may also be spelled --a-b.")
     p.add_argument("--config", help="TOML file; flags override its settings")
     p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8000)")
     p.add_argument("--policy", choices=POLICIES)
@@ -202,27 +211,27 @@ def build_parser() -> argparse.ArgumentParser:
                                        "'bytes' for tests")
     p.add_argument("--engine", action="append", metavar="ID=URL",
                    help="an engine (repeatable); replaces the file's engines")
-    p.add_argument("--lora-adapter", action="append", metavar="NAME",
+    p.add_argument("--lora_adapter", action="append", metavar="NAME",
                    help="a LoRA adapter name served by the engines (repeatable)")
     p.add_argument("--manager", help="kvcm-manager HOST:PORT")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="plaintext to the manager (dev only)")
-    for name in ("ca-file", "cert-file", "key-file", "token-file", "register-token-file"):
+    for name in ("ca_file", "cert_file", "key_file", "token_file", "register_token_file"):
         p.add_argument(f"--{name}")
     p.add_argument("--tenant")
     p.add_argument("--model", help="namespace model (the bridge's)")
     p.add_argument("--preset", help="catalogue model spec of the namespace")
     p.add_argument("--dtype")
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--prefill-tokens-per-s", type=float)
-    p.add_argument("--route-deadline-ms", type=int)
-    p.add_argument("--imbalance-factor", type=float)
-    p.add_argument("--imbalance-margin", type=int)
-    p.add_argument("--hash-prefix-pages", type=int)
-    p.add_argument("--engine-down-s", type=float)
-    p.add_argument("--upstream-timeout-s", type=float)
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--page_size", type=int)
+    p.add_argument("--block_size", type=int)
+    p.add_argument("--prefill_tokens_per_s", type=float)
+    p.add_argument("--route_deadline_ms", type=int)
+    p.add_argument("--imbalance_factor", type=float)
+    p.add_argument("--imbalance_margin", type=int)
+    p.add_argument("--hash_prefix_pages", type=int)
+    p.add_argument("--engine_down_s", type=float)
+    p.add_argument("--upstream_timeout_s", type=float)
+    p.add_argument("--log_level", choices=("debug", "info", "warning", "error"))
     return p
 
 

@@ -152,7 +152,8 @@ class HashRing:
         return out
 
     def owner(self, key: int) -> str:
-        return self.walk(key)[0]
+        i = bisect.bisect_left(self._points, key)
+        return self._owners[i % len(self._owners)]
 
 
 def prefix_key(request: RoutingRequest, tokens: int) -> int:

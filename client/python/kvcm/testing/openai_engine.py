@@ -247,8 +247,17 @@ class OpenAIEngine:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+class _Parser(argparse.ArgumentParser):
+    """Each --a-b option (vLLM's spelling) also answers to --a_b (kvcm's)."""
+
+    def add_argument(self, *names: Any, **kw: Any) -> Any:
+        more = ["--" + n[2:].replace("-", "_") for n in names
+                if isinstance(n, str) and n.startswith("--") and "-" in n[2:]]
+        return super().add_argument(*names, *more, **kw)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcm.testing.openai_engine",
+    p = _Parser(prog="python -m kvcm.testing.openai_engine",
                                 description="A fake OpenAI-compatible engine with a vLLM-like "
                                             "prefix cache publishing vLLM KV events.")
     p.add_argument("--host", default="127.0.0.1")
