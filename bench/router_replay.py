@@ -161,6 +161,24 @@ class ArmResult:
         return max(counts) / statistics.mean(counts) if counts and sum(counts) else 0.0
 
 
+class PooledReference:
+    """One cache as large as all the engines together, seeing every request: the hit rate
+    of routing that never duplicates a prefix and never evicts for imbalance (a reference,
+    not a policy: no queue)."""
+
+    def __init__(self, args: argparse.Namespace, report_from_s: float) -> None:
+        self.engine = SimEngine("pooled", args.block_size, args.engines * args.capacity_blocks)
+        self.report_from_s = report_from_s
+        self.result = ArmResult(f"(one {args.engines * args.capacity_blocks}-block cache)")
+
+    async def serve(self, r: TraceRequest, tokens: List[int]) -> None:
+        cached = self.engine.process(tokens)
+        if r.t_s >= self.report_from_s:
+            self.result.requests += 1
+            self.result.prompt_tokens += len(tokens)
+            self.result.cached_tokens += cached
+
+
 class Arm:
     def __init__(self, policy: str, engines: List[SimEngine], router: Any,
                  publisher: Optional[Publisher], args: argparse.Namespace,
@@ -287,12 +305,14 @@ async def build_arms(args: argparse.Namespace, address: str, report_from_s: floa
     from kvcm.vllm.mirror import EngineMirror
     from kvcm.vllm.session import PublishSession
 
-    guard = ImbalanceGuard(args.imbalance_factor, args.imbalance_margin)
     spec = ModelSpec.from_catalog("llama-3-8b", page_size_tokens=args.page_size)
     ns = Namespace("replay", "mooncake")
     arms, closers = [], []
-    for policy in args.policies:
-        ids = [f"{policy}-{i}" for i in range(args.engines)]
+    for name in args.policies:
+        policy, _, variant = name.partition(":")
+        guard = (ImbalanceGuard(factor=-1) if variant == "noguard" else
+                 ImbalanceGuard(args.imbalance_factor, args.imbalance_margin))
+        ids = [f"{name}-{i}" for i in range(args.engines)]
         index = publisher = None
         engines: List[SimEngine] = []
         if policy == "kv-aware":
@@ -318,7 +338,7 @@ async def build_arms(args: argparse.Namespace, address: str, report_from_s: floa
         policy_obj = make_policy(policy, ids, page_size=args.page_size,
                                  block_size=args.block_size, guard=guard, index=index)
         router = Router(policy_obj, LoadTracker(ids))
-        arms.append(Arm(policy, engines, router, publisher, args, report_from_s))
+        arms.append(Arm(name, engines, router, publisher, args, report_from_s))
     return arms, closers
 
 
@@ -329,11 +349,16 @@ def percentile(values: List[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def report(args: argparse.Namespace, arms: List[Arm], trace: List[TraceRequest],
+def report(args: argparse.Namespace, arms: List[Any], trace: List[TraceRequest],
            report_from_s: float, wall_s: float) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
     for arm in arms:
         r = arm.result
+        if isinstance(arm, PooledReference):
+            rows.append({"policy": r.policy, "reference": True, "requests": r.requests,
+                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                         "hit_rate": r.hit_rate})
+            continue
         rows.append({
             "policy": r.policy, "requests": r.requests, "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "hit_rate": r.hit_rate,
@@ -351,13 +376,17 @@ def report(args: argparse.Namespace, arms: List[Arm], trace: List[TraceRequest],
               f"from t >= {report_from_s:.0f} s ({rows[0]['requests']} requests); "
               f"{wall_s:.0f} s wall")
     print(header)
-    print(f"{'policy':<16}{'hit rate':>9}{'max/mean':>10}{'TTFT mean':>11}{'p50':>8}"
-          f"{'p99':>9}{'route p50':>11}  decisions")
+    print(f"{'policy':<24}{'hit rate':>9}{'max/mean':>10}{'TTFT mean':>11}{'p50':>10}"
+          f"{'p99':>10}{'route p50':>11}  decisions")
     for row in rows:
+        if row.get("reference"):
+            print(f"{row['policy']:<24}{row['hit_rate'] * 100:>8.2f}%  (reference: one cache "
+                  "of all the engines' capacity, no queue)")
+            continue
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(row["reasons"].items()))
-        print(f"{row['policy']:<16}{row['hit_rate'] * 100:>8.2f}%"
+        print(f"{row['policy']:<24}{row['hit_rate'] * 100:>8.2f}%"
               f"{row['imbalance_max_over_mean']:>10.2f}{row['ttft_mean_s']:>10.2f}s"
-              f"{row['ttft_p50_s']:>7.2f}s{row['ttft_p99_s']:>8.2f}s"
+              f"{row['ttft_p50_s']:>9.2f}s{row['ttft_p99_s']:>9.2f}s"
               f"{row['route_p50_ms']:>9.2f}ms  {reasons}")
     return {"header": header, "args": {k: str(v) for k, v in vars(args).items()},
             "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
@@ -374,22 +403,25 @@ async def run(args: argparse.Namespace) -> int:
     report_from_s = trace[0].t_s + args.report_from * span
     manager = None
     address = args.manager
-    if not address and "kv-aware" in args.policies:
+    if not address and any(n.startswith("kv-aware") for n in args.policies):
         manager = ManagerProcess(find_manager_binary(args.manager_bin))
         await manager.wait()
         address = manager.address
     closers: List[Any] = []
     try:
         arms, closers = await build_arms(args, address, report_from_s)
+        everything: List[Any] = list(arms)
+        if args.reference:
+            everything.append(PooledReference(args, report_from_s))
         start = time.perf_counter()
         for i, r in enumerate(trace):
             tokens = tokens_of(r)
-            for arm in arms:
+            for arm in everything:
                 await arm.serve(r, tokens)
             if args.progress and (i + 1) % args.progress == 0:
                 print(f"  {i + 1} / {len(trace)} requests, {time.perf_counter() - start:.0f} s",
                       file=sys.stderr)
-        out = report(args, arms, trace, report_from_s, time.perf_counter() - start)
+        out = report(args, everything, trace, report_from_s, time.perf_counter() - start)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
     finally:
@@ -405,7 +437,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--limit", type=int, default=0, help="first N requests (0: all)")
     p.add_argument("--smoke", action="store_true", help="first 300 requests")
-    p.add_argument("--policies", default="kv-aware,round-robin,consistent-hash,least-loaded")
+    p.add_argument("--policies", default="kv-aware,round-robin,consistent-hash,least-loaded",
+                   help="comma-separated; a policy with :noguard runs without the imbalance "
+                        "guard")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--capacity_blocks", type=int, default=1000,
                    help="engine KV cache, blocks (1000 x 512 tokens: ~64 GB of Llama-3-8B KV)")
@@ -419,6 +453,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--imbalance_margin", type=int, default=4)
     p.add_argument("--report_from", type=float, default=0.5,
                    help="report requests after this fraction of the replayed span")
+    p.add_argument("--no_reference", dest="reference", action="store_false",
+                   help="skip the one-big-cache reference row")
     p.add_argument("--manager", default="", help="a running manager (else one is started)")
     p.add_argument("--manager_bin", default="")
     p.add_argument("--json", default="", help="also write the results here")
@@ -429,9 +465,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     from kvcm.router import POLICIES
 
-    for policy in args.policies:
-        if policy not in POLICIES:
-            p.error(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
+    for name in args.policies:
+        policy, _, variant = name.partition(":")
+        if policy not in POLICIES or variant not in ("", "noguard"):
+            p.error(f"--policies: {name!r} is not one of {', '.join(POLICIES)} "
+                    "(optionally with :noguard)")
     if args.page_size % args.block_size:
         p.error("--page_size: must be a multiple of --block_size")
     return args

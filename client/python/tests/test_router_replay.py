@@ -28,8 +28,11 @@ def test_router_replay_smoke(tmp_path):
          "--trace", str(TRACE), "--manager_bin", manager, "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    all_rows = json.loads(out.read_text())["rows"]
+    rows = {r["policy"]: r for r in all_rows if not r.get("reference")}
     assert sorted(rows) == ["consistent-hash", "kv-aware", "least-loaded", "round-robin"]
+    pooled = [r for r in all_rows if r.get("reference")]
+    assert len(pooled) == 1 and pooled[0]["requests"] == rows["kv-aware"]["requests"]
     for row in rows.values():
         assert row["requests"] > 100 and 0.0 <= row["hit_rate"] < 1.0
         assert sum(row["per_engine"].values()) == row["requests"]
