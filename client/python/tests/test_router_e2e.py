@@ -236,3 +236,80 @@ async def test_an_engine_that_goes_down_is_avoided_despite_its_cache(cluster):
     assert sum(sample(text, "kvcm_router_upstream_errors_total", {"engine": holder, "code": c})
                for c in ("connect", "disconnect")) == 1
     assert sample(text, "kvcm_router_engine_up", {"engine": holder}) == 0
+
+
+def test_the_readme_demo_runs_from_the_command_line(manager, workdir):
+    """Every piece started as the README starts it: two fake engines and the bridge and the
+    router as commands, against the manager."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import Process
+
+    py = sys.executable
+    ports = {name: free_port() for name in ("e0", "e1", "router")}
+    zmq = {e: (free_port(), free_port()) for e in ("e0", "e1")}
+    procs = []
+    try:
+        for e in ("e0", "e1"):
+            pub, replay = zmq[e]
+            procs.append(Process([py, "-m", "kvcm.testing.openai_engine", "--port",
+                                  str(ports[e]), "--engine-id", e, "--model", MODEL,
+                                  "--kv-events-endpoint", f"tcp://*:{pub}",
+                                  "--replay-endpoint", f"tcp://*:{replay}"],
+                                 workdir / f"{e}.log"))
+        bridge = [py, "-m", "kvcm.vllm.bridge", "--manager", manager.address, "--insecure",
+                  "--tenant", TENANT, "--model", MODEL, "--preset", "llama-3-8b",
+                  "--page_size", str(BLOCK)]
+        for e in ("e0", "e1"):
+            pub, replay = zmq[e]
+            bridge += ["--engine", f"id={e},endpoint=tcp://127.0.0.1:{pub},"
+                                   f"replay_endpoint=tcp://127.0.0.1:{replay},block_size={BLOCK}"]
+        procs.append(Process(bridge, workdir / "bridge.log"))
+        procs.append(Process(
+            [py, "-m", "kvcm.router.server", "--listen", f"127.0.0.1:{ports['router']}",
+             "--policy", "kv-aware", "--tokenizer", "words", "--manager", manager.address,
+             "--insecure", "--tenant", TENANT, "--model", MODEL, "--preset", "llama-3-8b",
+             "--block_size", str(BLOCK),
+             "--engine", f"e0=http://127.0.0.1:{ports['e0']}",
+             "--engine", f"e1=http://127.0.0.1:{ports['e1']}"], workdir / "router.log"))
+        with kvcm.Client(manager.address, insecure=True) as client:
+            end = time.monotonic() + 20
+            while {e.engine_id for e in client.stats().engines} != {"e0", "e1"}:
+                assert time.monotonic() < end, (workdir / "bridge.log").read_text()
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{ports['router']}/v1/completions"
+
+        def complete(prompt: str) -> Tuple[str, int]:
+            body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4}).encode()
+            end = time.monotonic() + 20
+            while True:
+                try:
+                    with urllib.request.urlopen(urllib.request.Request(
+                            url, body, {"Content-Type": "application/json"}), timeout=10) as r:
+                        answer = json.loads(r.read())
+                        return (r.headers["x-kvcm-engine"],
+                                answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+                except OSError:  # the router is still starting
+                    assert time.monotonic() < end, (workdir / "router.log").read_text()
+                    time.sleep(0.1)
+
+        prefix = words("demo", 48)
+        first, cached_first = complete(prefix + " first question")
+        assert cached_first == 0
+        with kvcm.Client(manager.address, insecure=True) as client:
+            client.register_model(NS, kvcm.ModelSpec.llama3_8b(page_size_tokens=BLOCK))
+            hashes = client.hash_prompt(NS, WordTokenizer().encode(prefix))
+            end = time.monotonic() + 10
+            while client.route(NS, page_hashes=hashes, candidates=[first],
+                               probe=True).ranked[0].cached_pages < 3:
+                assert time.monotonic() < end, "the bridge did not publish the prefix"
+                time.sleep(0.05)
+        for i in range(3):
+            assert complete(prefix + f" question {i}") == (first, 48)
+    finally:
+        for p in reversed(procs):
+            p.stop()
