@@ -295,10 +295,30 @@ class ManagerProcess:
 # -- main ----------------------------------------------------------------------------------
 
 
+def arm_guard(name: str, args: argparse.Namespace) -> Tuple[str, Any]:
+    """An arm's policy and guard: POLICY, POLICY:noguard, or POLICY:guard=FACTOR/MARGIN."""
+    from kvcm.router import POLICIES, ImbalanceGuard
+
+    policy, _, variant = name.partition(":")
+    if policy not in POLICIES:
+        raise ValueError(f"{policy!r} is not one of {', '.join(POLICIES)}")
+    if not variant:
+        return policy, ImbalanceGuard(args.imbalance_factor, args.imbalance_margin)
+    if variant == "noguard":
+        return policy, ImbalanceGuard(factor=-1)
+    if variant.startswith("guard="):
+        factor, _, margin = variant[6:].partition("/")
+        try:
+            return policy, ImbalanceGuard(float(factor), int(margin))
+        except ValueError:
+            pass
+    raise ValueError(f"{variant!r} is not noguard or guard=FACTOR/MARGIN")
+
+
 async def build_arms(args: argparse.Namespace, address: str, report_from_s: float
                      ) -> Tuple[List[Arm], List[Any]]:
     import kvcm.aio
-    from kvcm.router import ImbalanceGuard, LoadTracker, Router, make_policy
+    from kvcm.router import LoadTracker, Router, make_policy
     from kvcm.router.manager_index import ManagerIndex
     from kvcm.types import ModelSpec, Namespace
     from kvcm.vllm.manager import ManagerConnection
@@ -308,11 +328,9 @@ async def build_arms(args: argparse.Namespace, address: str, report_from_s: floa
     spec = ModelSpec.from_catalog("llama-3-8b", page_size_tokens=args.page_size)
     ns = Namespace("replay", "mooncake")
     arms, closers = [], []
-    for name in args.policies:
-        policy, _, variant = name.partition(":")
-        guard = (ImbalanceGuard(factor=-1) if variant == "noguard" else
-                 ImbalanceGuard(args.imbalance_factor, args.imbalance_margin))
-        ids = [f"{name}-{i}" for i in range(args.engines)]
+    for arm, name in enumerate(args.policies):
+        policy, guard = arm_guard(name, args)
+        ids = [f"arm{arm}-{i}" for i in range(args.engines)]  # engine ids: no "/" or "="
         index = publisher = None
         engines: List[SimEngine] = []
         if policy == "kv-aware":
@@ -438,8 +456,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="first N requests (0: all)")
     p.add_argument("--smoke", action="store_true", help="first 300 requests")
     p.add_argument("--policies", default="kv-aware,round-robin,consistent-hash,least-loaded",
-                   help="comma-separated; a policy with :noguard runs without the imbalance "
-                        "guard")
+                   help="comma-separated arms: POLICY, POLICY:noguard (no imbalance guard) or "
+                        "POLICY:guard=FACTOR/MARGIN")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--capacity_blocks", type=int, default=1000,
                    help="engine KV cache, blocks (1000 x 512 tokens: ~64 GB of Llama-3-8B KV)")
@@ -463,13 +481,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if args.smoke:
         args.limit = args.limit or 300
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    from kvcm.router import POLICIES
-
     for name in args.policies:
-        policy, _, variant = name.partition(":")
-        if policy not in POLICIES or variant not in ("", "noguard"):
-            p.error(f"--policies: {name!r} is not one of {', '.join(POLICIES)} "
-                    "(optionally with :noguard)")
+        try:
+            arm_guard(name, args)
+        except ValueError as e:
+            p.error(f"--policies: {name}: {e}")
     if args.page_size % args.block_size:
         p.error("--page_size: must be a multiple of --block_size")
     return args
