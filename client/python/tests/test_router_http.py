@@ -110,6 +110,37 @@ async def test_streaming_is_passed_through_chunk_by_chunk():
 
 
 @pytest.mark.asyncio
+async def test_a_client_leaving_mid_stream_is_not_an_engine_failure():
+    e0, s0 = await start_engine("e0", decode_ms_per_token=50)
+    router, rs = await start_router([("e0", s0.url)], "least-loaded")
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 40, "stream": True}
+            async with http.post(rs.url + "/v1/completions", json=body) as r:
+                await r.content.readuntil(b"\n\n")
+                r.connection.transport.abort()  # gone after the first token
+        async with aiohttp.ClientSession() as http:
+            async def settled() -> bool:
+                text = await metrics_text(http, rs.url)
+                return sample(text, "kvcm_router_in_flight_requests", {"engine": "e0"}) == 0
+
+            for _ in range(100):
+                if await settled():
+                    break
+                await asyncio.sleep(0.05)
+            text = await metrics_text(http, rs.url)
+            assert sample(text, "kvcm_router_in_flight_requests", {"engine": "e0"}) == 0
+            assert sample(text, "kvcm_router_engine_up", {"engine": "e0"}) == 1
+            assert "kvcm_router_upstream_errors_total{" not in text
+            status, _, engine = await post(http, rs.url + "/v1/completions",
+                                           {"model": "fake-model", "prompt": "a"})
+            assert (status, engine) == (200, "e0")
+    finally:
+        await rs.stop()
+        await s0.stop()
+
+
+@pytest.mark.asyncio
 async def test_engine_down_is_502_naming_it_and_then_avoided():
     e0, s0 = await start_engine("e0")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there

@@ -235,20 +235,25 @@ class RouterServer:
                 ENGINE_HEADER: engine_id})
             await resp.prepare(request)
             usage = _SseUsage()
-            first = True
-            try:
-                async for chunk in up.content.iter_any():
-                    if first:
-                        self.router.prefill_done(ticket)
-                        first = False
-                    usage.feed(chunk)
+            chunks = up.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
+                    # The status is sent: all that is left is to cut the stream short.
+                    code = "timeout" if isinstance(e, asyncio.TimeoutError) else "disconnect"
+                    self.router.failed(ticket, code, engine_down=True)
+                    log.warning("engine %s: stream cut: %s", engine_id, e)
+                    return resp
+                self.router.prefill_done(ticket)  # the first chunk: prefill is over
+                usage.feed(chunk)
+                try:
                     await resp.write(chunk)
-            except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as e:
-                # The status is sent: all that is left is to cut the stream short.
-                code = "timeout" if isinstance(e, asyncio.TimeoutError) else "disconnect"
-                self.router.failed(ticket, code, engine_down=True)
-                log.warning("engine %s: stream cut: %s", engine_id, e)
-                return resp
+                except ConnectionError:  # the client went away: not the engine's fault
+                    self.router.abandon(ticket)
+                    return resp
             await resp.write_eof()
             self.router.finish(ticket, usage.cached_tokens)
             return resp
