@@ -25,6 +25,7 @@ def test_router_replay_smoke(tmp_path):
     out = tmp_path / "replay.json"
     run = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "router_replay.py"), "--smoke",
+         "--policies", "kv-aware,round-robin,consistent-hash,least-loaded",
          "--trace", str(TRACE), "--manager_bin", manager, "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
