@@ -37,7 +37,7 @@ class EventDecodeError(ValueError):
     """A payload that is not a vLLM KV event batch this module understands."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BlockStored:
     """The engine cached full blocks `block_hashes` (a chain: each block's parent is the
     previous one, the first one's is `parent_block_hash`, None at a prompt's start)."""
@@ -60,7 +60,7 @@ class BlockStored:
     locality: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BlockRemoved:
     """The engine dropped one cached copy of each block (vLLM does not deduplicate: two
     physical blocks may hold the same hash, each stored and removed on its own)."""
@@ -73,7 +73,7 @@ class BlockRemoved:
     remaining_copy_counts: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class AllBlocksCleared:
     """The engine dropped its whole prefix cache."""
 
@@ -81,7 +81,7 @@ class AllBlocksCleared:
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class EventBatch:
     ts: float
     events: tuple[Event, ...]

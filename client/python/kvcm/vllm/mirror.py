@@ -40,7 +40,7 @@ class ChangeKind(IntEnum):
     CLEARED = 3
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Change:
     """STORED: the pool now holds pages [0, n) of this chain. REMOVED: the chain's last page
     and everything under it left. CLEARED: the tier's whole pool left (no hashes). Hashes are
@@ -74,17 +74,23 @@ def tier_of_medium(medium: str | None) -> Tier | None:
     return None
 
 
-@dataclass(slots=True)
 class _Block:
-    parent: BlockHash | None
-    tokens: tuple[int, ...]
-    extras: BlockExtras
-    # Derived once the chain to a prompt start is known; depth -1 marks an orphan.
-    depth: int = -1
-    page_prev: bytes = b""                      # kvcm hash of the previous page
-    acc_tokens: tuple[int, ...] = ()            # this page's tokens up to this block
-    acc_extras: tuple[BlockExtras, ...] = ()    # their extras, one per block
-    khash: bytes | None = None                  # kvcm page hash when the block ends a page
+    """A block whose content is known. Derived fields are set once its chain to a prompt
+    start is known; depth -1 marks an orphan."""
+
+    __slots__ = ("parent", "tokens", "extras", "depth", "page_prev", "acc_tokens",
+                 "acc_extras", "khash")
+
+    def __init__(self, parent: BlockHash | None, tokens: tuple[int, ...],
+                 extras: BlockExtras) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.extras = extras
+        self.depth = -1
+        self.page_prev = b""                           # kvcm hash of the previous page
+        self.acc_tokens: tuple[int, ...] = ()          # this page's tokens up to this block
+        self.acc_extras: tuple[BlockExtras, ...] = ()  # their extras, one per block
+        self.khash: bytes | None = None                # kvcm page hash if it ends a page
 
 
 @dataclass
@@ -142,6 +148,10 @@ class EngineMirror:
             for h in roots:
                 self._refresh(t, h)
         self._changes.clear()
+
+    @property
+    def ns_key(self) -> bytes:
+        return self._ns_key
 
     def take_changes(self) -> list[Change]:
         """Changes since the last call, in order."""

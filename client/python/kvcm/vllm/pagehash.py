@@ -17,14 +17,14 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional, Tuple
 
 from kvcm import hashing
 
 EXTRA_DOMAIN = b"kvcm/extra/v1"
 
 # Per block: a tuple of extra keys, or None for none.
-BlockExtras = tuple[Any, ...] | None
+BlockExtras = Optional[Tuple[Any, ...]]
 
 _NONE, _FALSE, _TRUE, _INT, _FLOAT, _STR, _BYTES, _LIST = range(8)
 _INT_MIN, _INT_MAX = -(1 << 127), (1 << 127) - 1
