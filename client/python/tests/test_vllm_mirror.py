@@ -304,3 +304,11 @@ def test_random_workload_matches_the_engine(form, k):
                 snap.apply(c)
             assert snap.pages == pool.pages
     assert m.counters.refused_blocks == {}
+
+
+def test_extra_keys_kvcm_cannot_encode_are_refused():
+    m = EngineMirror(KEY, BS, BS)
+    m.apply(stored([1], None, toks(4), extra_keys=((float("nan"),),)))
+    m.apply(stored([2], None, toks(4), extra_keys=((1 << 200,),)))
+    assert m.take_changes() == [] and m.known_blocks == 0
+    assert m.counters.refused_blocks == {"extra_keys": 2}

@@ -90,8 +90,12 @@ class EngineBridge:
         if rank is not None and batch.data_parallel_rank not in (None, rank):
             self.ignored_batches += 1
             return True
-        for event in batch.events:
-            self.mirror.apply(event)
+        try:
+            for event in batch.events:
+                self.mirror.apply(event)
+        except Exception:  # a bug, not the engine's fault: resync rather than die
+            log.exception("engine %s: applying batch %d failed", self.id, seq)
+            return False
         self._forward()
         return True
 

@@ -21,7 +21,8 @@ from enum import IntEnum
 
 from kvcm import hashing
 from kvcm.vllm.events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event)
-from kvcm.vllm.pagehash import BlockExtras, blocks_per_page, normalize_extras, page_hash
+from kvcm.vllm.pagehash import (BlockExtras, blocks_per_page, canonical_extras,
+                                normalize_extras, page_hash)
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +236,16 @@ class EngineMirror:
                 self._refuse("token_count", n, f"{len(ev.token_ids)} token ids for {n} blocks "
                              f"of {bs}")
                 return
+            extras = [self._extras_of(ev, i) for i in range(n)]
+            try:
+                canonical_extras(extras)
+            except ValueError as e:
+                self._refuse("extra_keys", n, f"extra keys kvcm cannot encode: {e}")
+                return
             parent = ev.parent_block_hash
             for i, h in enumerate(ev.block_hashes):
-                self._add_content(h, parent, ev.token_ids[i * bs:(i + 1) * bs],
-                                  self._extras_of(ev, i), dirty)
+                self._add_content(h, parent, ev.token_ids[i * bs:(i + 1) * bs], extras[i],
+                                  dirty)
                 parent = h
         for h in ev.block_hashes:
             held = self._holds[tier]
