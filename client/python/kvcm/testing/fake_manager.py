@@ -36,7 +36,8 @@ class _Pool:
 
 
 class FakeEngineManager(pb_grpc.CacheManagerServicer):
-    """`tokens`: token -> (engine_id, tenant) it may publish as; None accepts everything."""
+    """`tokens`: token -> (engine_id, tenant): an engine's token, or ("", tenant) a worker's
+    (registers, never publishes); None accepts everything."""
 
     def __init__(self, secret: bytes = bytes(16), tokens: dict[str, tuple[str, str]] | None
                  = None, default_ttl_ms: int = 30_000):
@@ -65,6 +66,10 @@ class FakeEngineManager(pb_grpc.CacheManagerServicer):
         if self._server is not None:
             await self._server.stop(grace=None)
             self._server = None
+
+    def engine_sessions(self) -> set[str]:
+        self._expire(time.monotonic())
+        return set(self.sessions)
 
     def restart(self) -> None:
         """What a manager restart loses: every session and engine pool (namespaces stay:
