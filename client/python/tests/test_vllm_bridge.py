@@ -266,3 +266,24 @@ async def test_metrics(make_rig):
     assert 'kvcm_vllm_bridge_events_total{engine="vllm-0",type="BlockStored"} 2.0' in text
     assert 'kvcm_vllm_bridge_visible_pages{engine="vllm-0",tier="GPU"} 10.0' in text
     assert 'kvcm_vllm_bridge_up{engine="vllm-0"} 1.0' in text
+
+
+@pytest.mark.asyncio
+async def test_a_failing_loop_restarts_with_a_resync(make_rig, monkeypatch):
+    from kvcm.vllm.bridge import EngineBridge
+    rig = make_rig()
+    await run_prompts(rig, [0])
+    await rig.converge()
+    real = EngineBridge._drain_sub
+    calls = {"n": 0}
+
+    async def flaky(self, sub, now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        await real(self, sub, now)
+
+    monkeypatch.setattr(EngineBridge, "_drain_sub", flaky)
+    await run_prompts(rig, [1, 2])
+    await rig.converge()
+    assert rig.eb.failures == 1 and not rig.task.done()

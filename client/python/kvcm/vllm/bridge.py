@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
 import grpc
@@ -70,6 +71,7 @@ class EngineBridge:
             has_replay=bool(engine.replay_endpoint), probe_interval_s=cfg.probe_interval_s,
             replay_timeout_s=cfg.replay_timeout_s, engine_timeout_s=cfg.engine_timeout_s))
         self.ignored_batches = 0     # other data-parallel ranks
+        self.failures = 0            # loops restarted after a bug
         self.metrics: dict = {}
         self._wake = asyncio.Event()
         self._dealer: zmq.asyncio.Socket | None = None
@@ -148,8 +150,10 @@ class EngineBridge:
             return
         self.mirror = EngineMirror(self.reg.hash_key, self.reg.page_size,
                                    self.engine.block_size, self.engine.kv_group)
-        tasks = [asyncio.create_task(self._zmq_loop(stop), name=f"{self.id}-zmq"),
-                 asyncio.create_task(self._publish_loop(stop), name=f"{self.id}-publish")]
+        tasks = [asyncio.create_task(self._supervise(self._zmq_loop, stop),
+                                     name=f"{self.id}-zmq"),
+                 asyncio.create_task(self._supervise(self._publish_loop, stop),
+                                     name=f"{self.id}-publish")]
         try:
             await stop.wait()
         finally:
@@ -157,6 +161,25 @@ class EngineBridge:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._close_session()
+
+    async def _supervise(self, loop: Callable[[asyncio.Event], Awaitable[None]],
+                         stop: asyncio.Event) -> None:
+        """Runs a loop; a bug in it is logged and the loop starts again (the ZMQ side with
+        a full resync), so one engine never takes the bridge down."""
+        while not stop.is_set():
+            try:
+                await loop(stop)
+                return
+            except Exception:
+                log.exception("engine %s: %s failed; restarting it", self.id, loop.__name__)
+                self.failures += 1
+                if loop == self._zmq_loop:
+                    assert self.mirror is not None
+                    self.mirror.reset()
+                    self.session.suspend()
+                    self.stream = EventStream(self, self.stream.options, self.stream.counters)
+                    self._poller = zmq.asyncio.Poller()
+                await _sleep_or_stop(stop, 1.0)
 
     async def _register(self) -> Registration:
         reg = await self._manager.register(self.tenant, self.model, self.spec,
@@ -348,6 +371,7 @@ class EngineBridge:
             "stream": asdict(self.stream.counters),
             "session": asdict(self.session.counters),
             "ignored_batches": self.ignored_batches,
+            "failures": self.failures,
             "outbox_pages": self.session.outbox_pages,
         }
         if m is not None:

@@ -33,6 +33,7 @@ _COUNTERS = [
     ("bad_payloads", "Batches that did not decode", ("stream", "bad_payloads")),
     ("lost_batches", "Batches nothing could bring back", ("stream", "lost_batches")),
     ("ignored_batches", "Batches of another data-parallel rank", ("ignored_batches",)),
+    ("loop_failures", "Bridge loops restarted after an unexpected error", ("failures",)),
     ("blocks_stored", "Blocks stored by the engine's events", ("mirror", "blocks_stored")),
     ("blocks_removed", "Blocks removed by the engine's events", ("mirror", "blocks_removed")),
     ("unknown_removals", "Removals of blocks the mirror did not hold",
