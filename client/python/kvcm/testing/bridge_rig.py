@@ -169,9 +169,10 @@ class BridgeRig:
     def expected_chains(self) -> list[list[bytes]]:
         """One kvcm chain per page the engine holds with all its ancestors."""
         eng, k = self.engine, self.page_size // self.block_size
-        cached, out = eng.cached_digests(), []
+        cached, out = eng.cached_digests(), list[list[bytes]]()
         for d in cached:
-            path, x = [], d
+            path: list[bytes] = []
+            x: bytes | None = d
             while x is not None:
                 path.append(x)
                 x = eng.meta[x][0]

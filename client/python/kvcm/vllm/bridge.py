@@ -328,7 +328,7 @@ class EngineBridge:
 
     async def _drain_sub(self, sub: zmq.asyncio.Socket, now: float) -> None:
         for _ in range(_MAX_DRAIN):
-            if not sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not _readable(sub):
                 return
             frames = await sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -340,7 +340,7 @@ class EngineBridge:
 
     async def _drain_dealer(self, dealer: zmq.asyncio.Socket, now: float) -> None:
         for _ in range(_MAX_DRAIN):
-            if dealer is not self._dealer or not dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if dealer is not self._dealer or not _readable(dealer):
                 return
             frames = await dealer.recv_multipart()
             # [b"", seq, payload]: ROUTER's envelope delimiter, then vLLM's two frames.
@@ -354,7 +354,7 @@ class EngineBridge:
                 self.stream.on_replay(int.from_bytes(frames[1], "big"), frames[2], now)
 
     async def _drain_monitor(self, monitor: zmq.asyncio.Socket, now: float) -> None:
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while _readable(monitor):
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._sub_disconnected = True
@@ -386,6 +386,10 @@ class EngineBridge:
                 "visible_pages": {t.name: len(m.visible_pages(t)) for t in Tier},
             }
         return snap
+
+
+def _readable(sock: zmq.asyncio.Socket) -> bool:
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)  # type: ignore[arg-type]
 
 
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:

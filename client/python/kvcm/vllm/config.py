@@ -211,9 +211,9 @@ def load(path: str | None) -> BridgeConfig:
     _fill(cfg, data, path)
     _fill(cfg.namespace, ns, f"{path} [namespace]")
     for i, t in enumerate(engines):
-        e = EngineConfig()
-        _fill(e, t, f"{path} [[engine]] #{i + 1}")
-        cfg.engines.append(e)
+        engine = EngineConfig()
+        _fill(engine, t, f"{path} [[engine]] #{i + 1}")
+        cfg.engines.append(engine)
     return cfg
 
 

@@ -75,10 +75,11 @@ class ManagerConnection:
         req = pb.RegisterModelRequest(max_page_age_s=max_page_age_s)
         req.namespace.tenant, req.namespace.model = tenant, model
         s = req.spec
-        s.attention, s.num_layers, s.num_heads = int(spec.attention), spec.num_layers, \
-            spec.num_heads
+        s.attention = int(spec.attention)  # type: ignore[assignment]
+        s.num_layers, s.num_heads = spec.num_layers, spec.num_heads
         s.num_kv_heads, s.head_dim = spec.num_kv_heads, spec.head_dim
-        s.kv_lora_rank, s.rope_dim, s.dtype = spec.kv_lora_rank, spec.rope_dim, int(spec.dtype)
+        s.kv_lora_rank, s.rope_dim = spec.kv_lora_rank, spec.rope_dim
+        s.dtype = int(spec.dtype)  # type: ignore[assignment]
         s.page_size_tokens = spec.page_size_tokens
         s.qk_nope_head_dim, s.v_head_dim = spec.qk_nope_head_dim, spec.v_head_dim
         resp = await self._stub.RegisterModel(req, timeout=self._timeout_s,
@@ -93,7 +94,7 @@ class ManagerConnection:
             ttl_ms=ttl_ms, close=request.close,
             scheme=common_pb2.HashScheme(version=reg.version, page_size_tokens=reg.page_size,
                                          key_fingerprint=reg.key_fingerprint),
-            changes=[pb.EngineChange(kind=int(c.kind), tier=int(c.tier),
+            changes=[pb.EngineChange(kind=int(c.kind), tier=int(c.tier),  # type: ignore[arg-type]
                                      page_hashes=c.page_hashes) for c in request.changes])
         req.namespace.tenant, req.namespace.model = tenant, model
         resp = await self._stub.PublishEngineEvents(req, timeout=self._timeout_s,

@@ -333,6 +333,7 @@ class EngineMirror:
                     continue
                 b.depth = p.depth + 1
                 if b.depth % k == 0:
+                    assert p.khash is not None  # the parent ends the previous page
                     b.page_prev, b.acc_tokens, b.acc_extras = p.khash, b.tokens, (b.extras,)
                 else:
                     b.page_prev = p.page_prev

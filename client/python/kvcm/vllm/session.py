@@ -169,7 +169,7 @@ class PublishSession:
         if not self._outbox and not self._force_send and (
                 now - self._last_sent < self.options.heartbeat_interval_s):
             return None
-        budget, chunk = self.options.max_request_bytes, []
+        budget, chunk = self.options.max_request_bytes, list[Change]()
         while self._outbox and len(chunk) < self.options.max_changes:
             size = len(self._outbox[0].page_hashes) + _CHANGE_OVERHEAD
             if chunk and size > budget:
