@@ -430,23 +430,23 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.insecure:
         log.warning("*** --insecure: the manager is reached in plaintext; the engines' tokens "
                     "cross the network unencrypted ***")
-    try:
-        bridge = Bridge(cfg)
-    except (ConfigError, ValueError) as e:
-        print(f"kvcm-vllm-bridge: {e}", file=sys.stderr)
-        return 2
-    if cfg.metrics_port:
-        from kvcm.vllm.metrics import serve_metrics
-        serve_metrics(bridge.engines, cfg.metrics_address, cfg.metrics_port)
 
     async def run() -> None:
+        bridge = Bridge(cfg)  # inside the loop: grpc.aio and zmq.asyncio bind to it
+        if cfg.metrics_port:
+            from kvcm.vllm.metrics import serve_metrics
+            serve_metrics(bridge.engines, cfg.metrics_address, cfg.metrics_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await bridge.run(stop)
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"kvcm-vllm-bridge: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
