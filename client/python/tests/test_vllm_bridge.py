@@ -287,3 +287,18 @@ async def test_a_failing_loop_restarts_with_a_resync(make_rig, monkeypatch):
     await run_prompts(rig, [1, 2])
     await rig.converge()
     assert rig.eb.failures == 1 and not rig.task.done()
+
+
+@pytest.mark.asyncio
+async def test_long_history_is_replayed_whole(make_rig):
+    # 3000 batches before the bridge starts: one replay, more than vLLM's ROUTER queues (it
+    # drops past 1000 queued messages): holes are asked for again until nothing is missing.
+    def history(engine):
+        for s in range(3000):
+            engine.process(prompt(s, BS + 1))
+
+    rig = make_rig(history=history, num_blocks=7000)
+    chains = await rig.converge(timeout=15)
+    assert len(chains) == 3000
+    c = rig.eb.stream.counters
+    assert c.batches == 3000 and c.lost_batches == 0 and c.resyncs == 0

@@ -191,3 +191,27 @@ def test_pending_is_bounded():
         s.on_live(q, b"p%d" % q, 0.0)
     replay(s, [0, 1, 2, 3, 4, 5, 6], 0.1)
     assert sink.applied == list(range(10))
+
+
+def test_hole_in_a_replay_is_asked_again():
+    # vLLM's ROUTER drops what its send queue cannot hold: a replay may skip batches.
+    s, sink = started()
+    s.on_live(9, b"p9", 0.0)
+    replay(s, [0, 1, 2, 5, 6, 7], 0.1)   # 3 and 4 dropped: nothing after the hole applied
+    assert sink.take()[-1] == ("replay", 3) and s.counters.replay_holes == 1
+    assert sink.applied == [0, 1, 2] and not s.up
+    s.on_live(10, b"p10", 0.2)            # still syncing: kept
+    replay(s, [3, 4, 5, 6, 7, 8, 9], 0.3)
+    assert sink.take() == [("apply", q) for q in range(3, 11)][:7] + [("synced",),
+                                                                      ("apply", 10)]
+    assert sink.applied == list(range(11)) and s.up
+
+
+def test_replay_timeout_while_syncing_resumes_without_applying_live_batches():
+    s, sink = started(replay_timeout_s=1.0, probe_interval_s=0.5)
+    s.on_replay(0, b"p0", 0.1)            # the end marker never comes
+    s.on_tick(1.2)
+    assert sink.take()[-1] == ("replay", 1) and s.counters.replay_timeouts == 1
+    s.on_live(5, b"p5", 1.3)              # kept: history first
+    replay(s, [1, 2, 3, 4, 5], 1.4)
+    assert sink.applied == [0, 1, 2, 3, 4, 5] and s.up

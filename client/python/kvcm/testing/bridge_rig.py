@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -25,7 +26,7 @@ from kvcm.testing.fake_vllm import FakeVllmEngine, FakeVllmPublisher
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.vllm.bridge import Bridge
 from kvcm.vllm.config import BridgeConfig, EngineConfig, NamespaceConfig
-from kvcm.vllm.pagehash import hash_request
+from kvcm.vllm.pagehash import hash_request, page_hash
 
 GPU = 1
 
@@ -116,6 +117,7 @@ class BridgeRig:
     def __init__(self, view: Any, *, form: str = "map", mode: str = "connect",
                  replay: bool = True, buffer_steps: int = 10_000, token: str = "",
                  register_token_file: str = "",
+                 history: Callable[[FakeVllmEngine], None] | None = None,
                  engine_id: str = "vllm-0", num_blocks: int = 256, block_size: int = 16,
                  page_size: int = 0, **cfg: Any):
         self.view, self.engine_id, self.block_size = view, engine_id, block_size
@@ -129,6 +131,9 @@ class BridgeRig:
         self.form, self.buffer_steps, self.num_blocks = form, buffer_steps, num_blocks
         self.pub = self.new_publisher()
         self.engine = FakeVllmEngine(block_size, num_blocks, self.pub)
+        if history is not None:  # what the engine did before the bridge started
+            history(self.engine)
+            self.pub.flush()
         opts: dict[str, Any] = dict(manager=view.address, insecure=True, ttl_ms=1500,
                                     register_token_file=register_token_file,
                                     engine_timeout_s=1.5, probe_interval_s=0.2,
@@ -169,25 +174,42 @@ class BridgeRig:
     def expected_chains(self) -> list[list[bytes]]:
         """One kvcm chain per page the engine holds with all its ancestors."""
         eng, k = self.engine, self.page_size // self.block_size
-        cached, out = eng.cached_digests(), list[list[bytes]]()
+        cached, out = eng.cached_digests(), []
         for d in cached:
             path: list[bytes] = []
             x: bytes | None = d
-            while x is not None:
+            while x is not None and x in cached:
                 path.append(x)
                 x = eng.meta[x][0]
-            if len(path) % k == 0 and all(p in cached for p in path):
-                path.reverse()
-                toks = [t for p in path for t in eng.meta[p][1]]
-                out.append(self.hashes(toks, block_extras=[eng.meta[p][2] for p in path]))
+            if x is None and len(path) % k == 0:
+                out.append(self._chain(path[::-1]))
         return out
+
+    def _chain(self, path: list[bytes]) -> list[bytes]:
+        """kvcm hashes of the pages of a block path from a prompt start (memoized by the
+        path's last block: block hashes name their whole prefix)."""
+        memo = self.__dict__.setdefault("_memo", {})
+        hit = memo.get(path[-1])
+        if hit is None:
+            k = self.page_size // self.block_size
+            prefix = self._chain(path[:-k]) if len(path) > k else []
+            tail = path[-k:]
+            eng = self.engine
+            toks = [t for p in tail for t in eng.meta[p][1]]
+            prev = prefix[-1] if prefix else hashing.ZERO_HASH
+            hit = prefix + [page_hash(self.key, prev, toks, [eng.meta[p][2] for p in tail])]
+            memo[path[-1]] = hit
+        return hit
 
     async def holds(self, chains: list[list[bytes]]) -> bool:
         """Whether the engine's pool is exactly the pages of `chains`."""
         pages = {h for c in chains for h in c}
         if await self.view.pool_pages(self.engine_id) != len(pages):
             return False
+        inner = {h for c in chains for h in c[:-1]}
         for c in chains:
+            if c[-1] in inner:
+                continue  # a prefix of another chain, checked with it
             if await self.view.engine_prefix(self.TENANT, self.MODEL, self.page_size,
                                              self.engine_id, c) != len(c):
                 return False

@@ -86,7 +86,9 @@ class FakeEngineManager(pb_grpc.CacheManagerServicer):
 
     def match(self, engine_id: str, page_hashes: list[bytes], tier: int = 1) -> int:
         """Leading pages of the prompt the engine's pool holds."""
-        held = self.pages(engine_id, tier)
+        self._expire(time.monotonic())
+        pool = self.pools.get((engine_id, tier))
+        held = pool.pages if pool else set()
         n = 0
         while n < len(page_hashes) and page_hashes[n] in held:
             n += 1

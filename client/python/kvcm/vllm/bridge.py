@@ -34,6 +34,7 @@ log = logging.getLogger("kvcm.vllm.bridge")
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _TICK_S = 0.1
 _MAX_DRAIN = 1000  # messages taken from one socket before looking at the others
+_SLICE_S = 0.02    # work between two yields to the loop (the publisher, heartbeats)
 
 
 class _Backoff:
@@ -108,6 +109,7 @@ class EngineBridge:
             self._dealer.close(linger=0)
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.setsockopt(zmq.RCVHWM, 0)  # take a whole replay as fast as it comes
         self._dealer.connect(self.engine.replay_endpoint)
         self._poller.register(self._dealer, zmq.POLLIN)
         self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
@@ -305,6 +307,7 @@ class EngineBridge:
         next_metrics = 0.0
         try:
             while not stop.is_set():
+                await asyncio.sleep(0)  # a ready poll does not yield: let the others run
                 ready = dict(await self._poller.poll(int(_TICK_S * 1000)))
                 now = time.monotonic()
                 if sub in ready:
@@ -330,6 +333,8 @@ class EngineBridge:
         for _ in range(_MAX_DRAIN):
             if not _readable(sub):
                 return
+            if time.monotonic() - now > _SLICE_S:
+                return  # the next poll comes back at once
             frames = await sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 log.warning("engine %s: a live message of %d frames is not [topic, seq, "
@@ -341,6 +346,8 @@ class EngineBridge:
     async def _drain_dealer(self, dealer: zmq.asyncio.Socket, now: float) -> None:
         for _ in range(_MAX_DRAIN):
             if dealer is not self._dealer or not _readable(dealer):
+                return
+            if time.monotonic() - now > _SLICE_S:
                 return
             frames = await dealer.recv_multipart()
             # [b"", seq, payload]: ROUTER's envelope delimiter, then vLLM's two frames.

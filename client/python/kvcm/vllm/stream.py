@@ -9,6 +9,9 @@ for a replay; it does no I/O (its `StreamSink` does), so it is tested without so
   is past that seq cannot cover the gap, and neither can three replays in a row that bring
   nothing: the mirror is forgotten and rebuilt from everything the engine still buffers
   (a *full resync*, replay from 0).
+- vLLM's ROUTER drops what its send queue cannot hold (1000 messages by default), so a long
+  replay may skip batches: nothing after such a hole is applied, and the replay is asked for
+  again from the hole (each round brings at least one more batch).
 - A live seq at or below the previous live seq means the publisher restarted: full resync.
   So does a reconnect of its sockets (an idle engine that restarted sends nothing).
 - A batch that does not decode triggers a full resync; within a full resync it is skipped.
@@ -48,7 +51,7 @@ class StreamOptions:
     has_replay: bool = True
     # Idle time before a liveness probe, seconds.
     probe_interval_s: float = 2.0
-    # A replay request unanswered this long is abandoned, seconds.
+    # A replay request whose answers stop for this long is abandoned, seconds.
     replay_timeout_s: float = 3.0
     # Nothing heard this long: the engine is down, seconds.
     engine_timeout_s: float = 10.0
@@ -63,6 +66,7 @@ class StreamCounters:
     batches: int = 0            # applied
     gaps: int = 0               # gaps seen on the live stream
     replays: int = 0            # replay requests sent (probes included)
+    replay_holes: int = 0       # replays that skipped batches (asked again from the hole)
     probes: int = 0
     replay_timeouts: int = 0
     resyncs: int = 0            # full resyncs (not counting the first sync)
@@ -74,9 +78,11 @@ class StreamCounters:
 @dataclass
 class _Replay:
     start: int
-    full: bool
-    sent_at: float
+    full: bool          # from 0: whatever the engine's buffer starts with is accepted
+    last_activity: float  # sent, or the last answer received
     got_any: bool = False
+    applied: int = 0
+    hole: bool = False  # a batch was skipped: ignore the rest, ask again from it
 
 
 @dataclass
@@ -96,7 +102,9 @@ class EventStream:
         self._last_heard = 0.0
         self._last_request = float("-inf")
         self._empty_replays = 0
-        self._in_full_replay = False
+        # A full resync runs (mirror forgotten): synced() when a replay completes without a
+        # hole; undecodable batches are skipped meanwhile.
+        self._syncing = False
 
     # ---- inputs -----------------------------------------------------------------------
 
@@ -115,10 +123,10 @@ class EventStream:
         if restarted:
             self.counters.restarts += 1
             self._full_resync(now)
-        if self._replay is not None or not self.up:
+        if self._replay is not None or not self.up or self._syncing:
             self._pend(seq, payload)
             if self._replay is None:
-                self._request(0, True, now)
+                self._resume(now)
             return
         if self.next_seq is None:
             self.next_seq = seq
@@ -136,16 +144,23 @@ class EventStream:
         r = self._replay
         if r is None:
             return
+        r.last_activity = now
+        if r.hole:
+            return
         r.got_any = True
         if self.next_seq is not None and seq < self.next_seq:
             return
-        if self.next_seq is not None and seq > self.next_seq:
-            if not r.full:
-                self.counters.lost_batches += seq - self.next_seq
-                self._full_resync(now)
-                return
+        if self.next_seq is None or seq == self.next_seq:
+            r.applied += 1
+            self._apply(seq, payload, now)
+            return
+        if r.applied == 0 and not r.full:
+            # The buffer no longer reaches back to next_seq.
             self.counters.lost_batches += seq - self.next_seq
-        self._apply(seq, payload, now)
+            self._full_resync(now)
+            return
+        self.counters.replay_holes += 1
+        r.hole = True
 
     def on_replay_end(self, now: float) -> None:
         self._last_heard = now
@@ -153,9 +168,12 @@ class EventStream:
         if r is None:
             return
         self._replay = None
+        if r.hole:
+            self._resume(now)
+            return
         self._empty_replays = 0 if r.got_any else self._empty_replays + 1
-        if r.full:
-            self._in_full_replay = False
+        if self._syncing:
+            self._syncing = False
             self.up = True
             self.sink.synced()
         self._drain(now)
@@ -178,7 +196,7 @@ class EventStream:
         if not o.has_replay:
             return
         r = self._replay
-        if r is not None and now - r.sent_at > o.replay_timeout_s:
+        if r is not None and now - r.last_activity > o.replay_timeout_s:
             self.counters.replay_timeouts += 1
             self._replay = None
         if self.up and now - self._last_heard > o.engine_timeout_s:
@@ -191,16 +209,11 @@ class EventStream:
             self.sink.down()
         if self._replay is not None or now - self._last_request < o.probe_interval_s:
             return
-        if not self.up:
-            self._request(0, True, now)
-        elif self._pending:
-            self._request(self.next_seq if self.next_seq is not None else 0, False, now)
+        if not self.up or self._syncing or self._pending:
+            self._resume(now)
         elif now - self._last_heard >= o.probe_interval_s:
             self.counters.probes += 1
-            if self.next_seq is None:
-                self._request(0, True, now)
-            else:
-                self._request(self.next_seq, False, now)
+            self._resume(now)
 
     # ---- internals --------------------------------------------------------------------
 
@@ -225,9 +238,16 @@ class EventStream:
         if len(self._pending) > self.options.max_pending:
             del self._pending[min(self._pending)]
 
+    def _resume(self, now: float) -> None:
+        """Asks for what follows the last applied batch (everything, if none)."""
+        if self.next_seq is None:
+            self._request(0, True, now)
+        else:
+            self._request(self.next_seq, False, now)
+
     def _request(self, start: int, full: bool, now: float) -> None:
         self._replay = _Replay(start, full, now)
-        self._in_full_replay = full
+        self._syncing = self._syncing or full
         self._last_request = now
         self.counters.replays += 1
         self.sink.request_replay(start)
@@ -238,7 +258,7 @@ class EventStream:
             self.counters.batches += 1
             return
         self.counters.bad_payloads += 1
-        if self._in_full_replay or not self.options.has_replay:
+        if self._syncing or not self.options.has_replay:
             self.counters.lost_batches += 1  # the engine's own history holds it: skip it
             return
         self._full_resync(now)
