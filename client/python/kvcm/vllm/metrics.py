@@ -28,6 +28,7 @@ _COUNTERS = [
     ("replays", "Replay requests sent to the engine (probes included)", ("stream", "replays")),
     ("probes", "Liveness probes sent", ("stream", "probes")),
     ("replay_timeouts", "Replay requests left unanswered", ("stream", "replay_timeouts")),
+    ("replay_holes", "Replays that skipped batches, asked again", ("stream", "replay_holes")),
     ("resyncs", "Full resyncs (mirror rebuilt from the engine's buffer)", ("stream", "resyncs")),
     ("restarts", "Publisher restarts or reconnects detected", ("stream", "restarts")),
     ("bad_payloads", "Batches that did not decode", ("stream", "bad_payloads")),
