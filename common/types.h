@@ -49,6 +49,9 @@ using BlockId = uint32_t;
 // Block id of a page the manager has moved to a tier (a demotion) whose agent has not yet
 // reported where it put it.
 inline constexpr BlockId kPendingBlock = 0xFFFFFFFF;
+// The block id of every page in an engine's pool (PoolStats::engine): the engine keeps its
+// own blocks, which the manager never names.
+inline constexpr BlockId kNoBlock = 0xFFFFFFFE;
 
 }  // namespace kvcm
 

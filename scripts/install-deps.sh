@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvcm builds, tests and serves with (clang and
 # libclang-rt-14-dev, which holds libclang_rt.fuzzer, build the fuzz/ harnesses; libssl-dev
-# is the agents' TLS data port, openssl makes the tests' certificates).
+# is the agents' TLS data port, openssl makes the tests' certificates; python3-venv and
+# python3-dev build and test the Python client).
 # Does nothing when everything is already there; needs root (or sudo) otherwise.
 set -euo pipefail
 
@@ -12,6 +13,7 @@ packages=(
   libssl-dev openssl
   clang-format prometheus
   clang libclang-rt-14-dev
+  python3-venv python3-dev
 )
 
 missing=()

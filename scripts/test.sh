@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds kvcm with tests and benchmarks, and runs ctest.
+# Installs what is missing, builds kvcm with tests and benchmarks, installs the Python client
+# into a virtual environment (BUILD_DIR/pyenv), and runs ctest.
 #   ./scripts/test.sh               # everything
 #   ./scripts/test.sh -R CacheIndex # extra arguments go to ctest
 # Then builds the libFuzzer harnesses and runs each briefly (scripts/fuzz.sh).
@@ -23,6 +24,10 @@ cmake -S . -B "$build_dir" -G Ninja \
   -DKVCM_BUILD_TESTS=ON \
   -DKVCM_BUILD_BENCH=ON
 cmake --build "$build_dir" -j "$jobs"
+# The Python client (client/python) in a virtual environment for ctest's python_client_test
+# and readme_python_demo, which must run here, never skip.
+./scripts/python_env.sh "$build_dir/pyenv"
+export KVCM_REQUIRE_PYTHON=1
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
 
 fuzz_seconds=${FUZZ_SECONDS:-5}

@@ -2,10 +2,10 @@
 
 namespace kvcm {
 
-PoolId ByteBudget::Intern(const PoolKey& pool, uint64_t capacity_bytes) {
+PoolId ByteBudget::Intern(const PoolKey& pool, uint64_t capacity_bytes, bool engine) {
   auto [it, inserted] = ids_.try_emplace(pool, static_cast<PoolId>(pools_.size()));
   if (inserted) {
-    pools_.push_back(PoolStats{.pool = pool, .capacity_bytes = capacity_bytes});
+    pools_.push_back(PoolStats{.pool = pool, .capacity_bytes = capacity_bytes, .engine = engine});
     retired_.push_back(0);
   }
   return it->second;
@@ -16,7 +16,8 @@ PoolId ByteBudget::Replace(PoolId id) {
   const PoolStats& old = pools_[id];
   pools_.push_back(PoolStats{.pool = old.pool,
                              .capacity_bytes = old.capacity_bytes,
-                             .reserved_bytes = old.reserved_bytes});
+                             .reserved_bytes = old.reserved_bytes,
+                             .engine = old.engine});
   retired_.push_back(0);
   retired_[id] = 1;
   pools_[id].reserved_bytes = 0;

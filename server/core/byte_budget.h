@@ -27,12 +27,15 @@ struct PoolStats {
   // queued prefills). Not used yet, but not free either.
   uint64_t reserved_bytes = 0;
   uint64_t pages = 0;  // page-locations in this pool
+  // An engine's pool (CacheIndex::StoreEnginePages): the engine's events are its truth, so
+  // the manager never evicts, expires or reserves it; capacity_bytes is 0 (the engine's own).
+  bool engine = false;
 };
 
 class ByteBudget {
  public:
-  // Id of `pool`, creating it with `capacity_bytes` if new.
-  PoolId Intern(const PoolKey& pool, uint64_t capacity_bytes);
+  // Id of `pool`, creating it with `capacity_bytes` (an engine's pool when `engine`) if new.
+  PoolId Intern(const PoolKey& pool, uint64_t capacity_bytes, bool engine = false);
   // The live id of `pool`; a retired id is never returned.
   std::optional<PoolId> Find(const PoolKey& pool) const;
   size_t size() const { return pools_.size(); }
@@ -42,6 +45,7 @@ class ByteBudget {
   // and stays valid, but Find no longer returns it. REQUIRES: !retired(id).
   PoolId Replace(PoolId id);
   bool retired(PoolId id) const { return retired_[id] != 0; }
+  bool engine(PoolId id) const { return pools_[id].engine; }
 
   // Valid for the budget's lifetime: pools are never removed.
   const PoolKey& key(PoolId id) const { return pools_[id].pool; }

@@ -197,7 +197,8 @@ absl::StatusOr<absl::Duration> CacheIndex::LeaseTtl(absl::Duration requested) co
 }
 
 void CacheIndex::RefreshCandidate(RadixNode* node, Replica& replica) {
-  const bool want = !node->is_root() && node->pin_count == 0 && replica.child_refs == 0;
+  const bool want = !node->is_root() && node->pin_count == 0 && replica.child_refs == 0 &&
+                    !budget_.engine(replica.pool);
   if (want == replica.evictable) return;
   replica.evictable = want;
   if (want) {
@@ -227,15 +228,20 @@ void CacheIndex::PinPath(RadixNode* node) {
 }
 
 void CacheIndex::UnpinPath(RadixNode* node) {
-  for (RadixNode* n = node; !n->is_root(); n = n->parent) {
+  for (RadixNode* n = node; !n->is_root();) {
+    RadixNode* parent = n->parent;
     assert(n->pin_count > 0);
-    if (--n->pin_count > 0) continue;
-    const uint64_t bytes = NodeBytes(n);
-    for (Replica& r : n->replicas) {
-      budget_.Unpin(r.pool, bytes);
-      TenantPin(n, r.pool, false);
-      RefreshCandidate(n, r);
+    if (--n->pin_count == 0) {
+      const uint64_t bytes = NodeBytes(n);
+      for (Replica& r : n->replicas) {
+        budget_.Unpin(r.pool, bytes);
+        TenantPin(n, r.pool, false);
+        RefreshCandidate(n, r);
+      }
+      // A node an engine emptied while it was pinned (RemoveEngineReplica) goes with its pin.
+      if (n->replicas.empty() && n->children.empty()) n->tree->Remove(n);
     }
+    n = parent;
   }
 }
 
@@ -274,12 +280,14 @@ void CacheIndex::Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
                        .reason = reason});
 }
 
-void CacheIndex::ForgetPin(const Lease& lease) { --OwnerOf(lease.node)->tenant->pins; }
+void CacheIndex::EndPin(const Lease& lease) {
+  --OwnerOf(lease.node)->tenant->pins;
+  UnpinPath(lease.node);  // last: it may remove a node an engine emptied, lease.node too
+}
 
 void CacheIndex::ExpireLeasesLocked(absl::Time now) {
   leases_.Expire(now, [this](const Lease& lease) {
-    UnpinPath(lease.node);
-    ForgetPin(lease);
+    EndPin(lease);
     ++counters_.lease_expiries;
   });
 }
@@ -330,16 +338,20 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   result.prompt_pages = static_cast<uint32_t>(pages.size());
   result.matched_pages = ns.tree.Walk(pages, &path);
   const int64_t cutoff_ms = ExpiryCutoffMs(ns, now);
-  if (!sweeping_.empty() || cutoff_ms != INT64_MIN) {
-    // Pages only dropped pools still hold are gone, and so are pages past their age: the
-    // match ends before the first. A node that holds an expired copy ends it even when
-    // another pool holds the pages younger: pinning the node would keep the old copy.
-    for (size_t i = 0; i < path.size(); ++i) {
-      if (HasLiveReplica(path[i].node) && !HoldsExpired(path[i].node, cutoff_ms)) continue;
-      result.matched_pages = path[i].first_page;
-      path.resize(i);
-      break;
+  // Pages no pool holds (a pinned node an engine emptied), pages only dropped pools still
+  // hold and pages past their age are gone: the match ends before the first. A node that
+  // holds an expired copy ends it even when another pool holds the pages younger: pinning
+  // the node would keep the old copy.
+  const bool check_live = !sweeping_.empty() || cutoff_ms != INT64_MIN;
+  for (size_t i = 0; i < path.size(); ++i) {
+    const RadixNode* node = path[i].node;
+    if (!node->replicas.empty() &&
+        (!check_live || (HasLiveReplica(node) && !HoldsExpired(node, cutoff_ms)))) {
+      continue;
     }
+    result.matched_pages = path[i].first_page;
+    path.resize(i);
+    break;
   }
 
   if (options.pin && options_.tenant_max_pinned_bytes > 0) {
@@ -348,7 +360,9 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     for (const PathStep& step : path) {
       if (step.node->pin_count > 0) continue;
       for (const Replica& r : step.node->replicas) {
-        if (!budget_.retired(r.pool)) adding += uint64_t{step.matched} * ns.bytes_per_page;
+        if (!budget_.retired(r.pool) && !budget_.engine(r.pool)) {
+          adding += uint64_t{step.matched} * ns.bytes_per_page;
+        }
       }
     }
     if (tenant.pinned_bytes + adding > options_.tenant_max_pinned_bytes) {
@@ -438,6 +452,9 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
       options.committed_at.has_value() ? std::min(*options.committed_at, now) : now);
 
   std::optional<PoolId> pool_id = budget_.Find(pool);
+  if (pool_id.has_value()) {
+    if (absl::Status s = NotEnginePool(*pool_id, pool, "written by Insert"); !s.ok()) return s;
+  }
   if (options.pool_generation.has_value() &&
       (!pool_id.has_value() || uint64_t{*pool_id} != *options.pool_generation)) {
     return absl::AbortedError(absl::StrCat("pool ", pool.ToString(),
@@ -557,8 +574,7 @@ absl::Status CacheIndex::Release(const NamespaceId& ns_id, PinId pin_id) {
   if (!ns.ok()) return ns.status();
   absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
   if (!lease.ok()) return lease.status();
-  UnpinPath((*lease)->node);
-  ForgetPin(**lease);
+  EndPin(**lease);
   leases_.Erase(pin_id);
   ++counters_.pins_released;
   return absl::OkStatus();

@@ -426,6 +426,30 @@ class CacheIndex {
   absl::StatusOr<DeleteNamespaceResult> DeleteNamespace(const NamespaceId& ns)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Engine pools (cache_index_engine.cc): the prefix cache of an inference engine that keeps
+  // its own KV, mirrored from its events (PublishEngineEvents). The engine is their truth:
+  // the manager never evicts, expires or reserves them, Insert never writes them, they hold
+  // no blocks (kNoBlock) and count against no tenant quota. An engine's changes apply even
+  // to pinned pages: a pin cannot keep KV the engine dropped (Match stops before pages no
+  // pool holds any more, and RenewLease of such a pin is ABORTED).
+  //
+  // Records that engine pool `pool` holds every page of the chain `pages` (from a prompt's
+  // first page), creating the pool on first use. Returns the page-locations added.
+  // FAILED_PRECONDITION naming the pool when it is an agent's or an index-only pool;
+  // NOT_FOUND for an unknown namespace; INVALID_ARGUMENT for no pages.
+  absl::StatusOr<uint64_t> StoreEnginePages(const NamespaceId& ns, std::span<const PageHash> pages,
+                                            const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes from `pool` the chain's last page and every page under it; nothing when the pool
+  // does not hold that page. Returns the page-locations removed. Errors as StoreEnginePages.
+  absl::StatusOr<uint64_t> RemoveEnginePages(const NamespaceId& ns, std::span<const PageHash> pages,
+                                             const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes every page of `ns` in `pool` (0 for a pool never used). Errors as
+  // StoreEnginePages, except that no pages is what it takes.
+  absl::StatusOr<uint64_t> ClearEnginePool(const NamespaceId& ns, const PoolKey& pool)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Page-locations `pool` holds (0 for an unknown pool).
+  uint64_t PoolPages(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Removes up to `max_replicas` retired replicas (unpinned ones, leaves first) from the
   // tree, freeing nodes nothing else holds. The manager runs it in small steps on a timer,
   // so the index lock is never held for long.
@@ -468,8 +492,9 @@ class CacheIndex {
   absl::StatusOr<PoolId> FindPool(const PoolKey& pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::StatusOr<absl::Duration> LeaseTtl(absl::Duration requested) const;
   void ExpireLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A pin of `lease`'s tenant was released or expired.
-  void ForgetPin(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the pin `lease` (released, expired or its namespace deleted): unpins its path and
+  // counts it off its tenant. lease.node may be gone when it returns.
+  void EndPin(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Tenant quotas (cache_index_quota.cc). The record of tenant `name`, created if new.
   Tenant& InternTenant(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -529,6 +554,23 @@ class CacheIndex {
   // `on_last`, called with the node before it goes). Returns the replica's block ids.
   std::vector<BlockId> RemoveReplica(RadixNode* node, PoolId pool,
                                      absl::FunctionRef<void(RadixNode*)> on_last)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Engine pools (cache_index_engine.cc). The pool's id, created as an engine pool when new
+  // and `create`; FAILED_PRECONDITION when `pool` is not an engine's, NOT_FOUND when
+  // unknown and not `create`.
+  absl::StatusOr<PoolId> EnginePool(const PoolKey& pool, bool create)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION naming `what` when `pool` is an engine's.
+  absl::Status NotEnginePool(PoolId pool, const PoolKey& key, absl::string_view what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Removes `node`'s replica in engine pool `pool`, pinned or not. A node left with no
+  // replica goes at once when unpinned; a pinned one stays, holding nothing, until its last
+  // pin ends (UnpinPath). REQUIRES: the node holds `pool` and no descendant does.
+  void RemoveEngineReplica(RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the replicas in engine pool `pool` of `top` and of every descendant, leaves
+  // first; returns the page-locations removed. `on_node` sees each node's pages first.
+  uint64_t RemoveEngineSubtree(RadixNode* top, PoolId pool,
+                               absl::FunctionRef<void(const RadixNode&)> on_node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `node` has a replica in a pool that is not retired.
   bool HasLiveReplica(const RadixNode* node) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

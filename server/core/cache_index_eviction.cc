@@ -222,10 +222,7 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
   }
   Namespace& ns = *it->second;
   DeleteNamespaceResult result;
-  result.dropped_pins = leases_.ForgetTree(&ns.tree, [this](const Lease& lease) {
-    UnpinPath(lease.node);
-    ForgetPin(lease);
-  });
+  result.dropped_pins = leases_.ForgetTree(&ns.tree, [this](const Lease& lease) { EndPin(lease); });
   // Preorder, then removed back to front: every node after its descendants, so each replica
   // is an unpinned leaf of its pool (child_refs 0) when it goes.
   std::vector<RadixNode*> order;
@@ -245,6 +242,12 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
       const bool live = !budget_.retired(pool);
       const bool last = node->replicas.size() == 1;
       result.removed_pages += pages.size();
+      if (budget_.engine(pool)) {
+        RemoveEngineReplica(node, pool);  // no block to free
+        if (live) Emit(CacheEvent::Kind::kRemoved, ns, pool, pages);
+        if (last) break;
+        continue;
+      }
       std::vector<BlockId> blocks = RemoveReplica(node, pool, [](RadixNode*) {});
       // A retired pool's blocks went with its agent's old epoch: nothing to free.
       if (live) Emit(CacheEvent::Kind::kRemoved, ns, pool, pages, std::move(blocks));
@@ -327,6 +330,9 @@ absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_
   if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
   absl::MutexLock lock(&mu_);
   std::optional<PoolId> id = budget_.Find(pool);
+  if (id.has_value()) {
+    if (absl::Status s = NotEnginePool(*id, pool, "registered by an agent"); !s.ok()) return s;
+  }
   if (id.has_value() && budget_.used(*id) > capacity_bytes) {
     const uint64_t excess = budget_.used(*id) - capacity_bytes;
     if (budget_.evictable(*id) < excess) {
@@ -346,6 +352,7 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint6
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<PoolId> id = FindPool(pool);
   if (!id.ok()) return id.status();
+  if (absl::Status s = NotEnginePool(*id, pool, "evicted"); !s.ok()) return s;
   if (bytes > budget_.used(*id)) {
     return absl::OutOfRangeError(absl::StrCat("bytes ", bytes, " exceeds the ", budget_.used(*id),
                                               " bytes pool ", pool.ToString(), " holds"));
@@ -384,7 +391,8 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns
     RadixNode* node = stack.back();
     stack.pop_back();
     for (const Replica& r : node->replicas) {
-      if (budget_.retired(r.pool)) continue;
+      // Engine pools are the engines' to evict.
+      if (budget_.retired(r.pool) || budget_.engine(r.pool)) continue;
       used += NodeBytes(node);
       if (node->pin_count > 0) pinned += NodeBytes(node);
       if (r.evictable) heap.push({policy_->Priority(node, r.pool), node, r.pool});

@@ -49,20 +49,23 @@ int64_t CacheIndex::ExpiryCutoffMs(const Namespace& ns, absl::Time now) {
 bool CacheIndex::HoldsExpired(const RadixNode* node, int64_t cutoff_ms) const {
   if (cutoff_ms == INT64_MIN) return false;
   for (const Replica& r : node->replicas) {
-    if (r.committed_ms <= cutoff_ms && !budget_.retired(r.pool)) return true;
+    if (r.committed_ms <= cutoff_ms && !budget_.retired(r.pool) && !budget_.engine(r.pool)) {
+      return true;
+    }
   }
   return false;
 }
 
 void CacheIndex::TrackExpiry(RadixNode* node, const Replica& replica) {
   Namespace& ns = *OwnerOf(node);
-  if (ns.max_age == absl::InfiniteDuration()) return;
+  // An engine's pages stay as long as the engine keeps them: retention is the engine's.
+  if (ns.max_age == absl::InfiniteDuration() || budget_.engine(replica.pool)) return;
   ns.expiry.insert(ExpiryEntry{replica.committed_ms, node, replica.pool});
 }
 
 void CacheIndex::UntrackExpiry(RadixNode* node, const Replica& replica) {
   Namespace& ns = *OwnerOf(node);
-  if (ns.max_age == absl::InfiniteDuration()) return;
+  if (ns.max_age == absl::InfiniteDuration() || budget_.engine(replica.pool)) return;
   ns.expiry.erase(ExpiryEntry{replica.committed_ms, node, replica.pool});
 }
 

@@ -36,7 +36,8 @@ void CacheIndex::MaybeForgetTenant(Tenant& tenant) {
 }
 
 void CacheIndex::TenantStore(const RadixNode* node, PoolId pool) {
-  if (budget_.retired(pool)) return;
+  // Retired pools count for no one; engine pools are the engines' memory, not kvcm's.
+  if (budget_.retired(pool) || budget_.engine(pool)) return;
   Tenant& tenant = *OwnerOf(node)->tenant;
   const uint64_t bytes = NodeBytes(node);
   Tenant::PoolUse& use = tenant.by_pool[pool];
@@ -49,7 +50,8 @@ void CacheIndex::TenantStore(const RadixNode* node, PoolId pool) {
 }
 
 void CacheIndex::TenantUnstore(const RadixNode* node, PoolId pool) {
-  if (budget_.retired(pool)) return;
+  // Retired pools count for no one; engine pools are the engines' memory, not kvcm's.
+  if (budget_.retired(pool) || budget_.engine(pool)) return;
   Tenant& tenant = *OwnerOf(node)->tenant;
   const uint64_t bytes = NodeBytes(node);
   auto it = tenant.by_pool.find(pool);
@@ -64,7 +66,8 @@ void CacheIndex::TenantUnstore(const RadixNode* node, PoolId pool) {
 }
 
 void CacheIndex::TenantPin(const RadixNode* node, PoolId pool, bool pinned) {
-  if (budget_.retired(pool)) return;
+  // Retired pools count for no one; engine pools are the engines' memory, not kvcm's.
+  if (budget_.retired(pool) || budget_.engine(pool)) return;
   Tenant& tenant = *OwnerOf(node)->tenant;
   const uint64_t bytes = NodeBytes(node);
   auto it = tenant.by_pool.find(pool);
@@ -167,6 +170,7 @@ absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<PoolId> id = FindPool(pool);
   if (!id.ok()) return id.status();
+  if (absl::Status s = NotEnginePool(*id, pool, "reserved"); !s.ok()) return s;
   Tenant& tenant = InternTenant(tenant_name);
   absl::StatusOr<uint64_t> evicted =
       MakeRoom(tenant, bytes, *id, pool, budget_.Shortfall(*id, bytes), "the reservation");
@@ -232,7 +236,7 @@ absl::Status CacheIndex::CheckTenantAccounting() const {
       const RadixNode* node = stack.back();
       stack.pop_back();
       for (const Replica& r : node->replicas) {
-        if (budget_.retired(r.pool)) continue;
+        if (budget_.retired(r.pool) || budget_.engine(r.pool)) continue;
         const uint64_t bytes = NodeBytes(node);
         u.stored += bytes;
         u.by_pool[r.pool].stored += bytes;
