@@ -312,3 +312,18 @@ def test_extra_keys_kvcm_cannot_encode_are_refused():
     m.apply(stored([2], None, toks(4), extra_keys=((1 << 200,),)))
     assert m.take_changes() == [] and m.known_blocks == 0
     assert m.counters.refused_blocks == {"extra_keys": 2}
+
+
+def test_a_batch_gives_one_change_per_chain():
+    m = EngineMirror(KEY, BS, BS)
+    h = hashing.hash_pages(KEY, list(toks(20)), BS)
+    # vLLM stores a prompt's blocks over several events of one step.
+    m.apply_batch([stored([1, 2], None, toks(8)), stored([3], 2, toks(4, 8)),
+                   stored([4, 5], 3, toks(8, 12))])
+    assert m.take_changes() == [Change(STORED, Tier.GPU, chain(*h))]
+    # ... and evicts tail first, one event per block.
+    m.apply_batch([BlockRemoved((b,), "GPU") for b in (5, 4, 3)])
+    assert m.take_changes() == [Change(REMOVED, Tier.GPU, chain(*h[:3]))]
+    # Evicted and stored again within one step: nothing changed.
+    m.apply_batch([BlockRemoved((2,), "GPU"), stored([2], 1, toks(4, 4))])
+    assert m.take_changes() == [] and m.visible_pages(Tier.GPU) == set(h[:2])

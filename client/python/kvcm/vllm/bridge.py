@@ -94,8 +94,7 @@ class EngineBridge:
             self.ignored_batches += 1
             return True
         try:
-            for event in batch.events:
-                self.mirror.apply(event)
+            self.mirror.apply_batch(batch.events)
         except Exception:  # a bug, not the engine's fault: resync rather than die
             log.exception("engine %s: applying batch %d failed", self.id, seq)
             return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -130,6 +131,9 @@ class EngineMirror:
         self._visible: dict[Tier, set[BlockHash]] = {t: set() for t in Tier}
         self._unresolved: set[BlockHash] = set()
         self._changes: list[Change] = []
+        # Touched by the batch being applied: pages to re-evaluate, blocks maybe unheld.
+        self._dirty: dict[Tier, set[BlockHash]] = {t: set() for t in Tier}
+        self._released: set[BlockHash] = set()
 
     def rekey(self, ns_key: bytes) -> None:
         """Rehashes every block with a new namespace key (the manager's secret changed).
@@ -190,31 +194,54 @@ class EngineMirror:
 
     def apply(self, event: Event) -> None:
         """Applies one decoded event; refusals are counted, never raised."""
-        name = type(event).__name__
-        self.counters.events[name] += 1
-        if isinstance(event, AllBlocksCleared):
-            for t in Tier:
-                if self._visible[t]:
-                    self._changes.append(Change(ChangeKind.CLEARED, t))
-            changes = self._changes
-            self.reset()
-            self._changes = changes
-            return
-        if event.group_idx is not None and event.group_idx != self.kv_group:
-            self.counters.ignored_events["other_group"] += 1
-            return
-        if event.locality is not None and event.locality.upper() == "REMOTE":
-            self.counters.ignored_events["remote"] += 1
-            return
-        tier = tier_of_medium(event.medium)
-        if tier is None:
-            self._refuse("unknown_medium", len(event.block_hashes),
-                         f"medium {event.medium!r} is not a tier kvcm knows")
-            return
-        if isinstance(event, BlockStored):
-            self._stored(event, tier)
-        elif isinstance(event, BlockRemoved):
-            self._removed(event, tier)
+        self.apply_batch((event,))
+
+    def apply_batch(self, events: Iterable[Event]) -> None:
+        """Applies the events of one vLLM batch (one engine step). What they change is
+        worked out once, at the end, so blocks stored or evicted together give one STORED or
+        REMOVED per chain rather than one per block."""
+        for event in events:
+            self.counters.events[type(event).__name__] += 1
+            if isinstance(event, AllBlocksCleared):
+                for t in Tier:
+                    if self._visible[t]:
+                        self._changes.append(Change(ChangeKind.CLEARED, t))
+                changes = self._changes
+                self.reset()
+                self._changes = changes
+                continue
+            if event.group_idx is not None and event.group_idx != self.kv_group:
+                self.counters.ignored_events["other_group"] += 1
+                continue
+            if event.locality is not None and event.locality.upper() == "REMOTE":
+                self.counters.ignored_events["remote"] += 1
+                continue
+            tier = tier_of_medium(event.medium)
+            if tier is None:
+                self._refuse("unknown_medium", len(event.block_hashes),
+                             f"medium {event.medium!r} is not a tier kvcm knows")
+            elif isinstance(event, BlockStored):
+                self._stored(event, tier)
+            elif isinstance(event, BlockRemoved):
+                self._removed(event, tier)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Re-evaluates the pages of the blocks the batch touched, shallowest first (a page
+        that appears or goes takes its subtree with it), then forgets unheld blocks."""
+        for t in Tier:
+            dirty = self._dirty[t]
+            if not dirty:
+                continue
+            blocks = [(b.depth, h) for h in dirty
+                      if (b := self._blocks.get(h)) is not None and b.depth >= 0]
+            dirty.clear()
+            for _, h in sorted(blocks, key=lambda x: x[0]):
+                self._refresh(t, h)
+        for h in self._released:
+            if not any(h in self._holds[t] for t in Tier):
+                self._forget(h)
+        self._released.clear()
 
     def _refuse(self, reason: str, blocks: int, message: str) -> None:
         self.counters.refused_blocks[reason] += blocks
@@ -226,7 +253,7 @@ class EngineMirror:
 
     def _stored(self, ev: BlockStored, tier: Tier) -> None:
         n, bs = len(ev.block_hashes), self.block_size
-        dirty: list[BlockHash] = []
+        resolved: list[BlockHash] = []
         if ev.token_ids:
             if ev.block_size != bs:
                 self._refuse("block_size", n, f"event block_size {ev.block_size} is not the "
@@ -245,18 +272,18 @@ class EngineMirror:
             parent = ev.parent_block_hash
             for i, h in enumerate(ev.block_hashes):
                 self._add_content(h, parent, ev.token_ids[i * bs:(i + 1) * bs], extras[i],
-                                  dirty)
+                                  resolved)
                 parent = h
+        for t in Tier:  # a block whose chain became known may be held in any tier
+            self._dirty[t].update(resolved)
+        held = self._holds[tier]
         for h in ev.block_hashes:
-            held = self._holds[tier]
             held[h] = held.get(h, 0) + 1
-            dirty.append(h)
+        self._dirty[tier].update(ev.block_hashes)
         self.counters.blocks_stored += n
-        self._refresh_dirty(dirty, (tier,) if not ev.token_ids else tuple(Tier))
 
     def _removed(self, ev: BlockRemoved, tier: Tier) -> None:
         held = self._holds[tier]
-        dirty: list[BlockHash] = []
         for i, h in enumerate(ev.block_hashes):
             count = held.get(h, 0)
             if count == 0:
@@ -267,12 +294,9 @@ class EngineMirror:
                 held[h] = left
             else:
                 del held[h]
-                dirty.append(h)
+                self._dirty[tier].add(h)
+                self._released.add(h)
             self.counters.blocks_removed += 1
-        self._refresh_dirty(dirty, (tier,))
-        for h in dirty:
-            if not any(h in self._holds[t] for t in Tier):
-                self._forget(h)
 
     @staticmethod
     def _extras_of(ev: BlockStored, i: int) -> BlockExtras:
@@ -289,7 +313,7 @@ class EngineMirror:
     # ---- content and hashes -----------------------------------------------------------
 
     def _add_content(self, h: BlockHash, parent: BlockHash | None, tokens: tuple[int, ...],
-                     extras: BlockExtras, dirty: list[BlockHash]) -> None:
+                     extras: BlockExtras, resolved: list[BlockHash]) -> None:
         b = self._blocks.get(h)
         if b is not None:
             if b.tokens != tokens or b.parent != parent or b.extras != extras:
@@ -300,7 +324,7 @@ class EngineMirror:
             self._children.setdefault(parent, set()).add(h)
         self._unresolved.add(h)
         if self._resolve(h):
-            dirty.append(h)
+            resolved.append(h)
 
     def _forget(self, h: BlockHash) -> None:
         """Drops a block no tier holds; its children keep their derived hashes."""
@@ -351,13 +375,6 @@ class EngineMirror:
         return resolved_any
 
     # ---- visibility -------------------------------------------------------------------
-
-    def _refresh_dirty(self, dirty: list[BlockHash], tiers: tuple[Tier, ...]) -> None:
-        for t in tiers:
-            for h in dirty:
-                b = self._blocks.get(h)
-                if b is not None and b.depth >= 0:
-                    self._refresh(t, h)
 
     def _page_ends_under(self, h: BlockHash, levels: int) -> list[BlockHash]:
         """Resolved descendants of h exactly `levels` blocks below it (h itself for 0)."""
