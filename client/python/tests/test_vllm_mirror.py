@@ -274,9 +274,9 @@ def expected_visible(eng, key, k):
     return out
 
 
-@pytest.mark.parametrize("form", ["array", "map"])
+@pytest.mark.parametrize("form, batched", [("array", False), ("map", True)])
 @pytest.mark.parametrize("k", [1, 3])
-def test_random_workload_matches_the_engine(form, k):
+def test_random_workload_matches_the_engine(form, batched, k):
     rng = random.Random(k * 7 + len(form))
     eng = FakeVllmEngine(BS, 48, form=form, cpu_blocks=20)
     m = EngineMirror(KEY, k * BS, BS)
@@ -289,9 +289,13 @@ def test_random_workload_matches_the_engine(form, k):
         eng.process(p, **kw)
         if step == 250:
             eng.clear()
-        for e in eng.events[applied:]:
-            m.apply(e)
-        applied = len(eng.events)
+        for b in eng.batches[applied:]:
+            if batched:
+                m.apply_batch(b)
+            else:
+                for e in b:
+                    m.apply(e)
+        applied = len(eng.batches)
         for c in m.take_changes():
             pool.apply(c)
         if step % 25 == 0 or step == 399:

@@ -329,6 +329,7 @@ class FakeVllmEngine:
         # Every block ever hashed: digest -> (parent digest, tokens, extras). For tests.
         self.meta: dict[bytes, tuple[bytes | None, tuple[int, ...], tuple | None]] = {}
         self.events: list[ev.Event] = []                     # every event, in order
+        self.batches: list[list[ev.Event]] = []              # the same, batch by batch
 
     # -- hashing, as vllm/v1/core/kv_cache_utils.py (hash_block_tokens) --
 
@@ -476,5 +477,6 @@ class FakeVllmEngine:
         if not events:
             return
         self.events += events
+        self.batches.append(events)
         if self.publisher is not None:
             self.publisher.publish(events)
