@@ -33,10 +33,8 @@ struct RoleName {
   absl::string_view name;
 };
 constexpr RoleName kRoleNames[] = {
-    {Role::kWorker, "worker"},
-    {Role::kRouter, "router"},
-    {Role::kAgent, "agent"},
-    {Role::kAdmin, "admin"},
+    {Role::kWorker, "worker"}, {Role::kRouter, "router"}, {Role::kAgent, "agent"},
+    {Role::kAdmin, "admin"},   {Role::kEngine, "engine"},
 };
 
 // Tenants and agent ids as requests may carry them (common.proto): 1..128 bytes of
@@ -88,6 +86,11 @@ bool Principal::IsAgent(absl::string_view id) const {
   return Has(Role::kAgent) && (any_agent || agent_id == id);
 }
 
+bool Principal::IsEngineOf(absl::string_view id, absl::string_view t) const {
+  return Has(Role::kEngine) && (any_engine || engine_id == id) &&
+         (worker_of_any_tenant || tenant == t);
+}
+
 std::shared_ptr<const Principal> OpenPrincipal() {
   static const std::shared_ptr<const Principal>* const kOpen = [] {
     auto p = std::make_shared<Principal>();
@@ -96,6 +99,7 @@ std::shared_ptr<const Principal> OpenPrincipal() {
     p->worker_of_any_tenant = true;
     p->probes_any_tenant = true;
     p->any_agent = true;
+    p->any_engine = true;
     return new std::shared_ptr<const Principal>(std::move(p));
   }();
   return *kOpen;
@@ -171,7 +175,8 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
           auto it = std::find_if(std::begin(kRoleNames), std::end(kRoleNames),
                                  [&](const RoleName& r) { return r.name == role; });
           if (it == std::end(kRoleNames)) {
-            return bad(absl::StrCat("unknown role \"", role, "\" (worker, router, agent, admin)"));
+            return bad(
+                absl::StrCat("unknown role \"", role, "\" (worker, router, agent, engine, admin)"));
           }
           p->roles |= static_cast<uint8_t>(it->role);
         }
@@ -191,8 +196,12 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
       } else if (key == "agent") {
         if (!IsValidId(value)) return bad(absl::StrCat("bad agent id \"", value, "\""));
         p->agent_id = std::string(value);
+      } else if (key == "engine") {
+        if (!IsValidId(value)) return bad(absl::StrCat("bad engine id \"", value, "\""));
+        p->engine_id = std::string(value);
       } else {
-        return bad(absl::StrCat("unknown key \"", key, "\" (roles, tenant, tenants, agent)"));
+        return bad(
+            absl::StrCat("unknown key \"", key, "\" (roles, tenant, tenants, agent, engine)"));
       }
     }
     if (!has_roles || p->roles == 0) return bad("roles= is required");
@@ -201,6 +210,9 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
       return bad("role router needs tenants= (a list, or *)");
     }
     if (p->Has(Role::kAgent) && p->agent_id.empty()) return bad("role agent needs agent=");
+    if (p->Has(Role::kEngine) && (p->engine_id.empty() || p->tenant.empty())) {
+      return bad("role engine needs engine= and tenant=");
+    }
     // A worker's tenant is always exact; tenants= (even *) grants probing only.
     if ((!p->router_tenants.empty() || p->probes_any_tenant) && !p->Has(Role::kRouter)) {
       return bad("tenants= is for role router");

@@ -9,6 +9,8 @@
 //       roles=router tenants=acme,globex
 //   fd61a03af4f77d870fc21e05e7e80678095c92d808cfb3b5c279ee04c74aca13 gpu-0
 //       roles=agent agent=gpu-0
+//   2c624232cdd221771294dfbb310aca000a0df6ac8b66b696d90ef06fdefb64a3 vllm-0
+//       roles=engine engine=vllm-0 tenant=acme
 //   a4e624d686e03ed2767c0abd85c14426b0b1157d2ce81d27bb4fe4f6f01d3cd9 ops roles=admin
 //
 // (one line each in the file; wrapped here).
@@ -21,6 +23,8 @@
 //   worker  its own tenant's namespaces (`tenant=`, required);
 //   router  probe Match / Route across the granted tenants (`tenants=a,b` or `tenants=*`);
 //   agent   AgentControl only, as its own agent id (`agent=`, required);
+//   engine  PublishEngineEvents only, as its own engine id (`engine=`, required) into its
+//           tenant's namespaces (`tenant=`, required): a bridge mirroring that engine;
 //   admin   operator calls (Evict, Reserve of any pool, Stats of all tenants, DeleteNamespace).
 // A principal may hold several roles (`roles=worker,router`).
 #ifndef KVCM_COMMON_TOKEN_TABLE_H_
@@ -42,6 +46,7 @@ enum class Role : uint8_t {
   kRouter = 1 << 1,
   kAgent = 1 << 2,
   kAdmin = 1 << 3,
+  kEngine = 1 << 4,
 };
 
 // The caller an authenticated token names. Immutable once built.
@@ -60,6 +65,10 @@ struct Principal {
   // agent: the agent id it may act as; every id when any_agent (the open, dev-mode caller).
   std::string agent_id;
   bool any_agent = false;
+  // engine: the engine id it may publish as (with `tenant`); every id when any_engine (the
+  // open, dev-mode caller).
+  std::string engine_id;
+  bool any_engine = false;
 
   bool Has(Role role) const { return (roles & static_cast<uint8_t>(role)) != 0; }
   // Whether it may use the namespaces of `t` as a worker (read, write, pin) ...
@@ -67,6 +76,8 @@ struct Principal {
   // ... or only probe them (Match/Route without pin or recency update).
   bool MayProbe(absl::string_view t) const;
   bool IsAgent(absl::string_view id) const;
+  // Whether it may publish engine `id`'s events into a namespace of tenant `t`.
+  bool IsEngineOf(absl::string_view id, absl::string_view t) const;
 };
 
 // The principal of a manager run without a tokens file (the documented insecure dev mode):
@@ -88,7 +99,8 @@ class TokenTable {
  public:
   // INVALID_ARGUMENT "<source>:<line>: ..." naming the first bad line: a hash that is not 64
   // hex digits or appears twice, a name that is empty or repeated, an unknown key or role, a
-  // worker without tenant=, a router without tenants=, an agent without agent=, a tenant or
+  // worker without tenant=, a router without tenants=, an agent without agent=, an engine
+  // without engine= and tenant=, a tenant or
   // agent id that kvcm would refuse in a request. A file with no principal is an error too.
   static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source);
   // Reads and parses `path`; NOT_FOUND when it cannot be read.

@@ -73,6 +73,27 @@ TEST(TokenTableTest, RefusesBadLinesNamingThem) {
   EXPECT_EQ(TokenTable::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(TokenTableTest, AnEnginePublishesAsItselfIntoItsTenantOnly) {
+  absl::StatusOr<TokenTable> t = TokenTable::Parse(
+      absl::StrCat(kHashA, " vllm-0 roles=engine engine=vllm-0 tenant=acme\n"), "tokens");
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::shared_ptr<const Principal> e = t->Find("token-a-0123456789");
+  ASSERT_NE(e, nullptr);
+  EXPECT_TRUE(e->IsEngineOf("vllm-0", "acme"));
+  EXPECT_FALSE(e->IsEngineOf("vllm-1", "acme"));
+  EXPECT_FALSE(e->IsEngineOf("vllm-0", "globex"));
+  EXPECT_FALSE(e->IsWorkerOf("acme")) << "tenant= of an engine grants no work";
+  EXPECT_FALSE(e->IsAgent("vllm-0"));
+  EXPECT_EQ(RoleNames(e->roles), "engine");
+  ExpectBadLine(absl::StrCat(kHashA, " e roles=engine tenant=acme\n"), 1,
+                "role engine needs engine= and tenant=");
+  ExpectBadLine(absl::StrCat(kHashA, " e roles=engine engine=vllm-0\n"), 1,
+                "role engine needs engine= and tenant=");
+  ExpectBadLine(absl::StrCat(kHashA, " e roles=engine engine=a/b tenant=acme\n"), 1,
+                "bad engine id");
+  EXPECT_TRUE(OpenPrincipal()->IsEngineOf("anything", "any-tenant"));
+}
+
 TEST(TokenTableTest, BearerTokenParsesTheHeader) {
   EXPECT_EQ(*BearerToken("Bearer token-a-0123456789"), "token-a-0123456789");
   EXPECT_EQ(*BearerToken("bearer   token-a-0123456789 "), "token-a-0123456789");

@@ -75,6 +75,9 @@ ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
           "How long shutdown waits for in-flight calls, in milliseconds.");
 ABSL_FLAG(uint32_t, agent_heartbeat_timeout_ms, kDefaults.agent_heartbeat_timeout_ms,
           "An agent silent for longer than this is reported gone, in milliseconds.");
+ABSL_FLAG(uint32_t, engine_session_ttl_ms, kDefaults.engine_session_ttl_ms,
+          "An engine session (PublishEngineEvents) silent for longer than this, in milliseconds, "
+          "ends with its pools emptied (unless it asked for its own ttl).");
 ABSL_FLAG(uint32_t, max_namespaces, kDefaults.max_namespaces,
           "Most namespaces RegisterModel creates in all (agents' namespaces are never refused).");
 ABSL_FLAG(uint32_t, max_namespaces_per_tenant, kDefaults.max_namespaces_per_tenant,

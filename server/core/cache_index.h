@@ -447,6 +447,9 @@ class CacheIndex {
   // StoreEnginePages, except that no pages is what it takes.
   absl::StatusOr<uint64_t> ClearEnginePool(const NamespaceId& ns, const PoolKey& pool)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `pool` is an engine's or unknown; FAILED_PRECONDITION as StoreEnginePages
+  // otherwise.
+  absl::Status CheckEnginePool(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
   // Page-locations `pool` holds (0 for an unknown pool).
   uint64_t PoolPages(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -10,6 +10,16 @@
 #include "server/core/cache_index_internal.h"
 
 namespace kvcm {
+namespace {
+
+absl::Status NotAnEnginePool(const PoolKey& pool) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("pool ", pool.ToString(),
+                   " is an agent's (or index-only) pool, not an engine's: an engine id must not "
+                   "be an agent id"));
+}
+
+}  // namespace
 
 absl::StatusOr<PoolId> CacheIndex::EnginePool(const PoolKey& pool, bool create) {
   std::optional<PoolId> id = budget_.Find(pool);
@@ -17,13 +27,15 @@ absl::StatusOr<PoolId> CacheIndex::EnginePool(const PoolKey& pool, bool create) 
     if (!create) return absl::NotFoundError(absl::StrCat("pool ", pool.ToString(), " is unknown"));
     return budget_.Intern(pool, /*capacity_bytes=*/0, /*engine=*/true);
   }
-  if (!budget_.engine(*id)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("pool ", pool.ToString(),
-                     " is an agent's (or index-only) pool, not an engine's: an engine id must "
-                     "not be an agent id"));
-  }
+  if (!budget_.engine(*id)) return NotAnEnginePool(pool);
   return *id;
+}
+
+absl::Status CacheIndex::CheckEnginePool(const PoolKey& pool) const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::optional<PoolId> id = budget_.Find(pool);
+  if (id.has_value() && !budget_.engine(*id)) return NotAnEnginePool(pool);
+  return absl::OkStatus();
 }
 
 absl::Status CacheIndex::NotEnginePool(PoolId pool, const PoolKey& key,

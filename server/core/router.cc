@@ -71,7 +71,7 @@ RouteEstimate EstimateFor(const MatchResult& match, size_t index, const RouteCan
   }
   const double ms_per_page = 1e3 * cost.page_size_tokens / cost.prefill_tokens_per_s;
   const uint32_t remote = match.matched_pages - e.cached_pages;
-  if (remote > 0) {
+  if (remote > 0 && candidate.link_gbps > 0) {
     const double transfer_ms =
         1e3 * static_cast<double>(remote) * cost.bytes_per_page * 8 / (candidate.link_gbps * 1e9);
     if (transfer_ms < remote * ms_per_page) {

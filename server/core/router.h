@@ -45,7 +45,8 @@ struct RouteCandidate {
   std::string agent_id;
   // The caller's load measure (any unit, the same for every candidate).
   uint64_t load = 0;
-  // Bandwidth of moving pages to this agent, Gbit/s. > 0.
+  // Bandwidth of moving pages to this agent, Gbit/s; 0: it cannot fetch (an engine, whose
+  // KV only its own prefill fills), so it saves only what it holds.
   double link_gbps = 0;
   // Prefill tokens waiting for or in prefill on the agent: prefill-saved charges the wait
   // (tokens / prefill rate) against what the agent saves, so a hot prefix does not pull

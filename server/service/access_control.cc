@@ -31,7 +31,9 @@ absl::Status NeedAdmin(const Principal& p, absl::string_view what) {
 }  // namespace
 
 absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req) {
-  // The answer carries the namespace's hash key: only its own tenant may have it.
+  // The answer carries the namespace's hash key: only its own tenant may have it (its
+  // engines' bridges too: they hash the engines' blocks with it).
+  if (p.Has(Role::kEngine) && p.tenant == req.namespace_().tenant()) return absl::OkStatus();
   return NeedWorker(p, req.namespace_(), "register models");
 }
 
@@ -95,6 +97,13 @@ absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req) {
 
 absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& /*req*/) {
   return NeedAdmin(p, "delete namespaces");
+}
+
+absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest& req) {
+  if (p.IsEngineOf(req.engine_id(), req.namespace_().tenant())) return absl::OkStatus();
+  return Denied(p, absl::StrCat("publish the events of engine \"", req.engine_id(),
+                                "\" into tenant \"", req.namespace_().tenant(),
+                                "\"'s namespaces (role engine, engine= and tenant= only)"));
 }
 
 absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id) {

@@ -146,7 +146,7 @@ class CacheManagerService::WatchEventsReactor final
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
                                          RequestLimits limits, const AgentRegistry* agents,
-                                         AgentInserter* inserter,
+                                         AgentInserter* inserter, EngineSessions* engines,
                                          const Authenticator* authenticator,
                                          RouteDefaults route_defaults)
     : index_(index),
@@ -155,8 +155,9 @@ CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, Servi
       limits_(limits),
       agents_(agents),
       inserter_(inserter),
+      engines_(engines),
       access_(authenticator),
-      route_(index, agents, limits, route_defaults) {}
+      route_(index, agents, engines, limits, route_defaults) {}
 
 grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServerContext* ctx,
                                                              const v1::RegisterModelRequest* req,
@@ -298,6 +299,14 @@ grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext
     }
     StatsToProto(stats, limits_, resp);
     if (agents_ != nullptr) AgentsToProto(agents_->Snapshot(), resp);
+    if (engines_ != nullptr) {
+      std::vector<EngineSessionInfo> engines = engines_->Snapshot();
+      if (!caller->Has(Role::kAdmin)) {
+        std::erase_if(engines,
+                      [&](const EngineSessionInfo& e) { return !caller->MayProbe(e.ns.tenant); });
+      }
+      EngineSessionsToProto(engines, absl::Now(), resp);
+    }
     return absl::OkStatus();
   });
 }
@@ -315,6 +324,25 @@ grpc::ServerUnaryReactor* CacheManagerService::DeleteNamespace(
     resp->set_dropped_pins(result.dropped_pins);
     LogInfo(absl::StrCat("namespace ", ns.ToString(), " deleted: ", result.removed_pages,
                          " page-locations removed, ", result.dropped_pins, " pins dropped"));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::PublishEngineEvents(
+    grpc::CallbackServerContext* ctx, const v1::PublishEngineEventsRequest* req,
+    v1::PublishEngineEventsResponse* resp) {
+  return rpc_.Unary(ctx, Rpc::kPublishEngineEvents, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    if (engines_ == nullptr) return absl::UnimplementedError("this manager takes no engine events");
+    KVCM_ASSIGN_OR_RETURN(EnginePublish call, EnginePublishFromProto(*index_, *req, limits_));
+    KVCM_ASSIGN_OR_RETURN(EnginePublishResult result, engines_->Publish(call));
+    if (result.new_session) {
+      LogInfo(absl::StrCat("engine ", call.engine_id, " session ", call.session, " began in ",
+                           call.ns.ToString()));
+    }
+    resp->set_stored_pages(result.stored_pages);
+    resp->set_removed_pages(result.removed_pages);
+    resp->set_pages(result.pages);
     return absl::OkStatus();
   });
 }

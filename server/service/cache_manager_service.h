@@ -31,11 +31,13 @@ namespace kvcm {
 class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Inserts go through
-  // `inserter` (into agents' pools, through their ledgers); Stats lists `agents`, Route
-  // chooses among them; every call's caller is checked against `authenticator`.
+  // `inserter` (into agents' pools, through their ledgers); engines' events through
+  // `engines`; Stats lists `agents` and `engines`, Route chooses among them; every call's
+  // caller is checked against `authenticator`.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
                       RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter,
-                      const Authenticator* authenticator, RouteDefaults route_defaults = {});
+                      EngineSessions* engines, const Authenticator* authenticator,
+                      RouteDefaults route_defaults = {});
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterModelRequest* req,
@@ -63,6 +65,9 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   grpc::ServerUnaryReactor* DeleteNamespace(grpc::CallbackServerContext* ctx,
                                             const v1::DeleteNamespaceRequest* req,
                                             v1::DeleteNamespaceResponse* resp) override;
+  grpc::ServerUnaryReactor* PublishEngineEvents(grpc::CallbackServerContext* ctx,
+                                                const v1::PublishEngineEventsRequest* req,
+                                                v1::PublishEngineEventsResponse* resp) override;
   grpc::ServerWriteReactor<v1::CacheEvent>* WatchEvents(grpc::CallbackServerContext* ctx,
                                                         const v1::WatchEventsRequest* req) override;
 
@@ -75,6 +80,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   const RequestLimits limits_;
   const AgentRegistry* const agents_;
   AgentInserter* const inserter_;
+  EngineSessions* const engines_;
   const AccessControl access_;
   RouteHandler route_;
 };

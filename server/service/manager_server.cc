@@ -95,7 +95,10 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
   EventHub* hub = s->hub_.get();
   s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
                                                absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
-  s->metrics_ = std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get());
+  s->engines_ = std::make_unique<EngineSessions>(s->index_.get(), RealClock::Get(),
+                                                 absl::Milliseconds(opts.engine_session_ttl_ms));
+  s->metrics_ =
+      std::make_unique<ServiceMetrics>(s->index_.get(), hub, s->agents_.get(), s->engines_.get());
   s->commands_ = std::make_unique<AgentCommandBook>(
       AgentCommandBookOptions{.on_command_end = [metrics = s->metrics_.get()](CommandEnd end) {
         metrics->RecordAgentCommand(AgentCommandResultOf(end));
@@ -115,7 +118,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
       std::make_unique<AgentInserter>(s->index_.get(), s->commands_.get(), s->agents_.get());
   s->service_ = std::make_unique<CacheManagerService>(
       s->index_.get(), hub, s->metrics_.get(), limits, s->agents_.get(), s->inserter_.get(),
-      s->authenticator_.get(),
+      s->engines_.get(), s->authenticator_.get(),
       RouteDefaults{.prefill_tokens_per_s = static_cast<double>(opts.route_prefill_tokens_per_s),
                     .tcp_link_gbps = static_cast<double>(opts.route_tcp_link_gbps),
                     .nccl_link_gbps = static_cast<double>(opts.route_nccl_link_gbps)});
@@ -180,6 +183,11 @@ void ManagerServer::SweepLeases() {
     if (absl::Status s = authenticator_->ReloadIfChanged(); !s.ok()) LogError(s.message());
     index_->ExpireLeases();
     DropGoneAgents();
+    for (const EngineSessionInfo& e : engines_->ExpireIdle()) {
+      LogWarning(absl::StrCat("engine ", e.engine_id, " session ", e.session,
+                              " lapsed (no request for ", absl::FormatDuration(e.ttl),
+                              "): emptied its ", e.pages, " pages from the index"));
+    }
     // Dropped pools leave the tree in small steps, so no call waits long for the lock.
     constexpr size_t kSweepStep = 256;
     while (!stop_sweeper_.HasBeenNotified() &&

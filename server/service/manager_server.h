@@ -24,6 +24,7 @@
 #include "server/core/agent_registry.h"
 #include "server/core/block_command_issuer.h"
 #include "server/core/cache_index.h"
+#include "server/core/engine_sessions.h"
 #include "server/service/access_control.h"
 #include "server/service/agent_control_service.h"
 #include "server/service/cache_manager_service.h"
@@ -66,6 +67,7 @@ class ManagerServer {
   const ServerOptions& options() const { return options_; }
   CacheIndex& index() { return *index_; }
   AgentRegistry& agents() { return *agents_; }
+  EngineSessions& engines() { return *engines_; }
   ServiceMetrics& metrics() { return *metrics_; }
   AgentCommandBook& commands() { return *commands_; }
   NcclBootstrapRelay& nccl_relay() { return *nccl_relay_; }
@@ -93,6 +95,7 @@ class ManagerServer {
   std::unique_ptr<EventHub> hub_;
   std::unique_ptr<ServiceMetrics> metrics_;
   std::unique_ptr<AgentRegistry> agents_;
+  std::unique_ptr<EngineSessions> engines_;
   // Queued demotions complete into block_commands_: Shutdown closes commands_ first.
   std::unique_ptr<AgentCommandBook> commands_;
   std::unique_ptr<BlockCommandIssuer> block_commands_;

@@ -72,6 +72,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "Route";
     case Rpc::kDeleteNamespace:
       return "DeleteNamespace";
+    case Rpc::kPublishEngineEvents:
+      return "PublishEngineEvents";
     case Rpc::kRegisterAgent:
       return "RegisterAgent";
     case Rpc::kHeartbeat:
@@ -90,8 +92,9 @@ absl::string_view KvcmVersion() { return KVCM_VERSION; }
 // index; nothing here is cached.
 class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
  public:
-  IndexCollector(const CacheIndex* index, const EventHub* hub, const AgentRegistry* agents)
-      : index_(index), hub_(hub), agents_(agents) {}
+  IndexCollector(const CacheIndex* index, const EventHub* hub, const AgentRegistry* agents,
+                 const EngineSessions* engines)
+      : index_(index), hub_(hub), agents_(agents), engines_(engines) {}
 
   std::vector<MetricFamily> Collect() const override {
     const IndexStats stats = index_->Stats();
@@ -216,6 +219,29 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
               a.heartbeats_total);
     }
 
+    if (engines_ != nullptr) {
+      const EngineCounts e = engines_->Counts();
+      MetricFamily live =
+          Family("kvcm_engine_sessions",
+                 "Engines whose prefix cache the index mirrors now (PublishEngineEvents sessions).",
+                 kGauge);
+      AddSample(&live, {}, static_cast<double>(e.live));
+      out.push_back(std::move(live));
+      counter("kvcm_engine_sessions_started_total", "Engine sessions begun.", e.started);
+      counter("kvcm_engine_sessions_lapsed_total",
+              "Engine sessions ended because no request came within their ttl (their pools "
+              "were emptied).",
+              e.lapsed);
+      counter("kvcm_engine_pages_stored_total", "Page-locations engines' events added.",
+              e.stored_pages);
+      counter("kvcm_engine_pages_removed_total",
+              "Page-locations engines' events removed (clears included).", e.removed_pages);
+      counter("kvcm_engine_sequence_refusals_total",
+              "Engine requests refused for an unknown session or a sequence gap (the bridge "
+              "then resyncs).",
+              e.refused_sequence);
+    }
+
     MetricFamily build =
         Family("kvcm_build_info", "Version and eviction policy; always 1.", kGauge);
     AddSample(&build, {{"policy", stats.policy}, {"version", std::string(KvcmVersion())}}, 1.0);
@@ -227,12 +253,13 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
   const CacheIndex* const index_;
   const EventHub* const hub_;
   const AgentRegistry* const agents_;
+  const EngineSessions* const engines_;
 };
 
 ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
-                               const AgentRegistry* agents)
+                               const AgentRegistry* agents, const EngineSessions* engines)
     : registry_(std::make_shared<prometheus::Registry>()),
-      index_collector_(std::make_shared<IndexCollector>(index, hub, agents)),
+      index_collector_(std::make_shared<IndexCollector>(index, hub, agents, engines)),
       rpcs_(std::make_unique<PrometheusRpcRecorder<Rpc, kNumRpcs>>(
           *registry_, "kvcm_rpc", "CacheManager and AgentControl",
           [](Rpc rpc) { return rpc == Rpc::kWatchEvents || rpc == Rpc::kReportInventory; })) {

@@ -25,6 +25,7 @@
 #include "prometheus/registry.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/core/engine_sessions.h"
 #include "server/service/event_hub.h"
 
 namespace kvcm {
@@ -43,13 +44,14 @@ enum class Rpc : int {
   kWatchEvents,
   kRoute,
   kDeleteNamespace,
+  kPublishEngineEvents,
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
   kReportInventory,
   kNcclBootstrap,
 };
-inline constexpr int kNumRpcs = 16;
+inline constexpr int kNumRpcs = 17;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of
@@ -74,7 +76,7 @@ class ServiceMetrics final : public RpcMetricsRecorder<Rpc> {
   // `index`, `hub` and `agents` (when not null) must outlive every scrape of
   // collectables(); not owned. Without `agents` the agent metrics are absent.
   ServiceMetrics(const CacheIndex* index, const EventHub* hub,
-                 const AgentRegistry* agents = nullptr);
+                 const AgentRegistry* agents = nullptr, const EngineSessions* engines = nullptr);
   ~ServiceMetrics() override;
   ServiceMetrics(const ServiceMetrics&) = delete;
   ServiceMetrics& operator=(const ServiceMetrics&) = delete;

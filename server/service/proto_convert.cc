@@ -1,6 +1,8 @@
 #include "server/service/proto_convert.h"
 
+#include <algorithm>
 #include <cmath>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -400,6 +402,7 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ps->set_used_bytes(p.used_bytes);
     ps->set_pinned_bytes(p.pinned_bytes);
     ps->set_reserved_bytes(p.reserved_bytes);
+    ps->set_engine(p.engine);
     ps->set_pages(p.pages);
   }
   for (const NamespaceStats& n : stats.namespaces) {
@@ -509,6 +512,106 @@ AgentCommandAck AgentCommandAckFromProto(const v1::AgentCommandAck& ack) {
   }
   out.block_ids.assign(ack.block_ids().begin(), ack.block_ids().end());
   return out;
+}
+
+absl::StatusOr<EnginePublish> EnginePublishFromProto(const CacheIndex& index,
+                                                     const v1::PublishEngineEventsRequest& req,
+                                                     const RequestLimits& limits) {
+  EnginePublish call;
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.engine_id(), "engine_id"));
+  call.engine_id = req.engine_id();
+  KVCM_ASSIGN_OR_RETURN(
+      call.ns, NamespaceFromProto(IfSet(req.has_namespace_(), req.namespace_()), "namespace"));
+  if (req.session() == 0) return Invalid("session must be non-zero");
+  if (req.sequence() == 0) return Invalid("sequence must be at least 1");
+  if (req.ttl_ms() > absl::ToInt64Milliseconds(kMaxEngineSessionTtl)) {
+    return Invalid(absl::StrCat("ttl_ms ", req.ttl_ms(), " exceeds ",
+                                absl::ToInt64Milliseconds(kMaxEngineSessionTtl)));
+  }
+  call.session = req.session();
+  call.sequence = req.sequence();
+  call.ttl = absl::Milliseconds(req.ttl_ms());
+  call.close = req.close();
+  if (req.changes_size() > kMaxEngineChanges) {
+    return Invalid(
+        absl::StrCat("changes: at most ", kMaxEngineChanges, ", got ", req.changes_size()));
+  }
+  for (int i = 0; i < req.changes_size(); ++i) {
+    const v1::EngineChange& c = req.changes(i);
+    const std::string field = absl::StrCat("changes[", i, "]");
+    EngineChange& out = call.changes.emplace_back();
+    switch (c.kind()) {
+      case v1::EngineChange::KIND_STORED:
+        out.kind = EngineChange::Kind::kStored;
+        break;
+      case v1::EngineChange::KIND_REMOVED:
+        out.kind = EngineChange::Kind::kRemoved;
+        break;
+      case v1::EngineChange::KIND_CLEARED:
+        out.kind = EngineChange::Kind::kCleared;
+        break;
+      default:
+        return Invalid(absl::StrCat(field,
+                                    ".kind must be KIND_STORED, KIND_REMOVED or KIND_CLEARED, got ",
+                                    static_cast<int>(c.kind())));
+    }
+    v1::PoolRef pool;
+    pool.set_agent_id(req.engine_id());
+    pool.set_tier(c.tier());
+    KVCM_ASSIGN_OR_RETURN(PoolKey key, PoolFromProto(&pool, field));
+    out.tier = key.tier;
+    const std::string& bytes = c.page_hashes();
+    if (out.kind == EngineChange::Kind::kCleared) {
+      if (!bytes.empty())
+        return Invalid(absl::StrCat(field, ".page_hashes must be empty for KIND_CLEARED"));
+      continue;
+    }
+    if (bytes.empty() || bytes.size() % 16 != 0) {
+      return Invalid(absl::StrCat(
+          field, ".page_hashes must be a non-empty multiple of 16 bytes, got ", bytes.size()));
+    }
+    if (bytes.size() / 16 > limits.max_pages_per_request) {
+      return Invalid(absl::StrCat(field, ".page_hashes holds ", bytes.size() / 16,
+                                  " pages, more than max_pages_per_request (",
+                                  limits.max_pages_per_request, ")"));
+    }
+    out.pages = DecodePageHashes(bytes);
+  }
+  if (!req.has_scheme()) return Invalid("scheme is required");
+  KVCM_ASSIGN_OR_RETURN(RegisterModelResult info, index.GetNamespace(call.ns));
+  const v1::HashScheme& scheme = req.scheme();
+  if (scheme.version() != kPageHashVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "scheme.version ", scheme.version(),
+        " is not supported: this manager hashes pages with version ", kPageHashVersion));
+  }
+  if (scheme.page_size_tokens() != info.spec.page_size_tokens) {
+    return Invalid(absl::StrCat("scheme.page_size_tokens ", scheme.page_size_tokens(),
+                                " does not match the namespace's page_size_tokens ",
+                                info.spec.page_size_tokens));
+  }
+  if (scheme.key_fingerprint() != KeyFingerprint(info.hash_key)) {
+    return absl::FailedPreconditionError(
+        "scheme.key_fingerprint is not the namespace's hash key (the manager's secret "
+        "changed?); call RegisterModel again to get the current key and rehash");
+  }
+  return call;
+}
+
+void EngineSessionsToProto(std::span<const EngineSessionInfo> sessions, absl::Time now,
+                           v1::StatsResponse* out) {
+  for (const EngineSessionInfo& s : sessions) {
+    v1::EngineStats* e = out->add_engines();
+    e->set_engine_id(s.engine_id);
+    e->mutable_namespace_()->set_tenant(s.ns.tenant);
+    e->mutable_namespace_()->set_model(s.ns.model);
+    e->set_session(s.session);
+    e->set_sequence(s.sequence);
+    e->set_last_publish_age_ms(static_cast<uint64_t>(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(now - s.last_publish))));
+    e->set_ttl_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(s.ttl)));
+    e->set_pages(s.pages);
+  }
 }
 
 }  // namespace kvcm

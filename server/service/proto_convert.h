@@ -23,6 +23,7 @@
 #include "server/core/agent_command.h"
 #include "server/core/agent_inserter.h"
 #include "server/core/cache_index.h"
+#include "server/core/engine_sessions.h"
 #include "server/core/router.h"
 
 namespace kvcm {
@@ -149,6 +150,19 @@ absl::StatusOr<ReserveCall> ReserveFromProto(const v1::ReserveRequest& req);
 void EvictResultToProto(const EvictResult& result, v1::EvictResponse* out);
 
 void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::StatsResponse* out);
+
+// Most changes one PublishEngineEvents may carry.
+inline constexpr int kMaxEngineChanges = 4096;
+// Field paths as in the proto: engine_id (an agent id's syntax), namespace, session and
+// sequence non-zero, changes (at most kMaxEngineChanges; kind known; tier GPU/HOST/DISK;
+// page_hashes a multiple of 16 bytes, 1..max_pages_per_request pages for STORED and
+// REMOVED, empty for CLEARED), ttl_ms at most kMaxEngineSessionTtl; then the namespace
+// (NOT_FOUND) and the scheme as ResolvePrompt checks it, field "scheme".
+absl::StatusOr<EnginePublish> EnginePublishFromProto(const CacheIndex& index,
+                                                     const v1::PublishEngineEventsRequest& req,
+                                                     const RequestLimits& limits);
+void EngineSessionsToProto(std::span<const EngineSessionInfo> sessions, absl::Time now,
+                           v1::StatsResponse* out);
 
 // The namespace filter of WatchEvents: nullopt (every namespace) when unset.
 absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req);

@@ -9,9 +9,10 @@
 
 namespace kvcm {
 
-RouteHandler::RouteHandler(CacheIndex* index, const AgentRegistry* agents, RequestLimits limits,
+RouteHandler::RouteHandler(CacheIndex* index, const AgentRegistry* agents,
+                           const EngineSessions* engines, RequestLimits limits,
                            RouteDefaults defaults)
-    : index_(index), agents_(agents), limits_(limits), defaults_(defaults) {}
+    : index_(index), agents_(agents), engines_(engines), limits_(limits), defaults_(defaults) {}
 
 absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
     std::span<const RouteCall::Candidate> named) const {
@@ -33,7 +34,12 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
     for (const AgentInfo& a : agents) {
       if (a.alive) out.push_back(candidate(a));
     }
-    if (out.empty()) return absl::FailedPreconditionError("no live agent to route to");
+    if (engines_ != nullptr) {
+      for (const EngineSessionInfo& e : engines_->Snapshot()) {
+        out.push_back(RouteCandidate{.agent_id = e.engine_id});
+      }
+    }
+    if (out.empty()) return absl::FailedPreconditionError("no live agent or engine to route to");
     std::sort(out.begin(), out.end(), [](const RouteCandidate& a, const RouteCandidate& b) {
       return a.agent_id < b.agent_id;
     });
@@ -41,11 +47,15 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
   }
   for (size_t i = 0; i < named.size(); ++i) {
     auto it = by_id.find(named[i].agent_id);
-    if (it == by_id.end()) {
+    RouteCandidate c;
+    if (it != by_id.end()) {
+      c = candidate(*it->second);
+    } else if (engines_ != nullptr && engines_->IsLive(named[i].agent_id)) {
+      c.agent_id = named[i].agent_id;  // link_gbps 0: an engine saves what it holds
+    } else {
       return absl::NotFoundError(absl::StrCat("candidates[", i, "].agent_id \"", named[i].agent_id,
-                                              "\" is not a live agent"));
+                                              "\" is not a live agent or engine"));
     }
-    RouteCandidate c = candidate(*it->second);
     c.load = named[i].load;
     c.queued_prefill_tokens = named[i].queued_prefill_tokens;
     out.push_back(std::move(c));

@@ -17,6 +17,7 @@
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
+#include "server/core/engine_sessions.h"
 #include "server/core/router.h"
 #include "server/service/proto_convert.h"
 
@@ -31,22 +32,25 @@ struct RouteDefaults {
 
 class RouteHandler {
  public:
-  // Not owned; both must outlive the handler. `agents` may be null (no agent is live then).
-  RouteHandler(CacheIndex* index, const AgentRegistry* agents, RequestLimits limits,
-               RouteDefaults defaults);
+  // Not owned; all must outlive the handler. `agents` and `engines` may be null (no agent,
+  // or no engine, is live then).
+  RouteHandler(CacheIndex* index, const AgentRegistry* agents, const EngineSessions* engines,
+               RequestLimits limits, RouteDefaults defaults);
 
   // Fills `resp` as CacheManager.Route documents; its errors change nothing.
   absl::Status Route(const v1::RouteRequest& req, v1::RouteResponse* resp);
 
  private:
-  // The live agents to choose from, with their link bandwidth: `named` in order, or every
-  // live agent by id when `named` is empty. NOT_FOUND naming candidates[i] for an agent that
-  // is unknown or gone; FAILED_PRECONDITION when no agent is live.
+  // The live agents and engines to choose from, with their link bandwidth (0 for an engine:
+  // it cannot fetch): `named` in order, or every live agent and engine by id when `named`
+  // is empty. NOT_FOUND naming candidates[i] for an id that is neither a live agent nor an
+  // engine with a live session; FAILED_PRECONDITION when none is live.
   absl::StatusOr<std::vector<RouteCandidate>> Candidates(
       std::span<const RouteCall::Candidate> named) const;
 
   CacheIndex* const index_;
   const AgentRegistry* const agents_;
+  const EngineSessions* const engines_;
   const RequestLimits limits_;
   const RouteDefaults defaults_;
   // Round-robin step: one per non-probe call.

@@ -49,6 +49,7 @@ const std::vector<Field>& Fields() {
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
+      {"engine_session_ttl_ms", &ServerOptions::engine_session_ttl_ms},
       {"max_namespaces", &ServerOptions::max_namespaces},
       {"max_namespaces_per_tenant", &ServerOptions::max_namespaces_per_tenant},
       {"max_pins_per_tenant", &ServerOptions::max_pins_per_tenant},
@@ -158,6 +159,9 @@ absl::Status ServerOptions::Validate() const {
   }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
+  if (engine_session_ttl_ms < 1 || engine_session_ttl_ms > 600'000) {
+    return Invalid("engine_session_ttl_ms", "must be in 1..600000");
+  }
   if (max_namespaces < 1) return Invalid("max_namespaces", "must be >= 1");
   if (max_namespaces_per_tenant < 1) return Invalid("max_namespaces_per_tenant", "must be >= 1");
   if (max_pins_per_tenant < 1) return Invalid("max_pins_per_tenant", "must be >= 1");

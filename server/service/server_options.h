@@ -67,6 +67,9 @@ struct ServerOptions {
   // An agent with no Register/Heartbeat for longer than this is reported gone (Stats,
   // kvcm_agents{state="gone"}). >= 1.
   uint32_t agent_heartbeat_timeout_ms = 10'000;
+  // An engine session (PublishEngineEvents) with no request for longer than this, when it
+  // asked for no ttl of its own, ends and its pools are emptied. 1..600000.
+  uint32_t engine_session_ttl_ms = 30'000;
   // Most namespaces RegisterModel creates, in all and per tenant (RESOURCE_EXHAUSTED
   // beyond; namespaces rebuilt from agents are never refused). >= 1.
   uint32_t max_namespaces = 4'096;

@@ -174,7 +174,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 32u);
+  EXPECT_EQ(names.size(), 33u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||

@@ -14,6 +14,7 @@ from kvcm.types import (
     Counters,
     EventKind,
     EventReason,
+    EngineStats,
     EvictResult,
     InsertResult,
     KvDtype,
@@ -162,6 +163,7 @@ def stats_from_proto(m: pb.StatsResponse) -> Stats:
                 p.pinned_bytes,
                 p.pages,
                 p.reserved_bytes,
+                p.engine,
             )
             for p in m.pools
         ],
@@ -234,6 +236,18 @@ def stats_from_proto(m: pb.StatsResponse) -> Stats:
                 t.max_pinned_bytes,
             )
             for t in m.tenants
+        ],
+        engines=[
+            EngineStats(
+                e.engine_id,
+                namespace_from_proto(e.namespace),
+                e.session,
+                e.sequence,
+                e.last_publish_age_ms,
+                e.ttl_ms,
+                e.pages,
+            )
+            for e in m.engines
         ],
     )
 

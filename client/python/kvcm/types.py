@@ -345,6 +345,20 @@ class PoolStats:
     pinned_bytes: int
     pages: int
     reserved_bytes: int
+    engine: bool = False  # an engine's pool (PublishEngineEvents): capacity 0, never evicted
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine whose prefix cache the manager mirrors (one live session)."""
+
+    engine_id: str
+    namespace: Namespace
+    session: int
+    sequence: int  # last applied
+    last_publish_age_ms: int
+    ttl_ms: int
+    pages: int  # page-locations in its pools
 
 
 @dataclass(frozen=True)
@@ -426,6 +440,7 @@ class Stats:
     limits: Limits
     agents: List[AgentStats]
     tenants: List[TenantStats]
+    engines: List[EngineStats] = field(default_factory=list)
 
     def pool(self, pool: PoolLike) -> Optional[PoolStats]:
         """The stats of one pool, or None."""
