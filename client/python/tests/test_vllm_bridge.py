@@ -99,8 +99,7 @@ async def make_rig(view, worker_token_file):
     rigs = []
 
     def make(**kw):
-        kw.setdefault("token", ENGINE)
-        kw.setdefault("register_token_file", worker_token_file)
+        kw.setdefault("token", ENGINE)  # which registers the namespace too (role engine)
         rig = BridgeRig(view, block_size=BS, **kw)
         rigs.append(rig)
         return rig
@@ -127,6 +126,26 @@ async def test_engine_cache_reaches_the_manager(make_rig, form, mode):
     chains = await rig.converge()
     assert rig.hashes(prompt(5)) in chains
     assert rig.eb.stream.counters.resyncs == 0
+
+
+@pytest.mark.asyncio
+async def test_match_by_tokens_and_route_find_the_engine(make_rig, view):
+    rig = make_rig()
+    await run_prompts(rig, range(2))
+    await rig.converge()
+    # Unsalted text pages hash as plain kvcm pages: a prompt sent as tokens finds them.
+    assert await view.engine_prefix_tokens(rig.TENANT, rig.MODEL, BS, rig.engine_id,
+                                           prompt(1)) == 5
+    if isinstance(view, RealManagerView):
+        ranked = await view.route(rig.TENANT, rig.MODEL, prompt(1), [rig.engine_id])
+        assert ranked == [(rig.engine_id, 5)]
+
+
+@pytest.mark.asyncio
+async def test_a_worker_token_may_register_for_the_engine(make_rig, view, worker_token_file):
+    rig = make_rig(register_token_file=worker_token_file)
+    await run_prompts(rig, [0])
+    await rig.converge()
 
 
 @pytest.mark.asyncio

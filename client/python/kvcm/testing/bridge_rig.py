@@ -54,6 +54,11 @@ class FakeManagerView:
     async def engine_sessions(self) -> set[str]:
         return self.fake.engine_sessions()
 
+    async def engine_prefix_tokens(self, tenant: str, model: str, page_size: int,
+                                   engine_id: str, tokens: list[int], tier: int = GPU) -> int:
+        key = self.fake.key(tenant, model)
+        return self.fake.match(engine_id, hashing.hash_pages(key, tokens, page_size), tier)
+
     async def restart(self) -> None:
         self.fake.restart()
 
@@ -93,12 +98,34 @@ class RealManagerView:
     async def engine_prefix(self, tenant: str, model: str, page_size: int, engine_id: str,
                             hashes: list[bytes], tier: int = GPU) -> int:
         req = pb.MatchRequest(probe=True)
-        req.namespace.tenant, req.namespace.model = tenant, model
         req.prompt.page_hashes = b"".join(hashes)
         req.prompt.scheme.version = 1
         req.prompt.scheme.page_size_tokens = page_size
         req.prompt.scheme.key_fingerprint = hashing.key_fingerprint(
             hashing.namespace_key(self.secret, tenant, model))
+        return await self._match(req, tenant, model, engine_id, tier)
+
+    async def engine_prefix_tokens(self, tenant: str, model: str, page_size: int,
+                                   engine_id: str, tokens: list[int], tier: int = GPU) -> int:
+        """Leading pages of a prompt sent as tokens (the manager hashes) the engine holds."""
+        req = pb.MatchRequest(probe=True)
+        req.prompt.tokens.ids.extend(tokens)
+        return await self._match(req, tenant, model, engine_id, tier)
+
+    async def route(self, tenant: str, model: str, tokens: list[int],
+                    candidates: list[str]) -> list[tuple[str, int]]:
+        """(agent or engine id, cached pages), best first, of a probe Route by tokens."""
+        req = pb.RouteRequest(probe=True)
+        req.namespace.tenant, req.namespace.model = tenant, model
+        req.prompt.tokens.ids.extend(tokens)
+        for c in candidates:
+            req.candidates.add(agent_id=c)
+        resp = await self._stub.Route(req, metadata=self._md, timeout=5)
+        return [(r.agent_id, r.cached_pages) for r in resp.ranked]
+
+    async def _match(self, req: Any, tenant: str, model: str, engine_id: str,
+                     tier: int) -> int:
+        req.namespace.tenant, req.namespace.model = tenant, model
         resp = await self._stub.Match(req, metadata=self._md, timeout=5)
         n = 0
         for seg in resp.segments:

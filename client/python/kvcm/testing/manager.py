@@ -65,16 +65,20 @@ class ManagerProcess:
         log.close()
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as ch:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvcm-manager exited with {self.proc.returncode}:\n"
-                                       + self.log_path.read_text()[-3000:])
-                try:
-                    grpc.channel_ready_future(ch).result(timeout=0.2)
-                    return self.address
-                except grpc.FutureTimeoutError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("kvcm-manager did not start listening") from None
+            ready = grpc.channel_ready_future(ch)
+            try:
+                while True:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"kvcm-manager exited with {self.proc.returncode}:\n"
+                                           + self.log_path.read_text()[-3000:])
+                    try:
+                        ready.result(timeout=0.2)
+                        return self.address
+                    except grpc.FutureTimeoutError:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("kvcm-manager did not start listening") from None
+            finally:
+                ready.cancel()
 
     def stop(self) -> None:
         if self.proc is None:
