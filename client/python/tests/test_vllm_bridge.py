@@ -8,7 +8,9 @@ namespace, an admin token reads the pools.
 
 import asyncio
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import msgspec
@@ -321,3 +323,32 @@ async def test_long_history_is_replayed_whole(make_rig):
     assert len(chains) == 3000
     c = rig.eb.stream.counters
     assert c.batches == 3000 and c.lost_batches == 0 and c.resyncs == 0
+
+
+@pytest.mark.asyncio
+async def test_mutual_tls(tmp_path):
+    binary = os.environ.get("KVCM_MANAGER_BIN")
+    if not binary:
+        if os.environ.get("KVCM_REQUIRE_PYTHON") == "1":
+            pytest.fail("KVCM_MANAGER_BIN is not set (KVCM_REQUIRE_PYTHON=1)")
+        pytest.skip("KVCM_MANAGER_BIN is not set")
+    certs = tmp_path / "certs"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "make_test_certs.sh"
+    if not script.exists():
+        script = Path(os.environ.get("KVCM_SOURCE_ROOT", "")) / "scripts" / "make_test_certs.sh"
+    subprocess.run([str(script), str(certs)], check=True, capture_output=True)
+    proc = ManagerProcess(binary, tmp_path / "manager", secret=SECRET, tokens=REAL_TOKENS,
+                          tls=(str(certs / "manager.pem"), str(certs / "manager.key"),
+                               str(certs / "ca.pem")))
+    await asyncio.get_running_loop().run_in_executor(None, proc.start)
+    view = RealManagerView(proc, ADMIN)
+    rig = BridgeRig(view, block_size=BS, token=ENGINE, insecure=False,
+                    ca_file=str(certs / "ca.pem"), cert_file=str(certs / "client.pem"),
+                    key_file=str(certs / "client.key"))
+    try:
+        await run_prompts(rig, range(2))
+        assert len({h for c in await rig.converge() for h in c}) == 10
+    finally:
+        await rig.close()
+        await view.close()
+        proc.kill()

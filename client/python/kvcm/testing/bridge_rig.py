@@ -77,7 +77,11 @@ class RealManagerView:
         self.process = process
         self.address, self.secret = process.address, process.secret
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = grpc.aio.insecure_channel(self.address)
+        if process.tls is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+        else:
+            self._channel = grpc.aio.secure_channel(
+                self.address, process.credentials(process.tls[:2]))
         self._stub = pb_grpc.CacheManagerStub(self._channel)
 
     async def close(self) -> None:

@@ -31,13 +31,16 @@ class ManagerProcess:
     "vllm-0 roles=engine engine=vllm-0 tenant=acme"); None runs without a tokens file."""
 
     def __init__(self, binary: str, workdir: str | os.PathLike, *, secret: bytes = bytes(16),
-                 tokens: dict[str, str] | None = None, flags: tuple[str, ...] = ()):
+                 tokens: dict[str, str] | None = None, flags: tuple[str, ...] = (),
+                 tls: tuple[str, str, str] | None = None):
         self.binary = binary
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.secret = secret
         self.tokens = tokens
         self.flags = flags
+        # (certificate, key, CA) PEM files: serve mutual TLS instead of plaintext.
+        self.tls = tls
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / "manager.log"
@@ -50,7 +53,12 @@ class ManagerProcess:
         secret = self.dir / "hash_secret"
         secret.write_text(self.secret.hex())
         args = [self.binary, f"--listen_address={self.address}", "--metrics_address=",
-                "--insecure", f"--hash_secret_file={secret}"]
+                f"--hash_secret_file={secret}"]
+        if self.tls is None:
+            args.append("--insecure")
+        else:
+            cert, key, ca = self.tls
+            args += [f"--tls_cert_file={cert}", f"--tls_key_file={key}", f"--tls_ca_file={ca}"]
         if self.tokens is not None:
             lines = [f"{hashlib.sha256(t.encode()).hexdigest()} {rest}"
                      for t, rest in self.tokens.items()]
@@ -64,7 +72,7 @@ class ManagerProcess:
         self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as ch:
+        with self.channel() as ch:
             ready = grpc.channel_ready_future(ch)
             try:
                 while True:
@@ -79,6 +87,20 @@ class ManagerProcess:
                             raise RuntimeError("kvcm-manager did not start listening") from None
             finally:
                 ready.cancel()
+
+    def credentials(self, client_cert: tuple[str, str] | None = None) -> grpc.ChannelCredentials:
+        """TLS credentials trusting the manager's CA (with a client certificate, or none)."""
+        assert self.tls is not None
+        cert = key = None
+        if client_cert is not None:
+            cert, key = (Path(p).read_bytes() for p in client_cert)
+        return grpc.ssl_channel_credentials(Path(self.tls[2]).read_bytes(), key, cert)
+
+    def channel(self) -> grpc.Channel:
+        """A blocking channel to the manager (its own certificate as the client's, on TLS)."""
+        if self.tls is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, self.credentials(self.tls[:2]))
 
     def stop(self) -> None:
         if self.proc is None:
