@@ -352,3 +352,33 @@ async def test_mutual_tls(tmp_path):
         await rig.close()
         await view.close()
         proc.kill()
+
+
+@pytest.mark.asyncio
+async def test_engine_id_of_an_agent_is_refused_slowly(make_rig, view):
+    if not isinstance(view, RealManagerView):
+        pytest.skip("agents register only with the real manager")
+    # An admin's Insert creates an index-only pool named "vllm-0": not an engine's.
+    async with grpc.aio.insecure_channel(view.address) as ch:
+        stub = pb_grpc.CacheManagerStub(ch)
+        md = (("authorization", f"Bearer {ADMIN}"),)
+        reg = pb.RegisterModelRequest()
+        reg.namespace.tenant, reg.namespace.model = BridgeRig.TENANT, BridgeRig.MODEL
+        reg.spec.attention, reg.spec.num_layers, reg.spec.num_heads = 3, 32, 32
+        reg.spec.num_kv_heads, reg.spec.head_dim, reg.spec.page_size_tokens = 8, 128, BS
+        reg.spec.dtype = 1
+        await stub.RegisterModel(reg, metadata=md)
+        ins = pb.InsertRequest(block_ids=[7])
+        ins.namespace.CopyFrom(reg.namespace)
+        ins.prompt.tokens.ids.extend(range(BS))
+        ins.pool.agent_id, ins.pool.tier = "vllm-0", 1
+        try:
+            await stub.Insert(ins, metadata=md)
+        except grpc.aio.AioRpcError as e:
+            pytest.skip(f"no index-only pool to collide with: {e.details()}")
+    rig = make_rig()
+    await run_prompts(rig, [0])
+    await asyncio.sleep(2.0)
+    errors = sum(rig.eb.session.counters.errors.values())
+    assert 1 <= errors <= 10  # refused, retried with a growing backoff, not in a tight loop
+    assert not rig.task.done()

@@ -255,6 +255,7 @@ class EngineBridge:
                 self.session.open(self.mirror.snapshot())
         elif action is Action.REREGISTER:
             log.warning("engine %s: %s: %s; registering again", self.id, code, msg)
+            await _sleep_or_stop(stop, backoff.take())  # a refusal that persists stays slow
             await self._register_until_ok(stop)
             if self.reg.hash_key != self.mirror.ns_key:
                 self.mirror.rekey(self.reg.hash_key)
