@@ -253,13 +253,17 @@ async def test_manager_restart_is_followed_by_a_resync(make_rig, view):
 
 
 @pytest.mark.asyncio
-async def test_wrong_token_stores_nothing(make_rig, view):
-    rig = make_rig(token=OTHER_ENGINE)  # vllm-1's token publishing as vllm-0
+@pytest.mark.parametrize("token, code", [
+    (OTHER_ENGINE, "PERMISSION_DENIED"),               # vllm-1's token publishing as vllm-0
+    ("no-such-token-0123456789", "UNAUTHENTICATED"),  # not in the tokens file
+])
+async def test_wrong_token_stores_nothing(make_rig, view, token, code):
+    rig = make_rig(token=token)
     await run_prompts(rig, range(2))
     await asyncio.sleep(1.0)
     assert await view.pool_pages("vllm-0") == 0
     assert "vllm-0" not in await view.engine_sessions()
-    assert rig.eb.session.counters.errors.get("PERMISSION_DENIED", 0) >= 1
+    assert rig.eb.session.counters.errors.get(code, 0) >= 1
     assert not rig.task.done()  # still running, retrying slowly
 
 
