@@ -229,6 +229,7 @@ struct ManagerStats {
     uint64_t pinned_bytes = 0;
     uint64_t pages = 0;
     uint64_t reserved_bytes = 0;  // headroom for admitted work
+    bool engine = false;          // an engine's pool (PublishEngineEvents); capacity 0
   };
   struct Namespace {
     NamespaceId ns;
@@ -280,6 +281,16 @@ struct ManagerStats {
   std::vector<Pool> pools;
   std::vector<Namespace> namespaces;
   std::vector<Agent> agents;  // agent_id order
+  // An engine whose prefix cache the manager mirrors (a live PublishEngineEvents session).
+  struct Engine {
+    std::string engine_id;
+    NamespaceId ns;
+    uint64_t session = 0;
+    uint64_t sequence = 0;  // last applied
+    uint64_t last_publish_age_ms = 0;
+    uint64_t pages = 0;  // page-locations in its pools
+  };
+  std::vector<Engine> engines;  // engine_id order
   Counters counters;
   uint64_t active_pins = 0;
   std::string policy;

@@ -53,9 +53,11 @@ void PrintStats(absl::string_view address, const ManagerStats& stats) {
                "PINNED", "PAGES", "USED%");
   for (const ManagerStats::Pool& p : stats.pools) {
     const double used_pct = p.capacity_bytes == 0 ? 0.0 : 100.0 * p.used_bytes / p.capacity_bytes;
-    absl::PrintF("%-24s %-5s %12s %12s %12s %10llu %7.2f\n", p.pool.agent_id, TierName(p.pool.tier),
-                 HumanBytes(p.capacity_bytes), HumanBytes(p.used_bytes), HumanBytes(p.pinned_bytes),
-                 p.pages, used_pct);
+    // An engine's pool has no capacity of kvcm's: the engine's own.
+    absl::PrintF("%-24s %-5s %12s %12s %12s %10llu %7s\n", p.pool.agent_id, TierName(p.pool.tier),
+                 p.engine ? std::string("engine") : HumanBytes(p.capacity_bytes),
+                 HumanBytes(p.used_bytes), HumanBytes(p.pinned_bytes), p.pages,
+                 p.engine ? std::string("-") : absl::StrFormat("%.2f", used_pct));
   }
 
   absl::PrintF("\nNAMESPACES (%d)\n", stats.namespaces.size());
@@ -77,6 +79,16 @@ void PrintStats(absl::string_view address, const ManagerStats& stats) {
     absl::PrintF("%-24s %-10s %-5s %-6s %20d %10dms %12s %10d\n", a.agent_id, a.device,
                  TierName(a.tier), a.alive ? "alive" : "gone", a.epoch, a.last_heartbeat_age_ms,
                  HumanBytes(a.used_bytes), a.free_blocks);
+  }
+
+  if (!stats.engines.empty()) {
+    absl::PrintF("\nENGINES (%d)\n", stats.engines.size());
+    absl::PrintF("%-24s %-32s %20s %10s %12s %10s\n", "ENGINE", "NAMESPACE", "SESSION", "SEQUENCE",
+                 "LAST", "PAGES");
+    for (const ManagerStats::Engine& e : stats.engines) {
+      absl::PrintF("%-24s %-32s %20d %10d %10dms %10d\n", e.engine_id, e.ns.ToString(), e.session,
+                   e.sequence, e.last_publish_age_ms, e.pages);
+    }
   }
 
   const ManagerStats::Counters& c = stats.counters;

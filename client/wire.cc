@@ -100,7 +100,8 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   ManagerStats out;
   for (const v1::PoolStats& p : response.pools()) {
     out.pools.push_back(ManagerStats::Pool{FromProto(p.pool()), p.capacity_bytes(), p.used_bytes(),
-                                           p.pinned_bytes(), p.pages(), p.reserved_bytes()});
+                                           p.pinned_bytes(), p.pages(), p.reserved_bytes(),
+                                           p.engine()});
   }
   for (const v1::NamespaceStats& n : response.namespaces()) {
     ManagerStats::Namespace& ns = out.namespaces.emplace_back();
@@ -119,6 +120,11 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
                                              a.epoch(), a.alive(), a.last_heartbeat_age_ms(),
                                              a.used_bytes(), a.free_blocks(),
                                              a.block_agent_address(), a.data_address()});
+  }
+  for (const v1::EngineStats& e : response.engines()) {
+    out.engines.push_back(ManagerStats::Engine{e.engine_id(), FromProto(e.namespace_()),
+                                               e.session(), e.sequence(), e.last_publish_age_ms(),
+                                               e.pages()});
   }
   const v1::Counters& c = response.counters();
   out.counters.match_requests = c.match_requests();

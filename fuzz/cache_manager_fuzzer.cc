@@ -106,6 +106,18 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler
       v1::StatsResponse resp;
       StatsToProto(w.index->Stats(), w.limits, &resp);
       AgentsToProto(w.agents.Snapshot(), &resp);
+      EngineSessionsToProto(w.engines->Snapshot(), w.clock.Now(), &resp);
+      return absl::OkStatus();
+    }
+    case kPublishEngineEvents: {
+      v1::PublishEngineEventsRequest req;
+      if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+      absl::StatusOr<EnginePublish> c = EnginePublishFromProto(*w.index, req, w.limits);
+      if (!c.ok()) return c.status();
+      absl::StatusOr<EnginePublishResult> r = w.engines->Publish(*c);
+      if (!r.ok()) return r.status();
+      Require(r->pages == 0 || w.engines->IsLive(c->engine_id) || c->close,
+              "PublishEngineEvents: pages only in a live session");
       return absl::OkStatus();
     }
     case kWatchEvents: {
@@ -119,6 +131,7 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler
     case kAdvanceClock:
       w.clock.Advance(absl::Seconds(body.empty() ? 1 : static_cast<uint8_t>(body[0])));
       w.index->ExpireLeases();
+      (void)w.engines->ExpireIdle();
       return absl::OkStatus();
     case kNumCalls:
       break;
@@ -141,7 +154,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kvcm::v1::CacheEvent out;
     kvcm::CacheEventToProto(event, ++event_sequence, &out);
   });
-  kvcm::RouteHandler route(world.index.get(), &world.agents, world.limits, {});
+  kvcm::RouteHandler route(world.index.get(), &world.agents, world.engines.get(), world.limits, {});
   Records records(data, size);
   uint8_t tag;
   std::string_view body;

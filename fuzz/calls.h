@@ -21,7 +21,8 @@ enum Call : uint8_t {
   kRoute,
   kStats,
   kWatchEvents,
-  kAdvanceClock,  // not an RPC: time passes (body[0] seconds), so leases expire
+  kAdvanceClock,  // not an RPC: time passes (body[0] seconds), so leases and sessions expire
+  kPublishEngineEvents,
   kNumCalls
 };
 }  // namespace cache_manager_calls

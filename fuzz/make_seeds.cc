@@ -138,6 +138,45 @@ void CacheManagerSeeds(const fs::path& dir) {
     AppendRecord(&s, kRoute, route);
     Write(dir, "cache_manager_fuzzer", "route_policy_" + std::to_string(policy), s);
   }
+
+  // An engine's session: stores, a removal, a clear, a gap, a new session, a close.
+  s.clear();
+  v1::PublishEngineEventsRequest publish;
+  publish.set_engine_id("vllm-0");
+  NamespaceToProto(SeedNamespace(), publish.mutable_namespace_());
+  *publish.mutable_scheme() = SeedScheme(w);
+  publish.set_session(7);
+  publish.set_sequence(1);
+  for (int prompt = 0; prompt < 2; ++prompt) {
+    v1::Prompt p;
+    Hashes(w, prompt, &p);
+    v1::EngineChange* c = publish.add_changes();
+    c->set_kind(v1::EngineChange::KIND_STORED);
+    c->set_tier(prompt == 0 ? v1::TIER_GPU : v1::TIER_HOST);
+    c->set_page_hashes(p.page_hashes());
+  }
+  AppendRecord(&s, kPublishEngineEvents, publish);
+  v1::RouteRequest route;
+  NamespaceToProto(SeedNamespace(), route.mutable_namespace_());
+  Tokens(SeedTokens(0), route.mutable_prompt());
+  route.set_probe(true);
+  route.add_candidates()->set_agent_id("vllm-0");
+  route.add_candidates()->set_agent_id(kAgents[0]);
+  AppendRecord(&s, kRoute, route);
+  publish.set_sequence(2);
+  publish.mutable_changes(0)->set_kind(v1::EngineChange::KIND_REMOVED);
+  publish.mutable_changes(1)->set_kind(v1::EngineChange::KIND_CLEARED);
+  publish.mutable_changes(1)->clear_page_hashes();
+  AppendRecord(&s, kPublishEngineEvents, publish);
+  publish.set_sequence(4);
+  AppendRecord(&s, kPublishEngineEvents, publish);
+  AppendRecord(&s, kStats, "");
+  publish.set_session(8);
+  publish.set_sequence(1);
+  publish.set_close(true);
+  AppendRecord(&s, kPublishEngineEvents, publish);
+  AppendRecord(&s, kAdvanceClock, std::string(1, '\x28'));
+  Write(dir, "cache_manager_fuzzer", "engine_session", s);
 }
 
 void AgentControlSeeds(const fs::path& dir) {

@@ -24,6 +24,7 @@
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/core/clock.h"
+#include "server/core/engine_sessions.h"
 #include "server/service/agent_control_service.h"
 #include "server/service/nccl_bootstrap_relay.h"
 #include "server/service/proto_convert.h"
@@ -82,6 +83,7 @@ struct ManagerWorld {
   AgentRegistry agents{&clock, absl::Seconds(10)};
   AgentCommandBook commands;
   AgentInserter inserter;
+  std::unique_ptr<EngineSessions> engines;
   NcclBootstrapRelay relay;
   RequestLimits limits{.max_tokens_per_request = 4096,
                        .max_pages_per_request = 512,
@@ -92,7 +94,8 @@ struct ManagerWorld {
   ManagerWorld()
       : index(std::make_unique<CacheIndex>(CacheIndexOptions{
             .hash_secret = kSecret, .default_pool_capacity_bytes = 1 << 20, .clock = &clock})),
-        inserter(index.get(), &commands, &agents) {
+        inserter(index.get(), &commands, &agents),
+        engines(std::make_unique<EngineSessions>(index.get(), &clock, absl::Seconds(30))) {
     absl::StatusOr<RegisterModelResult> r = index->RegisterModel(SeedNamespace(), SeedSpec());
     Require(r.ok(), "seed namespace");
     ns = *r;

@@ -1,0 +1,282 @@
+"""kvcm-vllm-bridge configuration: a TOML file and/or flags (flags win).
+
+    manager = "kvcm.internal:50051"
+    ca_file = "/etc/kvcm/ca.pem"          # or insecure = true
+    metrics_port = 9471
+    engine_timeout_s = 15
+
+    [namespace]                           # every engine's, unless an engine overrides it
+    tenant = "acme"
+    model = "llama-3-8b"
+    preset = "llama-3-8b"                 # a catalogue model, or a [namespace.spec] table
+    dtype = "bf16"
+    page_size = 16                        # 0: the engine's block size
+
+    [[engine]]
+    id = "vllm-0"
+    endpoint = "tcp://10.0.0.5:5557"      # vLLM's --kv-events-config endpoint, as we reach it
+    endpoint_mode = "connect"             # vLLM binds tcp://*:5557: we connect (the default)
+    replay_endpoint = "tcp://10.0.0.5:5558"
+    token_file = "/etc/kvcm/vllm-0.token"
+    block_size = 16
+
+vLLM binds its PUB endpoint when it holds `*` (or `::`, ipc://, inproc://) and connects to it
+otherwise. So: vLLM given `tcp://*:5557` -> endpoint = "tcp://<engine host>:5557", mode
+"connect"; vLLM given `tcp://<bridge host>:5557` -> endpoint = "tcp://*:5557", mode "bind".
+vLLM always binds its replay (ROUTER) endpoint; the bridge connects to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec
+
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://.+")
+_DTYPES = {"bf16": KvDtype.BF16, "fp16": KvDtype.FP16, "fp8": KvDtype.FP8,
+           "int8": KvDtype.INT8}
+_ATTENTION = {"mha": AttentionKind.MHA, "mqa": AttentionKind.MQA, "gqa": AttentionKind.GQA,
+              "mla": AttentionKind.MLA}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the setting."""
+
+
+@dataclass
+class NamespaceConfig:
+    tenant: str = ""
+    model: str = ""
+    # A catalogue model (kvcm.CATALOG), or `spec` with the ModelSpec fields.
+    preset: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "bf16"
+    # Tokens per kvcm page: a multiple of the engine's block size; 0: the block size.
+    page_size: int = 0
+    max_page_age_s: int = 0
+
+    def model_spec(self, block_size: int) -> ModelSpec:
+        page = self.page_size or block_size
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"namespace.dtype: {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.preset:
+            if self.spec:
+                raise ConfigError("namespace: give preset or spec, not both")
+            base = CATALOG.get(self.preset.lower())
+            if base is None:
+                raise ConfigError(f"namespace.preset: no model {self.preset!r} in the "
+                                  f"catalogue; known: {', '.join(CATALOG)}")
+            return base.with_(dtype=_DTYPES[self.dtype], page_size_tokens=page)
+        if not self.spec:
+            raise ConfigError("namespace: needs preset (a catalogue model) or a spec table")
+        kw = dict(self.spec)
+        try:
+            kw["attention"] = _ATTENTION[str(kw.get("attention", "")).lower()]
+            kw.setdefault("dtype", self.dtype)
+            kw["dtype"] = _DTYPES[str(kw["dtype"]).lower()]
+            return ModelSpec(page_size_tokens=page, **kw)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"namespace.spec: {e}") from None
+
+
+@dataclass
+class EngineConfig:
+    id: str = ""
+    endpoint: str = ""
+    endpoint_mode: str = "connect"
+    replay_endpoint: str = ""
+    topic: str = ""
+    # The engine's bearer token (role engine): a file, an environment variable, or inline.
+    token_file: str = ""
+    token_env: str = ""
+    token: str = field(default="", repr=False)
+    # Only batches of this data-parallel rank (each rank publishes on its own port, port+rank).
+    data_parallel_rank: int | None = None
+    block_size: int = 16
+    # vLLM KV-cache group whose events are mirrored (hybrid models emit one per group).
+    kv_group: int = 0
+    # Overrides of [namespace] for this engine.
+    tenant: str = ""
+    model: str = ""
+
+    def validate(self) -> None:
+        where = f"engine {self.id!r}"
+        if not _ENGINE_ID.match(self.id):
+            raise ConfigError(f"engine.id: {self.id!r} must be 1..128 of [A-Za-z0-9._:-]")
+        if not _ENDPOINT.match(self.endpoint):
+            raise ConfigError(f"{where}: endpoint {self.endpoint!r} is not tcp://, ipc:// "
+                              "or inproc://")
+        if self.endpoint_mode not in ("connect", "bind"):
+            raise ConfigError(f"{where}: endpoint_mode must be connect or bind")
+        if self.endpoint_mode == "connect" and "*" in self.endpoint:
+            raise ConfigError(
+                f"{where}: cannot connect to {self.endpoint!r}: vLLM binds that wildcard "
+                "endpoint, so connect to the engine's host (tcp://HOST:PORT), or set "
+                "endpoint_mode = \"bind\" if vLLM was given this bridge's address")
+        if self.replay_endpoint and (not _ENDPOINT.match(self.replay_endpoint)
+                                     or "*" in self.replay_endpoint):
+            raise ConfigError(f"{where}: replay_endpoint {self.replay_endpoint!r} must name "
+                              "the engine's host (vLLM binds it; the bridge connects)")
+        if self.block_size <= 0:
+            raise ConfigError(f"{where}: block_size must be > 0")
+        if sum(bool(x) for x in (self.token_file, self.token_env, self.token)) > 1:
+            raise ConfigError(f"{where}: give one of token_file, token_env, token")
+
+    def resolve_token(self) -> str:
+        """The engine's token ("" for none, e.g. a manager without a tokens file)."""
+        if self.token_file:
+            try:
+                with open(self.token_file, encoding="ascii") as f:
+                    return f.read().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"engine {self.id!r}: token_file {self.token_file!r}: "
+                                  f"{e}") from None
+        if self.token_env:
+            if self.token_env not in os.environ:
+                raise ConfigError(f"engine {self.id!r}: ${self.token_env} is not set")
+            return os.environ[self.token_env].strip()
+        return self.token
+
+
+@dataclass
+class BridgeConfig:
+    manager: str = "127.0.0.1:50051"
+    insecure: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    # Token for RegisterModel when the engines' tokens may not register ("": the engine's).
+    register_token_file: str = ""
+    metrics_address: str = "0.0.0.0"
+    metrics_port: int = 0                 # 0: no /metrics
+    ttl_ms: int = 30_000                  # the engine session's TTL at the manager
+    engine_timeout_s: float = 15.0        # nothing heard from an engine this long: drop it
+    probe_interval_s: float = 2.0
+    replay_timeout_s: float = 3.0
+    deadline_ms: int = 5_000              # per manager call
+    namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
+    engines: list[EngineConfig] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if not self.engines:
+            raise ConfigError("no engine: add [[engine]] tables or --engine")
+        ids = [e.id for e in self.engines]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"engine ids repeat: {ids}")
+        for e in self.engines:
+            e.validate()
+            if not (e.tenant or self.namespace.tenant) or not (e.model or self.namespace.model):
+                raise ConfigError(f"engine {e.id!r}: no tenant/model (set [namespace])")
+            page = self.namespace.page_size or e.block_size
+            if page % e.block_size:
+                raise ConfigError(
+                    f"engine {e.id!r}: namespace page size {page} tokens is not a multiple of "
+                    f"the engine's block size {e.block_size} tokens")
+            self.namespace.model_spec(e.block_size)
+        if self.insecure and (self.ca_file or self.cert_file or self.key_file):
+            raise ConfigError("insecure excludes ca_file, cert_file, key_file")
+        if not self.insecure and not self.ca_file:
+            raise ConfigError("ca_file is required to verify the manager (or insecure = true)")
+        if not 1_000 <= self.ttl_ms <= 600_000:
+            raise ConfigError("ttl_ms must be in 1000..600000")
+        if self.engine_timeout_s <= self.probe_interval_s:
+            raise ConfigError("engine_timeout_s must exceed probe_interval_s")
+
+
+def _fill(obj: Any, table: dict[str, Any], where: str) -> None:
+    known = {f.name for f in fields(obj)}
+    for k, v in table.items():
+        if k not in known:
+            raise ConfigError(f"{where}: unknown setting {k!r}")
+        setattr(obj, k, v)
+
+
+def load(path: str | None) -> BridgeConfig:
+    cfg = BridgeConfig()
+    if not path:
+        return cfg
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    ns = data.pop("namespace", {})
+    engines = data.pop("engine", [])
+    _fill(cfg, data, path)
+    _fill(cfg.namespace, ns, f"{path} [namespace]")
+    for i, t in enumerate(engines):
+        engine = EngineConfig()
+        _fill(engine, t, f"{path} [[engine]] #{i + 1}")
+        cfg.engines.append(engine)
+    return cfg
+
+
+def parse_engine_flag(text: str) -> EngineConfig:
+    """--engine id=vllm-0,endpoint=tcp://h:5557,replay_endpoint=tcp://h:5558,token_file=F"""
+    e = EngineConfig()
+    ints = {"block_size", "kv_group", "data_parallel_rank"}
+    for part in filter(None, text.split(",")):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--engine: {part!r} is not key=value")
+        if k == "token":
+            raise ConfigError("--engine: no token on the command line (ps shows it); use "
+                              "token_file or token_env")
+        if k not in {f.name for f in fields(e)}:
+            raise ConfigError(f"--engine: unknown key {k!r}")
+        setattr(e, k, int(v) if k in ints else v)
+    return e
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcm-vllm-bridge",
+        description="Mirror vLLM engines' prefix caches into a kvcm-manager from their KV "
+                    "events (docs/ENGINES.md).")
+    p.add_argument("--config", help="TOML file; flags override it")
+    p.add_argument("--manager", help="manager address host:port")
+    p.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC")
+    p.add_argument("--ca_file")
+    p.add_argument("--cert_file")
+    p.add_argument("--key_file")
+    p.add_argument("--register_token_file")
+    p.add_argument("--metrics_port", type=int)
+    p.add_argument("--metrics_address")
+    p.add_argument("--ttl_ms", type=int)
+    p.add_argument("--engine_timeout_s", type=float)
+    p.add_argument("--probe_interval_s", type=float)
+    p.add_argument("--replay_timeout_s", type=float)
+    p.add_argument("--tenant")
+    p.add_argument("--model")
+    p.add_argument("--preset", help="catalogue model for the namespace's spec")
+    p.add_argument("--dtype")
+    p.add_argument("--page_size", type=int)
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="an engine: id, endpoint, endpoint_mode, replay_endpoint, topic, "
+                        "token_file, token_env, data_parallel_rank, block_size, kv_group")
+    p.add_argument("--log_level", default="INFO")
+    return p
+
+
+def from_args(argv: list[str] | None = None) -> tuple[BridgeConfig, argparse.Namespace]:
+    args = arg_parser().parse_args(argv)
+    cfg = load(args.config)
+    for name in ("manager", "insecure", "ca_file", "cert_file", "key_file",
+                 "register_token_file", "metrics_port", "metrics_address", "ttl_ms",
+                 "engine_timeout_s", "probe_interval_s", "replay_timeout_s"):
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg, name, v)
+    for name in ("tenant", "model", "preset", "dtype", "page_size"):
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg.namespace, name, v)
+    cfg.engines += [parse_engine_flag(t) for t in args.engine]
+    cfg.validate()
+    return cfg, args

@@ -1,0 +1,101 @@
+"""kvcm-vllm-bridge configuration: TOML, flags, and the errors that name the setting."""
+
+import pytest
+
+from kvcm.types import AttentionKind, KvDtype
+from kvcm.vllm.bridge import main
+from kvcm.vllm.config import ConfigError, from_args
+
+TOML = """
+manager = "kvcm:50051"
+insecure = true
+engine_timeout_s = 20
+
+[namespace]
+tenant = "acme"
+model = "llama-3-8b"
+preset = "llama-3-8b"
+page_size = 32
+
+[[engine]]
+id = "vllm-0"
+endpoint = "tcp://10.0.0.5:5557"
+replay_endpoint = "tcp://10.0.0.5:5558"
+token_file = "{token}"
+block_size = 16
+
+[[engine]]
+id = "vllm-1"
+endpoint = "tcp://*:6000"
+endpoint_mode = "bind"
+token_env = "VLLM1_TOKEN"
+data_parallel_rank = 1
+block_size = 16
+"""
+
+
+def write(tmp_path, text, **fmt):
+    p = tmp_path / "bridge.toml"
+    p.write_text(text.format(**fmt) if fmt else text)
+    return str(p)
+
+
+def test_toml_and_flags(tmp_path, monkeypatch):
+    token = tmp_path / "t"
+    token.write_text("secret-token-0123456789\n")
+    monkeypatch.setenv("VLLM1_TOKEN", "env-token-0123456789")
+    path = write(tmp_path, TOML, token=token)
+    cfg, _ = from_args(["--config", path, "--manager", "other:1", "--engine_timeout_s", "9",
+                        "--engine", "id=vllm-2,endpoint=tcp://h:7000,block_size=32"])
+    assert cfg.manager == "other:1" and cfg.engine_timeout_s == 9 and cfg.insecure
+    e0, e1, e2 = cfg.engines
+    assert e0.resolve_token() == "secret-token-0123456789"
+    assert e1.resolve_token() == "env-token-0123456789" and e1.data_parallel_rank == 1
+    assert (e2.block_size, e2.endpoint_mode) == (32, "connect")
+    spec = cfg.namespace.model_spec(16)
+    assert spec.attention == AttentionKind.GQA and spec.page_size_tokens == 32
+    assert spec.dtype == KvDtype.BF16
+
+
+def test_explicit_spec(tmp_path):
+    text = TOML.replace('preset = "llama-3-8b"\n', "").replace(
+        "page_size = 32", 'page_size = 32\n[namespace.spec]\nattention = "mla"\n'
+        'num_layers = 61\nnum_heads = 128\nkv_lora_rank = 512\nrope_dim = 64')
+    cfg, _ = from_args(["--config", write(tmp_path, text.replace("token_file", "token")
+                                          .replace("token_env", "token"),
+                                          token="tok-0123456789abcdef")])
+    spec = cfg.namespace.model_spec(16)
+    assert spec.attention == AttentionKind.MLA and spec.kv_lora_rank == 512
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('id = "vllm-0"', "engine ids repeat"),
+    ('endpoint = "tcp://10.0.0.5:5557"', "cannot connect to 'tcp://\\*:6000'"),
+    ("page_size = 32", "page size 24 tokens is not a multiple of the engine's block size 16"),
+    ('preset = "llama-3-8b"', "no model 'nope'"),
+    ("engine_timeout_s = 20", "unknown setting 'engine_timeuot_s'"),
+    ('replay_endpoint = "tcp://10.0.0.5:5558"', "replay_endpoint 'tcp://\\*:5558'"),
+])
+def test_errors_name_the_setting(tmp_path, bad, message):
+    good = {
+        'id = "vllm-0"': 'id = "vllm-1"',
+        'endpoint = "tcp://10.0.0.5:5557"': 'endpoint = "tcp://*:6000"',
+        "page_size = 32": "page_size = 24",
+        'preset = "llama-3-8b"': 'preset = "nope"',
+        "engine_timeout_s = 20": "engine_timeuot_s = 20",
+        'replay_endpoint = "tcp://10.0.0.5:5558"': 'replay_endpoint = "tcp://*:5558"',
+    }[bad]
+    text = TOML.replace(bad, good, 1)
+    with pytest.raises(ConfigError, match=message):
+        from_args(["--config", write(tmp_path, text, token="x")])
+
+
+def test_no_token_on_the_command_line():
+    with pytest.raises(ConfigError, match="no token on the command line"):
+        from_args(["--insecure", "--tenant", "a", "--model", "m", "--preset", "llama-3-8b",
+                   "--engine", "id=e,endpoint=tcp://h:1,token=abc"])
+
+
+def test_main_reports_config_errors(capsys):
+    assert main(["--insecure"]) == 2
+    assert "no engine" in capsys.readouterr().err
