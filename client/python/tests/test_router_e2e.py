@@ -242,7 +242,6 @@ def test_the_readme_demo_runs_from_the_command_line(manager, workdir):
     """Every piece started as the README starts it: two fake engines and the bridge and the
     router as commands, against the manager."""
     import json
-    import subprocess
     import sys
     import time
     import urllib.request

@@ -314,7 +314,6 @@ async def test_kv_aware_falls_back_to_least_loaded_and_counts_it():
 
 @pytest.mark.asyncio
 async def test_manager_index_falls_back_fast_when_the_manager_is_down():
-    pytest.importorskip("kvcm.vllm")
     import kvcm.aio
     from kvcm.router.manager_index import ManagerIndex
     from kvcm.types import ModelSpec, Namespace
@@ -344,7 +343,6 @@ async def test_manager_index_falls_back_fast_when_the_manager_is_down():
 @pytest.mark.asyncio
 async def test_manager_index_ranks_engines_without_a_session_locally(manager):
     """Engines the manager has no live session for are not an error: they hold nothing."""
-    pytest.importorskip("kvcm.vllm")
     import kvcm.aio
     from kvcm.router.manager_index import ManagerIndex
     from kvcm.types import ModelSpec, Namespace

@@ -25,6 +25,7 @@ from kvcm.aio import Client
 from kvcm.errors import KvcmError
 from kvcm.router.policy import IndexUnavailable, RoutingRequest
 from kvcm.types import ModelSpec, Namespace, RankedAgent, RouteCandidate, RoutePolicy
+from kvcm.vllm import hash_request
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ class ManagerIndex:
 
     def hash(self, request: RoutingRequest) -> List[bytes]:
         """The request's page hashes as the bridge publishes them (needs the key)."""
-        from kvcm.vllm import hash_request
-
         assert self._key is not None
         return hash_request(self._key, request.tokens, self.page_size, self.block_size,
                             lora_name=request.lora_name, cache_salt=request.cache_salt)
