@@ -8,7 +8,7 @@
 
     manager = "kvcm.internal:50051"  # kv-aware only
     ca_file = "/etc/kvcm/ca.pem"     # or insecure = true
-    token_file = "/etc/kvcm/router.token"
+    token_file = "/etc/kvcm/router.token"  # or token = "..." (this file only, never a flag)
     register_token_file = ""         # a token that may RegisterModel, for the hash key
 
     [namespace]                      # the bridge's: same tenant, model, spec, page size
@@ -100,7 +100,8 @@ class RouterConfig:
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
-    token_file: str = ""  # the router's token; else $KVCM_TOKEN
+    token_file: str = ""  # the router's token; else `token` (TOML only), else $KVCM_TOKEN
+    token: str = field(default="", repr=False)
     register_token_file: str = ""  # a token that may RegisterModel; "": token_file's
     # Route: the prefill throughput the queue charge uses, tokens/s per engine.
     prefill_tokens_per_s: float = 10_000.0
@@ -155,6 +156,8 @@ class RouterConfig:
             ns.model_spec()
             if not self.insecure and not self.ca_file:
                 raise ConfigError("ca_file: required to verify the manager (or insecure = true)")
+        if self.token and self.token_file:
+            raise ConfigError("token: give token or token_file, not both")
         if self.prefill_tokens_per_s <= 0:
             raise ConfigError("prefill_tokens_per_s: must be > 0")
         if self.route_deadline_ms <= 0:

@@ -113,11 +113,11 @@ class RouterServer:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def _manager_client(self, token_file: str) -> kvcm_aio.Client:
+    def _manager_client(self, token: str, token_file: str) -> kvcm_aio.Client:
         c = self.cfg
         client = kvcm_aio.Client(
             c.manager, insecure=c.insecure, ca_file=c.ca_file or None,
-            cert_file=c.cert_file or None, key_file=c.key_file or None,
+            cert_file=c.cert_file or None, key_file=c.key_file or None, token=token or None,
             token_file=token_file or None, default_deadline_ms=c.route_deadline_ms,
             max_attempts=2)
         self._clients.append(client)
@@ -127,8 +127,8 @@ class RouterServer:
         c = self.cfg
         guard = ImbalanceGuard(c.imbalance_factor, c.imbalance_margin)
         if c.policy == "kv-aware":
-            client = self._manager_client(c.token_file)
-            register = (self._manager_client(c.register_token_file)
+            client = self._manager_client(c.token, c.token_file)
+            register = (self._manager_client("", c.register_token_file)
                         if c.register_token_file else None)
             self.index = ManagerIndex(
                 client, c.namespace.namespace, c.namespace.model_spec(),
