@@ -6,7 +6,8 @@ another salt's pages, stream, and avoid an engine that went down."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict, List, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -38,12 +39,26 @@ def words(tag: str, n: int) -> str:
 class Cluster:
     """Two fake engines (e0, e1), a bridge mirroring both, a kv-aware router."""
 
-    def __init__(self, manager_address: str) -> None:
+    def __init__(self, manager_address: str, *, tokens: Optional[Dict[str, str]] = None,
+                 workdir: Optional[Path] = None) -> None:
+        """`tokens`: role -> bearer token ("router", "worker", "e0", "e1", "admin") for a
+        manager with a tokens file; the worker's registers for the bridge and the router."""
         self.manager_address = manager_address
+        self.tokens = tokens or {}
+        self.workdir = workdir
         self.engines: Dict[str, Any] = {}
         self.served: Dict[str, Any] = {}
 
-    async def start(self, **engine_kw: Any) -> "Cluster":
+    def _token_file(self, role: str) -> str:
+        if role not in self.tokens:
+            return ""
+        assert self.workdir is not None
+        path = self.workdir / f"{role}.token"
+        path.write_text(self.tokens[role] + "\n")
+        return str(path)
+
+    async def start(self, router_kw: Optional[Dict[str, Any]] = None,
+                    **engine_kw: Any) -> "Cluster":
         bridge_engines = []
         for engine_id in ("e0", "e1"):
             pub, replay = free_port(), free_port()
@@ -54,9 +69,11 @@ class Cluster:
             self.engines[engine_id], self.served[engine_id] = engine, served
             bridge_engines.append(EngineConfig(
                 id=engine_id, endpoint=f"tcp://127.0.0.1:{pub}",
-                replay_endpoint=f"tcp://127.0.0.1:{replay}", block_size=BLOCK))
+                replay_endpoint=f"tcp://127.0.0.1:{replay}", block_size=BLOCK,
+                token=self.tokens.get(engine_id, "")))
         self.bridge_cfg = BridgeConfig(
             manager=self.manager_address, insecure=True, ttl_ms=5000, engine_timeout_s=3.0,
+            register_token_file=self._token_file("worker"),
             probe_interval_s=0.3, replay_timeout_s=0.5,
             namespace=BridgeNamespace(tenant=TENANT, model=MODEL, preset="llama-3-8b",
                                       page_size=BLOCK),
@@ -67,9 +84,11 @@ class Cluster:
         self.router, self.router_served = await start_router(
             [(e, self.served[e].url) for e in ("e0", "e1")], "kv-aware",
             manager=self.manager_address, insecure=True, route_deadline_ms=2000,
-            lora_adapters=["sql-lora"], prefill_tokens_per_s=1000.0)
+            lora_adapters=["sql-lora"], prefill_tokens_per_s=1000.0,
+            token_file=self._token_file("router"), **(router_kw or {}))
         self.url = self.router_served.url
-        self.client = kvcm.aio.Client(self.manager_address, insecure=True)
+        self.client = kvcm.aio.Client(self.manager_address, insecure=True,
+                                      token=self.tokens.get("admin"))
         await self.client.register_model(NS, kvcm.ModelSpec.llama3_8b(page_size_tokens=BLOCK))
         self.key = self.client._cached_key(NS).key
         await self.wait_sessions({"e0", "e1"})
@@ -200,6 +219,54 @@ async def test_salted_and_lora_requests_never_match_other_keys(cluster):
                                                cache_salt="alice")
         assert (status, engine, cached(again)) == (200, holder, 48)
         assert await expected(holder) == before[holder] + 48
+
+
+@pytest.mark.asyncio
+async def test_with_tokens_the_router_probes_with_its_role_and_registers_with_a_worker(
+        manager_factory, workdir):
+    """A manager with a tokens file: the router's token may only probe, so the namespace key
+    comes from the worker token; without it salted requests cannot be ranked."""
+    import hashlib
+
+    tokens = {"router": "router-token-0123456789", "worker": "worker-token-0123456789",
+              "e0": "engine0-token-0123456789", "e1": "engine1-token-0123456789",
+              "admin": "admin-token-0123456789"}
+    lines = {"router": f"router roles=router tenants={TENANT}",
+             "worker": f"worker roles=worker tenant={TENANT}",
+             "e0": f"e0 roles=engine engine=e0 tenant={TENANT}",
+             "e1": f"e1 roles=engine engine=e1 tenant={TENANT}", "admin": "ops roles=admin"}
+    table = workdir / "tokens"
+    table.write_text("".join(f"{hashlib.sha256(tokens[r].encode()).hexdigest()} {lines[r]}\n"
+                             for r in tokens))
+    m = manager_factory(f"--tokens_file={table}").start()
+    prefix = words("auth", 48)
+    for register in (True, False):
+        kw = {"register_token_file": str(workdir / "worker.token")} if register else {}
+        c = await Cluster(m.address, tokens=tokens, workdir=workdir).start(router_kw=kw)
+        try:
+            async with aiohttp.ClientSession() as http:
+                salt = f"s{register}"
+                _, _, holder = await complete(http, c.url, prefix + " a", cache_salt=salt)
+                await c.wait_held(holder, prefix, 3, cache_salt=salt)
+                _, plain_first, plain_holder = await complete(http, c.url, prefix + " b")
+                await c.wait_held(plain_holder, prefix, 3)
+                status, salted, engine = await complete(http, c.url, prefix + " c",
+                                                        cache_salt=salt)
+                _, plain, plain_engine = await complete(http, c.url, prefix + " d")
+                text = await metrics_text(http, c.url)
+                async with http.get(c.url + "/health") as h:
+                    has_key = (await h.json())["manager_key"]
+            assert has_key is register
+            # Unsalted requests go to Route as tokens when the router has no key: ranked.
+            assert (plain_engine, cached(plain)) == (plain_holder, 48)
+            if register:
+                assert (status, engine, cached(salted)) == (200, holder, 48)
+            else:  # the salt needs the key: least-loaded, counted
+                assert status == 200
+                assert sample(text, "kvcm_router_manager_fallbacks_total",
+                              {"cause": "no-key"}) >= 2
+        finally:
+            await c.close()
 
 
 @pytest.mark.asyncio
