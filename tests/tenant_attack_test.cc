@@ -239,8 +239,22 @@ TEST_F(TenantAttackTest, RegisterModelNeverHandsAnotherTenantsHashKey) {
   v1::RegisterModelResponse reg;
   ExpectDenied(Register(kEvil, acme_, &reg), "evil-vllm", "tenant \"acme\"");
   EXPECT_TRUE(reg.hash_key().empty());
-  // Nor may a router, which only probes.
-  ExpectDenied(Register(kAcmeRouter, acme_, &reg), "edge", "register models");
+  // A router of acme reads the key of acme's existing namespace (to hash what it probes),
+  // but creates nothing, tightens no retention, and reads no other tenant's key.
+  v1::RegisterModelResponse acme_reg;
+  ASSERT_TRUE(Register(kAcme, acme_, &acme_reg).ok());
+  reg.Clear();
+  ASSERT_TRUE(Register(kAcmeRouter, acme_, &reg).ok());
+  EXPECT_EQ(reg.hash_key(), acme_reg.hash_key());
+  EXPECT_FALSE(reg.created());
+  v1::Namespace fresh = acme_;
+  fresh.set_model("not-yet-registered");
+  reg.Clear();
+  grpc::Status s = Register(kAcmeRouter, fresh, &reg);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("a router only reads an existing namespace"));
+  EXPECT_TRUE(reg.hash_key().empty());
+  ExpectDenied(Register(kAcmeRouter, evil_, &reg), "edge", "register models");
   EXPECT_TRUE(reg.hash_key().empty());
   ExpectVictimUnchanged();
 }

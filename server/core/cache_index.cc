@@ -120,12 +120,18 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
                        existing.spec.DebugString(), "}, not {", spec.DebugString(), "}"));
     }
     // A retention limit only tightens: whoever asks for less keeps less.
-    if (max_page_age > absl::ZeroDuration() &&
+    if (source != NamespaceSource::kReader && max_page_age > absl::ZeroDuration() &&
         (existing.registered_max_age == absl::ZeroDuration() ||
          max_page_age < existing.registered_max_age)) {
       SetMaxPageAge(existing, max_page_age);
     }
     return ResultOf(existing, false);
+  }
+  if (source == NamespaceSource::kReader) {
+    return absl::NotFoundError(absl::StrCat(
+        "namespace ", ns.ToString(),
+        " is not registered (a router only reads an existing namespace; a worker or an "
+        "engine of the tenant creates it)"));
   }
   auto known = tenants_.find(ns.tenant);
   const uint32_t tenant_count = known == tenants_.end() ? 0 : known->second->namespaces;

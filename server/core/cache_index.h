@@ -293,9 +293,11 @@ class CacheIndex {
   // Replaces the event listener (null to stop). Safe to call at any time.
   void SetEventListener(CacheEventListener listener) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Who asks for a namespace: a client (within max_namespaces and max_namespaces_per_tenant)
-  // or the rebuild from agents' inventories (never refused for a count).
-  enum class NamespaceSource : uint8_t { kClient, kInventory };
+  // Who asks for a namespace: a client (within max_namespaces and max_namespaces_per_tenant),
+  // the rebuild from agents' inventories (never refused for a count), or a reader that may
+  // only confirm an existing namespace and learn its key (a router: NOT_FOUND when absent,
+  // and its max_page_age changes nothing).
+  enum class NamespaceSource : uint8_t { kClient, kInventory, kReader };
 
   // Creates namespace `ns` or confirms it. FAILED_PRECONDITION when it exists with another
   // spec; INVALID_ARGUMENT for a bad spec or name; RESOURCE_EXHAUSTED naming the limit when a

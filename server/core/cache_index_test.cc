@@ -344,6 +344,22 @@ TEST_F(CacheIndexTest, RegisterModelIsIdempotentAndRefusesAnotherSpec) {
   EXPECT_EQ(index_->Stats().namespaces.size(), 1u);
 }
 
+TEST_F(CacheIndexTest, AReaderConfirmsAnExistingNamespaceOnly) {
+  using Source = CacheIndex::NamespaceSource;
+  absl::StatusOr<RegisterModelResult> read =
+      index_->RegisterModel(ns_, Mla(), Source::kReader, absl::Seconds(5));
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_FALSE(read->created);
+  EXPECT_EQ(read->hash_key, DeriveNamespaceKey(HashKey{11, 22}, "acme", "deepseek-v3"));
+  EXPECT_EQ(read->max_page_age, absl::ZeroDuration()) << "a reader tightens no retention";
+  EXPECT_EQ(index_->RegisterModel(ns_, Mla(/*page=*/64), Source::kReader).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<RegisterModelResult> absent =
+      index_->RegisterModel({"acme", "other"}, Mla(), Source::kReader);
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(index_->Stats().namespaces.size(), 1u);
+}
+
 TEST_F(CacheIndexTest, BytesFollowTheModelNotTheTokenCount) {
   NamespaceId llama{"acme", "llama-3-70b"};
   ASSERT_TRUE(index_->RegisterModel(llama, Gqa()).ok());

@@ -34,7 +34,15 @@ absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req) 
   // The answer carries the namespace's hash key: only its own tenant may have it (its
   // engines' bridges too: they hash the engines' blocks with it).
   if (p.Has(Role::kEngine) && p.tenant == req.namespace_().tenant()) return absl::OkStatus();
+  // A router reads an existing namespace's key to hash what it probes (RegisterModelSource).
+  if (p.MayProbe(req.namespace_().tenant())) return absl::OkStatus();
   return NeedWorker(p, req.namespace_(), "register models");
+}
+
+CacheIndex::NamespaceSource RegisterModelSource(const Principal& p, const v1::Namespace& ns) {
+  const bool may_create = p.IsWorkerOf(ns.tenant()) || p.Has(Role::kAdmin) ||
+                          (p.Has(Role::kEngine) && p.tenant == ns.tenant());
+  return may_create ? CacheIndex::NamespaceSource::kClient : CacheIndex::NamespaceSource::kReader;
 }
 
 absl::Status Authorize(const Principal& p, const v1::MatchRequest& req) {

@@ -27,6 +27,7 @@
 #include "common/token_table.h"
 #include "kvcm/v1/agent.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
+#include "server/core/cache_index.h"
 
 namespace kvcm {
 
@@ -35,6 +36,9 @@ namespace kvcm {
 // namespace the caller does not hold; validation names the field afterwards for callers
 // that may use it).
 absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req);
+// Whether RegisterModel by `p` may create `ns` (a worker or an engine of its tenant, an
+// admin) or only read an existing one (a router of the tenant: kReader).
+CacheIndex::NamespaceSource RegisterModelSource(const Principal& p, const v1::Namespace& ns);
 absl::Status Authorize(const Principal& p, const v1::MatchRequest& req);
 absl::Status Authorize(const Principal& p, const v1::InsertRequest& req);
 absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req);

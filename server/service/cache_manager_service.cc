@@ -163,11 +163,11 @@ grpc::ServerUnaryReactor* CacheManagerService::RegisterModel(grpc::CallbackServe
                                                              const v1::RegisterModelRequest* req,
                                                              v1::RegisterModelResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kRegisterModel, [&]() -> absl::Status {
-    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
     KVCM_ASSIGN_OR_RETURN(RegisterModelCall call, RegisterModelFromProto(*req));
     KVCM_ASSIGN_OR_RETURN(
         RegisterModelResult result,
-        index_->RegisterModel(call.ns, call.spec, CacheIndex::NamespaceSource::kClient,
+        index_->RegisterModel(call.ns, call.spec, RegisterModelSource(*caller, req->namespace_()),
                               call.max_page_age));
     RegisterModelResultToProto(result, resp);
     return absl::OkStatus();
