@@ -28,6 +28,9 @@ cmake --build "$build_dir" -j "$jobs"
 # and readme_python_demo, which must run here, never skip.
 ./scripts/python_env.sh "$build_dir/pyenv"
 export KVCM_REQUIRE_PYTHON=1
+# kubectl and kubernetes-validate for ctest's k8s_render_test, which must run here too.
+./scripts/k8s_env.sh "$build_dir/k8s-venv"
+export KVCM_REQUIRE_K8S=1
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
 
 fuzz_seconds=${FUZZ_SECONDS:-5}
