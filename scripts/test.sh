@@ -28,6 +28,9 @@ cmake --build "$build_dir" -j "$jobs"
 # and readme_python_demo, which must run here, never skip.
 ./scripts/python_env.sh "$build_dir/pyenv"
 export KVCM_REQUIRE_PYTHON=1
+# promtool and prometheus (Debian's prometheus package, from install-deps.sh) for the
+# prometheus_* tests, which must run here, never skip.
+export KVCM_REQUIRE_PROMETHEUS=1
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
 
 fuzz_seconds=${FUZZ_SECONDS:-5}
