@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# ctest prometheus_scrape_test: a real prometheus scrapes a real kvcm-manager (plaintext, free
-# loopback ports) with the job name of deploy/prometheus/prometheus.yml and loads
-# kvcm-alerts.yaml; after a few kvcmctl calls, every series the alert rules read must be in
+# ctest prometheus_scrape_test: a real prometheus scrapes a real kvcm-manager and
+# kvcm-agent (plaintext, free loopback ports) with the job names of
+# deploy/prometheus/prometheus.yml and loads kvcm-alerts.yaml; after a few kvcmctl calls, every series the alert rules read must be in
 # Prometheus (asked through /api/v1/query) and every rule must evaluate without error.
-#   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL [DEPLOY_DIR]
+#   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT [DEPLOY_DIR]
 # Without prometheus it skips (exit 77), unless KVCM_REQUIRE_PROMETHEUS=1 (scripts/test.sh).
 set -euo pipefail
-manager_bin=$1 ctl_bin=$2
-deploy=$(cd "${3:-$(dirname "$0")/../deploy/prometheus}" && pwd)
+manager_bin=$1 ctl_bin=$2 agent_bin=$3
+deploy=$(cd "${4:-$(dirname "$0")/../deploy/prometheus}" && pwd)
 
 if ! command -v prometheus >/dev/null; then
   if [ "${KVCM_REQUIRE_PROMETHEUS:-0}" = 1 ]; then
@@ -40,6 +40,7 @@ wait_for() {
 }
 dump_logs() {
   echo "--- manager.log" >&2; tail -20 "$work/manager.log" >&2 || true
+  echo "--- agent.log" >&2; tail -20 "$work/agent.log" >&2 || true
   echo "--- prometheus.log" >&2; tail -20 "$work/prometheus.log" >&2 || true
 }
 
@@ -50,7 +51,16 @@ pids+=($!)
 wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$metrics_port/metrics" ||
   { echo "manager's metrics never answered" >&2; dump_logs; exit 1; }
 
-# The deployed scrape configuration's job name, a fast interval, and the deployed rules.
+agent_metrics_port=$(free_port)
+"$agent_bin" --insecure --agent_id=gpu-0 --manager_address=127.0.0.1:$grpc_port \
+  --listen_address=127.0.0.1:$(free_port) --data_listen_address=127.0.0.1:$(free_port) \
+  --model=deepseek-v3 --capacity_bytes=300000000 \
+  --metrics_address=127.0.0.1:$agent_metrics_port > "$work/agent.log" 2>&1 &
+pids+=($!)
+wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$agent_metrics_port/metrics" ||
+  { echo "agent's metrics never answered" >&2; dump_logs; exit 1; }
+
+# The deployed scrape configuration's job names, a fast interval, and the deployed rules.
 cat > "$work/prometheus.yml" <<YAML
 global:
   scrape_interval: 1s
@@ -61,8 +71,12 @@ scrape_configs:
   - job_name: kvcm-manager
     static_configs:
       - targets: ["127.0.0.1:$metrics_port"]
+  - job_name: kvcm-agent
+    static_configs:
+      - targets: ["127.0.0.1:$agent_metrics_port"]
 YAML
 grep -q '^  - job_name: kvcm-manager$' "$deploy/prometheus.yml"
+grep -q '^  - job_name: kvcm-agent$' "$deploy/prometheus.yml"
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data" \
   --web.listen-address=127.0.0.1:$prom_port > "$work/prometheus.log" 2>&1 &
 pids+=($!)
@@ -97,7 +111,13 @@ queries=(
   'kvcm_rpc_duration_seconds_bucket{job="kvcm-manager", rpc="Match"}'
   'kvcm_lease_expiries_total{job="kvcm-manager"}'
   'kvcm_pins_taken_total{job="kvcm-manager"} > 0'
+  'kvcm_agents{job="kvcm-manager", state="alive"} == 1'
+  'up{job="kvcm-agent"} == 1'
+  'kvcm_agent_registered{job="kvcm-agent"} == 1'
+  'kvcm_agent_rpc_requests_total{job="kvcm-agent"}'
+  'kvcm_transfer_seconds_count{job="kvcm-agent"}'
 )
+# kvcm_transfer_failures_total has a series per failure reason only once a pull has failed.
 status=0
 for q in "${queries[@]}"; do
   if wait_for 30 has_series "$q"; then echo "ok   $q"; else echo "MISSING $q" >&2; status=1; fi
