@@ -113,6 +113,34 @@ absl::StatusOr<PoolKey> PoolFromProto(const v1::PoolRef* pool, absl::string_view
   return key;
 }
 
+namespace {
+
+// The hash scheme of client-computed page hashes against namespace `info`: an unknown
+// version or another key is FAILED_PRECONDITION (re-register), another page size
+// INVALID_ARGUMENT; `field` names the scheme in the message ("prompt.scheme").
+absl::Status CheckScheme(const v1::HashScheme& scheme, const RegisterModelResult& info,
+                         absl::string_view field) {
+  if (scheme.version() != kPageHashVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ".version ", scheme.version(),
+        " is not supported: this manager hashes pages with version ", kPageHashVersion));
+  }
+  if (scheme.page_size_tokens() != info.spec.page_size_tokens) {
+    return Invalid(absl::StrCat(field, ".page_size_tokens ", scheme.page_size_tokens(),
+                                " does not match the namespace's page_size_tokens ",
+                                info.spec.page_size_tokens));
+  }
+  if (scheme.key_fingerprint() != KeyFingerprint(info.hash_key)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field,
+        ".key_fingerprint is not the namespace's hash key (the manager's secret changed?); "
+        "call RegisterModel again to get the current key"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const NamespaceId& ns,
                                              const v1::Prompt* prompt,
                                              const RequestLimits& limits) {
@@ -132,22 +160,7 @@ absl::StatusOr<ResolvedPrompt> ResolvePrompt(const CacheIndex& index, const Name
                           index.HashTokens(ns, std::span<const int32_t>(ids.data(), ids.size())));
     return out;
   }
-  const v1::HashScheme& scheme = prompt->scheme();
-  if (scheme.version() != kPageHashVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "prompt.scheme.version ", scheme.version(),
-        " is not supported: this manager hashes pages with version ", kPageHashVersion));
-  }
-  if (scheme.page_size_tokens() != out.page_size_tokens) {
-    return Invalid(absl::StrCat("prompt.scheme.page_size_tokens ", scheme.page_size_tokens(),
-                                " does not match the namespace's page_size_tokens ",
-                                out.page_size_tokens));
-  }
-  if (scheme.key_fingerprint() != KeyFingerprint(info.hash_key)) {
-    return absl::FailedPreconditionError(
-        "prompt.scheme.key_fingerprint is not the namespace's hash key (the manager's secret "
-        "changed?); call RegisterModel again to get the current key");
-  }
+  KVCM_RETURN_IF_ERROR(CheckScheme(prompt->scheme(), info, "prompt.scheme"));
   out.pages = DecodePageHashes(prompt->page_hashes());
   return out;
 }
@@ -579,22 +592,7 @@ absl::StatusOr<EnginePublish> EnginePublishFromProto(const CacheIndex& index,
   }
   if (!req.has_scheme()) return Invalid("scheme is required");
   KVCM_ASSIGN_OR_RETURN(RegisterModelResult info, index.GetNamespace(call.ns));
-  const v1::HashScheme& scheme = req.scheme();
-  if (scheme.version() != kPageHashVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "scheme.version ", scheme.version(),
-        " is not supported: this manager hashes pages with version ", kPageHashVersion));
-  }
-  if (scheme.page_size_tokens() != info.spec.page_size_tokens) {
-    return Invalid(absl::StrCat("scheme.page_size_tokens ", scheme.page_size_tokens(),
-                                " does not match the namespace's page_size_tokens ",
-                                info.spec.page_size_tokens));
-  }
-  if (scheme.key_fingerprint() != KeyFingerprint(info.hash_key)) {
-    return absl::FailedPreconditionError(
-        "scheme.key_fingerprint is not the namespace's hash key (the manager's secret "
-        "changed?); call RegisterModel again to get the current key and rehash");
-  }
+  KVCM_RETURN_IF_ERROR(CheckScheme(req.scheme(), info, "scheme"));
   return call;
 }
 
