@@ -244,7 +244,7 @@ void CacheIndex::UnpinPath(RadixNode* node) {
         TenantPin(n, r.pool, false);
         RefreshCandidate(n, r);
       }
-      // A node an engine emptied while it was pinned (RemoveEngineReplica) goes with its pin.
+      // A node an engine emptied while it was pinned (RemoveReplica) goes with its pin.
       if (n->replicas.empty() && n->children.empty()) n->tree->Remove(n);
     }
     n = parent;

@@ -554,9 +554,13 @@ class CacheIndex {
   // Returns the bytes freed.
   uint64_t EvictReplica(RadixNode* node, PoolId pool, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What evicting and sweeping share: drops the candidate (node, pool) from the policy, the
-  // budget and the parent's child_refs; removes the node when no replica is left (after
-  // `on_last`, called with the node before it goes). Returns the replica's block ids.
+  // What evicting, sweeping and engines' removals share: drops the replica (node, pool) from
+  // the policy, the budget and the parent's child_refs; removes the node when no replica is
+  // left (after `on_last`, called with the node before it goes). Returns the replica's block
+  // ids. REQUIRES: the replica is an eviction candidate (an unpinned leaf of its pool), or
+  // is in an engine's pool and no descendant holds that pool: an engine removes pinned pages
+  // too, and a pinned node it empties stays, holding nothing, until its last pin ends
+  // (UnpinPath).
   std::vector<BlockId> RemoveReplica(RadixNode* node, PoolId pool,
                                      absl::FunctionRef<void(RadixNode*)> on_last)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -568,10 +572,6 @@ class CacheIndex {
   // FAILED_PRECONDITION naming `what` when `pool` is an engine's.
   absl::Status NotEnginePool(PoolId pool, const PoolKey& key, absl::string_view what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Removes `node`'s replica in engine pool `pool`, pinned or not. A node left with no
-  // replica goes at once when unpinned; a pinned one stays, holding nothing, until its last
-  // pin ends (UnpinPath). REQUIRES: the node holds `pool` and no descendant does.
-  void RemoveEngineReplica(RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the replicas in engine pool `pool` of `top` and of every descendant, leaves
   // first; returns the page-locations removed. `on_node` sees each node's pages first.
   uint64_t RemoveEngineSubtree(RadixNode* top, PoolId pool,

@@ -46,32 +46,6 @@ absl::Status CacheIndex::NotEnginePool(PoolId pool, const PoolKey& key,
                    "'s pool: only its engine's events change it, it cannot be ", what));
 }
 
-void CacheIndex::RemoveEngineReplica(RadixNode* node, PoolId pool) {
-  Namespace* ns = OwnerOf(node);
-  auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
-                         [pool](const Replica& r) { return r.pool == pool; });
-  assert(it != node->replicas.end() && !it->evictable && it->child_refs == 0);
-  const uint64_t bytes = NodeBytes(node);
-  if (node->pin_count > 0) budget_.Unpin(pool, bytes);
-  node->replicas.erase(it);
-  budget_.Refund(pool, node->size(), bytes);
-  ns->tree.AddPageLocations(-int64_t{node->size()});
-  if (RadixNode* parent = node->parent; !parent->is_root()) {
-    Replica* up = parent->FindReplica(pool);
-    --up->child_refs;
-    RefreshCandidate(parent, *up);
-  }
-  if (!node->replicas.empty()) {
-    policy_->Rescore(node);  // scores may count replicas
-  } else if (node->pin_count == 0) {
-    // No replica left means no located descendant (prefix closure), and an unpinned node
-    // has no pinned one either: a leaf.
-    ns->tree.Remove(node);
-  }
-  // Otherwise a pin holds the emptied node: Match stops before it, and the pin's end
-  // removes it (UnpinPath).
-}
-
 uint64_t CacheIndex::RemoveEngineSubtree(RadixNode* top, PoolId pool,
                                          absl::FunctionRef<void(const RadixNode&)> on_node) {
   // Preorder over the nodes holding the pool (prefix closure: no other node has a
@@ -90,7 +64,7 @@ uint64_t CacheIndex::RemoveEngineSubtree(RadixNode* top, PoolId pool,
   for (auto n = order.rbegin(); n != order.rend(); ++n) {
     removed += (*n)->size();
     on_node(**n);
-    RemoveEngineReplica(*n, pool);
+    (void)RemoveReplica(*n, pool, [](RadixNode*) {});  // kNoBlock ids: nothing to free
   }
   return removed;
 }

@@ -17,13 +17,16 @@ std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
   Namespace* ns = OwnerOf(node);
   auto it = std::find_if(node->replicas.begin(), node->replicas.end(),
                          [pool](const Replica& r) { return r.pool == pool; });
-  assert(it != node->replicas.end() && it->evictable);
-  policy_->Remove(node, pool);
+  assert(it != node->replicas.end() && (it->evictable || budget_.engine(pool)));
+  assert(it->child_refs == 0);
+  if (it->evictable) policy_->Remove(node, pool);
   UntrackExpiry(node, *it);
   std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
   TenantUnstore(node, pool);
-  budget_.Refund(pool, node->size(), NodeBytes(node));
+  const uint64_t bytes = NodeBytes(node);
+  if (node->pin_count > 0) budget_.Unpin(pool, bytes);  // only an engine's replica is pinned
+  budget_.Refund(pool, node->size(), bytes);
   ns->tree.AddPageLocations(-int64_t{node->size()});
 
   RadixNode* parent = node->parent;
@@ -34,8 +37,9 @@ std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
   }
   if (!node->replicas.empty()) {
     policy_->Rescore(node);  // scores may count replicas
-  } else {
-    // No replica left means no located descendant either (prefix closure): a leaf.
+  } else if (node->pin_count == 0) {
+    // No replica left means no located descendant either (prefix closure), and an unpinned
+    // node has no pinned one: a leaf.
     on_last(node);
     ns->tree.Remove(node);
   }
@@ -242,13 +246,8 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
       const bool live = !budget_.retired(pool);
       const bool last = node->replicas.size() == 1;
       result.removed_pages += pages.size();
-      if (budget_.engine(pool)) {
-        RemoveEngineReplica(node, pool);  // no block to free
-        if (live) Emit(CacheEvent::Kind::kRemoved, ns, pool, pages);
-        if (last) break;
-        continue;
-      }
       std::vector<BlockId> blocks = RemoveReplica(node, pool, [](RadixNode*) {});
+      if (budget_.engine(pool)) blocks.clear();  // an engine frees its own blocks
       // A retired pool's blocks went with its agent's old epoch: nothing to free.
       if (live) Emit(CacheEvent::Kind::kRemoved, ns, pool, pages, std::move(blocks));
       if (last) break;  // RemoveReplica removed the node from the tree
