@@ -2,7 +2,8 @@
 # Installs the Debian 12 packages kvcm builds, tests and serves with (clang and
 # libclang-rt-14-dev, which holds libclang_rt.fuzzer, build the fuzz/ harnesses; libssl-dev
 # is the agents' TLS data port, openssl makes the tests' certificates; python3-venv and
-# python3-dev build and test the Python client).
+# python3-dev build and test the Python client; etcd-server is the managers' leader election
+# in the HA tests).
 # Does nothing when everything is already there; needs root (or sudo) otherwise.
 set -euo pipefail
 
@@ -11,7 +12,7 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libssl-dev openssl
-  clang-format prometheus
+  clang-format prometheus etcd-server
   clang libclang-rt-14-dev
   python3-venv python3-dev
 )

@@ -34,6 +34,8 @@ export KVCM_REQUIRE_K8S=1
 # promtool and prometheus (Debian's prometheus package, from install-deps.sh) for the
 # prometheus_* tests, which must run here, never skip.
 export KVCM_REQUIRE_PROMETHEUS=1
+# etcd (Debian's etcd-server) for the leader-election and HA tests, which must not skip.
+export KVCM_REQUIRE_ETCD=1
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs" --timeout 300 "$@"
 
 fuzz_seconds=${FUZZ_SECONDS:-5}

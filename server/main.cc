@@ -7,12 +7,19 @@
 // Transport security is required: --tls_cert_file and --tls_key_file (and --tls_ca_file for
 // mutual TLS), or --insecure for plaintext in development.
 // SIGINT / SIGTERM shut the server down cleanly (exit status 0).
+// With --etcd_endpoints the managers elect a leader (docs/OPERATIONS.md): a standby serves
+// only /metrics until it leads; a leader that cannot renew its lease exits with status 3.
+#include <prometheus/exposer.h>
+#include <prometheus/registry.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -26,6 +33,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "server/ha/etcd_client.h"
+#include "server/ha/leader_election.h"
 #include "server/service/manager_server.h"
 #include "server/service/server_options.h"
 
@@ -109,6 +118,26 @@ ABSL_FLAG(uint64_t, tenant_max_bytes, kDefaults.tenant_max_bytes,
 ABSL_FLAG(uint64_t, tenant_max_pinned_bytes, kDefaults.tenant_max_pinned_bytes,
           "Bytes of one tenant's cached pages its pins may hold (0: unlimited); a pinning "
           "Match or Route beyond is refused.");
+ABSL_FLAG(std::string, etcd_endpoints, kDefaults.etcd_endpoints,
+          "High availability: etcd's gRPC endpoints, comma-separated host:port. Set, the "
+          "managers elect one leader; a standby serves only /metrics until it leads. Empty: "
+          "one manager, no election.");
+ABSL_FLAG(std::string, etcd_election_key, kDefaults.etcd_election_key,
+          "etcd key the managers of one cluster campaign for; it holds the leader's "
+          "advertise_address.");
+ABSL_FLAG(uint32_t, etcd_lease_ttl_s, kDefaults.etcd_lease_ttl_s,
+          "The leader's etcd lease (2..60 s): a standby takes over at most this long after "
+          "the leader dies; a leader that cannot renew it in time exits.");
+ABSL_FLAG(std::string, advertise_address, kDefaults.advertise_address,
+          "host:port clients reach this manager at, written to the election key (default: "
+          "listen_address, a wildcard host replaced by this host's name).");
+ABSL_FLAG(std::string, etcd_ca_file, kDefaults.etcd_ca_file,
+          "PEM CA bundle etcd's certificate is verified against: TLS to etcd (plaintext "
+          "without).");
+ABSL_FLAG(std::string, etcd_cert_file, kDefaults.etcd_cert_file,
+          "PEM client certificate presented to etcd (with etcd_key_file).");
+ABSL_FLAG(std::string, etcd_key_file, kDefaults.etcd_key_file,
+          "PEM private key of etcd_cert_file.");
 
 namespace {
 
@@ -148,6 +177,111 @@ kvcm::ServerOptions OptionsFromFlags() {
   return options;
 }
 
+// What SIGINT / SIGTERM stop: the campaign while this manager is a standby, the server once
+// it leads (the lease is kept until the server has drained; Resign follows).
+class StopOnSignal {
+ public:
+  void Stop() {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (manager_ != nullptr) {
+      manager_->Shutdown();
+    } else if (election_ != nullptr) {
+      election_->Stop();
+    }
+  }
+
+  // Campaigns until `election` leads (true) or a stop signal comes (false).
+  bool Campaign(kvcm::LeaderElection& election) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return false;
+      election_ = &election;
+    }
+    const bool leads = election.Campaign().ok();
+    absl::MutexLock lock(&mu_);
+    election_ = nullptr;
+    return leads && !stopping_;
+  }
+
+  // From now on a stop signal shuts `manager` down (at once if one came already).
+  void Serve(kvcm::ManagerServer* manager) {
+    absl::MutexLock lock(&mu_);
+    manager_ = manager;
+    if (stopping_) manager_->Shutdown();
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  kvcm::LeaderElection* election_ ABSL_GUARDED_BY(mu_) = nullptr;
+  kvcm::ManagerServer* manager_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+// The address written to the election key: advertise_address, or listen_address with a
+// wildcard host replaced by this host's name (a pod's name resolves in its headless Service).
+std::string AdvertisedAddress(const kvcm::ServerOptions& options) {
+  if (!options.advertise_address.empty()) return options.advertise_address;
+  const std::string& listen = options.listen_address;
+  const size_t colon = listen.rfind(':');
+  if (absl::StartsWith(listen, "unix:") || colon == std::string::npos) return listen;
+  const std::string host = listen.substr(0, colon);
+  if (host != "" && host != "0.0.0.0" && host != "[::]") return listen;
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return listen;
+  return absl::StrCat(name, listen.substr(colon));
+}
+
+// The leader election of a manager with etcd_endpoints, with its metrics.
+struct Election {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<kvcm::LeaderElectionMetrics> metrics;
+  std::unique_ptr<kvcm::EtcdClient> etcd;
+  std::unique_ptr<kvcm::LeaderElection> election;
+  // A standby's /metrics (kvcm_manager_leader and the etcd calls); the server adopts it.
+  std::unique_ptr<prometheus::Exposer> standby_exposer;
+
+  // Exits on bad options: a standby checks now what the leader would only read at takeover
+  // (TLS files, the hash secret).
+  static std::unique_ptr<Election> Create(const kvcm::ServerOptions& options) {
+    if (!options.insecure) {
+      if (absl::Status s = options.Tls().CheckFiles(); !s.ok()) Fail(s.message());
+    }
+    if (absl::Status s = options.ToCacheIndexOptions().status(); !s.ok()) Fail(s.message());
+    auto e = std::make_unique<Election>();
+    e->metrics = std::make_unique<kvcm::LeaderElectionMetrics>(*e->registry);
+    absl::StatusOr<std::unique_ptr<kvcm::EtcdClient>> etcd =
+        kvcm::EtcdClient::Create(options.EtcdEndpoints(), options.EtcdTls());
+    if (!etcd.ok()) Fail(etcd.status().message());
+    e->etcd = *std::move(etcd);
+    kvcm::LeaderElectionOptions election_options;
+    election_options.key = options.etcd_election_key;
+    election_options.candidate = AdvertisedAddress(options);
+    election_options.lease_ttl = absl::Seconds(options.etcd_lease_ttl_s);
+    // A tenth of the lease, at least 200 ms: room for the exit after giving up the lead.
+    election_options.margin =
+        std::max(absl::Milliseconds(200), absl::Seconds(options.etcd_lease_ttl_s) / 10);
+    e->election =
+        std::make_unique<kvcm::LeaderElection>(e->etcd.get(), election_options, e->metrics.get());
+    std::string metrics = "metrics disabled";
+    if (!options.metrics_address.empty()) {
+      try {
+        e->standby_exposer = std::make_unique<prometheus::Exposer>(options.metrics_address, 1);
+      } catch (const std::exception& error) {
+        Fail(absl::StrCat("cannot serve metrics on metrics_address ", options.metrics_address, ": ",
+                          error.what()));
+      }
+      e->standby_exposer->RegisterCollectable(e->registry);
+      metrics = absl::StrCat("metrics on ", options.metrics_address);
+    }
+    std::printf("kvcm-manager standby: campaigning for %s on etcd %s as %s (%s)\n",
+                options.etcd_election_key.c_str(), options.etcd_endpoints.c_str(),
+                election_options.candidate.c_str(), metrics.c_str());
+    std::fflush(stdout);
+    return e;
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -177,8 +311,39 @@ int main(int argc, char** argv) {
   kvcm::ServerOptions options = OptionsFromFlags();
   if (absl::Status s = options.Validate(); !s.ok()) Fail(s.message());
 
-  absl::StatusOr<std::unique_ptr<kvcm::ManagerServer>> server = kvcm::ManagerServer::Start(options);
-  if (!server.ok()) Fail(server.status().ToString());
+  StopOnSignal stop;
+  std::thread signal_waiter([&stop_signals, &stop] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    kvcm::LogInfo(absl::StrCat("received signal ", signal, ", shutting down"));
+    stop.Stop();
+  });
+
+  std::unique_ptr<Election> election;
+  if (!options.etcd_endpoints.empty()) {
+    election = Election::Create(options);
+    if (!stop.Campaign(*election->election)) {
+      signal_waiter.join();
+      kvcm::LogInfo("stopped before leading");
+      return 0;
+    }
+    // Renew from now on, not once the server runs: starting it takes a while.
+    election->election->KeepLeading([] {
+      // Another manager may lead from the moment etcd expires the lease: stop serving now,
+      // without waiting for in-flight calls. A supervisor (Kubernetes) restarts this process
+      // as a standby.
+      kvcm::LogError("lost the lead: exiting so that two managers never serve together");
+      std::_Exit(3);
+    });
+  }
+
+  // A new leader's server adopts the standby's exporter (and so keeps its metrics).
+  absl::StatusOr<std::unique_ptr<kvcm::ManagerServer>> server = kvcm::ManagerServer::Start(
+      options, nullptr, election != nullptr ? std::move(election->standby_exposer) : nullptr);
+  if (!server.ok()) {
+    if (election != nullptr) election->election->Resign();
+    Fail(server.status().ToString());
+  }
   kvcm::ManagerServer* manager = server->get();
 
   std::string metrics =
@@ -188,18 +353,15 @@ int main(int argc, char** argv) {
   const char* security = options.insecure              ? "PLAINTEXT, insecure"
                          : options.tls_ca_file.empty() ? "TLS"
                                                        : "mutual TLS";
-  std::printf("kvcm-manager listening on %s (%s; %s)\n", manager->address().c_str(), security,
-              metrics.c_str());
+  std::printf("kvcm-manager listening on %s (%s; %s%s)\n", manager->address().c_str(), security,
+              metrics.c_str(), election != nullptr ? "; leader" : "");
   std::fflush(stdout);
   kvcm::LogInfo(absl::StrCat("options:\n", options.DebugString()));
 
-  std::thread signal_waiter([&stop_signals, manager] {
-    int signal = 0;
-    sigwait(&stop_signals, &signal);
-    kvcm::LogInfo(absl::StrCat("received signal ", signal, ", shutting down"));
-    manager->Shutdown();
-  });
+  stop.Serve(manager);
   manager->Wait();
+  // Only now that nothing is served: a standby may lead at once.
+  if (election != nullptr) election->election->Resign();
   signal_waiter.join();
   server->reset();
   kvcm::LogInfo("stopped");

@@ -56,8 +56,8 @@ ManagerServer::ManagerServer(ServerOptions options) : options_(std::move(options
 
 ManagerServer::~ManagerServer() { Shutdown(); }
 
-absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOptions options,
-                                                                    Clock* index_clock) {
+absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
+    ServerOptions options, Clock* index_clock, std::unique_ptr<prometheus::Exposer> exposer) {
   KVCM_RETURN_IF_ERROR(options.Validate());
   KVCM_ASSIGN_OR_RETURN(CacheIndexOptions index_options, options.ToCacheIndexOptions());
   index_options.clock = index_clock;
@@ -159,11 +159,15 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(ServerOption
     // (civetweb could take a certificate; not wired). Bind it to a trusted interface.
     // prometheus-cpp reports a bind failure by throwing (civetweb); this is the one place
     // where an exception is turned into a Status.
-    try {
-      s->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, kExposerThreads);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
-                                                 opts.metrics_address, ": ", e.what()));
+    if (exposer != nullptr) {
+      s->exposer_ = std::move(exposer);
+    } else {
+      try {
+        s->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, kExposerThreads);
+      } catch (const std::exception& e) {
+        return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
+                                                   opts.metrics_address, ": ", e.what()));
+      }
     }
     for (const std::weak_ptr<prometheus::Collectable>& c : s->metrics_->collectables()) {
       s->exposer_->RegisterCollectable(c);

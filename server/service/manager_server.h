@@ -46,8 +46,12 @@ class ManagerServer {
   // UNAVAILABLE when an address cannot be bound. Logs a warning when options.insecure.
   // `index_clock` (not owned; must outlive the server) replaces the real clock of the index
   // (leases, page ages): tests pass a FakeClock. Agents' heartbeats keep the real clock.
-  static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(ServerOptions options,
-                                                              Clock* index_clock = nullptr);
+  // `exposer`, when given, is an exporter already serving options.metrics_address (a
+  // standby's, whose collectables stay): the server adds its metrics there instead of
+  // binding the address again, which would wait out civetweb's two-second shutdown.
+  static absl::StatusOr<std::unique_ptr<ManagerServer>> Start(
+      ServerOptions options, Clock* index_clock = nullptr,
+      std::unique_ptr<prometheus::Exposer> exposer = nullptr);
 
   // Shuts down (see Shutdown) and waits for it.
   ~ManagerServer();

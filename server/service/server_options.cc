@@ -64,6 +64,13 @@ const std::vector<Field>& Fields() {
       {"insecure", &ServerOptions::insecure},
       {"tenant_max_bytes", &ServerOptions::tenant_max_bytes},
       {"tenant_max_pinned_bytes", &ServerOptions::tenant_max_pinned_bytes},
+      {"etcd_endpoints", &ServerOptions::etcd_endpoints},
+      {"etcd_election_key", &ServerOptions::etcd_election_key},
+      {"etcd_lease_ttl_s", &ServerOptions::etcd_lease_ttl_s},
+      {"advertise_address", &ServerOptions::advertise_address},
+      {"etcd_ca_file", &ServerOptions::etcd_ca_file},
+      {"etcd_cert_file", &ServerOptions::etcd_cert_file},
+      {"etcd_key_file", &ServerOptions::etcd_key_file},
   };
   return *kFields;
 }
@@ -118,6 +125,55 @@ absl::Status ValidateTransportSecurity(const ServerOptions& o) {
   if (o.tls_reload_interval_s < 1 || o.tls_reload_interval_s > 86'400) {
     return Invalid("tls_reload_interval_s",
                    absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
+  }
+  return absl::OkStatus();
+}
+
+// The etcd_* options and advertise_address; all of them but the election key and lease
+// ttl need etcd_endpoints.
+absl::Status ValidateHighAvailability(const ServerOptions& o) {
+  const std::vector<std::string> endpoints = o.EtcdEndpoints();
+  if (endpoints.empty()) {
+    for (const auto& [name, value] : {std::pair{"etcd_ca_file", &o.etcd_ca_file},
+                                      std::pair{"etcd_cert_file", &o.etcd_cert_file},
+                                      std::pair{"etcd_key_file", &o.etcd_key_file},
+                                      std::pair{"advertise_address", &o.advertise_address}}) {
+      if (!value->empty()) return Invalid(name, "is set but etcd_endpoints is empty");
+    }
+    return absl::OkStatus();
+  }
+  for (const std::string& e : endpoints) {
+    if (!IsHostPort(e) || absl::StartsWith(e, ":")) {
+      return Invalid("etcd_endpoints",
+                     absl::StrCat("must be a comma-separated list of host:port, got \"", e, "\""));
+    }
+  }
+  if (o.etcd_election_key.empty() || o.etcd_election_key.size() > 1024) {
+    return Invalid("etcd_election_key", "must be 1..1024 bytes");
+  }
+  if (o.etcd_lease_ttl_s < 2 || o.etcd_lease_ttl_s > 60) {
+    return Invalid("etcd_lease_ttl_s",
+                   absl::StrCat("must be in [2, 60], got ", o.etcd_lease_ttl_s));
+  }
+  if (!o.advertise_address.empty() && !IsHostPort(o.advertise_address)) {
+    return Invalid("advertise_address",
+                   absl::StrCat("must be host:port or empty, got \"", o.advertise_address, "\""));
+  }
+  // Two managers that drew their own random secrets would hand out different hash keys: after
+  // a takeover every client's cached key would be stale.
+  if (o.hash_secret_hex.empty() && o.hash_secret_file.empty()) {
+    return Invalid("etcd_endpoints",
+                   "needs a hash secret every manager shares: set hash_secret_file (or "
+                   "hash_secret_hex / KVCM_HASH_SECRET_HEX)");
+  }
+  if (o.etcd_ca_file.empty() && !(o.etcd_cert_file.empty() && o.etcd_key_file.empty())) {
+    return Invalid(o.etcd_cert_file.empty() ? "etcd_key_file" : "etcd_cert_file",
+                   "needs etcd_ca_file (TLS to etcd)");
+  }
+  if (o.etcd_cert_file.empty() != o.etcd_key_file.empty()) {
+    return Invalid(o.etcd_cert_file.empty() ? "etcd_cert_file" : "etcd_key_file",
+                   o.etcd_cert_file.empty() ? "is required with etcd_key_file"
+                                            : "is required with etcd_cert_file");
   }
   return absl::OkStatus();
 }
@@ -178,6 +234,7 @@ absl::Status ServerOptions::Validate() const {
                    absl::StrCat("must be at most tenant_max_bytes = ", tenant_max_bytes,
                                 " (0: unlimited), got ", tenant_max_pinned_bytes));
   }
+  if (absl::Status s = ValidateHighAvailability(*this); !s.ok()) return s;
   return ValidateTransportSecurity(*this);
 }
 
@@ -187,6 +244,23 @@ TlsOptions ServerOptions::Tls() const {
                     .key_file = tls_key_file,
                     .ca_file = tls_ca_file,
                     .reload_interval_s = tls_reload_interval_s};
+}
+
+TlsOptions ServerOptions::EtcdTls() const {
+  return TlsOptions{.insecure = etcd_ca_file.empty(),
+                    .cert_file = etcd_cert_file,
+                    .key_file = etcd_key_file,
+                    .ca_file = etcd_ca_file,
+                    .reload_interval_s = tls_reload_interval_s};
+}
+
+std::vector<std::string> ServerOptions::EtcdEndpoints() const {
+  std::vector<std::string> out;
+  for (absl::string_view e : absl::StrSplit(etcd_endpoints, ',')) {
+    e = absl::StripAsciiWhitespace(e);
+    if (!e.empty()) out.emplace_back(e);
+  }
+  return out;
 }
 
 absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {

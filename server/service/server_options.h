@@ -112,11 +112,32 @@ struct ServerOptions {
   uint32_t tls_reload_interval_s = 60;
   bool insecure = false;
 
+  // High availability (docs/OPERATIONS.md): with etcd_endpoints set, managers elect one
+  // leader through etcd. A standby serves only /metrics and does not even listen on
+  // listen_address until it wins; the leader keeps its etcd lease (etcd_lease_ttl_s, 2..60)
+  // alive and exits the moment it cannot confirm it, before etcd could let another manager
+  // lead. Empty etcd_endpoints: one manager, no election. etcd_endpoints is a comma-separated
+  // list of host:port (tried in turn); the election key holds the leader's
+  // advertise_address (default: listen_address, its host replaced by this host's name when
+  // it is a wildcard). etcd_ca_file turns on TLS to etcd (etcd_cert_file and etcd_key_file
+  // add a client certificate); without it the etcd connection is plaintext.
+  std::string etcd_endpoints;
+  std::string etcd_election_key = "/kvcm/manager/leader";
+  uint32_t etcd_lease_ttl_s = 5;
+  std::string advertise_address;
+  std::string etcd_ca_file;
+  std::string etcd_cert_file;
+  std::string etcd_key_file;
+
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
 
   // The transport security these options ask for. REQUIRES nothing; see Validate.
   TlsOptions Tls() const;
+  // How this manager reaches etcd (plaintext unless etcd_ca_file is set).
+  TlsOptions EtcdTls() const;
+  // etcd_endpoints split at commas, surrounding spaces and empty entries dropped.
+  std::vector<std::string> EtcdEndpoints() const;
 
   // The core's options. Draws a random hash secret when hash_secret_hex is empty.
   // REQUIRES: Validate().ok() (INVALID_ARGUMENT otherwise).

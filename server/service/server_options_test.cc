@@ -34,6 +34,30 @@ TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
   EXPECT_EQ(options.max_message_bytes, 16u << 20);
 }
 
+// Valid high-availability options on top of `o`.
+void HaOptions(ServerOptions& o) {
+  o.etcd_endpoints = "127.0.0.1:2379, etcd-1.etcd:2379";
+  o.hash_secret_file = "/etc/kvcm/hash-secret/hex";
+}
+
+TEST(ServerOptionsTest, HighAvailabilityOptions) {
+  ServerOptions options;
+  options.insecure = true;
+  EXPECT_TRUE(options.EtcdEndpoints().empty());
+  HaOptions(options);
+  EXPECT_TRUE(options.Validate().ok()) << options.Validate();
+  EXPECT_THAT(options.EtcdEndpoints(),
+              ::testing::ElementsAre("127.0.0.1:2379", "etcd-1.etcd:2379"));
+  EXPECT_TRUE(options.EtcdTls().insecure) << "no etcd_ca_file: plaintext to etcd";
+  options.etcd_ca_file = "ca.pem";
+  options.etcd_cert_file = "client.pem";
+  options.etcd_key_file = "client.key";
+  options.advertise_address = "10.0.0.7:50051";
+  EXPECT_TRUE(options.Validate().ok()) << options.Validate();
+  EXPECT_FALSE(options.EtcdTls().insecure);
+  EXPECT_EQ(options.EtcdTls().cert_file, "client.pem");
+}
+
 TEST(ServerOptionsTest, ValidateNamesTheBadField) {
   struct Case {
     std::function<void(ServerOptions&)> mutate;
@@ -90,6 +114,51 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
          o.tenant_max_pinned_bytes = (1 << 20) + 1;
        },
        "tenant_max_pinned_bytes"},
+      // High availability: HaOptions() below is a valid base.
+      {[](ServerOptions& o) { o.etcd_ca_file = "ca.pem"; }, "etcd_ca_file"},
+      {[](ServerOptions& o) { o.advertise_address = "10.0.0.1:50051"; }, "advertise_address"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_endpoints = "127.0.0.1:2379,etcd";
+       },
+       "etcd_endpoints"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.hash_secret_file.clear();
+       },
+       "etcd_endpoints"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_lease_ttl_s = 1;
+       },
+       "etcd_lease_ttl_s"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_lease_ttl_s = 61;
+       },
+       "etcd_lease_ttl_s"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_election_key = "";
+       },
+       "etcd_election_key"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.advertise_address = "manager-0";
+       },
+       "advertise_address"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_cert_file = "client.pem";
+         o.etcd_key_file = "client.key";
+       },
+       "etcd_cert_file"},
+      {[](ServerOptions& o) {
+         HaOptions(o);
+         o.etcd_ca_file = "ca.pem";
+         o.etcd_key_file = "client.key";
+       },
+       "etcd_cert_file"},
   };
   for (const Case& c : cases) {
     ServerOptions options;
@@ -174,12 +243,13 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 33u);
+  EXPECT_EQ(names.size(), 40u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
                          name == "policy" || name == "hash_secret_hex" ||
-                         absl::EndsWith(name, "_file");
+                         absl::EndsWith(name, "_file") || name == "etcd_endpoints" ||
+                         name == "etcd_election_key" || name == "advertise_address";
     const bool is_bool = name == "insecure";
     EXPECT_TRUE(options.Set(name, is_bool ? "true" : is_text ? "lru" : "5").ok()) << name;
     EXPECT_THAT(options.DebugString(), HasSubstr(std::string(name) + " = ")) << name;
