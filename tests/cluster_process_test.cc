@@ -40,7 +40,6 @@ namespace {
 using ::kvcm::testing::OutputField;
 using ::kvcm::testing::ProcessCluster;
 using ::kvcm::testing::ProcessResult;
-using ::kvcm::testing::ReadAll;
 using ::kvcm::testing::Subprocess;
 using ::kvcm::testing::WaitUntil;
 using ::kvcm::testing::WorkerSim;
@@ -110,22 +109,14 @@ class ClusterProcessTest : public ::testing::Test {
 
   // What any replica of pages [first, first + n) must hold.
   std::string Expected(const std::vector<PageHash>& pages, size_t first, size_t n) {
-    std::string bytes;
-    for (size_t i = first; i < first + n; ++i) bytes += sim_->PageBytes(pages[i]);
-    return bytes;
+    return sim_->ExpectedBytes(pages, first, n);
   }
 
-  // ReadBlocks of `blocks` on `agent` (committed in its epoch), 64 blocks per call.
+  // What `agent` holds in `blocks` (committed in its epoch).
   std::string Read(const std::string& agent, const std::vector<BlockId>& blocks) {
-    std::string bytes;
-    for (size_t i = 0; i < blocks.size(); i += 64) {
-      absl::StatusOr<std::string> part = ReadAll(
-          sim_->stub(agent), std::span(blocks).subspan(i, std::min<size_t>(64, blocks.size() - i)),
-          sim_->epoch(agent));
-      EXPECT_TRUE(part.ok()) << agent << ": " << part.status();
-      if (part.ok()) bytes += *part;
-    }
-    return bytes;
+    absl::StatusOr<std::string> bytes = sim_->ReadBlocks(agent, blocks);
+    EXPECT_TRUE(bytes.ok()) << agent << ": " << bytes.status();
+    return bytes.ok() ? *bytes : "";
   }
 
   // RunAttention over the first `seq_len` tokens held in `blocks` on `agent`, layer 1: the

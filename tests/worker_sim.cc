@@ -158,6 +158,27 @@ absl::StatusOr<std::vector<BlockId>> WorkerSim::Prefill(Agent& agent,
   return all;
 }
 
+std::string WorkerSim::ExpectedBytes(std::span<const PageHash> pages, size_t first,
+                                     size_t n) const {
+  std::string bytes;
+  for (size_t i = first; i < first + n; ++i) bytes += PageBytes(pages[i]);
+  return bytes;
+}
+
+absl::StatusOr<std::string> WorkerSim::ReadBlocks(const std::string& agent,
+                                                  std::span<const BlockId> blocks) {
+  Agent& a = agents_.at(agent);
+  std::string bytes;
+  for (size_t i = 0; i < blocks.size(); i += max_blocks_per_call_) {
+    absl::StatusOr<std::string> part = ReadAll(
+        *a.stub, blocks.subspan(i, std::min<size_t>(max_blocks_per_call_, blocks.size() - i)),
+        a.epoch);
+    if (!part.ok()) return part.status();
+    bytes += *part;
+  }
+  return bytes;
+}
+
 std::string WorkerSim::PageBytes(const PageHash& page) const {
   std::string bytes(bytes_per_block_, '\0');
   uint64_t state = page.lo ^ (page.hi * 0x9E3779B97F4A7C15ull);

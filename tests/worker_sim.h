@@ -60,6 +60,10 @@ class WorkerSim {
   // The bytes of the block holding `page`: bf16 values of magnitude in [2^-7, 1) with random
   // signs, from a generator seeded by the hash (finite for the attention kernels).
   std::string PageBytes(const PageHash& page) const;
+  // What any replica of pages [first, first + n) of `pages` must hold.
+  std::string ExpectedBytes(std::span<const PageHash> pages, size_t first, size_t n) const;
+  // What `agent` holds in `blocks` (ReadBlocks in its epoch, max_blocks_per_call a call).
+  absl::StatusOr<std::string> ReadBlocks(const std::string& agent, std::span<const BlockId> blocks);
   uint64_t bytes_per_block() const { return bytes_per_block_; }
   uint64_t epoch(const std::string& agent) const { return agents_.at(agent).epoch; }
   v1::BlockAgent::Stub& stub(const std::string& agent) { return *agents_.at(agent).stub; }
