@@ -9,6 +9,8 @@
   excluded by .dockerignore.
 - Every file copied out of a build stage's CMake build directory is a target that stage
   builds (`--target`), at the path CMake puts it (checked against BINARY under BUILD_DIR).
+- Every `docker build ... --target NAME` in deploy/README.md and the Dockerfile (and each NAME of
+  deploy/README.md's `for target in ...` loop) is a stage.
 - For each image, every shared library its binaries load directly (ELF NEEDED, resolved by
   ldd here, owner by dpkg -S) comes from a package its apt-get install lines name, or from
   debian:12-slim itself. CUDA and NCCL, which are not Debian packages here, must come from
@@ -251,6 +253,18 @@ def check_image(stages: dict[str, Stage], name: str) -> None:
         fail(f"{name}: neither ENTRYPOINT nor CMD")
 
 
+def check_documented_targets(repo: Path, stages: dict[str, Stage]) -> None:
+    for doc in ("deploy/README.md", "deploy/Dockerfile"):
+        text = (repo / doc).read_text()
+        builds = "\n".join(line for line in text.splitlines() if "docker build" in line)
+        names = re.findall(r"--target\s+(\w[\w-]*)", builds)
+        for loop in re.findall(r"for target in ([\w -]+);", text):
+            names += loop.split()
+        for name in names:
+            if name not in stages:
+                fail(f"{doc}: --target {name}: no such stage in deploy/Dockerfile")
+
+
 def needed_libraries(binary: Path) -> list[str]:
     out = subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True,
                          check=True).stdout
@@ -328,6 +342,7 @@ def main() -> int:
         if image not in stages:
             fail(f"no stage {image} (docker build --target {image})")
     check_context_copies(repo, stages)
+    check_documented_targets(repo, stages)
     check_stage_copies(stages, build_dir, binaries)
     for image in IMAGES:
         if image in stages:
