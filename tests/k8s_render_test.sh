@@ -63,7 +63,7 @@ for overlay, objs in docs.items():
               "NetworkPolicy"):
         check(k in kinds, f"{overlay}: no {k}")
     for o in objs:
-        if o["kind"] not in ("Deployment", "DaemonSet"):
+        if o["kind"] not in ("Deployment", "DaemonSet", "StatefulSet"):
             continue
         pod = o["spec"]["template"]["spec"]
         check(pod["securityContext"].get("runAsNonRoot") is True, f"{overlay}: root pod")
@@ -82,6 +82,32 @@ for overlay, objs in docs.items():
                 check("secretKeyRef" not in e.get("valueFrom", {}), f"{overlay}: secret in env")
             if o["kind"] == "DaemonSet":
                 check(c["resources"]["limits"].get("nvidia.com/gpu") == 1, f"{overlay}: gpu limit")
+    # High availability: two managers elect a leader on etcd; the standby does not listen on
+    # gRPC, so probes must not need it and the Service must resolve to every manager pod.
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    manager = by_name.get(("Deployment", "kvcm-manager"))
+    etcd = by_name.get(("StatefulSet", "kvcm-etcd"))
+    check(manager is not None and manager["spec"]["replicas"] == 2, f"{overlay}: two managers")
+    check(etcd is not None, f"{overlay}: no etcd StatefulSet")
+    if etcd is not None:
+        members = 1 if overlay == "dev" else 3
+        check(etcd["spec"]["replicas"] == members, f"{overlay}: etcd members")
+        env = {e["name"]: e.get("value", "") for e in etcd["spec"]["template"]["spec"]["containers"][0]["env"]}
+        check(env["ETCD_INITIAL_CLUSTER"].count("=http://") == members,
+              f"{overlay}: ETCD_INITIAL_CLUSTER lists {members} member(s)")
+    if manager is not None:
+        c = manager["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            check(c[probe].get("httpGet", {}).get("port") == "metrics",
+                  f"{overlay}: manager {probe} must read /metrics (a standby has no gRPC port)")
+        check(any(a.startswith("--advertise_address=") for a in c["args"]),
+              f"{overlay}: manager advertise_address")
+    service = by_name.get(("Service", "kvcm-manager"))
+    check(service is not None and service["spec"].get("clusterIP") == "None",
+          f"{overlay}: kvcm-manager Service must be headless")
+    check("etcd_endpoints = kvcm-etcd-0.kvcm-etcd:2379" in
+          "".join(o.get("data", {}).get("kvcm-manager.conf", "") for o in objs),
+          f"{overlay}: manager config has no etcd_endpoints")
     secrets = [o for o in objs if o["kind"] == "Secret"]
     check(overlay == "dev" or not secrets, f"{overlay}: literal Secrets outside dev")
     text = (out / f"{overlay}.yaml").read_text()

@@ -11,6 +11,7 @@
 #define KVCM_SERVER_SERVICE_MANAGER_SERVER_H_
 
 #include <grpcpp/grpcpp.h>
+#include <prometheus/exposer.h>
 
 #include <memory>
 #include <string>
@@ -32,10 +33,6 @@
 #include "server/service/metrics.h"
 #include "server/service/nccl_bootstrap_relay.h"
 #include "server/service/server_options.h"
-
-namespace prometheus {
-class Exposer;
-}  // namespace prometheus
 
 namespace kvcm {
 
