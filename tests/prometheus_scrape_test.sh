@@ -55,7 +55,7 @@ grpc_port=$(free_port) metrics_port=$(free_port) prom_port=$(free_port)
 # policy, which demotes GPU pages into a HOST pool; quotas, so that the quota lines have a
 # series.
 "$manager_bin" --insecure --listen_address=127.0.0.1:$grpc_port \
-  --metrics_address=127.0.0.1:$metrics_port --agent_heartbeat_timeout_ms=4000 --policy=cost \
+  --metrics_address=127.0.0.1:$metrics_port --agent_heartbeat_timeout_ms=6000 --policy=cost \
   --tenant_max_bytes=1000000000000 --tenant_max_pinned_bytes=1000000000000 \
   > "$work/manager.log" 2>&1 &
 pids+=($!)
@@ -154,13 +154,16 @@ run match "${acme[@]}" --random_tokens=300 --seed=13
 run insert "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-0
 kill "${agent_pid[gpu-0]}"
 wait "${agent_pid[gpu-0]}" 2>/dev/null || true
-# Twice, a scrape apart: the first failure creates the series, the second moves it.
-for attempt in 1 2; do
+dead_pull() {
   if run fetch "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-1 --from=gpu-0 2>/dev/null; then
     echo "a pull from a dead agent succeeded" >&2; exit 1
   fi
-  [ "$attempt" = 2 ] || sleep 1.5
-done
+}
+# Twice, with a scrape between: the first failure creates the series, the second moves it.
+dead_pull
+wait_for 10 has_series 'kvcm_transfer_failures_total{reason="UNAVAILABLE"} == 1' ||
+  { echo "the failed pull was never counted" >&2; dump_logs; exit 1; }
+dead_pull
 wait_for 20 has_series 'kvcm_agents{state="gone"} == 1' ||
   { echo "the manager never declared gpu-0 gone" >&2; dump_logs; exit 1; }
 
