@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# ctest prometheus_scrape_test: a real prometheus scrapes a real kvcm-manager and
-# kvcm-agent (plaintext, free loopback ports) with the job names of
-# deploy/prometheus/prometheus.yml and loads kvcm-alerts.yaml; after a few kvcmctl calls, every series the alert rules read must be in
-# Prometheus (asked through /api/v1/query) and every rule must evaluate without error.
-#   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT [DEPLOY_DIR]
+# ctest prometheus_scrape_test: a real prometheus scrapes a real kvcm-manager and two
+# kvcm-agents (plaintext, free loopback ports) with the job names of
+# deploy/prometheus/prometheus.yml and loads kvcm-alerts.yaml. kvcmctl then drives every path
+# the dashboards show (two tenants, pins released and expired, misses, an error, evictions and
+# a demotion, regret, expired pages, a pull between the agents, a failed pull from an agent
+# that was killed, which the manager then declares gone). Afterwards every series the alert
+# rules read must be in Prometheus, every rule must evaluate without error, and
+# tests/dashboard_queries.py must find data for every query of every dashboard under
+# deploy/grafana (and a rate > 0 for every counter it rates, except the few named --still).
+#   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT [DEPLOY_DIR] [GRAFANA_DIR]
 # Without prometheus it skips (exit 77), unless KVCM_REQUIRE_PROMETHEUS=1 (scripts/test.sh).
 set -euo pipefail
 manager_bin=$1 ctl_bin=$2 agent_bin=$3
 deploy=$(cd "${4:-$(dirname "$0")/../deploy/prometheus}" && pwd)
+grafana=$(cd "${5:-$deploy/../grafana}" && pwd)
 
 if ! command -v prometheus >/dev/null; then
   if [ "${KVCM_REQUIRE_PROMETHEUS:-0}" = 1 ]; then
@@ -40,25 +46,40 @@ wait_for() {
 }
 dump_logs() {
   echo "--- manager.log" >&2; tail -20 "$work/manager.log" >&2 || true
-  echo "--- agent.log" >&2; tail -20 "$work/agent.log" >&2 || true
+  for log in "$work"/gpu-*.log; do echo "--- $(basename "$log")" >&2; tail -20 "$log" >&2; done
   echo "--- prometheus.log" >&2; tail -20 "$work/prometheus.log" >&2 || true
 }
 
 grpc_port=$(free_port) metrics_port=$(free_port) prom_port=$(free_port)
+# A short heartbeat timeout, so that the agent killed below is gone within the test; the cost
+# policy, which demotes GPU pages into a HOST pool; quotas, so that the quota lines have a
+# series.
 "$manager_bin" --insecure --listen_address=127.0.0.1:$grpc_port \
-  --metrics_address=127.0.0.1:$metrics_port > "$work/manager.log" 2>&1 &
+  --metrics_address=127.0.0.1:$metrics_port --agent_heartbeat_timeout_ms=6000 --policy=cost \
+  --tenant_max_bytes=1000000000000 --tenant_max_pinned_bytes=1000000000000 \
+  > "$work/manager.log" 2>&1 &
 pids+=($!)
 wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$metrics_port/metrics" ||
   { echo "manager's metrics never answered" >&2; dump_logs; exit 1; }
 
-agent_metrics_port=$(free_port)
-"$agent_bin" --insecure --agent_id=gpu-0 --manager_address=127.0.0.1:$grpc_port \
-  --listen_address=127.0.0.1:$(free_port) --data_listen_address=127.0.0.1:$(free_port) \
-  --model=deepseek-v3 --capacity_bytes=300000000 \
-  --metrics_address=127.0.0.1:$agent_metrics_port > "$work/agent.log" 2>&1 &
-pids+=($!)
-wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$agent_metrics_port/metrics" ||
-  { echo "agent's metrics never answered" >&2; dump_logs; exit 1; }
+# gpu-0 and gpu-1; gpu-1 has a HOST pool, so that evicting from its GPU pool demotes.
+declare -A agent_pid agent_metrics_port
+start_agent() {
+  local id=$1; shift
+  agent_metrics_port[$id]=$(free_port)
+  "$agent_bin" --insecure --agent_id="$id" --manager_address=127.0.0.1:$grpc_port \
+    --listen_address=127.0.0.1:$(free_port) --data_listen_address=127.0.0.1:$(free_port) \
+    --model=deepseek-v3 --capacity_bytes=300000000 --heartbeat_interval_ms=500 \
+    --metrics_address=127.0.0.1:${agent_metrics_port[$id]} "$@" > "$work/$id.log" 2>&1 &
+  agent_pid[$id]=$!
+  pids+=($!)
+}
+start_agent gpu-0
+start_agent gpu-1 --host_capacity_bytes=100000000
+for id in gpu-0 gpu-1; do
+  wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:${agent_metrics_port[$id]}/metrics" ||
+    { echo "$id's metrics never answered" >&2; dump_logs; exit 1; }
+done
 
 # The deployed scrape configuration's job names, a fast interval, and the deployed rules.
 cat > "$work/prometheus.yml" <<YAML
@@ -73,7 +94,7 @@ scrape_configs:
       - targets: ["127.0.0.1:$metrics_port"]
   - job_name: kvcm-agent
     static_configs:
-      - targets: ["127.0.0.1:$agent_metrics_port"]
+      - targets: ["127.0.0.1:${agent_metrics_port[gpu-0]}", "127.0.0.1:${agent_metrics_port[gpu-1]}"]
 YAML
 grep -q '^  - job_name: kvcm-manager$' "$deploy/prometheus.yml"
 grep -q '^  - job_name: kvcm-agent$' "$deploy/prometheus.yml"
@@ -81,22 +102,71 @@ prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/data"
   --web.listen-address=127.0.0.1:$prom_port > "$work/prometheus.log" 2>&1 &
 pids+=($!)
 
-ctl=("$ctl_bin" --insecure --addr=127.0.0.1:$grpc_port)
-ns=(--tenant=acme --model=dsv3)
-"${ctl[@]}" register-model "${ns[@]}" --attention=mla --layers=61 --heads=128 \
-  --kv_lora_rank=512 --rope_dim=64 --dtype=bf16 --page_size=64 > /dev/null
-"${ctl[@]}" insert "${ns[@]}" --random_tokens=300 --seed=7 --agent=gpu-0 > /dev/null
-"${ctl[@]}" insert "${ns[@]}" --random_tokens=300 --seed=9 --agent=gpu-0 > /dev/null
-"${ctl[@]}" match "${ns[@]}" --random_tokens=300 --seed=7 --agent=gpu-1 --pin > /dev/null
-"${ctl[@]}" match "${ns[@]}" --random_tokens=300 --seed=8 --agent=gpu-1 > /dev/null
-# Evicts seed 9's unpinned pages; seed 7's stay pinned.
-"${ctl[@]}" evict --agent=gpu-0 --tier=gpu --bytes=1 > /dev/null
-
 # has_series QUERY: the instant query returns at least one sample.
 has_series() {
   curl -sf --get "http://127.0.0.1:$prom_port/api/v1/query" --data-urlencode "query=$1" |
-    python3 -c 'import json, sys; r = json.load(sys.stdin); sys.exit(not (r["status"] == "success" and r["data"]["result"]))'
+    python3 -c 'import json, sys; r = json.load(sys.stdin); sys.exit(not (r["status"] == "success" and r["data"]["result"]))' 2>/dev/null
 }
+
+ctl=("$ctl_bin" --insecure --addr=127.0.0.1:$grpc_port)
+acme=(--tenant=acme --model=dsv3) beta=(--tenant=beta --model=dsv3) short=(--tenant=beta --model=short)
+geometry=(--attention=mla --layers=61 --heads=128 --kv_lora_rank=512 --rope_dim=64 --dtype=bf16
+  --page_size=64)
+run() { "${ctl[@]}" "$@" > "$work/ctl.out" 2>&1 || { cat "$work/ctl.out" >&2; return 1; }; }
+pin_id() { sed -n 's/^pin_id: //p' "$work/ctl.out"; }
+run register-model "${acme[@]}" "${geometry[@]}"
+run register-model "${beta[@]}" "${geometry[@]}"
+run register-model "${short[@]}" "${geometry[@]}" --max_page_age_s=1  # expires at the sweep
+not_found() {
+  if run match --tenant=nobody --model=dsv3 --random_tokens=300 --seed=7 2>/dev/null; then
+    echo "a match in an unregistered namespace succeeded" >&2; exit 1
+  fi
+}
+not_found
+# Every target scraped once before the load, with the namespaces' series and the NOT_FOUND
+# series already there: rate() needs two different samples of a series, so a counter must
+# have a sample from before it moved.
+wait_for 30 has_series 'count(up == 1) == 3 and on() count(kvcm_namespace_requested_tokens_total) == 3 and on() count(kvcm_rpc_requests_total{code="NOT_FOUND"}) == 1' ||
+  { echo "prometheus never scraped all three targets" >&2; dump_logs; exit 1; }
+not_found
+run insert "${acme[@]}" --random_tokens=300 --seed=7 --agent=gpu-0
+run insert "${acme[@]}" --random_tokens=300 --seed=9 --agent=gpu-0
+run insert "${acme[@]}" --random_tokens=300 --seed=13 --agent=gpu-0
+run insert "${beta[@]}" --random_tokens=300 --seed=11 --agent=gpu-1
+run match "${acme[@]}" --random_tokens=300 --seed=7 --agent=gpu-1 --pin  # held to the end
+run match "${acme[@]}" --random_tokens=300 --seed=7 --pin --lease_ttl_ms=200  # lapses
+run match "${acme[@]}" --random_tokens=300 --seed=9 --pin
+run release "${acme[@]}" --pin_id="$(pin_id)"
+run match "${acme[@]}" --random_tokens=300 --seed=8 --agent=gpu-1  # a miss
+run match "${beta[@]}" --random_tokens=300 --seed=11
+run match "${beta[@]}" --random_tokens=300 --seed=12
+# gpu-1 pulls seed 7's pages from gpu-0 over loopback TCP.
+run fetch "${acme[@]}" --random_tokens=300 --seed=7 --agent=gpu-1
+# Evicts unpinned pages (seeds 9 and 13) from gpu-0; gpu-1 demotes into its HOST pool.
+run evict --agent=gpu-0 --tier=gpu --bytes=20000000
+run evict --agent=gpu-1 --tier=gpu --bytes=1
+run insert "${short[@]}" --random_tokens=300 --seed=5 --agent=gpu-1  # expires in 1 s
+# Asking again for evicted pages within the regret window is regret.
+run match "${acme[@]}" --random_tokens=300 --seed=9
+run match "${acme[@]}" --random_tokens=300 --seed=13
+# A pull from an agent that died fails (UNAVAILABLE), and the manager then declares it gone
+# and drops its pages.
+run insert "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-0
+kill "${agent_pid[gpu-0]}"
+wait "${agent_pid[gpu-0]}" 2>/dev/null || true
+dead_pull() {
+  if run fetch "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-1 --from=gpu-0 2>/dev/null; then
+    echo "a pull from a dead agent succeeded" >&2; exit 1
+  fi
+}
+# Twice, with a scrape between: the first failure creates the series, the second moves it.
+dead_pull
+wait_for 10 has_series 'kvcm_transfer_failures_total{reason="UNAVAILABLE"} == 1' ||
+  { echo "the failed pull was never counted" >&2; dump_logs; exit 1; }
+dead_pull
+wait_for 20 has_series 'kvcm_agents{state="gone"} == 1' ||
+  { echo "the manager never declared gpu-0 gone" >&2; dump_logs; exit 1; }
+
 queries=(
   'up{job="kvcm-manager"} == 1'
   'kvcm_agents{job="kvcm-manager", state="gone"}'
@@ -112,12 +182,13 @@ queries=(
   'kvcm_lease_expiries_total{job="kvcm-manager"}'
   'kvcm_pins_taken_total{job="kvcm-manager"} > 0'
   'kvcm_agents{job="kvcm-manager", state="alive"} == 1'
+  'kvcm_pages_dropped_total{job="kvcm-manager"} > 0'
   'up{job="kvcm-agent"} == 1'
   'kvcm_agent_registered{job="kvcm-agent"} == 1'
   'kvcm_agent_rpc_requests_total{job="kvcm-agent"}'
-  'kvcm_transfer_seconds_count{job="kvcm-agent"}'
+  'kvcm_transfer_seconds_count{job="kvcm-agent"} > 0'
+  'kvcm_transfer_failures_total{job="kvcm-agent", reason="UNAVAILABLE"} > 0'
 )
-# kvcm_transfer_failures_total has a series per failure reason only once a pull has failed.
 status=0
 for q in "${queries[@]}"; do
   if wait_for 30 has_series "$q"; then echo "ok   $q"; else echo "MISSING $q" >&2; status=1; fi
@@ -133,6 +204,18 @@ print(len(rules), "rules, not ok:", bad)
 sys.exit(not rules or bool(bad))'
 }
 wait_for 20 rules_ok || { echo "some alert rule did not evaluate" >&2; status=1; }
+
+# Every query of every dashboard. The manager's engine counters need an engine bridge
+# (PublishEngineEvents), which kvcmctl has no command for; no WatchEvents subscriber falls
+# behind here.
+python3 "$(dirname "$0")/dashboard_queries.py" --prometheus="http://127.0.0.1:$prom_port" \
+  --dashboards="$grafana" --rate-interval=2m --wait-s=20 \
+  --still=kvcm_engine_sessions_started_total='no engine bridge in this test' \
+  --still=kvcm_engine_sessions_lapsed_total='no engine bridge in this test' \
+  --still=kvcm_engine_pages_stored_total='no engine bridge in this test' \
+  --still=kvcm_engine_pages_removed_total='no engine bridge in this test' \
+  --still=kvcm_engine_sequence_refusals_total='no engine bridge in this test' \
+  --still=kvcm_watch_overflows_total='no WatchEvents subscriber here' || status=1
 
 if [ "$status" != 0 ]; then dump_logs; fi
 exit "$status"

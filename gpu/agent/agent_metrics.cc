@@ -56,8 +56,17 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
           static_cast<double>(s.used_bytes));
     gauge("kvcm_agent_pool_free_blocks", "Blocks not allocated.",
           static_cast<double>(s.free_blocks));
+    gauge("kvcm_agent_pool_blocks", "Blocks of the agent's block pool.",
+          static_cast<double>(s.num_blocks));
+    gauge("kvcm_agent_pool_committed_blocks",
+          "Allocated blocks committed to a page (the rest are in flight).",
+          static_cast<double>(s.committed_blocks));
     gauge("kvcm_agent_registered", "1 when the last Register/Heartbeat succeeded.",
           epoch_->registered() ? 1.0 : 0.0);
+    // Microseconds since 1970: exact in a double until the year 2255. The manager's view of
+    // it is kvcm_agent_epoch{agent}.
+    gauge("kvcm_agent_local_epoch", "The epoch (incarnation) this agent registers with.",
+          static_cast<double>(epoch_->current()));
     if (pools_.host != nullptr) {
       const BlockPoolStats h = pools_.host->Stats();
       gauge("kvcm_agent_host_pool_capacity_bytes", "Bytes of the agent's host-DRAM pool.",

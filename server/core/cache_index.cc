@@ -392,6 +392,8 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     counters_.matched_pages += result.matched_pages;
     counters_.requested_tokens += uint64_t{ns.spec.page_size_tokens} * pages.size();
     counters_.matched_tokens += uint64_t{ns.spec.page_size_tokens} * result.matched_pages;
+    ns.requested_tokens += uint64_t{ns.spec.page_size_tokens} * pages.size();
+    ns.matched_tokens += uint64_t{ns.spec.page_size_tokens} * result.matched_pages;
     if (options_.regret_window > absl::ZeroDuration()) {
       CountRegret(pages.subspan(result.matched_pages), now);
     }
@@ -633,7 +635,9 @@ IndexStats CacheIndex::Stats() const {
         .radix_nodes = ns->tree.nodes(),
         .max_page_age =
             ns->max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns->max_age,
-        .expired_pages = ns->expired_pages});
+        .expired_pages = ns->expired_pages,
+        .requested_tokens = ns->requested_tokens,
+        .matched_tokens = ns->matched_tokens});
   }
   std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);

@@ -223,6 +223,9 @@ struct NamespaceStats {
   // is shorter); 0: none.
   absl::Duration max_page_age = absl::ZeroDuration();
   uint64_t expired_pages = 0;  // page-locations removed for their age
+  // IndexCounters' requested_tokens and matched_tokens, of this namespace's matches only.
+  uint64_t requested_tokens = 0;
+  uint64_t matched_tokens = 0;
 };
 
 struct IndexCounters {

@@ -85,6 +85,9 @@ struct CacheIndex::Namespace {
   absl::btree_set<ExpiryEntry> expiry;
   std::optional<ExpiryEntry> expiry_resume;
   uint64_t expired_pages = 0;
+  // Non-probe matches of this namespace, in whole-page tokens (the per-namespace hit ratio).
+  uint64_t requested_tokens = 0;
+  uint64_t matched_tokens = 0;
 };
 
 inline CacheIndex::Namespace* OwnerOf(const RadixNode* node) {

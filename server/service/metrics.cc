@@ -134,6 +134,13 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
                                        "Page-locations of a namespace (replicas count).", kGauge);
     MetricFamily ns_nodes =
         Family("kvcm_namespace_radix_nodes", "Radix tree nodes of a namespace.", kGauge);
+    MetricFamily ns_requested = Family("kvcm_namespace_requested_tokens_total",
+                                       "Whole-page tokens asked for by a namespace's non-probe "
+                                       "matches (since the namespace was created).",
+                                       kCounter);
+    MetricFamily ns_matched =
+        Family("kvcm_namespace_matched_tokens_total",
+               "Tokens found by a namespace's non-probe matches (its prefill saved).", kCounter);
     // Namespaces are made by clients: whatever they register, the exporter shows the
     // kMaxNamespaceSeries largest (by page-locations) and sums the rest into one series.
     std::vector<NamespaceStats> namespaces = stats.namespaces;
@@ -147,6 +154,8 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
         other.pages += it->pages;
         other.page_locations += it->page_locations;
         other.radix_nodes += it->radix_nodes;
+        other.requested_tokens += it->requested_tokens;
+        other.matched_tokens += it->matched_tokens;
       }
       namespaces.resize(kMaxNamespaceSeries);
       other.ns = NamespaceId{std::string(kOtherLabel), std::string(kOtherLabel)};
@@ -157,8 +166,13 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
       AddSample(&ns_pages, labels, static_cast<double>(n.pages));
       AddSample(&ns_locations, labels, static_cast<double>(n.page_locations));
       AddSample(&ns_nodes, labels, static_cast<double>(n.radix_nodes));
+      AddSample(&ns_requested, labels, static_cast<double>(n.requested_tokens));
+      AddSample(&ns_matched, labels, static_cast<double>(n.matched_tokens));
     }
-    for (MetricFamily* f : {&ns_pages, &ns_locations, &ns_nodes}) out.push_back(std::move(*f));
+    for (MetricFamily* f : {&ns_pages, &ns_locations, &ns_nodes, &ns_requested, &ns_matched}) {
+      out.push_back(std::move(*f));
+    }
+    AddTenants(stats, &out);
 
     const IndexCounters& c = stats.counters;
     auto counter = [&](std::string name, std::string help, uint64_t value) {
@@ -217,6 +231,7 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
       out.push_back(std::move(by_state));
       counter("kvcm_agent_heartbeats_total", "Heartbeats accepted from agents.",
               a.heartbeats_total);
+      AddAgents(&out);
     }
 
     if (engines_ != nullptr) {
@@ -250,6 +265,92 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
   }
 
  private:
+  // One series per tenant (the kMaxNamespaceSeries largest by held bytes; the rest summed
+  // into kOtherLabel) and the quotas in force.
+  static void AddTenants(const IndexStats& stats, std::vector<MetricFamily>* out) {
+    std::vector<TenantStats> tenants = stats.tenants;
+    if (tenants.size() > kMaxNamespaceSeries) {
+      std::nth_element(tenants.begin(), tenants.begin() + kMaxNamespaceSeries, tenants.end(),
+                       [](const TenantStats& a, const TenantStats& b) {
+                         return a.held_bytes() > b.held_bytes();
+                       });
+      TenantStats other;
+      other.tenant = std::string(kOtherLabel);
+      for (auto it = tenants.begin() + kMaxNamespaceSeries; it != tenants.end(); ++it) {
+        other.namespaces += it->namespaces;
+        other.stored_bytes += it->stored_bytes;
+        other.pinned_bytes += it->pinned_bytes;
+        other.reserved_bytes += it->reserved_bytes;
+        other.pins += it->pins;
+      }
+      tenants.resize(kMaxNamespaceSeries);
+      tenants.push_back(std::move(other));
+    }
+    constexpr MetricType kGauge = MetricType::Gauge;
+    MetricFamily stored = Family("kvcm_tenant_stored_bytes",
+                                 "Bytes of a tenant's page-locations in live pools.", kGauge);
+    MetricFamily pinned = Family("kvcm_tenant_pinned_bytes",
+                                 "Of a tenant's stored bytes, those held by a pin.", kGauge);
+    MetricFamily reserved =
+        Family("kvcm_tenant_reserved_bytes", "Headroom a tenant reserved, in all pools.", kGauge);
+    MetricFamily pins = Family("kvcm_tenant_pins", "A tenant's live pins.", kGauge);
+    MetricFamily namespaces =
+        Family("kvcm_tenant_namespaces", "A tenant's registered namespaces.", kGauge);
+    for (const TenantStats& t : tenants) {
+      // Tenant "" holds the operators' reservations; an empty label value would drop the label.
+      std::vector<ClientMetric::Label> labels = {
+          {"tenant", t.tenant.empty() ? std::string(kOperatorTenantLabel) : t.tenant}};
+      AddSample(&stored, labels, static_cast<double>(t.stored_bytes));
+      AddSample(&pinned, labels, static_cast<double>(t.pinned_bytes));
+      AddSample(&reserved, labels, static_cast<double>(t.reserved_bytes));
+      AddSample(&pins, labels, static_cast<double>(t.pins));
+      AddSample(&namespaces, labels, static_cast<double>(t.namespaces));
+    }
+    for (MetricFamily* f : {&stored, &pinned, &reserved, &pins, &namespaces}) {
+      out->push_back(std::move(*f));
+    }
+    out->push_back(Scalar("kvcm_tenant_max_bytes",
+                          "Quota on each tenant's stored + reserved bytes (0: unlimited).", kGauge,
+                          static_cast<double>(stats.tenant_max_bytes)));
+    out->push_back(Scalar("kvcm_tenant_max_pinned_bytes",
+                          "Quota on each tenant's pinned bytes (0: unlimited).", kGauge,
+                          static_cast<double>(stats.tenant_max_pinned_bytes)));
+  }
+
+  // One series per registered agent (agents are a cluster's nodes, so bounded), and the
+  // suspects: alive, but silent for more than half the heartbeat timeout.
+  void AddAgents(std::vector<MetricFamily>* out) const {
+    constexpr MetricType kGauge = MetricType::Gauge;
+    const absl::Duration timeout = agents_->heartbeat_timeout();
+    MetricFamily up = Family("kvcm_agent_up", "1 while an agent is alive, 0 once gone.", kGauge);
+    MetricFamily age = Family("kvcm_agent_last_heartbeat_age_seconds",
+                              "Time since an agent's last Register or Heartbeat.", kGauge);
+    MetricFamily epoch =
+        Family("kvcm_agent_epoch", "An agent's registered epoch (its incarnation).", kGauge);
+    MetricFamily beats = Family("kvcm_agent_epoch_heartbeats_total",
+                                "Heartbeats accepted from an agent in its current epoch (from 0 "
+                                "again when it registers a new one).",
+                                MetricType::Counter);
+    uint64_t suspect = 0;
+    for (const AgentInfo& a : agents_->Snapshot()) {
+      std::vector<ClientMetric::Label> labels = {{"agent", a.registration.agent_id}};
+      AddSample(&up, labels, a.alive ? 1.0 : 0.0);
+      AddSample(&age, labels, absl::ToDoubleSeconds(a.last_heartbeat_age));
+      // Epochs are microseconds since 1970: exact in a double until the year 2255.
+      AddSample(&epoch, labels, static_cast<double>(a.registration.epoch));
+      AddSample(&beats, labels, static_cast<double>(a.heartbeats));
+      if (a.alive && a.last_heartbeat_age > timeout / 2) ++suspect;
+    }
+    for (MetricFamily* f : {&up, &age, &epoch, &beats}) out->push_back(std::move(*f));
+    out->push_back(Scalar("kvcm_agents_suspect",
+                          "Alive agents silent for more than half the heartbeat timeout (also "
+                          "counted in kvcm_agents{state=\"alive\"}).",
+                          kGauge, static_cast<double>(suspect)));
+    out->push_back(Scalar("kvcm_agent_heartbeat_timeout_seconds",
+                          "Silence after which an agent is declared gone.", kGauge,
+                          absl::ToDoubleSeconds(timeout)));
+  }
+
   const CacheIndex* const index_;
   const EventHub* const hub_;
   const AgentRegistry* const agents_;

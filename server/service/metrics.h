@@ -1,9 +1,10 @@
 // Prometheus metrics of the manager (prefix kvcm_; see docs in ARCHITECTURE.md section 7).
 //
 // ServiceMetrics owns a prometheus::Registry with the RPC metrics, plus a Collectable that
-// snapshots CacheIndex::Stats() at scrape time (pool bytes, namespace sizes, the index's
-// counters, hit ratio, build info) and the AgentRegistry (agents alive/gone, heartbeats). It never
-// creates an HTTP exposer: ManagerServer does, and registers collectables() with it. Thread-safe.
+// snapshots CacheIndex::Stats() at scrape time (pool bytes, namespace and tenant sizes, the
+// index's counters, hit ratio, build info) and the AgentRegistry (agents alive/suspect/gone,
+// each agent's heartbeat age and epoch). It never creates an HTTP exposer: ManagerServer does,
+// and registers collectables() with it. Thread-safe.
 #ifndef KVCM_SERVER_SERVICE_METRICS_H_
 #define KVCM_SERVER_SERVICE_METRICS_H_
 
@@ -67,6 +68,8 @@ inline constexpr int kNumAgentCommandResults = 3;
 // one series labelled kOtherLabel, so /metrics stays bounded whatever clients register.
 inline constexpr size_t kMaxNamespaceSeries = 256;
 inline constexpr absl::string_view kOtherLabel = "_other";
+// The tenant label of tenant "" (the operators' reservations).
+inline constexpr absl::string_view kOperatorTenantLabel = "_operator";
 
 // Version reported by kvcm_build_info.
 absl::string_view KvcmVersion();

@@ -3,11 +3,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <span>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/agent_registry.h"
 #include "server/core/clock.h"
 
 namespace kvcm {
@@ -61,6 +63,64 @@ TEST_F(MetricsTest, IndexSnapshotAtScrapeTime) {
   EXPECT_THAT(text, HasSubstr("kvcm_build_info{policy=\"lru\",version=\""));
 }
 
+TEST_F(MetricsTest, PerTenantAndPerNamespaceSeries) {
+  ServiceMetrics metrics(index_.get(), &hub_);
+  std::vector<int32_t> tokens(12, 5);
+  absl::StatusOr<std::vector<PageHash>> pages = index_->HashTokens(ns_, tokens);
+  ASSERT_TRUE(pages.ok());
+  std::vector<BlockId> blocks = {0, 1};
+  const PoolKey pool{"gpu-0", Tier::kGpu};
+  ASSERT_TRUE(index_->Insert(ns_, std::span<const PageHash>(*pages).first(2), pool, blocks).ok());
+  MatchOptions pin;
+  pin.pin = true;
+  ASSERT_TRUE(index_->Match(ns_, *pages, pin).ok());  // 8 of 12 tokens, pinned
+  ASSERT_TRUE(index_->Reserve(pool, 1000, "").ok());
+
+  const std::string text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("kvcm_namespace_requested_tokens_total{model=\"dsv3\","
+                              "tenant=\"acme\"} 12"));
+  EXPECT_THAT(text, HasSubstr("kvcm_namespace_matched_tokens_total{model=\"dsv3\","
+                              "tenant=\"acme\"} 8"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_stored_bytes{tenant=\"acme\"} 3072"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_pinned_bytes{tenant=\"acme\"} 3072"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_pins{tenant=\"acme\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_namespaces{tenant=\"acme\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_reserved_bytes{tenant=\"_operator\"} 1000"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_max_bytes 0"));
+}
+
+TEST_F(MetricsTest, PerAgentLivenessAndEpochs) {
+  AgentRegistry agents(&clock_, absl::Seconds(10));
+  for (const char* id : {"gpu-0", "gpu-1", "gpu-2"}) {
+    AgentRegistration reg;
+    reg.agent_id = id;
+    reg.epoch = 1700000000123456;
+    reg.capacity_bytes = 1 << 20;
+    ASSERT_TRUE(agents.Register(reg).ok());
+  }
+  clock_.Advance(absl::Seconds(4));
+  ASSERT_TRUE(agents.Heartbeat("gpu-1", 1700000000123456, AgentUsage{}).ok());
+  ASSERT_TRUE(agents.Heartbeat("gpu-2", 1700000000123456, AgentUsage{}).ok());
+  clock_.Advance(absl::Seconds(2));  // gpu-0 silent 6 s: suspect
+  ASSERT_TRUE(agents.Heartbeat("gpu-2", 1700000000123456, AgentUsage{}).ok());
+  ServiceMetrics metrics(index_.get(), &hub_, &agents);
+
+  std::string text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("kvcm_agents{state=\"alive\"} 3"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agents_suspect 1"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_heartbeat_timeout_seconds 10"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_last_heartbeat_age_seconds{agent=\"gpu-0\"} 6"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_last_heartbeat_age_seconds{agent=\"gpu-1\"} 2"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_epoch{agent=\"gpu-1\"} 1700000000123456"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_up{agent=\"gpu-0\"} 1"));
+
+  clock_.Advance(absl::Seconds(5));  // gpu-0 silent 11 s: gone
+  text = metrics.RenderText();
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_up{agent=\"gpu-0\"} 0"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agents{state=\"gone\"} 1"));
+  EXPECT_THAT(text, HasSubstr("kvcm_agents_suspect 1"));  // gpu-1, silent 7 s
+}
+
 TEST_F(MetricsTest, NamespaceSeriesAreBoundedWhateverClientsRegister) {
   CacheIndexOptions options;
   options.hash_secret = HashKey{1, 2};
@@ -94,6 +154,15 @@ TEST_F(MetricsTest, NamespaceSeriesAreBoundedWhateverClientsRegister) {
   EXPECT_EQ(series, kMaxNamespaceSeries + 1);
   EXPECT_THAT(text, HasSubstr("kvcm_namespace_pages{model=\"m\",tenant=\"big\"} 2"));
   EXPECT_THAT(text, HasSubstr("kvcm_namespace_pages{model=\"_other\",tenant=\"_other\"} 0"));
+  // A tenant per namespace here: tenants are bounded the same way.
+  series = 0;
+  for (size_t at = text.find("\nkvcm_tenant_stored_bytes{"); at != std::string::npos;
+       at = text.find("\nkvcm_tenant_stored_bytes{", at + 1)) {
+    ++series;
+  }
+  EXPECT_EQ(series, kMaxNamespaceSeries + 1);
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_stored_bytes{tenant=\"big\"} 3072"));
+  EXPECT_THAT(text, HasSubstr("kvcm_tenant_stored_bytes{tenant=\"_other\"} 0"));
 }
 
 TEST_F(MetricsTest, RpcCountersByCode) {
@@ -120,7 +189,12 @@ TEST_F(MetricsTest, PassesPromtoolCheckMetrics) {
   if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "promtool not installed";
   }
-  ServiceMetrics metrics(index_.get(), &hub_);
+  AgentRegistry agents(&clock_, absl::Seconds(10));
+  AgentRegistration reg;
+  reg.agent_id = "gpu-0";
+  reg.epoch = 1;
+  ASSERT_TRUE(agents.Register(reg).ok());
+  ServiceMetrics metrics(index_.get(), &hub_, &agents);
   metrics.RecordRpc(Rpc::kStats, absl::StatusCode::kNotFound, absl::Milliseconds(1));
   const std::string path = ::testing::TempDir() + "/kvcm_metrics.prom";
   {
