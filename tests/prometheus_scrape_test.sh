@@ -9,7 +9,9 @@
 # tests/dashboard_queries.py must find data for every query of every dashboard under
 # deploy/grafana (and a rate > 0 for every counter it rates, except the few named --still).
 #   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT [DEPLOY_DIR] [GRAFANA_DIR]
-# Without prometheus it skips (exit 77), unless KVCM_REQUIRE_PROMETHEUS=1 (scripts/test.sh).
+# The managers are two, electing a leader on a real etcd (the leader is driven, the standby
+# only scraped). Without prometheus or etcd it skips (exit 77), unless
+# KVCM_REQUIRE_PROMETHEUS=1 / KVCM_REQUIRE_ETCD=1 (scripts/test.sh).
 set -euo pipefail
 manager_bin=$1 ctl_bin=$2 agent_bin=$3
 deploy=$(cd "${4:-$(dirname "$0")/../deploy/prometheus}" && pwd)
@@ -21,6 +23,15 @@ if ! command -v prometheus >/dev/null; then
     exit 1
   fi
   echo "prometheus not found: skipping" >&2
+  exit 77
+fi
+
+if ! command -v etcd >/dev/null; then
+  if [ "${KVCM_REQUIRE_ETCD:-0}" = 1 ]; then
+    echo "etcd not found and KVCM_REQUIRE_ETCD=1 (apt-get install etcd-server)" >&2
+    exit 1
+  fi
+  echo "etcd not found: skipping" >&2
   exit 77
 fi
 
@@ -46,21 +57,43 @@ wait_for() {
 }
 dump_logs() {
   echo "--- manager.log" >&2; tail -20 "$work/manager.log" >&2 || true
+  echo "--- standby.log" >&2; tail -20 "$work/standby.log" >&2 || true
   for log in "$work"/gpu-*.log; do echo "--- $(basename "$log")" >&2; tail -20 "$log" >&2; done
   echo "--- prometheus.log" >&2; tail -20 "$work/prometheus.log" >&2 || true
 }
 
 grpc_port=$(free_port) metrics_port=$(free_port) prom_port=$(free_port)
+# The managers run as deployed: two of them electing a leader on etcd (the HA series and
+# panels need both), with the hash secret from a file.
+etcd_client=127.0.0.1:$(free_port) etcd_peer=http://127.0.0.1:$(free_port)
+etcd --name=scrape --data-dir="$work/etcd" --listen-client-urls="http://$etcd_client" \
+  --advertise-client-urls="http://$etcd_client" --listen-peer-urls="$etcd_peer" \
+  --initial-advertise-peer-urls="$etcd_peer" --initial-cluster="scrape=$etcd_peer" \
+  > "$work/etcd.log" 2>&1 &
+pids+=($!)
+wait_for 30 grep -q "ready to serve client requests" "$work/etcd.log" ||
+  { echo "etcd never served" >&2; tail -20 "$work/etcd.log" >&2; exit 1; }
+echo 00112233445566778899aabbccddeeff > "$work/hash_secret"
+ha=(--etcd_endpoints=$etcd_client --etcd_lease_ttl_s=2 --hash_secret_file="$work/hash_secret")
 # A short heartbeat timeout, so that the agent killed below is gone within the test; the cost
 # policy, which demotes GPU pages into a HOST pool; quotas, so that the quota lines have a
 # series.
 "$manager_bin" --insecure --listen_address=127.0.0.1:$grpc_port \
   --metrics_address=127.0.0.1:$metrics_port --agent_heartbeat_timeout_ms=6000 --policy=cost \
-  --tenant_max_bytes=1000000000000 --tenant_max_pinned_bytes=1000000000000 \
+  --tenant_max_bytes=1000000000000 --tenant_max_pinned_bytes=1000000000000 "${ha[@]}" \
   > "$work/manager.log" 2>&1 &
 pids+=($!)
 wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$metrics_port/metrics" ||
   { echo "manager's metrics never answered" >&2; dump_logs; exit 1; }
+wait_for 30 grep -q "election: leading" "$work/manager.log" ||
+  { echo "the first manager never led" >&2; dump_logs; exit 1; }
+# The standby: only /metrics, scraped under the same job.
+standby_metrics_port=$(free_port)
+"$manager_bin" --insecure --listen_address=127.0.0.1:$(free_port) \
+  --metrics_address=127.0.0.1:$standby_metrics_port "${ha[@]}" > "$work/standby.log" 2>&1 &
+pids+=($!)
+wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$standby_metrics_port/metrics" ||
+  { echo "the standby's metrics never answered" >&2; dump_logs; exit 1; }
 
 # gpu-0 and gpu-1; gpu-1 has a HOST pool, so that evicting from its GPU pool demotes.
 declare -A agent_pid agent_metrics_port
@@ -91,7 +124,7 @@ rule_files:
 scrape_configs:
   - job_name: kvcm-manager
     static_configs:
-      - targets: ["127.0.0.1:$metrics_port"]
+      - targets: ["127.0.0.1:$metrics_port", "127.0.0.1:$standby_metrics_port"]
   - job_name: kvcm-agent
     static_configs:
       - targets: ["127.0.0.1:${agent_metrics_port[gpu-0]}", "127.0.0.1:${agent_metrics_port[gpu-1]}"]
@@ -126,8 +159,12 @@ not_found
 # Every target scraped once before the load, with the namespaces' series and the NOT_FOUND
 # series already there: rate() needs two different samples of a series, so a counter must
 # have a sample from before it moved.
-wait_for 30 has_series 'count(up == 1) == 3 and on() count(kvcm_namespace_requested_tokens_total) == 3 and on() count(kvcm_rpc_requests_total{code="NOT_FOUND"}) == 1' ||
-  { echo "prometheus never scraped all three targets" >&2; dump_logs; exit 1; }
+wait_for 30 has_series 'count(up == 1) == 4 and on() count(kvcm_namespace_requested_tokens_total) == 3 and on() count(kvcm_rpc_requests_total{code="NOT_FOUND"}) == 1' ||
+  { echo "prometheus never scraped all four targets" >&2
+    for q in 'up' 'count(kvcm_namespace_requested_tokens_total)' 'kvcm_rpc_requests_total{code="NOT_FOUND"}'; do
+      curl -s --get "http://127.0.0.1:$prom_port/api/v1/query" --data-urlencode "query=$q" >&2; echo >&2
+    done
+    dump_logs; exit 1; }
 not_found
 run insert "${acme[@]}" --random_tokens=300 --seed=7 --agent=gpu-0
 run insert "${acme[@]}" --random_tokens=300 --seed=9 --agent=gpu-0
@@ -169,6 +206,9 @@ wait_for 20 has_series 'kvcm_agents{state="gone"} == 1' ||
 
 queries=(
   'up{job="kvcm-manager"} == 1'
+  'kvcm_manager_leader{job="kvcm-manager"} == 1'
+  'kvcm_manager_leader{job="kvcm-manager"} == 0'
+  'kvcm_etcd_requests_total{job="kvcm-manager", op="LeaseKeepAlive", code="OK"} > 0'
   'kvcm_agents{job="kvcm-manager", state="gone"}'
   'kvcm_pool_usage_ratio{job="kvcm-manager"}'
   'kvcm_pool_pinned_bytes{job="kvcm-manager"}'
