@@ -184,7 +184,11 @@ void ControlLoop::Run() {
   // pages (OK) from one that lost them (NOT_FOUND after a restart).
   bool registered = false;
   bool logged_failure = false;
+  // A manager that lost our registration (a restart, a new leader) is answered at once: the
+  // sooner it has our inventory, the sooner it matches our pages again.
+  bool register_now = false;
   do {
+    register_now = false;
     if (on_round_) on_round_();
     const absl::Status s = registered ? Heartbeat() : Join();
     if (stop_.HasBeenNotified()) return;
@@ -204,6 +208,7 @@ void ControlLoop::Run() {
                               CommittedBlocks(), " committed blocks (", s.message(), ")"));
       registered = false;
       logged_failure = false;
+      register_now = true;
     } else if (s.code() == absl::StatusCode::kAborted) {
       // Another process holds the agent id with a larger epoch, or ours is stale: the
       // manager no longer refers to this epoch's blocks. Start over with a new one.
@@ -221,7 +226,8 @@ void ControlLoop::Run() {
       }
     }
     epoch_->set_registered(s.ok());
-  } while (!stop_.WaitForNotificationWithTimeout(interval));
+  } while (register_now ? !stop_.HasBeenNotified()
+                        : !stop_.WaitForNotificationWithTimeout(interval));
 }
 
 uint64_t ControlLoop::CommittedBlocks() const {
