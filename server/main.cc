@@ -358,10 +358,12 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   kvcm::LogInfo(absl::StrCat("options:\n", options.DebugString()));
 
+  if (election != nullptr) {
+    // Once nothing is served (in-flight calls drained): a standby may lead at once.
+    manager->OnStoppedServing([&election] { election->election->Resign(); });
+  }
   stop.Serve(manager);
   manager->Wait();
-  // Only now that nothing is served: a standby may lead at once.
-  if (election != nullptr) election->election->Resign();
   signal_waiter.join();
   server->reset();
   kvcm::LogInfo("stopped");

@@ -228,12 +228,18 @@ void ManagerServer::Shutdown() {
     const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.shutdown_grace_ms);
     server_->Shutdown(absl::ToChronoTime(deadline));
   }
+  if (on_stopped_serving_) on_stopped_serving_();
   exposer_.reset();
   stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   if (hub_ != nullptr) hub_->Stop();
   if (index_ != nullptr) index_->SetEventListener(nullptr);
   shutdown_done_.Notify();
+}
+
+void ManagerServer::OnStoppedServing(std::function<void()> f) {
+  absl::MutexLock lock(&shutdown_mu_);
+  on_stopped_serving_ = std::move(f);
 }
 
 void ManagerServer::Wait() { shutdown_done_.WaitForNotification(); }

@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 #include <prometheus/exposer.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -73,6 +74,11 @@ class ManagerServer {
   AgentCommandBook& commands() { return *commands_; }
   NcclBootstrapRelay& nccl_relay() { return *nccl_relay_; }
 
+  // Runs `f` in Shutdown once gRPC no longer serves, before the exporter and the sweeper
+  // stop (civetweb takes about a second): a leader resigns there, so that a standby takes
+  // over sooner. Set it before Shutdown can run.
+  void OnStoppedServing(std::function<void()> f) ABSL_LOCKS_EXCLUDED(shutdown_mu_);
+
   // Ends every WatchEvents stream, stops accepting calls, lets in-flight calls finish for
   // up to options().shutdown_grace_ms (then cancels them), and stops the exporter and the
   // lease sweeper. Idempotent; concurrent calls return once the first one is done.
@@ -117,6 +123,7 @@ class ManagerServer {
 
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  std::function<void()> on_stopped_serving_ ABSL_GUARDED_BY(shutdown_mu_);
   absl::Notification shutdown_done_;
 };
 
