@@ -385,6 +385,12 @@ int RunInsert(const Invocation& in) {
         }
       }
     }
+    if (!in.flags.IsSet("first_block") && pages > 0) {
+      absl::FPrintF(stderr,
+                    "kvcmctl insert: agent %s is not registered: inserting index-only blocks "
+                    "(no agent holds them; --first_block says so explicitly)\n",
+                    pool.agent_id);
+    }
     const uint64_t first = in.flags.GetUint("first_block");
     if (first + pages > uint64_t{UINT32_MAX} + 1) {
       return in.Usage("--first_block: too large");

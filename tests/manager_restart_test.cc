@@ -203,7 +203,10 @@ TEST_F(ManagerRestartTest, KillNineMidLoadLosesNoPageAndLeaksNoBlock) {
       const absl::Time give_up = absl::Now() + absl::Seconds(20);
       do {
         ProcessResult r = Ctl(args);
-        if (r.exited && r.exit_code == 0) {
+        // No block_ids: kvcmctl found the agent not yet re-registered with the new manager
+        // and inserted index-only blocks (replaced by the agent's inventory when it
+        // registers): not a worker's insert, so try again.
+        if (r.exited && r.exit_code == 0 && !OutputField(r.out, "block_ids").empty()) {
           absl::MutexLock lock(&mu);
           inserted[seed] = OutputField(r.out, "block_ids");
           break;
