@@ -1,6 +1,8 @@
 #include "server/core/radix_tree.h"
 
+#include <algorithm>
 #include <cassert>
+#include <cstdint>
 #include <utility>
 
 namespace kvcm {
@@ -52,6 +54,24 @@ RadixTree::RadixTree(void* owner) : owner_(owner) { root_.tree = this; }
 
 uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
   path->clear();
+  if (pages.empty()) return 0;
+  if (RadixNode* end = NodeEndingWith(pages.back())) {
+    // Climb from the node that ends the prompt; steps come out last first.
+    size_t pos = pages.size();
+    for (RadixNode* n = end; !n->is_root(); n = n->parent) {
+      if (n->size() > pos || n->last_page != pages[pos - 1]) {
+        pos = SIZE_MAX;  // not this prompt's path (a broken chain): walk it instead
+        break;
+      }
+      pos -= n->size();
+      path->push_back(PathStep{n, static_cast<uint32_t>(pos), n->size()});
+    }
+    if (pos == 0) {
+      std::reverse(path->begin(), path->end());
+      return static_cast<uint32_t>(pages.size());
+    }
+    path->clear();
+  }
   RadixNode* node = &root_;
   uint32_t pos = 0;
   while (pos < pages.size()) {
@@ -94,6 +114,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->parent = parent;
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
   head->last_page = head->pages.back();
+  ends_[head->last_page] = head.get();
   head->last_access = node->last_access;
   head->last_access_s = node->last_access_s;
   head->hits = node->hits;
@@ -126,6 +147,7 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   child->parent = parent;
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
+  ends_[child->last_page] = child.get();
   RadixNode* ptr = child.get();
   parent->children.Insert(pages[0], std::move(child));
   ++nodes_;
@@ -138,6 +160,9 @@ void RadixTree::Remove(RadixNode* node) {
          node->pin_count == 0);
   pages_ -= node->size();
   --nodes_;
+  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second == node) {
+    ends_.erase(it);
+  }
   node->parent->children.Extract(node->pages[0]);  // destroys it
 }
 

@@ -141,7 +141,9 @@ class RadixTree {
   RadixNode* root() { return &root_; }
 
   // Longest cached prefix of `pages`: appends the steps of the path to `path` (cleared
-  // first) and returns the matched page count. Changes nothing.
+  // first) and returns the matched page count. Changes nothing. When a node ends with the
+  // prompt's last page, the path is that node's ancestry (checked: every node's last page
+  // is the prompt's page at its end, and the runs add up to the prompt).
   // Relies on pages being chained hashes (equal page i implies equal pages 0..i-1); for
   // arbitrary sequences that break the chain, the result is only an upper bound.
   uint32_t Walk(std::span<const PageHash> pages, std::vector<PathStep>* path);
@@ -162,6 +164,12 @@ class RadixTree {
   // Bookkeeping by CacheIndex when it adds or drops replicas.
   void AddPageLocations(int64_t delta) { page_locations_ += delta; }
 
+  // The node whose run ends with `page` (hashes are chained: at most one does), or null.
+  RadixNode* NodeEndingWith(const PageHash& page) const {
+    auto it = ends_.find(page);
+    return it == ends_.end() ? nullptr : it->second;
+  }
+
   uint64_t nodes() const { return nodes_; }
   uint64_t pages() const { return pages_; }
   uint64_t page_locations() const { return page_locations_; }
@@ -175,6 +183,10 @@ class RadixTree {
   uint64_t nodes_ = 0;  // excluding the root
   uint64_t pages_ = 0;
   uint64_t page_locations_ = 0;
+  // Every node by its last page. A prompt that ends where a node ends (a full hit) is
+  // matched by one lookup and a climb through the parents, instead of a map lookup per
+  // level: the walk is bound by cache misses, about four per level.
+  absl::flat_hash_map<PageHash, RadixNode*> ends_;
 };
 
 }  // namespace kvcm
