@@ -82,6 +82,10 @@ double WorthPerByte(const RadixNode& node) {
   return std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
 }
 
+// Decay of the adaptive policy's counts per event: they cover about the last 1,024 events,
+// a count, not a time.
+constexpr double kCountDecay = 1.0 - 1.0 / 1024;
+
 // Reuses that count for credit: beyond ten add nothing, so that a once-popular node cannot
 // stay forever.
 double CountedReuses(const RadixNode& node) {
@@ -162,12 +166,6 @@ void AdaptivePolicy::SampleReuse(double interval_s) {
   reuse_interval_s_ += (std::max(0.0, interval_s) - reuse_interval_s_) /
                        std::min<double>(static_cast<double>(samples_), kWindow);
 }
-
-namespace {
-// Decay of the adaptation's counts per event: they cover about the last 1,024 events, a
-// count, not a time.
-constexpr double kCountDecay = 1.0 - 1.0 / 1024;
-}  // namespace
 
 void AdaptivePolicy::Adapt() {
   // Credit is worth its space when a node it keeps past the eviction age is reused more

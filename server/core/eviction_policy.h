@@ -43,11 +43,10 @@ class NextUseOracle {
 
 // Parameters of the "adaptive" policy. All are dimensionless: the credit is measured in
 // units of the workload's own mean reuse interval, so nothing here is a time scale of one
-// trace.
-// docs/EVICTION.md ("Adaptive credit") says how they were chosen (on training workloads).
+// trace. The defaults are the point of kvcm-bench --crossval's grid chosen on its train
+// part (docs/EVICTION.md, "Adaptive credit, cross-validated").
 struct AdaptiveParams {
-  // Credit of one reuse at start, in mean reuse intervals. The defaults are the point of
-  // kvcm-bench --crossval's grid chosen on its train part.
+  // Credit of one reuse at start, in mean reuse intervals.
   double initial_credit = 0.0;
   // Bounds of the credit, in mean reuse intervals. REQUIRES: 0 <= min_credit <= max_credit.
   double min_credit = 0.0;
@@ -113,8 +112,9 @@ class EvictionPolicy {
   virtual void OnTouch(const RadixNode& /*node*/, double /*now_s*/, Access /*access*/) {}
 
  public:
-  // A run with `hits` uses left the index by eviction and is remembered for the regret
-  // window (a ghost). For policies that learn.
+  // `node` is leaving the index by eviction (its last replica goes) and is remembered for
+  // the regret window (a ghost); its hits and last_access_s are still set. For policies
+  // that learn.
   virtual void OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) {}
 
   // A run evicted within the regret window, with `hits` uses and its last access at clock
@@ -191,8 +191,10 @@ std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(absl::Duration reuse_credit)
 // counted online (decayed over about 1,024 events); after each event the credit moves one
 // `step` towards the better of the two and stays in [min_credit, max_credit]. A node keeps
 // the credit of its last touch (re-scoring every candidate on each change would cost
-// O(n)). Replica-aware, trims nodes and demotes to the HOST tier as "cost" does.
-// Deterministic. docs/EVICTION.md ("Adaptive credit") has its evaluation.
+// O(n)). It learns from the ghost history, so it needs a regret window
+// (CacheIndexOptions::regret_window > 0; without one the credit stays at initial_credit).
+// Replica-aware, trims nodes and demotes to the HOST tier as "cost" does.
+// Deterministic. docs/EVICTION.md ("Adaptive credit, cross-validated") has its evaluation.
 class AdaptivePolicy final : public EvictionPolicy {
  public:
   explicit AdaptivePolicy(const AdaptiveParams& params);
@@ -212,15 +214,15 @@ class AdaptivePolicy final : public EvictionPolicy {
   double Score(const RadixNode& node) const override;
 
  private:
+  // Adds one interval between an access and the reuse that followed to the running mean.
   void SampleReuse(double interval_s);
-
-  const AdaptiveParams params_;
-  double credit_;
-  double reuse_interval_s_ = 0;
-  uint64_t samples_ = 0;
   // Moves the credit one step towards where the two rates below say it should be.
   void Adapt();
 
+  const AdaptiveParams params_;
+  double credit_;
+  double reuse_interval_s_ = 0;  // running mean
+  uint64_t samples_ = 0;
   double eviction_age_s_ = 0;  // of runs without reuse, running mean
   uint64_t age_samples_ = 0;
   // Decayed counts. A reused node older than the eviction age was either hit (the credit
