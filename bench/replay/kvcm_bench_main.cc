@@ -165,6 +165,12 @@ evicted, eviction regret, failed inserts (RESOURCE_EXHAUSTED), and page-ops/s: (
 looked up by Match + pages passed to Insert + pages evicted) / wall time inside the core
 calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files;
 scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
+
+  kvcm-bench --crossval [--csv=out.csv]
+
+runs lru, cost, adaptive and opt at 1-20 % over a train part and a held-out test part
+(bench/replay/crossval.h), chooses adaptive's parameters on the train part only, and prints
+Markdown tables of hit rates and of the share of the lru->opt gap each policy closes.
 )";
 
 absl::StatusOr<std::vector<std::string>> SplitList(const std::string& flag,
