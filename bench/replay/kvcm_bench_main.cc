@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/replay/crossval.h"
 #include "bench/replay/generators.h"
 #include "bench/replay/replayer.h"
 #include "bench/replay/report.h"
@@ -75,6 +76,33 @@ ABSL_FLAG(double, host_capacity, 0,
 ABSL_FLAG(double, reuse_credit_s, 40,
           "cost policy: seconds of recency one reuse of a page is worth (CacheIndexOptions::"
           "reuse_credit).");
+ABSL_FLAG(double, adaptive_initial_credit, kvcm::AdaptiveParams{}.initial_credit,
+          "adaptive policy: credit of one reuse at start, in mean reuse intervals "
+          "(AdaptiveParams).");
+ABSL_FLAG(double, adaptive_max_credit, kvcm::AdaptiveParams{}.max_credit,
+          "adaptive policy: largest credit, in mean reuse intervals (AdaptiveParams).");
+ABSL_FLAG(double, adaptive_step, kvcm::AdaptiveParams{}.step,
+          "adaptive policy: credit change per adaptation step, in mean reuse intervals "
+          "(AdaptiveParams).");
+ABSL_FLAG(bool, crossval, false,
+          "Cross-validated evaluation (bench/replay/crossval.h): lru, cost, adaptive and opt at "
+          "--crossval_capacities over a train and a test part; adaptive's parameters are "
+          "chosen on the train part only. Ignores --workloads, --policies, --capacities, "
+          "--gpus, --model and the generator flags.");
+ABSL_FLAG(std::string, crossval_capacities, "0.01,0.02,0.05,0.1,0.2",
+          "--crossval: capacities, as fractions like --capacities.");
+ABSL_FLAG(std::string, crossval_gqa_train, "llama-3-8b",
+          "--crossval: catalogue model of the second tenant of the train mix.");
+ABSL_FLAG(std::string, crossval_gqa_test, "llama-3-70b",
+          "--crossval: catalogue model of the second tenant of the test mixes.");
+ABSL_FLAG(bool, crossval_train_only, false,
+          "--crossval: run the train part only (to develop a policy without seeing the test "
+          "part).");
+ABSL_FLAG(bool, crossval_fixed_params, false,
+          "--crossval: use the --adaptive_* flags instead of choosing from the grid (for "
+          "development on the train part).");
+ABSL_FLAG(std::string, crossval_extra_traces, "",
+          "--crossval: extra Mooncake-format traces for the test part, comma-separated.");
 ABSL_FLAG(double, regret_window_s, 300,
           "An eviction is regretted when its page is asked for again within this many "
           "simulated seconds.");
@@ -137,6 +165,12 @@ evicted, eviction regret, failed inserts (RESOURCE_EXHAUSTED), and page-ops/s: (
 looked up by Match + pages passed to Insert + pages evicted) / wall time inside the core
 calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files;
 scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
+
+  kvcm-bench --crossval [--csv=out.csv]
+
+runs lru, cost, adaptive and opt at 1-20 % over a train part and a held-out test part
+(bench/replay/crossval.h), chooses adaptive's parameters on the train part only, and prints
+Markdown tables of hit rates and of the share of the lru->opt gap each policy closes.
 )";
 
 absl::StatusOr<std::vector<std::string>> SplitList(const std::string& flag,
@@ -320,6 +354,43 @@ int Main(int argc, char** argv) {
   base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
   base.reuse_credit = absl::Seconds(absl::GetFlag(FLAGS_reuse_credit_s));
   base.host_capacity_fraction = absl::GetFlag(FLAGS_host_capacity);
+  base.adaptive = AdaptiveParams{.initial_credit = absl::GetFlag(FLAGS_adaptive_initial_credit),
+                                 .max_credit = absl::GetFlag(FLAGS_adaptive_max_credit),
+                                 .step = absl::GetFlag(FLAGS_adaptive_step)};
+
+  if (absl::GetFlag(FLAGS_crossval)) {
+    CrossvalOptions cv{.mooncake_trace = absl::GetFlag(FLAGS_mooncake_trace),
+                       .mla = *spec,
+                       .base = base,
+                       .smoke = smoke,
+                       .train_only = absl::GetFlag(FLAGS_crossval_train_only),
+                       .csv = absl::GetFlag(FLAGS_csv)};
+    cv.base.gpus = 1;
+    if (absl::GetFlag(FLAGS_crossval_fixed_params)) cv.only_params = base.adaptive;
+    for (absl::string_view path :
+         absl::StrSplit(absl::GetFlag(FLAGS_crossval_extra_traces), ',', absl::SkipWhitespace())) {
+      cv.extra_test_traces.emplace_back(path);
+    }
+    absl::StatusOr<KvDtype> dtype = ParseDtype(absl::GetFlag(FLAGS_kv_dtype), "--kv_dtype");
+    if (!dtype.ok()) return Fail(dtype.status());
+    absl::StatusOr<ModelSpec> gqa_train =
+        FindModel(absl::GetFlag(FLAGS_crossval_gqa_train), *dtype);
+    if (!gqa_train.ok()) return Fail(gqa_train.status());
+    absl::StatusOr<ModelSpec> gqa_test = FindModel(absl::GetFlag(FLAGS_crossval_gqa_test), *dtype);
+    if (!gqa_test.ok()) return Fail(gqa_test.status());
+    cv.gqa_train = *gqa_train;
+    cv.gqa_test = *gqa_test;
+    cv.mla_name = absl::GetFlag(FLAGS_model);
+    cv.gqa_train_name = absl::GetFlag(FLAGS_crossval_gqa_train);
+    cv.gqa_test_name = absl::GetFlag(FLAGS_crossval_gqa_test);
+    absl::StatusOr<std::vector<double>> cv_caps =
+        ParseFractions(smoke ? "0.05,0.2" : absl::GetFlag(FLAGS_crossval_capacities));
+    if (!cv_caps.ok()) return Fail(cv_caps.status());
+    cv.capacities = *cv_caps;
+    std::printf("kvcm-bench --crossval%s: %s\n", smoke ? " --smoke" : "", MachineSummary().c_str());
+    if (absl::Status s = RunCrossval(cv); !s.ok()) return Fail(s);
+    return 0;
+  }
 
   std::printf("kvcm-bench%s: %s\n", smoke ? " --smoke" : "", MachineSummary().c_str());
   absl::PrintF(

@@ -3,6 +3,7 @@
 // hit rate, opt as an upper bound of every policy, and budgets that never exceed capacity.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "bench/replay/replayer.h"
 #include "bench/replay/trace.h"
 #include "bench/workload.h"
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -27,7 +29,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "opt"};
+constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "adaptive", "opt"};
 const HashKey kKey{1, 2};
 
 // A file under the test's temporary directory, named by the process so that concurrent
@@ -369,7 +371,7 @@ TEST(ReplayTest, OptHitsAtLeastAsMuchAsEveryPolicy) {
       options.policy = "opt";
       absl::StatusOr<ReplayResult> opt = Replay(trace, options);
       ASSERT_TRUE(opt.ok()) << opt.status();
-      for (const char* policy : {"lru", "lru-mha", "cost"}) {
+      for (const char* policy : {"lru", "lru-mha", "cost", "adaptive"}) {
         options.policy = policy;
         absl::StatusOr<ReplayResult> other = Replay(trace, options);
         ASSERT_TRUE(other.ok()) << other.status();
@@ -519,6 +521,53 @@ TEST(ReplayTest, PrefillSavedRoutingMovesLessThanRoundRobin) {
   EXPECT_GT(rr->transferred_pages, 0u);
   EXPECT_LT(saved->transferred_pages, rr->transferred_pages);
   EXPECT_GE(saved->hit_pages, rr->hit_pages);
+}
+
+// (d) Two tenants of two models in one pool: each request goes to its own namespace, an
+// unbounded pool hits every repeated page of both, and capacity fractions count each page at
+// its own model's bytes.
+TEST(ReplayTest, TwoTenantsOfTwoModelsShareThePool) {
+  const ArrivalOptions arrival{.request_rate_per_s = 4, .seed = 5};
+  Trace mix = HashTokenTrace("mix", GenerateChat({.requests = 200}, arrival), kKey, 16);
+  const Trace other =
+      HashTokenTrace("other", GenerateMultiTurn({.conversations = 20}, arrival), HashKey{3, 4}, 16);
+  for (TraceRequest r : other.requests) {
+    r.tenant = 1;
+    mix.requests.push_back(std::move(r));
+  }
+  std::stable_sort(
+      mix.requests.begin(), mix.requests.end(),
+      [](const TraceRequest& a, const TraceRequest& b) { return a.arrival_ms < b.arrival_ms; });
+  absl::StatusOr<ModelSpec> llama = FindModel("llama-3-8b");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  llama->page_size_tokens = 16;
+  ReplayOptions options;
+  options.spec = Spec(16);
+  options.extra_specs = {*llama};
+  for (const char* policy : {"lru", "cost", "adaptive", "opt"}) {
+    SCOPED_TRACE(policy);
+    options.policy = policy;
+    options.capacity_fraction = 1.0;
+    absl::StatusOr<ReplayResult> r = Replay(mix, options);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->hit_pages, mix.TotalPages() - mix.DistinctPages());
+    EXPECT_EQ(r->evicted_pages, 0u);
+    // Each distinct page at its own model's bytes.
+    uint64_t want = 0;
+    absl::flat_hash_set<PageHash> seen;
+    for (const TraceRequest& q : mix.requests) {
+      for (const PageHash& p : q.pages) {
+        if (seen.insert(p).second) {
+          want += q.tenant == 0 ? options.spec.BytesPerPage() : llama->BytesPerPage();
+        }
+      }
+    }
+    EXPECT_NEAR(static_cast<double>(r->capacity_bytes_per_gpu), static_cast<double>(want), 1.0);
+    options.capacity_fraction = 0.1;
+    ASSERT_TRUE(Replay(mix, options).ok());
+  }
+  options.extra_specs.clear();
+  EXPECT_EQ(Replay(mix, options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ReplayTest, RejectsBadOptions) {

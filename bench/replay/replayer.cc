@@ -9,6 +9,7 @@
 #include <queue>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "bench/replay/next_use_oracle.h"
 #include "bench/workload.h"
@@ -20,6 +21,12 @@ namespace {
 using SteadyClock = std::chrono::steady_clock;
 
 const NamespaceId kNamespace{"bench", "replay"};
+
+// Tenant t's namespace: kNamespace for 0 (single-tenant runs are unchanged), its own
+// tenant otherwise.
+NamespaceId TenantNamespace(uint32_t t) {
+  return t == 0 ? kNamespace : NamespaceId{absl::StrCat("bench-", t), "replay"};
+}
 // Extra lease beyond a request's longest possible duration, so that its Release always
 // comes first.
 constexpr double kLeaseMarginMs = 1000;
@@ -33,6 +40,7 @@ struct Completion {
   uint64_t seq;  // arrival order, to break ties deterministically
   uint32_t gpu;
   CacheIndex* index;
+  uint32_t tenant;
   PinId pin;  // 0: nothing matched, nothing to release
   bool operator>(const Completion& o) const {
     return finish_ms != o.finish_ms ? finish_ms > o.finish_ms : seq > o.seq;
@@ -79,17 +87,41 @@ class ReplayRun {
     result_.page_size_tokens = options_.spec.page_size_tokens;
     result_.bytes_per_page = options_.spec.BytesPerPage();
     result_.distinct_pages = trace_.DistinctPages();
-    const double total = options_.capacity_fraction * static_cast<double>(result_.distinct_pages) *
-                         static_cast<double>(result_.bytes_per_page);
+    specs_.push_back(options_.spec);
+    for (const ModelSpec& extra : options_.extra_specs) specs_.push_back(extra);
+    for (const TraceRequest& r : trace_.requests) {
+      if (r.tenant >= specs_.size()) {
+        return absl::InvalidArgumentError(absl::StrCat("trace ", trace_.name, " names tenant ",
+                                                       r.tenant, " but only ", specs_.size(),
+                                                       " model specs are given"));
+      }
+    }
+    double total = options_.capacity_fraction * static_cast<double>(result_.distinct_pages) *
+                   static_cast<double>(result_.bytes_per_page);
+    if (specs_.size() > 1) {
+      // Each distinct page at its own model's bytes.
+      std::vector<absl::flat_hash_set<PageHash>> distinct(specs_.size());
+      for (const TraceRequest& r : trace_.requests) {
+        distinct[r.tenant].insert(r.pages.begin(), r.pages.end());
+      }
+      double bytes = 0;
+      for (size_t t = 0; t < specs_.size(); ++t) {
+        bytes +=
+            static_cast<double>(distinct[t].size()) * static_cast<double>(specs_[t].BytesPerPage());
+      }
+      total = options_.capacity_fraction * bytes;
+    }
     result_.capacity_bytes_per_gpu = static_cast<uint64_t>(total / gpus);
     for (uint32_t g = 0; g < gpus; ++g) {
       pools_.push_back(PoolKey{absl::StrCat("gpu-", g), Tier::kGpu});
       candidates_.push_back(
           RouteCandidate{.agent_id = pools_.back().agent_id, .link_gbps = options_.link_gbps});
     }
-    cost_ = RouteCost{.bytes_per_page = result_.bytes_per_page,
-                      .page_size_tokens = options_.spec.page_size_tokens,
-                      .prefill_tokens_per_s = options_.prefill_tokens_per_s};
+    for (const ModelSpec& spec : specs_) {
+      costs_.push_back(RouteCost{.bytes_per_page = spec.BytesPerPage(),
+                                 .page_size_tokens = spec.page_size_tokens,
+                                 .prefill_tokens_per_s = options_.prefill_tokens_per_s});
+    }
 
     // Oracles for "opt": one per GPU when each GPU has its own index and the trace alone
     // decides which requests it serves; otherwise one over the whole trace.
@@ -119,11 +151,15 @@ class ReplayRun {
       o.max_lease_ttl = kMaxLease;
       o.regret_window = options_.regret_window;
       o.reuse_credit = options_.reuse_credit;
+      o.adaptive = options_.adaptive;
       o.clock = &clock_;
       absl::StatusOr<std::unique_ptr<CacheIndex>> index = CacheIndex::Create(std::move(o));
       if (!index.ok()) return index.status();
-      absl::StatusOr<RegisterModelResult> reg = (*index)->RegisterModel(kNamespace, options_.spec);
-      if (!reg.ok()) return reg.status();
+      for (uint32_t t = 0; t < specs_.size(); ++t) {
+        absl::StatusOr<RegisterModelResult> reg =
+            (*index)->RegisterModel(TenantNamespace(t), specs_[t]);
+        if (!reg.ok()) return reg.status();
+      }
       for (uint32_t g = 0; g < gpus; ++g) {
         if (local && g != k) continue;
         if (absl::Status s = (*index)->SetPoolCapacity(pools_[g], result_.capacity_bytes_per_gpu);
@@ -171,7 +207,7 @@ class ReplayRun {
       last_finish_ms_ = std::max(last_finish_ms_, c.finish_ms);
       --in_flight_[c.gpu];
       if (c.pin == 0) continue;
-      absl::Status s = Timed([&] { return c.index->Release(kNamespace, c.pin); });
+      absl::Status s = Timed([&] { return c.index->Release(TenantNamespace(c.tenant), c.pin); });
       // ABORTED: the lease lapsed first (the index counts it in lease_expiries).
       if (!s.ok() && !absl::IsAborted(s)) return s;
     }
@@ -190,15 +226,16 @@ class ReplayRun {
       candidates_[g].queued_prefill_tokens =
           static_cast<uint64_t>(backlog_ms * options_.prefill_tokens_per_s / 1e3);
     }
-    return RankAgents(options_.route, match, candidates_, cost_, i,
+    return RankAgents(options_.route, match, candidates_, costs_[r.tenant], i,
                       r.pages.empty() ? nullptr : &r.pages[0]);
   }
 
   absl::StatusOr<uint32_t> PickGpu(size_t i, const TraceRequest& r) {
+    const NamespaceId ns = TenantNamespace(r.tenant);
     MatchResult probe;
     if (options_.route == RoutePolicy::kPrefillSaved && !r.pages.empty()) {
       absl::StatusOr<MatchResult> m =
-          Timed([&] { return indexes_[0]->Match(kNamespace, r.pages, {.probe = true}); });
+          Timed([&] { return indexes_[0]->Match(ns, r.pages, {.probe = true}); });
       if (!m.ok()) return m.status();
       probe = *std::move(m);
       result_.page_ops += r.pages.size();  // looked up by Route's probe
@@ -216,6 +253,7 @@ class ReplayRun {
     if (!picked.ok()) return picked.status();
     const uint32_t gpu = *picked;
     CacheIndex* index = indexes_.size() == 1 ? indexes_[0].get() : indexes_[gpu].get();
+    const NamespaceId ns = TenantNamespace(r.tenant);
     const double page_tokens = options_.spec.page_size_tokens;
     const double prefill_ms_per_token = 1e3 / options_.prefill_tokens_per_s;
     const double decode_ms = r.output_tokens * options_.decode_ms_per_token;
@@ -231,18 +269,18 @@ class ReplayRun {
           .pin = true,
           .lease_ttl = std::min(absl::Milliseconds(worst_ms), kMaxLease)};
       absl::StatusOr<MatchResult> m =
-          Timed([&] { return index->Match(kNamespace, r.pages, match_options); });
+          Timed([&] { return index->Match(ns, r.pages, match_options); });
       if (!m.ok()) return m.status();
       pin = m->pin_id;
       // What the manager's Route would tell the worker about this GPU.
-      const RouteEstimate e = EstimateFor(*m, gpu, candidates_[gpu], cost_);
+      const RouteEstimate e = EstimateFor(*m, gpu, candidates_[gpu], costs_[r.tenant]);
       hit = e.cached_pages + e.fetch_pages;
       result_.transferred_pages += e.fetch_pages;
       result_.recomputed_remote_pages += m->matched_pages - e.cached_pages - e.fetch_pages;
       transfer_ms = e.transfer_ms;
       std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(r.pages.size()));
       absl::StatusOr<InsertResult> ins =
-          Timed([&] { return index->Insert(kNamespace, r.pages, pools_[gpu], blocks); });
+          Timed([&] { return index->Insert(ns, r.pages, pools_[gpu], blocks); });
       if (absl::IsResourceExhausted(ins.status())) {
         ++result_.failed_inserts;
       } else if (!ins.ok()) {
@@ -261,7 +299,7 @@ class ReplayRun {
         std::max(0.0, static_cast<double>(r.prompt_tokens) - hit * page_tokens);
     const double finish_ms =
         r.arrival_ms + prefill_tokens * prefill_ms_per_token + transfer_ms + decode_ms;
-    running_.push(Completion{finish_ms, i, gpu, index, pin});
+    running_.push(Completion{finish_ms, i, gpu, index, r.tenant, pin});
     prefill_busy_until_ms_[gpu] = std::max(prefill_busy_until_ms_[gpu], r.arrival_ms) +
                                   prefill_tokens * prefill_ms_per_token + transfer_ms;
     ++in_flight_[gpu];
@@ -278,8 +316,9 @@ class ReplayRun {
   std::vector<CacheIndex*> raw_indexes_;
   std::vector<PoolKey> pools_;
   std::vector<RouteCandidate> candidates_;  // one per GPU, as pools_
-  RouteCost cost_;
-  std::vector<uint32_t> in_flight_;  // running requests per GPU
+  std::vector<ModelSpec> specs_;            // by tenant: options_.spec, then extra_specs
+  std::vector<RouteCost> costs_;            // by tenant
+  std::vector<uint32_t> in_flight_;         // running requests per GPU
   // Per GPU: when its prefill backlog would end were prefills run one at a time (the
   // router's queued_prefill_tokens; the replay itself does not queue requests).
   std::vector<double> prefill_busy_until_ms_;
@@ -329,6 +368,14 @@ absl::Status ReplayOptions::Validate() const {
 
 absl::StatusOr<ReplayResult> Replay(const Trace& trace, const ReplayOptions& options) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
+  for (const ModelSpec& extra : options.extra_specs) {
+    if (absl::Status s = extra.Validate(); !s.ok()) return s;
+    if (extra.page_size_tokens != trace.page_size_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("trace ", trace.name, " has ", trace.page_size_tokens,
+                       "-token pages but an extra spec has ", extra.page_size_tokens));
+    }
+  }
   if (trace.page_size_tokens != options.spec.page_size_tokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("trace ", trace.name, " has ", trace.page_size_tokens,

@@ -33,6 +33,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -57,6 +58,11 @@ struct ReplayOptions {
   std::string policy = "lru";
   // KV geometry. REQUIRES: spec.page_size_tokens == the trace's page size.
   ModelSpec spec;
+  // Models of tenants 1.. of a multi-tenant trace (TraceRequest::tenant), each in its own
+  // namespace of its own tenant, sharing the pools. REQUIRES: the trace's page size, and
+  // one entry per tenant above 0 the trace names. Capacity fractions then count each
+  // distinct page at its own model's bytes.
+  std::vector<ModelSpec> extra_specs;
   // Total capacity as a fraction of the trace's distinct pages x spec.BytesPerPage() (the
   // real bytes, whatever the policy charges), split evenly over the GPUs.
   double capacity_fraction = 1.0;
@@ -79,6 +85,8 @@ struct ReplayOptions {
   double host_capacity_fraction = 0;
   // CacheIndexOptions::reuse_credit, for the "cost" policy.
   absl::Duration reuse_credit = absl::Seconds(40);
+  // CacheIndexOptions::adaptive, for the "adaptive" policy.
+  AdaptiveParams adaptive;
 
   // Called after each request's Insert with the request index and every index of the
   // cluster (tests check budgets there). Optional.

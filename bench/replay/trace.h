@@ -33,6 +33,10 @@ struct TraceRequest {
   std::vector<PageHash> pages;
   uint64_t prompt_tokens = 0;  // all input tokens, a trailing partial page included
   uint64_t output_tokens = 0;
+  // Which model / namespace the request belongs to, for multi-tenant mixes: 0 is
+  // ReplayOptions::spec, t > 0 is ReplayOptions::extra_specs[t - 1]. Pages of different
+  // tenants never coincide (their traces are hashed under different keys).
+  uint32_t tenant = 0;
 };
 
 struct Trace {

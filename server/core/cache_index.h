@@ -44,12 +44,15 @@ struct CacheIndexOptions {
   // Secret every namespace's hash key is derived from. Keep it stable across restarts, or
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
   HashKey hash_secret;
-  // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "opt".
+  // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "adaptive",
+  // "opt".
   std::string policy = "lru";
   // Next-use oracle for "opt" (simulator only). Not owned.
   const NextUseOracle* next_use = nullptr;
   // "cost": how much recency one reuse of a page is worth (see MakeCostAwarePolicy).
   absl::Duration reuse_credit = absl::Seconds(40);
+  // "adaptive": its dimensionless parameters (see AdaptiveParams).
+  AdaptiveParams adaptive;
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;
@@ -651,6 +654,7 @@ class CacheIndex {
     // The node's hit count when it went: a re-inserted run starts from it, so reuse that
     // outlives a stay in the cache is still seen (a "ghost" history).
     uint32_t hits;
+    double last_access_s;    // clock time of its last access, for policies that learn
     bool regretted = false;  // its regret was counted already
   };
   absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);

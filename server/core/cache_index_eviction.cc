@@ -61,7 +61,9 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   std::vector<PageHash> removed_pages = node->pages;
   std::vector<BlockId> block_ids = RemoveReplica(node, pool, [&](RadixNode* last) {
     if (options_.regret_window > absl::ZeroDuration()) {
-      evicted_runs_[last->pages[0]] = EvictedRun{now, last->size(), last->hits};
+      evicted_runs_[last->pages[0]] =
+          EvictedRun{now, last->size(), last->hits, last->last_access_s};
+      policy_->OnGhostAdded(*last, absl::ToDoubleSeconds(now - absl::UnixEpoch()));
       evicted_order_.emplace_back(now, last->pages[0]);
     }
   });

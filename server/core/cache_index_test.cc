@@ -584,7 +584,8 @@ TEST_F(CacheIndexTest, OptNeedsAnOracle) {
   CacheIndexOptions options{.policy = "opt"};
   EXPECT_EQ(CacheIndex::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
   options.policy = "belady";
-  EXPECT_THAT(CacheIndex::Create(options).status().message(), HasSubstr("lru, lru-mha, cost, opt"));
+  EXPECT_THAT(CacheIndex::Create(options).status().message(),
+              HasSubstr("lru, lru-mha, cost, adaptive, opt"));
 }
 
 // Next uses set by the test, by first page.
@@ -1013,7 +1014,7 @@ class HashOrderOracle final : public NextUseOracle {
 
 TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
   static const HashOrderOracle oracle;
-  for (const char* policy : {"lru", "lru-mha", "cost", "opt"}) {
+  for (const char* policy : {"lru", "lru-mha", "cost", "adaptive", "opt"}) {
     SCOPED_TRACE(policy);
     Reset(CacheIndexOptions{.policy = policy, .next_use = &oracle});
     RunRandomOperations();

@@ -1,6 +1,7 @@
 #include "server/core/eviction_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@ namespace kvcm {
 
 void EvictionPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Access access) {
   if (node->last_access == stamp) return;
+  OnTouch(*node, now_s, access);
   Rekey(node, [&] {
     node->last_access = stamp;
     node->last_access_s = now_s;
@@ -63,6 +65,43 @@ absl::btree_set<EvictionPolicy::Key>& EvictionPolicy::SetOf(PoolId pool) {
 
 namespace {
 
+// A node another pool also holds goes before every node that is the only copy: losing it
+// costs a transfer, not a recompute. Subtracted from such nodes' scores: more seconds than
+// any clock in use reads since the Unix epoch (about 1.8e9 now), so those nodes sort first.
+constexpr double kReplicatedFirst = 1e12;
+
+// Recompute cost saved per byte, relative to a DeepSeek-V3 page, clamped to [1/8, 8].
+// Prefill cost is taken as the same for every token (weighting it by position, since
+// attention grows with the prefix, lost 1-5 points on the Mooncake trace: deep conversation
+// tails are not reused more), so it is the inverse of the model's bytes per token, relative
+// to DeepSeek-V3's MLA latent in bf16 (70,272 B per token).
+double WorthPerByte(const RadixNode& node) {
+  constexpr double kReferenceBytesPerToken = 70272;
+  const double bytes_per_token =
+      static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
+  return std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
+}
+
+// Decay of the adaptive policy's counts per event: they cover about the last 1,024 events,
+// a count, not a time.
+constexpr double kCountDecay = 1.0 - 1.0 / 1024;
+
+// Reuses that count for credit: beyond ten add nothing, so that a once-popular node cannot
+// stay forever.
+double CountedReuses(const RadixNode& node) {
+  constexpr uint32_t kMaxReuses = 10;
+  return std::min<uint32_t>(node.hits > 0 ? node.hits - 1 : 0, kMaxReuses);
+}
+
+// The "cost" score with `credit_s` seconds per reuse: replicated nodes first (least
+// recently used first among them), then by last access plus the credit of the reuses.
+double CreditedScore(const RadixNode& node, double credit_s) {
+  if (node.replicas.size() > 1) return node.last_access_s - kReplicatedFirst;
+  const double reuses = CountedReuses(node);
+  if (reuses == 0) return node.last_access_s;
+  return node.last_access_s + credit_s * reuses * WorthPerByte(node);
+}
+
 class LruPolicy final : public EvictionPolicy {
  public:
   explicit LruPolicy(absl::string_view name) : name_(name) {}
@@ -80,10 +119,6 @@ class LruPolicy final : public EvictionPolicy {
 
 class CostAwarePolicy final : public EvictionPolicy {
  public:
-  // Subtracted from the score of a node with another copy: more seconds than any clock in
-  // use reads since the Unix epoch (about 1.8e9 now), so those nodes sort first.
-  static constexpr double kReplicatedFirst = 1e12;
-
   explicit CostAwarePolicy(absl::Duration reuse_credit)
       : reuse_credit_s_(absl::ToDoubleSeconds(reuse_credit)) {}
   absl::string_view name() const override { return "cost"; }
@@ -92,23 +127,7 @@ class CostAwarePolicy final : public EvictionPolicy {
 
  protected:
   double Score(const RadixNode& node) const override {
-    // Reuses beyond ten add nothing, so that a once-popular node cannot stay forever.
-    constexpr uint32_t kMaxReuses = 10;
-    // A node another pool also holds goes before every node that is the only copy: losing
-    // it costs a transfer, not a recompute. Among such nodes, least recently used first.
-    if (node.replicas.size() > 1) return node.last_access_s - kReplicatedFirst;
-    const double reuses = std::min<uint32_t>(node.hits > 0 ? node.hits - 1 : 0, kMaxReuses);
-    if (reuses == 0) return node.last_access_s;
-    // Recompute cost saved per byte: prefill cost is taken as the same for every token
-    // (weighting it by position, since attention grows with the prefix, lost 1-5 points
-    // on the Mooncake trace: deep conversation tails are not reused more), so it is the
-    // inverse of the model's bytes per token,
-    // relative to DeepSeek-V3's MLA latent in bf16 (70,272 B per token).
-    constexpr double kReferenceBytesPerToken = 70272;
-    const double bytes_per_token =
-        static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
-    const double per_byte = std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
-    return node.last_access_s + reuse_credit_s_ * reuses * per_byte;
+    return CreditedScore(node, reuse_credit_s_);
   }
 
  private:
@@ -135,6 +154,83 @@ class OptPolicy final : public EvictionPolicy {
 
 }  // namespace
 
+AdaptivePolicy::AdaptivePolicy(const AdaptiveParams& params)
+    : params_(params),
+      credit_(std::clamp(params.initial_credit, params.min_credit, params.max_credit)) {}
+
+void AdaptivePolicy::SampleReuse(double interval_s) {
+  // The mean of the first samples, then a moving mean over about the last 256: a count, not
+  // a time, so it follows the workload's own pace.
+  constexpr double kWindow = 256;
+  ++samples_;
+  reuse_interval_s_ += (std::max(0.0, interval_s) - reuse_interval_s_) /
+                       std::min<double>(static_cast<double>(samples_), kWindow);
+}
+
+void AdaptivePolicy::Adapt() {
+  // Credit is worth its space when a node it keeps past the eviction age is reused more
+  // often than a run without reuse, evicted to make that space, would have been.
+  const double kept = credit_kept_hit_ + credit_kept_vain_;
+  if (kept <= 0 || once_evicted_ <= 0) return;
+  const double kept_rate = credit_kept_hit_ / kept;
+  const double once_rate = once_regretted_ / once_evicted_;
+  credit_ += kept_rate > once_rate ? params_.step : -params_.step;
+  credit_ = std::clamp(credit_, params_.min_credit, params_.max_credit);
+}
+
+void AdaptivePolicy::OnTouch(const RadixNode& node, double now_s, Access access) {
+  // A match of a candidate (a leaf of some pool): the reuses eviction decides about. Inner
+  // nodes (shared prompts) are matched far more often and would drown them.
+  if (access != Access::kMatch || node.hits == 0) return;
+  bool candidate = false;
+  for (const Replica& r : node.replicas) candidate |= r.evictable;
+  if (!candidate) return;
+  const double age = now_s - node.last_access_s;
+  SampleReuse(age);
+  if (CountedReuses(node) > 0 && age_samples_ > 0 && age > eviction_age_s_) {
+    credit_kept_hit_ = credit_kept_hit_ * kCountDecay + 1;
+    credit_kept_vain_ *= kCountDecay;
+    Adapt();
+  }
+}
+
+void AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
+  const double age = std::max(0.0, now_s - node.last_access_s);
+  if (CountedReuses(node) > 0) {
+    if (age_samples_ > 0 && age > eviction_age_s_) {
+      credit_kept_vain_ = credit_kept_vain_ * kCountDecay + 1;
+      credit_kept_hit_ *= kCountDecay;
+      Adapt();
+    }
+    return;
+  }
+  once_evicted_ = once_evicted_ * kCountDecay + 1;
+  once_regretted_ *= kCountDecay;
+  // Running mean over about the last 64 such evictions.
+  constexpr double kWindow = 64;
+  ++age_samples_;
+  eviction_age_s_ +=
+      (age - eviction_age_s_) / std::min<double>(static_cast<double>(age_samples_), kWindow);
+}
+
+void AdaptivePolicy::OnGhostHit(uint32_t hits, double last_access_s, double now_s) {
+  // A reuse the cache did not keep for: its interval counts too, or the mean would only
+  // see what the cache was already big enough for.
+  SampleReuse(now_s - last_access_s);
+  if (hits <= 1) {
+    once_regretted_ += 1;
+    Adapt();
+  }
+}
+
+double AdaptivePolicy::Score(const RadixNode& node) const {
+  return CreditedScore(node, credit_ * reuse_interval_s_);
+}
+
+std::unique_ptr<AdaptivePolicy> MakeAdaptivePolicy(const AdaptiveParams& params) {
+  return std::make_unique<AdaptivePolicy>(params);
+}
+
 std::unique_ptr<EvictionPolicy> MakeLruPolicy() { return std::make_unique<LruPolicy>("lru"); }
 
 std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(absl::Duration reuse_credit) {
@@ -150,6 +246,16 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
   if (name == "lru") return MakeLruPolicy();
   if (name == "lru-mha") return std::make_unique<LruPolicy>("lru-mha");
   if (name == "cost") return MakeCostAwarePolicy(context.reuse_credit);
+  if (name == "adaptive") {
+    const AdaptiveParams& p = context.adaptive;
+    if (!(p.min_credit >= 0 && p.min_credit <= p.max_credit && p.step > 0 &&
+          std::isfinite(p.max_credit) && std::isfinite(p.step) &&
+          std::isfinite(p.initial_credit))) {
+      return absl::InvalidArgumentError(
+          "policy \"adaptive\": needs 0 <= min_credit <= max_credit and step > 0, all finite");
+    }
+    return MakeAdaptivePolicy(p);
+  }
   if (name == "opt") {
     if (context.next_use == nullptr) {
       return absl::InvalidArgumentError(
@@ -157,8 +263,8 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
     }
     return MakeOptPolicy(context.next_use);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("policy \"", name, "\" is unknown; known policies: lru, lru-mha, cost, opt"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "policy \"", name, "\" is unknown; known policies: lru, lru-mha, cost, adaptive, opt"));
 }
 
 }  // namespace kvcm

@@ -41,12 +41,28 @@ class NextUseOracle {
   virtual uint64_t NextUse(const PageHash& page) const = 0;
 };
 
+// Parameters of the "adaptive" policy. All are dimensionless: the credit is measured in
+// units of the workload's own mean reuse interval, so nothing here is a time scale of one
+// trace. The defaults are the point of kvcm-bench --crossval's grid chosen on its train
+// part (docs/EVICTION.md, "Adaptive credit, cross-validated").
+struct AdaptiveParams {
+  // Credit of one reuse at start, in mean reuse intervals.
+  double initial_credit = 0.0;
+  // Bounds of the credit, in mean reuse intervals. REQUIRES: 0 <= min_credit <= max_credit.
+  double min_credit = 0.0;
+  double max_credit = 1.0;
+  // How far one adaptation step moves the credit, in mean reuse intervals. REQUIRES: > 0.
+  double step = 0.1;
+};
+
 // What a policy may know besides the tree. Pointers may be null; not owned.
 struct PolicyContext {
   // Required by "opt".
   const NextUseOracle* next_use = nullptr;
   // "cost": the recency one reuse of a typical page is worth.
   absl::Duration reuse_credit = absl::Seconds(40);
+  // "adaptive": its dimensionless parameters.
+  AdaptiveParams adaptive;
 };
 
 struct EvictionCandidate {
@@ -89,6 +105,22 @@ class EvictionPolicy {
   // `node` was on a matched or inserted path at logical time `stamp` (increasing), clock
   // time `now_s` (seconds). Updates its recency and hit count and re-scores it.
   void Touch(RadixNode* node, uint64_t stamp, double now_s, Access access);
+
+ protected:
+  // Called by Touch before it updates `node` (so node.last_access_s is the previous access).
+  // For policies that learn.
+  virtual void OnTouch(const RadixNode& /*node*/, double /*now_s*/, Access /*access*/) {}
+
+ public:
+  // `node` is leaving the index by eviction (its last replica goes) and is remembered for
+  // the regret window (a ghost); its hits and last_access_s are still set. For policies
+  // that learn.
+  virtual void OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) {}
+
+  // A run evicted within the regret window, with `hits` uses and its last access at clock
+  // time `last_access_s` then, is inserted again at clock time `now_s` (a ghost hit). For
+  // policies that learn.
+  virtual void OnGhostHit(uint32_t /*hits*/, double /*last_access_s*/, double /*now_s*/) {}
 
   // Re-scores `node` after something its score depends on changed (a split, a replica
   // added or dropped), keeping its candidates in order.
@@ -149,12 +181,65 @@ std::unique_ptr<EvictionPolicy> MakeLruPolicy();
 // behind reuse_credit = 40 s.
 std::unique_ptr<EvictionPolicy> MakeCostAwarePolicy(absl::Duration reuse_credit);
 
+// "adaptive": the score of "cost" with a credit learnt online instead of a fixed one:
+//   priority = last_access_s + credit * reuse_interval * min(hits - 1, 10) * worth
+// reuse_interval is a running mean of the time between a leaf's access and its reuse (a
+// match, or a ghost hit: a run evicted and asked for again within the regret window), so
+// the credit is dimensionless. The credit is worth its space when a reused node that it
+// keeps past the eviction age (how old unreused runs are when evicted) is hit more often
+// than an unreused run, evicted to make that room, is asked for again. Both rates are
+// counted online (decayed over about 1,024 events); after each event the credit moves one
+// `step` towards the better of the two and stays in [min_credit, max_credit]. A node keeps
+// the credit of its last touch (re-scoring every candidate on each change would cost
+// O(n)). It learns from the ghost history, so it needs a regret window
+// (CacheIndexOptions::regret_window > 0; without one the credit stays at initial_credit).
+// Replica-aware, trims nodes and demotes to the HOST tier as "cost" does.
+// Deterministic. docs/EVICTION.md ("Adaptive credit, cross-validated") has its evaluation.
+class AdaptivePolicy final : public EvictionPolicy {
+ public:
+  explicit AdaptivePolicy(const AdaptiveParams& params);
+  absl::string_view name() const override { return "adaptive"; }
+  bool trims_nodes() const override { return true; }
+  bool demotes_to_host() const override { return true; }
+  void OnGhostAdded(const RadixNode& node, double now_s) override;
+  void OnGhostHit(uint32_t hits, double last_access_s, double now_s) override;
+
+  // The credit now, in mean reuse intervals, and the mean reuse interval (seconds; 0
+  // before the first reuse).
+  double credit() const { return credit_; }
+  double reuse_interval_s() const { return reuse_interval_s_; }
+
+ protected:
+  void OnTouch(const RadixNode& node, double now_s, Access access) override;
+  double Score(const RadixNode& node) const override;
+
+ private:
+  // Adds one interval between an access and the reuse that followed to the running mean.
+  void SampleReuse(double interval_s);
+  // Moves the credit one step towards where the two rates below say it should be.
+  void Adapt();
+
+  const AdaptiveParams params_;
+  double credit_;
+  double reuse_interval_s_ = 0;  // running mean
+  uint64_t samples_ = 0;
+  double eviction_age_s_ = 0;  // of runs without reuse, running mean
+  uint64_t age_samples_ = 0;
+  // Decayed counts. A reused node older than the eviction age was either hit (the credit
+  // kept it for that hit) or evicted unreused (the credit kept it in vain); a run used once
+  // that was evicted was either asked for again within the regret window or not.
+  double credit_kept_hit_ = 0, credit_kept_vain_ = 0;
+  double once_evicted_ = 0, once_regretted_ = 0;
+};
+
+std::unique_ptr<AdaptivePolicy> MakeAdaptivePolicy(const AdaptiveParams& params);
+
 // "opt": Belady's clairvoyant order for the simulator: the candidate whose first page is
 // needed furthest in the future goes first. REQUIRES: oracle != nullptr.
 std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle);
 
 // Policy by name: "lru", "lru-mha" (LRU; CacheIndex charges MHA-shaped bytes for it),
-// "cost" or "opt" (needs context.next_use). INVALID_ARGUMENT naming the known policies
+// "cost", "adaptive" or "opt" (needs context.next_use). INVALID_ARGUMENT naming the known policies
 // otherwise.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(
     absl::string_view name, const PolicyContext& context = {});

@@ -1,0 +1,366 @@
+#include "bench/replay/crossval.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "bench/replay/generators.h"
+#include "bench/replay/report.h"
+
+namespace kvcm::bench {
+namespace {
+
+// Fixed keys: tenants' pages must differ even for equal tokens (different namespaces).
+constexpr HashKey kTenantKeys[] = {{0x6b76636d2d62656eULL, 0x63682d7265706c61ULL},
+                                   {0x6b76636d2d6d6978ULL, 0x74656e616e742d31ULL}};
+// Below this many points between lru and opt a cell has no gap to close (n/a).
+constexpr double kMinGapPoints = 0.1;
+
+// The requests of `trace` that arrive in [from_ms, to_ms), as a trace named `name`.
+Trace TimeSlice(const Trace& trace, std::string name, double from_ms, double to_ms) {
+  Trace out{.name = std::move(name), .page_size_tokens = trace.page_size_tokens};
+  for (const TraceRequest& r : trace.requests) {
+    if (r.arrival_ms >= from_ms && r.arrival_ms < to_ms) out.requests.push_back(r);
+  }
+  return out;
+}
+
+// Two token workloads interleaved by arrival time, the second as tenant 1.
+Trace Mix(std::string name, const std::vector<TokenRequest>& a, const std::vector<TokenRequest>& b,
+          uint32_t page_size) {
+  Trace out = HashTokenTrace(std::move(name), a, kTenantKeys[0], page_size);
+  Trace second = HashTokenTrace("", b, kTenantKeys[1], page_size);
+  for (TraceRequest& r : second.requests) {
+    r.tenant = 1;
+    out.requests.push_back(std::move(r));
+  }
+  std::stable_sort(
+      out.requests.begin(), out.requests.end(),
+      [](const TraceRequest& x, const TraceRequest& y) { return x.arrival_ms < y.arrival_ms; });
+  return out;
+}
+
+// Generator shapes: 0 the defaults (ARCHITECTURE section 11), 1 the train variant, 2 and 3
+// the test variants. Seeds differ per part too.
+GeneratorOptions Shape(int shape, uint64_t seed, bool smoke) {
+  GeneratorOptions g;
+  g.arrival.seed = seed;
+  switch (shape) {
+    case 1:
+      g.chat.system_prompts = 5;
+      g.few_shot.prefix_tokens = 700;
+      g.multi_turn = {.conversations = 150, .turns = 6, .system_prompts = 2};
+      g.shared_prefix = {.groups = 48, .prompts_per_group = 20, .system_tokens = 1536};
+      g.random.id_range = 50000;
+      break;
+    case 2:
+      g.chat = {.requests = 1500, .system_prompts = 10, .message_tokens = 100};
+      g.few_shot = {.requests = 1200, .prefix_tokens = 1000, .query_tokens = 60};
+      g.multi_turn = {.conversations = 200, .turns = 8, .turn_tokens = 60, .system_prompts = 4};
+      g.shared_prefix = {.groups = 32, .prompts_per_group = 32, .system_tokens = 1024};
+      g.random.prompt_tokens = 200;
+      g.arrival.request_rate_per_s = 8;
+      break;
+    case 3:
+      g.chat = {.requests = 800, .system_prompts = 2, .system_tokens = 400};
+      g.few_shot.query_tokens = 100;
+      g.multi_turn = {.conversations = 60,
+                      .turns = 12,
+                      .system_tokens = 300,
+                      .turn_tokens = 30,
+                      .system_prompts = 3};
+      g.shared_prefix = {.groups = 96, .prompts_per_group = 10, .system_tokens = 3072};
+      g.arrival.request_rate_per_s = 2;
+      break;
+    default:
+      break;
+  }
+  if (smoke) {
+    g.chat.requests = 60;
+    g.few_shot.requests = 60;
+    g.multi_turn.conversations = 12;
+    g.random.prompts = 60;
+    g.shared_prefix.groups = 4;
+    g.shared_prefix.prompts_per_group = 8;
+  }
+  return g;
+}
+
+struct Cell {
+  double lru = 0, opt = 0;
+  std::map<std::string, double> hit;  // by policy, token hit rate in %
+};
+
+std::string Percent(double v) { return absl::StrFormat("%.2f", v); }
+
+// Share of the lru->opt gap closed, or nullopt when there is none.
+std::optional<double> GapClosed(double policy, double lru, double opt) {
+  if (opt - lru < kMinGapPoints) return std::nullopt;
+  return (policy - lru) / (opt - lru);
+}
+
+std::string ParamsName(const AdaptiveParams& p) {
+  return absl::StrFormat("init %.2g step %.2g max %.2g", p.initial_credit, p.step, p.max_credit);
+}
+
+class Evaluation {
+ public:
+  explicit Evaluation(const CrossvalOptions& options) : options_(options) {}
+
+  absl::StatusOr<double> Run(const CrossvalWorkload& w, const std::string& policy, double capacity,
+                             const AdaptiveParams& params) {
+    ReplayOptions o = options_.base;
+    o.policy = policy;
+    o.spec = w.specs[0];
+    o.spec.page_size_tokens = w.trace.page_size_tokens;
+    o.extra_specs.assign(w.specs.begin() + 1, w.specs.end());
+    for (ModelSpec& s : o.extra_specs) s.page_size_tokens = w.trace.page_size_tokens;
+    o.capacity_fraction = capacity;
+    o.adaptive = params;
+    absl::StatusOr<ReplayResult> r = Replay(w.trace, o);
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat(w.name, " ", policy, " ", capacity, ": ",
+                                                          r.status().message()));
+    }
+    rows_.push_back(ResultRow{.workload = absl::StrCat(w.train ? "train:" : "test:", w.name),
+                              .policy = policy,
+                              .capacity_fraction = capacity,
+                              .mode = std::string(ClusterModeName(o.mode)),
+                              .gpus = o.gpus,
+                              .route = std::string(RoutePolicyName(o.route)),
+                              .result = *r});
+    return 100 * r->TokenHitRate();
+  }
+
+  const std::vector<ResultRow>& rows() const { return rows_; }
+
+ private:
+  const CrossvalOptions& options_;
+  std::vector<ResultRow> rows_;
+};
+
+// Mean gap closed and cells below lru of one policy over some workloads' cells.
+struct Score {
+  double sum = 0;
+  int cells = 0;
+  int below = 0;
+  double mean() const { return cells > 0 ? sum / cells : 0; }
+};
+
+void Add(Score& s, double hit, double lru, double opt) {
+  if (hit < lru - 1e-9) ++s.below;
+  if (std::optional<double> g = GapClosed(hit, lru, opt); g.has_value()) {
+    s.sum += *g;
+    ++s.cells;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
+    const CrossvalOptions& options) {
+  std::vector<CrossvalWorkload> out;
+  absl::StatusOr<Trace> mooncake = ReadMooncakeTrace(
+      options.mooncake_trace, MooncakeReadOptions{.max_requests = options.smoke ? 600u : 0u});
+  if (!mooncake.ok()) return mooncake.status();
+  if (mooncake->requests.empty()) return absl::InvalidArgumentError("empty Mooncake trace");
+  const double first = mooncake->requests.front().arrival_ms;
+  const double mid = (first + mooncake->requests.back().arrival_ms) / 2;
+  out.push_back({"mooncake-1st-half",
+                 true,
+                 TimeSlice(*mooncake, "mooncake-1st-half", first, mid),
+                 {options.mla}});
+  CrossvalWorkload second{"mooncake-2nd-half",
+                          false,
+                          TimeSlice(*mooncake, "mooncake-2nd-half", mid, 1e300),
+                          {options.mla}};
+
+  constexpr uint32_t kPage = 16;
+  // Train: seed 1 default shapes, seed 2 the first variant; test: seeds 3 and 4, the others.
+  struct Part {
+    bool train;
+    int shape;
+    uint64_t seed;
+  };
+  const Part parts[] = {{true, 0, 1}, {true, 1, 2}, {false, 2, 3}, {false, 3, 4}};
+  std::vector<CrossvalWorkload> test;
+  for (const Part& part : parts) {
+    const GeneratorOptions g = Shape(part.shape, part.seed, options.smoke);
+    for (absl::string_view name : kGeneratorNames) {
+      absl::StatusOr<std::vector<TokenRequest>> requests = GenerateByName(name, g);
+      if (!requests.ok()) return requests.status();
+      const std::string label = absl::StrCat(name, "/shape", part.shape, "/seed", part.seed);
+      CrossvalWorkload w{label,
+                         part.train,
+                         HashTokenTrace(label, *requests, kTenantKeys[0], kPage),
+                         {options.mla}};
+      (part.train ? out : test).push_back(std::move(w));
+    }
+  }
+  // Mixes: two workloads of two models under two tenants, sharing the pool.
+  struct MixSpec {
+    bool train;
+    const char* a;
+    const char* b;
+    int shape;
+    uint64_t seed;
+  };
+  const MixSpec mixes[] = {{true, "multi-turn", "gsp", 0, 5},
+                           {false, "chat", "multi-turn", 2, 6},
+                           {false, "gsp", "multi-turn", 3, 7}};
+  for (const MixSpec& m : mixes) {
+    GeneratorOptions ga = Shape(m.shape, m.seed, options.smoke);
+    GeneratorOptions gb = Shape(m.shape, m.seed + 100, options.smoke);
+    absl::StatusOr<std::vector<TokenRequest>> a = GenerateByName(m.a, ga);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<std::vector<TokenRequest>> b = GenerateByName(m.b, gb);
+    if (!b.ok()) return b.status();
+    const ModelSpec& gqa = m.train ? options.gqa_train : options.gqa_test;
+    const std::string label =
+        absl::StrCat("mix:", m.a, "(", options.mla_name, ")+", m.b, "(",
+                     m.train ? options.gqa_train_name : options.gqa_test_name, ")/seed", m.seed);
+    CrossvalWorkload w{label, m.train, Mix(label, *a, *b, kPage), {options.mla, gqa}};
+    (m.train ? out : test).push_back(std::move(w));
+  }
+  test.insert(test.begin(), std::move(second));
+  for (const std::string& path : options.extra_test_traces) {
+    absl::StatusOr<Trace> t =
+        ReadMooncakeTrace(path, MooncakeReadOptions{.max_requests = options.smoke ? 600u : 0u});
+    if (!t.ok()) return t.status();
+    const size_t slash = path.find_last_of('/');
+    t->name = slash == std::string::npos ? path : path.substr(slash + 1);
+    test.push_back({t->name, false, std::move(*t), {options.mla}});
+  }
+  for (CrossvalWorkload& w : test) out.push_back(std::move(w));
+  return out;
+}
+
+absl::Status RunCrossval(const CrossvalOptions& options) {
+  absl::StatusOr<std::vector<CrossvalWorkload>> workloads = BuildCrossvalWorkloads(options);
+  if (!workloads.ok()) return workloads.status();
+  if (options.train_only) {
+    std::erase_if(*workloads, [](const CrossvalWorkload& w) { return !w.train; });
+  }
+  Evaluation eval(options);
+  const std::vector<double>& caps = options.capacities;
+
+  // lru and opt of every cell first: every score needs them.
+  std::vector<std::vector<Cell>> cells(workloads->size(), std::vector<Cell>(caps.size()));
+  for (size_t w = 0; w < workloads->size(); ++w) {
+    for (size_t c = 0; c < caps.size(); ++c) {
+      for (const char* policy : {"lru", "opt", "cost"}) {
+        absl::StatusOr<double> hit = eval.Run((*workloads)[w], policy, caps[c], {});
+        if (!hit.ok()) return hit.status();
+        cells[w][c].hit[policy] = *hit;
+      }
+      cells[w][c].lru = cells[w][c].hit["lru"];
+      cells[w][c].opt = cells[w][c].hit["opt"];
+    }
+  }
+
+  // The grid, scored on the train part only.
+  std::vector<AdaptiveParams> grid;
+  for (double initial : {0.0, 0.5, 1.0}) {
+    for (double step : {0.02, 0.1}) {
+      for (double max_credit : {1.0, 2.0, 8.0}) {
+        grid.push_back({.initial_credit = initial, .max_credit = max_credit, .step = step});
+      }
+    }
+  }
+  if (options.smoke) grid.resize(2);
+  if (options.only_params.has_value()) grid = {*options.only_params};
+  std::printf("\n## Choosing adaptive's parameters on the train part\n\n");
+  std::printf("| parameters | train cells below lru | mean gap closed (train) |\n|---|---|---|\n");
+  size_t best = 0;
+  Score best_score;
+  for (size_t k = 0; k < grid.size(); ++k) {
+    Score s;
+    for (size_t w = 0; w < workloads->size(); ++w) {
+      if (!(*workloads)[w].train) continue;
+      for (size_t c = 0; c < caps.size(); ++c) {
+        absl::StatusOr<double> hit = eval.Run((*workloads)[w], "adaptive", caps[c], grid[k]);
+        if (!hit.ok()) return hit.status();
+        Add(s, *hit, cells[w][c].lru, cells[w][c].opt);
+      }
+    }
+    std::printf("| %s | %d | %.1f %% |\n", ParamsName(grid[k]).c_str(), s.below, 100 * s.mean());
+    std::fflush(stdout);
+    if (k == 0 || s.below < best_score.below ||
+        (s.below == best_score.below && s.mean() > best_score.mean())) {
+      best = k;
+      best_score = s;
+    }
+  }
+  std::printf("\nchosen: %s\n", ParamsName(grid[best]).c_str());
+
+  for (size_t w = 0; w < workloads->size(); ++w) {
+    for (size_t c = 0; c < caps.size(); ++c) {
+      absl::StatusOr<double> hit = eval.Run((*workloads)[w], "adaptive", caps[c], grid[best]);
+      if (!hit.ok()) return hit.status();
+      cells[w][c].hit["adaptive"] = *hit;
+    }
+  }
+
+  // Per workload: hit rates, then the gap closed; "(below lru)" flags a cell.
+  const char* kPolicies[] = {"lru", "cost", "adaptive", "opt"};
+  std::vector<std::string> header;
+  for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
+  std::printf("\n## Token hit rate (%%) and share of the lru->opt gap closed\n\n");
+  std::printf("| part | workload | policy | %s |\n|---|---|---|%s\n",
+              absl::StrJoin(header, " | ").c_str(),
+              absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
+  std::map<std::pair<bool, std::string>, std::vector<Score>> by_cap;  // (train, policy)
+  for (size_t w = 0; w < workloads->size(); ++w) {
+    const CrossvalWorkload& wl = (*workloads)[w];
+    for (const char* policy : kPolicies) {
+      std::vector<std::string> out;
+      std::vector<Score>& scores = by_cap[{wl.train, policy}];
+      scores.resize(caps.size());
+      for (size_t c = 0; c < caps.size(); ++c) {
+        const Cell& cell = cells[w][c];
+        const double hit = cell.hit.at(policy);
+        Add(scores[c], hit, cell.lru, cell.opt);
+        std::string text = Percent(hit);
+        if (std::string(policy) == "cost" || std::string(policy) == "adaptive") {
+          std::optional<double> g = GapClosed(hit, cell.lru, cell.opt);
+          text += g.has_value() ? absl::StrFormat(" (%.0f %%)", 100 * *g) : " (n/a)";
+          if (hit < cell.lru - 1e-9) text += " **below lru**";
+        }
+        out.push_back(text);
+      }
+      std::printf("| %s | %s | %s | %s |\n", wl.train ? "train" : "test", wl.name.c_str(), policy,
+                  absl::StrJoin(out, " | ").c_str());
+    }
+  }
+
+  std::printf(
+      "\n## Summary: mean share of the lru->opt gap closed (cells with a gap), cells "
+      "below lru\n\n");
+  std::printf("| part | policy | %s | all | cells below lru |\n|---|---|%s---|---|\n",
+              absl::StrJoin(header, " | ").c_str(),
+              absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
+  for (bool train : {true, false}) {
+    for (const char* policy : {"cost", "adaptive"}) {
+      const std::vector<Score>& scores = by_cap[{train, policy}];
+      Score all;
+      std::vector<std::string> out;
+      for (const Score& s : scores) {
+        out.push_back(absl::StrFormat("%.1f %%", 100 * s.mean()));
+        all.sum += s.sum;
+        all.cells += s.cells;
+        all.below += s.below;
+      }
+      std::printf("| %s | %s | %s | %.1f %% | %d |\n", train ? "train" : "test", policy,
+                  absl::StrJoin(out, " | ").c_str(), 100 * all.mean(), all.below);
+    }
+  }
+  if (!options.csv.empty()) return WriteCsv(options.csv, eval.rows());
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm::bench
