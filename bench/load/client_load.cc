@@ -1,0 +1,78 @@
+// RunClientLoad: kvcm::Client's blocking calls (what an inference worker or router links),
+// one thread per outstanding call. Closed loop only: a blocking thread cannot keep a
+// schedule while its call is in flight.
+#include <deque>
+#include <random>
+#include <thread>
+
+#include "bench/load/load_driver.h"
+
+namespace kvcm::load {
+namespace {
+
+void RunClientThread(const LoadOptions& options, const LoadTarget& target, int index,
+                     Clock::time_point start, Clock::time_point end, WorkerStats* stats) {
+  Client& client = *target.clients[index % target.clients.size()];
+  std::mt19937_64 rng(0x9e3779b97f4a7c15ULL * (index + 1));
+  const bool pins_allowed = target.mix.weight(RpcKind::kRelease) > 0;
+  const Clock::time_point measure_from =
+      start +
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.warmup_s));
+  CallOptions call;
+  call.deadline_ms = options.deadline_ms;
+  std::deque<uint64_t> pins;
+  std::this_thread::sleep_until(start);
+  for (Clock::time_point t = Clock::now(); t < end; t = Clock::now()) {
+    RpcKind kind = target.mix.Draw(rng);
+    if (kind == RpcKind::kRelease && pins.empty()) kind = RpcKind::kMatch;
+    const LoadPrompt& prompt = (*target.prompts)[rng() % target.prompts->size()];
+    absl::Status status;
+    switch (kind) {
+      case RpcKind::kMatch: {
+        MatchParams params;
+        params.pin = pins_allowed && pins.size() < options.max_pins_per_thread;
+        absl::StatusOr<MatchReply> r = client.MatchHashes(target.ns, prompt.pages, params, call);
+        status = r.status();
+        if (r.ok() && r->pin_id != 0) pins.push_back(r->pin_id);
+        break;
+      }
+      case RpcKind::kInsert:
+        status =
+            client
+                .InsertHashes(target.ns, prompt.pages, target.pools[rng() % target.pools.size()],
+                              prompt.block_ids, call)
+                .status();
+        break;
+      case RpcKind::kRelease:
+        status = client.Release(target.ns, pins.front(), call);
+        pins.pop_front();
+        break;
+      case RpcKind::kRoute:
+        // Route takes tokens and hashes them itself (PromptSetOptions::keep_tokens).
+        status = client.Route(target.ns, prompt.tokens, {}, call).status();
+        break;
+    }
+    // absl::StatusCode and grpc::StatusCode share their numbers.
+    stats->Record(kind, static_cast<int>(status.code()),
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count(),
+                  t >= measure_from);
+  }
+  for (uint64_t pin : pins) (void)client.Release(target.ns, pin, call);
+}
+
+}  // namespace
+
+void RunClientLoad(const LoadOptions& options, const LoadTarget& target, Clock::time_point start,
+                   std::span<std::unique_ptr<WorkerStats>> stats) {
+  const Clock::time_point end =
+      start + std::chrono::duration_cast<Clock::duration>(
+                  std::chrono::duration<double>(options.warmup_s + options.duration_s));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < stats.size(); ++i) {
+    threads.emplace_back(RunClientThread, std::cref(options), std::cref(target),
+                         static_cast<int>(i), start, end, stats[i].get());
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+}  // namespace kvcm::load
