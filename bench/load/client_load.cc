@@ -33,7 +33,10 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
         params.pin = pins_allowed && pins.size() < options.max_pins_per_thread;
         absl::StatusOr<MatchReply> r = client.MatchHashes(target.ns, prompt.pages, params, call);
         status = r.status();
-        if (r.ok() && r->pin_id != 0) pins.push_back(r->pin_id);
+        if (r.ok()) {
+          if (r->pin_id != 0) pins.push_back(r->pin_id);
+          stats->RecordPages(kind, r->prompt_pages, r->matched_pages, t >= measure_from);
+        }
         break;
       }
       case RpcKind::kInsert:
@@ -47,10 +50,16 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
         status = client.Release(target.ns, pins.front(), call);
         pins.pop_front();
         break;
-      case RpcKind::kRoute:
+      case RpcKind::kRoute: {
         // Route takes tokens and hashes them itself (PromptSetOptions::keep_tokens).
-        status = client.Route(target.ns, prompt.tokens, {}, call).status();
+        absl::StatusOr<RouteReply> r = client.Route(target.ns, prompt.tokens, {}, call);
+        status = r.status();
+        if (r.ok()) {
+          stats->RecordPages(kind, r->match.prompt_pages, r->match.matched_pages,
+                             t >= measure_from);
+        }
         break;
+      }
     }
     // absl::StatusCode and grpc::StatusCode share their numbers.
     stats->Record(kind, static_cast<int>(status.code()),

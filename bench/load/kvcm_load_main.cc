@@ -10,9 +10,12 @@
 //   kvcm-load --address=127.0.0.1:50051 --mix=match:70,insert:30 --concurrency=64
 //   kvcm-load --loop=open --rate=20000 --duration_s=600 --manager_pid=$PID
 //   kvcm-load --smoke --address=...   (about 2 s; exit 1 on any error or no calls)
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,6 +26,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "bench/load/load_driver.h"
 #include "bench/load/load_stats.h"
@@ -137,6 +141,20 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectClient(const std::string& address
   o.insecure = true;
   o.max_attempts = attempts;
   return Client::Connect(o);
+}
+
+// CPU seconds (user + system) `pid` has used; 0 when it cannot be read.
+double ReadCpuSeconds(int pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+  const size_t close = stat.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+  if (fields.size() < 13) return 0;
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  return (std::strtod(fields[11].c_str(), nullptr) + std::strtod(fields[12].c_str(), nullptr)) /
+         ticks;
 }
 
 int Fail(const absl::Status& s) {
@@ -260,8 +278,20 @@ int Main() {
   std::fflush(stdout);
 
   const Clock::time_point start = Clock::now() + std::chrono::milliseconds(100);
+  // CPU of both processes over the measured window, sampled at its edges.
+  double self_cpu_s = 0;
+  double manager_cpu_s = 0;
   const int pid = absl::GetFlag(FLAGS_manager_pid);
   const double interval_s = absl::GetFlag(FLAGS_report_interval_s);
+  std::thread cpu_sampler([&] {
+    std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(options.warmup_s)));
+    self_cpu_s = -ReadCpuSeconds(getpid());
+    manager_cpu_s = pid > 0 ? -ReadCpuSeconds(pid) : 0;
+    std::this_thread::sleep_for(std::chrono::duration<double>(options.duration_s));
+    self_cpu_s += ReadCpuSeconds(getpid());
+    manager_cpu_s += pid > 0 ? ReadCpuSeconds(pid) : 0;
+  });
   absl::Notification done;
   std::thread reporter;
   if (interval_s > 0) {
@@ -291,12 +321,21 @@ int Main() {
   }
   done.Notify();
   if (reporter.joinable()) reporter.join();
+  cpu_sampler.join();
   agents.Stop();
 
   RunStats total;
   for (auto& s : stats) s->AddTotal(&total);
   std::printf("%s", FormatStatsTable(total, options.duration_s).c_str());
-  if (pid > 0) std::printf("manager rss: %.1f MiB\n", ReadRssBytes(pid) / 1048576.0);
+  const double us_per_call = total.calls() > 0 ? 1e6 / total.calls() : 0;
+  std::printf("cpu over the measured window: kvcm-load %.2f cores (%.1f us/call)",
+              self_cpu_s / options.duration_s, self_cpu_s * us_per_call);
+  if (pid > 0) {
+    std::printf(", manager %.2f cores (%.1f us/call); manager rss %.1f MiB",
+                manager_cpu_s / options.duration_s, manager_cpu_s * us_per_call,
+                ReadRssBytes(pid) / 1048576.0);
+  }
+  std::printf("\n");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream out(path);
     out << StatsToJson(total, options.duration_s) << "\n";

@@ -89,6 +89,8 @@ std::string RpcMix::ToString() const {
 void KindStats::Merge(const KindStats& other) {
   latency.Merge(other.latency);
   for (int c = 0; c < kNumGrpcCodes; ++c) codes[c] += other.codes[c];
+  pages += other.pages;
+  hit_pages += other.hit_pages;
 }
 
 void RunStats::Merge(const RunStats& other) {
@@ -121,6 +123,18 @@ void WorkerStats::Record(RpcKind kind, int grpc_code, int64_t latency_ns, bool m
   }
 }
 
+void WorkerStats::RecordPages(RpcKind kind, uint64_t pages, uint64_t hit_pages, bool measured) {
+  std::lock_guard<std::mutex> lock(mu_);
+  KindStats& i = interval_.kinds[static_cast<int>(kind)];
+  i.pages += pages;
+  i.hit_pages += hit_pages;
+  if (measured) {
+    KindStats& t = total_.kinds[static_cast<int>(kind)];
+    t.pages += pages;
+    t.hit_pages += hit_pages;
+  }
+}
+
 void WorkerStats::AddUnsent(uint64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   total_.unsent += n;
@@ -141,6 +155,11 @@ namespace {
 
 double Us(int64_t ns) { return static_cast<double>(ns) / 1000.0; }
 
+// Percent of the prompts' pages that hit; -1 without pages.
+double HitPercent(const KindStats& k) {
+  return k.pages == 0 ? -1 : 100.0 * static_cast<double>(k.hit_pages) / k.pages;
+}
+
 std::string ErrorList(const KindStats& k) {
   std::vector<std::string> parts;
   for (int c = 1; c < kNumGrpcCodes; ++c) {
@@ -152,22 +171,25 @@ std::string ErrorList(const KindStats& k) {
 }  // namespace
 
 std::string FormatStatsTable(const RunStats& stats, double seconds) {
-  std::string out =
-      absl::StrFormat("%-8s %10s %10s %9s %9s %9s %9s %9s %9s  %s\n", "rpc", "calls", "calls/s",
-                      "mean_us", "p50_us", "p90_us", "p99_us", "p99.9_us", "max_us", "errors");
+  std::string out = absl::StrFormat("%-8s %10s %10s %9s %9s %9s %9s %9s %9s %6s  %s\n", "rpc",
+                                    "calls", "calls/s", "mean_us", "p50_us", "p90_us", "p99_us",
+                                    "p99.9_us", "max_us", "hit%", "errors");
   KindStats all;
   auto row = [&](const char* name, const KindStats& k) {
     const LatencyHistogram& h = k.latency;
-    absl::StrAppendFormat(&out, "%-8s %10d %10.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f  %s\n", name,
-                          k.calls(), k.calls() / seconds, h.mean_ns() / 1000.0,
+    const double hit = HitPercent(k);
+    absl::StrAppendFormat(&out, "%-8s %10d %10.0f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %6s  %s\n",
+                          name, k.calls(), k.calls() / seconds, h.mean_ns() / 1000.0,
                           Us(h.Percentile(0.5)), Us(h.Percentile(0.9)), Us(h.Percentile(0.99)),
-                          Us(h.Percentile(0.999)), Us(h.max_ns()), ErrorList(k));
+                          Us(h.Percentile(0.999)), Us(h.max_ns()),
+                          hit < 0 ? "-" : absl::StrFormat("%.1f", hit), ErrorList(k));
   };
   for (int k = 0; k < kNumRpcKinds; ++k) {
     if (stats.kinds[k].calls() == 0) continue;
     row(RpcKindName(static_cast<RpcKind>(k)), stats.kinds[k]);
     all.Merge(stats.kinds[k]);
   }
+  all.pages = all.hit_pages = 0;  // a hit means something else per kind
   row("all", all);
   if (stats.unsent > 0) {
     absl::StrAppendFormat(&out, "unsent (open loop, outstanding limit reached): %d\n",
@@ -202,10 +224,11 @@ std::string StatsToJson(const RunStats& stats, double seconds) {
     const LatencyHistogram& h = s.latency;
     kinds.push_back(absl::StrFormat(
         "\"%s\":{\"calls\":%d,\"calls_per_s\":%.1f,\"mean_us\":%.2f,\"p50_us\":%.2f,"
-        "\"p90_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"max_us\":%.2f,\"errors\":{%s}}",
+        "\"p90_us\":%.2f,\"p99_us\":%.2f,\"p999_us\":%.2f,\"max_us\":%.2f,\"pages\":%d,"
+        "\"hit_pages\":%d,\"errors\":{%s}}",
         RpcKindName(static_cast<RpcKind>(k)), s.calls(), s.calls() / seconds, h.mean_ns() / 1000.0,
         Us(h.Percentile(0.5)), Us(h.Percentile(0.9)), Us(h.Percentile(0.99)),
-        Us(h.Percentile(0.999)), Us(h.max_ns()), absl::StrJoin(codes, ",")));
+        Us(h.Percentile(0.999)), Us(h.max_ns()), s.pages, s.hit_pages, absl::StrJoin(codes, ",")));
   }
   return absl::StrFormat(
       "{\"seconds\":%.3f,\"calls\":%d,\"calls_per_s\":%.1f,\"errors\":%d,\"unsent\":%d,"

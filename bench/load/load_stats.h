@@ -37,6 +37,10 @@ inline constexpr int kNumGrpcCodes = 17;  // grpc::StatusCode 0 (OK) .. 16
 struct KindStats {
   LatencyHistogram latency;  // every completed call, failed ones included
   std::array<uint64_t, kNumGrpcCodes> codes{};
+  // Pages of the successful calls' prompts, and of those the manager already had: matched
+  // (Match, Route) or already present (Insert).
+  uint64_t pages = 0;
+  uint64_t hit_pages = 0;
 
   uint64_t calls() const { return latency.count(); }
   uint64_t errors() const { return calls() - codes[0]; }
@@ -60,6 +64,8 @@ class WorkerStats {
  public:
   // `measured`: the call counts in the run's totals (it was due after the warm-up).
   void Record(RpcKind kind, int grpc_code, int64_t latency_ns, bool measured);
+  // After a successful call: its prompt's pages and how many of them hit (see KindStats).
+  void RecordPages(RpcKind kind, uint64_t pages, uint64_t hit_pages, bool measured);
   void AddUnsent(uint64_t n);
   // Adds the calls recorded since the last TakeInterval to `out`, and forgets them.
   void TakeInterval(RunStats* out);

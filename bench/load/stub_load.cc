@@ -211,6 +211,24 @@ class StubWorker {
     stats_->Record(c->kind, c->status.error_code(),
                    std::chrono::duration_cast<std::chrono::nanoseconds>(now - c->due).count(),
                    measured);
+    if (c->status.ok()) {
+      switch (c->kind) {
+        case RpcKind::kMatch:
+          stats_->RecordPages(c->kind, c->match_response.prompt_pages(),
+                              c->match_response.matched_pages(), measured);
+          break;
+        case RpcKind::kInsert:
+          stats_->RecordPages(c->kind, c->insert_request.block_ids_size(),
+                              c->insert_response.already_present_pages(), measured);
+          break;
+        case RpcKind::kRoute:
+          stats_->RecordPages(c->kind, c->route_response.match().prompt_pages(),
+                              c->route_response.match().matched_pages(), measured);
+          break;
+        case RpcKind::kRelease:
+          break;
+      }
+    }
     if (c->pin) {
       --pins_in_flight_;
       if (c->status.ok() && c->match_response.pin_id() != 0) {
