@@ -192,7 +192,7 @@ std::string FormatStatsTable(const RunStats& stats, double seconds) {
   all.pages = all.hit_pages = 0;  // a hit means something else per kind
   row("all", all);
   if (stats.unsent > 0) {
-    absl::StrAppendFormat(&out, "unsent (open loop, outstanding limit reached): %d\n",
+    absl::StrAppendFormat(&out, "unsent (open loop: due before the end, not sent by then): %d\n",
                           stats.unsent);
   }
   return out;
