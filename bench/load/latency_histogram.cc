@@ -47,7 +47,11 @@ int64_t LatencyHistogram::Percentile(double q) const {
   uint64_t seen = 0;
   for (int i = 0; i < kNumBuckets; ++i) {
     seen += counts_[i];
-    if (seen >= rank) return std::min<int64_t>(static_cast<int64_t>(UpperEdge(i)), max_ns_);
+    if (seen >= rank) {
+      // The last bucket holds everything from 2^kMaxExponent up: its edge says nothing.
+      if (i == kNumBuckets - 1) return max_ns_;
+      return std::min<int64_t>(static_cast<int64_t>(UpperEdge(i)), max_ns_);
+    }
   }
   return max_ns_;
 }
