@@ -39,13 +39,17 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
         }
         break;
       }
-      case RpcKind::kInsert:
-        status =
-            client
-                .InsertHashes(target.ns, prompt.pages, target.pools[rng() % target.pools.size()],
-                              prompt.block_ids, call)
-                .status();
+      case RpcKind::kInsert: {
+        absl::StatusOr<InsertReply> r =
+            client.InsertHashes(target.ns, prompt.pages, target.pools[rng() % target.pools.size()],
+                                prompt.block_ids, call);
+        status = r.status();
+        if (r.ok()) {
+          stats->RecordPages(kind, prompt.pages.size(), r->already_present_pages,
+                             t >= measure_from);
+        }
         break;
+      }
       case RpcKind::kRelease:
         status = client.Release(target.ns, pins.front(), call);
         pins.pop_front();

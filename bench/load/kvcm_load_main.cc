@@ -26,6 +26,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "bench/load/load_driver.h"
@@ -84,6 +85,7 @@ uint64_t ReadRssBytes(int pid) {
 
 // Fake agents for Route (which ranks live agents): registered, then heartbeated every
 // second until Stop(). They hold nothing; Route still walks the index for each.
+// Not thread-safe: Start and Stop from one thread.
 class FakeAgents {
  public:
   absl::Status Start(const std::string& address, const ModelSpec& spec, uint32_t n) {
@@ -196,20 +198,13 @@ int Main() {
     prompt_options.num_prefixes = 8;
     prompt_options.prompts_per_prefix = 8;
   }
-  const bool client_api = absl::GetFlag(FLAGS_api) == "client";
-  if (!client_api && absl::GetFlag(FLAGS_api) != "stub") {
+  if (absl::GetFlag(FLAGS_api) != "client" && absl::GetFlag(FLAGS_api) != "stub") {
     return Fail(absl::InvalidArgumentError("--api: stub or client"));
   }
-  if (client_api && options.open_loop) {
-    return Fail(absl::InvalidArgumentError("--api=client runs closed loop only"));
-  }
-  if (options.concurrency == 0 || options.threads == 0 || options.channels == 0 ||
-      options.threads > options.concurrency || options.duration_s <= 0 ||
-      options.deadline_ms <= 0 || (options.open_loop && options.rate_per_s <= 0)) {
-    return Fail(absl::InvalidArgumentError(
-        "need concurrency >= threads >= 1, channels >= 1, duration_s > 0, deadline_ms > 0 "
-        "and, open loop, rate > 0"));
-  }
+  options.api =
+      absl::GetFlag(FLAGS_api) == "client" ? LoadOptions::Api::kClient : LoadOptions::Api::kStub;
+  const bool client_api = options.api == LoadOptions::Api::kClient;
+  if (absl::Status s = options.Validate(); !s.ok()) return Fail(s);
 
   LoadTarget target;
   absl::StatusOr<RpcMix> mix = RpcMix::Parse(mix_spec);
@@ -294,6 +289,7 @@ int Main() {
   });
   absl::Notification done;
   std::thread reporter;
+  std::vector<std::string> interval_json;  // written by the reporter, read after joining it
   if (interval_s > 0) {
     reporter = std::thread([&] {
       Clock::time_point last = start;
@@ -302,13 +298,15 @@ int Main() {
         RunStats interval;
         for (auto& s : stats) s->TakeInterval(&interval);
         const double t = std::chrono::duration<double>(now - start).count();
+        const double seconds = std::chrono::duration<double>(now - last).count();
+        const uint64_t rss_bytes = pid > 0 ? ReadRssBytes(pid) : 0;
         std::string rss;
-        if (pid > 0)
-          rss = absl::StrFormat(" | manager rss %.1f MiB", ReadRssBytes(pid) / 1048576.0);
-        std::printf(
-            "[%7.1f s%s] %s%s\n", t, t < options.warmup_s ? " warmup" : "",
-            FormatIntervalLine(interval, std::chrono::duration<double>(now - last).count()).c_str(),
-            rss.c_str());
+        if (pid > 0) rss = absl::StrFormat(" | manager rss %.1f MiB", rss_bytes / 1048576.0);
+        std::printf("[%7.1f s%s] %s%s\n", t, t < options.warmup_s ? " warmup" : "",
+                    FormatIntervalLine(interval, seconds).c_str(), rss.c_str());
+        interval_json.push_back(
+            absl::StrFormat("{\"t_s\":%.1f,\"manager_rss_bytes\":%d,\"stats\":%s}", t, rss_bytes,
+                            StatsToJson(interval, seconds)));
         std::fflush(stdout);
         last = now;
       }
@@ -338,7 +336,22 @@ int Main() {
   std::printf("\n");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream out(path);
-    out << StatsToJson(total, options.duration_s) << "\n";
+    out << absl::StrFormat(
+        "{\"config\":{\"address\":\"%s\",\"api\":\"%s\",\"loop\":\"%s\",\"rate\":%.1f,"
+        "\"arrivals\":\"%s\",\"mix\":\"%s\",\"concurrency\":%d,\"threads\":%d,"
+        "\"channels\":%d,\"warmup_s\":%.1f,\"duration_s\":%.1f,\"deadline_ms\":%d,"
+        "\"prompts\":%d,\"prompt_pages\":%d},"
+        "\"cpu\":{\"kvcm_load_cores\":%.3f,\"kvcm_load_us_per_call\":%.2f,"
+        "\"manager_cores\":%.3f,\"manager_us_per_call\":%.2f},"
+        "\"manager_rss_bytes\":%d,\"results\":%s,\"intervals\":[%s]}\n",
+        options.address, client_api ? "client" : "stub", options.open_loop ? "open" : "closed",
+        options.rate_per_s, options.poisson ? "poisson" : "fixed", target.mix.ToString(),
+        options.concurrency, options.threads, options.channels, options.warmup_s,
+        options.duration_s, options.deadline_ms, prompts->size(),
+        prompt_options.prefix_pages + prompt_options.suffix_pages, self_cpu_s / options.duration_s,
+        self_cpu_s * us_per_call, manager_cpu_s / options.duration_s, manager_cpu_s * us_per_call,
+        pid > 0 ? ReadRssBytes(pid) : 0, StatsToJson(total, options.duration_s),
+        absl::StrJoin(interval_json, ","));
     if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write ", path)));
   }
   if (smoke && (total.calls() == 0 || total.errors() > 0)) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "bench/load/load_stats.h"
 #include "bench/load/prompt_set.h"
 #include "client/client.h"
@@ -22,6 +23,9 @@ using Clock = std::chrono::steady_clock;
 
 struct LoadOptions {
   std::string address = "127.0.0.1:50051";
+  // kStub: RunStubLoad; kClient: RunClientLoad (closed loop only).
+  enum class Api { kStub, kClient };
+  Api api = Api::kStub;
   // Open loop: calls are due at rate_per_s (all threads together), Poisson or evenly spaced
   // arrivals, and each call's latency counts from when it was due, not from when it was
   // sent, so queueing behind the outstanding limit is measured. Closed loop: each of
@@ -42,6 +46,9 @@ struct LoadOptions {
   // A Match pins when the mix has releases, and each thread holds at most this many pins
   // (a Release drawn with none held is sent as a pinning Match).
   uint32_t max_pins_per_thread = 64;
+
+  // INVALID_ARGUMENT naming the first bad field.
+  absl::Status Validate() const;
 };
 
 // What the set-up made, for the drivers. The pointees outlive the run.
