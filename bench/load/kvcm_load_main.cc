@@ -28,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "bench/load/load_driver.h"
 #include "bench/load/load_stats.h"
@@ -370,5 +371,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvcm-load: Match/Insert/Release/Route load against a running kvcm-manager");
   absl::ParseCommandLine(argc, argv);
+  // As in kvcm-manager: Debian's Abseil (built without NDEBUG) runs the deadlock detector on
+  // every absl::Mutex lock, gRPC's included (GraphCycles: 2.7 % of kvcm-load's CPU profiled).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return kvcm::load::Main();
 }
