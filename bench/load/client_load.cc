@@ -24,7 +24,9 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
   std::this_thread::sleep_until(start);
   for (Clock::time_point t = Clock::now(); t < end; t = Clock::now()) {
     RpcKind kind = target.mix.Draw(rng);
-    if (kind == RpcKind::kRelease && pins.empty()) kind = RpcKind::kMatch;
+    if (kind == RpcKind::kRelease && pins.empty()) {
+      kind = RpcKind::kMatch;
+    }
     const LoadPrompt& prompt = (*target.prompts)[rng() % target.prompts->size()];
     absl::Status status;
     switch (kind) {
@@ -34,7 +36,9 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
         absl::StatusOr<MatchReply> r = client.MatchHashes(target.ns, prompt.pages, params, call);
         status = r.status();
         if (r.ok()) {
-          if (r->pin_id != 0) pins.push_back(r->pin_id);
+          if (r->pin_id != 0) {
+            pins.push_back(r->pin_id);
+          }
           stats->RecordPages(kind, r->prompt_pages, r->matched_pages, t >= measure_from);
         }
         break;
@@ -70,7 +74,9 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
                   std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count(),
                   t >= measure_from);
   }
-  for (uint64_t pin : pins) (void)client.Release(target.ns, pin, call);
+  for (uint64_t pin : pins) {
+    (void)client.Release(target.ns, pin, call);
+  }
 }
 
 }  // namespace
@@ -85,7 +91,9 @@ void RunClientLoad(const LoadOptions& options, const LoadTarget& target, Clock::
     threads.emplace_back(RunClientThread, std::cref(options), std::cref(target),
                          static_cast<int>(i), start, end, stats[i].get());
   }
-  for (std::thread& t : threads) t.join();
+  for (std::thread& t : threads) {
+    t.join();
+  }
 }
 
 }  // namespace kvcm::load

@@ -79,7 +79,9 @@ uint64_t ReadRssBytes(int pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+    if (line.rfind("VmRSS:", 0) == 0) {
+      return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+    }
   }
   return 0;
 }
@@ -125,7 +127,9 @@ class FakeAgents {
     return absl::OkStatus();
   }
   void Stop() {
-    if (!thread_.joinable()) return;
+    if (!thread_.joinable()) {
+      return;
+    }
     stop_.Notify();
     thread_.join();
   }
@@ -152,9 +156,13 @@ double ReadCpuSeconds(int pid) {
   std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
   const size_t close = stat.rfind(')');
-  if (close == std::string::npos) return 0;
+  if (close == std::string::npos) {
+    return 0;
+  }
   std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
-  if (fields.size() < 13) return 0;
+  if (fields.size() < 13) {
+    return 0;
+  }
   const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
   return (std::strtod(fields[11].c_str(), nullptr) + std::strtod(fields[12].c_str(), nullptr)) /
          ticks;
@@ -205,21 +213,31 @@ int Main() {
   options.api =
       absl::GetFlag(FLAGS_api) == "client" ? LoadOptions::Api::kClient : LoadOptions::Api::kStub;
   const bool client_api = options.api == LoadOptions::Api::kClient;
-  if (absl::Status s = options.Validate(); !s.ok()) return Fail(s);
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    return Fail(s);
+  }
 
   LoadTarget target;
   absl::StatusOr<RpcMix> mix = RpcMix::Parse(mix_spec);
-  if (!mix.ok()) return Fail(mix.status());
+  if (!mix.ok()) {
+    return Fail(mix.status());
+  }
   target.mix = *mix;
   absl::StatusOr<ModelSpec> spec = FindModel(absl::GetFlag(FLAGS_model));
-  if (!spec.ok()) return Fail(spec.status());
+  if (!spec.ok()) {
+    return Fail(spec.status());
+  }
   target.ns = NamespaceId{absl::GetFlag(FLAGS_tenant), absl::GetFlag(FLAGS_model)};
 
   // Set-up client: retries while the manager is still starting.
   absl::StatusOr<std::unique_ptr<Client>> setup = ConnectClient(options.address, 10);
-  if (!setup.ok()) return Fail(setup.status());
+  if (!setup.ok()) {
+    return Fail(setup.status());
+  }
   absl::StatusOr<RegisterModelReply> reg = (*setup)->RegisterModel(target.ns, *spec);
-  if (!reg.ok()) return Fail(reg.status());
+  if (!reg.ok()) {
+    return Fail(reg.status());
+  }
   target.page_size_tokens = reg->spec.page_size_tokens;
   target.key_fingerprint = reg->key_fingerprint;
 
@@ -227,12 +245,16 @@ int Main() {
   absl::StatusOr<PromptSet> prompts = PromptSet::Make(
       prompt_options, target.page_size_tokens,
       [&](std::span<const int32_t> tokens) { return (*setup)->HashPrompt(target.ns, tokens); });
-  if (!prompts.ok()) return Fail(prompts.status());
+  if (!prompts.ok()) {
+    return Fail(prompts.status());
+  }
   target.prompts = &*prompts;
   for (uint32_t i = 0; i < absl::GetFlag(FLAGS_index_pools); ++i) {
     target.pools.push_back(PoolRef{absl::StrCat("kvcm-load-pool-", i), Tier::kGpu});
   }
-  if (target.pools.empty()) return Fail(absl::InvalidArgumentError("--index_pools must be > 0"));
+  if (target.pools.empty()) {
+    return Fail(absl::InvalidArgumentError("--index_pools must be > 0"));
+  }
 
   FakeAgents agents;
   if (target.mix.weight(RpcKind::kRoute) > 0) {
@@ -247,7 +269,9 @@ int Main() {
   if (client_api) {
     for (uint32_t i = 0; i < options.channels; ++i) {
       absl::StatusOr<std::unique_ptr<Client>> c = ConnectClient(options.address, 1);
-      if (!c.ok()) return Fail(c.status());
+      if (!c.ok()) {
+        return Fail(c.status());
+      }
       if (absl::StatusOr<RegisterModelReply> r = (*c)->RegisterModel(target.ns, *spec); !r.ok()) {
         return Fail(r.status());
       }
@@ -258,7 +282,9 @@ int Main() {
 
   const uint32_t workers = client_api ? options.concurrency : options.threads;
   std::vector<std::unique_ptr<WorkerStats>> stats;
-  for (uint32_t i = 0; i < workers; ++i) stats.push_back(std::make_unique<WorkerStats>());
+  for (uint32_t i = 0; i < workers; ++i) {
+    stats.push_back(std::make_unique<WorkerStats>());
+  }
   std::printf(
       "kvcm-load: %s, api %s, %s loop%s, mix %s, concurrency %u, threads %u, channels %u, "
       "warmup %.1f s, duration %.1f s, %zu prompts of %u pages, %zu index-only pools\n",
@@ -297,12 +323,16 @@ int Main() {
       while (!done.WaitForNotificationWithTimeout(absl::Seconds(interval_s))) {
         const Clock::time_point now = Clock::now();
         RunStats interval;
-        for (auto& s : stats) s->TakeInterval(&interval);
+        for (auto& s : stats) {
+          s->TakeInterval(&interval);
+        }
         const double t = std::chrono::duration<double>(now - start).count();
         const double seconds = std::chrono::duration<double>(now - last).count();
         const uint64_t rss_bytes = pid > 0 ? ReadRssBytes(pid) : 0;
         std::string rss;
-        if (pid > 0) rss = absl::StrFormat(" | manager rss %.1f MiB", rss_bytes / 1048576.0);
+        if (pid > 0) {
+          rss = absl::StrFormat(" | manager rss %.1f MiB", rss_bytes / 1048576.0);
+        }
         std::printf("[%7.1f s%s] %s%s\n", t, t < options.warmup_s ? " warmup" : "",
                     FormatIntervalLine(interval, seconds).c_str(), rss.c_str());
         interval_json.push_back(
@@ -319,12 +349,16 @@ int Main() {
     RunStubLoad(options, target, start, stats);
   }
   done.Notify();
-  if (reporter.joinable()) reporter.join();
+  if (reporter.joinable()) {
+    reporter.join();
+  }
   cpu_sampler.join();
   agents.Stop();
 
   RunStats total;
-  for (auto& s : stats) s->AddTotal(&total);
+  for (auto& s : stats) {
+    s->AddTotal(&total);
+  }
   std::printf("%s", FormatStatsTable(total, options.duration_s).c_str());
   const double us_per_call = total.calls() > 0 ? 1e6 / total.calls() : 0;
   std::printf("cpu over the measured window: kvcm-load %.2f cores (%.1f us/call)",
@@ -353,7 +387,9 @@ int Main() {
         self_cpu_s * us_per_call, manager_cpu_s / options.duration_s, manager_cpu_s * us_per_call,
         pid > 0 ? ReadRssBytes(pid) : 0, StatsToJson(total, options.duration_s),
         absl::StrJoin(interval_json, ","));
-    if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write ", path)));
+    if (!out) {
+      return Fail(absl::UnavailableError(absl::StrCat("cannot write ", path)));
+    }
   }
   if (smoke && (total.calls() == 0 || total.errors() > 0)) {
     std::fprintf(stderr, "kvcm-load: smoke failed: %llu calls, %llu errors\n",

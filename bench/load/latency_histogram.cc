@@ -9,7 +9,9 @@ namespace kvcm::load {
 // Values below kSubBuckets get one bucket each; above, the top kSubBucketBits + 1 bits of a
 // value pick its bucket (the leading one fixes the power of two, the rest the sub-bucket).
 int LatencyHistogram::BucketOf(uint64_t v) {
-  if (v < kSubBuckets) return static_cast<int>(v);
+  if (v < kSubBuckets) {
+    return static_cast<int>(v);
+  }
   const int exponent = std::bit_width(v) - 1 - kSubBucketBits;  // >= 0
   const int sub = static_cast<int>((v >> exponent) - kSubBuckets);
   const int bucket = (exponent + 1) * kSubBuckets + sub;
@@ -17,7 +19,9 @@ int LatencyHistogram::BucketOf(uint64_t v) {
 }
 
 uint64_t LatencyHistogram::UpperEdge(int bucket) {
-  if (bucket < kSubBuckets) return static_cast<uint64_t>(bucket);
+  if (bucket < kSubBuckets) {
+    return static_cast<uint64_t>(bucket);
+  }
   const int exponent = bucket / kSubBuckets - 1;
   const uint64_t sub = static_cast<uint64_t>(bucket % kSubBuckets) + kSubBuckets;
   return ((sub + 1) << exponent) - 1;
@@ -32,7 +36,9 @@ void LatencyHistogram::Record(int64_t value_ns) {
 }
 
 void LatencyHistogram::Merge(const LatencyHistogram& other) {
-  for (int i = 0; i < kNumBuckets; ++i) counts_[i] += other.counts_[i];
+  for (int i = 0; i < kNumBuckets; ++i) {
+    counts_[i] += other.counts_[i];
+  }
   count_ += other.count_;
   sum_ns_ += other.sum_ns_;
   max_ns_ = std::max(max_ns_, other.max_ns_);
@@ -41,7 +47,9 @@ void LatencyHistogram::Merge(const LatencyHistogram& other) {
 void LatencyHistogram::Clear() { *this = LatencyHistogram(); }
 
 int64_t LatencyHistogram::Percentile(double q) const {
-  if (count_ == 0) return 0;
+  if (count_ == 0) {
+    return 0;
+  }
   const uint64_t rank =
       std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(count_))));
   uint64_t seen = 0;
@@ -49,7 +57,9 @@ int64_t LatencyHistogram::Percentile(double q) const {
     seen += counts_[i];
     if (seen >= rank) {
       // The last bucket holds everything from 2^kMaxExponent up: its edge says nothing.
-      if (i == kNumBuckets - 1) return max_ns_;
+      if (i == kNumBuckets - 1) {
+        return max_ns_;
+      }
       return std::min<int64_t>(static_cast<int64_t>(UpperEdge(i)), max_ns_);
     }
   }

@@ -55,7 +55,9 @@ absl::StatusOr<RpcMix> RpcMix::Parse(absl::string_view spec) {
     }
     int kind = -1;
     for (int k = 0; k < kNumRpcKinds; ++k) {
-      if (kv[0] == RpcKindName(static_cast<RpcKind>(k))) kind = k;
+      if (kv[0] == RpcKindName(static_cast<RpcKind>(k))) {
+        kind = k;
+      }
     }
     if (kind < 0) {
       return absl::InvalidArgumentError(
@@ -64,14 +66,18 @@ absl::StatusOr<RpcMix> RpcMix::Parse(absl::string_view spec) {
     mix.weights_[kind] += w;
     mix.total_ += w;
   }
-  if (mix.total_ == 0) return absl::InvalidArgumentError("--mix: all weights are 0");
+  if (mix.total_ == 0) {
+    return absl::InvalidArgumentError("--mix: all weights are 0");
+  }
   return mix;
 }
 
 RpcKind RpcMix::Draw(std::mt19937_64& rng) const {
   uint32_t x = static_cast<uint32_t>(rng() % total_);
   for (int k = 0; k < kNumRpcKinds; ++k) {
-    if (x < weights_[k]) return static_cast<RpcKind>(k);
+    if (x < weights_[k]) {
+      return static_cast<RpcKind>(k);
+    }
     x -= weights_[k];
   }
   return RpcKind::kMatch;
@@ -80,33 +86,42 @@ RpcKind RpcMix::Draw(std::mt19937_64& rng) const {
 std::string RpcMix::ToString() const {
   std::vector<std::string> parts;
   for (int k = 0; k < kNumRpcKinds; ++k) {
-    if (weights_[k] > 0)
+    if (weights_[k] > 0) {
       parts.push_back(absl::StrCat(RpcKindName(static_cast<RpcKind>(k)), ":", weights_[k]));
+    }
   }
   return absl::StrJoin(parts, ",");
 }
 
 void KindStats::Merge(const KindStats& other) {
   latency.Merge(other.latency);
-  for (int c = 0; c < kNumGrpcCodes; ++c) codes[c] += other.codes[c];
+  for (int c = 0; c < kNumGrpcCodes; ++c) {
+    codes[c] += other.codes[c];
+  }
   pages += other.pages;
   hit_pages += other.hit_pages;
 }
 
 void RunStats::Merge(const RunStats& other) {
-  for (int k = 0; k < kNumRpcKinds; ++k) kinds[k].Merge(other.kinds[k]);
+  for (int k = 0; k < kNumRpcKinds; ++k) {
+    kinds[k].Merge(other.kinds[k]);
+  }
   unsent += other.unsent;
 }
 
 uint64_t RunStats::calls() const {
   uint64_t n = 0;
-  for (const KindStats& k : kinds) n += k.calls();
+  for (const KindStats& k : kinds) {
+    n += k.calls();
+  }
   return n;
 }
 
 uint64_t RunStats::errors() const {
   uint64_t n = 0;
-  for (const KindStats& k : kinds) n += k.errors();
+  for (const KindStats& k : kinds) {
+    n += k.errors();
+  }
   return n;
 }
 
@@ -163,7 +178,9 @@ double HitPercent(const KindStats& k) {
 std::string ErrorList(const KindStats& k) {
   std::vector<std::string> parts;
   for (int c = 1; c < kNumGrpcCodes; ++c) {
-    if (k.codes[c] > 0) parts.push_back(absl::StrCat(GrpcCodeName(c), "=", k.codes[c]));
+    if (k.codes[c] > 0) {
+      parts.push_back(absl::StrCat(GrpcCodeName(c), "=", k.codes[c]));
+    }
   }
   return parts.empty() ? "-" : absl::StrJoin(parts, ",");
 }
@@ -185,7 +202,9 @@ std::string FormatStatsTable(const RunStats& stats, double seconds) {
                           hit < 0 ? "-" : absl::StrFormat("%.1f", hit), ErrorList(k));
   };
   for (int k = 0; k < kNumRpcKinds; ++k) {
-    if (stats.kinds[k].calls() == 0) continue;
+    if (stats.kinds[k].calls() == 0) {
+      continue;
+    }
     row(RpcKindName(static_cast<RpcKind>(k)), stats.kinds[k]);
     all.Merge(stats.kinds[k]);
   }
@@ -202,7 +221,9 @@ std::string FormatIntervalLine(const RunStats& stats, double seconds) {
   std::string out = absl::StrFormat("%.0f calls/s", stats.calls() / seconds);
   for (int k = 0; k < kNumRpcKinds; ++k) {
     const KindStats& s = stats.kinds[k];
-    if (s.calls() == 0) continue;
+    if (s.calls() == 0) {
+      continue;
+    }
     absl::StrAppendFormat(&out, " | %s %.0f/s p50 %.0f p99 %.0f us",
                           RpcKindName(static_cast<RpcKind>(k)), s.calls() / seconds,
                           Us(s.latency.Percentile(0.5)), Us(s.latency.Percentile(0.99)));
@@ -215,11 +236,14 @@ std::string StatsToJson(const RunStats& stats, double seconds) {
   std::vector<std::string> kinds;
   for (int k = 0; k < kNumRpcKinds; ++k) {
     const KindStats& s = stats.kinds[k];
-    if (s.calls() == 0) continue;
+    if (s.calls() == 0) {
+      continue;
+    }
     std::vector<std::string> codes;
     for (int c = 1; c < kNumGrpcCodes; ++c) {
-      if (s.codes[c] > 0)
+      if (s.codes[c] > 0) {
         codes.push_back(absl::StrFormat("\"%s\":%d", GrpcCodeName(c), s.codes[c]));
+      }
     }
     const LatencyHistogram& h = s.latency;
     kinds.push_back(absl::StrFormat(

@@ -11,7 +11,9 @@ namespace {
 
 TEST(LatencyHistogram, PercentilesWithinABucketOfTheTruth) {
   LatencyHistogram h;
-  for (int64_t v = 1; v <= 100'000; ++v) h.Record(v * 1000);  // 1 µs .. 100 ms
+  for (int64_t v = 1; v <= 100'000; ++v) {
+    h.Record(v * 1000);  // 1 µs .. 100 ms
+  }
   EXPECT_EQ(h.count(), 100'000u);
   EXPECT_EQ(h.max_ns(), 100'000'000);
   for (double q : {0.5, 0.9, 0.99, 0.999}) {
@@ -55,7 +57,9 @@ TEST(RpcMix, ParsesAndDrawsInProportion) {
   EXPECT_EQ(mix->ToString(), "match:70,insert:20,route:10");
   std::mt19937_64 rng(1);
   int counts[kNumRpcKinds] = {};
-  for (int i = 0; i < 100'000; ++i) ++counts[static_cast<int>(mix->Draw(rng))];
+  for (int i = 0; i < 100'000; ++i) {
+    ++counts[static_cast<int>(mix->Draw(rng))];
+  }
   EXPECT_NEAR(counts[0], 70'000, 1'000);
   EXPECT_NEAR(counts[1], 20'000, 1'000);
   EXPECT_EQ(counts[2], 0);

@@ -23,12 +23,16 @@ absl::Status PromptSetOptions::Validate() const {
 
 absl::StatusOr<PromptSet> PromptSet::Make(const PromptSetOptions& options,
                                           uint32_t page_size_tokens, HashFn hash) {
-  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    return s;
+  }
   std::mt19937_64 rng(options.seed);
   std::uniform_int_distribution<int32_t> token(1, 120'000);
   auto random_tokens = [&](uint32_t pages) {
     std::vector<int32_t> t(size_t{pages} * page_size_tokens);
-    for (int32_t& x : t) x = token(rng);
+    for (int32_t& x : t) {
+      x = token(rng);
+    }
     return t;
   };
 
@@ -44,7 +48,9 @@ absl::StatusOr<PromptSet> PromptSet::Make(const PromptSetOptions& options,
       const std::vector<int32_t> suffix = random_tokens(options.suffix_pages);
       tokens.insert(tokens.end(), suffix.begin(), suffix.end());
       absl::StatusOr<std::vector<PageHash>> pages = hash(tokens);
-      if (!pages.ok()) return pages.status();
+      if (!pages.ok()) {
+        return pages.status();
+      }
       prompt.pages = *std::move(pages);
       for (uint32_t j = 0; j < options.prefix_pages; ++j) {
         prompt.block_ids.push_back(p * options.prefix_pages + j);
@@ -54,7 +60,9 @@ absl::StatusOr<PromptSet> PromptSet::Make(const PromptSetOptions& options,
       for (uint32_t j = 0; j < options.suffix_pages; ++j) {
         prompt.block_ids.push_back(first_suffix + j);
       }
-      if (options.keep_tokens) prompt.tokens = std::move(tokens);
+      if (options.keep_tokens) {
+        prompt.tokens = std::move(tokens);
+      }
       set.prompts_.push_back(std::move(prompt));
     }
   }

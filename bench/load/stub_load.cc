@@ -68,20 +68,29 @@ class StubWorker {
     end_ = end;
     const uint32_t slots = SlotsOfThread();
     std::vector<std::unique_ptr<Call>> calls;
-    for (uint32_t i = 0; i < slots; ++i) calls.push_back(std::make_unique<Call>());
+    for (uint32_t i = 0; i < slots; ++i) {
+      calls.push_back(std::make_unique<Call>());
+    }
     std::vector<Call*> idle;
-    for (auto& c : calls) idle.push_back(c.get());
+    idle.reserve(calls.size());
+    for (auto& c : calls) {
+      idle.push_back(c.get());
+    }
     std::this_thread::sleep_until(start);
 
     if (!options_.open_loop) {
-      for (Call* c : idle) Send(c, Clock::now());
+      for (Call* c : idle) {
+        Send(c, Clock::now());
+      }
       idle.clear();
       void* tag;
       bool ok;
       while (outstanding_ > 0 && cq_.Next(&tag, &ok)) {
         Call* c = static_cast<Call*>(tag);
         Complete(c);
-        if (Clock::now() < end_) Send(c, Clock::now());
+        if (Clock::now() < end_) {
+          Send(c, Clock::now());
+        }
       }
     } else {
       const double mean_gap_s = options_.threads / options_.rate_per_s;
@@ -103,7 +112,9 @@ class StubWorker {
           next += gap();
           continue;
         }
-        if (next >= end_ && outstanding_ == 0) break;
+        if (next >= end_ && outstanding_ == 0) {
+          break;
+        }
         const Clock::time_point wake = (next < end_ && !idle.empty()) ? next : end_;
         void* tag;
         bool ok;
@@ -150,7 +161,9 @@ class StubWorker {
     c->due = due;
     c->kind = target_.mix.Draw(rng_);
     c->pin = false;
-    if (c->kind == RpcKind::kRelease && pins_.empty()) c->kind = RpcKind::kMatch;
+    if (c->kind == RpcKind::kRelease && pins_.empty()) {
+      c->kind = RpcKind::kMatch;
+    }
     c->context = std::make_unique<grpc::ClientContext>();
     c->context->set_deadline(std::chrono::system_clock::now() +
                              std::chrono::milliseconds(options_.deadline_ms));
@@ -158,7 +171,9 @@ class StubWorker {
     switch (c->kind) {
       case RpcKind::kMatch: {
         c->pin = pins_allowed_ && pins_.size() + pins_in_flight_ < options_.max_pins_per_thread;
-        if (c->pin) ++pins_in_flight_;
+        if (c->pin) {
+          ++pins_in_flight_;
+        }
         v1::MatchRequest& r = c->match_request;
         *r.mutable_namespace_() = ns_;
         *r.mutable_prompt() = prompts_[p];
@@ -297,7 +312,9 @@ void RunStubLoad(const LoadOptions& options, const LoadTarget& target, Clock::ti
       worker.Run(start, end);
     });
   }
-  for (std::thread& t : threads) t.join();
+  for (std::thread& t : threads) {
+    t.join();
+  }
 }
 
 }  // namespace kvcm::load
