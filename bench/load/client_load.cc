@@ -20,33 +20,34 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
       std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.warmup_s));
   CallOptions call;
   call.deadline_ms = options.deadline_ms;
-  std::deque<uint64_t> pins;
+  std::deque<std::pair<size_t, uint64_t>> pins;  // (namespace, pin id)
   std::this_thread::sleep_until(start);
   for (Clock::time_point t = Clock::now(); t < end; t = Clock::now()) {
     RpcKind kind = target.mix.Draw(rng);
     if (kind == RpcKind::kRelease && pins.empty()) {
       kind = RpcKind::kMatch;
     }
-    const LoadPrompt& prompt = (*target.prompts)[rng() % target.prompts->size()];
+    const size_t n = rng() % target.namespaces.size();
+    const NamespaceLoad& load = target.namespaces[n];
+    const LoadPrompt& prompt = load.prompts[rng() % load.prompts.size()];
     absl::Status status;
     switch (kind) {
       case RpcKind::kMatch: {
         MatchParams params;
         params.pin = pins_allowed && pins.size() < options.max_pins_per_thread;
-        absl::StatusOr<MatchReply> r = client.MatchHashes(target.ns, prompt.pages, params, call);
+        absl::StatusOr<MatchReply> r = client.MatchHashes(load.ns, prompt.pages, params, call);
         status = r.status();
         if (r.ok()) {
           if (r->pin_id != 0) {
-            pins.push_back(r->pin_id);
+            pins.emplace_back(n, r->pin_id);
           }
           stats->RecordPages(kind, r->prompt_pages, r->matched_pages, t >= measure_from);
         }
         break;
       }
       case RpcKind::kInsert: {
-        absl::StatusOr<InsertReply> r =
-            client.InsertHashes(target.ns, prompt.pages, target.pools[rng() % target.pools.size()],
-                                prompt.block_ids, call);
+        absl::StatusOr<InsertReply> r = client.InsertHashes(
+            load.ns, prompt.pages, load.pools[rng() % load.pools.size()], prompt.block_ids, call);
         status = r.status();
         if (r.ok()) {
           stats->RecordPages(kind, prompt.pages.size(), r->already_present_pages,
@@ -55,12 +56,13 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
         break;
       }
       case RpcKind::kRelease:
-        status = client.Release(target.ns, pins.front(), call);
+        status =
+            client.Release(target.namespaces[pins.front().first].ns, pins.front().second, call);
         pins.pop_front();
         break;
       case RpcKind::kRoute: {
         // Route takes tokens and hashes them itself (PromptSetOptions::keep_tokens).
-        absl::StatusOr<RouteReply> r = client.Route(target.ns, prompt.tokens, {}, call);
+        absl::StatusOr<RouteReply> r = client.Route(load.ns, prompt.tokens, {}, call);
         status = r.status();
         if (r.ok()) {
           stats->RecordPages(kind, r->match.prompt_pages, r->match.matched_pages,
@@ -74,8 +76,8 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
                   std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t).count(),
                   t >= measure_from);
   }
-  for (uint64_t pin : pins) {
-    (void)client.Release(target.ns, pin, call);
+  for (const auto& [ns, pin] : pins) {
+    (void)client.Release(target.namespaces[ns].ns, pin, call);
   }
 }
 

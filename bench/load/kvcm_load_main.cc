@@ -58,8 +58,11 @@ ABSL_FLAG(std::string, mix, "match:70,insert:30",
           "RPC kinds and weights, e.g. match:60,insert:20,release:10,route:10 (with release, "
           "Matches pin and the pins are released later)");
 ABSL_FLAG(std::string, model, "deepseek-v3", "catalogue model of the namespace");
-ABSL_FLAG(std::string, tenant, "kvcm-load", "tenant of the namespace");
-ABSL_FLAG(uint32_t, index_pools, 4, "index-only pools the inserts are spread over");
+ABSL_FLAG(std::string, tenant, "kvcm-load", "tenant of the namespaces");
+ABSL_FLAG(uint32_t, namespaces, 1,
+          "namespaces registered (MODEL, or MODEL-0, MODEL-1, ... when more than one), each "
+          "with its own prompts and index-only pools; each call draws one");
+ABSL_FLAG(uint32_t, index_pools, 4, "index-only pools per namespace the inserts are spread over");
 ABSL_FLAG(uint32_t, route_agents, 4, "fake agents registered (and kept alive) when the mix routes");
 ABSL_FLAG(uint32_t, prefixes, 32, "shared prompt prefixes");
 ABSL_FLAG(uint32_t, prompts_per_prefix, 32, "prompts behind each prefix");
@@ -227,39 +230,52 @@ int Main() {
   if (!spec.ok()) {
     return Fail(spec.status());
   }
-  target.ns = NamespaceId{absl::GetFlag(FLAGS_tenant), absl::GetFlag(FLAGS_model)};
 
   // Set-up client: retries while the manager is still starting.
   absl::StatusOr<std::unique_ptr<Client>> setup = ConnectClient(options.address, 10);
   if (!setup.ok()) {
     return Fail(setup.status());
   }
-  absl::StatusOr<RegisterModelReply> reg = (*setup)->RegisterModel(target.ns, *spec);
-  if (!reg.ok()) {
-    return Fail(reg.status());
+  const uint32_t num_namespaces = absl::GetFlag(FLAGS_namespaces);
+  if (num_namespaces == 0 || absl::GetFlag(FLAGS_index_pools) == 0) {
+    return Fail(absl::InvalidArgumentError("--namespaces and --index_pools must be > 0"));
   }
-  target.page_size_tokens = reg->spec.page_size_tokens;
-  target.key_fingerprint = reg->key_fingerprint;
-
   prompt_options.keep_tokens = client_api && target.mix.weight(RpcKind::kRoute) > 0;
-  absl::StatusOr<PromptSet> prompts = PromptSet::Make(
-      prompt_options, target.page_size_tokens,
-      [&](std::span<const int32_t> tokens) { return (*setup)->HashPrompt(target.ns, tokens); });
-  if (!prompts.ok()) {
-    return Fail(prompts.status());
-  }
-  target.prompts = &*prompts;
-  for (uint32_t i = 0; i < absl::GetFlag(FLAGS_index_pools); ++i) {
-    target.pools.push_back(PoolRef{absl::StrCat("kvcm-load-pool-", i), Tier::kGpu});
-  }
-  if (target.pools.empty()) {
-    return Fail(absl::InvalidArgumentError("--index_pools must be > 0"));
+  ModelSpec stored_spec;
+  for (uint32_t n = 0; n < num_namespaces; ++n) {
+    NamespaceLoad load;
+    // One namespace: the model's name; several: its name and a number.
+    load.ns = NamespaceId{absl::GetFlag(FLAGS_tenant),
+                          num_namespaces == 1 ? absl::GetFlag(FLAGS_model)
+                                              : absl::StrCat(absl::GetFlag(FLAGS_model), "-", n)};
+    absl::StatusOr<RegisterModelReply> reg = (*setup)->RegisterModel(load.ns, *spec);
+    if (!reg.ok()) {
+      return Fail(reg.status());
+    }
+    stored_spec = reg->spec;
+    target.page_size_tokens = reg->spec.page_size_tokens;
+    load.key_fingerprint = reg->key_fingerprint;
+    prompt_options.seed = n + 1;
+    absl::StatusOr<PromptSet> prompts = PromptSet::Make(
+        prompt_options, target.page_size_tokens,
+        [&](std::span<const int32_t> tokens) { return (*setup)->HashPrompt(load.ns, tokens); });
+    if (!prompts.ok()) {
+      return Fail(prompts.status());
+    }
+    load.prompts = *std::move(prompts);
+    for (uint32_t i = 0; i < absl::GetFlag(FLAGS_index_pools); ++i) {
+      // Pools of their own per namespace: a pool's blocks are one model's.
+      load.pools.push_back(PoolRef{num_namespaces == 1 ? absl::StrCat("kvcm-load-pool-", i)
+                                                       : absl::StrCat("kvcm-load-pool-", n, "-", i),
+                                   Tier::kGpu});
+    }
+    target.namespaces.push_back(std::move(load));
   }
 
   FakeAgents agents;
   if (target.mix.weight(RpcKind::kRoute) > 0) {
     if (absl::Status s =
-            agents.Start(options.address, reg->spec, absl::GetFlag(FLAGS_route_agents));
+            agents.Start(options.address, stored_spec, absl::GetFlag(FLAGS_route_agents));
         !s.ok()) {
       return Fail(s);
     }
@@ -272,8 +288,10 @@ int Main() {
       if (!c.ok()) {
         return Fail(c.status());
       }
-      if (absl::StatusOr<RegisterModelReply> r = (*c)->RegisterModel(target.ns, *spec); !r.ok()) {
-        return Fail(r.status());
+      for (const NamespaceLoad& load : target.namespaces) {
+        if (absl::StatusOr<RegisterModelReply> r = (*c)->RegisterModel(load.ns, *spec); !r.ok()) {
+          return Fail(r.status());
+        }
       }
       target.clients.push_back(c->get());
       clients.push_back(*std::move(c));
@@ -287,7 +305,8 @@ int Main() {
   }
   std::printf(
       "kvcm-load: %s, api %s, %s loop%s, mix %s, concurrency %u, threads %u, channels %u, "
-      "warmup %.1f s, duration %.1f s, %zu prompts of %u pages, %zu index-only pools\n",
+      "warmup %.1f s, duration %.1f s, %zu namespaces, each %zu prompts of %u pages and %zu "
+      "index-only pools\n",
       options.address.c_str(), client_api ? "client" : "stub",
       options.open_loop ? "open" : "closed",
       options.open_loop ? absl::StrFormat(" at %.0f/s (%s)", options.rate_per_s,
@@ -295,8 +314,9 @@ int Main() {
                               .c_str()
                         : "",
       target.mix.ToString().c_str(), options.concurrency, options.threads, options.channels,
-      options.warmup_s, options.duration_s, prompts->size(),
-      prompt_options.prefix_pages + prompt_options.suffix_pages, target.pools.size());
+      options.warmup_s, options.duration_s, target.namespaces.size(),
+      target.namespaces[0].prompts.size(),
+      prompt_options.prefix_pages + prompt_options.suffix_pages, target.namespaces[0].pools.size());
   std::fflush(stdout);
 
   const Clock::time_point start = Clock::now() + std::chrono::milliseconds(100);
@@ -375,14 +395,15 @@ int Main() {
         "{\"config\":{\"address\":\"%s\",\"api\":\"%s\",\"loop\":\"%s\",\"rate\":%.1f,"
         "\"arrivals\":\"%s\",\"mix\":\"%s\",\"concurrency\":%d,\"threads\":%d,"
         "\"channels\":%d,\"warmup_s\":%.1f,\"duration_s\":%.1f,\"deadline_ms\":%d,"
-        "\"prompts\":%d,\"prompt_pages\":%d},"
+        "\"namespaces\":%d,\"prompts\":%d,\"prompt_pages\":%d},"
         "\"cpu\":{\"kvcm_load_cores\":%.3f,\"kvcm_load_us_per_call\":%.2f,"
         "\"manager_cores\":%.3f,\"manager_us_per_call\":%.2f},"
         "\"manager_rss_bytes\":%d,\"results\":%s,\"intervals\":[%s]}\n",
         options.address, client_api ? "client" : "stub", options.open_loop ? "open" : "closed",
         options.rate_per_s, options.poisson ? "poisson" : "fixed", target.mix.ToString(),
         options.concurrency, options.threads, options.channels, options.warmup_s,
-        options.duration_s, options.deadline_ms, prompts->size(),
+        options.duration_s, options.deadline_ms, target.namespaces.size(),
+        target.namespaces[0].prompts.size(),
         prompt_options.prefix_pages + prompt_options.suffix_pages, self_cpu_s / options.duration_s,
         self_cpu_s * us_per_call, manager_cpu_s / options.duration_s, manager_cpu_s * us_per_call,
         pid > 0 ? ReadRssBytes(pid) : 0, StatsToJson(total, options.duration_s),

@@ -51,16 +51,23 @@ struct LoadOptions {
   absl::Status Validate() const;
 };
 
+// One registered namespace and what the load sends to it.
+struct NamespaceLoad {
+  NamespaceId ns;
+  uint64_t key_fingerprint = 0;
+  PromptSet prompts;  // hashed with the namespace's key
+  // Index-only pools the namespace's inserts go to (one drawn per call).
+  std::vector<PoolRef> pools;
+};
+
 // What the set-up made, for the drivers. The pointees outlive the run.
 struct LoadTarget {
-  NamespaceId ns;
   uint32_t page_size_tokens = 0;
-  uint64_t key_fingerprint = 0;
-  const PromptSet* prompts = nullptr;
+  // Each call draws one, uniformly. Not empty.
+  std::vector<NamespaceLoad> namespaces;
   RpcMix mix;
-  // Index-only pools the inserts go to (one drawn per call).
-  std::vector<PoolRef> pools;
-  // The client driver's clients (each its own channel), RegisterModel done on ns.
+  // The client driver's clients (each its own channel), RegisterModel done on every
+  // namespace.
   std::vector<Client*> clients;
 };
 

@@ -22,6 +22,7 @@ using Reader = std::unique_ptr<grpc::ClientAsyncResponseReader<T>>;
 // One call in flight; reused for the slot's next call.
 struct Call {
   RpcKind kind = RpcKind::kMatch;
+  size_t ns = 0;  // index into LoadTarget::namespaces
   bool pin = false;
   Clock::time_point due;
   std::unique_ptr<grpc::ClientContext> context;
@@ -49,7 +50,7 @@ std::chrono::system_clock::time_point SystemTime(Clock::time_point t) {
 class StubWorker {
  public:
   StubWorker(const LoadOptions& options, const LoadTarget& target,
-             const std::vector<v1::Prompt>& prompts,
+             const std::vector<std::vector<v1::Prompt>>& prompts,
              const std::vector<std::unique_ptr<Stub>>& stubs, int index, WorkerStats* stats)
       : options_(options),
         target_(target),
@@ -59,7 +60,9 @@ class StubWorker {
         stats_(stats),
         rng_(0x9e3779b97f4a7c15ULL * (index + 1)),
         pins_allowed_(target.mix.weight(RpcKind::kRelease) > 0) {
-    NamespaceToProto(target.ns, &ns_);
+    for (const NamespaceLoad& n : target.namespaces) {
+      NamespaceToProto(n.ns, &ns_.emplace_back());
+    }
   }
 
   void Run(Clock::time_point start, Clock::time_point end) {
@@ -167,7 +170,9 @@ class StubWorker {
     c->context = std::make_unique<grpc::ClientContext>();
     c->context->set_deadline(std::chrono::system_clock::now() +
                              std::chrono::milliseconds(options_.deadline_ms));
-    const size_t p = rng_() % prompts_.size();
+    const size_t n = rng_() % ns_.size();
+    const size_t p = rng_() % prompts_[n].size();
+    c->ns = n;
     switch (c->kind) {
       case RpcKind::kMatch: {
         c->pin = pins_allowed_ && pins_.size() + pins_in_flight_ < options_.max_pins_per_thread;
@@ -175,8 +180,8 @@ class StubWorker {
           ++pins_in_flight_;
         }
         v1::MatchRequest& r = c->match_request;
-        *r.mutable_namespace_() = ns_;
-        *r.mutable_prompt() = prompts_[p];
+        *r.mutable_namespace_() = ns_[n];
+        *r.mutable_prompt() = prompts_[n][p];
         r.set_pin(c->pin);
         c->match_reader = NextStub()->PrepareAsyncMatch(c->context.get(), r, &cq_);
         c->match_reader->StartCall();
@@ -185,10 +190,11 @@ class StubWorker {
       }
       case RpcKind::kInsert: {
         v1::InsertRequest& r = c->insert_request;
-        *r.mutable_namespace_() = ns_;
-        *r.mutable_prompt() = prompts_[p];
-        PoolToProto(target_.pools[rng_() % target_.pools.size()], r.mutable_pool());
-        const std::vector<BlockId>& ids = (*target_.prompts)[p].block_ids;
+        *r.mutable_namespace_() = ns_[n];
+        *r.mutable_prompt() = prompts_[n][p];
+        const NamespaceLoad& load = target_.namespaces[n];
+        PoolToProto(load.pools[rng_() % load.pools.size()], r.mutable_pool());
+        const std::vector<BlockId>& ids = load.prompts[p].block_ids;
         r.mutable_block_ids()->Assign(ids.begin(), ids.end());
         c->insert_reader = NextStub()->PrepareAsyncInsert(c->context.get(), r, &cq_);
         c->insert_reader->StartCall();
@@ -197,8 +203,8 @@ class StubWorker {
       }
       case RpcKind::kRelease: {
         v1::ReleaseRequest& r = c->release_request;
-        *r.mutable_namespace_() = ns_;
-        r.set_pin_id(pins_.front());
+        *r.mutable_namespace_() = ns_[pins_.front().first];
+        r.set_pin_id(pins_.front().second);
         pins_.pop_front();
         c->release_reader = NextStub()->PrepareAsyncRelease(c->context.get(), r, &cq_);
         c->release_reader->StartCall();
@@ -207,8 +213,8 @@ class StubWorker {
       }
       case RpcKind::kRoute: {
         v1::RouteRequest& r = c->route_request;
-        *r.mutable_namespace_() = ns_;
-        *r.mutable_prompt() = prompts_[p];
+        *r.mutable_namespace_() = ns_[n];
+        *r.mutable_prompt() = prompts_[n][p];
         r.set_policy(v1::ROUTE_POLICY_PREFILL_SAVED);
         c->route_reader = NextStub()->PrepareAsyncRoute(c->context.get(), r, &cq_);
         c->route_reader->StartCall();
@@ -247,19 +253,19 @@ class StubWorker {
     if (c->pin) {
       --pins_in_flight_;
       if (c->status.ok() && c->match_response.pin_id() != 0) {
-        pins_.push_back(c->match_response.pin_id());
+        pins_.emplace_back(c->ns, c->match_response.pin_id());
       }
     }
   }
 
   // Pins still held at the end, released with blocking calls (not measured).
   void ReleaseHeldPins() {
-    for (uint64_t pin : pins_) {
+    for (const auto& [n, pin] : pins_) {
       grpc::ClientContext context;
       context.set_deadline(std::chrono::system_clock::now() +
                            std::chrono::milliseconds(options_.deadline_ms));
       v1::ReleaseRequest r;
-      *r.mutable_namespace_() = ns_;
+      *r.mutable_namespace_() = ns_[n];
       r.set_pin_id(pin);
       v1::ReleaseResponse response;
       (void)NextStub()->Release(&context, r, &response);
@@ -269,19 +275,19 @@ class StubWorker {
 
   const LoadOptions& options_;
   const LoadTarget& target_;
-  const std::vector<v1::Prompt>& prompts_;
+  const std::vector<std::vector<v1::Prompt>>& prompts_;  // [namespace][prompt]
   const std::vector<std::unique_ptr<Stub>>& stubs_;
   const int index_;
   WorkerStats* const stats_;
   std::mt19937_64 rng_;
   const bool pins_allowed_;
-  v1::Namespace ns_;
+  std::vector<v1::Namespace> ns_;  // target_.namespaces as protos
   grpc::CompletionQueue cq_;
   Clock::time_point measure_from_;
   Clock::time_point end_;
   uint64_t outstanding_ = 0;
   size_t next_stub_ = 0;
-  std::deque<uint64_t> pins_;
+  std::deque<std::pair<size_t, uint64_t>> pins_;  // (namespace, pin id)
   uint32_t pins_in_flight_ = 0;
 };
 
@@ -297,10 +303,12 @@ void RunStubLoad(const LoadOptions& options, const LoadTarget& target, Clock::ti
     args.SetInt("kvcm.load.channel", static_cast<int>(i));
     stubs.push_back(v1::CacheManager::NewStub(MakeInsecureChannel(options.address, args)));
   }
-  std::vector<v1::Prompt> prompts(target.prompts->size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    wire::SetHashes((*target.prompts)[i].pages, target.page_size_tokens, target.key_fingerprint,
-                    &prompts[i]);
+  std::vector<std::vector<v1::Prompt>> prompts;
+  for (const NamespaceLoad& n : target.namespaces) {
+    std::vector<v1::Prompt>& protos = prompts.emplace_back(n.prompts.size());
+    for (size_t i = 0; i < protos.size(); ++i) {
+      wire::SetHashes(n.prompts[i].pages, target.page_size_tokens, n.key_fingerprint, &protos[i]);
+    }
   }
   const Clock::time_point end =
       start + std::chrono::duration_cast<Clock::duration>(
