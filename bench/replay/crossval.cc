@@ -80,14 +80,7 @@ GeneratorOptions Shape(int shape, uint64_t seed, bool smoke) {
     default:
       break;
   }
-  if (smoke) {
-    g.chat.requests = 60;
-    g.few_shot.requests = 60;
-    g.multi_turn.conversations = 12;
-    g.random.prompts = 60;
-    g.shared_prefix.groups = 4;
-    g.shared_prefix.prompts_per_group = 8;
-  }
+  if (smoke) g.ShrinkForSmoke();
   return g;
 }
 

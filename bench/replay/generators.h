@@ -99,6 +99,16 @@ struct GeneratorOptions {
   RandomOptions random;
   SharedPrefixOptions shared_prefix;
   ArrivalOptions arrival;
+
+  // Few enough requests of every generator for a smoke run (CI) to take moments.
+  void ShrinkForSmoke() {
+    chat.requests = 60;
+    few_shot.requests = 60;
+    multi_turn.conversations = 12;
+    random.prompts = 60;
+    shared_prefix.groups = 4;
+    shared_prefix.prompts_per_group = 8;
+  }
 };
 
 // Names GenerateByName accepts, in their canonical order.

@@ -236,14 +236,7 @@ GeneratorOptions GeneratorsFromFlags(bool smoke) {
       .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_system_tokens)),
       .question_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_question_tokens)),
       .output_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_output_tokens))};
-  if (smoke) {
-    g.chat.requests = 60;
-    g.few_shot.requests = 60;
-    g.multi_turn.conversations = 12;
-    g.random.prompts = 60;
-    g.shared_prefix.groups = 4;
-    g.shared_prefix.prompts_per_group = 8;
-  }
+  if (smoke) g.ShrinkForSmoke();
   return g;
 }
 
