@@ -97,8 +97,19 @@ std::optional<double> GapClosed(double policy, double lru, double opt) {
   return (policy - lru) / (opt - lru);
 }
 
-std::string ParamsName(const AdaptiveParams& p) {
+// The tunable parameters of the learning policies; each grid sets one policy's.
+struct Tuning {
+  AdaptiveParams adaptive;
+  DensityParams density;
+};
+
+std::string AdaptiveName(const AdaptiveParams& p) {
   return absl::StrFormat("init %.2g step %.2g max %.2g", p.initial_credit, p.step, p.max_credit);
+}
+
+std::string DensityName(const DensityParams& p) {
+  return absl::StrFormat("%u reuse class%s, lru guard %s", p.reuse_classes,
+                         p.reuse_classes == 1 ? "" : "es", p.lru_guard ? "on" : "off");
 }
 
 class Evaluation {
@@ -106,7 +117,7 @@ class Evaluation {
   explicit Evaluation(const CrossvalOptions& options) : options_(options) {}
 
   absl::StatusOr<double> Run(const CrossvalWorkload& w, const std::string& policy, double capacity,
-                             const AdaptiveParams& params) {
+                             const Tuning& tuning) {
     ReplayOptions o = options_.base;
     o.policy = policy;
     o.spec = w.specs[0];
@@ -114,7 +125,8 @@ class Evaluation {
     o.extra_specs.assign(w.specs.begin() + 1, w.specs.end());
     for (ModelSpec& s : o.extra_specs) s.page_size_tokens = w.trace.page_size_tokens;
     o.capacity_fraction = capacity;
-    o.adaptive = params;
+    o.adaptive = tuning.adaptive;
+    o.density = tuning.density;
     absl::StatusOr<ReplayResult> r = Replay(w.trace, o);
     if (!r.ok()) {
       return absl::Status(r.status().code(), absl::StrCat(w.name, " ", policy, " ", capacity, ": ",
@@ -151,6 +163,41 @@ void Add(Score& s, double hit, double lru, double opt) {
     s.sum += *g;
     ++s.cells;
   }
+}
+
+// Replays `policy` with each point of `grid` on the train part, prints each point's score,
+// and returns the index of the best: fewest cells below lru, then the largest mean share of
+// the gap closed (the first such point on a tie).
+absl::StatusOr<size_t> ChooseOnTrain(Evaluation& eval,
+                                     const std::vector<CrossvalWorkload>& workloads,
+                                     const std::vector<double>& caps,
+                                     const std::vector<std::vector<Cell>>& cells,
+                                     const std::string& policy, const std::vector<Tuning>& grid,
+                                     const std::vector<std::string>& names) {
+  std::printf("\n## Choosing %s's parameters on the train part\n\n", policy.c_str());
+  std::printf("| parameters | train cells below lru | mean gap closed (train) |\n|---|---|---|\n");
+  size_t best = 0;
+  Score best_score;
+  for (size_t k = 0; k < grid.size(); ++k) {
+    Score s;
+    for (size_t w = 0; w < workloads.size(); ++w) {
+      if (!workloads[w].train) continue;
+      for (size_t c = 0; c < caps.size(); ++c) {
+        absl::StatusOr<double> hit = eval.Run(workloads[w], policy, caps[c], grid[k]);
+        if (!hit.ok()) return hit.status();
+        Add(s, *hit, cells[w][c].lru, cells[w][c].opt);
+      }
+    }
+    std::printf("| %s | %d | %.1f %% |\n", names[k].c_str(), s.below, 100 * s.mean());
+    std::fflush(stdout);
+    if (k == 0 || s.below < best_score.below ||
+        (s.below == best_score.below && s.mean() > best_score.mean())) {
+      best = k;
+      best_score = s;
+    }
+  }
+  std::printf("\nchosen: %s\n", names[best].c_str());
+  return best;
 }
 
 }  // namespace
@@ -256,51 +303,50 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
     }
   }
 
-  // The grid, scored on the train part only.
-  std::vector<AdaptiveParams> grid;
+  // Each learning policy's grid, scored on the train part only; the chosen point then
+  // runs on both parts.
+  std::vector<Tuning> adaptive_grid;
   for (double initial : {0.0, 0.5, 1.0}) {
     for (double step : {0.02, 0.1}) {
       for (double max_credit : {1.0, 2.0, 8.0}) {
-        grid.push_back({.initial_credit = initial, .max_credit = max_credit, .step = step});
+        adaptive_grid.push_back(
+            {.adaptive = {.initial_credit = initial, .max_credit = max_credit, .step = step}});
       }
     }
   }
-  if (options.smoke) grid.resize(2);
-  if (options.only_params.has_value()) grid = {*options.only_params};
-  std::printf("\n## Choosing adaptive's parameters on the train part\n\n");
-  std::printf("| parameters | train cells below lru | mean gap closed (train) |\n|---|---|---|\n");
-  size_t best = 0;
-  Score best_score;
-  for (size_t k = 0; k < grid.size(); ++k) {
-    Score s;
+  std::vector<Tuning> density_grid;
+  for (uint32_t classes : {1u, 2u, 4u}) {
+    for (bool guard : {false, true}) {
+      density_grid.push_back({.density = {.reuse_classes = classes, .lru_guard = guard}});
+    }
+  }
+  if (options.smoke) {
+    adaptive_grid.resize(2);
+    density_grid.resize(2);
+  }
+  if (options.only_params.has_value()) adaptive_grid = {{.adaptive = *options.only_params}};
+  if (options.only_density.has_value()) density_grid = {{.density = *options.only_density}};
+  for (const auto& [policy, grid] :
+       {std::pair{"adaptive", &adaptive_grid}, std::pair{"density", &density_grid}}) {
+    std::vector<std::string> names;
+    for (const Tuning& t : *grid) {
+      names.push_back(std::string(policy) == "adaptive" ? AdaptiveName(t.adaptive)
+                                                        : DensityName(t.density));
+    }
+    absl::StatusOr<size_t> best =
+        ChooseOnTrain(eval, *workloads, caps, cells, policy, *grid, names);
+    if (!best.ok()) return best.status();
     for (size_t w = 0; w < workloads->size(); ++w) {
-      if (!(*workloads)[w].train) continue;
       for (size_t c = 0; c < caps.size(); ++c) {
-        absl::StatusOr<double> hit = eval.Run((*workloads)[w], "adaptive", caps[c], grid[k]);
+        absl::StatusOr<double> hit = eval.Run((*workloads)[w], policy, caps[c], (*grid)[*best]);
         if (!hit.ok()) return hit.status();
-        Add(s, *hit, cells[w][c].lru, cells[w][c].opt);
+        cells[w][c].hit[policy] = *hit;
       }
-    }
-    std::printf("| %s | %d | %.1f %% |\n", ParamsName(grid[k]).c_str(), s.below, 100 * s.mean());
-    std::fflush(stdout);
-    if (k == 0 || s.below < best_score.below ||
-        (s.below == best_score.below && s.mean() > best_score.mean())) {
-      best = k;
-      best_score = s;
-    }
-  }
-  std::printf("\nchosen: %s\n", ParamsName(grid[best]).c_str());
-
-  for (size_t w = 0; w < workloads->size(); ++w) {
-    for (size_t c = 0; c < caps.size(); ++c) {
-      absl::StatusOr<double> hit = eval.Run((*workloads)[w], "adaptive", caps[c], grid[best]);
-      if (!hit.ok()) return hit.status();
-      cells[w][c].hit["adaptive"] = *hit;
     }
   }
 
   // Per workload: hit rates, then the gap closed; "(below lru)" flags a cell.
-  const char* kPolicies[] = {"lru", "cost", "adaptive", "opt"};
+  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "opt"};
   std::vector<std::string> header;
   for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
   std::printf("\n## Token hit rate (%%) and share of the lru->opt gap closed\n\n");
@@ -319,7 +365,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
         const double hit = cell.hit.at(policy);
         Add(scores[c], hit, cell.lru, cell.opt);
         std::string text = Percent(hit);
-        if (std::string(policy) == "cost" || std::string(policy) == "adaptive") {
+        if (std::string(policy) != "lru" && std::string(policy) != "opt") {
           std::optional<double> g = GapClosed(hit, cell.lru, cell.opt);
           text += g.has_value() ? absl::StrFormat(" (%.0f %%)", 100 * *g) : " (n/a)";
           if (hit < cell.lru - 1e-9) text += " **below lru**";
@@ -338,7 +384,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
               absl::StrJoin(header, " | ").c_str(),
               absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
   for (bool train : {true, false}) {
-    for (const char* policy : {"cost", "adaptive"}) {
+    for (const char* policy : {"cost", "adaptive", "density"}) {
       const std::vector<Score>& scores = by_cap[{train, policy}];
       Score all;
       std::vector<std::string> out;

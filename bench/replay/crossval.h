@@ -4,9 +4,10 @@
 // generators with seeds 1-2 and their default or first variant shapes, and one two-model
 // mix. "test": the second time half of the Mooncake trace, the five generators with seeds
 // 3-4 and other shapes, two other mixes (another Llama), and any extra Mooncake-format
-// traces given. The "adaptive" policy's parameters are chosen from a fixed grid on the
-// train part alone (fewest cells below lru, then the largest mean share of the lru->opt
-// gap closed); then lru, cost, adaptive (chosen) and opt run on both parts, and the report
+// traces given. The "adaptive" and "density" policies' parameters are chosen, each from a
+// fixed grid, on the train part alone (fewest cells below lru, then the largest mean share
+// of the lru->opt gap closed); then lru, cost, adaptive, density (as chosen) and opt run
+// on both parts, and the report
 // gives per cell the share of the lru->opt gap each policy closes, flagging cells below lru.
 //
 // Not thread-safe; runs on the calling thread.
@@ -46,7 +47,8 @@ struct CrossvalOptions {
   bool train_only = false;  // skip the test part (for development)
   // If set, the only grid point (so the choice is trivial): for development on train.
   std::optional<AdaptiveParams> only_params;
-  std::string csv;  // if set, every run as CSV
+  std::optional<DensityParams> only_density;  // the same for "density"
+  std::string csv;                            // if set, every run as CSV
 };
 
 // The workloads of both parts, train first.

@@ -76,6 +76,11 @@ ABSL_FLAG(double, host_capacity, 0,
 ABSL_FLAG(double, reuse_credit_s, 40,
           "cost policy: seconds of recency one reuse of a page is worth (CacheIndexOptions::"
           "reuse_credit).");
+ABSL_FLAG(int32_t, density_reuse_classes, kvcm::DensityParams{}.reuse_classes,
+          "density policy: reuse classes per tenant, 1, 2 or 4 (DensityParams).");
+ABSL_FLAG(bool, density_lru_guard, kvcm::DensityParams{}.lru_guard,
+          "density policy: let LRU decide while its victims come back less often "
+          "(DensityParams).");
 ABSL_FLAG(double, adaptive_initial_credit, kvcm::AdaptiveParams{}.initial_credit,
           "adaptive policy: credit of one reuse at start, in mean reuse intervals "
           "(AdaptiveParams).");
@@ -85,9 +90,10 @@ ABSL_FLAG(double, adaptive_step, kvcm::AdaptiveParams{}.step,
           "adaptive policy: credit change per adaptation step, in mean reuse intervals "
           "(AdaptiveParams).");
 ABSL_FLAG(bool, crossval, false,
-          "Cross-validated evaluation (bench/replay/crossval.h): lru, cost, adaptive and opt at "
-          "--crossval_capacities over a train and a test part; adaptive's parameters are "
-          "chosen on the train part only. Ignores --workloads, --policies, --capacities, "
+          "Cross-validated evaluation (bench/replay/crossval.h): lru, cost, adaptive, density "
+          "and opt at --crossval_capacities over a train and a test part; adaptive's and "
+          "density's parameters are chosen on the train part only. Ignores --workloads, "
+          "--policies, --capacities, "
           "--gpus, --model and the generator flags.");
 ABSL_FLAG(std::string, crossval_capacities, "0.01,0.02,0.05,0.1,0.2",
           "--crossval: capacities, as fractions like --capacities.");
@@ -99,7 +105,8 @@ ABSL_FLAG(bool, crossval_train_only, false,
           "--crossval: run the train part only (to develop a policy without seeing the test "
           "part).");
 ABSL_FLAG(bool, crossval_fixed_params, false,
-          "--crossval: use the --adaptive_* flags instead of choosing from the grid (for "
+          "--crossval: use the --adaptive_* and --density_* flags instead of choosing from the "
+          "grids (for "
           "development on the train part).");
 ABSL_FLAG(std::string, crossval_extra_traces, "",
           "--crossval: extra Mooncake-format traces for the test part, comma-separated.");
@@ -168,8 +175,9 @@ scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
 
   kvcm-bench --crossval [--csv=out.csv]
 
-runs lru, cost, adaptive and opt at 1-20 % over a train part and a held-out test part
-(bench/replay/crossval.h), chooses adaptive's parameters on the train part only, and prints
+runs lru, cost, adaptive, density and opt at 1-20 % over a train part and a held-out test
+part (bench/replay/crossval.h), chooses adaptive's and density's parameters on the train
+part only, and prints
 Markdown tables of hit rates and of the share of the lru->opt gap each policy closes.
 )";
 
@@ -347,6 +355,9 @@ int Main(int argc, char** argv) {
   base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
   base.reuse_credit = absl::Seconds(absl::GetFlag(FLAGS_reuse_credit_s));
   base.host_capacity_fraction = absl::GetFlag(FLAGS_host_capacity);
+  base.density = DensityParams{
+      .reuse_classes = static_cast<uint32_t>(absl::GetFlag(FLAGS_density_reuse_classes)),
+      .lru_guard = absl::GetFlag(FLAGS_density_lru_guard)};
   base.adaptive = AdaptiveParams{.initial_credit = absl::GetFlag(FLAGS_adaptive_initial_credit),
                                  .max_credit = absl::GetFlag(FLAGS_adaptive_max_credit),
                                  .step = absl::GetFlag(FLAGS_adaptive_step)};
@@ -359,7 +370,10 @@ int Main(int argc, char** argv) {
                        .train_only = absl::GetFlag(FLAGS_crossval_train_only),
                        .csv = absl::GetFlag(FLAGS_csv)};
     cv.base.gpus = 1;
-    if (absl::GetFlag(FLAGS_crossval_fixed_params)) cv.only_params = base.adaptive;
+    if (absl::GetFlag(FLAGS_crossval_fixed_params)) {
+      cv.only_params = base.adaptive;
+      cv.only_density = base.density;
+    }
     for (absl::string_view path :
          absl::StrSplit(absl::GetFlag(FLAGS_crossval_extra_traces), ',', absl::SkipWhitespace())) {
       cv.extra_test_traces.emplace_back(path);

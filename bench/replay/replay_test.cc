@@ -29,7 +29,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "adaptive", "opt"};
+constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "adaptive", "density", "opt"};
 const HashKey kKey{1, 2};
 
 // A file under the test's temporary directory, named by the process so that concurrent
@@ -371,7 +371,7 @@ TEST(ReplayTest, OptHitsAtLeastAsMuchAsEveryPolicy) {
       options.policy = "opt";
       absl::StatusOr<ReplayResult> opt = Replay(trace, options);
       ASSERT_TRUE(opt.ok()) << opt.status();
-      for (const char* policy : {"lru", "lru-mha", "cost", "adaptive"}) {
+      for (const char* policy : {"lru", "lru-mha", "cost", "adaptive", "density"}) {
         options.policy = policy;
         absl::StatusOr<ReplayResult> other = Replay(trace, options);
         ASSERT_TRUE(other.ok()) << other.status();
@@ -544,7 +544,7 @@ TEST(ReplayTest, TwoTenantsOfTwoModelsShareThePool) {
   ReplayOptions options;
   options.spec = Spec(16);
   options.extra_specs = {*llama};
-  for (const char* policy : {"lru", "cost", "adaptive", "opt"}) {
+  for (const char* policy : {"lru", "cost", "adaptive", "density", "opt"}) {
     SCOPED_TRACE(policy);
     options.policy = policy;
     options.capacity_fraction = 1.0;

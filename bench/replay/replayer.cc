@@ -152,6 +152,7 @@ class ReplayRun {
       o.regret_window = options_.regret_window;
       o.reuse_credit = options_.reuse_credit;
       o.adaptive = options_.adaptive;
+      o.density = options_.density;
       o.clock = &clock_;
       absl::StatusOr<std::unique_ptr<CacheIndex>> index = CacheIndex::Create(std::move(o));
       if (!index.ok()) return index.status();

@@ -87,6 +87,8 @@ struct ReplayOptions {
   absl::Duration reuse_credit = absl::Seconds(40);
   // CacheIndexOptions::adaptive, for the "adaptive" policy.
   AdaptiveParams adaptive;
+  // CacheIndexOptions::density, for the "density" policy.
+  DensityParams density;
 
   // Called after each request's Insert with the request index and every index of the
   // cluster (tests check budgets there). Optional.

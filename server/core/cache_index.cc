@@ -10,7 +10,8 @@
 namespace kvcm {
 
 absl::Status CacheIndexOptions::Validate() const {
-  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use, reuse_credit, adaptive}); !p.ok())
+  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use, reuse_credit, adaptive, density});
+      !p.ok())
     return p.status();
   if (default_lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_lease_ttl must be positive");
@@ -48,9 +49,9 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      policy_(*MakeEvictionPolicy(
-          options_.policy,
-          PolicyContext{options_.next_use, options_.reuse_credit, options_.adaptive})),
+      policy_(*MakeEvictionPolicy(options_.policy,
+                                  PolicyContext{options_.next_use, options_.reuse_credit,
+                                                options_.adaptive, options_.density})),
       leases_(options_.expired_pin_memory) {
   // Quota evictions take a tenant's own candidates, in the policy's order.
   if (options_.tenant_max_bytes > 0) policy_->TrackGroups();
@@ -559,7 +560,12 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     if (auto ghost = evicted_runs_.find(pages[in_tree]); ghost != evicted_runs_.end()) {
       // Back within the window: asked for again, on top of its earlier uses.
       leaf->hits = ghost->second.hits + 1;
-      policy_->OnGhostHit(ghost->second.hits, ghost->second.last_access_s,
+      policy_->OnGhostHit(*leaf,
+                          {.hits = ghost->second.hits,
+                           .last_access_s = ghost->second.last_access_s,
+                           .evicted_s = absl::ToDoubleSeconds(ghost->second.at - absl::UnixEpoch()),
+                           .pages = ghost->second.pages,
+                           .tag = ghost->second.policy_tag},
                           absl::ToDoubleSeconds(now - absl::UnixEpoch()));
       evicted_runs_.erase(ghost);
     }

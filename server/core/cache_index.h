@@ -45,7 +45,7 @@ struct CacheIndexOptions {
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
   HashKey hash_secret;
   // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "adaptive",
-  // "opt".
+  // "density", "opt".
   std::string policy = "lru";
   // Next-use oracle for "opt" (simulator only). Not owned.
   const NextUseOracle* next_use = nullptr;
@@ -53,6 +53,8 @@ struct CacheIndexOptions {
   absl::Duration reuse_credit = absl::Seconds(40);
   // "adaptive": its dimensionless parameters (see AdaptiveParams).
   AdaptiveParams adaptive;
+  // "density": its parameters (see DensityParams).
+  DensityParams density;
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;
@@ -655,6 +657,7 @@ class CacheIndex {
     // outlives a stay in the cache is still seen (a "ghost" history).
     uint32_t hits;
     double last_access_s;    // clock time of its last access, for policies that learn
+    uint8_t policy_tag = 0;  // EvictionPolicy::OnGhostAdded's answer
     bool regretted = false;  // its regret was counted already
   };
   absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);

@@ -62,8 +62,12 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   std::vector<BlockId> block_ids = RemoveReplica(node, pool, [&](RadixNode* last) {
     if (options_.regret_window > absl::ZeroDuration()) {
       evicted_runs_[last->pages[0]] =
-          EvictedRun{now, last->size(), last->hits, last->last_access_s};
-      policy_->OnGhostAdded(*last, absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+          EvictedRun{.at = now,
+                     .pages = last->size(),
+                     .hits = last->hits,
+                     .last_access_s = last->last_access_s,
+                     .policy_tag = policy_->OnGhostAdded(
+                         *last, absl::ToDoubleSeconds(now - absl::UnixEpoch()))};
       evicted_order_.emplace_back(now, last->pages[0]);
     }
   });

@@ -585,7 +585,7 @@ TEST_F(CacheIndexTest, OptNeedsAnOracle) {
   EXPECT_EQ(CacheIndex::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
   options.policy = "belady";
   EXPECT_THAT(CacheIndex::Create(options).status().message(),
-              HasSubstr("lru, lru-mha, cost, adaptive, opt"));
+              HasSubstr("lru, lru-mha, cost, adaptive, density, opt"));
 }
 
 // Next uses set by the test, by first page.
@@ -1014,7 +1014,7 @@ class HashOrderOracle final : public NextUseOracle {
 
 TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
   static const HashOrderOracle oracle;
-  for (const char* policy : {"lru", "lru-mha", "cost", "adaptive", "opt"}) {
+  for (const char* policy : {"lru", "lru-mha", "cost", "adaptive", "density", "opt"}) {
     SCOPED_TRACE(policy);
     Reset(CacheIndexOptions{.policy = policy, .next_use = &oracle});
     RunRandomOperations();

@@ -194,7 +194,7 @@ void AdaptivePolicy::OnTouch(const RadixNode& node, double now_s, Access access)
   }
 }
 
-void AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
+uint8_t AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
   const double age = std::max(0.0, now_s - node.last_access_s);
   if (CountedReuses(node) > 0) {
     if (age_samples_ > 0 && age > eviction_age_s_) {
@@ -202,7 +202,7 @@ void AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
       credit_kept_hit_ *= kCountDecay;
       Adapt();
     }
-    return;
+    return 0;
   }
   once_evicted_ = once_evicted_ * kCountDecay + 1;
   once_regretted_ *= kCountDecay;
@@ -211,13 +211,14 @@ void AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
   ++age_samples_;
   eviction_age_s_ +=
       (age - eviction_age_s_) / std::min<double>(static_cast<double>(age_samples_), kWindow);
+  return 0;
 }
 
-void AdaptivePolicy::OnGhostHit(uint32_t hits, double last_access_s, double now_s) {
+void AdaptivePolicy::OnGhostHit(const RadixNode& /*leaf*/, const GhostHit& ghost, double now_s) {
   // A reuse the cache did not keep for: its interval counts too, or the mean would only
   // see what the cache was already big enough for.
-  SampleReuse(now_s - last_access_s);
-  if (hits <= 1) {
+  SampleReuse(now_s - ghost.last_access_s);
+  if (ghost.hits <= 1) {
     once_regretted_ += 1;
     Adapt();
   }
@@ -256,6 +257,14 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
     }
     return MakeAdaptivePolicy(p);
   }
+  if (name == "density") {
+    const uint32_t classes = context.density.reuse_classes;
+    if (classes != 1 && classes != 2 && classes != 4) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy \"density\": reuse_classes must be 1, 2 or 4, not ", classes));
+    }
+    return MakeHitDensityPolicy(context.density);
+  }
   if (name == "opt") {
     if (context.next_use == nullptr) {
       return absl::InvalidArgumentError(
@@ -263,8 +272,9 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
     }
     return MakeOptPolicy(context.next_use);
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "policy \"", name, "\" is unknown; known policies: lru, lru-mha, cost, adaptive, opt"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("policy \"", name,
+                   "\" is unknown; known policies: lru, lru-mha, cost, adaptive, density, opt"));
 }
 
 }  // namespace kvcm

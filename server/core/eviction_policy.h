@@ -55,6 +55,18 @@ struct AdaptiveParams {
   double step = 0.1;
 };
 
+// Parameters of the "density" policy: which statistics it keeps, not a scale of any
+// workload. The defaults are the point of kvcm-bench --crossval's grid chosen on its train
+// part (docs/EVICTION.md, "Hit density").
+struct DensityParams {
+  // Reuse classes with their own statistics, per tenant: 1 (age only), 2 (used once, more)
+  // or 4 (used 1, 2, 3, 4+ times). REQUIRES: 1, 2 or 4.
+  uint32_t reuse_classes = 1;
+  // Whether least-recently-used is a second expert that decides evictions while its
+  // victims come back less often than density's (see MakeHitDensityPolicy).
+  bool lru_guard = true;
+};
+
 // What a policy may know besides the tree. Pointers may be null; not owned.
 struct PolicyContext {
   // Required by "opt".
@@ -63,6 +75,8 @@ struct PolicyContext {
   absl::Duration reuse_credit = absl::Seconds(40);
   // "adaptive": its dimensionless parameters.
   AdaptiveParams adaptive;
+  // "density": its parameters.
+  DensityParams density;
 };
 
 struct EvictionCandidate {
@@ -114,20 +128,28 @@ class EvictionPolicy {
  public:
   // `node` is leaving the index by eviction (its last replica goes) and is remembered for
   // the regret window (a ghost); its hits and last_access_s are still set. For policies
-  // that learn.
-  virtual void OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) {}
+  // that learn; what it returns comes back as GhostHit::tag if the run is inserted again.
+  virtual uint8_t OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) { return 0; }
 
-  // A run evicted within the regret window, with `hits` uses and its last access at clock
-  // time `last_access_s` then, is inserted again at clock time `now_s` (a ghost hit). For
-  // policies that learn.
-  virtual void OnGhostHit(uint32_t /*hits*/, double /*last_access_s*/, double /*now_s*/) {}
+  // What the ghost history knew of a run that is inserted again.
+  struct GhostHit {
+    uint32_t hits;         // its uses when it was evicted
+    double last_access_s;  // clock time of its last access before it went
+    double evicted_s;      // clock time it was evicted
+    uint32_t pages;        // its length then
+    uint8_t tag;           // what OnGhostAdded returned for it
+  };
+  // A run evicted within the regret window is inserted again at clock time `now_s` as
+  // `leaf` (a ghost hit). For policies that learn.
+  virtual void OnGhostHit(const RadixNode& /*leaf*/, const GhostHit& /*ghost*/, double /*now_s*/) {}
 
   // Re-scores `node` after something its score depends on changed (a split, a replica
   // added or dropped), keeping its candidates in order.
   void Rescore(RadixNode* node);
 
-  // The candidate of `pool` to evict next, or nullopt when there is none.
-  std::optional<EvictionCandidate> Victim(PoolId pool) const;
+  // The candidate of `pool` to evict next, or nullopt when there is none. The first in
+  // score order unless a policy knows better.
+  virtual std::optional<EvictionCandidate> Victim(PoolId pool) const;
 
   // The candidate of group `group`'s trees to evict next, in any pool (retired ones
   // included), in Priority order; nullopt when there is none. REQUIRES: TrackGroups().
@@ -141,9 +163,14 @@ class EvictionPolicy {
   // The node's sort key now. Called after last_access and hits are updated.
   virtual double Score(const RadixNode& node) const = 0;
 
- private:
   // Score, then recency (equal scores go least recently used first), then identity.
   using Key = std::tuple<double, uint64_t, RadixNode*>;
+  // The candidates of `pool` in key order; null when it has none.
+  const absl::btree_set<Key>* CandidatesOf(PoolId pool) const {
+    return pool < by_pool_.size() && !by_pool_[pool].empty() ? &by_pool_[pool] : nullptr;
+  }
+
+ private:
   static Key KeyOf(RadixNode* node) { return {node->priority, node->last_access, node}; }
   absl::btree_set<Key>& SetOf(PoolId pool);
   // A candidate of a group: its pool key, then the pool.
@@ -201,8 +228,8 @@ class AdaptivePolicy final : public EvictionPolicy {
   absl::string_view name() const override { return "adaptive"; }
   bool trims_nodes() const override { return true; }
   bool demotes_to_host() const override { return true; }
-  void OnGhostAdded(const RadixNode& node, double now_s) override;
-  void OnGhostHit(uint32_t hits, double last_access_s, double now_s) override;
+  uint8_t OnGhostAdded(const RadixNode& node, double now_s) override;
+  void OnGhostHit(const RadixNode& leaf, const GhostHit& ghost, double now_s) override;
 
   // The credit now, in mean reuse intervals, and the mean reuse interval (seconds; 0
   // before the first reuse).
@@ -234,13 +261,34 @@ class AdaptivePolicy final : public EvictionPolicy {
 
 std::unique_ptr<AdaptivePolicy> MakeAdaptivePolicy(const AdaptiveParams& params);
 
+// "density": evicts the candidate with the lowest hit density, learnt online: page hits
+// expected per second of residence, times the recompute cost per byte of the model's KV
+// (LHD, Beckmann et al., NSDI '18, with the worth of "cost"). Candidates are classed by
+// tenant (tree group) and, with DensityParams::reuse_classes > 1, by how often they were
+// used, and aged in power-of-two buckets from about a millisecond. For each (class, age)
+// cell the policy counts, in pages, lives that ended in a reuse (a hit, or a ghost hit: a
+// run evicted and asked for again within the regret window, counted at the age it would
+// have been hit) or in an eviction without one, and ranks the cells by reuses to come over
+// expected residence to come. It evicts from the lowest-ranked cell that holds a
+// candidate, least recently used first within it. So it keeps what is about to be reused
+// and drops what has outlived every reuse it has seen, in either order: a conversation
+// whose next turn is due outranks one just served when turns come at a steady pace.
+// With lru_guard, least-recently-used is a second expert: when the two would evict
+// different candidates, the one whose victims came back less often (ghost hits per
+// evicted page, decayed) decides, and the other keeps the rate it had when it last
+// decided. Nothing in it is a time scale of a workload: ages are log-spaced and the counts
+// decay per event. It needs a regret window to learn from evictions. Replica-aware, trims
+// nodes and demotes to the HOST tier as "cost" does. Deterministic.
+// docs/EVICTION.md ("Hit density") has its evaluation.
+std::unique_ptr<EvictionPolicy> MakeHitDensityPolicy(const DensityParams& params);
+
 // "opt": Belady's clairvoyant order for the simulator: the candidate whose first page is
 // needed furthest in the future goes first. REQUIRES: oracle != nullptr.
 std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle);
 
 // Policy by name: "lru", "lru-mha" (LRU; CacheIndex charges MHA-shaped bytes for it),
-// "cost", "adaptive" or "opt" (needs context.next_use). INVALID_ARGUMENT naming the known policies
-// otherwise.
+// "cost", "adaptive", "density" or "opt" (needs context.next_use). INVALID_ARGUMENT naming the
+// known policies otherwise.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(
     absl::string_view name, const PolicyContext& context = {});
 

@@ -66,7 +66,8 @@ TEST_F(AdaptivePolicyTest, CreditKeptInVainAndRegrettedOnceRunsLowerIt) {
   p.OnGhostAdded(*Leaf(1, 3, 0), 100);
   EXPECT_DOUBLE_EQ(p.credit(), 0.9);
   // A run used once comes back: evicting it was a mistake, the credit crowded it out.
-  p.OnGhostHit(1, 0, 20);
+  p.OnGhostHit(*Leaf(next_id_++, 2, 20),
+               {.hits = 1, .last_access_s = 0, .evicted_s = 10, .pages = 1}, 20);
   EXPECT_DOUBLE_EQ(p.credit(), 0.8);
 }
 
@@ -94,7 +95,8 @@ TEST_F(AdaptivePolicyTest, CreditStaysWithinItsBounds) {
   EXPECT_DOUBLE_EQ(p.credit(), 1.5);
   for (int i = 0; i < 300; ++i) {
     p.OnGhostAdded(*Leaf(200 + i, 3, 0), 5000);
-    p.OnGhostHit(1, 0, 20);
+    p.OnGhostHit(*Leaf(next_id_++, 2, 20),
+                 {.hits = 1, .last_access_s = 0, .evicted_s = 10, .pages = 1}, 20);
   }
   EXPECT_DOUBLE_EQ(p.credit(), 0.5);
   // The initial credit is clamped into the bounds too.
@@ -134,6 +136,125 @@ TEST(EvictionPolicyTest, FactoryMakesAdaptiveAndChecksItsParameters) {
   bad.adaptive = {.min_credit = 2, .max_credit = 1};
   EXPECT_EQ(MakeEvictionPolicy("adaptive", bad).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The density policy on leaves of one DeepSeek-V3-priced tree. Candidates live in pool 0;
+// the lives it learns from are leaves of pool 1, so they never compete with them.
+class DensityPolicyTest : public ::testing::Test {
+ protected:
+  static constexpr PoolId kPool = 0, kTeachPool = 1;
+
+  DensityPolicyTest() : tree_(nullptr) { tree_.set_page_cost(70272 * 16, 16); }
+
+  RadixNode* Leaf(PoolId pool, double last_access_s) {
+    const uint64_t id = next_id_++;
+    RadixNode* n = tree_.AddChild(tree_.root(), std::vector<PageHash>{{id, id}});
+    n->replicas.push_back(Replica{.pool = pool, .evictable = true});
+    n->hits = 1;
+    n->last_access_s = last_access_s;
+    return n;
+  }
+
+  // A candidate of kPool last used at `at_s`.
+  RadixNode* Candidate(EvictionPolicy& p, double at_s) {
+    RadixNode* n = Leaf(kPool, at_s);
+    p.Touch(n, stamp_++, at_s, Access::kInsert);
+    return n;
+  }
+
+  // `lives` leaves, each used once and reused `reuse_age_s` later, ending at `until_s`:
+  // a workload whose runs come back after a steady interval (a conversation's next turn).
+  void TeachSteadyReuse(EvictionPolicy& p, int lives, double reuse_age_s, double until_s) {
+    for (int i = 0; i < lives; ++i) {
+      const double at = until_s - reuse_age_s - (lives - i) * 1e-3;
+      p.Touch(Leaf(kTeachPool, at), stamp_++, at + reuse_age_s, Access::kMatch);
+    }
+  }
+
+  RadixTree tree_;
+  uint64_t next_id_ = 1;
+  uint64_t stamp_ = 1;
+};
+
+TEST_F(DensityPolicyTest, WithNothingLearntEvictsLeastRecentlyUsedFirst) {
+  for (bool guard : {false, true}) {
+    std::unique_ptr<EvictionPolicy> p = MakeHitDensityPolicy({.lru_guard = guard});
+    RadixNode* old = Candidate(*p, 10);
+    RadixNode* young = Candidate(*p, 20);
+    EXPECT_EQ(p->Victim(kPool)->node, old);
+    p->Remove(old, kPool);
+    EXPECT_EQ(p->Victim(kPool)->node, young);
+    EXPECT_FALSE(p->Victim(kTeachPool).has_value());
+  }
+}
+
+TEST_F(DensityPolicyTest, KeepsWhatIsAboutToBeReusedOverWhatWasJustUsed) {
+  // Runs come back 100 s after their last use. At 1,000 s a candidate last used 90 s ago
+  // is due in 10 s; one used 5 s ago is due in 95 s: Belady evicts the young one, LRU the
+  // old one.
+  std::unique_ptr<EvictionPolicy> p = MakeHitDensityPolicy({.lru_guard = false});
+  TeachSteadyReuse(*p, 1024, 100, 1000);
+  RadixNode* due = Candidate(*p, 910);
+  RadixNode* fresh = Candidate(*p, 995);
+  p->Touch(Leaf(kTeachPool, 1000), stamp_++, 1000, Access::kInsert);  // the clock reads 1,000
+  EXPECT_EQ(p->Victim(kPool)->node, fresh);
+  // A candidate older than any reuse seen outlived them all: it goes before both.
+  RadixNode* stale = Candidate(*p, 700);
+  EXPECT_EQ(p->Victim(kPool)->node, stale);
+  (void)due;
+}
+
+TEST_F(DensityPolicyTest, LruGuardDecidesWhileDensitysVictimsComeBackMoreOften) {
+  std::unique_ptr<EvictionPolicy> p = MakeHitDensityPolicy({.lru_guard = true});
+  TeachSteadyReuse(*p, 1024, 100, 1000);
+  RadixNode* due = Candidate(*p, 910);
+  RadixNode* fresh = Candidate(*p, 995);
+  p->Touch(Leaf(kTeachPool, 1000), stamp_++, 1000, Access::kInsert);
+  // No victim of either expert has come back yet: density decides.
+  EXPECT_EQ(p->Victim(kPool)->node, fresh);
+
+  // Density's victim comes back: the eviction it decided is asked for again.
+  const uint8_t tag = p->OnGhostAdded(*fresh, 1000);
+  EXPECT_NE(tag, 0);
+  p->OnGhostHit(*fresh,
+                {.hits = 1, .last_access_s = 995, .evicted_s = 1000, .pages = 1, .tag = tag}, 1001);
+  // LRU's victims have not come back (it has decided none): it decides now.
+  EXPECT_EQ(p->Victim(kPool)->node, due);
+  // Where the experts agree, the victim is the same either way.
+  p->Remove(fresh, kPool);
+  EXPECT_EQ(p->Victim(kPool)->node, due);
+}
+
+TEST_F(DensityPolicyTest, TwoPoliciesFedTheSameEventsChooseTheSameVictims) {
+  // Each policy gets its own nodes (scores live in the nodes), made the same way.
+  std::vector<uint64_t> order[2];  // victims, by their creation order in their run
+  for (int k = 0; k < 2; ++k) {
+    std::unique_ptr<EvictionPolicy> p = MakeHitDensityPolicy({});
+    const uint64_t first_id = next_id_;
+    stamp_ = 1;
+    TeachSteadyReuse(*p, 700, 30, 500);
+    for (int i = 0; i < 20; ++i) Candidate(*p, 400 + 5 * i);
+    while (std::optional<EvictionCandidate> v = p->Victim(kPool)) {
+      order[k].push_back(v->node->pages[0].hi - first_id);
+      p->Remove(v->node, kPool);
+    }
+  }
+  EXPECT_EQ(order[0].size(), 20u);
+  EXPECT_EQ(order[0], order[1]);
+}
+
+TEST(EvictionPolicyTest, FactoryMakesDensityAndChecksItsParameters) {
+  EXPECT_EQ((*MakeEvictionPolicy("density"))->name(), "density");
+  for (uint32_t classes : {1u, 2u, 4u}) {
+    PolicyContext ok;
+    ok.density.reuse_classes = classes;
+    EXPECT_TRUE(MakeEvictionPolicy("density", ok).ok());
+  }
+  PolicyContext bad;
+  bad.density.reuse_classes = 3;
+  absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy("density", bad);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(), ::testing::HasSubstr("reuse_classes"));
 }
 
 }  // namespace
