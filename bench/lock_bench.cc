@@ -132,6 +132,10 @@ int Run(const Args& args) {
   }
   all_readers.Report(args.reader.c_str(), args.seconds);
   if (args.writer == "insert") samples[args.readers].Report("insert", args.seconds);
+  const IndexCounters counters = index.Stats().counters;
+  std::printf("index: %llu page-locations inserted, %llu evicted\n",
+              static_cast<unsigned long long>(counters.inserted_pages),
+              static_cast<unsigned long long>(counters.evicted_pages));
   if (failures > 0) {
     std::fprintf(stderr, "kvcm_lock_bench: %d calls failed\n", failures.load());
     return 1;
