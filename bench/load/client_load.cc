@@ -32,9 +32,11 @@ void RunClientThread(const LoadOptions& options, const LoadTarget& target, int i
     const LoadPrompt& prompt = load.prompts[rng() % load.prompts.size()];
     absl::Status status;
     switch (kind) {
-      case RpcKind::kMatch: {
+      case RpcKind::kMatch:
+      case RpcKind::kProbe: {
         MatchParams params;
-        params.pin = pins_allowed && pins.size() < options.max_pins_per_thread;
+        params.probe = kind == RpcKind::kProbe;
+        params.pin = !params.probe && pins_allowed && pins.size() < options.max_pins_per_thread;
         absl::StatusOr<MatchReply> r = client.MatchHashes(load.ns, prompt.pages, params, call);
         status = r.status();
         if (r.ok()) {

@@ -56,7 +56,7 @@ ABSL_FLAG(double, duration_s, 10, "measured seconds");
 ABSL_FLAG(int64_t, deadline_ms, 1000, "deadline of each call");
 ABSL_FLAG(std::string, mix, "match:70,insert:30",
           "RPC kinds and weights, e.g. match:60,insert:20,release:10,route:10 (with release, "
-          "Matches pin and the pins are released later)");
+          "Matches pin and the pins are released later); probe: a Match with probe set");
 ABSL_FLAG(std::string, model, "deepseek-v3", "catalogue model of the namespace");
 ABSL_FLAG(std::string, tenant, "kvcm-load", "tenant of the namespaces");
 ABSL_FLAG(uint32_t, namespaces, 1,

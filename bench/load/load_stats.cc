@@ -20,6 +20,8 @@ const char* RpcKindName(RpcKind kind) {
       return "release";
     case RpcKind::kRoute:
       return "route";
+    case RpcKind::kProbe:
+      return "probe";
   }
   return "?";
 }

@@ -15,8 +15,9 @@
 
 namespace kvcm::load {
 
-enum class RpcKind : int { kMatch = 0, kInsert = 1, kRelease = 2, kRoute = 3 };
-inline constexpr int kNumRpcKinds = 4;
+// kProbe: a Match with probe set (no recency update, no pin, no counters), as routers send.
+enum class RpcKind : int { kMatch = 0, kInsert = 1, kRelease = 2, kRoute = 3, kProbe = 4 };
+inline constexpr int kNumRpcKinds = 5;
 const char* RpcKindName(RpcKind kind);
 
 // Relative weights of the RPC kinds, from "match:70,insert:20,route:10". Immutable.

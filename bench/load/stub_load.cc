@@ -174,8 +174,11 @@ class StubWorker {
     const size_t p = rng_() % prompts_[n].size();
     c->ns = n;
     switch (c->kind) {
-      case RpcKind::kMatch: {
-        c->pin = pins_allowed_ && pins_.size() + pins_in_flight_ < options_.max_pins_per_thread;
+      case RpcKind::kMatch:
+      case RpcKind::kProbe: {
+        const bool probe = c->kind == RpcKind::kProbe;
+        c->pin = !probe && pins_allowed_ &&
+                 pins_.size() + pins_in_flight_ < options_.max_pins_per_thread;
         if (c->pin) {
           ++pins_in_flight_;
         }
@@ -183,6 +186,7 @@ class StubWorker {
         *r.mutable_namespace_() = ns_[n];
         *r.mutable_prompt() = prompts_[n][p];
         r.set_pin(c->pin);
+        r.set_probe(probe);
         c->match_reader = NextStub()->PrepareAsyncMatch(c->context.get(), r, &cq_);
         c->match_reader->StartCall();
         c->match_reader->Finish(&c->match_response, &c->status, c);
@@ -235,6 +239,7 @@ class StubWorker {
     if (c->status.ok()) {
       switch (c->kind) {
         case RpcKind::kMatch:
+        case RpcKind::kProbe:
           stats_->RecordPages(c->kind, c->match_response.prompt_pages(),
                               c->match_response.matched_pages(), measured);
           break;

@@ -65,7 +65,7 @@ absl::StatusOr<std::unique_ptr<CacheIndex>> CacheIndex::Create(CacheIndexOptions
 }
 
 void CacheIndex::SetEventListener(CacheEventListener listener) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   listener_ = std::move(listener);
 }
 
@@ -112,7 +112,7 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
                                                    "] (0: the manager's default), got ",
                                                    absl::ToInt64Seconds(max_page_age)));
   }
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   auto it = namespaces_.find(ns);
   if (it != namespaces_.end()) {
     Namespace& existing = *it->second;
@@ -301,9 +301,57 @@ void CacheIndex::ExpireLeasesLocked(absl::Time now) {
 }
 
 void CacheIndex::ExpireLeases() {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
 }
+
+size_t CacheIndex::RecordAccess(RadixNode* node, uint32_t end_page, absl::Time at) {
+  absl::MutexLock lock(&access_mu_);
+  // The stamp is taken here, under access_mu_, so that pending_ is in stamp order.
+  pending_.push_back(
+      PendingAccess{.node = node,
+                    .end_page = end_page,
+                    .stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1,
+                    .at = at});
+  return pending_.size();
+}
+
+void CacheIndex::ApplyAccessesLocked() {
+  // No reader holds mu_, so none appends meanwhile; access_mu_ is taken for the analysis.
+  absl::MutexLock lock(&access_mu_);
+  if (pending_.empty()) return;
+  thread_local std::vector<RadixNode*> path;
+  for (const PendingAccess& a : pending_) {
+    // What the match would have done first and last, at its own time.
+    ExpireLeasesLocked(a.at);
+    if (options_.regret_window > absl::ZeroDuration()) ForgetOldEvictions(a.at);
+    if (a.node == nullptr) continue;
+    // Earlier accesses may have split the node: its end stays where it was, and the pages
+    // split off went to new parents. Find the node holding the last matched page.
+    path.clear();
+    for (RadixNode* n = a.node; !n->is_root(); n = n->parent) path.push_back(n);
+    uint32_t start = 0;
+    for (const RadixNode* n : path) start += n->size();
+    size_t last = 0;  // index in path (leaf first) of the node holding page end_page - 1
+    start -= path[0]->size();
+    while (start >= a.end_page) {
+      ++last;
+      start -= path[last]->size();
+    }
+    RadixNode* node = path[last];
+    if (a.end_page < start + node->size()) node = SplitNode(node, a.end_page - start);
+    // Root to leaf, as the match would have touched them.
+    const double at_s = absl::ToDoubleSeconds(a.at - absl::UnixEpoch());
+    path.clear();
+    for (RadixNode* n = node; !n->is_root(); n = n->parent) path.push_back(n);
+    for (auto it = path.rbegin(); it != path.rend(); ++it) {
+      policy_->Touch(*it, a.stamp, at_s, Access::kMatch);
+    }
+  }
+  pending_.clear();
+}
+
+void CacheIndex::FlushAccesses() { WriterLock lock(this); }
 
 absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
                                               std::span<const PageHash> pages,
@@ -318,19 +366,27 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     ttl = *t;
   }
 
-  // A probe only reads, so it shares the lock with other probes.
-  if (options.probe)
-    mu_.ReaderLock();
-  else
+  // Only a pinning match changes the tree at once; every other match shares the lock, and a
+  // counting one records its recency update for the next exclusive section.
+  const bool exclusive = options.pin;
+  if (exclusive) {
     mu_.Lock();
+    ApplyAccessesLocked();
+  } else {
+    mu_.ReaderLock();
+  }
   struct Unlock {
-    absl::Mutex& mu;
+    CacheIndex* index;
     bool shared;
-    ~Unlock() { shared ? mu.ReaderUnlock() : mu.Unlock(); }
-  } unlock{mu_, options.probe};
+    bool flush = false;  // too many accesses pending: apply them once unlocked
+    ~Unlock() {
+      shared ? index->mu_.ReaderUnlock() : index->mu_.Unlock();
+      if (flush) index->FlushAccesses();
+    }
+  } unlock{this, !exclusive};
 
   const absl::Time now = clock_->Now();
-  if (!options.probe) ExpireLeasesLocked(now);
+  if (exclusive) ExpireLeasesLocked(now);
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
@@ -382,20 +438,28 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   }
 
   if (!options.probe) {
-    // Split a partly matched last node so that stamps and pins cover exactly the match.
-    if (!path.empty() && path.back().matched < path.back().node->size()) {
-      path.back().node = SplitNode(path.back().node, path.back().matched);
+    if (exclusive) {
+      // Split a partly matched last node so that stamps and pins cover exactly the match.
+      if (!path.empty() && path.back().matched < path.back().node->size()) {
+        path.back().node = SplitNode(path.back().node, path.back().matched);
+      }
+      const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+      const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
+      for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kMatch);
+      if (options_.regret_window > absl::ZeroDuration()) ForgetOldEvictions(now);
+    } else {
+      unlock.flush = RecordAccess(path.empty() ? nullptr : path.back().node, result.matched_pages,
+                                  now) >= kMaxPendingAccesses;
     }
-    const uint64_t stamp = ++access_clock_;
-    const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
-    for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kMatch);
-    ++counters_.match_requests;
-    counters_.requested_pages += pages.size();
-    counters_.matched_pages += result.matched_pages;
-    counters_.requested_tokens += uint64_t{ns.spec.page_size_tokens} * pages.size();
-    counters_.matched_tokens += uint64_t{ns.spec.page_size_tokens} * result.matched_pages;
-    ns.requested_tokens += uint64_t{ns.spec.page_size_tokens} * pages.size();
-    ns.matched_tokens += uint64_t{ns.spec.page_size_tokens} * result.matched_pages;
+    const uint64_t page_tokens = ns.spec.page_size_tokens;
+    constexpr auto kRelaxed = std::memory_order_relaxed;
+    match_counters_.match_requests.fetch_add(1, kRelaxed);
+    match_counters_.requested_pages.fetch_add(pages.size(), kRelaxed);
+    match_counters_.matched_pages.fetch_add(result.matched_pages, kRelaxed);
+    match_counters_.requested_tokens.fetch_add(page_tokens * pages.size(), kRelaxed);
+    match_counters_.matched_tokens.fetch_add(page_tokens * result.matched_pages, kRelaxed);
+    ns.requested_tokens.fetch_add(page_tokens * pages.size(), kRelaxed);
+    ns.matched_tokens.fetch_add(page_tokens * result.matched_pages, kRelaxed);
     if (options_.regret_window > absl::ZeroDuration()) {
       CountRegret(pages.subspan(result.matched_pages), now);
     }
@@ -450,7 +514,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     return absl::InvalidArgumentError("newly_committed must have one entry per page");
   }
 
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   const absl::Time now = clock_->Now();
   ExpireLeasesLocked(now);
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
@@ -572,7 +636,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     AddReplica(leaf, pid, block_ids.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
-  const uint64_t stamp = ++access_clock_;
+  const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
   const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
   for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kInsert);
 
@@ -585,7 +649,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
 }
 
 absl::Status CacheIndex::Release(const NamespaceId& ns_id, PinId pin_id) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
   if (!ns.ok()) return ns.status();
@@ -601,7 +665,7 @@ absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinI
                                                   absl::Duration ttl) {
   absl::StatusOr<absl::Duration> t = LeaseTtl(ttl);
   if (!t.ok()) return t.status();
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   const absl::Time now = clock_->Now();
   ExpireLeasesLocked(now);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
@@ -645,8 +709,8 @@ IndexStats CacheIndex::Stats() const {
         .max_page_age =
             ns->max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns->max_age,
         .expired_pages = ns->expired_pages,
-        .requested_tokens = ns->requested_tokens,
-        .matched_tokens = ns->matched_tokens});
+        .requested_tokens = ns->requested_tokens.load(std::memory_order_relaxed),
+        .matched_tokens = ns->matched_tokens.load(std::memory_order_relaxed)});
   }
   std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);
@@ -665,6 +729,13 @@ IndexStats CacheIndex::Stats() const {
   stats.tenant_max_bytes = options_.tenant_max_bytes;
   stats.tenant_max_pinned_bytes = options_.tenant_max_pinned_bytes;
   stats.counters = counters_;
+  constexpr auto kRelaxed = std::memory_order_relaxed;
+  stats.counters.match_requests = match_counters_.match_requests.load(kRelaxed);
+  stats.counters.requested_pages = match_counters_.requested_pages.load(kRelaxed);
+  stats.counters.matched_pages = match_counters_.matched_pages.load(kRelaxed);
+  stats.counters.requested_tokens = match_counters_.requested_tokens.load(kRelaxed);
+  stats.counters.matched_tokens = match_counters_.matched_tokens.load(kRelaxed);
+  stats.counters.eviction_regret_pages = match_counters_.eviction_regret_pages.load(kRelaxed);
   stats.active_pins = leases_.size();
   stats.policy = std::string(policy_->name());
   return stats;

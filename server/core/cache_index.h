@@ -2,11 +2,16 @@
 // namespace, each page carrying the pools (agent, tier) that hold it; the lease table of
 // pins; per-pool byte budgets; and the eviction policy that keeps pools within capacity.
 //
-// Thread-safe: every public method may be called concurrently; one mutex serialises them
-// (a match of a 128-page prompt holds it for about a microsecond).
+// Thread-safe: every public method may be called concurrently. One reader/writer mutex
+// guards the index: matches that do not pin (probes, Route's lookups, counting matches),
+// Stats and the other readers share it. A counting match records its recency update in a
+// small buffer that the next exclusive section (a pin, an insert, any other writer) applies
+// first, in order, so the eviction order is the one the match would have made itself
+// (docs/PERFORMANCE.md, "Readers beside inserts").
 #ifndef KVCM_SERVER_CORE_CACHE_INDEX_H_
 #define KVCM_SERVER_CORE_CACHE_INDEX_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -126,7 +131,8 @@ using CacheEventListener = std::function<void(const CacheEvent&)>;
 struct MatchOptions {
   // Agent the request will run on; its replicas are listed first. May be empty.
   std::string requester_agent_id;
-  // Take a pin on the matched pages.
+  // Take a pin on the matched pages. Only a pinning match takes the index's lock
+  // exclusively.
   bool pin = false;
   // 0 means CacheIndexOptions::default_lease_ttl.
   absl::Duration lease_ttl = absl::ZeroDuration();
@@ -344,6 +350,9 @@ class CacheIndex {
   absl::StatusOr<uint64_t> PoolGeneration(const PoolKey& pool) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Longest prefix of `pages` cached anywhere. NOT_FOUND for an unknown namespace.
+  // Without pin it shares the index's lock with other readers: a counting match's recency
+  // update (and the split of a partly matched last node) is applied by the next exclusive
+  // call, before that call changes anything, so Stats' radix_nodes may lag until then.
   // With pin, RESOURCE_EXHAUSTED (nothing matched, pinned or counted) naming
   // max_pins_per_tenant or tenant_max_pinned_bytes when the pin would pass either.
   // Never returns a page-location past its namespace's max page age: the match ends before
@@ -499,6 +508,33 @@ class CacheIndex {
   struct Tenant;
 
  private:
+  // mu_ held exclusively, the accesses readers recorded applied first (ApplyAccessesLocked);
+  // every exclusive section takes it. Defined in cache_index_internal.h.
+  class WriterLock;
+
+  // A counting match's effect on the eviction order, recorded under the shared lock: the
+  // path from the root to `node` (null: nothing matched), cut after the prompt's first
+  // `end_page` pages, was matched with `stamp` at `at`.
+  struct PendingAccess {
+    RadixNode* node;
+    uint32_t end_page;
+    uint64_t stamp;
+    absl::Time at;
+  };
+  // Accesses buffered beyond this make the reader that recorded the last one apply them all
+  // (taking the lock exclusively), so a read-only load keeps the buffer small.
+  static constexpr size_t kMaxPendingAccesses = 256;
+  // Records an access to be applied later; returns the number now pending.
+  size_t RecordAccess(RadixNode* node, uint32_t end_page, absl::Time at)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(access_mu_);
+  // Applies the pending accesses in the order they were recorded, each as the match that
+  // recorded it would have: lease expiry and the regret window's pruning at its time, the
+  // split of a partly matched last node, the policy's Touch of the path with its stamp.
+  // Nothing else changes the tree between recording and applying, so every node named is
+  // still there.
+  void ApplyAccessesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(access_mu_);
+  // Takes mu_ exclusively to apply the pending accesses.
+  void FlushAccesses() ABSL_LOCKS_EXCLUDED(mu_, access_mu_);
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a pool no Insert or SetPoolCapacity created.
@@ -625,8 +661,11 @@ class CacheIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the pages of a match's miss that were evicted within the regret window: the run
   // that starts at the first missed page, if one was evicted, capped by the pages asked.
-  void CountRegret(std::span<const PageHash> missed, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the run counted under access_mu_, so matches sharing mu_ count it once.
+  void CountRegret(std::span<const PageHash> missed, absl::Time now) ABSL_SHARED_LOCKS_REQUIRED(mu_)
+      ABSL_LOCKS_EXCLUDED(access_mu_);
+  // Forgets the evicted runs that left the regret window by `now`.
+  void ForgetOldEvictions(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
             std::span<const PageHash> pages, std::vector<BlockId> block_ids = {},
             CacheEvent::Reason reason = CacheEvent::Reason::kNone)
@@ -644,8 +683,24 @@ class CacheIndex {
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);
   IndexCounters counters_ ABSL_GUARDED_BY(mu_);
-  // Logical time of the last access; stamps nodes on matched and inserted paths.
-  uint64_t access_clock_ ABSL_GUARDED_BY(mu_) = 0;
+  // The counters non-pinning matches add to while they share mu_ (the rest of counters_
+  // changes only under it exclusively).
+  struct MatchCounters {
+    std::atomic<uint64_t> match_requests{0};
+    std::atomic<uint64_t> requested_pages{0};
+    std::atomic<uint64_t> matched_pages{0};
+    std::atomic<uint64_t> requested_tokens{0};
+    std::atomic<uint64_t> matched_tokens{0};
+    std::atomic<uint64_t> eviction_regret_pages{0};
+  };
+  MatchCounters match_counters_;
+  // Logical time of the last access; stamps nodes on matched and inserted paths. Taken
+  // with mu_ held exclusively, or shared with access_mu_ held (so pending_ is in stamp
+  // order).
+  std::atomic<uint64_t> access_clock_{0};
+  // Taken after mu_ (shared) by matches that record; never the other way round.
+  absl::Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<PendingAccess> pending_ ABSL_GUARDED_BY(access_mu_);
   // Runs of pages removed from the index, by their first page's hash (keyed per namespace,
   // so never ambiguous), kept for regret_window to count eviction regret and to give
   // re-inserted runs their earlier hit count. A btree, not a
@@ -658,7 +713,8 @@ class CacheIndex {
     uint32_t hits;
     double last_access_s;    // clock time of its last access, for policies that learn
     uint8_t policy_tag = 0;  // EvictionPolicy::OnGhostAdded's answer
-    bool regretted = false;  // its regret was counted already
+    // Its regret was counted already. Written under access_mu_ by matches sharing mu_.
+    mutable bool regretted = false;
   };
   absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);

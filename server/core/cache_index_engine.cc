@@ -74,7 +74,7 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
                                                       const PoolKey& pool) {
   if (pages.empty()) return absl::InvalidArgumentError("page_hashes: no page to store");
   if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   const absl::Time now = clock_->Now();
   ExpireLeasesLocked(now);
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
@@ -111,7 +111,7 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
   // An engine storing a prefix is a use of it, as an insert is.
-  const uint64_t stamp = ++access_clock_;
+  const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
   const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
   for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kInsert);
   Emit(CacheEvent::Kind::kStored, ns, *pid, pages.subspan(in_pool));
@@ -122,7 +122,7 @@ absl::StatusOr<uint64_t> CacheIndex::RemoveEnginePages(const NamespaceId& ns_id,
                                                        std::span<const PageHash> pages,
                                                        const PoolKey& pool) {
   if (pages.empty()) return absl::InvalidArgumentError("page_hashes: no page to remove");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();
@@ -146,7 +146,7 @@ absl::StatusOr<uint64_t> CacheIndex::RemoveEnginePages(const NamespaceId& ns_id,
 
 absl::StatusOr<uint64_t> CacheIndex::ClearEnginePool(const NamespaceId& ns_id,
                                                      const PoolKey& pool) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);
   if (!found.ok()) return found.status();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cassert>
 #include <queue>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -149,7 +150,7 @@ absl::StatusOr<std::vector<BlockId>> CacheIndex::AssignBlocks(const NamespaceId&
   if (std::find(block_ids.begin(), block_ids.end(), kPendingBlock) != block_ids.end()) {
     return absl::InvalidArgumentError("block_ids must not contain the pending block id");
   }
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
   if (!ns.ok()) return ns.status();
   absl::StatusOr<PoolId> id = FindPool(pool);
@@ -182,7 +183,7 @@ absl::StatusOr<uint64_t> CacheIndex::AbandonPending(const NamespaceId& ns_id,
     return absl::InvalidArgumentError(
         absl::StrCat("first_page ", first_page, " is past the ", pages.size(), " pages"));
   }
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
   if (!ns.ok()) return ns.status();
   absl::StatusOr<PoolId> id = FindPool(pool);
@@ -208,7 +209,7 @@ absl::StatusOr<uint64_t> CacheIndex::AbandonPending(const NamespaceId& ns_id,
 }
 
 absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   absl::StatusOr<PoolId> found = FindPool(key);
   if (!found.ok()) return found.status();
   const PoolId retired = *found;
@@ -225,7 +226,7 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
 }
 
 absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const NamespaceId& ns_id) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   auto it = namespaces_.find(ns_id);
   if (it == namespaces_.end()) {
     return absl::NotFoundError(absl::StrCat("namespace ", ns_id.ToString(), " is not registered"));
@@ -267,7 +268,7 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
 }
 
 SweepResult CacheIndex::SweepRetired(size_t max_replicas) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   SweepResult result;
   // Pools whose replicas are all pinned for now go to the back of the queue once.
   size_t stuck = 0;
@@ -317,23 +318,31 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming&
   return result;
 }
 
-void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
+void CacheIndex::ForgetOldEvictions(absl::Time now) {
   while (!evicted_order_.empty() && evicted_order_.front().first + options_.regret_window < now) {
     auto [at, page] = evicted_order_.front();
     evicted_order_.pop_front();
     auto it = evicted_runs_.find(page);
     if (it != evicted_runs_.end() && it->second.at == at) evicted_runs_.erase(it);
   }
+}
+
+void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
   if (missed.empty() || evicted_runs_.empty()) return;
-  auto it = evicted_runs_.find(missed[0]);
-  if (it == evicted_runs_.end() || it->second.regretted) return;
-  counters_.eviction_regret_pages += std::min<uint64_t>(it->second.pages, missed.size());
+  // Runs past the window may not be forgotten yet (a shared match leaves that to
+  // ApplyAccessesLocked): they do not count.
+  auto it = std::as_const(evicted_runs_).find(missed[0]);
+  if (it == evicted_runs_.end() || it->second.at + options_.regret_window < now) return;
+  absl::MutexLock lock(&access_mu_);
+  if (it->second.regretted) return;
   it->second.regretted = true;  // count each eviction once
+  match_counters_.eviction_regret_pages.fetch_add(
+      std::min<uint64_t>(it->second.pages, missed.size()), std::memory_order_relaxed);
 }
 
 absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes) {
   if (pool.agent_id.empty()) return absl::InvalidArgumentError("pool.agent_id must be set");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   std::optional<PoolId> id = budget_.Find(pool);
   if (id.has_value()) {
     if (absl::Status s = NotEnginePool(*id, pool, "registered by an agent"); !s.ok()) return s;
@@ -353,7 +362,7 @@ absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_
 
 absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<PoolId> id = FindPool(pool);
   if (!id.ok()) return id.status();
@@ -373,7 +382,7 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint6
 absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns_id,
                                                            uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   const absl::Time now = clock_->Now();
   ExpireLeasesLocked(now);
   absl::StatusOr<Namespace*> found = FindNamespace(ns_id);

@@ -70,7 +70,7 @@ void CacheIndex::UntrackExpiry(RadixNode* node, const Replica& replica) {
 }
 
 ExpirySweepResult CacheIndex::SweepExpired(size_t max_steps) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpirySweepResult result;
   const absl::Time now = clock_->Now();
   // Pins that lapsed release what they held before it is looked at.

@@ -5,12 +5,14 @@
 #ifndef KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 #define KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "server/core/cache_index.h"
@@ -86,8 +88,23 @@ struct CacheIndex::Namespace {
   std::optional<ExpiryEntry> expiry_resume;
   uint64_t expired_pages = 0;
   // Non-probe matches of this namespace, in whole-page tokens (the per-namespace hit ratio).
-  uint64_t requested_tokens = 0;
-  uint64_t matched_tokens = 0;
+  // Added to by matches that share CacheIndex::mu_.
+  std::atomic<uint64_t> requested_tokens{0};
+  std::atomic<uint64_t> matched_tokens{0};
+};
+
+class ABSL_SCOPED_LOCKABLE CacheIndex::WriterLock {
+ public:
+  explicit WriterLock(CacheIndex* index) ABSL_EXCLUSIVE_LOCK_FUNCTION(index->mu_) : index_(index) {
+    index_->mu_.Lock();
+    index_->ApplyAccessesLocked();
+  }
+  ~WriterLock() ABSL_UNLOCK_FUNCTION() { index_->mu_.Unlock(); }
+  WriterLock(const WriterLock&) = delete;
+  WriterLock& operator=(const WriterLock&) = delete;
+
+ private:
+  CacheIndex* const index_;
 };
 
 inline CacheIndex::Namespace* OwnerOf(const RadixNode* node) {

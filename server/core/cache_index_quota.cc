@@ -166,7 +166,7 @@ absl::StatusOr<uint64_t> CacheIndex::MakeRoom(Tenant& tenant, uint64_t adding,
 absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes,
                                              const std::string& tenant_name) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   ExpireLeasesLocked(clock_->Now());
   absl::StatusOr<PoolId> id = FindPool(pool);
   if (!id.ok()) return id.status();
@@ -186,7 +186,7 @@ absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes
 
 absl::Status CacheIndex::Unreserve(const PoolKey& pool, uint64_t bytes,
                                    const std::string& tenant_name) {
-  absl::MutexLock lock(&mu_);
+  WriterLock lock(this);
   absl::StatusOr<PoolId> id = FindPool(pool);
   if (!id.ok()) return id.status();
   Tenant* tenant = nullptr;
