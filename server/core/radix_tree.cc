@@ -52,6 +52,21 @@ std::unique_ptr<RadixNode> ChildMap::Extract(const PageHash& first) {
 
 RadixTree::RadixTree(void* owner) : owner_(owner) { root_.tree = this; }
 
+namespace {
+
+// Starts loading what a match reads of `node` once the path is known: its replicas' block
+// ids (the first and last cache line of each). Issued while the walk still climbs, these
+// misses overlap the climb's chain of dependent parent loads instead of following it.
+void PrefetchBlockIds(const RadixNode* node) {
+  for (const Replica& r : node->replicas) {
+    const BlockId* ids = r.block_ids.data();
+    __builtin_prefetch(ids);
+    __builtin_prefetch(ids + r.block_ids.size() - 1);
+  }
+}
+
+}  // namespace
+
 uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
   path->clear();
   if (pages.empty()) return 0;
@@ -59,11 +74,13 @@ uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>*
     // Climb from the node that ends the prompt; steps come out last first.
     size_t pos = pages.size();
     for (RadixNode* n = end; !n->is_root(); n = n->parent) {
+      __builtin_prefetch(n->grandparent);
       if (n->size() > pos || n->last_page != pages[pos - 1]) {
         pos = SIZE_MAX;  // not this prompt's path (a broken chain): walk it instead
         break;
       }
       pos -= n->size();
+      PrefetchBlockIds(n);
       path->push_back(PathStep{n, static_cast<uint32_t>(pos), n->size()});
     }
     if (pos == 0) {
@@ -112,6 +129,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   auto head = std::make_unique<RadixNode>();
   head->tree = this;
   head->parent = parent;
+  head->grandparent = parent->parent;
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
   head->last_page = head->pages.back();
   ends_[head->last_page] = head.get();
@@ -132,6 +150,8 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   }
   node->pages.erase(node->pages.begin(), node->pages.begin() + k);
   node->parent = head.get();
+  node->grandparent = parent;
+  node->children.ForEach([&](RadixNode* child) { child->grandparent = head.get(); });
 
   RadixNode* head_ptr = head.get();
   head->children.Insert(node->pages[0], std::move(owned));
@@ -145,6 +165,7 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   auto child = std::make_unique<RadixNode>();
   child->tree = this;
   child->parent = parent;
+  child->grandparent = parent->parent;
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
   ends_[child->last_page] = child.get();

@@ -88,6 +88,9 @@ class ChildMap {
 struct RadixNode {
   RadixTree* tree = nullptr;
   RadixNode* parent = nullptr;  // null for the root
+  // parent->parent (null for the root and its children): lets a climb through the parents
+  // start loading two levels up while it reads one, halving its chain of dependent misses.
+  RadixNode* grandparent = nullptr;
   std::vector<PageHash> pages;  // empty only for the root
   // pages.back(), kept in the node itself: a walk that covers the whole run checks only
   // this (hashes are chained) and never touches the cold pages array.

@@ -159,6 +159,14 @@ TEST(RadixTreeTest, WalkShortcutAgreesWithThePageByPageWalk) {
     }
   }
   EXPECT_GT(shortcuts, 500) << "the shortcut was hardly exercised";
+  // The climb's prefetch hint survived every split, add and removal.
+  std::vector<const RadixNode*> stack = {tree.root()};
+  while (!stack.empty()) {
+    const RadixNode* n = stack.back();
+    stack.pop_back();
+    EXPECT_EQ(n->grandparent, n->parent == nullptr ? nullptr : n->parent->parent);
+    n->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
+  }
 }
 
 TEST(RadixTreeTest, ShortcutRefusesAPromptThatIsNotTheNodesPath) {
