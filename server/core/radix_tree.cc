@@ -60,9 +60,9 @@ namespace {
 // misses overlap the climb's chain of dependent parent loads instead of following it.
 void PrefetchBlockIds(const RadixNode* node) {
   for (const Replica& r : node->replicas) {
-    const BlockId* ids = r.block_ids.data();
-    __builtin_prefetch(ids);
-    __builtin_prefetch(ids + r.block_ids.size() - 1);
+    if (r.block_ids.empty()) continue;
+    __builtin_prefetch(&r.block_ids.front());
+    __builtin_prefetch(&r.block_ids.back());
   }
 }
 
