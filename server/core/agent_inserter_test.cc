@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <variant>
 #include <vector>
 
@@ -96,8 +97,10 @@ class AgentInserterTest : public ::testing::Test {
     std::vector<BlockId> out;
     if (!m.ok()) return out;
     for (const MatchedSegment& s : m->segments) {
-      for (const MatchedSegment::Replica& r : s.replicas) {
-        if (*r.pool == gpu_) out.insert(out.end(), r.block_ids.begin(), r.block_ids.end());
+      for (const MatchedReplica& r : m->Replicas(s)) {
+        if (*r.pool != gpu_) continue;
+        const std::span<const BlockId> ids = m->BlockIds(s, r);
+        out.insert(out.end(), ids.begin(), ids.end());
       }
     }
     return out;

@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <variant>
 #include <vector>
 
@@ -80,8 +81,10 @@ class BlockCommandIssuerTest : public ::testing::Test {
     std::vector<BlockId> out;
     if (!m.ok()) return out;
     for (const MatchedSegment& seg : m->segments) {
-      for (const MatchedSegment::Replica& r : seg.replicas) {
-        if (*r.pool == host_) out.insert(out.end(), r.block_ids.begin(), r.block_ids.end());
+      for (const MatchedReplica& r : m->Replicas(seg)) {
+        if (*r.pool != host_) continue;
+        const std::span<const BlockId> ids = m->BlockIds(seg, r);
+        out.insert(out.end(), ids.begin(), ids.end());
       }
     }
     return out;

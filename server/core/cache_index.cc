@@ -472,26 +472,38 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     }
   }
 
+  // Sized once: three allocations per match, whatever the number of replicas.
+  size_t num_replicas = 0, num_block_ids = 0;
+  for (const PathStep& step : path) {
+    num_replicas += step.node->replicas.size();
+    num_block_ids += step.node->replicas.size() * size_t{step.matched};
+  }
+  result.segments.reserve(path.size());
+  result.replicas.reserve(num_replicas);
+  result.block_ids.reserve(num_block_ids);
   const bool has_requester = !options.requester_agent_id.empty();
   bool local = has_requester;
-  result.segments.reserve(path.size());
   for (const PathStep& step : path) {
     MatchedSegment& seg = result.segments.emplace_back();
     seg.first_page = step.first_page;
     seg.num_pages = step.matched;
-    seg.replicas.reserve(step.node->replicas.size());
+    seg.first_replica = static_cast<uint32_t>(result.replicas.size());
     bool held_here = false;
     for (const Replica& r : step.node->replicas) {
       if (budget_.retired(r.pool)) continue;
-      MatchedSegment::Replica& out = seg.replicas.emplace_back();
+      MatchedReplica& out = result.replicas.emplace_back();
       out.pool = &budget_.key(r.pool);
-      out.block_ids.assign(r.block_ids.begin(), r.block_ids.begin() + step.matched);
+      out.first_block = static_cast<uint32_t>(result.block_ids.size());
+      result.block_ids.insert(result.block_ids.end(), r.block_ids.begin(),
+                              r.block_ids.begin() + step.matched);
       if (has_requester && out.pool->agent_id == options.requester_agent_id) {
         // The requester's replicas first; the others keep index order.
-        std::rotate(seg.replicas.begin(), seg.replicas.end() - 1, seg.replicas.end());
+        std::rotate(result.replicas.begin() + seg.first_replica, result.replicas.end() - 1,
+                    result.replicas.end());
         held_here = true;
       }
     }
+    seg.num_replicas = static_cast<uint32_t>(result.replicas.size()) - seg.first_replica;
     local = local && held_here;
     if (local) result.local_pages += step.matched;
   }

@@ -140,25 +140,44 @@ struct MatchOptions {
   bool probe = false;
 };
 
-// A run of matched pages stored in the same pools.
+// A run of matched pages stored in the same pools; its replicas are
+// MatchResult::replicas[first_replica, first_replica + num_replicas).
 struct MatchedSegment {
-  struct Replica {
-    // Owned by the CacheIndex and valid for its lifetime (pools are never removed).
-    const PoolKey* pool = nullptr;
-    std::vector<BlockId> block_ids;  // one per page of the segment
-  };
   uint32_t first_page = 0;
   uint32_t num_pages = 0;
-  std::vector<Replica> replicas;  // requester's agent first
+  uint32_t first_replica = 0;
+  uint32_t num_replicas = 0;
 };
 
+// One pool's copy of a segment: its block ids (one per page of the segment) are
+// MatchResult::block_ids[first_block, first_block + the segment's num_pages).
+struct MatchedReplica {
+  // Owned by the CacheIndex and valid for its lifetime (pools are never removed).
+  const PoolKey* pool = nullptr;
+  uint32_t first_block = 0;
+};
+
+// The result is flat (three arrays, whatever the number of segments and replicas) so that a
+// match allocates a few times, not once per replica; read it through Replicas and BlockIds.
 struct MatchResult {
   uint32_t matched_pages = 0;
   uint32_t prompt_pages = 0;
   uint32_t local_pages = 0;  // leading pages held by the requester's agent
   std::vector<MatchedSegment> segments;
+  std::vector<MatchedReplica> replicas;  // by segment; the requester's agent first in each
+  std::vector<BlockId> block_ids;
   PinId pin_id = 0;  // 0: no pin taken
   absl::Time lease_expiry = absl::InfinitePast();
+
+  std::span<const MatchedReplica> Replicas(const MatchedSegment& seg) const {
+    return std::span(replicas).subspan(seg.first_replica, seg.num_replicas);
+  }
+  std::span<MatchedReplica> Replicas(const MatchedSegment& seg) {
+    return std::span(replicas).subspan(seg.first_replica, seg.num_replicas);
+  }
+  std::span<const BlockId> BlockIds(const MatchedSegment& seg, const MatchedReplica& rep) const {
+    return std::span(block_ids).subspan(rep.first_block, seg.num_pages);
+  }
 };
 
 struct InsertResult {

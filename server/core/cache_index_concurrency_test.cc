@@ -175,8 +175,12 @@ TEST(CacheIndexConcurrencyTest, ReadersRunBesideInsertsAndEvictions) {
     for (const MatchedSegment& seg : m->segments) {
       if (seg.first_page != pages) ++failures;
       pages += seg.num_pages;
-      for (const MatchedSegment::Replica& r : seg.replicas) {
-        if (r.block_ids.size() != seg.num_pages) ++failures;
+      if (seg.num_replicas == 0 || seg.first_replica + seg.num_replicas > m->replicas.size()) {
+        ++failures;
+        continue;
+      }
+      for (const MatchedReplica& r : m->Replicas(seg)) {
+        if (r.pool == nullptr || r.first_block + seg.num_pages > m->block_ids.size()) ++failures;
       }
     }
     if (pages != m->matched_pages) ++failures;

@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/cache_index.h"
+#include "server/core/match_testing.h"
 
 namespace kvcm {
 namespace {
@@ -95,9 +96,10 @@ TEST_F(CacheIndexEngineTest, StoredChainMatchesInTheEnginePoolWithNoBlocks) {
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->matched_pages, 4u);
   for (const MatchedSegment& seg : m->segments) {
-    ASSERT_EQ(seg.replicas.size(), 1u);
-    EXPECT_EQ(*seg.replicas[0].pool, vllm0_);
-    for (BlockId b : seg.replicas[0].block_ids) EXPECT_EQ(b, kNoBlock);
+    const std::vector<TestReplica> replicas = ReplicasOf(*m, seg);
+    ASSERT_EQ(replicas.size(), 1u);
+    EXPECT_EQ(*replicas[0].pool, vllm0_);
+    for (BlockId b : replicas[0].block_ids) EXPECT_EQ(b, kNoBlock);
   }
   const PoolStats pool = PoolOf(vllm0_);
   EXPECT_TRUE(pool.engine);
@@ -152,7 +154,7 @@ TEST_F(CacheIndexEngineTest, RemovalKeepsOtherPoolsReplicas) {
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->matched_pages, 3u);
   for (const MatchedSegment& seg : m->segments) {
-    for (const auto& r : seg.replicas) {
+    for (const MatchedReplica& r : m->Replicas(seg)) {
       if (seg.first_page + seg.num_pages > 1) EXPECT_NE(*r.pool, vllm0_);  // page 0 stays
     }
   }
@@ -335,7 +337,7 @@ TEST_F(CacheIndexEngineTest, RandomizedAgreesWithAModelOfTheEngine) {
         ASSERT_TRUE(m.ok());
         ASSERT_EQ(m->matched_pages, h.size()) << "step " << step;
         bool in_engine = false;
-        for (const auto& r : m->segments.back().replicas) in_engine |= *r.pool == vllm0_;
+        for (const auto& r : ReplicasOf(*m, m->segments.back())) in_engine |= *r.pool == vllm0_;
         ASSERT_TRUE(in_engine) << "step " << step;
       }
       ASSERT_TRUE(index_->CheckTenantAccounting().ok());

@@ -6,6 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/cache_index.h"
+#include "server/core/match_testing.h"
 
 namespace kvcm {
 namespace {
@@ -175,8 +176,8 @@ TEST_F(CacheIndexExpiryTest, AnExpiredCopyEndsTheMatchUntilSweptThenTheYoungerCo
   ASSERT_TRUE(m.ok());
   ASSERT_EQ(m->matched_pages, 2u);
   ASSERT_EQ(m->segments.size(), 1u);
-  ASSERT_EQ(m->segments[0].replicas.size(), 1u);
-  EXPECT_EQ(*m->segments[0].replicas[0].pool, gpu1_);
+  ASSERT_EQ(ReplicasOf(*m, m->segments[0]).size(), 1u);
+  EXPECT_EQ(*ReplicasOf(*m, m->segments[0])[0].pool, gpu1_);
 
   clock_.Advance(absl::Minutes(30));
   EXPECT_EQ(Sweep(), 2u);

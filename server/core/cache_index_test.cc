@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/match_testing.h"
 
 namespace kvcm {
 namespace {
@@ -121,9 +124,9 @@ TEST_F(CacheIndexTest, MatchesLongestCachedPrefix) {
   EXPECT_EQ(m.prompt_pages, 5u);
   ASSERT_EQ(m.segments.size(), 1u);
   EXPECT_EQ(m.segments[0].num_pages, 3u);
-  ASSERT_EQ(m.segments[0].replicas.size(), 1u);
-  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu0_);
-  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(100, 101, 102));
+  ASSERT_EQ(ReplicasOf(m, m.segments[0]).size(), 1u);
+  EXPECT_EQ(*ReplicasOf(m, m.segments[0])[0].pool, gpu0_);
+  EXPECT_THAT(ReplicasOf(m, m.segments[0])[0].block_ids, ElementsAre(100, 101, 102));
   EXPECT_EQ(MustMatch(Prompt({2, 1})).matched_pages, 0u);
   EXPECT_EQ(MustMatch(Prompt({1, 2, 3, 4, 5, 6})).matched_pages, 4u);
 }
@@ -141,8 +144,8 @@ TEST_F(CacheIndexTest, DivergingInsertSplitsTheNode) {
   MatchResult m = MustMatch(Prompt({1, 2, 7, 8}));
   EXPECT_EQ(m.matched_pages, 4u);
   ASSERT_EQ(m.segments.size(), 2u);
-  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(0, 1));
-  EXPECT_THAT(m.segments[1].replicas[0].block_ids, ElementsAre(12, 13));
+  EXPECT_THAT(ReplicasOf(m, m.segments[0])[0].block_ids, ElementsAre(0, 1));
+  EXPECT_THAT(ReplicasOf(m, m.segments[1])[0].block_ids, ElementsAre(12, 13));
   EXPECT_EQ(m.segments[1].first_page, 2u);
 }
 
@@ -169,12 +172,12 @@ TEST_F(CacheIndexTest, PagesCarryEveryLocation) {
   EXPECT_EQ(m.matched_pages, 3u);
   EXPECT_EQ(m.local_pages, 2u);
   ASSERT_EQ(m.segments.size(), 2u);
-  ASSERT_EQ(m.segments[0].replicas.size(), 2u);
-  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // requester first
-  EXPECT_THAT(m.segments[0].replicas[0].block_ids, ElementsAre(20, 21));
-  EXPECT_THAT(m.segments[0].replicas[1].block_ids, ElementsAre(0, 1));
-  ASSERT_EQ(m.segments[1].replicas.size(), 1u);
-  EXPECT_EQ(*m.segments[1].replicas[0].pool, gpu0_);
+  ASSERT_EQ(ReplicasOf(m, m.segments[0]).size(), 2u);
+  EXPECT_EQ(*ReplicasOf(m, m.segments[0])[0].pool, gpu1_);  // requester first
+  EXPECT_THAT(ReplicasOf(m, m.segments[0])[0].block_ids, ElementsAre(20, 21));
+  EXPECT_THAT(ReplicasOf(m, m.segments[0])[1].block_ids, ElementsAre(0, 1));
+  ASSERT_EQ(ReplicasOf(m, m.segments[1]).size(), 1u);
+  EXPECT_EQ(*ReplicasOf(m, m.segments[1])[0].pool, gpu0_);
 
   IndexStats s = index_->Stats();
   EXPECT_EQ(Pool(s, gpu0_).used_bytes, 3 * bpp_);
@@ -186,7 +189,7 @@ TEST_F(CacheIndexTest, PagesCarryEveryLocation) {
   ASSERT_TRUE(index_->EvictFromPool(gpu0_, 3 * bpp_).ok());
   m = MustMatch(Prompt({1, 2, 3}));
   EXPECT_EQ(m.matched_pages, 2u);
-  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);
+  EXPECT_EQ(*ReplicasOf(m, m.segments[0])[0].pool, gpu1_);
 }
 
 TEST_F(CacheIndexTest, ProbeChangesNothing) {
@@ -640,7 +643,7 @@ TEST_F(CacheIndexTest, CostAwareDropsACopyBeforeAnOnlyCopy) {
   ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
   MatchResult m = MustMatch(Prompt({1}), {.probe = true});
   ASSERT_EQ(m.matched_pages, 1u);
-  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // gpu-0's copy went
+  EXPECT_EQ(*ReplicasOf(m, m.segments[0])[0].pool, gpu1_);  // gpu-0's copy went
   EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
 }
 
@@ -680,8 +683,8 @@ TEST_F(CacheIndexTest, CostAwareDropsACopyFirstHoweverHotItIs) {
   ASSERT_TRUE(index_->EvictFromPool(gpu0_, 1).ok());
   MatchResult m = MustMatch(Prompt({1}), {.probe = true});
   ASSERT_EQ(m.matched_pages, 1u);
-  ASSERT_EQ(m.segments[0].replicas.size(), 1u);
-  EXPECT_EQ(*m.segments[0].replicas[0].pool, gpu1_);  // gpu-0's copy went, not [2]
+  ASSERT_EQ(ReplicasOf(m, m.segments[0]).size(), 1u);
+  EXPECT_EQ(*ReplicasOf(m, m.segments[0])[0].pool, gpu1_);  // gpu-0's copy went, not [2]
   EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 1u);
   // gpu-1's [1] is the only copy now: it is scored as one, so the older [4] goes first.
   ASSERT_TRUE(index_->EvictFromPool(gpu1_, 1).ok());
@@ -732,10 +735,10 @@ TEST_F(CacheIndexTest, CostAwareDemotesToTheAgentsHostPool) {
   MatchResult m = MustMatch(Prompt({1, 2}), {.probe = true});
   ASSERT_EQ(m.matched_pages, 2u);
   ASSERT_EQ(m.segments.size(), 2u);
-  EXPECT_EQ(m.segments[0].replicas.size(), 2u);  // [1]: GPU and host
-  ASSERT_EQ(m.segments[1].replicas.size(), 1u);  // [2]: host only, block not yet known
-  EXPECT_EQ(*m.segments[1].replicas[0].pool, host);
-  EXPECT_THAT(m.segments[1].replicas[0].block_ids, ElementsAre(kPendingBlock));
+  EXPECT_EQ(ReplicasOf(m, m.segments[0]).size(), 2u);  // [1]: GPU and host
+  ASSERT_EQ(ReplicasOf(m, m.segments[1]).size(), 1u);  // [2]: host only, block not yet known
+  EXPECT_EQ(*ReplicasOf(m, m.segments[1])[0].pool, host);
+  EXPECT_THAT(ReplicasOf(m, m.segments[1])[0].block_ids, ElementsAre(kPendingBlock));
 }
 
 TEST_F(CacheIndexTest, LruBaselineNeverDemotes) {
@@ -806,8 +809,8 @@ TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
   MustInsert(Prompt({5}), gpu0_);  // demotes [2] with its prefix [1]
   const std::vector<PageHash> path = Prompt({1, 2});
   MatchResult before = MustMatch(path, {.probe = true});
-  ASSERT_EQ(before.segments.back().replicas.size(), 1u);
-  EXPECT_THAT(before.segments.back().replicas[0].block_ids, ElementsAre(kPendingBlock));
+  ASSERT_EQ(ReplicasOf(before, before.segments.back()).size(), 1u);
+  EXPECT_THAT(ReplicasOf(before, before.segments.back())[0].block_ids, ElementsAre(kPendingBlock));
 
   const Snapshot untouched = Snap();
   // Wrong count or a pending id: INVALID_ARGUMENT, nothing assigned.
@@ -822,7 +825,8 @@ TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
                 .code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(Snap(), untouched);
-  EXPECT_THAT(MustMatch(path, {.probe = true}).segments.back().replicas[0].block_ids,
+  const MatchResult pending = MustMatch(path, {.probe = true});
+  EXPECT_THAT(ReplicasOf(pending, pending.segments.back())[0].block_ids,
               ElementsAre(kPendingBlock));
 
   absl::StatusOr<std::vector<BlockId>> left =
@@ -830,8 +834,8 @@ TEST_F(CacheIndexTest, AssignBlocksFillsPendingHostBlocksOnce) {
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_TRUE(left->empty());
   MatchResult after = MustMatch(path, {.probe = true});
-  EXPECT_EQ(*after.segments[1].replicas[0].pool, host);
-  EXPECT_THAT(after.segments[1].replicas[0].block_ids, ElementsAre(31));
+  EXPECT_EQ(*ReplicasOf(after, after.segments[1])[0].pool, host);
+  EXPECT_THAT(ReplicasOf(after, after.segments[1])[0].block_ids, ElementsAre(31));
   // A second answer for the same pages finds nothing pending: all its ids come back.
   left = index_->AssignBlocks(ns_, path, 0, host, std::vector<BlockId>{50, 51});
   ASSERT_TRUE(left.ok());
@@ -919,15 +923,15 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   MatchResult m = MustMatch(Prompt({1, 2, 3}), {.probe = true});
   EXPECT_EQ(m.matched_pages, 3u);
   for (const MatchedSegment& seg : m.segments) {
-    ASSERT_EQ(seg.replicas.size(), 1u);
-    EXPECT_EQ(*seg.replicas[0].pool, gpu1_);
+    ASSERT_EQ(seg.num_replicas, 1u);
+    EXPECT_EQ(*m.Replicas(seg)[0].pool, gpu1_);
   }
   // The pool takes new pages right away, next to the retired ones.
   MustInsert(Prompt({1}), gpu0_, 50);
   EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, bpp_);
   m = MustMatch(Prompt({1}), {.probe = true});
   ASSERT_EQ(m.segments.size(), 1u);
-  EXPECT_EQ(m.segments[0].replicas.size(), 2u);  // gpu1 and the new gpu0 replica
+  EXPECT_EQ(ReplicasOf(m, m.segments[0]).size(), 2u);  // gpu1 and the new gpu0 replica
 
   // The sweep removes only unpinned retired replicas: here, none yet.
   SweepResult swept = index_->SweepRetired(100);
@@ -1011,6 +1015,79 @@ class HashOrderOracle final : public NextUseOracle {
  public:
   uint64_t NextUse(const PageHash& page) const override { return page.lo >> 1; }
 };
+
+// Every block id a match returns is the one its pool was given for that page, whatever the
+// tree's shape (splits, the shortcut by the last page, several pools per node), the
+// requester and the mode; segments tile the match and list the requester's pools first.
+TEST_F(CacheIndexTest, RandomMatchesReturnTheBlocksEachPoolHolds) {
+  std::mt19937 rng(13);
+  const PoolKey pools[] = {gpu0_, gpu1_, {"gpu-2", Tier::kGpu}, {"gpu-0", Tier::kHost}};
+  const std::string agents[] = {"", "gpu-0", "gpu-1", "gpu-2"};
+  constexpr size_t kPools = std::size(pools);
+  for (const PoolKey& p : pools) ASSERT_TRUE(index_->SetPoolCapacity(p, 100'000 * bpp_).ok());
+  std::map<std::pair<size_t, PageHash>, BlockId> held;  // (pool, page) -> its block
+  BlockId next_block[kPools] = {};
+  int multi_replica_segments = 0;
+  for (int step = 0; step < 3000; ++step) {
+    std::vector<int32_t> ids;
+    for (int n = 1 + rng() % 10; n > 0; --n) ids.push_back(rng() % 3);
+    const std::vector<PageHash> pages = Prompt(ids);
+    if (rng() % 5 < 2) {
+      const size_t p = rng() % kPools;
+      const std::vector<BlockId> blocks = Blocks(next_block[p], pages.size());
+      next_block[p] += pages.size();
+      MustInsert(pages, pools[p], blocks[0]);
+      // Pages the pool held already keep their blocks.
+      for (size_t i = 0; i < pages.size(); ++i) held.try_emplace({p, pages[i]}, blocks[i]);
+      continue;
+    }
+    const std::string& requester = agents[rng() % std::size(agents)];
+    const MatchResult m =
+        MustMatch(pages, {.requester_agent_id = requester, .probe = rng() % 2 == 0});
+    // Pools are prefix-closed: the match is the longest prefix one pool holds.
+    uint32_t want = 0;
+    for (size_t p = 0; p < kPools; ++p) {
+      uint32_t n = 0;
+      while (n < pages.size() && held.contains({p, pages[n]})) ++n;
+      want = std::max(want, n);
+    }
+    ASSERT_EQ(m.matched_pages, want) << "step " << step;
+    uint32_t next_page = 0;
+    for (const MatchedSegment& seg : m.segments) {
+      ASSERT_EQ(seg.first_page, next_page) << "step " << step;
+      ASSERT_GT(seg.num_pages, 0u);
+      next_page += seg.num_pages;
+      ASSERT_LE(seg.first_replica + seg.num_replicas, m.replicas.size());
+      multi_replica_segments += seg.num_replicas > 1;
+      std::vector<size_t> listed;
+      bool others_began = false;
+      for (const MatchedReplica& r : m.Replicas(seg)) {
+        const size_t p = std::find(pools, pools + kPools, *r.pool) - pools;
+        ASSERT_LT(p, kPools);
+        listed.push_back(p);
+        const bool own = !requester.empty() && r.pool->agent_id == requester;
+        EXPECT_FALSE(own && others_began) << "step " << step << ": requester's pool listed late";
+        others_began |= !own;
+        ASSERT_LE(r.first_block + seg.num_pages, m.block_ids.size());
+        const std::span<const BlockId> got = m.BlockIds(seg, r);
+        for (uint32_t i = 0; i < seg.num_pages; ++i) {
+          const auto it = held.find({p, pages[seg.first_page + i]});
+          ASSERT_NE(it, held.end()) << "step " << step << ": pool " << p << " lacks the page";
+          EXPECT_EQ(got[i], it->second) << "step " << step << ", page " << seg.first_page + i;
+        }
+      }
+      // Exactly the pools that hold the segment (its last page, as pools are prefix-closed).
+      std::vector<size_t> holders;
+      for (size_t p = 0; p < kPools; ++p) {
+        if (held.contains({p, pages[seg.first_page + seg.num_pages - 1]})) holders.push_back(p);
+      }
+      std::sort(listed.begin(), listed.end());
+      EXPECT_EQ(listed, holders) << "step " << step;
+    }
+    ASSERT_EQ(next_page, m.matched_pages) << "step " << step;
+  }
+  EXPECT_GT(multi_replica_segments, 200) << "too few segments held by several pools";
+}
 
 TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
   static const HashOrderOracle oracle;

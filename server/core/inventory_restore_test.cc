@@ -1,6 +1,7 @@
 #include "server/core/inventory_restore.h"
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -63,8 +64,10 @@ class InventoryRestoreTest : public ::testing::Test {
     std::vector<BlockId> out;
     if (!m.ok()) return out;
     for (const MatchedSegment& seg : m->segments) {
-      for (const MatchedSegment::Replica& r : seg.replicas) {
-        if (*r.pool == kPool) out.insert(out.end(), r.block_ids.begin(), r.block_ids.end());
+      for (const MatchedReplica& r : m->Replicas(seg)) {
+        if (*r.pool != kPool) continue;
+        const std::span<const BlockId> ids = m->BlockIds(seg, r);
+        out.insert(out.end(), ids.begin(), ids.end());
       }
     }
     return out;

@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace kvcm {
 
@@ -52,18 +53,37 @@ std::unique_ptr<RadixNode> ChildMap::Extract(const PageHash& first) {
 
 RadixTree::RadixTree(void* owner) : owner_(owner) { root_.tree = this; }
 
+namespace {
+
+// Starts loading what a match reads of `node` once the path is known: its replicas' block
+// ids (the first and last cache line of each). Issued while the walk still climbs, these
+// misses overlap the climb's chain of dependent parent loads instead of following it.
+void PrefetchBlockIds(const RadixNode* node) {
+  for (const Replica& r : node->replicas) {
+    if (r.block_ids.empty()) continue;
+    __builtin_prefetch(&r.block_ids.front());
+    __builtin_prefetch(&r.block_ids.back());
+  }
+}
+
+}  // namespace
+
 uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
   path->clear();
   if (pages.empty()) return 0;
-  if (RadixNode* end = NodeEndingWith(pages.back())) {
+  if (auto it = ends_.find(pages.back()); it != ends_.end()) {
     // Climb from the node that ends the prompt; steps come out last first.
+    RadixNode* end = it->second.node;
+    __builtin_prefetch(it->second.parent);
     size_t pos = pages.size();
     for (RadixNode* n = end; !n->is_root(); n = n->parent) {
+      __builtin_prefetch(n->grandparent);
       if (n->size() > pos || n->last_page != pages[pos - 1]) {
         pos = SIZE_MAX;  // not this prompt's path (a broken chain): walk it instead
         break;
       }
       pos -= n->size();
+      PrefetchBlockIds(n);
       path->push_back(PathStep{n, static_cast<uint32_t>(pos), n->size()});
     }
     if (pos == 0) {
@@ -112,9 +132,10 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   auto head = std::make_unique<RadixNode>();
   head->tree = this;
   head->parent = parent;
+  head->grandparent = parent->parent;
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
   head->last_page = head->pages.back();
-  ends_[head->last_page] = head.get();
+  ends_[head->last_page] = End{head.get(), parent};
   head->last_access = node->last_access;
   head->last_access_s = node->last_access_s;
   head->hits = node->hits;
@@ -132,6 +153,11 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   }
   node->pages.erase(node->pages.begin(), node->pages.begin() + k);
   node->parent = head.get();
+  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second.node == node) {
+    it->second.parent = head.get();
+  }
+  node->grandparent = parent;
+  node->children.ForEach([&](RadixNode* child) { child->grandparent = head.get(); });
 
   RadixNode* head_ptr = head.get();
   head->children.Insert(node->pages[0], std::move(owned));
@@ -145,9 +171,10 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   auto child = std::make_unique<RadixNode>();
   child->tree = this;
   child->parent = parent;
+  child->grandparent = parent->parent;
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
-  ends_[child->last_page] = child.get();
+  ends_[child->last_page] = End{child.get(), parent};
   RadixNode* ptr = child.get();
   parent->children.Insert(pages[0], std::move(child));
   ++nodes_;
@@ -160,10 +187,26 @@ void RadixTree::Remove(RadixNode* node) {
          node->pin_count == 0);
   pages_ -= node->size();
   --nodes_;
-  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second == node) {
+  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second.node == node) {
     ends_.erase(it);
   }
   node->parent->children.Extract(node->pages[0]);  // destroys it
+}
+
+bool RadixTree::LinksConsistent() const {
+  std::vector<const RadixNode*> stack = {&root_};
+  while (!stack.empty()) {
+    const RadixNode* n = stack.back();
+    stack.pop_back();
+    if (n->grandparent != (n->is_root() ? nullptr : n->parent->parent)) return false;
+    // A node may lack its entry only where a broken chain gave two nodes one last page.
+    if (auto it = n->is_root() ? ends_.end() : ends_.find(n->last_page);
+        it != ends_.end() && it->second.node == n && it->second.parent != n->parent) {
+      return false;
+    }
+    n->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
+  }
+  return true;
 }
 
 }  // namespace kvcm

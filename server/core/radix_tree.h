@@ -88,6 +88,9 @@ class ChildMap {
 struct RadixNode {
   RadixTree* tree = nullptr;
   RadixNode* parent = nullptr;  // null for the root
+  // parent->parent (null for the root and its children): lets a climb through the parents
+  // start loading two levels up while it reads one, halving its chain of dependent misses.
+  RadixNode* grandparent = nullptr;
   std::vector<PageHash> pages;  // empty only for the root
   // pages.back(), kept in the node itself: a walk that covers the whole run checks only
   // this (hashes are chained) and never touches the cold pages array.
@@ -167,8 +170,12 @@ class RadixTree {
   // The node whose run ends with `page` (hashes are chained: at most one does), or null.
   RadixNode* NodeEndingWith(const PageHash& page) const {
     auto it = ends_.find(page);
-    return it == ends_.end() ? nullptr : it->second;
+    return it == ends_.end() ? nullptr : it->second.node;
   }
+
+  // Whether every node's grandparent and entry by its last page agree with the tree (the
+  // climb's hints); for tests, O(nodes).
+  bool LinksConsistent() const;
 
   uint64_t nodes() const { return nodes_; }
   uint64_t pages() const { return pages_; }
@@ -185,8 +192,13 @@ class RadixTree {
   uint64_t page_locations_ = 0;
   // Every node by its last page. A prompt that ends where a node ends (a full hit) is
   // matched by one lookup and a climb through the parents, instead of a map lookup per
-  // level: the walk is bound by cache misses, about four per level.
-  absl::flat_hash_map<PageHash, RadixNode*> ends_;
+  // level: the walk is bound by cache misses, about four per level. The entry names the
+  // node's parent too, so that the climb loads the node and its parent at once.
+  struct End {
+    RadixNode* node;
+    RadixNode* parent;
+  };
+  absl::flat_hash_map<PageHash, End> ends_;
 };
 
 }  // namespace kvcm

@@ -122,6 +122,7 @@ TEST(RadixTreeTest, WalkShortcutAgreesWithThePageByPageWalk) {
   std::vector<PathStep> got, want;
   int shortcuts = 0;
   for (int step = 0; step < 4000; ++step) {
+    if (step % 100 == 0) ASSERT_TRUE(tree.LinksConsistent()) << "step " << step;
     const int op = rng() % 10;
     if (op < 4 || prompts.empty()) {
       // A new prompt: a prefix of an earlier one (or nothing), then fresh tokens.
@@ -159,6 +160,9 @@ TEST(RadixTreeTest, WalkShortcutAgreesWithThePageByPageWalk) {
     }
   }
   EXPECT_GT(shortcuts, 500) << "the shortcut was hardly exercised";
+  // The climb's hints (grandparents, parents by last page) survived every split, add and
+  // removal.
+  EXPECT_TRUE(tree.LinksConsistent());
 }
 
 TEST(RadixTreeTest, ShortcutRefusesAPromptThatIsNotTheNodesPath) {

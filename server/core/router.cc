@@ -63,9 +63,9 @@ RouteEstimate EstimateFor(const MatchResult& match, size_t index, const RouteCan
   // Pages of one pool are prefix-closed, so the agent's pages are the leading segments
   // that list one of its pools.
   for (const MatchedSegment& seg : match.segments) {
-    const bool held = std::any_of(
-        seg.replicas.begin(), seg.replicas.end(),
-        [&](const MatchedSegment::Replica& r) { return r.pool->agent_id == candidate.agent_id; });
+    const bool held = std::ranges::any_of(match.Replicas(seg), [&](const MatchedReplica& r) {
+      return r.pool->agent_id == candidate.agent_id;
+    });
     if (!held) break;
     e.cached_pages += seg.num_pages;
   }

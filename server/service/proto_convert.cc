@@ -287,10 +287,11 @@ void MatchResultToProto(const MatchResult& result, uint32_t page_size_tokens,
     v1::MatchedSegment* s = out->add_segments();
     s->set_first_page(seg.first_page);
     s->set_num_pages(seg.num_pages);
-    for (const MatchedSegment::Replica& rep : seg.replicas) {
+    for (const MatchedReplica& rep : result.Replicas(seg)) {
       v1::Replica* r = s->add_replicas();
       PoolToProto(*rep.pool, r->mutable_pool());
-      r->mutable_block_ids()->Add(rep.block_ids.begin(), rep.block_ids.end());
+      const std::span<const BlockId> ids = result.BlockIds(seg, rep);
+      r->mutable_block_ids()->Add(ids.begin(), ids.end());
     }
   }
   out->set_pin_id(result.pin_id);

@@ -418,23 +418,34 @@ TEST_F(ProtoConvertTest, RegisterModelResponseCarriesTheScheme) {
 
 TEST_F(ProtoConvertTest, MatchResultToProto) {
   MatchResult r;
-  r.matched_pages = 3;
+  r.matched_pages = 4;
   r.prompt_pages = 5;
   r.local_pages = 1;
-  const PoolKey pool{"a", Tier::kHost};
-  r.segments.push_back({0, 3, {{&pool, {7, 8, 9}}}});
+  const PoolKey host{"a", Tier::kHost};
+  const PoolKey gpu{"b", Tier::kGpu};
+  // Pages [0, 3) in two pools, the second listed first (as for a requester on "b"), then
+  // page 3 in the host pool only.
+  r.segments = {{.first_page = 0, .num_pages = 3, .first_replica = 0, .num_replicas = 2},
+                {.first_page = 3, .num_pages = 1, .first_replica = 2, .num_replicas = 1}};
+  r.replicas = {{&gpu, 3}, {&host, 0}, {&host, 6}};
+  r.block_ids = {7, 8, 9, 40, 41, 42, 10};
   r.pin_id = 12;
   r.lease_expiry = absl::FromUnixMillis(1'700'000'123'456);
   v1::MatchResponse resp;
   MatchResultToProto(r, kPageSize, &resp);
-  EXPECT_EQ(resp.matched_pages(), 3u);
-  EXPECT_EQ(resp.matched_tokens(), 12u);
+  EXPECT_EQ(resp.matched_pages(), 4u);
+  EXPECT_EQ(resp.matched_tokens(), 16u);
   EXPECT_EQ(resp.prompt_pages(), 5u);
   EXPECT_EQ(resp.local_pages(), 1u);
-  ASSERT_EQ(resp.segments_size(), 1);
-  ASSERT_EQ(resp.segments(0).replicas_size(), 1);
-  EXPECT_EQ(resp.segments(0).replicas(0).pool().tier(), v1::TIER_HOST);
-  EXPECT_THAT(resp.segments(0).replicas(0).block_ids(), ::testing::ElementsAre(7, 8, 9));
+  ASSERT_EQ(resp.segments_size(), 2);
+  ASSERT_EQ(resp.segments(0).replicas_size(), 2);
+  EXPECT_EQ(resp.segments(0).replicas(0).pool().agent_id(), "b");
+  EXPECT_THAT(resp.segments(0).replicas(0).block_ids(), ::testing::ElementsAre(40, 41, 42));
+  EXPECT_EQ(resp.segments(0).replicas(1).pool().tier(), v1::TIER_HOST);
+  EXPECT_THAT(resp.segments(0).replicas(1).block_ids(), ::testing::ElementsAre(7, 8, 9));
+  EXPECT_EQ(resp.segments(1).first_page(), 3u);
+  ASSERT_EQ(resp.segments(1).replicas_size(), 1);
+  EXPECT_THAT(resp.segments(1).replicas(0).block_ids(), ::testing::ElementsAre(10));
   EXPECT_EQ(resp.pin_id(), 12u);
   EXPECT_EQ(resp.lease_expiry_unix_ms(), 1'700'000'123'456);
 

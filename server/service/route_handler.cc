@@ -1,6 +1,7 @@
 #include "server/service/route_handler.h"
 
 #include <algorithm>
+#include <span>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -83,10 +84,11 @@ absl::Status RouteHandler::Route(const v1::RouteRequest& req, v1::RouteResponse*
   const RouteCandidate& chosen = candidates[best.candidate];
   if (call.probe) {
     // The probe's replicas in the chosen agent's order, as Match would list them for it.
-    for (MatchedSegment& seg : match.segments) {
-      std::stable_partition(
-          seg.replicas.begin(), seg.replicas.end(),
-          [&](const MatchedSegment::Replica& r) { return r.pool->agent_id == chosen.agent_id; });
+    for (const MatchedSegment& seg : match.segments) {
+      const std::span<MatchedReplica> replicas = match.Replicas(seg);
+      std::stable_partition(replicas.begin(), replicas.end(), [&](const MatchedReplica& r) {
+        return r.pool->agent_id == chosen.agent_id;
+      });
     }
     match.local_pages = best.cached_pages;
   } else {
