@@ -41,6 +41,8 @@ if [ "$security_given" = false ]; then
   args=(--insecure "${args[@]}")
 fi
 
+# Transparent huge pages for malloc's heap: faster index lookups (docs/PERFORMANCE.md §1).
+export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}
 # kvcm-manager prints the gRPC and metrics addresses it actually bound on startup.
 echo "run.sh: starting $build_dir/server/kvcm-manager ${args[*]}"
 if [ -x "$build_dir/client/kvcmctl" ]; then
