@@ -222,7 +222,9 @@ async def test_dead_engine_is_dropped_and_comes_back(make_rig, view):
     rig.pub.shutdown()
     t0 = time.monotonic()
     await rig.converge([], timeout=5)
-    assert time.monotonic() - t0 < 1.5 + 1.5
+    # The 1.5 s silence, plus slack for a loaded 2-vCPU runner (3.04 s was seen there with
+    # 1.5 s of slack); still well short of what never dropping would take.
+    assert time.monotonic() - t0 < 1.5 + 3.0
     assert rig.engine_id not in await view.engine_sessions()  # closed, not just emptied
     rig.restart_engine()  # back on the same endpoints, empty, seq from 0
     await run_prompts(rig, [5])
