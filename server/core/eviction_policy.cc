@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/eviction_policy_internal.h"
 
 namespace kvcm {
 
@@ -65,22 +66,13 @@ absl::btree_set<EvictionPolicy::Key>& EvictionPolicy::SetOf(PoolId pool) {
 
 namespace {
 
+using policy_internal::IsCandidate;
+using policy_internal::WorthPerByte;
+
 // A node another pool also holds goes before every node that is the only copy: losing it
 // costs a transfer, not a recompute. Subtracted from such nodes' scores: more seconds than
 // any clock in use reads since the Unix epoch (about 1.8e9 now), so those nodes sort first.
 constexpr double kReplicatedFirst = 1e12;
-
-// Recompute cost saved per byte, relative to a DeepSeek-V3 page, clamped to [1/8, 8].
-// Prefill cost is taken as the same for every token (weighting it by position, since
-// attention grows with the prefix, lost 1-5 points on the Mooncake trace: deep conversation
-// tails are not reused more), so it is the inverse of the model's bytes per token, relative
-// to DeepSeek-V3's MLA latent in bf16 (70,272 B per token).
-double WorthPerByte(const RadixNode& node) {
-  constexpr double kReferenceBytesPerToken = 70272;
-  const double bytes_per_token =
-      static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
-  return std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
-}
 
 // Decay of the adaptive policy's counts per event: they cover about the last 1,024 events,
 // a count, not a time.
@@ -181,10 +173,7 @@ void AdaptivePolicy::Adapt() {
 void AdaptivePolicy::OnTouch(const RadixNode& node, double now_s, Access access) {
   // A match of a candidate (a leaf of some pool): the reuses eviction decides about. Inner
   // nodes (shared prompts) are matched far more often and would drown them.
-  if (access != Access::kMatch || node.hits == 0) return;
-  bool candidate = false;
-  for (const Replica& r : node.replicas) candidate |= r.evictable;
-  if (!candidate) return;
+  if (access != Access::kMatch || node.hits == 0 || !IsCandidate(node)) return;
   const double age = now_s - node.last_access_s;
   SampleReuse(age);
   if (CountedReuses(node) > 0 && age_samples_ > 0 && age > eviction_age_s_) {

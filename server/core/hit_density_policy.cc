@@ -8,9 +8,13 @@
 #include <vector>
 
 #include "server/core/eviction_policy.h"
+#include "server/core/eviction_policy_internal.h"
 
 namespace kvcm {
 namespace {
+
+using policy_internal::IsCandidate;
+using policy_internal::WorthPerByte;
 
 // Reuse classes at most (DensityParams::reuse_classes).
 constexpr uint32_t kReuseClasses = 4;
@@ -47,21 +51,6 @@ double BucketMid(int b) { return b == 0 ? kAgeUnit / 2 : 0.75 * kAgeUnit * std::
 uint32_t ReuseClass(uint32_t hits, uint32_t classes) {
   const uint32_t uses = std::max<uint32_t>(hits, 1);
   return std::min(uses, classes) - 1;
-}
-
-// Recompute cost saved per byte relative to a DeepSeek-V3 page, as "cost" weighs it.
-double WorthPerByte(const RadixNode& node) {
-  constexpr double kReferenceBytesPerToken = 70272;
-  const double bytes_per_token =
-      static_cast<double>(node.tree->bytes_per_page()) / node.tree->page_size_tokens();
-  return std::clamp(kReferenceBytesPerToken / bytes_per_token, 0.125, 8.0);
-}
-
-bool IsCandidate(const RadixNode& node) {
-  for (const Replica& r : node.replicas) {
-    if (r.evictable) return true;
-  }
-  return false;
 }
 
 class HitDensityPolicy final : public EvictionPolicy {
