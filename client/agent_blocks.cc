@@ -56,18 +56,12 @@ absl::Status AgentBlocks::Free(std::span<const BlockId> ids) {
   return FromGrpcStatus(stub_->Free(&ctx, req, &resp));
 }
 
-absl::StatusOr<FetchedPages> FetchPlanned(
-    v1::BlockAgent::Stub& dest, const NamespaceId& ns, const HashedPrompt& prompt,
-    const FetchPlan& plan, const absl::flat_hash_map<std::string, std::string>& data_addresses,
-    absl::Duration timeout) {
+absl::StatusOr<FetchedPages> FetchPlanned(v1::BlockAgent::Stub& dest, const NamespaceId& ns,
+                                          const HashedPrompt& prompt, const FetchPlan& plan,
+                                          absl::Duration timeout) {
   FetchedPages out;
   out.block_ids = plan.local_blocks;
   for (const FetchRun& run : plan.runs) {
-    auto source = data_addresses.find(run.source.agent_id);
-    if (source == data_addresses.end() || source->second.empty()) {
-      return absl::NotFoundError(
-          absl::StrCat("agent ", run.source.agent_id, " has no data address to fetch from"));
-    }
     v1::FetchRequest req;
     NamespaceToProto(ns, req.mutable_namespace_());
     const size_t end = out.block_ids.size() + run.source_blocks.size();
@@ -77,7 +71,7 @@ absl::StatusOr<FetchedPages> FetchPlanned(
     scheme->set_page_size_tokens(prompt.page_size_tokens);
     scheme->set_key_fingerprint(prompt.key_fingerprint);
     req.mutable_local_block_ids()->Add(out.block_ids.begin(), out.block_ids.end());
-    req.set_source_data_address(source->second);
+    req.set_source_agent_id(run.source.agent_id);
     req.set_source_tier(static_cast<v1::Tier>(run.source.tier));
     req.mutable_source_block_ids()->Add(run.source_blocks.begin(), run.source_blocks.end());
     v1::FetchResponse resp;

@@ -59,15 +59,14 @@ struct FetchedPages {
 };
 
 // Runs `plan` on the destination agent `dest`: one BlockAgent.Fetch per run, in order, each
-// naming the destination's blocks of the pages before the run. `data_addresses` maps each
-// source's agent id to where it serves its blocks (ManagerStats::Agent::data_address);
-// `timeout` bounds each call. REQUIRES: prompt.pages covers plan.end_page() pages. The
-// first failing run's error (NOT_FOUND for a source with no data address); the runs before
-// it stay done (their pages are indexed on the destination).
-absl::StatusOr<FetchedPages> FetchPlanned(
-    v1::BlockAgent::Stub& dest, const NamespaceId& ns, const HashedPrompt& prompt,
-    const FetchPlan& plan, const absl::flat_hash_map<std::string, std::string>& data_addresses,
-    absl::Duration timeout = absl::Seconds(60));
+// naming the destination's blocks of the pages before the run and the run's source agent
+// (the destination looks its data address up at the manager); `timeout` bounds each call.
+// REQUIRES: prompt.pages covers plan.end_page() pages. The first failing run's error
+// (NOT_FOUND for a source the manager does not know); the runs before it stay done (their
+// pages are indexed on the destination).
+absl::StatusOr<FetchedPages> FetchPlanned(v1::BlockAgent::Stub& dest, const NamespaceId& ns,
+                                          const HashedPrompt& prompt, const FetchPlan& plan,
+                                          absl::Duration timeout = absl::Seconds(60));
 
 }  // namespace kvcm
 

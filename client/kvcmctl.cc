@@ -489,16 +489,13 @@ int RunFetch(const Invocation& in) {
   if (!pages.ok()) {
     return in.Failed(pages.status());
   }
-  absl::flat_hash_map<std::string, std::string> data_addresses;
-  for (const ManagerStats::Agent& a : stats->agents) data_addresses[a.agent_id] = a.data_address;
-
   auto stub = v1::BlockAgent::NewStub(in.client->channels().Open(dest->block_agent_address));
   absl::StatusOr<FetchedPages> fetched =
       FetchPlanned(*stub, ns,
                    HashedPrompt{.pages = *std::move(pages),
                                 .page_size_tokens = key->spec.page_size_tokens,
                                 .key_fingerprint = key->key_fingerprint},
-                   *plan, data_addresses, absl::Milliseconds(in.flags.GetUint("timeout_ms")));
+                   *plan, absl::Milliseconds(in.flags.GetUint("timeout_ms")));
   if (!fetched.ok()) {
     return in.Failed(fetched.status());
   }

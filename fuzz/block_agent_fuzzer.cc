@@ -43,13 +43,10 @@ struct Session {
   AgentWorld world;
   AgentMetrics metrics{world.options.agent_id, world.pools, &world.epoch};
   RefusingTransport transport;
-  Fetcher fetcher{world.options.agent_id,
-                  world.options.tier,
-                  world.pools,
-                  &world.epoch,
-                  &transport,
-                  /*manager=*/nullptr,
-                  &metrics};
+  Fetcher fetcher{world.options.agent_id, world.options.tier, world.pools, &world.epoch, &transport,
+                  // Every source is known, at the refusing transport's address.
+                  [](const std::string&, PeerAddressDone done) { done("127.0.0.1:1"); },
+                  /*manager=*/nullptr, &metrics};
   std::optional<WriteBlocksStage> write;
 
   // BlockAgentService::ReadBlocks and ReadBlocksReactor: the pool, the checks, the chunks.

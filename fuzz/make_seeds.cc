@@ -323,7 +323,7 @@ void BlockAgentSeeds(const fs::path& dir) {
   fetch.add_local_block_ids(w.committed[0]);
   fetch.add_source_block_ids(5);
   fetch.add_source_block_ids(6);
-  fetch.set_source_data_address("127.0.0.1:7002");
+  fetch.set_source_agent_id("gpu-b");
   fetch.set_source_tier(v1::TIER_GPU);
   AppendRecord(&s, kFetch, fetch);
   Write(dir, "block_agent_fuzzer", "fetch", s);

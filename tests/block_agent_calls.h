@@ -97,11 +97,11 @@ inline absl::StatusOr<std::string> ReadAll(v1::BlockAgent::Stub& agent,
 }
 
 // A BlockAgent.Fetch of prompt `pages` of `ns` (hashed with the namespace key whose
-// fingerprint is `key_fingerprint`, `page_size_tokens` per page) from `source_blocks` of the
-// agent serving on `source_data_address`.
+// fingerprint is `key_fingerprint`, `page_size_tokens` per page) from `source_blocks` of
+// agent `source_agent_id`.
 inline v1::FetchRequest FetchRequestFor(const NamespaceId& ns, std::span<const PageHash> pages,
                                         uint32_t page_size_tokens, uint64_t key_fingerprint,
-                                        const std::string& source_data_address,
+                                        const std::string& source_agent_id,
                                         std::span<const BlockId> source_blocks) {
   v1::FetchRequest req;
   NamespaceToProto(ns, req.mutable_namespace_());
@@ -110,7 +110,7 @@ inline v1::FetchRequest FetchRequestFor(const NamespaceId& ns, std::span<const P
   scheme->set_version(kPageHashVersion);
   scheme->set_page_size_tokens(page_size_tokens);
   scheme->set_key_fingerprint(key_fingerprint);
-  req.set_source_data_address(source_data_address);
+  req.set_source_agent_id(source_agent_id);
   req.mutable_source_block_ids()->Add(source_blocks.begin(), source_blocks.end());
   return req;
 }

@@ -91,7 +91,7 @@ class ClusterProcessTest : public ::testing::Test {
     std::vector<WorkerSim::AgentInfo> infos;
     for (const std::string& id : kAgents) {
       const ManagerStats::Agent& a = cluster_->agent(id);
-      infos.push_back({id, a.block_agent_address, a.data_address});
+      infos.push_back({id, a.block_agent_address});
     }
     absl::StatusOr<std::unique_ptr<WorkerSim>> sim =
         WorkerSim::Create(&cluster_->client(), kNs, SmallMla(), std::move(infos));

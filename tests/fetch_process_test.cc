@@ -72,7 +72,7 @@ class FetchProcessTest : public ::testing::Test {
     absl::StatusOr<std::vector<PageHash>> pages = client_->HashPrompt(kNs, tokens_);
     EXPECT_TRUE(pages.ok()) << pages.status();
     return testing::FetchRequestFor(kNs, pages.ok() ? *pages : std::vector<PageHash>{}, page_size_,
-                                    fingerprint_, cluster_->agent("gpu-a").data_address, a_blocks_);
+                                    fingerprint_, "gpu-a", a_blocks_);
   }
 
   std::vector<BlockId> Matched(const std::string& agent) {

@@ -181,7 +181,7 @@ class ManagerHaTest : public ::testing::Test {
     client_ = *std::move(client);
     std::vector<WorkerSim::AgentInfo> infos;
     for (const ManagerStats::Agent& a : stats->agents) {
-      infos.push_back({a.agent_id, a.block_agent_address, a.data_address});
+      infos.push_back({a.agent_id, a.block_agent_address});
     }
     absl::StatusOr<std::unique_ptr<WorkerSim>> sim =
         WorkerSim::Create(client_.get(), kNs, SmallMla(), std::move(infos));

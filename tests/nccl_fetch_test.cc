@@ -117,7 +117,7 @@ class NcclFetchTest : public ::testing::Test {
     EXPECT_TRUE(hashes.ok());
     const v1::FetchRequest req =
         testing::FetchRequestFor(ns_, hashes.ok() ? *hashes : std::vector<PageHash>{},
-                                 spec_.page_size_tokens, fingerprint_, a_->data_address(), source);
+                                 spec_.page_size_tokens, fingerprint_, "gpu-a", source);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     return bb_->Fetch(&ctx, req, resp);

@@ -272,9 +272,9 @@ TEST_F(RouteTest, AMeasuredPullBandwidthReplacesTheDefault) {
   ASSERT_TRUE(hashes.ok());
   absl::StatusOr<RegisterModelReply> reg = client_->RegisterModel(ns_, spec_);
   ASSERT_TRUE(reg.ok());
-  const v1::FetchRequest req = testing::FetchRequestFor(
-      ns_, *hashes, spec_.page_size_tokens, reg->key_fingerprint, agents_[1]->data_address(),
-      planned->match.segments[0].replicas[0].block_ids);
+  const v1::FetchRequest req =
+      testing::FetchRequestFor(ns_, *hashes, spec_.page_size_tokens, reg->key_fingerprint, "gpu-b",
+                               planned->match.segments[0].replicas[0].block_ids);
   v1::FetchResponse resp;
   grpc::ClientContext ctx;
   const grpc::Status fetched = c->Fetch(&ctx, req, &resp);

@@ -286,8 +286,8 @@ TEST_F(TlsClusterTest, AFetchCrossesTheTlsDataPortBitForBit) {
   absl::StatusOr<std::vector<PageHash>> hashes =
       client_->HashPrompt(ns_, Tokens(3, spec_.page_size_tokens, 2));
   ASSERT_TRUE(hashes.ok()) << hashes.status();
-  v1::FetchRequest req = testing::FetchRequestFor(ns_, *hashes, spec_.page_size_tokens,
-                                                  fingerprint_, a_->data_address(), on_a);
+  v1::FetchRequest req =
+      testing::FetchRequestFor(ns_, *hashes, spec_.page_size_tokens, fingerprint_, "gpu-a", on_a);
   v1::FetchResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));

@@ -39,7 +39,6 @@ absl::StatusOr<std::unique_ptr<WorkerSim>> WorkerSim::Create(Client* client, Nam
                        " bytes, the namespace pages of ", sim->bytes_per_block_));
     }
     a.epoch = stats.epoch();
-    sim->data_addresses_[info.id] = info.data_address;
     sim->order_.push_back(info.id);
     a.info = std::move(info);
     sim->agents_.emplace(a.info.id, std::move(a));
@@ -88,8 +87,7 @@ absl::StatusOr<WorkerSim::Served> WorkerSim::Serve(std::span<const int32_t> toke
     absl::StatusOr<FetchPlan> plan = PlanFetch(route->match, pool, std::nullopt, best.fetch_pages);
     if (!plan.ok()) return plan.status();
     absl::StatusOr<FetchedPages> fetched = FetchPlanned(
-        *agent->second.stub, ns_, HashedPrompt{*pages, page_size_tokens_, key_fingerprint_}, *plan,
-        data_addresses_);
+        *agent->second.stub, ns_, HashedPrompt{*pages, page_size_tokens_, key_fingerprint_}, *plan);
     if (!fetched.ok()) return fetched.status();
     out.fetched_pages = fetched->fetched_pages;
     held = std::move(fetched->block_ids);

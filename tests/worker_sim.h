@@ -32,7 +32,6 @@ class WorkerSim {
   struct AgentInfo {
     std::string id;
     std::string block_agent_address;
-    std::string data_address;
   };
 
   // `client` must outlive the simulator. Registers `ns` with `spec` (the client then hashes
@@ -90,7 +89,6 @@ class WorkerSim {
   uint32_t max_blocks_per_call_ = 64;  // the agent's default; WriteBlocks in batches of it
   std::map<std::string, Agent> agents_;
   std::vector<std::string> order_;  // agent ids as given to Create: the candidate order
-  absl::flat_hash_map<std::string, std::string> data_addresses_;
 };
 
 }  // namespace kvcm::testing

@@ -16,6 +16,7 @@
 #include "gpu/agent/command_loop.h"
 #include "gpu/agent/control_loop.h"
 #include "gpu/agent/data_tls.h"
+#include "gpu/agent/peer_lookup.h"
 #include "gpu/agent/tcp_transport.h"
 #include "prometheus/exposer.h"
 #ifdef KVCM_HAVE_NCCL
@@ -131,9 +132,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   KVCM_ASSIGN_OR_RETURN(a->transport_, a->CreateTransport());
   a->data_address_ = a->transport_->address();
   a->manager_ = v1::CacheManager::NewStub(manager);
-  a->fetcher_ =
-      std::make_unique<Fetcher>(opts.agent_id, opts.tier, a->pools(), &a->epoch_,
-                                a->transport_.get(), a->manager_.get(), a->metrics_.get());
+  // A Fetch's source is an agent the manager knows: its address comes from there, within
+  // the same bound as the Insert that follows the pull's.
+  constexpr uint32_t kLookupTimeoutMs = 10'000;
+  a->fetcher_ = std::make_unique<Fetcher>(
+      opts.agent_id, opts.tier, a->pools(), &a->epoch_, a->transport_.get(),
+      LookupAtManager(a->control_.get(), opts.agent_id, kLookupTimeoutMs), a->manager_.get(),
+      a->metrics_.get());
   a->service_ = std::make_unique<BlockAgentService>(
       &opts, a->pools(), &a->epoch_, a->metrics_.get(), a->fetcher_.get(), a->authenticator_.get());
   grpc::ServerBuilder builder;

@@ -30,12 +30,14 @@ struct Fetcher::Job {
 };
 
 Fetcher::Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const AgentEpoch* epoch,
-                 Transport* transport, v1::CacheManager::Stub* manager, AgentMetrics* metrics)
+                 Transport* transport, PeerLookup lookup, v1::CacheManager::Stub* manager,
+                 AgentMetrics* metrics)
     : agent_id_(std::move(agent_id)),
       main_tier_(main_tier),
       pools_(pools),
       epoch_(epoch),
       transport_(transport),
+      lookup_(std::move(lookup)),
       manager_(manager),
       metrics_(metrics) {}
 
@@ -57,7 +59,15 @@ void Fetcher::Fetch(const v1::FetchRequest& req, FetchDone done) {
                                      req.source_block_ids_size(), ") must cover the prompt's ",
                                      pages, " pages, with at least one page to fetch")));
   }
-  if (req.source_data_address().empty()) return done(Invalid("source_data_address is required"));
+  if (!req.source_data_address().empty()) {
+    return done(Invalid(
+        "source_data_address is no longer accepted: name the source agent in source_agent_id "
+        "(this agent looks its data address up at the manager)"));
+  }
+  // As the manager's agent ids (ValidateAgentId).
+  if (absl::Status s = ValidateName(req.source_agent_id(), "source_agent_id", "._:-"); !s.ok()) {
+    return done(s);
+  }
   job->pool =
       req.tier() == v1::TIER_UNSPECIFIED ? pools_.main : pools_.ForWireTier(main_tier_, req.tier());
   if (job->pool == nullptr) return done(Invalid("tier is not a pool of this agent"));
@@ -67,14 +77,26 @@ void Fetcher::Fetch(const v1::FetchRequest& req, FetchDone done) {
         absl::StrCat("source_tier ", static_cast<int>(req.source_tier()), " is not a tier")));
   }
 
+  // Nothing is allocated or dialled before the manager vouches for the source.
+  lookup_(req.source_agent_id(),
+          [this, job, done = std::move(done)](absl::StatusOr<std::string> address) mutable {
+            OnResolved(std::move(job), std::move(address), std::move(done));
+          });
+}
+
+void Fetcher::OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> address,
+                         FetchDone done) {
+  if (!address.ok()) return done(address.status());
+  const v1::FetchRequest& req = job->req;
   job->epoch = epoch_->current();
   absl::StatusOr<std::vector<BlockId>> blocks =
       job->pool->Allocate(static_cast<uint32_t>(req.source_block_ids_size()), job->epoch, &job->ns);
   if (!blocks.ok()) return done(blocks.status());
   job->fetched = *std::move(blocks);
 
-  const std::vector<PageHash> all = DecodePageHashes(hashes);
-  PullSpec spec{.peer_address = req.source_data_address(),
+  const size_t local = req.local_block_ids_size();
+  const std::vector<PageHash> all = DecodePageHashes(req.prompt().page_hashes());
+  PullSpec spec{.peer_address = *std::move(address),
                 .peer_tier = req.source_tier() == v1::TIER_UNSPECIFIED
                                  ? Tier::kGpu
                                  : static_cast<Tier>(req.source_tier()),
@@ -95,7 +117,17 @@ void Fetcher::OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, Fet
                            pulled.ok() ? pulled->elapsed : absl::ZeroDuration());
   if (!pulled.ok()) {
     FreeQuietly(job.pool, job.fetched, job.epoch);
-    return done(pulled.status());
+    const absl::StatusCode code = pulled.status().code();
+    if (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded) {
+      return done(pulled.status());
+    }
+    // Refused, silent or gone: one answer, so a Fetch probes nothing about the source's
+    // host. The operator finds the cause here.
+    LogWarning(absl::StrCat("fetch from agent ", job.req.source_agent_id(), ": ",
+                            pulled.status().ToString()));
+    return done(
+        absl::UnavailableError(absl::StrCat("source_agent_id \"", job.req.source_agent_id(),
+                                            "\" could not be reached or broke off the transfer")));
   }
   // Index the replica: the manager commits the blocks here, then inserts them.
   v1::InsertRequest insert;

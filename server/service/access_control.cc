@@ -51,7 +51,26 @@ absl::Status Authorize(const Principal& p, const v1::MatchRequest& req) {
 }
 
 absl::Status Authorize(const Principal& p, const v1::InsertRequest& req) {
-  return NeedWorker(p, req.namespace_(), "insert");
+  if (p.IsWorkerOf(req.namespace_().tenant()) || p.Has(Role::kAdmin) || !p.Has(Role::kAgent)) {
+    return NeedWorker(p, req.namespace_(), "insert");
+  }
+  // An agent indexes the replica its BlockAgent.Fetch pulled, for a worker of the tenant the
+  // agent checked: into its own pool, blocks of its epoch, by page hashes (the namespace
+  // must exist and the scheme match its key), never from a reservation.
+  if (!p.IsAgent(req.pool().agent_id())) {
+    return Denied(p, absl::StrCat("insert into agent \"", req.pool().agent_id(),
+                                  "\"'s pool (an agent inserts into its own pools only)"));
+  }
+  if (req.agent_epoch() == 0) {
+    return Denied(p, "insert without agent_epoch (an agent inserts blocks of its epoch only)");
+  }
+  if (!req.prompt().has_page_hashes()) {
+    return Denied(p, "insert a prompt of tokens (an agent inserts page hashes only)");
+  }
+  if (req.use_reservation()) {
+    return Denied(p, "insert with use_reservation (a reservation is its tenant's workers')");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req) {
@@ -128,6 +147,10 @@ absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req) {
 }
 
 absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req) {
+  return AuthorizeAgent(p, req.agent_id());
+}
+
+absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req) {
   return AuthorizeAgent(p, req.agent_id());
 }
 

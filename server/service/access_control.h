@@ -40,6 +40,9 @@ absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req);
 // admin) or only read an existing one (a router of the tenant: kReader).
 CacheIndex::NamespaceSource RegisterModelSource(const Principal& p, const v1::Namespace& ns);
 absl::Status Authorize(const Principal& p, const v1::MatchRequest& req);
+// A worker of the namespace's tenant or an admin; or an agent indexing what its Fetch
+// pulled: into its own pool only (pool.agent_id its agent id), with agent_epoch set, a
+// prompt of page hashes, and no use_reservation.
 absl::Status Authorize(const Principal& p, const v1::InsertRequest& req);
 absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req);
 absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req);
@@ -61,6 +64,7 @@ absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest&
 absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req);
 absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req);
 absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req);
+absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req);
 // Streams of AgentControl (Commands, ReportInventory): the agent id of their messages.
 absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id);
 

@@ -286,4 +286,24 @@ grpc::ServerUnaryReactor* AgentControlService::NcclBootstrap(grpc::CallbackServe
   });
 }
 
+grpc::ServerUnaryReactor* AgentControlService::LookupAgent(grpc::CallbackServerContext* ctx,
+                                                           const v1::LookupAgentRequest* req,
+                                                           v1::LookupAgentResponse* resp) {
+  return rpc_.Unary(ctx, Rpc::kLookupAgent, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->peer_agent_id(), "peer_agent_id"));
+    for (const AgentInfo& a : agents_->Snapshot()) {
+      if (a.registration.agent_id != req->peer_agent_id()) continue;
+      if (!a.alive || a.registration.data_address.empty()) break;
+      resp->set_data_address(a.registration.data_address);
+      resp->set_transport(a.registration.transport);
+      return absl::OkStatus();
+    }
+    // One answer for unknown, gone and port-less agents: the caller learns no more.
+    return absl::NotFoundError(absl::StrCat("peer_agent_id \"", req->peer_agent_id(),
+                                            "\" is not a live agent with a data port"));
+  });
+}
+
 }  // namespace kvcm

@@ -4,7 +4,8 @@
 // agent's pool in the CacheIndex (SetPoolCapacity) and records the agent; Heartbeat
 // refreshes the agent's liveness and usage; Commands streams move commands and acks in and out of
 // the AgentCommandBook (command_stream.h); NcclBootstrap checks both agents of an NCCL link
-// and hands the offer to the NcclBootstrapRelay, which the peer's Commands stream writes. Handlers
+// and hands the offer to the NcclBootstrapRelay, which the peer's Commands stream writes;
+// LookupAgent tells an agent where a live peer serves its blocks (its Fetch source). Handlers
 // are thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body,
 // records the RPC metrics, logs failures at a bounded rate and finishes with the body's status
 // (same code and message), like CacheManagerService.
@@ -87,6 +88,9 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   grpc::ServerUnaryReactor* NcclBootstrap(grpc::CallbackServerContext* ctx,
                                           const v1::NcclBootstrapRequest* req,
                                           v1::NcclBootstrapResponse* resp) override;
+  grpc::ServerUnaryReactor* LookupAgent(grpc::CallbackServerContext* ctx,
+                                        const v1::LookupAgentRequest* req,
+                                        v1::LookupAgentResponse* resp) override;
 
  private:
   CacheIndex* const index_;

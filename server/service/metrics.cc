@@ -82,6 +82,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "ReportInventory";
     case Rpc::kNcclBootstrap:
       return "NcclBootstrap";
+    case Rpc::kLookupAgent:
+      return "LookupAgent";
   }
   return "unknown";
 }

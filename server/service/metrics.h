@@ -51,8 +51,9 @@ enum class Rpc : int {
   kHeartbeat,
   kReportInventory,
   kNcclBootstrap,
+  kLookupAgent,
 };
-inline constexpr int kNumRpcs = 17;
+inline constexpr int kNumRpcs = 18;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of
