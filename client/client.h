@@ -307,7 +307,7 @@ struct WatchedEvent {
   NamespaceId ns;
   PoolRef pool;
   std::vector<PageHash> pages;
-  uint64_t sequence = 0;  // +1 per event manager-wide; a gap means events were lost
+  uint64_t sequence = 0;  // +1 per event of this stream, from 1; a gap means events were lost
 };
 
 // What this client has done, for tests and client-side metrics. Monotonic.

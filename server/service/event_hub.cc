@@ -10,9 +10,11 @@ namespace kvcm {
 EventSubscription::Next EventSubscription::Pop() {
   absl::MutexLock lock(&mu_);
   if (!queue_.empty()) {
-    Next next{State::kEvent, std::move(queue_.front())};
+    Queued front = std::move(queue_.front());
     queue_.pop_front();
-    return next;
+    auto numbered = std::make_shared<v1::CacheEvent>(*front.event);
+    numbered->set_sequence(front.sequence);
+    return Next{State::kEvent, std::move(numbered)};
   }
   if (overflowed_) return {State::kOverflowed, nullptr};
   if (closed_) return {State::kClosed, nullptr};
@@ -32,14 +34,14 @@ EventHub::~EventHub() { Stop(); }
 
 void EventHub::Publish(const CacheEvent& event) {
   absl::MutexLock lock(&mu_);
-  const uint64_t sequence = ++sequence_;
-  // Encoded once, on first use, and shared by every subscriber's queue.
+  ++sequence_;
+  // Encoded once, on first use, and shared by every subscriber's queue; each numbers it.
   std::shared_ptr<const v1::CacheEvent> encoded;
   for (const std::shared_ptr<EventSubscription>& sub : subs_) {
     if (!sub->filter_.Matches(event.ns)) continue;
     if (encoded == nullptr) {
       auto proto = std::make_shared<v1::CacheEvent>();
-      CacheEventToProto(event, sequence, proto.get());
+      CacheEventToProto(event, /*sequence=*/0, proto.get());
       encoded = std::move(proto);
     }
     bool wake = false;
@@ -51,7 +53,7 @@ void EventHub::Publish(const CacheEvent& event) {
         sub->queue_.clear();
         ++overflows_;
       } else {
-        sub->queue_.push_back(encoded);
+        sub->queue_.push_back(EventSubscription::Queued{encoded, ++sub->sequence_});
       }
       wake = std::exchange(sub->armed_, false);
     }

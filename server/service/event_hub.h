@@ -61,8 +61,9 @@ class EventSubscription {
     std::shared_ptr<const v1::CacheEvent> event;  // set when state == kEvent
   };
 
-  // Pops the oldest queued event. kOverflowed once the queue overflowed (queued events are
-  // dropped), kClosed once the hub closed and the queue is drained. On kEmpty the
+  // Pops the oldest queued event, numbered in this subscription's own sequence (1, 2, ...
+  // with no gaps, whatever other subscribers see). kOverflowed once the queue overflowed (queued
+  // events are dropped), kClosed once the hub closed and the queue is drained. On kEmpty the
   // subscription is armed: the sink's OnEventsReady is called when something arrives.
   Next Pop() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -77,8 +78,16 @@ class EventSubscription {
   const EventFilter filter_;
   const std::weak_ptr<EventSink> sink_;
 
+  // An event as encoded once for every subscriber (sequence unset), and its number here.
+  struct Queued {
+    std::shared_ptr<const v1::CacheEvent> event;
+    uint64_t sequence = 0;
+  };
+
   mutable absl::Mutex mu_;
-  std::deque<std::shared_ptr<const v1::CacheEvent>> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  // Events queued so far: the last sequence handed out.
+  uint64_t sequence_ ABSL_GUARDED_BY(mu_) = 0;
   bool overflowed_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   // The subscriber found the queue empty and waits for OnEventsReady.
@@ -94,9 +103,10 @@ class EventHub {
   EventHub(const EventHub&) = delete;
   EventHub& operator=(const EventHub&) = delete;
 
-  // Numbers `event` (sequence = previous + 1, starting at 1, manager-wide: a subscriber with
-  // a namespace filter sees gaps where other namespaces' events were) and queues it for
-  // every matching subscriber. Quick and non-blocking: safe under the index lock.
+  // Queues `event` for every matching subscriber, each of which numbers it in its own
+  // sequence (previous + 1, from 1): no subscriber sees a gap where events it may not see
+  // were, so none learns other tenants' event volume. Quick and non-blocking: safe under
+  // the index lock.
   void Publish(const CacheEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A new subscription to the events `filter` matches. It starts armed; `sink` is woken on
@@ -114,7 +124,7 @@ class EventHub {
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   size_t subscribers() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Events numbered so far.
+  // Events published so far, manager-wide (for the operator's metrics only).
   uint64_t published() const ABSL_LOCKS_EXCLUDED(mu_);
   // Subscriptions ended because their queue overflowed.
   uint64_t overflows() const ABSL_LOCKS_EXCLUDED(mu_);

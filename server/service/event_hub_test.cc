@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -40,9 +41,9 @@ CacheEvent Stored(const NamespaceId& ns, uint64_t page) {
 const NamespaceId kA{"tenant-a", "m"};
 const NamespaceId kB{"tenant-b", "m"};
 
-TEST(EventHubTest, SequencesAreManagerWideAndStartAtOne) {
+TEST(EventHubTest, SequencesArePerSubscriptionAndStartAtOne) {
   EventHub hub(16);
-  hub.Publish(Stored(kA, 1));  // no subscriber yet: numbered, not queued
+  hub.Publish(Stored(kA, 1));  // no subscriber yet: counted, not queued
   auto sink = std::make_shared<CountingSink>();
   std::shared_ptr<EventSubscription> sub = hub.Subscribe({}, sink);
   hub.Publish(Stored(kB, 2));
@@ -51,13 +52,48 @@ TEST(EventHubTest, SequencesAreManagerWideAndStartAtOne) {
 
   EventSubscription::Next first = sub->Pop();
   ASSERT_EQ(first.state, EventSubscription::State::kEvent);
-  EXPECT_EQ(first.event->sequence(), 2u);
+  EXPECT_EQ(first.event->sequence(), 1u);
   EXPECT_EQ(first.event->namespace_().tenant(), "tenant-b");
   EXPECT_EQ(first.event->kind(), v1::CacheEvent::KIND_STORED);
   EventSubscription::Next second = sub->Pop();
   ASSERT_EQ(second.state, EventSubscription::State::kEvent);
-  EXPECT_EQ(second.event->sequence(), 3u);
+  EXPECT_EQ(second.event->sequence(), 2u);
   EXPECT_EQ(sub->Pop().state, EventSubscription::State::kEmpty);
+}
+
+// A tenant's subscriber numbers only the events it sees: however many events another
+// tenant causes between two of its own, its sequence has no gap to count them by.
+TEST(EventHubTest, ATenantsSequenceHasNoGapsForOtherTenantsEvents) {
+  EventHub hub(64);
+  auto sink = std::make_shared<CountingSink>();
+  auto reader = [](std::string tenant) {
+    return std::make_shared<const Principal>(
+        Principal{.name = tenant, .roles = static_cast<uint8_t>(Role::kWorker), .tenant = tenant});
+  };
+  std::shared_ptr<EventSubscription> a = hub.Subscribe({.reader = reader("tenant-a")}, sink);
+  std::shared_ptr<EventSubscription> b = hub.Subscribe({.reader = reader("tenant-b")}, sink);
+  std::shared_ptr<EventSubscription> all = hub.Subscribe({}, sink);  // an admin
+  hub.Publish(Stored(kA, 1));
+  for (int i = 0; i < 7; ++i) hub.Publish(Stored(kB, 10 + i));
+  hub.Publish(Stored(kA, 2));
+  for (uint64_t want : {1u, 2u}) {
+    EventSubscription::Next next = a->Pop();
+    ASSERT_EQ(next.state, EventSubscription::State::kEvent);
+    EXPECT_EQ(next.event->namespace_().tenant(), "tenant-a");
+    EXPECT_EQ(next.event->sequence(), want) << "no gap for tenant-b's 7 events";
+  }
+  EXPECT_EQ(a->Pop().state, EventSubscription::State::kEmpty);
+  for (uint64_t want = 1; want <= 7; ++want) {
+    EventSubscription::Next next = b->Pop();
+    ASSERT_EQ(next.state, EventSubscription::State::kEvent);
+    EXPECT_EQ(next.event->sequence(), want);
+  }
+  EXPECT_EQ(b->Pop().state, EventSubscription::State::kEmpty);
+  for (uint64_t want = 1; want <= 9; ++want) {
+    EventSubscription::Next next = all->Pop();
+    ASSERT_EQ(next.state, EventSubscription::State::kEvent);
+    EXPECT_EQ(next.event->sequence(), want);
+  }
 }
 
 TEST(EventHubTest, NamespaceFilter) {
@@ -69,7 +105,7 @@ TEST(EventHubTest, NamespaceFilter) {
   EventSubscription::Next next = only_a->Pop();
   ASSERT_EQ(next.state, EventSubscription::State::kEvent);
   EXPECT_EQ(next.event->namespace_().tenant(), "tenant-a");
-  EXPECT_EQ(next.event->sequence(), 2u);  // the filtered event left a gap
+  EXPECT_EQ(next.event->sequence(), 1u);  // the filtered-out event took no number
   EXPECT_EQ(only_a->Pop().state, EventSubscription::State::kEmpty);
 }
 

@@ -455,7 +455,7 @@ class Stats:
 
 @dataclass(frozen=True)
 class CacheEvent:
-    """One index change from WatchEvents. sequence grows by one per event manager-wide."""
+    """One index change from WatchEvents. sequence grows by one per event of this stream."""
 
     kind: EventKind
     reason: EventReason
