@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -16,13 +17,18 @@ RouteHandler::RouteHandler(CacheIndex* index, const AgentRegistry* agents,
     : index_(index), agents_(agents), engines_(engines), limits_(limits), defaults_(defaults) {}
 
 absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
-    std::span<const RouteCall::Candidate> named) const {
+    std::span<const RouteCall::Candidate> named, absl::string_view tenant) const {
   std::vector<AgentInfo> agents =
       agents_ != nullptr ? agents_->Snapshot() : std::vector<AgentInfo>{};
   absl::flat_hash_map<absl::string_view, const AgentInfo*> by_id;
   for (const AgentInfo& a : agents) {
     if (a.alive) by_id.emplace(a.registration.agent_id, &a);
   }
+  std::vector<EngineSessionInfo> engines =
+      engines_ != nullptr ? engines_->Snapshot() : std::vector<EngineSessionInfo>{};
+  std::erase_if(engines, [&](const EngineSessionInfo& e) { return e.ns.tenant != tenant; });
+  absl::flat_hash_set<absl::string_view> engine_ids;
+  for (const EngineSessionInfo& e : engines) engine_ids.insert(e.engine_id);
   auto candidate = [&](const AgentInfo& a) {
     const double measured = a.usage.pull_gbps;
     const double by_transport =
@@ -35,10 +41,8 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
     for (const AgentInfo& a : agents) {
       if (a.alive) out.push_back(candidate(a));
     }
-    if (engines_ != nullptr) {
-      for (const EngineSessionInfo& e : engines_->Snapshot()) {
-        out.push_back(RouteCandidate{.agent_id = e.engine_id});
-      }
+    for (const EngineSessionInfo& e : engines) {
+      out.push_back(RouteCandidate{.agent_id = e.engine_id});
     }
     if (out.empty()) return absl::FailedPreconditionError("no live agent or engine to route to");
     std::sort(out.begin(), out.end(), [](const RouteCandidate& a, const RouteCandidate& b) {
@@ -51,7 +55,7 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
     RouteCandidate c;
     if (it != by_id.end()) {
       c = candidate(*it->second);
-    } else if (engines_ != nullptr && engines_->IsLive(named[i].agent_id)) {
+    } else if (engine_ids.contains(named[i].agent_id)) {
       c.agent_id = named[i].agent_id;  // link_gbps 0: an engine saves what it holds
     } else {
       return absl::NotFoundError(absl::StrCat("candidates[", i, "].agent_id \"", named[i].agent_id,
@@ -66,7 +70,8 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
 
 absl::Status RouteHandler::Route(const v1::RouteRequest& req, v1::RouteResponse* resp) {
   KVCM_ASSIGN_OR_RETURN(RouteCall call, RouteFromProto(*index_, req, limits_));
-  KVCM_ASSIGN_OR_RETURN(std::vector<RouteCandidate> candidates, Candidates(call.candidates));
+  KVCM_ASSIGN_OR_RETURN(std::vector<RouteCandidate> candidates,
+                        Candidates(call.candidates, call.ns.tenant));
   KVCM_ASSIGN_OR_RETURN(RegisterModelResult ns, index_->GetNamespace(call.ns));
   const RouteCost cost{.bytes_per_page = ns.spec.BytesPerPage(),
                        .page_size_tokens = ns.spec.page_size_tokens,

@@ -43,10 +43,12 @@ class RouteHandler {
  private:
   // The live agents and engines to choose from, with their link bandwidth (0 for an engine:
   // it cannot fetch): `named` in order, or every live agent and engine by id when `named`
-  // is empty. NOT_FOUND naming candidates[i] for an id that is neither a live agent nor an
-  // engine with a live session; FAILED_PRECONDITION when none is live.
+  // is empty. Engines are those of `tenant` only: another tenant's engine is answered as an
+  // id nobody uses, so Route tells no one which engine ids exist. NOT_FOUND naming
+  // candidates[i] for an id that is neither a live agent nor a live engine of `tenant`;
+  // FAILED_PRECONDITION when none is live.
   absl::StatusOr<std::vector<RouteCandidate>> Candidates(
-      std::span<const RouteCall::Candidate> named) const;
+      std::span<const RouteCall::Candidate> named, absl::string_view tenant) const;
 
   CacheIndex* const index_;
   const AgentRegistry* const agents_;
