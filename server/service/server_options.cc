@@ -392,7 +392,12 @@ std::string ServerOptions::DebugString() const {
     } else {
       value = this->*(*std::get_if<bool ServerOptions::*>(&f.member)) ? "true" : "false";
     }
-    if (f.name == "hash_secret_hex") value = hash_secret_hex.empty() ? "(random)" : "(set)";
+    // Where the secret comes from, never the secret.
+    if (f.name == "hash_secret_hex") {
+      value = !hash_secret_hex.empty()    ? "(set)"
+              : !hash_secret_file.empty() ? "(from hash_secret_file)"
+                                          : "(random)";
+    }
     absl::StrAppend(&out, f.name, " = ", value, "\n");
   }
   return out;

@@ -265,6 +265,17 @@ TEST(ServerOptionsTest, DebugStringRedactsTheSecret) {
   EXPECT_THAT(text, HasSubstr("listen_address = \"127.0.0.1:50051\""));
 }
 
+// The log says truthfully where the secret came from: a file is not "(random)".
+TEST(ServerOptionsTest, DebugStringNamesTheSecretsSource) {
+  ServerOptions options;
+  EXPECT_THAT(options.DebugString(), HasSubstr("hash_secret_hex = (random)\n"));
+  options.hash_secret_file = "/run/secrets/kvcm-hash";
+  const std::string text = options.DebugString();
+  EXPECT_THAT(text, HasSubstr("hash_secret_hex = (from hash_secret_file)\n"));
+  EXPECT_THAT(text, HasSubstr("hash_secret_file = \"/run/secrets/kvcm-hash\""));
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("(random)")));
+}
+
 TEST(ServerOptionsTest, ConfigText) {
   ServerOptions options;
   absl::Status s = options.MergeConfigText(
