@@ -39,6 +39,7 @@ constexpr char kAcmeRouter[] = "acme-router-token-a9e0c3";
 constexpr char kAgent0[] = "agent-gpu-0-token-61f7d2";
 constexpr char kAdmin[] = "ops-admin-token-0b7d44e2";
 constexpr char kLater[] = "added-later-token-3c8e19";
+constexpr char kAcmeEngine[] = "acme-engine-token-7e21b4";
 
 void WriteFile(const std::string& path, const std::string& text) {
   std::FILE* f = std::fopen(path.c_str(), "w");
@@ -53,7 +54,9 @@ std::string TokensFile() {
                       Sha256Hex(kEvil), " evil-vllm roles=worker tenant=evil\n",  //
                       Sha256Hex(kAcmeRouter), " edge roles=router tenants=acme\n",
                       Sha256Hex(kAgent0), " gpu-0 roles=agent agent=gpu-0\n",  //
-                      Sha256Hex(kAdmin), " ops roles=admin\n");
+                      Sha256Hex(kAdmin), " ops roles=admin\n",                 //
+                      Sha256Hex(kAcmeEngine), " acme-sglang roles=engine engine=acme-engine-1",
+                      " tenant=acme\n");
 }
 
 class TenantAttackTest : public ::testing::Test {
@@ -315,6 +318,91 @@ TEST_F(TenantAttackTest, WatchEventsNeverCarriesAnotherTenantsPageHashes) {
   EXPECT_FALSE(named_stream->Read(&event));
   grpc::Status s = named_stream->Finish();
   ExpectDenied(s, "evil-vllm", "watch events");
+}
+
+// WatchEvents' sequence numbers are the stream's own: evil's two events are 1 and 2 however
+// many events acme caused between them, so the numbers count nothing of acme's.
+TEST_F(TenantAttackTest, WatchEventsSequencesCountNoOtherTenantsEvents) {
+  auto evil_ctx = Ctx(kEvil);
+  std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> evil_stream =
+      stub_->WatchEvents(evil_ctx.get(), v1::WatchEventsRequest());
+  evil_stream->WaitForInitialMetadata();
+  auto admin_ctx = Ctx(kAdmin);
+  std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> admin_stream =
+      stub_->WatchEvents(admin_ctx.get(), v1::WatchEventsRequest());
+  admin_stream->WaitForInitialMetadata();
+
+  v1::InsertResponse ins;
+  ASSERT_TRUE(Insert(kEvil, evil_, Tokens(0, 1), "pool-a", {200}, &ins).ok());
+  for (int i = 0; i < 5; ++i) {  // acme's traffic, one stored event per new prompt
+    ASSERT_TRUE(
+        Insert(kAcme, acme_, Tokens(10 + i, 1), "pool-a", {static_cast<uint32_t>(110 + i)}, &ins)
+            .ok());
+  }
+  ASSERT_TRUE(Insert(kEvil, evil_, Tokens(20, 1), "pool-a", {201}, &ins).ok());
+
+  v1::CacheEvent first, second;
+  ASSERT_TRUE(evil_stream->Read(&first));
+  ASSERT_TRUE(evil_stream->Read(&second));
+  EXPECT_EQ(first.namespace_().tenant(), "evil");
+  EXPECT_EQ(second.namespace_().tenant(), "evil");
+  EXPECT_EQ(first.sequence(), 1u);
+  EXPECT_EQ(second.sequence(), 2u) << "the gap would count acme's events";
+  // The admin's stream carries all seven, numbered 1..7 without a gap.
+  v1::CacheEvent event;
+  for (uint64_t want = 1; want <= 7; ++want) {
+    ASSERT_TRUE(admin_stream->Read(&event));
+    EXPECT_EQ(event.sequence(), want);
+  }
+  EXPECT_EQ(event.namespace_().tenant(), "evil");
+  evil_ctx->TryCancel();
+  evil_stream->Finish();
+  admin_ctx->TryCancel();
+  admin_stream->Finish();
+}
+
+// Route tells no tenant which engine ids another tenant runs: naming acme's live engine
+// answers exactly as naming an id nobody uses, and a Route without candidates ranks only the
+// caller's own tenant's engines.
+TEST_F(TenantAttackTest, RouteTellsNoTenantWhichEnginesAnotherRuns) {
+  v1::RegisterModelResponse reg;
+  ASSERT_TRUE(Register(kAcme, acme_, &reg).ok());
+  v1::PublishEngineEventsRequest hello;  // a heartbeat: acme's engine session begins
+  hello.set_engine_id("acme-engine-1");
+  *hello.mutable_namespace_() = acme_;
+  *hello.mutable_scheme() = reg.scheme();
+  hello.set_session(7);
+  hello.set_sequence(1);
+  v1::PublishEngineEventsResponse published;
+  ASSERT_TRUE(stub_->PublishEngineEvents(Ctx(kAcmeEngine).get(), hello, &published).ok());
+
+  auto route = [&](absl::string_view token, const v1::Namespace& ns,
+                   std::vector<std::string> candidates, v1::RouteResponse* resp) {
+    v1::RouteRequest req;
+    *req.mutable_namespace_() = ns;
+    *req.mutable_prompt() = Tokens(0, 2);
+    for (const std::string& id : candidates) req.add_candidates()->set_agent_id(id);
+    return stub_->Route(Ctx(token).get(), req, resp);
+  };
+  v1::RouteResponse resp;
+  // acme itself routes to its engine, by name and unnamed (the check can fail).
+  ASSERT_TRUE(route(kAcme, acme_, {"acme-engine-1"}, &resp).ok());
+  ASSERT_TRUE(route(kAcme, acme_, {}, &resp).ok());
+  ASSERT_EQ(resp.ranked_size(), 1);
+  EXPECT_EQ(resp.ranked(0).agent_id(), "acme-engine-1");
+
+  const grpc::Status real = route(kEvil, evil_, {"acme-engine-1"}, &resp);
+  const grpc::Status made_up = route(kEvil, evil_, {"acme-engine-2"}, &resp);
+  EXPECT_EQ(real.error_code(), grpc::StatusCode::NOT_FOUND) << real.error_message();
+  EXPECT_EQ(real.error_code(), made_up.error_code());
+  std::string real_message = real.error_message();
+  real_message.replace(real_message.find("acme-engine-1"), 13, "acme-engine-2");
+  EXPECT_EQ(real_message, made_up.error_message());
+  // Unnamed, evil has nothing to route to: acme's engine is not listed.
+  v1::RouteResponse none;
+  const grpc::Status unnamed = route(kEvil, evil_, {}, &none);
+  EXPECT_EQ(unnamed.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << unnamed.error_message();
+  EXPECT_EQ(none.ranked_size(), 0);
 }
 
 TEST_F(TenantAttackTest, AnotherTenantsPinCanBeNeitherReleasedNorRenewed) {
