@@ -146,10 +146,13 @@ TEST_F(FetchTlsProcessTest, KvcmctlFetchIndexesThePagesOnTheDestination) {
   ASSERT_EQ(r.exit_code, 0) << r.Describe();
   EXPECT_EQ(OutputField(r.out, "local_pages"), "0") << r.out;
 
-  // Another tenant's worker: refused, nothing pulled.
+  // Another tenant's worker: acme's namespace is not one it can see, nothing is pulled.
   r = Ctl("evil", {"fetch", "--tenant=acme", "--model=deepseek-v3", kPrompt, "--agent=gpu-b"});
   EXPECT_NE(r.exit_code, 0) << r.Describe();
-  EXPECT_THAT(r.err, HasSubstr("PERMISSION_DENIED")) << r.Describe();
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND: namespace acme/deepseek-v3 is not registered"))
+      << r.Describe();
+  r = Ctl("acme", {"match", "--tenant=acme", "--model=deepseek-v3", kPrompt, "--agent=gpu-b"});
+  EXPECT_EQ(OutputField(r.out, "local_pages"), "0") << r.out;
 
   r = Ctl("acme", {"fetch", "--tenant=acme", "--model=deepseek-v3", kPrompt, "--agent=gpu-b"});
   ASSERT_EQ(r.exit_code, 0) << r.Describe();
