@@ -541,6 +541,51 @@ TEST_F(TenantAttackTest, AgentControlIsForAgentsAsThemselves) {
   ExpectVictimUnchanged();
 }
 
+// LookupAgent (a Fetch's source) answers only an agent, as itself; an id nobody registered
+// is NOT_FOUND naming the field, and a bad one INVALID_ARGUMENT.
+TEST_F(TenantAttackTest, LookupAgentIsForAgentsAsThemselves) {
+  v1::LookupAgentRequest req;
+  req.set_agent_id("gpu-0");
+  req.set_peer_agent_id("gpu-1");
+  v1::LookupAgentResponse resp;
+  ExpectDenied(agent_stub_->LookupAgent(Ctx(kAcme).get(), req, &resp), "acme-vllm",
+               "act as agent \"gpu-0\"");
+  req.set_agent_id("gpu-1");
+  ExpectDenied(agent_stub_->LookupAgent(Ctx(kAgent0).get(), req, &resp), "gpu-0",
+               "act as agent \"gpu-1\"");
+  req.set_agent_id("gpu-0");
+  grpc::Status s = agent_stub_->LookupAgent(Ctx(kAgent0).get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("peer_agent_id \"gpu-1\""));
+  req.set_peer_agent_id("10.0.0.7:7002/x");
+  s = agent_stub_->LookupAgent(Ctx(kAgent0).get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("peer_agent_id"));
+  EXPECT_TRUE(resp.data_address().empty());
+  ExpectVictimUnchanged();
+}
+
+// An agent's Insert (what its Fetch pulled) reaches its own pools only, by page hashes.
+TEST_F(TenantAttackTest, AnAgentInsertsOnlyIntoItsOwnPools) {
+  v1::RegisterModelResponse reg;
+  ASSERT_TRUE(Register(kAcme, acme_, &reg).ok());
+  v1::InsertRequest req;
+  *req.mutable_namespace_() = acme_;
+  req.mutable_prompt()->set_page_hashes(std::string(16, 'h'));
+  *req.mutable_prompt()->mutable_scheme() = reg.scheme();
+  req.mutable_pool()->set_agent_id("pool-a");
+  req.mutable_pool()->set_tier(v1::TIER_GPU);
+  req.add_block_ids(105);
+  req.set_agent_epoch(1);
+  v1::InsertResponse resp;
+  ExpectDenied(stub_->Insert(Ctx(kAgent0).get(), req, &resp), "gpu-0",
+               "insert into agent \"pool-a\"'s pool");
+  req.mutable_pool()->set_agent_id("gpu-0");
+  *req.mutable_prompt() = Tokens(0, 1);
+  ExpectDenied(stub_->Insert(Ctx(kAgent0).get(), req, &resp), "gpu-0", "page hashes only");
+  ExpectVictimUnchanged();
+}
+
 TEST_F(TenantAttackTest, ATokenAddedToTheFileWorksWithoutARestart) {
   v1::StatsResponse st;
   EXPECT_EQ(Stats(kLater, &st).error_code(), grpc::StatusCode::UNAUTHENTICATED);
