@@ -468,8 +468,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       }
     }
     for (const auto& [pool, bytes] : adding) {
-      if (absl::Status s = CheckShare(tenant, pool, bytes, "this pin (nothing was matched)");
-          !s.ok()) {
+      if (absl::Status s = CheckShare(tenant, pool, bytes, "this pin"); !s.ok()) {
         return s;
       }
     }

@@ -101,14 +101,14 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
     return absl::ResourceExhaustedError(
         absl::StrCat("max_engine_pages_per_engine: engine ", pool.agent_id, " holds ", held,
                      " of its ", options_.max_engine_pages_per_engine,
-                     " page-locations; this chain adds ", adding, " (nothing stored)"));
+                     " page-locations; this chain adds ", adding, "; nothing of it was stored"));
   }
   if (const uint64_t held = ns.tenant->engine_pages;
       held + adding > options_.max_engine_pages_per_tenant) {
     return absl::ResourceExhaustedError(
         absl::StrCat("max_engine_pages_per_tenant: the engines of tenant ", ns.id.tenant, " hold ",
                      held, " of its ", options_.max_engine_pages_per_tenant,
-                     " page-locations; this chain adds ", adding, " (nothing stored)"));
+                     " page-locations; this chain adds ", adding, "; nothing of it was stored"));
   }
   if (!path.empty() && path.back().matched < path.back().node->size()) {
     path.back().node = SplitNode(path.back().node, path.back().matched);
