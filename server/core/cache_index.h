@@ -101,8 +101,8 @@ struct CacheIndexOptions {
   // Page-locations (pages x tiers) in one engine's pools, and in the engine pools of one
   // tenant's namespaces (StoreEnginePages): a store beyond is RESOURCE_EXHAUSTED naming
   // the option, nothing changed. >= 1.
-  uint64_t max_engine_pages_per_engine = 4ULL << 20;
-  uint64_t max_engine_pages_per_tenant = 16ULL << 20;
+  uint64_t max_engine_pages_per_engine = 1ULL << 20;
+  uint64_t max_engine_pages_per_tenant = 4ULL << 20;
   // Retention (docs/EVICTION.md): how long a page-location may stay indexed after it was
   // committed, for every namespace; a namespace's own limit (RegisterModel) may only be
   // shorter. 0: no limit. At most kMaxPageAgeS seconds.

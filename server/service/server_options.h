@@ -137,8 +137,8 @@ struct ServerOptions {
   uint32_t default_tenant_pool_share_pct = 50;
   // Page-locations (pages x tiers) one engine's pools, and the engine pools of one tenant,
   // may hold (PublishEngineEvents beyond: RESOURCE_EXHAUSTED, the session ends). >= 1.
-  uint64_t max_engine_pages_per_engine = 4ULL << 20;
-  uint64_t max_engine_pages_per_tenant = 16ULL << 20;
+  uint64_t max_engine_pages_per_engine = 1ULL << 20;
+  uint64_t max_engine_pages_per_tenant = 4ULL << 20;
 
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
