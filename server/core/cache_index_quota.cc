@@ -142,16 +142,18 @@ uint64_t CacheIndex::ShareClaim(const Tenant& tenant, PoolId pool) const {
 bool CacheIndex::SharedWithOthers(const Tenant& tenant, PoolId pool) const {
   // The pool's used and reserved bytes, less the tenant's own and the operators'
   // reservations: what is left is other tenants' pages and reservations.
-  uint64_t others = budget_.used(pool) + budget_.reserved(pool);
-  if (auto it = tenant.by_pool.find(pool); it != tenant.by_pool.end()) others -= it->second.stored;
+  // (The counts agree, CheckTenantAccounting says; the sum is compared, not subtracted, so
+  // that a disagreement could never wrap around.)
+  uint64_t own = 0;
+  if (auto it = tenant.by_pool.find(pool); it != tenant.by_pool.end()) own += it->second.stored;
   const PoolKey& key = budget_.key(pool);
-  if (auto it = tenant.reserved.find(key); it != tenant.reserved.end()) others -= it->second;
+  if (auto it = tenant.reserved.find(key); it != tenant.reserved.end()) own += it->second;
   if (auto ops = tenants_.find(""); ops != tenants_.end()) {
     if (auto it = ops->second->reserved.find(key); it != ops->second->reserved.end()) {
-      others -= it->second;
+      own += it->second;
     }
   }
-  return others > 0;
+  return budget_.used(pool) + budget_.reserved(pool) > own;
 }
 
 absl::Status CacheIndex::CheckShare(const Tenant& tenant, PoolId pool, uint64_t adding,
