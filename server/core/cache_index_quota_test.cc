@@ -537,6 +537,23 @@ TEST_F(CacheIndexQuotaTest, FairByDefaultLeavesAPoolATenantHasToItself) {
   ExpectConsistent();
 }
 
+TEST_F(CacheIndexQuotaTest, AClaimMadeAloneIsKeptButCannotGrowOnceThePoolIsShared) {
+  Reset({});
+  const PoolKey pool{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(pool, 8 * bpp_).ok());
+  ASSERT_TRUE(index_->Reserve(pool, 6 * bpp_, "globex").ok());  // alone: no share
+  MustInsert(a_, {1}, pool);                                    // now acme uses the pool
+  EXPECT_EQ(Tenant("globex").reserved_bytes, 6 * bpp_) << "nothing is taken back";
+  absl::StatusOr<uint64_t> more = index_->Reserve(pool, 1, "globex");
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("default_tenant_pool_share_pct"));
+  ASSERT_TRUE(index_->Unreserve(pool, 3 * bpp_, "globex").ok());
+  EXPECT_TRUE(index_->Reserve(pool, bpp_, "globex").ok());  // 4 of 8: at the share
+  EXPECT_EQ(index_->Reserve(pool, 1, "globex").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ExpectConsistent();
+}
+
 TEST_F(CacheIndexQuotaTest, QuotasOrAHundredPercentReplaceTheDefaultShare) {
   for (const CacheIndexOptions& options :
        {CacheIndexOptions{.tenant_max_bytes = 100 * bpp_},
