@@ -140,6 +140,13 @@ ABSL_FLAG(std::string, etcd_cert_file, kDefaults.etcd_cert_file,
           "PEM client certificate presented to etcd (with etcd_key_file).");
 ABSL_FLAG(std::string, etcd_key_file, kDefaults.etcd_key_file,
           "PEM private key of etcd_cert_file.");
+ABSL_FLAG(uint32_t, default_tenant_pool_share_pct, kDefaults.default_tenant_pool_share_pct,
+          "With no tenant quota set: percent of a pool's capacity one tenant may reserve and "
+          "pin (1..100; 100: no default share).");
+ABSL_FLAG(uint64_t, max_engine_pages_per_engine, kDefaults.max_engine_pages_per_engine,
+          "Page-locations one engine's pools may hold (PublishEngineEvents beyond is refused).");
+ABSL_FLAG(uint64_t, max_engine_pages_per_tenant, kDefaults.max_engine_pages_per_tenant,
+          "Page-locations the engine pools of one tenant may hold.");
 
 namespace {
 

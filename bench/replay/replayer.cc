@@ -154,6 +154,9 @@ class ReplayRun {
       o.adaptive = options_.adaptive;
       o.density = options_.density;
       o.clock = &clock_;
+      // The replays measure eviction with tenants that trust each other: no default share
+      // (docs/SECURITY.md), so the published numbers stay comparable.
+      o.default_tenant_pool_share_pct = 100;
       absl::StatusOr<std::unique_ptr<CacheIndex>> index = CacheIndex::Create(std::move(o));
       if (!index.ok()) return index.status();
       for (uint32_t t = 0; t < specs_.size(); ++t) {

@@ -30,6 +30,9 @@ struct PoolStats {
   // An engine's pool (CacheIndex::StoreEnginePages): the engine's events are its truth, so
   // the manager never evicts, expires or reserves it; capacity_bytes is 0 (the engine's own).
   bool engine = false;
+  // Bytes one tenant may reserve and pin here by default_tenant_pool_share_pct; 0 when the
+  // share does not apply (set by CacheIndex::Stats, not by the budget).
+  uint64_t tenant_share_bytes = 0;
 };
 
 class ByteBudget {

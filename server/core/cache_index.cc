@@ -4,6 +4,7 @@
 #include <cassert>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/cache_index_internal.h"
 
@@ -36,6 +37,17 @@ absl::Status CacheIndexOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("tenant_max_pinned_bytes (", tenant_max_pinned_bytes,
                      ") must be at most tenant_max_bytes (", tenant_max_bytes, ")"));
+  }
+  if (default_tenant_pool_share_pct < 1 || default_tenant_pool_share_pct > 100) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default_tenant_pool_share_pct must be in [1, 100] (100: no share), got ",
+                     default_tenant_pool_share_pct));
+  }
+  if (max_engine_pages_per_engine < 1) {
+    return absl::InvalidArgumentError("max_engine_pages_per_engine must be >= 1");
+  }
+  if (max_engine_pages_per_tenant < 1) {
+    return absl::InvalidArgumentError("max_engine_pages_per_tenant must be >= 1");
   }
   if (default_max_page_age < absl::ZeroDuration() ||
       default_max_page_age > absl::Seconds(kMaxPageAgeS)) {
@@ -437,6 +449,31 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     }
   }
 
+  if (options.pin && ShareApplies(tenant)) {
+    // What the pin would add to the tenant's claim on each pool: the matched pages no pin
+    // holds yet. A path has few replicas per node, so a short list beats a map.
+    absl::InlinedVector<std::pair<PoolId, uint64_t>, 4> adding;
+    for (const PathStep& step : path) {
+      if (step.node->pin_count > 0) continue;
+      for (const Replica& r : step.node->replicas) {
+        if (budget_.retired(r.pool) || budget_.engine(r.pool)) continue;
+        const uint64_t bytes = uint64_t{step.matched} * ns.bytes_per_page;
+        auto it = std::find_if(adding.begin(), adding.end(),
+                               [&](const auto& a) { return a.first == r.pool; });
+        if (it == adding.end()) {
+          adding.emplace_back(r.pool, bytes);
+        } else {
+          it->second += bytes;
+        }
+      }
+    }
+    for (const auto& [pool, bytes] : adding) {
+      if (absl::Status s = CheckShare(tenant, pool, bytes, "this pin"); !s.ok()) {
+        return s;
+      }
+    }
+  }
+
   if (!options.probe) {
     if (exclusive) {
       // Split a partly matched last node so that stamps and pins cover exactly the match.
@@ -707,8 +744,12 @@ IndexStats CacheIndex::Stats() const {
   absl::ReaderMutexLock lock(&mu_);
   IndexStats stats;
   stats.pools.reserve(budget_.size());
+  const bool share = options_.default_tenant_pool_share_pct < 100 &&
+                     options_.tenant_max_bytes == 0 && options_.tenant_max_pinned_bytes == 0;
   for (PoolId id = 0; id < budget_.size(); ++id) {
-    if (!budget_.retired(id)) stats.pools.push_back(budget_.stats(id));
+    if (budget_.retired(id)) continue;
+    stats.pools.push_back(budget_.stats(id));
+    if (share && !budget_.engine(id)) stats.pools.back().tenant_share_bytes = ShareCap(id);
   }
   stats.namespaces.reserve(namespaces_.size());
   for (const auto& [id, ns] : namespaces_) {
@@ -734,12 +775,16 @@ IndexStats CacheIndex::Stats() const {
                                         .stored_bytes = t->stored_bytes,
                                         .pinned_bytes = t->pinned_bytes,
                                         .reserved_bytes = t->reserved_bytes,
-                                        .pins = t->pins});
+                                        .pins = t->pins,
+                                        .engine_pages = t->engine_pages});
   }
   std::sort(stats.tenants.begin(), stats.tenants.end(),
             [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
   stats.tenant_max_bytes = options_.tenant_max_bytes;
   stats.tenant_max_pinned_bytes = options_.tenant_max_pinned_bytes;
+  stats.default_tenant_pool_share_pct = share ? options_.default_tenant_pool_share_pct : 0;
+  stats.max_engine_pages_per_engine = options_.max_engine_pages_per_engine;
+  stats.max_engine_pages_per_tenant = options_.max_engine_pages_per_tenant;
   stats.counters = counters_;
   constexpr auto kRelaxed = std::memory_order_relaxed;
   stats.counters.match_requests = match_counters_.match_requests.load(kRelaxed);

@@ -90,6 +90,19 @@ struct CacheIndexOptions {
   // are set.
   uint64_t tenant_max_bytes = 0;
   uint64_t tenant_max_pinned_bytes = 0;
+  // Fair by default (docs/SECURITY.md, "Limits"): while neither tenant quota above is set,
+  // in a pool where another tenant holds pages or a reservation, the bytes one tenant (other
+  // than the operators' "") reserves there plus the bytes of its pages there that its pins
+  // hold may reach this percent of the pool's capacity; a Reserve or a Match(pin) beyond is
+  // RESOURCE_EXHAUSTED naming default_tenant_pool_share_pct, nothing changed. A pool one
+  // tenant has to itself is not limited, and unpinned pages never are: any tenant's Insert
+  // or Reserve can evict them. 1..100; 100 turns the share off.
+  uint32_t default_tenant_pool_share_pct = 50;
+  // Page-locations (pages x tiers) in one engine's pools, and in the engine pools of one
+  // tenant's namespaces (StoreEnginePages): a store beyond is RESOURCE_EXHAUSTED naming
+  // the option, nothing changed. >= 1.
+  uint64_t max_engine_pages_per_engine = 1ULL << 20;
+  uint64_t max_engine_pages_per_tenant = 4ULL << 20;
   // Retention (docs/EVICTION.md): how long a page-location may stay indexed after it was
   // committed, for every namespace; a namespace's own limit (RegisterModel) may only be
   // shorter. 0: no limit. At most kMaxPageAgeS seconds.
@@ -287,6 +300,7 @@ struct TenantStats {
   uint64_t pinned_bytes = 0;    // of those, held by at least one pin
   uint64_t reserved_bytes = 0;  // headroom it reserved, in all pools
   uint64_t pins = 0;            // live pins
+  uint64_t engine_pages = 0;    // page-locations in engine pools (max_engine_pages_per_tenant)
   // stored_bytes + reserved_bytes: what tenant_max_bytes limits.
   uint64_t held_bytes() const { return stored_bytes + reserved_bytes; }
 };
@@ -298,6 +312,11 @@ struct IndexStats {
   std::vector<TenantStats> tenants;
   uint64_t tenant_max_bytes = 0;  // the quotas in force (0: unlimited)
   uint64_t tenant_max_pinned_bytes = 0;
+  // The default share in force: 0 when it does not apply (a quota is set, or it is 100).
+  // Each pool's cap in bytes is PoolStats::tenant_share_bytes.
+  uint32_t default_tenant_pool_share_pct = 0;
+  uint64_t max_engine_pages_per_engine = 0;
+  uint64_t max_engine_pages_per_tenant = 0;
   IndexCounters counters;
   uint64_t active_pins = 0;
   std::string policy;
@@ -373,7 +392,8 @@ class CacheIndex {
   // update (and the split of a partly matched last node) is applied by the next exclusive
   // call, before that call changes anything, so Stats' radix_nodes may lag until then.
   // With pin, RESOURCE_EXHAUSTED (nothing matched, pinned or counted) naming
-  // max_pins_per_tenant or tenant_max_pinned_bytes when the pin would pass either.
+  // max_pins_per_tenant, tenant_max_pinned_bytes or default_tenant_pool_share_pct when the
+  // pin would pass one.
   // Never returns a page-location past its namespace's max page age: the match ends before
   // the first radix node that still holds one (even when another pool holds the same pages
   // younger), because a new pin there would keep the old copy; SweepExpired removes it.
@@ -396,7 +416,9 @@ class CacheIndex {
   // count against tenant_max_bytes: beyond it the tenant's own pages are evicted first, as
   // for Insert. Tenant "": an operator's reservation, no quota (and no Insert takes it).
   // RESOURCE_EXHAUSTED (nothing changed) when pins leave too little evictable in the pool
-  // or of the tenant's pages (naming tenant_max_bytes); NOT_FOUND for an unknown pool.
+  // or of the tenant's pages (naming tenant_max_bytes), or when the tenant's reservation and
+  // pins would pass its default share of the pool (naming default_tenant_pool_share_pct);
+  // NOT_FOUND for an unknown pool.
   // Returns the bytes evicted.
   absl::StatusOr<uint64_t> Reserve(const PoolKey& pool, uint64_t bytes, const std::string& tenant)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -467,14 +489,16 @@ class CacheIndex {
   // Engine pools (cache_index_engine.cc): the prefix cache of an inference engine that keeps
   // its own KV, mirrored from its events (PublishEngineEvents). The engine is their truth:
   // the manager never evicts, expires or reserves them, Insert never writes them, they hold
-  // no blocks (kNoBlock) and count against no tenant quota. An engine's changes apply even
-  // to pinned pages: a pin cannot keep KV the engine dropped (Match stops before pages no
-  // pool holds any more, and RenewLease of such a pin is ABORTED).
+  // no blocks (kNoBlock) and count against no byte quota, only against the engine page caps. An
+  // engine's changes apply even to pinned pages: a pin cannot keep KV the engine dropped (Match
+  // stops before pages no pool holds any more, and RenewLease of such a pin is ABORTED).
   //
   // Records that engine pool `pool` holds every page of the chain `pages` (from a prompt's
   // first page), creating the pool on first use. Returns the page-locations added.
   // FAILED_PRECONDITION naming the pool when it is an agent's or an index-only pool;
-  // NOT_FOUND for an unknown namespace; INVALID_ARGUMENT for no pages.
+  // NOT_FOUND for an unknown namespace; INVALID_ARGUMENT for no pages; RESOURCE_EXHAUSTED
+  // naming max_engine_pages_per_engine / max_engine_pages_per_tenant when the new
+  // page-locations would take the engine (all its tiers) or ns's tenant past it.
   absl::StatusOr<uint64_t> StoreEnginePages(const NamespaceId& ns, std::span<const PageHash> pages,
                                             const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes from `pool` the chain's last page and every page under it; nothing when the pool
@@ -583,6 +607,19 @@ class CacheIndex {
   // RESOURCE_EXHAUSTED naming tenant_max_bytes, for `what` ("the insert") needing `adding`.
   absl::Status QuotaExhausted(const Tenant& tenant, uint64_t adding, absl::string_view what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // default_tenant_pool_share_pct. Whether it applies to `tenant` (no quota set, share < 100,
+  // not the operators); the bytes it allows in live pool `pool`; and what `tenant` claims
+  // there: its reservation plus its pinned bytes.
+  bool ShareApplies(const Tenant& tenant) const;
+  uint64_t ShareCap(PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint64_t ShareClaim(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether another tenant holds pages or a reservation in live pool `pool` (the operators'
+  // reservations do not count): only then does the share limit `tenant` there.
+  bool SharedWithOthers(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // OK when `adding` more bytes of reservation or pins keep `tenant` within its share of
+  // `pool`; else RESOURCE_EXHAUSTED naming default_tenant_pool_share_pct, for `what`.
+  absl::Status CheckShare(const Tenant& tenant, PoolId pool, uint64_t adding,
+                          absl::string_view what) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Evicts at least `bytes` of `tenant`'s unpinned pages in live pools, in the policy's
   // cross-pool order, without demoting them; retired replicas met on the way are swept.
   // REQUIRES: the tenant's evictable bytes >= `bytes`.
@@ -635,6 +672,8 @@ class CacheIndex {
   // FAILED_PRECONDITION naming `what` when `pool` is an engine's.
   absl::Status NotEnginePool(PoolId pool, const PoolKey& key, absl::string_view what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Page-locations in engine `engine_id`'s live pools, all tiers.
+  uint64_t EnginePagesLocked(const std::string& engine_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Removes the replicas in engine pool `pool` of `top` and of every descendant, leaves
   // first; returns the page-locations removed. `on_node` sees each node's pages first.
   uint64_t RemoveEngineSubtree(RadixNode* top, PoolId pool,

@@ -1,6 +1,7 @@
 // CacheIndex: engine pools, the prefix caches of inference engines that keep their own KV
 // (PublishEngineEvents). Each change walks the chain it names from the root, like Insert,
-// and applies without eviction, quota or reservation: the engine decided already.
+// and applies without eviction, quota or reservation (only the engine page caps bound it):
+// the engine decided already.
 #include <algorithm>
 #include <cassert>
 #include <vector>
@@ -92,6 +93,23 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
     in_pool += step.matched;
   }
   if (in_pool == n) return 0;
+  // The engine's caps, before anything changes: every page past in_pool is a new
+  // page-location of this pool.
+  const uint64_t adding = n - in_pool;
+  if (const uint64_t held = EnginePagesLocked(pool.agent_id);
+      held + adding > options_.max_engine_pages_per_engine) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_engine_pages_per_engine: engine ", pool.agent_id, " holds ", held,
+                     " of its ", options_.max_engine_pages_per_engine,
+                     " page-locations; this chain adds ", adding, "; nothing of it was stored"));
+  }
+  if (const uint64_t held = ns.tenant->engine_pages;
+      held + adding > options_.max_engine_pages_per_tenant) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_engine_pages_per_tenant: the engines of tenant ", ns.id.tenant, " hold ",
+                     held, " of its ", options_.max_engine_pages_per_tenant,
+                     " page-locations; this chain adds ", adding, "; nothing of it was stored"));
+  }
   if (!path.empty() && path.back().matched < path.back().node->size()) {
     path.back().node = SplitNode(path.back().node, path.back().matched);
   }
@@ -162,6 +180,15 @@ absl::StatusOr<uint64_t> CacheIndex::ClearEnginePool(const NamespaceId& ns_id,
   for (RadixNode* top : tops) removed += RemoveEngineSubtree(top, *pid, [](const RadixNode&) {});
   if (removed > 0) Emit(CacheEvent::Kind::kCleared, ns, *pid, {});
   return removed;
+}
+
+uint64_t CacheIndex::EnginePagesLocked(const std::string& engine_id) const {
+  uint64_t pages = 0;
+  for (Tier tier : {Tier::kGpu, Tier::kHost, Tier::kDisk}) {
+    std::optional<PoolId> id = budget_.Find(PoolKey{engine_id, tier});
+    if (id.has_value() && budget_.engine(*id)) pages += budget_.stats(*id).pages;
+  }
+  return pages;
 }
 
 uint64_t CacheIndex::PoolPages(const PoolKey& pool) const {

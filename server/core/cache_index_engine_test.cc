@@ -266,6 +266,58 @@ TEST_F(CacheIndexEngineTest, DeleteNamespaceTakesEnginePagesToo) {
   EXPECT_EQ(PoolOf(vllm0_).pinned_bytes, 0u);
 }
 
+TEST_F(CacheIndexEngineTest, EnginePagesAreCappedPerEngineAcrossItsTiers) {
+  Reset({.max_engine_pages_per_engine = 5, .max_engine_pages_per_tenant = 100});
+  Store({1, 2, 3}, vllm0_);
+  Store({1, 2}, vllm0_cpu_);  // 5 page-locations in all
+  EXPECT_EQ(Store({1, 2, 3}, vllm0_), 0u) << "pages the pool holds add nothing";
+  const size_t events = events_.size();
+  absl::StatusOr<uint64_t> more = index_->StoreEnginePages(ns_, Chain({1, 2, 3, 4}), vllm0_);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("max_engine_pages_per_engine: engine vllm-0"));
+  EXPECT_EQ(PoolOf(vllm0_).pages, 3u) << "nothing stored";
+  EXPECT_EQ(Cached({1, 2, 3, 4}), 3u);
+  EXPECT_EQ(events_.size(), events) << "no event for a refused store";
+  // Another engine has its own cap; removing pages makes room again.
+  const PoolKey vllm1{"vllm-1", Tier::kGpu};
+  EXPECT_EQ(Store({1, 2, 3, 4, 5}, vllm1), 5u);
+  EXPECT_EQ(Remove({1, 2, 3}, vllm0_), 1u);
+  EXPECT_EQ(Store({1, 2, 7}, vllm0_), 1u);
+  EXPECT_TRUE(index_->CheckTenantAccounting().ok());
+}
+
+TEST_F(CacheIndexEngineTest, EnginePagesAreCappedPerTenantAndFreedWithTheirPools) {
+  Reset({.max_engine_pages_per_engine = 100, .max_engine_pages_per_tenant = 6});
+  const NamespaceId other_ns{"acme", "other"};
+  ASSERT_TRUE(index_->RegisterModel(other_ns, Mla()).ok());
+  const NamespaceId globex{"globex", "deepseek-v3"};
+  ASSERT_TRUE(index_->RegisterModel(globex, Mla()).ok());
+  Store({1, 2, 3, 4}, {"vllm-1", Tier::kGpu});
+  // acme's other namespace and engine count against the same tenant cap.
+  const std::vector<PageHash> chain = *index_->HashTokens(other_ns, std::vector<int32_t>(12, 5));
+  absl::StatusOr<uint64_t> over = index_->StoreEnginePages(other_ns, chain, {"vllm-2", Tier::kGpu});
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(), HasSubstr("max_engine_pages_per_tenant: the engines of "
+                                                 "tenant acme hold 4 of its 6"));
+  ASSERT_TRUE(
+      index_->StoreEnginePages(other_ns, std::span(chain).first(2), {"vllm-2", Tier::kGpu}).ok());
+  // Another tenant's engines are not held back by acme's.
+  const std::vector<PageHash> theirs = *index_->HashTokens(globex, std::vector<int32_t>(24, 9));
+  ASSERT_TRUE(index_->StoreEnginePages(globex, theirs, {"vllm-3", Tier::kGpu}).ok());
+  IndexStats stats = index_->Stats();
+  ASSERT_EQ(stats.tenants.size(), 2u);
+  EXPECT_EQ(stats.tenants[0].engine_pages, 6u);
+  EXPECT_EQ(stats.tenants[1].engine_pages, 6u);
+  EXPECT_EQ(stats.max_engine_pages_per_tenant, 6u);
+  // Clearing a pool (what a session's end does) gives its pages back to the tenant.
+  ASSERT_TRUE(index_->ClearEnginePool(ns_, {"vllm-1", Tier::kGpu}).ok());
+  EXPECT_EQ(index_->Stats().tenants[0].engine_pages, 2u);
+  EXPECT_EQ(index_->Stats().namespaces[0].radix_nodes + index_->Stats().namespaces[1].radix_nodes,
+            1u)
+      << "the cleared chain's nodes are freed; other's 2-page chain is one node";
+  EXPECT_TRUE(index_->CheckTenantAccounting().ok());
+}
+
 TEST_F(CacheIndexEngineTest, UnknownNamespaceAndEmptyChainsAreRefused) {
   const NamespaceId other{"acme", "other"};
   EXPECT_EQ(index_->StoreEnginePages(other, Chain({1}), vllm0_).status().code(),

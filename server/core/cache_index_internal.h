@@ -58,6 +58,9 @@ struct CacheIndex::Tenant {
   // DropPool, as the pool's own count does). No zero entries.
   uint64_t reserved_bytes = 0;
   absl::flat_hash_map<PoolKey, uint64_t> reserved;
+  // Page-locations of its namespaces in engine pools, retired ones included until they are
+  // swept (max_engine_pages_per_tenant).
+  uint64_t engine_pages = 0;
 
   // Unpinned bytes, all of which the policy can reach (pins cover whole root paths).
   uint64_t evictable() const { return stored_bytes - pinned_bytes; }

@@ -36,8 +36,13 @@ void CacheIndex::MaybeForgetTenant(Tenant& tenant) {
 }
 
 void CacheIndex::TenantStore(const RadixNode* node, PoolId pool) {
-  // Retired pools count for no one; engine pools are the engines' memory, not kvcm's.
-  if (budget_.retired(pool) || budget_.engine(pool)) return;
+  if (budget_.engine(pool)) {
+    // The engines' memory, not kvcm's: counted in pages, until the index lets them go.
+    OwnerOf(node)->tenant->engine_pages += node->size();
+    return;
+  }
+  // Retired pools count for no one.
+  if (budget_.retired(pool)) return;
   Tenant& tenant = *OwnerOf(node)->tenant;
   const uint64_t bytes = NodeBytes(node);
   Tenant::PoolUse& use = tenant.by_pool[pool];
@@ -50,8 +55,13 @@ void CacheIndex::TenantStore(const RadixNode* node, PoolId pool) {
 }
 
 void CacheIndex::TenantUnstore(const RadixNode* node, PoolId pool) {
-  // Retired pools count for no one; engine pools are the engines' memory, not kvcm's.
-  if (budget_.retired(pool) || budget_.engine(pool)) return;
+  if (budget_.engine(pool)) {
+    assert(OwnerOf(node)->tenant->engine_pages >= node->size());
+    OwnerOf(node)->tenant->engine_pages -= node->size();
+    return;
+  }
+  // Retired pools count for no one.
+  if (budget_.retired(pool)) return;
   Tenant& tenant = *OwnerOf(node)->tenant;
   const uint64_t bytes = NodeBytes(node);
   auto it = tenant.by_pool.find(pool);
@@ -106,6 +116,63 @@ absl::Status CacheIndex::QuotaExhausted(const Tenant& tenant, uint64_t adding,
       " bytes (", tenant.stored_bytes, " of pages, ", tenant.pinned_bytes, " of them pinned, and ",
       tenant.reserved_bytes, " reserved); ", what, " needs ", adding, " more and only ",
       tenant.evictable(), " of its bytes are evictable (nothing changed)"));
+}
+
+bool CacheIndex::ShareApplies(const Tenant& tenant) const {
+  return options_.default_tenant_pool_share_pct < 100 && options_.tenant_max_bytes == 0 &&
+         options_.tenant_max_pinned_bytes == 0 && !tenant.name.empty();
+}
+
+uint64_t CacheIndex::ShareCap(PoolId pool) const {
+  // capacity x pct / 100 without overflowing for capacities near 2^64.
+  const uint64_t capacity = budget_.capacity(pool);
+  const uint64_t pct = options_.default_tenant_pool_share_pct;
+  return capacity / 100 * pct + capacity % 100 * pct / 100;
+}
+
+uint64_t CacheIndex::ShareClaim(const Tenant& tenant, PoolId pool) const {
+  uint64_t claim = 0;
+  if (auto it = tenant.by_pool.find(pool); it != tenant.by_pool.end()) claim += it->second.pinned;
+  if (auto it = tenant.reserved.find(budget_.key(pool)); it != tenant.reserved.end()) {
+    claim += it->second;
+  }
+  return claim;
+}
+
+bool CacheIndex::SharedWithOthers(const Tenant& tenant, PoolId pool) const {
+  // The pool's used and reserved bytes, less the tenant's own and the operators'
+  // reservations: what is left is other tenants' pages and reservations.
+  // (The counts agree, CheckTenantAccounting says; the sum is compared, not subtracted, so
+  // that a disagreement could never wrap around.)
+  uint64_t own = 0;
+  if (auto it = tenant.by_pool.find(pool); it != tenant.by_pool.end()) own += it->second.stored;
+  const PoolKey& key = budget_.key(pool);
+  if (auto it = tenant.reserved.find(key); it != tenant.reserved.end()) own += it->second;
+  if (auto ops = tenants_.find(""); ops != tenants_.end()) {
+    if (auto it = ops->second->reserved.find(key); it != ops->second->reserved.end()) {
+      own += it->second;
+    }
+  }
+  return budget_.used(pool) + budget_.reserved(pool) > own;
+}
+
+absl::Status CacheIndex::CheckShare(const Tenant& tenant, PoolId pool, uint64_t adding,
+                                    absl::string_view what) const {
+  if (!ShareApplies(tenant) || !SharedWithOthers(tenant, pool)) return absl::OkStatus();
+  const uint64_t claim = ShareClaim(tenant, pool);
+  const uint64_t cap = ShareCap(pool);
+  if (claim <= cap && adding <= cap - claim) return absl::OkStatus();
+  uint64_t reserved = 0;
+  if (auto it = tenant.reserved.find(budget_.key(pool)); it != tenant.reserved.end()) {
+    reserved = it->second;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "default_tenant_pool_share_pct: tenant ", tenant.name, " may reserve and pin at most ",
+      options_.default_tenant_pool_share_pct, "% (", cap, " bytes) of pool ",
+      budget_.key(pool).ToString(), " and holds ", claim, " (", reserved, " reserved, ",
+      claim - reserved, " pinned); ", what, " would add ", adding,
+      " while other tenants use the pool (nothing changed; an operator may set tenant quotas "
+      "instead)"));
 }
 
 EvictResult CacheIndex::EvictTenantLocked(Tenant& tenant, uint64_t bytes) {
@@ -172,6 +239,10 @@ absl::StatusOr<uint64_t> CacheIndex::Reserve(const PoolKey& pool, uint64_t bytes
   if (!id.ok()) return id.status();
   if (absl::Status s = NotEnginePool(*id, pool, "reserved"); !s.ok()) return s;
   Tenant& tenant = InternTenant(tenant_name);
+  if (absl::Status s = CheckShare(tenant, *id, bytes, "the reservation"); !s.ok()) {
+    MaybeForgetTenant(tenant);
+    return s;
+  }
   absl::StatusOr<uint64_t> evicted =
       MakeRoom(tenant, bytes, *id, pool, budget_.Shortfall(*id, bytes), "the reservation");
   if (!evicted.ok()) {
@@ -216,6 +287,7 @@ absl::Status CacheIndex::CheckTenantAccounting() const {
     uint32_t pins = 0;
     uint64_t stored = 0;
     uint64_t pinned = 0;
+    uint64_t engine_pages = 0;
     absl::flat_hash_map<PoolId, Tenant::PoolUse> by_pool;
   };
   absl::flat_hash_map<std::string, Usage> want;
@@ -236,6 +308,7 @@ absl::Status CacheIndex::CheckTenantAccounting() const {
       const RadixNode* node = stack.back();
       stack.pop_back();
       for (const Replica& r : node->replicas) {
+        if (budget_.engine(r.pool)) u.engine_pages += node->size();
         if (budget_.retired(r.pool) || budget_.engine(r.pool)) continue;
         const uint64_t bytes = NodeBytes(node);
         u.stored += bytes;
@@ -273,6 +346,10 @@ absl::Status CacheIndex::CheckTenantAccounting() const {
           Owner(name), " counts namespaces/pins/stored/pinned ", tenant->namespaces, "/",
           tenant->pins, "/", tenant->stored_bytes, "/", tenant->pinned_bytes, ", the index holds ",
           u.namespaces, "/", u.pins, "/", u.stored, "/", u.pinned));
+    }
+    if (tenant->engine_pages != u.engine_pages) {
+      return absl::InternalError(absl::StrCat(Owner(name), " counts ", tenant->engine_pages,
+                                              " engine pages, the index holds ", u.engine_pages));
     }
     if (tenant->by_pool.size() != u.by_pool.size()) {
       return absl::InternalError(absl::StrCat(Owner(name), " counts ", tenant->by_pool.size(),

@@ -313,8 +313,9 @@ TEST_F(CacheIndexQuotaTest, AReservationCountsAgainstTheQuota) {
 
 TEST_F(CacheIndexQuotaTest, ATenantCannotReserveAPoolFullToStarveAnother) {
   const PoolKey small{"gpu-2", Tier::kGpu};
-  // Without a quota the attack works: globex takes the whole pool, acme's insert fails.
-  Reset({});
+  // Without a quota or a default share the attack works: globex takes the whole pool,
+  // acme's insert fails.
+  Reset({.default_tenant_pool_share_pct = 100});
   ASSERT_TRUE(index_->SetPoolCapacity(small, 8 * bpp_).ok());
   ASSERT_TRUE(index_->Reserve(small, 8 * bpp_, "globex").ok());
   EXPECT_EQ(Insert(a_, {1}, small).status().code(), absl::StatusCode::kResourceExhausted);
@@ -455,7 +456,129 @@ TEST_F(CacheIndexQuotaTest, StatsListTenantsAndQuotas) {
   EXPECT_EQ(s.tenants[1].held_bytes(), 0u);
 }
 
+// Fair by default: issue 22's attack, globex reserving 94% of a pool acme uses, with no
+// quota configured.
+TEST_F(CacheIndexQuotaTest, FairByDefaultAReservationStopsAtTheShareOfASharedPool) {
+  Reset({});
+  const PoolKey small{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(small, 16 * bpp_).ok());
+  MustInsert(a_, {1, 2, 3, 4}, small);  // acme uses the pool: 4 of 16 pages
+  EXPECT_EQ(PoolOf(small).tenant_share_bytes, 8 * bpp_);
+  EXPECT_EQ(index_->Stats().default_tenant_pool_share_pct, 50u);
+
+  const Snapshot before = Snap();
+  absl::StatusOr<uint64_t> most = index_->Reserve(small, 15 * bpp_, "globex");  // 94%
+  EXPECT_EQ(most.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(most.status().message(), HasSubstr("default_tenant_pool_share_pct: tenant globex"));
+  EXPECT_EQ(Snap(), before) << "a refused reservation changes nothing";
+  EXPECT_EQ(Tenant("globex").reserved_bytes, 0u);
+
+  absl::StatusOr<uint64_t> half = index_->Reserve(small, 8 * bpp_, "globex");
+  ASSERT_TRUE(half.ok()) << half.status();
+  EXPECT_EQ(*half, 0u) << "half the pool was free: nothing of acme's evicted";
+  absl::StatusOr<uint64_t> more = index_->Reserve(small, 1, "globex");
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("default_tenant_pool_share_pct"));
+
+  // acme keeps its pages and can still insert into what globex could not take.
+  EXPECT_EQ(Cached(a_, {1, 2, 3, 4}), 4u);
+  MustInsert(a_, {5, 6, 7, 8}, small);
+  EXPECT_EQ(Cached(a_, {5, 6, 7, 8}), 4u);
+  // An operator's reservation is not a tenant's and has no share.
+  ASSERT_TRUE(index_->Unreserve(small, 8 * bpp_, "globex").ok());
+  ASSERT_TRUE(index_->Reserve(small, 8 * bpp_, "").ok());
+  ExpectConsistent();
+}
+
+TEST_F(CacheIndexQuotaTest, FairByDefaultPinsAndReservationsShareOneCap) {
+  Reset({});
+  const PoolKey small{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(small, 8 * bpp_).ok());
+  MustInsert(a_, {9}, small);
+  MustInsert(b_, {1, 2, 3, 4}, small);
+  ASSERT_TRUE(index_->Reserve(small, 2 * bpp_, "globex").ok());
+
+  // 2 reserved + 3 pinned > 4 (half of 8).
+  const Snapshot before = Snap();
+  absl::StatusOr<MatchResult> big = Pin(b_, {1, 2, 3});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(big.status().message(), HasSubstr("default_tenant_pool_share_pct: tenant globex"));
+  EXPECT_THAT(big.status().message(),
+              HasSubstr("(" + std::to_string(2 * bpp_) + " reserved, 0 pinned)"));
+  EXPECT_EQ(Snap(), before) << "nothing matched or pinned";
+
+  absl::StatusOr<MatchResult> two = Pin(b_, {1, 2});
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_NE(two->pin_id, 0u);
+  // A pin on pages a pin holds already adds nothing; one more page would.
+  EXPECT_TRUE(Pin(b_, {1}).ok());
+  EXPECT_EQ(Pin(b_, {1, 2, 3}).status().code(), absl::StatusCode::kResourceExhausted);
+  // Nor may the reservation grow past the pins.
+  EXPECT_EQ(index_->Reserve(small, bpp_, "globex").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(index_->Release(b_, two->pin_id).ok());
+  EXPECT_TRUE(index_->Reserve(small, bpp_, "globex").ok());
+  ExpectConsistent();
+}
+
+TEST_F(CacheIndexQuotaTest, FairByDefaultLeavesAPoolATenantHasToItself) {
+  Reset({});
+  const PoolKey own{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(own, 8 * bpp_).ok());
+  MustInsert(b_, {1, 2, 3, 4, 5, 6}, own);
+  // Nobody else holds pages or a reservation here: globex may pin and reserve it all.
+  ASSERT_TRUE(Pin(b_, {1, 2, 3, 4, 5, 6}).ok());
+  ASSERT_TRUE(index_->Reserve(own, 2 * bpp_, "globex").ok());
+  // The operators' reservations do not make a pool shared.
+  ASSERT_TRUE(index_->SetPoolCapacity(own, 9 * bpp_).ok());
+  ASSERT_TRUE(index_->Reserve(own, bpp_, "").ok());
+  ASSERT_TRUE(index_->Unreserve(own, 2 * bpp_, "globex").ok());
+  EXPECT_TRUE(index_->Reserve(own, 2 * bpp_, "globex").ok());
+  ExpectConsistent();
+}
+
+TEST_F(CacheIndexQuotaTest, AClaimMadeAloneIsKeptButCannotGrowOnceThePoolIsShared) {
+  Reset({});
+  const PoolKey pool{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(pool, 8 * bpp_).ok());
+  ASSERT_TRUE(index_->Reserve(pool, 6 * bpp_, "globex").ok());  // alone: no share
+  MustInsert(a_, {1}, pool);                                    // now acme uses the pool
+  EXPECT_EQ(Tenant("globex").reserved_bytes, 6 * bpp_) << "nothing is taken back";
+  absl::StatusOr<uint64_t> more = index_->Reserve(pool, 1, "globex");
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(more.status().message(), HasSubstr("default_tenant_pool_share_pct"));
+  ASSERT_TRUE(index_->Unreserve(pool, 3 * bpp_, "globex").ok());
+  EXPECT_TRUE(index_->Reserve(pool, bpp_, "globex").ok());  // 4 of 8: at the share
+  EXPECT_EQ(index_->Reserve(pool, 1, "globex").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  ExpectConsistent();
+}
+
+TEST_F(CacheIndexQuotaTest, QuotasOrAHundredPercentReplaceTheDefaultShare) {
+  for (const CacheIndexOptions& options :
+       {CacheIndexOptions{.tenant_max_bytes = 100 * bpp_},
+        CacheIndexOptions{.tenant_max_pinned_bytes = 100 * bpp_},
+        CacheIndexOptions{.default_tenant_pool_share_pct = 100}}) {
+    Reset(options);
+    const PoolKey small{"gpu-2", Tier::kGpu};
+    ASSERT_TRUE(index_->SetPoolCapacity(small, 16 * bpp_).ok());
+    MustInsert(a_, {1}, small);
+    EXPECT_TRUE(index_->Reserve(small, 15 * bpp_, "globex").ok());
+    EXPECT_EQ(index_->Stats().default_tenant_pool_share_pct, 0u);
+    EXPECT_EQ(PoolOf(small).tenant_share_bytes, 0u);
+  }
+}
+
 TEST_F(CacheIndexQuotaTest, BadOptionsAreInvalidArgument) {
+  for (uint32_t pct : {0u, 101u}) {
+    absl::Status share = CacheIndexOptions{.default_tenant_pool_share_pct = pct}.Validate();
+    EXPECT_EQ(share.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(share.message(), HasSubstr("default_tenant_pool_share_pct"));
+  }
+  EXPECT_THAT(CacheIndexOptions{.max_engine_pages_per_engine = 0}.Validate().message(),
+              HasSubstr("max_engine_pages_per_engine"));
+  EXPECT_THAT(CacheIndexOptions{.max_engine_pages_per_tenant = 0}.Validate().message(),
+              HasSubstr("max_engine_pages_per_tenant"));
   absl::Status s =
       CacheIndexOptions{.tenant_max_bytes = 10, .tenant_max_pinned_bytes = 11}.Validate();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -183,5 +183,37 @@ TEST_F(EngineSessionsTest, AChangeThatFailsMidwayEndsTheSession) {
   EXPECT_EQ(EnginePages(), 0u);
 }
 
+TEST_F(EngineSessionsTest, APublishPastTheEngineCapEndsTheSessionAndFreesItsPages) {
+  index_ = std::make_unique<CacheIndex>(
+      CacheIndexOptions{.max_engine_pages_per_engine = 4, .clock = &clock_});
+  ASSERT_TRUE(index_
+                  ->RegisterModel(ns_, {.attention = AttentionKind::kMla,
+                                        .num_layers = 61,
+                                        .num_heads = 128,
+                                        .kv_lora_rank = 512,
+                                        .rope_dim = 64,
+                                        .page_size_tokens = kPage})
+                  .ok());
+  sessions_ = std::make_unique<EngineSessions>(index_.get(), &clock_, absl::Seconds(30));
+  ASSERT_TRUE(Publish(7, 1, {Stored({1, 2, 3})}).ok());
+  absl::StatusOr<EnginePublishResult> r = Publish(7, 2, {Stored({1, 2, 3, 4}), Stored({5, 6})});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("changes[1]: max_engine_pages_per_engine"));
+  // The manager no longer knows what the engine holds: its pools are emptied, and the
+  // index's memory of them with them.
+  EXPECT_FALSE(sessions_->IsLive("vllm-0"));
+  EXPECT_EQ(EnginePages(), 0u);
+  EXPECT_EQ(index_->Stats().tenants[0].engine_pages, 0u);
+  EXPECT_EQ(index_->Stats().namespaces[0].radix_nodes, 0u);
+  // A new session within the cap works.
+  EXPECT_TRUE(Publish(8, 1, {Stored({1, 2, 3, 4})}).ok());
+  EXPECT_EQ(EnginePages(), 4u);
+  // Closing it frees the pages too.
+  ASSERT_TRUE(Publish(8, 2, {}, /*close=*/true).ok());
+  EXPECT_EQ(EnginePages(), 0u);
+  EXPECT_EQ(index_->Stats().namespaces[0].radix_nodes, 0u);
+  EXPECT_TRUE(index_->CheckTenantAccounting().ok());
+}
+
 }  // namespace
 }  // namespace kvcm

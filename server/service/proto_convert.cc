@@ -418,6 +418,7 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ps->set_reserved_bytes(p.reserved_bytes);
     ps->set_engine(p.engine);
     ps->set_pages(p.pages);
+    ps->set_tenant_share_bytes(p.tenant_share_bytes);
   }
   for (const NamespaceStats& n : stats.namespaces) {
     v1::NamespaceStats* ns = out->add_namespaces();
@@ -441,6 +442,8 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
     ts->set_pins(t.pins);
     ts->set_max_bytes(stats.tenant_max_bytes);
     ts->set_max_pinned_bytes(stats.tenant_max_pinned_bytes);
+    ts->set_engine_pages(t.engine_pages);
+    ts->set_max_engine_pages(stats.max_engine_pages_per_tenant);
   }
   const IndexCounters& c = stats.counters;
   v1::Counters* pc = out->mutable_counters();
@@ -466,6 +469,9 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   l->set_max_pages_per_request(limits.max_pages_per_request);
   l->set_max_lease_ttl_ms(limits.max_lease_ttl_ms);
   l->set_default_lease_ttl_ms(limits.default_lease_ttl_ms);
+  l->set_default_tenant_pool_share_pct(stats.default_tenant_pool_share_pct);
+  l->set_max_engine_pages_per_engine(stats.max_engine_pages_per_engine);
+  l->set_max_engine_pages_per_tenant(stats.max_engine_pages_per_tenant);
 }
 
 absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req) {

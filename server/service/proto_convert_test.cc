@@ -479,6 +479,7 @@ TEST_F(ProtoConvertTest, ReserveRequests) {
 TEST_F(ProtoConvertTest, StatsToProto) {
   IndexStats stats;
   stats.pools.push_back({PoolKey{"gpu-0", Tier::kGpu}, 1000, 600, 100, 3});
+  stats.pools.back().tenant_share_bytes = 500;
   stats.namespaces.push_back({ns_, spec_, 4, 6, 2});
   stats.counters.match_requests = 5;
   stats.counters.requested_tokens = 40;
@@ -491,7 +492,11 @@ TEST_F(ProtoConvertTest, StatsToProto) {
                            .stored_bytes = 600,
                            .pinned_bytes = 100,
                            .reserved_bytes = 50,
-                           .pins = 1});
+                           .pins = 1,
+                           .engine_pages = 12});
+  stats.default_tenant_pool_share_pct = 50;
+  stats.max_engine_pages_per_engine = 20;
+  stats.max_engine_pages_per_tenant = 30;
   stats.tenant_max_bytes = 4000;
   stats.tenant_max_pinned_bytes = 1000;
   RequestLimits limits{100, 10, 2000, 500};
@@ -513,6 +518,12 @@ TEST_F(ProtoConvertTest, StatsToProto) {
   EXPECT_EQ(resp.limits().max_pages_per_request(), 10u);
   EXPECT_EQ(resp.limits().max_lease_ttl_ms(), 2000u);
   EXPECT_EQ(resp.limits().default_lease_ttl_ms(), 500u);
+  EXPECT_EQ(resp.limits().default_tenant_pool_share_pct(), 50u);
+  EXPECT_EQ(resp.limits().max_engine_pages_per_engine(), 20u);
+  EXPECT_EQ(resp.limits().max_engine_pages_per_tenant(), 30u);
+  EXPECT_EQ(resp.pools(0).tenant_share_bytes(), 500u);
+  EXPECT_EQ(resp.tenants(0).engine_pages(), 12u);
+  EXPECT_EQ(resp.tenants(0).max_engine_pages(), 30u);
   ASSERT_EQ(resp.tenants_size(), 1);
   EXPECT_EQ(resp.tenants(0).tenant(), "acme");
   EXPECT_EQ(resp.tenants(0).namespaces(), 1u);

@@ -71,6 +71,9 @@ const std::vector<Field>& Fields() {
       {"etcd_ca_file", &ServerOptions::etcd_ca_file},
       {"etcd_cert_file", &ServerOptions::etcd_cert_file},
       {"etcd_key_file", &ServerOptions::etcd_key_file},
+      {"default_tenant_pool_share_pct", &ServerOptions::default_tenant_pool_share_pct},
+      {"max_engine_pages_per_engine", &ServerOptions::max_engine_pages_per_engine},
+      {"max_engine_pages_per_tenant", &ServerOptions::max_engine_pages_per_tenant},
   };
   return *kFields;
 }
@@ -234,6 +237,15 @@ absl::Status ServerOptions::Validate() const {
                    absl::StrCat("must be at most tenant_max_bytes = ", tenant_max_bytes,
                                 " (0: unlimited), got ", tenant_max_pinned_bytes));
   }
+  if (default_tenant_pool_share_pct < 1 || default_tenant_pool_share_pct > 100) {
+    return Invalid("default_tenant_pool_share_pct",
+                   absl::StrCat("must be in [1, 100] (100: no default share), got ",
+                                default_tenant_pool_share_pct));
+  }
+  if (max_engine_pages_per_engine < 1)
+    return Invalid("max_engine_pages_per_engine", "must be >= 1");
+  if (max_engine_pages_per_tenant < 1)
+    return Invalid("max_engine_pages_per_tenant", "must be >= 1");
   if (absl::Status s = ValidateHighAvailability(*this); !s.ok()) return s;
   return ValidateTransportSecurity(*this);
 }
@@ -299,6 +311,9 @@ absl::StatusOr<CacheIndexOptions> ServerOptions::ToCacheIndexOptions() const {
   out.default_max_page_age = absl::Seconds(default_max_page_age_s);
   out.tenant_max_bytes = tenant_max_bytes;
   out.tenant_max_pinned_bytes = tenant_max_pinned_bytes;
+  out.default_tenant_pool_share_pct = default_tenant_pool_share_pct;
+  out.max_engine_pages_per_engine = max_engine_pages_per_engine;
+  out.max_engine_pages_per_tenant = max_engine_pages_per_tenant;
   return out;
 }
 

@@ -129,6 +129,17 @@ struct ServerOptions {
   std::string etcd_cert_file;
   std::string etcd_key_file;
 
+  // Fair by default (docs/SECURITY.md "Limits"; CacheIndexOptions): while neither tenant
+  // quota is set, what one tenant reserves in a pool that another tenant uses (holds pages
+  // or a reservation in) plus what its pins hold there may reach
+  // this percent of the pool's capacity (Reserve, Match/Route with pin beyond:
+  // RESOURCE_EXHAUSTED). 1..100; 100 turns it off.
+  uint32_t default_tenant_pool_share_pct = 50;
+  // Page-locations (pages x tiers) one engine's pools, and the engine pools of one tenant,
+  // may hold (PublishEngineEvents beyond: RESOURCE_EXHAUSTED, the session ends). >= 1.
+  uint64_t max_engine_pages_per_engine = 1ULL << 20;
+  uint64_t max_engine_pages_per_tenant = 4ULL << 20;
+
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
 

@@ -114,6 +114,12 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
          o.tenant_max_pinned_bytes = (1 << 20) + 1;
        },
        "tenant_max_pinned_bytes"},
+      {[](ServerOptions& o) { o.default_tenant_pool_share_pct = 0; },
+       "default_tenant_pool_share_pct"},
+      {[](ServerOptions& o) { o.default_tenant_pool_share_pct = 101; },
+       "default_tenant_pool_share_pct"},
+      {[](ServerOptions& o) { o.max_engine_pages_per_engine = 0; }, "max_engine_pages_per_engine"},
+      {[](ServerOptions& o) { o.max_engine_pages_per_tenant = 0; }, "max_engine_pages_per_tenant"},
       // High availability: HaOptions() below is a valid base.
       {[](ServerOptions& o) { o.etcd_ca_file = "ca.pem"; }, "etcd_ca_file"},
       {[](ServerOptions& o) { o.advertise_address = "10.0.0.1:50051"; }, "advertise_address"},
@@ -192,6 +198,9 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   options.default_max_page_age_s = 3600;
   options.tenant_max_bytes = 10 << 20;
   options.tenant_max_pinned_bytes = 4 << 20;
+  options.default_tenant_pool_share_pct = 30;
+  options.max_engine_pages_per_engine = 7;
+  options.max_engine_pages_per_tenant = 9;
   absl::StatusOr<CacheIndexOptions> index = options.ToCacheIndexOptions();
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ(index->hash_secret.ToBytes(),
@@ -203,7 +212,15 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   EXPECT_EQ(index->default_max_page_age, absl::Hours(1));
   EXPECT_EQ(index->tenant_max_bytes, 10u << 20);
   EXPECT_EQ(index->tenant_max_pinned_bytes, 4u << 20);
+  EXPECT_EQ(index->default_tenant_pool_share_pct, 30u);
+  EXPECT_EQ(index->max_engine_pages_per_engine, 7u);
+  EXPECT_EQ(index->max_engine_pages_per_tenant, 9u);
   EXPECT_EQ(ServerOptions().tenant_max_bytes, 0u) << "no quota by default";
+  EXPECT_EQ(ServerOptions().default_tenant_pool_share_pct, 50u) << "but a fair share";
+  EXPECT_EQ(ServerOptions().max_engine_pages_per_engine,
+            CacheIndexOptions().max_engine_pages_per_engine);
+  EXPECT_EQ(ServerOptions().max_engine_pages_per_tenant,
+            CacheIndexOptions().max_engine_pages_per_tenant);
   EXPECT_EQ(ServerOptions().default_max_page_age_s, 0u) << "no retention limit by default";
   EXPECT_EQ(index->policy, "lru");
   EXPECT_TRUE(index->Validate().ok());
@@ -243,7 +260,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 40u);
+  EXPECT_EQ(names.size(), 43u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
