@@ -208,13 +208,12 @@ absl::Status ServerLimitsOptions::Validate(absl::string_view prefix) const {
     return Invalid(prefix, "max_concurrent_streams",
                    absl::StrCat("must be in [1, 1000000], got ", max_concurrent_streams));
   }
-  if (grpc_memory_bytes < (16ull << 20)) {
-    return Invalid(prefix, "grpc_memory_bytes",
-                   absl::StrCat("must be >= 16777216 (16 MiB), got ", grpc_memory_bytes));
+  if (memory_bytes < (16ull << 20)) {
+    return Invalid(prefix, "memory_bytes",
+                   absl::StrCat("must be >= 16777216 (16 MiB), got ", memory_bytes));
   }
-  if (grpc_max_threads < 2) {
-    return Invalid(prefix, "grpc_max_threads",
-                   absl::StrCat("must be >= 2, got ", grpc_max_threads));
+  if (max_threads < 2) {
+    return Invalid(prefix, "max_threads", absl::StrCat("must be >= 2, got ", max_threads));
   }
   if (max_connections < 1) return Invalid(prefix, "max_connections", "must be >= 1");
   if (max_connections_per_peer < 1) {
@@ -242,8 +241,8 @@ void ApplyServerLimits(const ServerLimitsOptions& o, grpc::ServerBuilder* builde
   arg(GRPC_ARG_HTTP2_MAX_PING_STRIKES, o.max_ping_strikes);
   arg(GRPC_ARG_MAX_CONCURRENT_STREAMS, o.max_concurrent_streams);
   grpc::ResourceQuota quota("kvcm-server");
-  quota.Resize(static_cast<size_t>(o.grpc_memory_bytes));
-  quota.SetMaxThreads(static_cast<int>(std::min<uint32_t>(o.grpc_max_threads, INT32_MAX)));
+  quota.Resize(static_cast<size_t>(o.memory_bytes));
+  quota.SetMaxThreads(static_cast<int>(std::min<uint32_t>(o.max_threads, INT32_MAX)));
   builder->SetResourceQuota(quota);
 }
 
@@ -263,6 +262,13 @@ uint32_t InstallAcceptGuard(const ServerLimitsOptions& options, uint64_t fd_limi
   const uint32_t total = static_cast<uint32_t>(std::min<uint64_t>(options.max_connections, room));
   AcceptGuard::Get().Install(total, options.max_connections_per_peer);
   return total;
+}
+
+std::vector<std::string> MetricsServerOptions(const std::string& address, size_t threads) {
+  return {"listening_ports",    address, "num_threads",       absl::StrCat(threads),
+          "connection_queue",   "16",    "listen_backlog",    "64",
+          "request_timeout_ms", "5000",  "enable_keep_alive", "no",
+          "linger_timeout_ms",  "0",     "max_request_size",  "16384"};
 }
 
 AcceptGuardCounters GetAcceptGuardCounters() {

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -47,9 +48,9 @@ struct ServerLimitsOptions {
   uint32_t max_concurrent_streams = 256;
   // Memory gRPC may use for connections and calls (grpc::ResourceQuota::Resize): past it,
   // gRPC shrinks read buffers and refuses new calls instead of growing. >= 16 MiB.
-  uint64_t grpc_memory_bytes = 1ull << 30;
+  uint64_t memory_bytes = 1ull << 30;
   // Threads gRPC's sync/callback server may use (grpc::ResourceQuota::SetMaxThreads). >= 2.
-  uint32_t grpc_max_threads = 256;
+  uint32_t max_threads = 256;
   // TCP connections open at once, all peers together (the accept4 guard); more are closed
   // as they are accepted. Capped at start at RLIMIT_NOFILE minus fd_reserve. >= 1.
   uint32_t max_connections = 8'192;
@@ -59,9 +60,9 @@ struct ServerLimitsOptions {
   // channels, the data port, /metrics). 64..1000000.
   uint32_t fd_reserve = 1'024;
 
-  // INVALID_ARGUMENT naming the first bad option as `prefix` + its name (the manager's
-  // options carry no prefix, the agent's carry "grpc_" where it helps).
-  absl::Status Validate(absl::string_view prefix = "") const;
+  // INVALID_ARGUMENT naming the first bad option as `prefix` + its field name: the
+  // manager's and the agent's options are these fields with the prefix "grpc_".
+  absl::Status Validate(absl::string_view prefix = "grpc_") const;
 };
 
 // Applies `options`' channel arguments and resource quota to `builder`.
@@ -77,6 +78,13 @@ uint64_t RaiseFileLimit();
 // total cap in force. Later calls replace the caps (a process has one gRPC port).
 // REQUIRES: options.Validate().ok().
 uint32_t InstallAcceptGuard(const ServerLimitsOptions& options, uint64_t fd_limit);
+
+// civetweb options for a Prometheus exporter at `address` (prometheus::Exposer's options
+// constructor): `threads` workers, a queue of 16 accepted connections behind them (the
+// listener waits while it is full), a request that does not arrive within 5 s closed, no
+// keep-alive, requests of at most 16 KiB. Bounds /metrics' threads and sockets; a flood
+// still delays scrapes (civetweb 1.15 has no per-peer cap).
+std::vector<std::string> MetricsServerOptions(const std::string& address, size_t threads);
 
 // What the guard did since the process started; for Stats, metrics and tests. Thread-safe.
 struct AcceptGuardCounters {
