@@ -80,7 +80,7 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& address, const std::st
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
   // A fresh channel every time (no subchannel sharing with an earlier one).
-  if (getenv("KVCM_FLOOD_LOCALPOOL")) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return f->Open(address, args);
 }
 
@@ -191,9 +191,6 @@ bool ManagerStatsOk(const std::shared_ptr<grpc::Channel>& channel, absl::Duratio
   v1::StatsResponse resp;
   const grpc::Status s = WithDeadline(
       deadline, [&](grpc::ClientContext* ctx) { return stub->Stats(ctx, req, &resp); });
-  if (!s.ok() && getenv("KVCM_FLOOD_DEBUG") != nullptr) {
-    std::fprintf(stderr, "Stats: %d %s\n", s.error_code(), s.error_message().c_str());
-  }
   return s.ok();
 }
 
@@ -286,7 +283,8 @@ v1::MatchRequest BigMatch() {
   req.mutable_namespace_()->set_tenant("acme");
   req.mutable_namespace_()->set_model("deepseek-v3");
   v1::TokenList* tokens = req.mutable_prompt()->mutable_tokens();
-  for (uint32_t i = 0; i < (1u << 20); ++i) tokens->add_ids(static_cast<int32_t>(i * 7919u % 100000u));
+  for (uint32_t i = 0; i < (1u << 20); ++i)
+    tokens->add_ids(static_cast<int32_t>(i * 7919u % 100000u));
   return req;
 }
 
