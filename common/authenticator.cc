@@ -5,6 +5,7 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvcm {
@@ -44,13 +45,20 @@ absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::Authenticate(
   if (open()) return OpenPrincipal();
   const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
   auto it = md.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
-  if (it == md.end()) {
+  if (it == md.end()) return AuthenticateValue(nullptr);
+  const absl::string_view value(it->second.data(), it->second.size());
+  return AuthenticateValue(&value);
+}
+
+absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::AuthenticateValue(
+    const absl::string_view* authorization) const {
+  if (open()) return OpenPrincipal();
+  if (authorization == nullptr) {
     return absl::UnauthenticatedError(
         "no bearer token: send metadata \"authorization: Bearer <token>\" (kvcmctl --token_file "
         "or KVCM_TOKEN)");
   }
-  absl::StatusOr<absl::string_view> token =
-      BearerToken(absl::string_view(it->second.data(), it->second.size()));
+  absl::StatusOr<absl::string_view> token = BearerToken(*authorization);
   if (!token.ok()) return token.status();
   std::shared_ptr<const TokenTable> table;
   {
@@ -84,6 +92,38 @@ absl::Status Authenticator::ReloadIfChanged() {
   }
   table_ = std::make_shared<const TokenTable>(*std::move(table));
   return absl::OkStatus();
+}
+
+grpc::Status TokenAuthMetadataProcessor::Process(const InputMetadata& auth_metadata,
+                                                 grpc::AuthContext* context,
+                                                 OutputMetadata* /*consumed_auth_metadata*/,
+                                                 OutputMetadata* /*response_metadata*/) {
+  constexpr absl::string_view kPath = ":path";
+  constexpr absl::string_view kHealth = "/grpc.health.v1.Health/";
+  auto path = auth_metadata.find(grpc::string_ref(kPath.data(), kPath.size()));
+  if (path != auth_metadata.end() &&
+      absl::StartsWith(absl::string_view(path->second.data(), path->second.size()), kHealth)) {
+    return grpc::Status::OK;
+  }
+  auto it = auth_metadata.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
+  absl::string_view value;
+  if (it != auth_metadata.end()) value = absl::string_view(it->second.data(), it->second.size());
+  absl::StatusOr<std::shared_ptr<const Principal>> p =
+      authenticator_->AuthenticateValue(it != auth_metadata.end() ? &value : nullptr);
+  if (!p.ok()) {
+    refused_.fetch_add(1, std::memory_order_relaxed);
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(p.status().message()));
+  }
+  context->AddProperty(kAuthPrincipalProperty, (*p)->name);
+  return grpc::Status::OK;
+}
+
+std::shared_ptr<TokenAuthMetadataProcessor> InstallAuthProcessor(
+    const Authenticator* authenticator, bool tls, grpc::ServerCredentials* credentials) {
+  if (!tls || authenticator->open()) return nullptr;
+  auto processor = std::make_shared<TokenAuthMetadataProcessor>(authenticator);
+  credentials->SetAuthMetadataProcessor(processor);
+  return processor;
 }
 
 }  // namespace kvcm

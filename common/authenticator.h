@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <ctime>
 #include <memory>
 #include <string>
@@ -35,6 +36,9 @@ class Authenticator {
   // The caller of `ctx`, from its `authorization: Bearer <token>` metadata.
   absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
       const grpc::ServerContextBase& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The caller whose `authorization` metadata value is `*authorization` (null: none sent).
+  absl::StatusOr<std::shared_ptr<const Principal>> AuthenticateValue(
+      const absl::string_view* authorization) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Re-reads the tokens file when its modification time or size changed. A file that no
   // longer parses keeps the previous table (the error is returned, for the log): a typo must
@@ -53,6 +57,43 @@ class Authenticator {
   timespec mtime_ ABSL_GUARDED_BY(mu_) = {};
   off_t size_ ABSL_GUARDED_BY(mu_) = -1;
 };
+
+// Authenticates every call on a TLS port from its initial metadata, before gRPC reads any
+// request message: a call without a known bearer token ends UNAUTHENTICATED there, so an
+// unauthenticated request body is never parsed, nor buffered beyond HTTP/2 flow control.
+// The principal's name goes into the AuthContext as kAuthPrincipalProperty. Handlers still
+// call Authenticator::Authenticate (the same check; it is what the insecure mode, which has
+// no processor, relies on). Health checks (grpc.health.v1.Health) pass without a token, for
+// probes. Non-blocking: it runs inline on gRPC's thread (a hash and a table lookup).
+//
+// Set it with ServerCredentials::SetAuthMetadataProcessor on TLS credentials only
+// (InstallAuthProcessor). Thread-safe.
+class TokenAuthMetadataProcessor final : public grpc::AuthMetadataProcessor {
+ public:
+  // `authenticator` is not owned and must outlive the server.
+  explicit TokenAuthMetadataProcessor(const Authenticator* authenticator)
+      : authenticator_(authenticator) {}
+
+  bool IsBlocking() const override { return false; }
+  grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
+                       OutputMetadata* consumed_auth_metadata,
+                       OutputMetadata* response_metadata) override;
+
+  // Calls refused so far (for tests and logs).
+  uint64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+
+ private:
+  const Authenticator* const authenticator_;
+  std::atomic<uint64_t> refused_{0};
+};
+
+inline constexpr char kAuthPrincipalProperty[] = "kvcm.principal";
+
+// Installs a TokenAuthMetadataProcessor of `authenticator` on `credentials` when both
+// authentication (a tokens file) and TLS are on; returns it (null when not installed).
+// REQUIRES: `tls` says whether `credentials` are TLS (the insecure ones cannot take one).
+std::shared_ptr<TokenAuthMetadataProcessor> InstallAuthProcessor(
+    const Authenticator* authenticator, bool tls, grpc::ServerCredentials* credentials);
 
 }  // namespace kvcm
 

@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/server_limits.h"
 #include "server/ha/etcd_client.h"
 #include "server/ha/leader_election.h"
 #include "server/service/manager_server.h"
@@ -147,6 +148,35 @@ ABSL_FLAG(uint64_t, max_engine_pages_per_engine, kDefaults.max_engine_pages_per_
           "Page-locations one engine's pools may hold (PublishEngineEvents beyond is refused).");
 ABSL_FLAG(uint64_t, max_engine_pages_per_tenant, kDefaults.max_engine_pages_per_tenant,
           "Page-locations the engine pools of one tenant may hold.");
+ABSL_FLAG(uint32_t, grpc_handshake_timeout_ms, kDefaults.grpc_handshake_timeout_ms,
+          "A gRPC connection that has not finished its TLS handshake and HTTP/2 preface "
+          "within this is closed (ms).");
+ABSL_FLAG(uint32_t, grpc_max_connection_idle_ms, kDefaults.grpc_max_connection_idle_ms,
+          "A gRPC connection with no call for this long gets GOAWAY (ms; 0: never).");
+ABSL_FLAG(uint32_t, grpc_keepalive_time_ms, kDefaults.grpc_keepalive_time_ms,
+          "The server pings a connection silent for this long (ms).");
+ABSL_FLAG(uint32_t, grpc_keepalive_timeout_ms, kDefaults.grpc_keepalive_timeout_ms,
+          "A connection that does not answer the server's ping within this is closed (ms).");
+ABSL_FLAG(uint32_t, grpc_min_client_ping_interval_ms, kDefaults.grpc_min_client_ping_interval_ms,
+          "Clients may ping no more often than this without data (ms).");
+ABSL_FLAG(uint32_t, grpc_max_ping_strikes, kDefaults.grpc_max_ping_strikes,
+          "Pings too early a client may send before it gets GOAWAY.");
+ABSL_FLAG(uint32_t, grpc_max_concurrent_streams, kDefaults.grpc_max_concurrent_streams,
+          "Calls one gRPC connection may have open at once.");
+ABSL_FLAG(uint64_t, grpc_memory_bytes, kDefaults.grpc_memory_bytes,
+          "Memory gRPC may use for connections and calls (its resource quota), bytes.");
+ABSL_FLAG(uint32_t, grpc_max_threads, kDefaults.grpc_max_threads,
+          "Threads gRPC's server may use (its resource quota).");
+ABSL_FLAG(uint32_t, grpc_max_connections, kDefaults.grpc_max_connections,
+          "TCP connections open at once on the gRPC port, all peers together (more are "
+          "closed as they are accepted; capped at RLIMIT_NOFILE - grpc_fd_reserve).");
+ABSL_FLAG(uint32_t, grpc_max_connections_per_peer, kDefaults.grpc_max_connections_per_peer,
+          "TCP connections open at once on the gRPC port from one IP address.");
+ABSL_FLAG(uint32_t, grpc_fd_reserve, kDefaults.grpc_fd_reserve,
+          "File descriptors kept free for everything but accepted gRPC connections.");
+ABSL_FLAG(uint32_t, max_streams_per_principal, kDefaults.max_streams_per_principal,
+          "Long-lived streams (WatchEvents, Commands, ReportInventory) one principal may hold "
+          "open at once.");
 
 namespace {
 
@@ -275,7 +305,8 @@ struct Election {
     std::string metrics = "metrics disabled";
     if (!options.metrics_address.empty()) {
       try {
-        e->standby_exposer = std::make_unique<prometheus::Exposer>(options.metrics_address, 1);
+        e->standby_exposer = std::make_unique<prometheus::Exposer>(
+            kvcm::MetricsServerOptions(options.metrics_address, 1));
       } catch (const std::exception& error) {
         Fail(absl::StrCat("cannot serve metrics on metrics_address ", options.metrics_address, ": ",
                           error.what()));

@@ -10,6 +10,7 @@
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
+#include "common/server_limits.h"
 #include "common/status_macros.h"
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/block_agent_service.h"
@@ -141,12 +142,23 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
       a->metrics_.get());
   a->service_ = std::make_unique<BlockAgentService>(
       &opts, a->pools(), &a->epoch_, a->metrics_.get(), a->fetcher_.get(), a->authenticator_.get());
+  // Tokens are checked on a call's headers, before its request is read (TLS only; the
+  // handlers check again either way).
+  a->auth_processor_ =
+      InstallAuthProcessor(a->authenticator_.get(), !tls.insecure, server_credentials->get());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(opts.listen_address, *server_credentials, &port);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Room for a full data chunk plus the message's framing.
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
+  const ServerLimitsOptions conn_limits = opts.Limits();
+  ApplyServerLimits(conn_limits, &builder);
+  const uint64_t fd_limit = RaiseFileLimit();
+  const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
+  LogInfo(absl::StrCat("BlockAgent connection limits: ", max_connections, " connections (",
+                       conn_limits.max_connections_per_peer, " per peer address) of ", fd_limit,
+                       " fds; handshake within ", conn_limits.handshake_timeout_ms, " ms"));
   builder.RegisterService(a->service_.get());
   a->server_ = builder.BuildAndStart();
   if (a->server_ == nullptr || port == 0) {
@@ -158,7 +170,8 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   if (!opts.metrics_address.empty()) {
     // prometheus-cpp reports a bind failure by throwing; turned into a Status here only.
     try {
-      a->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, 1);
+      a->exposer_ =
+          std::make_unique<prometheus::Exposer>(MetricsServerOptions(opts.metrics_address, 1));
     } catch (const std::exception& e) {
       return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
                                                  opts.metrics_address, ": ", e.what()));
@@ -203,6 +216,9 @@ absl::StatusOr<std::unique_ptr<Transport>> Agent::CreateTransport() {
   const AgentOptions& opts = options_;
   const TcpTransportOptions data{.listen_address = opts.data_listen_address,
                                  .io_timeout_ms = opts.transfer_io_timeout_ms,
+                                 .max_connections = opts.data_max_connections,
+                                 .max_connections_per_peer = opts.data_max_connections_per_peer,
+                                 .request_timeout_ms = opts.data_request_timeout_ms,
                                  .tls = data_tls_};
   if (opts.transport == TransportKind::kTcp) return MakeTcpTransport(data, pools(), opts.tier);
 #ifndef KVCM_HAVE_NCCL

@@ -107,6 +107,7 @@ class Agent {
   std::unique_ptr<Fetcher> fetcher_;
   // Who may call BlockAgent (open without tokens_file); re-read by the control loop.
   std::unique_ptr<Authenticator> authenticator_;
+  std::shared_ptr<TokenAuthMetadataProcessor> auth_processor_;
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

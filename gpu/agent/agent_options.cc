@@ -102,10 +102,16 @@ absl::Status AgentOptions::Validate() const {
     return Invalid("listen_address", "must be host:port");
   }
   if (transfer_io_timeout_ms < 1) return Invalid("transfer_io_timeout_ms", "must be >= 1");
-  if (absl::Status s = TcpTransportOptions{.listen_address = data_listen_address}.Validate();
+  if (absl::Status s =
+          TcpTransportOptions{.listen_address = data_listen_address,
+                              .max_connections = data_max_connections,
+                              .max_connections_per_peer = data_max_connections_per_peer,
+                              .request_timeout_ms = data_request_timeout_ms}
+              .Validate();
       !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("data_", s.message()));  // data_listen_address
+    return absl::InvalidArgumentError(absl::StrCat("data_", s.message()));  // data_<field>
   }
+  if (absl::Status s = Limits().Validate("grpc_"); !s.ok()) return s;
   if (device_index < 0) return Invalid("device_index", "must be >= 0");
   if (tier != Tier::kGpu && tier != Tier::kHost && tier != Tier::kDisk) {
     return Invalid("tier", "must be gpu, host or disk");
@@ -149,6 +155,21 @@ absl::Status AgentOptions::Validate() const {
                                 " bytes), got ", nccl_staging_bytes));
   }
   return ValidateSecurity(*this);
+}
+
+ServerLimitsOptions AgentOptions::Limits() const {
+  return ServerLimitsOptions{.handshake_timeout_ms = grpc_handshake_timeout_ms,
+                             .max_connection_idle_ms = grpc_max_connection_idle_ms,
+                             .keepalive_time_ms = grpc_keepalive_time_ms,
+                             .keepalive_timeout_ms = grpc_keepalive_timeout_ms,
+                             .min_client_ping_interval_ms = grpc_min_client_ping_interval_ms,
+                             .max_ping_strikes = grpc_max_ping_strikes,
+                             .max_concurrent_streams = grpc_max_concurrent_streams,
+                             .memory_bytes = grpc_memory_bytes,
+                             .max_threads = grpc_max_threads,
+                             .max_connections = grpc_max_connections,
+                             .max_connections_per_peer = grpc_max_connections_per_peer,
+                             .fd_reserve = grpc_fd_reserve};
 }
 
 TlsOptions AgentOptions::Tls() const {

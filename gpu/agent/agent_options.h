@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "common/model_spec.h"
 #include "common/security_options.h"
+#include "common/server_limits.h"
 #include "common/types.h"
 #include "gpu/agent/pool_geometry.h"
 
@@ -116,6 +117,32 @@ struct AgentOptions {
   // (gpu/agent/block_agent_access.h). Empty: every caller may do everything (dev mode; a
   // warning is logged). Read at Start.
   std::string tokens_file;
+
+  // Connection limits of the BlockAgent port (docs/SECURITY.md "Connection limits"): each
+  // grpc_<name> is ServerLimitsOptions::<name> (common/server_limits.h), which documents it
+  // and its range.
+  uint32_t grpc_handshake_timeout_ms = ServerLimitsOptions{}.handshake_timeout_ms;
+  uint32_t grpc_max_connection_idle_ms = ServerLimitsOptions{}.max_connection_idle_ms;
+  uint32_t grpc_keepalive_time_ms = ServerLimitsOptions{}.keepalive_time_ms;
+  uint32_t grpc_keepalive_timeout_ms = ServerLimitsOptions{}.keepalive_timeout_ms;
+  uint32_t grpc_min_client_ping_interval_ms = ServerLimitsOptions{}.min_client_ping_interval_ms;
+  uint32_t grpc_max_ping_strikes = ServerLimitsOptions{}.max_ping_strikes;
+  uint32_t grpc_max_concurrent_streams = ServerLimitsOptions{}.max_concurrent_streams;
+  uint64_t grpc_memory_bytes = ServerLimitsOptions{}.memory_bytes;
+  uint32_t grpc_max_threads = ServerLimitsOptions{}.max_threads;
+  uint32_t grpc_max_connections = ServerLimitsOptions{}.max_connections;
+  uint32_t grpc_max_connections_per_peer = ServerLimitsOptions{}.max_connections_per_peer;
+  uint32_t grpc_fd_reserve = ServerLimitsOptions{}.fd_reserve;
+  // Connection limits of the data port (TcpTransportOptions, tcp_transport.h): connections
+  // served at once in all and per peer IP address (one more is closed as it is accepted,
+  // never queued), and how long a connection may take to finish its TLS handshake and send
+  // its request before it is closed. >= 1 each.
+  uint32_t data_max_connections = 64;
+  uint32_t data_max_connections_per_peer = 8;
+  uint32_t data_request_timeout_ms = 2'000;
+
+  // The BlockAgent port's connection limits as common/server_limits.h takes them.
+  ServerLimitsOptions Limits() const;
 
   // The transport security above as the credentials factory takes it.
   TlsOptions Tls() const;

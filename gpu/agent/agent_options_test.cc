@@ -46,6 +46,31 @@ TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   EXPECT_TRUE(staging.Validate().ok());
 }
 
+TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
+  struct Case {
+    void (*set)(AgentOptions&);
+    const char* name;
+  };
+  const Case cases[] = {
+      {[](AgentOptions& o) { o.grpc_handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
+      {[](AgentOptions& o) { o.grpc_max_concurrent_streams = 0; }, "grpc_max_concurrent_streams"},
+      {[](AgentOptions& o) { o.grpc_max_connections = 0; }, "grpc_max_connections"},
+      {[](AgentOptions& o) { o.grpc_fd_reserve = 0; }, "grpc_fd_reserve"},
+      {[](AgentOptions& o) { o.data_max_connections = 0; }, "data_max_connections"},
+      {[](AgentOptions& o) { o.data_max_connections_per_peer = 0; },
+       "data_max_connections_per_peer"},
+      {[](AgentOptions& o) { o.data_request_timeout_ms = 0; }, "data_request_timeout_ms"},
+  };
+  for (const Case& c : cases) {
+    AgentOptions o;
+    o.insecure = true;
+    ASSERT_TRUE(o.Validate().ok());
+    c.set(o);
+    EXPECT_TRUE(absl::IsInvalidArgument(o.Validate())) << c.name;
+    EXPECT_THAT(o.Validate().message(), HasSubstr(c.name));
+  }
+}
+
 TEST(AgentOptionsTest, TransportSecurityIsRequired) {
   AgentOptions o;
   o.capacity_bytes = 1ull << 30;

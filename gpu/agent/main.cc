@@ -96,6 +96,38 @@ ABSL_FLAG(std::string, token_file, kDefaults.token_file,
 ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
           "Tokens file (SHA-256 hashes and grants) of the callers BlockAgent accepts; re-read "
           "when it changes. Empty: every caller may do everything (dev mode only).");
+ABSL_FLAG(uint32_t, grpc_handshake_timeout_ms, kDefaults.grpc_handshake_timeout_ms,
+          "A BlockAgent connection that has not finished its TLS handshake and HTTP/2 preface "
+          "within this is closed (ms).");
+ABSL_FLAG(uint32_t, grpc_max_connection_idle_ms, kDefaults.grpc_max_connection_idle_ms,
+          "A BlockAgent connection with no call for this long gets GOAWAY (ms; 0: never).");
+ABSL_FLAG(uint32_t, grpc_keepalive_time_ms, kDefaults.grpc_keepalive_time_ms,
+          "BlockAgent pings a connection silent for this long (ms).");
+ABSL_FLAG(uint32_t, grpc_keepalive_timeout_ms, kDefaults.grpc_keepalive_timeout_ms,
+          "A connection that does not answer BlockAgent's ping within this is closed (ms).");
+ABSL_FLAG(uint32_t, grpc_min_client_ping_interval_ms, kDefaults.grpc_min_client_ping_interval_ms,
+          "Clients may ping no more often than this without data (ms).");
+ABSL_FLAG(uint32_t, grpc_max_ping_strikes, kDefaults.grpc_max_ping_strikes,
+          "Pings too early a client may send before it gets GOAWAY.");
+ABSL_FLAG(uint32_t, grpc_max_concurrent_streams, kDefaults.grpc_max_concurrent_streams,
+          "Calls one BlockAgent connection may have open at once.");
+ABSL_FLAG(uint64_t, grpc_memory_bytes, kDefaults.grpc_memory_bytes,
+          "Memory gRPC may use for BlockAgent connections and calls (its resource quota), bytes.");
+ABSL_FLAG(uint32_t, grpc_max_threads, kDefaults.grpc_max_threads,
+          "Threads gRPC's BlockAgent server may use (its resource quota).");
+ABSL_FLAG(uint32_t, grpc_max_connections, kDefaults.grpc_max_connections,
+          "TCP connections open at once on the BlockAgent port (more are closed as accepted; "
+          "capped at RLIMIT_NOFILE - grpc_fd_reserve).");
+ABSL_FLAG(uint32_t, grpc_max_connections_per_peer, kDefaults.grpc_max_connections_per_peer,
+          "TCP connections open at once on the BlockAgent port from one IP address.");
+ABSL_FLAG(uint32_t, grpc_fd_reserve, kDefaults.grpc_fd_reserve,
+          "File descriptors kept free for everything but accepted BlockAgent connections.");
+ABSL_FLAG(uint32_t, data_max_connections, kDefaults.data_max_connections,
+          "Connections the data port serves at once; one more is closed as it is accepted.");
+ABSL_FLAG(uint32_t, data_max_connections_per_peer, kDefaults.data_max_connections_per_peer,
+          "Connections the data port serves at once from one IP address.");
+ABSL_FLAG(uint32_t, data_request_timeout_ms, kDefaults.data_request_timeout_ms,
+          "A data connection must finish its TLS handshake and send its request within this (ms).");
 
 namespace {
 
@@ -151,6 +183,21 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.insecure = absl::GetFlag(FLAGS_insecure);
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  o.grpc_handshake_timeout_ms = absl::GetFlag(FLAGS_grpc_handshake_timeout_ms);
+  o.grpc_max_connection_idle_ms = absl::GetFlag(FLAGS_grpc_max_connection_idle_ms);
+  o.grpc_keepalive_time_ms = absl::GetFlag(FLAGS_grpc_keepalive_time_ms);
+  o.grpc_keepalive_timeout_ms = absl::GetFlag(FLAGS_grpc_keepalive_timeout_ms);
+  o.grpc_min_client_ping_interval_ms = absl::GetFlag(FLAGS_grpc_min_client_ping_interval_ms);
+  o.grpc_max_ping_strikes = absl::GetFlag(FLAGS_grpc_max_ping_strikes);
+  o.grpc_max_concurrent_streams = absl::GetFlag(FLAGS_grpc_max_concurrent_streams);
+  o.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  o.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
+  o.grpc_max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
+  o.grpc_max_connections_per_peer = absl::GetFlag(FLAGS_grpc_max_connections_per_peer);
+  o.grpc_fd_reserve = absl::GetFlag(FLAGS_grpc_fd_reserve);
+  o.data_max_connections = absl::GetFlag(FLAGS_data_max_connections);
+  o.data_max_connections_per_peer = absl::GetFlag(FLAGS_data_max_connections_per_peer);
+  o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
   if (const char* token = std::getenv("KVCM_AGENT_TOKEN");
       o.token_file.empty() && token != nullptr) {
     o.token = token;

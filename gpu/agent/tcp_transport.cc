@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -42,6 +43,7 @@ class TcpTransport final : public Transport {
         links_(std::move(links)),
         io_timeout_(absl::Milliseconds(options_.io_timeout_ms)) {
     acceptor_ = std::thread([this] { AcceptLoop(); });
+    watchdog_ = std::thread([this] { WatchRequests(); });
   }
 
   ~TcpTransport() override {
@@ -53,6 +55,7 @@ class TcpTransport final : public Transport {
     if (links_.has_value()) links_->links->CancelAll();  // wakes link sends and recvs
     shutdown(listen_fd_, SHUT_RDWR);
     acceptor_.join();
+    watchdog_.join();
     close(listen_fd_);
     std::list<Worker> workers;
     {
@@ -113,40 +116,94 @@ class TcpTransport final : public Transport {
     {
       absl::MutexLock lock(&mu_);
       open_fds_.erase(fd);
+      request_deadlines_.erase(fd);
     }
     close(fd);
   }
 
+  // The request of served connection `fd` has arrived: its request deadline no longer runs.
+  void RequestArrived(int fd) {
+    absl::MutexLock lock(&mu_);
+    request_deadlines_.erase(fd);
+  }
+
+  // Shuts down served connections whose request has not arrived by their deadline (the
+  // serving thread then fails its handshake or read, and frees the slot).
+  void WatchRequests() {
+    constexpr absl::Duration kTick = absl::Milliseconds(50);
+    absl::MutexLock lock(&mu_);
+    while (!stopping_) {
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), kTick);
+      const absl::Time now = absl::Now();
+      for (auto it = request_deadlines_.begin(); it != request_deadlines_.end();) {
+        if (it->second <= now) {
+          shutdown(it->first, SHUT_RDWR);
+          request_deadlines_.erase(it++);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+
+  // A connection from `peer` over max_connections or max_connections_per_peer is closed at
+  // once; any other is counted and served on a new thread.
+  void Admit(int fd, const sockaddr_in& peer) {
+    const uint32_t ip = peer.sin_addr.s_addr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        close(fd);
+        return;
+      }
+      auto it = per_peer_.find(ip);
+      const uint32_t from_peer = it == per_peer_.end() ? 0 : it->second;
+      const char* cap = serving_ >= options_.max_connections ? "max_connections"
+                        : from_peer >= options_.max_connections_per_peer
+                            ? "max_connections_per_peer"
+                            : nullptr;
+      if (cap != nullptr) {
+        close(fd);
+        char host[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &peer.sin_addr, host, sizeof(host));
+        refusals_.Log(LogSeverity::kWarning,
+                      absl::StrCat("data port: closed a connection from ", host, " at once: data_",
+                                   cap, " reached"));
+        return;
+      }
+      ++serving_;
+      ++per_peer_[ip];
+      open_fds_.insert(fd);
+      request_deadlines_[fd] = absl::Now() + absl::Milliseconds(options_.request_timeout_ms);
+    }
+    Spawn([this, fd, ip] {
+      SetSocketOptions(fd, options_.io_timeout_ms);
+      ServeConnection(fd);
+      Untrack(fd);
+      absl::MutexLock lock(&mu_);
+      --serving_;
+      if (--per_peer_[ip] == 0) per_peer_.erase(ip);
+    });
+  }
+
   void AcceptLoop() {
     while (true) {
-      const int fd = accept(listen_fd_, nullptr, nullptr);
+      sockaddr_in peer{};
+      socklen_t len = sizeof(peer);
+      // accept, not accept4: the latter is the gRPC port's guarded one (server_limits.h).
+      const int fd = accept(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &len);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of fds for now: a later try may find some (the listener must not end here).
+          absl::SleepFor(absl::Milliseconds(10));
+          absl::MutexLock lock(&mu_);
+          if (stopping_) return;
+          continue;
+        }
         return;  // the listener was shut down
       }
-      {
-        absl::MutexLock lock(&mu_);
-        auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || serving_ < options_.max_served_transfers;
-        };
-        mu_.Await(absl::Condition(&room));
-        if (stopping_) {
-          close(fd);
-          return;
-        }
-        ++serving_;
-      }
-      Spawn([this, fd] {
-        if (Track(fd)) {
-          SetSocketOptions(fd, options_.io_timeout_ms);
-          ServeConnection(fd);
-          Untrack(fd);
-        } else {
-          close(fd);
-        }
-        absl::MutexLock lock(&mu_);
-        --serving_;
-      });
+      Admit(fd, peer);
     }
   }
 
@@ -178,6 +235,7 @@ class TcpTransport final : public Transport {
   void Serve(DataConn& conn) {
     v1::PullBlocksRequest req;
     if (!RecvFrame(conn, &req).ok()) return;
+    RequestArrived(conn.fd());
     BlockPool* pool = pools_.ForWireTier(main_tier_, req.tier());
     const uint64_t block_bytes = pool != nullptr ? pool->geometry().bytes_per_block() : 0;
     const absl::StatusOr<NamespaceId> ns = CheckPullRequest(req, pool);
@@ -346,10 +404,15 @@ class TcpTransport final : public Transport {
   const std::optional<LinkPort> links_;
   const absl::Duration io_timeout_;
   std::thread acceptor_;
+  std::thread watchdog_;
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint32_t serving_ ABSL_GUARDED_BY(mu_) = 0;
+  // Served connections by peer IPv4 address (network order).
+  absl::flat_hash_map<uint32_t, uint32_t> per_peer_ ABSL_GUARDED_BY(mu_);
+  // Served connections whose request has not arrived yet: fd -> when it is closed.
+  absl::flat_hash_map<int, absl::Time> request_deadlines_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> open_fds_ ABSL_GUARDED_BY(mu_);
   // Refused handshakes: a scanner or a misconfigured peer must not flood the log.
   LogRateLimiter refusals_{10, absl::Minutes(1)};
@@ -379,8 +442,12 @@ absl::Status TcpTransportOptions::Validate() const {
     return a.status();
   }
   if (io_timeout_ms < 1) return absl::InvalidArgumentError("io_timeout_ms must be >= 1");
-  if (max_served_transfers < 1) {
-    return absl::InvalidArgumentError("max_served_transfers must be >= 1");
+  if (max_connections < 1) return absl::InvalidArgumentError("max_connections must be >= 1");
+  if (max_connections_per_peer < 1) {
+    return absl::InvalidArgumentError("max_connections_per_peer must be >= 1");
+  }
+  if (request_timeout_ms < 1) {
+    return absl::InvalidArgumentError("request_timeout_ms must be >= 1");
   }
   return absl::OkStatus();
 }

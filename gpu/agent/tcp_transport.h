@@ -31,8 +31,13 @@ struct TcpTransportOptions {
   std::string listen_address = "127.0.0.1:0";
   // A peer silent for this long (no byte read or written) fails the transfer. >= 1.
   uint32_t io_timeout_ms = 10'000;
-  // Transfers served at once; further connections wait for the backlog. >= 1.
-  uint32_t max_served_transfers = 16;
+  // Connections served at once, all peers together, and from one IP address: a connection
+  // over either cap is closed as it is accepted, never queued behind the others. >= 1 each.
+  uint32_t max_connections = 64;
+  uint32_t max_connections_per_peer = 8;
+  // An accepted connection must finish its TLS handshake and send its whole request within
+  // this, or it is closed: a silent or byte-dripping peer holds a slot no longer. >= 1.
+  uint32_t request_timeout_ms = 2'000;
   // Mutual TLS on every connection, served and pulled (data_tls.h); null: plaintext, for
   // an agent that runs insecure.
   std::shared_ptr<DataTls> tls;

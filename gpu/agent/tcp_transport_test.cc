@@ -2,9 +2,13 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -16,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/agent_test_util.h"
+#include "gpu/agent/data_socket.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.pb.h"
 
@@ -264,6 +269,123 @@ TEST_F(TcpTransportTest, ConcurrentPullsAndShutdownWithPullsInFlight) {
   tb_->Pull(Spec(from, 0, into), late.Done());
   tb_.reset();
   (void)late.Wait();
+}
+
+}  // namespace
+}  // namespace kvcm
+
+namespace kvcm {
+namespace {
+
+// A TCP connection to `address` from source address `from` (another loopback address stands
+// for another peer); -1 when it fails.
+int ConnectFrom(const std::string& from, const std::string& address) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in src{};
+  src.sin_family = AF_INET;
+  inet_pton(AF_INET, from.c_str(), &src.sin_addr);
+  absl::StatusOr<sockaddr_in> dst = ParseAddress(address, "address");
+  if (bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof(src)) != 0 ||
+      connect(fd, reinterpret_cast<const sockaddr*>(&*dst), sizeof(*dst)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the server closed `fd` within `timeout` (anything it sent first is dropped).
+bool ClosedWithin(int fd, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  char buf[512];
+  while (absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (poll(&p, 1, std::max(ms, 1)) <= 0) continue;
+    const ssize_t got = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return true;
+  }
+  return false;
+}
+
+// The data-port attack: 16 idle connections took every slot and delayed a pull from
+// 51 ms to 9.8 s; one byte every 5 s held them. Now a pull is served at once beside them,
+// the ones over the per-peer cap are closed as they arrive, and every silent or dripping
+// connection is closed at the request deadline.
+TEST_F(TcpTransportTest, IdleAndDrippingPeersHoldNoSlotAPullNeeds) {
+  const std::vector<BlockId> from = CommitInA(4);
+  std::vector<int> idle;
+  for (int i = 0; i < 16; ++i) {
+    idle.push_back(ConnectFrom(i < 8 ? "127.0.0.2" : "127.0.0.3", ta_->address()));
+    ASSERT_GE(idle.back(), 0);
+  }
+  // Over data_max_connections_per_peer (8) from 127.0.0.2: closed at once, not queued.
+  const int over_cap = ConnectFrom("127.0.0.2", ta_->address());
+  ASSERT_GE(over_cap, 0);
+  EXPECT_TRUE(ClosedWithin(over_cap, absl::Milliseconds(500)));
+  close(over_cap);
+  // A peer that sends a request's first bytes one at a time.
+  const int dripper = ConnectFrom("127.0.0.4", ta_->address());
+  ASSERT_GE(dripper, 0);
+  std::atomic<bool> stop_drip{false};
+  std::thread drip([&] {
+    const char frame[4] = {100, 0, 0, 0};  // a 100-byte frame that never comes
+    for (int i = 0; i < 4 && !stop_drip; ++i) {
+      (void)send(dripper, &frame[i], 1, MSG_NOSIGNAL);
+      absl::SleepFor(absl::Milliseconds(400));
+    }
+  });
+
+  const absl::Time start = absl::Now();
+  const std::vector<BlockId> into = *b_->Allocate(4, kEpoch, &kNs);
+  Outcome out;
+  tb_->Pull(Spec(from, 0, into), out.Done());
+  absl::StatusOr<TransferStats> r = out.Wait();
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_LT(took, absl::Milliseconds(500)) << "the pull waited behind idle connections";
+  for (size_t i = 0; i < from.size(); ++i) EXPECT_EQ(Bytes(*b_, into[i]), Bytes(*a_, from[i]));
+
+  // The request deadline (2 s by default) closes the silent ones and the dripper.
+  for (int fd : idle) EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(3)));
+  EXPECT_TRUE(ClosedWithin(dripper, absl::Seconds(3)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  stop_drip = true;
+  drip.join();
+  for (int fd : idle) close(fd);
+  close(dripper);
+}
+
+TEST(TcpTransportLimitsTest, ConnectionsOverTheTotalCapAreClosedAtOnceAndRoomReturns) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), kBlocks);
+  absl::StatusOr<std::unique_ptr<Transport>> t =
+      MakeTcpTransport({.max_connections = 3, .request_timeout_ms = 300},
+                       AgentPools{.main = pool.get()}, Tier::kGpu);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::vector<int> held;
+  for (int i = 0; i < 3; ++i) held.push_back(ConnectFrom("127.0.0.1", (*t)->address()));
+  absl::SleepFor(absl::Milliseconds(50));  // accepted and counted
+  const int fourth = ConnectFrom("127.0.0.5", (*t)->address());
+  ASSERT_GE(fourth, 0);
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(ClosedWithin(fourth, absl::Milliseconds(200)));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(200)) << "queued rather than closed";
+  close(fourth);
+  // The held ones time out at the request deadline; then there is room again.
+  for (int fd : held) EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(2)));
+  for (int fd : held) close(fd);
+  absl::SleepFor(absl::Milliseconds(50));
+  const int fifth = ConnectFrom("127.0.0.5", (*t)->address());
+  EXPECT_FALSE(ClosedWithin(fifth, absl::Milliseconds(150)));
+  close(fifth);
+}
+
+TEST(TcpTransportLimitsTest, OptionsNameTheBadField) {
+  EXPECT_THAT(TcpTransportOptions{.max_connections = 0}.Validate().message(),
+              HasSubstr("max_connections"));
+  EXPECT_THAT(TcpTransportOptions{.max_connections_per_peer = 0}.Validate().message(),
+              HasSubstr("max_connections_per_peer"));
+  EXPECT_THAT(TcpTransportOptions{.request_timeout_ms = 0}.Validate().message(),
+              HasSubstr("request_timeout_ms"));
 }
 
 }  // namespace

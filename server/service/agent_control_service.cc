@@ -240,13 +240,19 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
 
 grpc::ServerBidiReactor<v1::AgentCommandAck, v1::AgentCommand>* AgentControlService::Commands(
     grpc::CallbackServerContext* ctx) {
+  absl::StatusOr<std::shared_ptr<const Principal>> caller = access_.Authenticate(*ctx);
+  if (stream_slots_ != nullptr) caller = stream_slots_->Hold(std::move(caller), "Commands");
   return OpenCommandStream(commands_, agents_, nccl_relay_, manager_incarnation_,
-                           access_.Authenticate(*ctx));
+                           std::move(caller));
 }
 
 grpc::ServerReadReactor<v1::InventoryChunk>* AgentControlService::ReportInventory(
     grpc::CallbackServerContext* ctx, v1::InventoryReply* reply) {
-  return OpenInventoryStream(index_, agents_, &rpc_, access_.Authenticate(*ctx), reply);
+  absl::StatusOr<std::shared_ptr<const Principal>> caller = access_.Authenticate(*ctx);
+  if (stream_slots_ != nullptr) {
+    caller = stream_slots_->Hold(std::move(caller), "ReportInventory");
+  }
+  return OpenInventoryStream(index_, agents_, &rpc_, std::move(caller), reply);
 }
 
 grpc::ServerUnaryReactor* AgentControlService::NcclBootstrap(grpc::CallbackServerContext* ctx,

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "common/log.h"
 #include "common/rpc_runner.h"
+#include "common/stream_slots.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_command_book.h"
@@ -92,6 +93,10 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
                                         const v1::LookupAgentRequest* req,
                                         v1::LookupAgentResponse* resp) override;
 
+  // Each Commands and ReportInventory stream holds one of `slots` for its life (null: no
+  // cap). Call before the server starts.
+  void SetStreamSlots(std::shared_ptr<StreamSlots> slots) { stream_slots_ = std::move(slots); }
+
  private:
   CacheIndex* const index_;
   AgentRegistry* const agents_;
@@ -100,6 +105,7 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   NcclBootstrapRelay* const nccl_relay_;
   const uint64_t manager_incarnation_;
   const AccessControl access_;
+  std::shared_ptr<StreamSlots> stream_slots_;
 };
 
 }  // namespace kvcm

@@ -27,10 +27,12 @@ class CacheManagerService::WatchEventsReactor final
  public:
   // Starts a stream of `filter`'s events, or one that finishes at once with the filter's
   // error.
-  static WatchEventsReactor* Start(CacheManagerService* service,
-                                   absl::StatusOr<EventFilter> filter) {
+  // `slot` (a StreamSlots hold, or null) is kept until the stream is done.
+  static WatchEventsReactor* Start(CacheManagerService* service, absl::StatusOr<EventFilter> filter,
+                                   std::shared_ptr<const Principal> slot) {
     std::shared_ptr<WatchEventsReactor> reactor(new WatchEventsReactor(service));
     reactor->self_ = reactor;
+    reactor->slot_ = std::move(slot);
     if (!filter.ok()) {
       {
         absl::MutexLock lock(&reactor->mu_);
@@ -83,6 +85,7 @@ class CacheManagerService::WatchEventsReactor final
       sub = std::move(sub_);
     }
     if (sub != nullptr) service_->hub_->Unsubscribe(sub.get());
+    slot_.reset();  // the stream is over: its slot is free now, not when the last ref goes
     // `self` may hold the last reference: the reactor is destroyed when it goes out of scope.
   }
 
@@ -135,6 +138,7 @@ class CacheManagerService::WatchEventsReactor final
   }
 
   CacheManagerService* const service_;
+  std::shared_ptr<const Principal> slot_;  // set in Start, reset in OnDone
   absl::Mutex mu_;
   std::shared_ptr<WatchEventsReactor> self_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<EventSubscription> sub_ ABSL_GUARDED_BY(mu_);
@@ -349,14 +353,19 @@ grpc::ServerUnaryReactor* CacheManagerService::PublishEngineEvents(
 
 grpc::ServerWriteReactor<v1::CacheEvent>* CacheManagerService::WatchEvents(
     grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
+  std::shared_ptr<const Principal> slot;  // held by the reactor for the stream's life
   absl::StatusOr<EventFilter> filter = [&]() -> absl::StatusOr<EventFilter> {
     KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, access_.Check(*ctx, *req));
     KVCM_ASSIGN_OR_RETURN(std::optional<NamespaceId> ns, WatchFilterFromProto(*req));
+    if (stream_slots_ != nullptr) {
+      KVCM_ASSIGN_OR_RETURN(caller, stream_slots_->Hold(std::move(caller), "WatchEvents"));
+    }
+    slot = caller;
     EventFilter f{.ns = std::move(ns)};
     if (!caller->Has(Role::kAdmin)) f.reader = std::move(caller);
     return f;
   }();
-  return WatchEventsReactor::Start(this, std::move(filter));
+  return WatchEventsReactor::Start(this, std::move(filter), std::move(slot));
 }
 
 }  // namespace kvcm

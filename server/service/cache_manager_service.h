@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "common/log.h"
 #include "common/rpc_runner.h"
+#include "common/stream_slots.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/core/agent_inserter.h"
 #include "server/core/agent_registry.h"
@@ -71,6 +72,10 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   grpc::ServerWriteReactor<v1::CacheEvent>* WatchEvents(grpc::CallbackServerContext* ctx,
                                                         const v1::WatchEventsRequest* req) override;
 
+  // Each WatchEvents stream holds one of `slots` for its life (null: no cap). Call before
+  // the server starts.
+  void SetStreamSlots(std::shared_ptr<StreamSlots> slots) { stream_slots_ = std::move(slots); }
+
  private:
   class WatchEventsReactor;
 
@@ -83,6 +88,7 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   EngineSessions* const engines_;
   const AccessControl access_;
   RouteHandler route_;
+  std::shared_ptr<StreamSlots> stream_slots_;
 };
 
 }  // namespace kvcm

@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/log.h"
+#include "common/server_limits.h"
 #include "common/status_macros.h"
 #include "prometheus/exposer.h"
 
@@ -129,6 +130,17 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
       s->index_.get(), s->agents_.get(), s->metrics_.get(), s->commands_.get(),
       s->nccl_relay_.get(), incarnation, s->authenticator_.get());
 
+  // Long-lived streams per principal (docs/SECURITY.md "Connection limits"); not in the
+  // open dev mode, where every caller is one principal.
+  s->stream_slots_ =
+      StreamSlots::Create(opts.max_streams_per_principal, "max_streams_per_principal");
+  s->service_->SetStreamSlots(s->stream_slots_);
+  s->agent_service_->SetStreamSlots(s->stream_slots_);
+  // Tokens are checked on a call's headers, before its request is read (TLS only: gRPC's
+  // insecure credentials take no processor; the handlers check again either way).
+  s->auth_processor_ =
+      InstallAuthProcessor(s->authenticator_.get(), !opts.insecure, credentials->get());
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -137,6 +149,13 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   // silently; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes));
+  const ServerLimitsOptions conn_limits = opts.Limits();
+  ApplyServerLimits(conn_limits, &builder);
+  const uint64_t fd_limit = RaiseFileLimit();
+  const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
+  LogInfo(absl::StrCat("gRPC connection limits: ", max_connections, " connections (",
+                       conn_limits.max_connections_per_peer, " per peer address) of ", fd_limit,
+                       " fds; handshake within ", conn_limits.handshake_timeout_ms, " ms"));
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->agent_service_.get());
   s->server_ = builder.BuildAndStart();
@@ -163,7 +182,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
       s->exposer_ = std::move(exposer);
     } else {
       try {
-        s->exposer_ = std::make_unique<prometheus::Exposer>(opts.metrics_address, kExposerThreads);
+        s->exposer_ = std::make_unique<prometheus::Exposer>(
+            MetricsServerOptions(opts.metrics_address, kExposerThreads));
       } catch (const std::exception& e) {
         return absl::UnavailableError(absl::StrCat("cannot serve metrics on metrics_address ",
                                                    opts.metrics_address, ": ", e.what()));

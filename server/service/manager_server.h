@@ -111,6 +111,8 @@ class ManagerServer {
   std::unique_ptr<NcclBootstrapRelay> nccl_relay_;
   std::unique_ptr<CacheManagerService> service_;
   std::unique_ptr<AgentControlService> agent_service_;
+  std::shared_ptr<StreamSlots> stream_slots_;
+  std::shared_ptr<TokenAuthMetadataProcessor> auth_processor_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;

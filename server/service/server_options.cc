@@ -74,6 +74,19 @@ const std::vector<Field>& Fields() {
       {"default_tenant_pool_share_pct", &ServerOptions::default_tenant_pool_share_pct},
       {"max_engine_pages_per_engine", &ServerOptions::max_engine_pages_per_engine},
       {"max_engine_pages_per_tenant", &ServerOptions::max_engine_pages_per_tenant},
+      {"grpc_handshake_timeout_ms", &ServerOptions::grpc_handshake_timeout_ms},
+      {"grpc_max_connection_idle_ms", &ServerOptions::grpc_max_connection_idle_ms},
+      {"grpc_keepalive_time_ms", &ServerOptions::grpc_keepalive_time_ms},
+      {"grpc_keepalive_timeout_ms", &ServerOptions::grpc_keepalive_timeout_ms},
+      {"grpc_min_client_ping_interval_ms", &ServerOptions::grpc_min_client_ping_interval_ms},
+      {"grpc_max_ping_strikes", &ServerOptions::grpc_max_ping_strikes},
+      {"grpc_max_concurrent_streams", &ServerOptions::grpc_max_concurrent_streams},
+      {"grpc_memory_bytes", &ServerOptions::grpc_memory_bytes},
+      {"grpc_max_threads", &ServerOptions::grpc_max_threads},
+      {"grpc_max_connections", &ServerOptions::grpc_max_connections},
+      {"grpc_max_connections_per_peer", &ServerOptions::grpc_max_connections_per_peer},
+      {"grpc_fd_reserve", &ServerOptions::grpc_fd_reserve},
+      {"max_streams_per_principal", &ServerOptions::max_streams_per_principal},
   };
   return *kFields;
 }
@@ -246,8 +259,25 @@ absl::Status ServerOptions::Validate() const {
     return Invalid("max_engine_pages_per_engine", "must be >= 1");
   if (max_engine_pages_per_tenant < 1)
     return Invalid("max_engine_pages_per_tenant", "must be >= 1");
+  if (absl::Status s = Limits().Validate("grpc_"); !s.ok()) return s;
+  if (max_streams_per_principal < 1) return Invalid("max_streams_per_principal", "must be >= 1");
   if (absl::Status s = ValidateHighAvailability(*this); !s.ok()) return s;
   return ValidateTransportSecurity(*this);
+}
+
+ServerLimitsOptions ServerOptions::Limits() const {
+  return ServerLimitsOptions{.handshake_timeout_ms = grpc_handshake_timeout_ms,
+                             .max_connection_idle_ms = grpc_max_connection_idle_ms,
+                             .keepalive_time_ms = grpc_keepalive_time_ms,
+                             .keepalive_timeout_ms = grpc_keepalive_timeout_ms,
+                             .min_client_ping_interval_ms = grpc_min_client_ping_interval_ms,
+                             .max_ping_strikes = grpc_max_ping_strikes,
+                             .max_concurrent_streams = grpc_max_concurrent_streams,
+                             .memory_bytes = grpc_memory_bytes,
+                             .max_threads = grpc_max_threads,
+                             .max_connections = grpc_max_connections,
+                             .max_connections_per_peer = grpc_max_connections_per_peer,
+                             .fd_reserve = grpc_fd_reserve};
 }
 
 TlsOptions ServerOptions::Tls() const {

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/security_options.h"
+#include "common/server_limits.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -139,6 +140,32 @@ struct ServerOptions {
   // may hold (PublishEngineEvents beyond: RESOURCE_EXHAUSTED, the session ends). >= 1.
   uint64_t max_engine_pages_per_engine = 1ULL << 20;
   uint64_t max_engine_pages_per_tenant = 4ULL << 20;
+
+  // Connection limits of the gRPC port (docs/SECURITY.md "Connection limits"): each
+  // grpc_<name> is ServerLimitsOptions::<name> (common/server_limits.h), which documents it
+  // and its range. Handshake and idle deadlines, keepalive policy, streams per connection and
+  // gRPC's resource quota are gRPC's own server options; the connection caps are kvcm's
+  // accept4 guard. RLIMIT_NOFILE is raised to its hard limit at start and grpc_fd_reserve of
+  // it kept for everything but accepted connections.
+  uint32_t grpc_handshake_timeout_ms = ServerLimitsOptions{}.handshake_timeout_ms;
+  uint32_t grpc_max_connection_idle_ms = ServerLimitsOptions{}.max_connection_idle_ms;
+  uint32_t grpc_keepalive_time_ms = ServerLimitsOptions{}.keepalive_time_ms;
+  uint32_t grpc_keepalive_timeout_ms = ServerLimitsOptions{}.keepalive_timeout_ms;
+  uint32_t grpc_min_client_ping_interval_ms = ServerLimitsOptions{}.min_client_ping_interval_ms;
+  uint32_t grpc_max_ping_strikes = ServerLimitsOptions{}.max_ping_strikes;
+  uint32_t grpc_max_concurrent_streams = ServerLimitsOptions{}.max_concurrent_streams;
+  uint64_t grpc_memory_bytes = ServerLimitsOptions{}.memory_bytes;
+  uint32_t grpc_max_threads = ServerLimitsOptions{}.max_threads;
+  uint32_t grpc_max_connections = ServerLimitsOptions{}.max_connections;
+  uint32_t grpc_max_connections_per_peer = ServerLimitsOptions{}.max_connections_per_peer;
+  uint32_t grpc_fd_reserve = ServerLimitsOptions{}.fd_reserve;
+  // Long-lived streams (WatchEvents, Commands, ReportInventory) one principal may hold open
+  // at once; one more is RESOURCE_EXHAUSTED naming this option. Not applied without a tokens
+  // file (every caller is then the same principal). >= 1.
+  uint32_t max_streams_per_principal = 64;
+
+  // The connection limits above as common/server_limits.h takes them.
+  ServerLimitsOptions Limits() const;
 
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;

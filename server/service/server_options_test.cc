@@ -78,6 +78,13 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.max_pages_per_request = 0; }, "max_pages_per_request"},
       {[](ServerOptions& o) { o.max_message_bytes = 100; }, "max_message_bytes"},
       {[](ServerOptions& o) { o.max_message_bytes = 0x80000000u; }, "max_message_bytes"},
+      {[](ServerOptions& o) { o.grpc_handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
+      {[](ServerOptions& o) { o.grpc_max_concurrent_streams = 0; }, "grpc_max_concurrent_streams"},
+      {[](ServerOptions& o) { o.grpc_memory_bytes = 1; }, "grpc_memory_bytes"},
+      {[](ServerOptions& o) { o.grpc_max_connections_per_peer = 0; },
+       "grpc_max_connections_per_peer"},
+      {[](ServerOptions& o) { o.grpc_fd_reserve = 1; }, "grpc_fd_reserve"},
+      {[](ServerOptions& o) { o.max_streams_per_principal = 0; }, "max_streams_per_principal"},
       {[](ServerOptions& o) { o.lease_sweep_interval_ms = 0; }, "lease_sweep_interval_ms"},
       {[](ServerOptions& o) { o.hash_secret_hex = "abc"; }, "hash_secret_hex"},
       {[](ServerOptions& o) { o.hash_secret_hex = std::string(31, 'a') + "g"; }, "hash_secret_hex"},
@@ -260,7 +267,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 43u);
+  EXPECT_EQ(names.size(), 56u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
