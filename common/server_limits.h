@@ -40,7 +40,7 @@ struct ServerLimitsOptions {
   uint32_t keepalive_timeout_ms = 20'000;
   // Clients may ping no more often than this without data; a client that does so more than
   // max_ping_strikes times gets GOAWAY (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-  // GRPC_ARG_HTTP2_MAX_PING_STRIKES). kvcm's own clients never ping below 10 s.
+  // GRPC_ARG_HTTP2_MAX_PING_STRIKES). kvcm's clients send no keepalive pings of their own.
   uint32_t min_client_ping_interval_ms = 10'000;
   uint32_t max_ping_strikes = 2;
   // Streams (calls) one connection may have open (GRPC_ARG_MAX_CONCURRENT_STREAMS; HTTP/2

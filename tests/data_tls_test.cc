@@ -6,9 +6,11 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <memory>
 #include <optional>
 #include <random>
@@ -150,6 +152,57 @@ TEST_F(DataTlsTest, APullBetweenTwoAgentsOfTheCaCopiesBitForBit) {
   }
   // Again on a fresh connection: the context serves any number of handshakes.
   EXPECT_TRUE(PullAll(ta_->address()).ok());
+}
+
+// The data-port starvation over TLS: 16 peers that connect and send no TLS byte, and
+// one that drips a ClientHello a byte at a time, hold no slot a pull needs; the request
+// deadline (data_request_timeout_ms, 2 s) closes all of them mid-handshake.
+TEST_F(DataTlsTest, SilentAndDrippingHandshakesHoldNoSlotAPullNeeds) {
+  StartA("agent-a");
+  StartB("agent-b");
+  const sockaddr_in a = *ParseAddress(ta_->address(), "address");
+  auto connect_from = [&](const char* from) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in src{};
+    src.sin_family = AF_INET;
+    inet_pton(AF_INET, from, &src.sin_addr);
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof(src)), 0);
+    EXPECT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)), 0);
+    return fd;
+  };
+  std::vector<int> idle;
+  for (int i = 0; i < 16; ++i) idle.push_back(connect_from(i % 2 == 0 ? "127.0.0.2" : "127.0.0.3"));
+  const int dripper = connect_from("127.0.0.4");
+  std::thread drip([dripper] {
+    const unsigned char hello[] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01};  // a record header...
+    for (unsigned char byte : hello) {
+      if (send(dripper, &byte, 1, MSG_NOSIGNAL) != 1) return;
+      absl::SleepFor(absl::Milliseconds(400));
+    }
+  });
+
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<BlockId>> into = PullAll(ta_->address());
+  ASSERT_TRUE(into.ok()) << into.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "the pull waited behind idle handshakes";
+
+  auto closed_within = [](int fd, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    char buf[512];
+    while (absl::Now() < deadline) {
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 50) <= 0) continue;
+      const ssize_t got = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return true;
+    }
+    return false;
+  };
+  for (int fd : idle) EXPECT_TRUE(closed_within(fd, absl::Seconds(3)));
+  EXPECT_TRUE(closed_within(dripper, absl::Seconds(3)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  drip.join();
+  for (int fd : idle) close(fd);
+  close(dripper);
 }
 
 TEST_F(DataTlsTest, APeerWithoutACertificateOfTheCaIsRefusedBothWays) {

@@ -247,11 +247,33 @@ void FloodAndRecover(int port, const std::string& address, StatsOk stats_ok) {
   EXPECT_TRUE(stats_ok(connected, absl::Seconds(2)));
 }
 
+// The value of the /metrics sample whose line starts with `prefix`; -1 when absent.
+double Sample(int metrics_port, absl::string_view prefix) {
+  const std::string page = HttpGet(metrics_port, "/metrics");
+  for (absl::string_view line : absl::StrSplit(page, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    double v = -1;
+    (void)absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v);
+    return v;
+  }
+  return -1;
+}
+
 TEST(FloodProcessTest, ManagerKeepsServingAndAcceptsAgainAfterAnIdleFlood) {
   const int port = FreePort();
-  std::unique_ptr<Subprocess> manager = StartManager(port, FreePort());
+  const int metrics_port = FreePort();
+  std::unique_ptr<Subprocess> manager = StartManager(port, metrics_port);
   ASSERT_NE(manager, nullptr);
   FloodAndRecover(port, absl::StrCat("127.0.0.1:", port), ManagerStatsOk);
+  // The guard, not luck: connections over the caps were closed as they were accepted.
+  const double over_total =
+      Sample(metrics_port, "kvcm_grpc_connections_refused_total{reason=\"grpc_max_connections\"}");
+  const double over_peer =
+      Sample(metrics_port,
+             "kvcm_grpc_connections_refused_total{reason=\"grpc_max_connections_per_peer\"}");
+  std::printf("refused: %.0f over grpc_max_connections, %.0f over the per-peer cap\n", over_total,
+              over_peer);
+  EXPECT_GT(over_total + over_peer, 0);
   manager->Signal(SIGTERM);
   testing::ProcessResult r = manager->Finish(absl::Seconds(15));
   EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();

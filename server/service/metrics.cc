@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/enum_names.h"
+#include "common/server_limits.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -263,6 +264,25 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
         Family("kvcm_build_info", "Version and eviction policy; always 1.", kGauge);
     AddSample(&build, {{"policy", stats.policy}, {"version", std::string(KvcmVersion())}}, 1.0);
     out.push_back(std::move(build));
+
+    // The gRPC port's accept4 guard (common/server_limits.h; docs/SECURITY.md).
+    const AcceptGuardCounters guard = GetAcceptGuardCounters();
+    MetricFamily accepted = Family("kvcm_grpc_connections_accepted_total",
+                                   "TCP connections the gRPC port accepted.", kCounter);
+    AddSample(&accepted, {}, static_cast<double>(guard.accepted));
+    MetricFamily refused =
+        Family("kvcm_grpc_connections_refused_total",
+               "TCP connections the gRPC port closed as it accepted them, by the limit that "
+               "refused them (grpc_max_connections, grpc_max_connections_per_peer, or the "
+               "process out of fds).",
+               kCounter);
+    AddSample(&refused, {{"reason", "grpc_max_connections"}},
+              static_cast<double>(guard.refused_total_cap));
+    AddSample(&refused, {{"reason", "grpc_max_connections_per_peer"}},
+              static_cast<double>(guard.refused_peer_cap));
+    AddSample(&refused, {{"reason", "out_of_fds"}}, static_cast<double>(guard.shed_fd_exhausted));
+    out.push_back(std::move(accepted));
+    out.push_back(std::move(refused));
     return out;
   }
 
