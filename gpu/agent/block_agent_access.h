@@ -10,8 +10,16 @@
 //   router        Stats only; any authenticated caller may call Stats.
 //
 // Each returns OK or PERMISSION_DENIED naming the principal and the first block or namespace
-// it may not use. A free block and one allocated without a namespace belong to no tenant:
-// only agents and admins may name them. Thread-safe.
+// it may not use, never who holds that block (a free block, one allocated without a
+// namespace and one of another tenant get the same answer). A free block and one allocated
+// without a namespace belong to no tenant: only agents and admins may name them.
+//
+// Block generations (block_ledger.h): a worker must name, with every block, the generation
+// Allocate gave it (INVALID_ARGUMENT naming the field otherwise); agents and admins may
+// leave them out (then only the owner epoch is checked, as before). The generations are
+// checked in the same critical section as the tenant, first (ABORTED for an allocation that
+// ended), so a (block, generation) pair once authorized always names that allocation.
+// Thread-safe.
 #ifndef KVCM_GPU_AGENT_BLOCK_AGENT_ACCESS_H_
 #define KVCM_GPU_AGENT_BLOCK_AGENT_ACCESS_H_
 
@@ -33,7 +41,13 @@ absl::Status AuthorizeAllocate(const Principal& p, const v1::AllocateBlocksReque
 // has no pool of the requested tier) holds nobody's blocks: OK, and validation then refuses
 // the tier.
 absl::Status AuthorizeBlocks(const Principal& p, const BlockPool* pool,
-                             std::span<const BlockId> ids, absl::string_view what);
+                             std::span<const BlockId> ids, absl::string_view what,
+                             std::span<const uint64_t> generations = {});
+
+// INVALID_ARGUMENT naming `field` unless `generations` holds one generation per id, or is
+// empty and `p` is an agent or admin (who may leave them out).
+absl::Status RequireGenerations(const Principal& p, size_t num_ids,
+                                std::span<const uint64_t> generations, absl::string_view field);
 
 // Fetch into `pool` (the pool req.tier names; may be null): a worker of req.namespace's
 // tenant whose local_block_ids are blocks of its tenant.
