@@ -135,6 +135,7 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
   BlockPool* pool = PoolOf(req->tier());
   absl::Status access;
   StreamLimiter::Slot slot;
+  std::vector<uint64_t> bound;
   if (absl::StatusOr<std::shared_ptr<const Principal>> caller = authenticator_->Authenticate(*ctx);
       !caller.ok()) {
     access = caller.status();
@@ -142,16 +143,20 @@ grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
     access = s.status();
   } else {
     slot = *std::move(s);
+    // Optional: a Match's committed blocks come without generations. Bound either way.
     const std::span<const uint64_t> gens(req->block_generations().data(),
                                          req->block_generations_size());
-    access = RequireGenerations(**caller, req->block_ids_size(), gens, "block_generations");
+    if (!gens.empty()) {
+      access = RequireGenerations(**caller, req->block_ids_size(), gens, "block_generations");
+    }
     if (access.ok()) {
       access = AuthorizeBlocks(
           **caller, pool, std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
-          "read blocks", gens);
+          "read blocks", gens, &bound);
     }
   }
-  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access, std::move(slot));
+  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access, std::move(slot),
+                               std::move(bound));
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerContext* ctx,
@@ -160,31 +165,21 @@ grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerCo
   return rpc_.Unary(ctx, AgentRpc::kRunAttention, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
                           authenticator_->Authenticate(*ctx));
-    bool any_generations = false;
-    for (const v1::BlockList& row : req->block_table()) {
-      any_generations |= row.block_generations_size() > 0;
-    }
     for (int i = 0; i < req->block_table_size(); ++i) {
       const v1::BlockList& row = req->block_table(i);
-      if (any_generations && row.block_generations_size() != row.block_ids_size()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "block_table[", i, "].block_generations: ", row.block_generations_size(),
-            " generations for ", row.block_ids_size(), " block ids (one per id, every row)"));
+      if (row.block_generations_size() > 0) {
+        KVCM_RETURN_IF_ERROR(RequireGenerations(
+            *caller, row.block_ids_size(),
+            std::span<const uint64_t>(row.block_generations().data(), row.block_generations_size()),
+            absl::StrCat("block_table[", i, "].block_generations")));
       }
-      KVCM_RETURN_IF_ERROR(RequireGenerations(
-          *caller, row.block_ids_size(),
-          std::span<const uint64_t>(row.block_generations().data(), row.block_generations_size()),
-          absl::StrCat("block_table[", i, "].block_generations")));
     }
-    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req));
     PoolAttentionRequest in;
+    // Optional, as for ReadBlocks; the kernel runs in the generations bound here.
+    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req, &in.block_generations));
     in.block_table.reserve(req->block_table_size());
     for (const v1::BlockList& row : req->block_table()) {
       in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
-      if (any_generations) {
-        in.block_generations.emplace_back(row.block_generations().begin(),
-                                          row.block_generations().end());
-      }
     }
     in.seq_lens.assign(req->seq_lens().begin(), req->seq_lens().end());
     in.query_bf16 = std::as_bytes(std::span<const char>(req->query()));

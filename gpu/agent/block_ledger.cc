@@ -214,8 +214,8 @@ absl::Status BlockLedger::CheckGenerations(std::span<const BlockId> ids,
                                                 " is past the pool of ", slots_.size(), " blocks"));
     }
     const Slot& slot = slots_[ids[i]];
-    if (slot.generation == generations[i] && generations[i] != 0) continue;
-    if (generations[i] == 0 || generations[i] >= next_generation_) {
+    if (generations[i] == 0 || slot.generation == generations[i]) continue;
+    if (generations[i] >= next_generation_) {
       return absl::InvalidArgumentError(absl::StrCat("block_generations[", i, "]: ", generations[i],
                                                      " is not a generation Allocate gave"));
     }

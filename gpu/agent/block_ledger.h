@@ -124,8 +124,9 @@ class BlockLedger {
                      absl::string_view field, std::span<const uint64_t> generations = {}) const;
 
   // OK when block ids[i] is still in the allocation of generation generations[i], for every
-  // i (nothing is checked for an empty `generations`). INVALID_ARGUMENT "block_generations"
-  // unless there is one generation per id; OUT_OF_RANGE for an id past the pool; ABORTED
+  // i (nothing is checked for an empty `generations`, nor for an entry 0: "any").
+  // INVALID_ARGUMENT "block_generations" unless there is one generation per id, or for one
+  // no allocation had yet; OUT_OF_RANGE for an id past the pool; ABORTED
   // "<field>[i]: block 7 was freed ... since generation N" otherwise. The message never
   // says who holds the block now.
   absl::Status CheckGenerations(std::span<const BlockId> ids, std::span<const uint64_t> generations,

@@ -78,12 +78,18 @@ absl::Status BlockPool::CheckOwned(std::span<const BlockId> ids, uint64_t owner_
 absl::Status BlockPool::CheckNamespaces(
     std::span<const BlockId> ids,
     absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check,
-    std::span<const uint64_t> generations) const {
+    std::span<const uint64_t> generations, std::vector<uint64_t>* bound) const {
   absl::MutexLock lock(&mu_);
   if (absl::Status s = ledger_.CheckGenerations(ids, generations, "block_ids"); !s.ok()) return s;
   for (const BlockId id : ids) {
     const NamespaceId* ns = id < ledger_.num_blocks() ? ledger_.NamespaceOf(id) : nullptr;
     if (absl::Status s = check(id, ns); !s.ok()) return s;
+  }
+  if (bound != nullptr) {
+    bound->clear();
+    for (const BlockId id : ids) {
+      bound->push_back(id < ledger_.num_blocks() ? ledger_.generation(id) : 0);
+    }
   }
   return absl::OkStatus();
 }

@@ -99,13 +99,17 @@ class BlockPool {
   // Runs `check` on each of `ids` in order, with the namespace it was allocated to (null for a
   // free block, one allocated without a namespace, or an id past the pool), and returns the
   // first error; nothing is changed. Holds mu_ throughout: `check` must not call the pool.
-  // The answer may be stale as soon as it returns, as CheckOwned's, but with `generations`
-  // it is not: they are checked first in the same critical section (ABORTED for one that
-  // ended), and an allocation's namespace never changes while its generation lasts.
+  // The answer may be stale as soon as it returns, as CheckOwned's, but not for the
+  // generations: `generations` (empty, or 0 entries: any) are checked first in the same
+  // critical section (ABORTED for one that ended), and with `bound`, on success, it is set to
+  // each block's generation now (0 for a free block), parallel to `ids`. An allocation's
+  // namespace never changes while its generation lasts, so calls made with the bound
+  // generations act only on the allocations `check` passed.
   absl::Status CheckNamespaces(
       std::span<const BlockId> ids,
       absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check,
-      std::span<const uint64_t> generations = {}) const ABSL_LOCKS_EXCLUDED(mu_);
+      std::span<const uint64_t> generations = {}, std::vector<uint64_t>* bound = nullptr) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Overwrites whole blocks: byte i of `bytes` goes to byte i % bytes_per_block of block
   // ids[i / bytes_per_block]. All or nothing: errors as CheckOwned (field "block_ids"),
@@ -120,8 +124,8 @@ class BlockPool {
   // o % bytes_per_block of ids[o / bytes_per_block]): one chunk of a WriteBlocks stream.
   // Only the blocks the range touches are checked, writable as WriteBlocks and in their
   // generations, all before any byte is copied and under the lock held for the copy.
-  // Errors name `field`; OUT_OF_RANGE when the range leaves the blocks. REQUIRES:
-  // generations.size() == ids.size().
+  // Errors name `field`; OUT_OF_RANGE when the range leaves the blocks. `generations` is
+  // parallel to `ids`, or empty (not checked).
   absl::Status WriteRange(std::span<const BlockId> ids, std::span<const uint64_t> generations,
                           uint64_t owner_epoch, uint64_t offset, std::span<const std::byte> bytes,
                           absl::string_view field) ABSL_LOCKS_EXCLUDED(mu_);

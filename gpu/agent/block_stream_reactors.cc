@@ -48,16 +48,21 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
     const std::span<const uint64_t> gens(h.block_generations().data(), h.block_generations_size());
     absl::Status s =
         RequireGenerations(*caller_, h.block_ids_size(), gens, "header.block_generations");
+    std::vector<uint64_t> bound;
     if (s.ok()) {
       s = AuthorizeBlocks(*caller_, pool_,
                           std::span<const BlockId>(h.block_ids().data(), h.block_ids_size()),
-                          "write blocks", gens);
+                          "write blocks", gens, &bound);
     }
+    // Every chunk is written in the generations bound here.
+    if (s.ok()) s = stage_.Take(msg_, bound);
     if (!s.ok()) {
       End(s);
       return;
     }
     authorized_ = true;
+    StartRead(&msg_);
+    return;
   }
   if (absl::Status s = stage_.Take(msg_); !s.ok()) {
     End(s);
@@ -73,7 +78,8 @@ void WriteBlocksReactor::OnSendInitialMetadataDone(bool ok) {
 WriteBlocksStage::WriteBlocksStage(const AgentOptions* options, BlockPool* pool)
     : options_(*options), pool_(*pool) {}
 
-absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
+absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg,
+                                    std::span<const uint64_t> generations) {
   if (!have_header_) {
     if (!msg.has_header()) {
       return absl::InvalidArgumentError("header must be the stream's first message");
@@ -84,7 +90,7 @@ absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
                                                      options_.max_blocks_per_call, " blocks"));
     }
     ids_.assign(h.block_ids().begin(), h.block_ids().end());
-    generations_.assign(h.block_generations().begin(), h.block_generations().end());
+    generations_.assign(generations.begin(), generations.end());
     owner_epoch_ = h.owner_epoch();
     KVCM_RETURN_IF_ERROR(pool_.CheckOwned(ids_, owner_epoch_, "header.block_ids", generations_));
     expected_bytes_ = ids_.size() * pool_.geometry().bytes_per_block();
@@ -150,13 +156,14 @@ absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids
 
 ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                      RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req,
-                                     const absl::Status& access, StreamLimiter::Slot slot)
+                                     const absl::Status& access, StreamLimiter::Slot slot,
+                                     std::vector<uint64_t> generations)
     : pool_(pool),
       rpc_(rpc),
       chunk_bytes_(options->read_chunk_bytes),
       slot_(std::move(slot)),
       ids_(req->block_ids().begin(), req->block_ids().end()),
-      generations_(req->block_generations().begin(), req->block_generations().end()),
+      generations_(std::move(generations)),
       owner_epoch_(req->owner_epoch()) {
   if (!access.ok()) {
     End(access);

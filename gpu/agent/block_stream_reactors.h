@@ -43,11 +43,12 @@ class WriteBlocksStage {
   WriteBlocksStage(const AgentOptions* options, BlockPool* pool);
 
   // Checks one message: the first must be the header (at most max_blocks_per_call blocks,
-  // each owned in its owner_epoch, in its generation when the header names them), the others
+  // each owned in its owner_epoch, in `generations`: those authorization bound, parallel to
+  // the header's ids, or empty: not checked), the others
   // data chunks of 1..max_message_bytes bytes, together at most the header's blocks' bytes;
   // INVALID_ARGUMENT (or the pool's error) otherwise. A data chunk is written into its
   // blocks at once (BlockPool::WriteRange: ABORTED for a block whose allocation ended).
-  absl::Status Take(const v1::WriteBlocksRequest& msg);
+  absl::Status Take(const v1::WriteBlocksRequest& msg, std::span<const uint64_t> generations = {});
   // At the end of the stream: INVALID_ARGUMENT unless every byte of the header's blocks
   // came; sets resp->bytes_written.
   absl::Status Apply(v1::WriteBlocksResponse* resp);
@@ -113,9 +114,11 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   // or authorization, or its stream slot) ends the call with it before anything is read.
   // `slot` is held until OnDone. `options`, `pool` and `rpc` are not owned and must outlive
   // the call.
+  // Every chunk is read in `generations` (parallel to req->block_ids, as authorization bound
+  // them; empty: not checked).
   ReadBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
                     const v1::ReadBlocksRequest* req, const absl::Status& access = absl::OkStatus(),
-                    StreamLimiter::Slot slot = {});
+                    StreamLimiter::Slot slot = {}, std::vector<uint64_t> generations = {});
 
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
