@@ -19,7 +19,8 @@ BlockLedger::BlockLedger(uint32_t num_blocks, uint64_t first_generation)
 
 absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint64_t owner_epoch,
                                                            const NamespaceId* ns,
-                                                           std::vector<uint64_t>* generations) {
+                                                           std::vector<uint64_t>* generations,
+                                                           std::vector<BlockId>* scrub) {
   if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
   if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
   if (count > free_.size()) {
@@ -30,7 +31,9 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint6
   std::vector<BlockId> out(free_.begin(), free_.begin() + count);
   free_.erase(free_.begin(), free_.begin() + count);
   if (generations != nullptr) generations->clear();
+  if (scrub != nullptr) scrub->clear();
   for (BlockId id : out) {
+    if (scrub != nullptr && slots_[id].last_ns != ns_index) scrub->push_back(id);
     slots_[id] = Slot{.state = State::kAllocated,
                       .ns = ns_index,
                       .owner_epoch = owner_epoch,
@@ -297,7 +300,8 @@ uint32_t BlockLedger::Intern(const NamespaceId& ns) {
 
 void BlockLedger::MakeFree(BlockId id) {
   if (slots_[id].state == State::kCommitted) --committed_;
-  slots_[id] = Slot{};  // generation 0: the allocation ended
+  const uint32_t last_ns = slots_[id].ns;
+  slots_[id] = Slot{.last_ns = last_ns};  // generation 0: the allocation ended
   free_.push_back(id);
 }
 

@@ -72,10 +72,14 @@ class BlockLedger {
   // to that namespace (only such blocks can be committed). INVALID_ARGUMENT for count 0 or
   // owner_epoch 0; RESOURCE_EXHAUSTED when fewer are free. Ids come out 0, 1, 2, ... on a
   // fresh ledger; freed ids are reused first in, first out. With `generations`, it is set
-  // to the fresh generation of each block, parallel to the ids.
+  // to the fresh generation of each block, parallel to the ids. With `scrub`, it is set to
+  // the blocks that may still hold another namespace's bytes (their last allocation was in
+  // another namespace, or private while this one is not, or they were never allocated),
+  // which the caller must overwrite before anyone reads them.
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns,
-                                                std::vector<uint64_t>* generations = nullptr);
+                                                std::vector<uint64_t>* generations = nullptr,
+                                                std::vector<BlockId>* scrub = nullptr);
 
   // Allocated blocks back to free, by their owner. INVALID_ARGUMENT for an empty list,
   // owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
@@ -155,6 +159,7 @@ class BlockLedger {
 
  private:
   static constexpr uint32_t kNoNamespace = 0xFFFFFFFF;
+  static constexpr uint32_t kNever = 0xFFFFFFFE;
   struct Slot {
     State state = State::kFree;
     uint32_t ns = kNoNamespace;  // index into namespaces_
@@ -163,6 +168,9 @@ class BlockLedger {
     PageHash parent;
     int64_t committed_unix_ms = 0;
     uint64_t generation = 0;  // of the allocation; 0 while free
+    // The namespace of the block's last allocation (kNoNamespace: private), kNever before
+    // its first: kept while free, so that Allocate knows whose bytes the block holds.
+    uint32_t last_ns = kNever;
   };
 
   // INVALID_ARGUMENT / OUT_OF_RANGE checks shared by every list-taking call.

@@ -31,7 +31,20 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_
                                                          const NamespaceId* ns,
                                                          std::vector<uint64_t>* generations) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Allocate(count, owner_epoch, ns, generations);
+  std::vector<BlockId> scrub;
+  absl::StatusOr<std::vector<BlockId>> ids =
+      ledger_.Allocate(count, owner_epoch, ns, generations, &scrub);
+  if (!ids.ok() || scrub.empty()) return ids;
+  // Blocks that may hold another namespace's bytes are zeroed before anyone can read them
+  // (same lock): a new allocation never sees another tenant's KV.
+  if (zeros_.empty()) zeros_.resize(bytes_per_block_);
+  for (BlockId id : scrub) {
+    if (absl::Status s = backend_->CopyIn(BlockOffset(id), zeros_); !s.ok()) {
+      (void)ledger_.Free(*ids, owner_epoch);
+      return s;
+    }
+  }
+  return ids;
 }
 
 absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch,

@@ -59,7 +59,9 @@ class BlockPool {
   // `count` distinct free blocks, now owned by `owner_epoch` and, when `ns` is given, that
   // namespace (BlockLedger::Allocate). RESOURCE_EXHAUSTED (nothing allocated) when fewer
   // than `count` are free.
-  // With `generations`, it is set to the allocation's generation of each block.
+  // With `generations`, it is set to the allocation's generation of each block. A block
+  // whose previous allocation was in another namespace (or that was never allocated) is
+  // zeroed first, so no allocation reads another tenant's bytes.
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns = nullptr,
                                                 std::vector<uint64_t>* generations = nullptr)
@@ -226,6 +228,8 @@ class BlockPool {
   const std::unique_ptr<DeviceBackend> backend_;
   mutable absl::Mutex mu_;
   BlockLedger ledger_ ABSL_GUARDED_BY(mu_);
+  // bytes_per_block zero bytes, made at the first scrub (BlockPool::Allocate).
+  std::vector<std::byte> zeros_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm
