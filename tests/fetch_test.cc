@@ -150,6 +150,10 @@ TEST_F(FetchTest, AFailedFetchLeavesTheDestinationAsItWas) {
   grpc::Status stale = Fetch(Request(2, 2, on_a), &resp);
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << stale.error_message();
   EXPECT_THAT(stale.error_message(), HasSubstr("no longer holds page"));
+  // The refusal reaches the agents' logs: it names no page hash (issue 22's leak).
+  for (const PageHash& page : DecodePageHashes(Request(2, 2, on_a).prompt().page_hashes())) {
+    EXPECT_THAT(stale.error_message(), ::testing::Not(HasSubstr(page.ToHex())));
+  }
 
   v1::FetchRequest nowhere = Request(2, 2, on_a);
   nowhere.set_source_data_address("127.0.0.1:1");
