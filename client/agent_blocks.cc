@@ -1,5 +1,6 @@
 #include "client/agent_blocks.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -42,6 +43,7 @@ absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const ChannelFactory& channels
   SetDeadline(&ctx);
   if (grpc::Status s = out.stub_->Allocate(&ctx, req, &resp); !s.ok()) return FromGrpcStatus(s);
   out.ids_.assign(resp.block_ids().begin(), resp.block_ids().end());
+  out.generations_.assign(resp.block_generations().begin(), resp.block_generations().end());
   return out;
 }
 
@@ -50,6 +52,16 @@ absl::Status AgentBlocks::Free(std::span<const BlockId> ids) {
   v1::FreeBlocksRequest req;
   req.mutable_block_ids()->Add(ids.begin(), ids.end());
   req.set_owner_epoch(epoch_);
+  if (generations_.size() == ids_.size()) {  // an agent that answers generations
+    for (BlockId id : ids) {
+      auto it = std::find(ids_.begin(), ids_.end(), id);
+      if (it == ids_.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block ", id, " is not one of this allocation's blocks"));
+      }
+      req.add_block_generations(generations_[it - ids_.begin()]);
+    }
+  }
   v1::FreeBlocksResponse resp;
   grpc::ClientContext ctx;
   SetDeadline(&ctx);

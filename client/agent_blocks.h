@@ -32,16 +32,21 @@ class AgentBlocks {
                                               const std::string& address, const NamespaceId& ns,
                                               uint32_t count);
 
-  // Frees `ids` (blocks of this allocation the manager did not index); best effort.
+  // Frees `ids` (blocks of this allocation the manager did not index), naming the
+  // generations Allocate returned (a worker's Free needs them); best effort.
+  // INVALID_ARGUMENT for an id this allocation does not hold.
   absl::Status Free(std::span<const BlockId> ids);
 
   uint64_t epoch() const { return epoch_; }
   const std::vector<BlockId>& ids() const { return ids_; }
+  // The generation of each block's allocation, parallel to ids().
+  const std::vector<uint64_t>& generations() const { return generations_; }
 
  private:
   std::shared_ptr<v1::BlockAgent::Stub> stub_;
   uint64_t epoch_ = 0;
   std::vector<BlockId> ids_;
+  std::vector<uint64_t> generations_;
 };
 
 // A prompt's page hashes with the scheme of the client that hashed them (RegisterModel

@@ -64,7 +64,8 @@ struct Session {
     std::string chunk;
     for (uint64_t sent = 0; sent < total;) {
       chunk.resize(std::min<uint64_t>(world.options.read_chunk_bytes, total - sent));
-      if (absl::Status s = ReadBlocksChunk(*pool, ids, req.owner_epoch(), sent, chunk); !s.ok()) {
+      if (absl::Status s = ReadBlocksChunk(*pool, ids, {}, req.owner_epoch(), sent, chunk);
+          !s.ok()) {
         return s;
       }
       sent += chunk.size();

@@ -23,9 +23,10 @@ namespace kvcm::testing {
 
 // BlockAgent.Allocate of `count` blocks for `owner_epoch` in namespace `ns`: blocks that can
 // be committed to pages of `ns` when owner_epoch is the agent's epoch. The call's status;
-// the ids are appended to *ids.
+// the ids are appended to *ids and, with `generations`, their generations to it.
 inline grpc::Status AllocateTo(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t owner_epoch,
-                               const NamespaceId& ns, std::vector<BlockId>* ids) {
+                               const NamespaceId& ns, std::vector<BlockId>* ids,
+                               std::vector<uint64_t>* generations = nullptr) {
   v1::AllocateBlocksRequest req;
   req.set_count(count);
   req.set_owner_epoch(owner_epoch);
@@ -34,6 +35,10 @@ inline grpc::Status AllocateTo(v1::BlockAgent::Stub& agent, uint32_t count, uint
   grpc::ClientContext ctx;
   const grpc::Status status = agent.Allocate(&ctx, req, &resp);
   if (status.ok()) ids->insert(ids->end(), resp.block_ids().begin(), resp.block_ids().end());
+  if (status.ok() && generations != nullptr) {
+    generations->insert(generations->end(), resp.block_generations().begin(),
+                        resp.block_generations().end());
+  }
   return status;
 }
 
@@ -46,26 +51,31 @@ inline std::vector<BlockId> AllocateIn(v1::BlockAgent::Stub& agent, uint32_t cou
   return ids;
 }
 
-// BlockAgent.Free, as the worker that allocated the blocks.
+// BlockAgent.Free, as the worker that allocated the blocks (with their generations: a
+// worker's Free needs them).
 inline grpc::Status FreeAsWorker(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
-                                 uint64_t owner_epoch) {
+                                 uint64_t owner_epoch, std::span<const uint64_t> generations = {}) {
   v1::FreeBlocksRequest req;
   req.mutable_block_ids()->Add(ids.begin(), ids.end());
+  req.mutable_block_generations()->Add(generations.begin(), generations.end());
   req.set_owner_epoch(owner_epoch);
   v1::FreeBlocksResponse resp;
   grpc::ClientContext ctx;
   return agent.Free(&ctx, req, &resp);
 }
 
-// BlockAgent.WriteBlocks of `bytes` (block_ids x the block size) into `ids`.
+// BlockAgent.WriteBlocks of `bytes` (block_ids x the block size) into `ids` (of
+// `generations`: a worker's write needs them).
 inline grpc::Status WriteAll(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
-                             uint64_t owner_epoch, const std::string& bytes) {
+                             uint64_t owner_epoch, const std::string& bytes,
+                             std::span<const uint64_t> generations = {}) {
   grpc::ClientContext ctx;
   v1::WriteBlocksResponse resp;
   auto writer = agent.WriteBlocks(&ctx, &resp);
   v1::WriteBlocksRequest header;
   header.mutable_header()->mutable_block_ids()->Add(ids.begin(), ids.end());
   header.mutable_header()->set_owner_epoch(owner_epoch);
+  header.mutable_header()->mutable_block_generations()->Add(generations.begin(), generations.end());
   bool sent = writer->Write(header);
   for (size_t off = 0; sent && off < bytes.size(); off += 1 << 20) {
     v1::WriteBlocksRequest chunk;
@@ -76,12 +86,14 @@ inline grpc::Status WriteAll(v1::BlockAgent::Stub& agent, std::span<const BlockI
   return writer->Finish();
 }
 
-// BlockAgent.ReadBlocks of `ids` from the pool of `tier`.
+// BlockAgent.ReadBlocks of `ids` (of `generations`, optional) from the pool of `tier`.
 inline absl::StatusOr<std::string> ReadAll(v1::BlockAgent::Stub& agent,
                                            std::span<const BlockId> ids, uint64_t owner_epoch,
-                                           v1::Tier tier = v1::TIER_UNSPECIFIED) {
+                                           v1::Tier tier = v1::TIER_UNSPECIFIED,
+                                           std::span<const uint64_t> generations = {}) {
   v1::ReadBlocksRequest read;
   read.mutable_block_ids()->Add(ids.begin(), ids.end());
+  read.mutable_block_generations()->Add(generations.begin(), generations.end());
   read.set_owner_epoch(owner_epoch);
   read.set_tier(tier);
   grpc::ClientContext ctx;

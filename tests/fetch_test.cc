@@ -192,6 +192,10 @@ TEST_F(FetchTest, AFailedFetchLeavesTheDestinationAsItWas) {
   grpc::Status stale = Fetch(Request(2, 2, on_a), &resp);
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << stale.error_message();
   EXPECT_THAT(stale.error_message(), HasSubstr("no longer holds page"));
+  // The refusal reaches the agents' logs: it names no page hash (issue 22's leak).
+  for (const PageHash& page : DecodePageHashes(Request(2, 2, on_a).prompt().page_hashes())) {
+    EXPECT_THAT(stale.error_message(), ::testing::Not(HasSubstr(page.ToHex())));
+  }
 
   // The source's data port is gone (A stopped serving pulls): UNAVAILABLE.
   v1::FetchRequest nowhere = Request(2, 2, on_a);

@@ -119,16 +119,21 @@ absl::StatusOr<std::vector<BlockId>> WorkerSim::Prefill(Agent& agent,
   if (first == pages.size()) return held;
   const uint32_t count = static_cast<uint32_t>(pages.size() - first);
   std::vector<BlockId> ours;
-  if (grpc::Status s = AllocateTo(*agent.stub, count, agent.epoch, ns_, &ours); !s.ok()) {
+  std::vector<uint64_t> generations;  // of ours: every later call on them names them
+  if (grpc::Status s = AllocateTo(*agent.stub, count, agent.epoch, ns_, &ours, &generations);
+      !s.ok()) {
     return FromGrpcStatus(s);
   }
-  absl::Cleanup free_ours = [&] { (void)FreeAsWorker(*agent.stub, ours, agent.epoch); };
+  absl::Cleanup free_ours = [&] {
+    (void)FreeAsWorker(*agent.stub, ours, agent.epoch, generations);
+  };
   for (size_t i = 0; i < count; i += max_blocks_per_call_) {
     const size_t n = std::min<size_t>(max_blocks_per_call_, count - i);
     std::string bytes;
     bytes.reserve(n * bytes_per_block_);
     for (size_t j = i; j < i + n; ++j) bytes += PageBytes(pages[first + j]);
-    if (grpc::Status s = WriteAll(*agent.stub, std::span(ours).subspan(i, n), agent.epoch, bytes);
+    if (grpc::Status s = WriteAll(*agent.stub, std::span(ours).subspan(i, n), agent.epoch, bytes,
+                                  std::span(generations).subspan(i, n));
         !s.ok()) {
       return FromGrpcStatus(s);
     }
@@ -142,14 +147,17 @@ absl::StatusOr<std::vector<BlockId>> WorkerSim::Prefill(Agent& agent,
   // which are ours again to free.
   std::move(free_ours).Cancel();
   std::vector<BlockId> spare;
+  std::vector<uint64_t> spare_generations;
   for (size_t i = first; i < r->existing_block_ids.size(); ++i) {
     if (r->existing_block_ids[i] != all[i]) {
       spare.push_back(all[i]);
+      spare_generations.push_back(generations[i - first]);
       all[i] = r->existing_block_ids[i];
     }
   }
   if (!spare.empty()) {
-    if (grpc::Status s = FreeAsWorker(*agent.stub, spare, agent.epoch); !s.ok()) {
+    if (grpc::Status s = FreeAsWorker(*agent.stub, spare, agent.epoch, spare_generations);
+        !s.ok()) {
       return FromGrpcStatus(s);
     }
   }

@@ -136,6 +136,10 @@ absl::Status AgentOptions::Validate() const {
                    absl::StrCat("must be in [1, max_message_bytes ", max_message_bytes, "], got ",
                                 read_chunk_bytes));
   }
+  if (max_streams_per_principal < 1 || max_streams_per_principal > 65'536) {
+    return Invalid("max_streams_per_principal",
+                   absl::StrCat("must be in [1, 65536], got ", max_streams_per_principal));
+  }
   if (host_capacity_bytes > 0) {
     if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");
     if (absl::StatusOr<PoolGeometry> host = HostGeometry(); !host.ok()) return host.status();

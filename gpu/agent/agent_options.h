@@ -80,9 +80,8 @@ struct AgentOptions {
   uint32_t heartbeat_interval_ms = 1'000;
   // Prometheus /metrics address "host:port"; empty disables it.
   std::string metrics_address;
-  // Most blocks one WriteBlocks or ReadBlocks call may name. WriteBlocks stages the whole
-  // call in host memory before applying it (all or nothing), so this times bytes_per_block
-  // bounds that buffer (64 DeepSeek-V3 bf16 blocks: 288 MiB). 1..65536.
+  // Most blocks one WriteBlocks or ReadBlocks call may name. 1..65536. (WriteBlocks writes
+  // each chunk as it arrives: a stream buffers one message, not its blocks.)
   uint32_t max_blocks_per_call = 64;
   // Largest request message the BlockAgent server accepts (a WriteBlocks data chunk, a
   // RunAttention query). 1 KiB..1 GiB.
@@ -90,6 +89,13 @@ struct AgentOptions {
   // Bytes per ReadBlocks response message. 1..max_message_bytes (a client's default receive
   // limit is 4 MiB).
   uint64_t read_chunk_bytes = 1ull << 20;
+  // Most WriteBlocks + ReadBlocks streams one principal (a token's name; without a tokens
+  // file every caller is one principal) may have open at once; the next is
+  // RESOURCE_EXHAUSTED naming this option, until one ends. A stream buffers at most one
+  // message (max_message_bytes, or read_chunk_bytes), so this bounds what one principal's
+  // streams hold: 16 x 4 MiB = 64 MiB by default, while a worker moving a few prompts'
+  // pages at once needs a handful. 1..65536.
+  uint32_t max_streams_per_principal = 16;
 
   // Transport security (common/security_options.h; README "TLS"): one of TLS or insecure is
   // required. TLS takes all three PEM files and is mutual everywhere: tls_cert_file and

@@ -71,6 +71,20 @@ TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
   }
 }
 
+TEST(AgentOptionsTest, MaxStreamsPerPrincipalIsValidated) {
+  AgentOptions o;
+  o.insecure = true;
+  ASSERT_TRUE(o.Validate().ok());
+  EXPECT_EQ(o.max_streams_per_principal, 16u);
+  o.max_streams_per_principal = 0;
+  EXPECT_EQ(o.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.Validate().message(), HasSubstr("max_streams_per_principal"));
+  o.max_streams_per_principal = 65'537;
+  EXPECT_THAT(o.Validate().message(), HasSubstr("max_streams_per_principal"));
+  o.max_streams_per_principal = 1;
+  EXPECT_TRUE(o.Validate().ok());
+}
+
 TEST(AgentOptionsTest, TransportSecurityIsRequired) {
   AgentOptions o;
   o.capacity_bytes = 1ull << 30;

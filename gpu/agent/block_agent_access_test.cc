@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/authenticator.h"
 #include "common/credentials.h"
 #include "gmock/gmock.h"
@@ -28,6 +29,7 @@ using ::kvcm::testing::FreeAsWorker;
 using ::kvcm::testing::ReadAll;
 using ::kvcm::testing::WriteAll;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr uint64_t kOwner = 7;
 constexpr uint64_t kBlocks = 8;
@@ -92,11 +94,13 @@ class BlockAgentAccessTest : public ::testing::Test {
   std::vector<BlockId> AcmeBlocks(uint32_t count) {
     auto acme = As(kAcme);
     std::vector<BlockId> ids;
-    const grpc::Status s = AllocateTo(*acme, count, kOwner, kAcmeNs, &ids);
+    gens_.clear();
+    const grpc::Status s = AllocateTo(*acme, count, kOwner, kAcmeNs, &ids, &gens_);
     EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(gens_.size(), ids.size());
     bytes_.assign(ids.size() * pool_->geometry().bytes_per_block(), '\0');
     for (size_t i = 0; i < bytes_.size(); ++i) bytes_[i] = static_cast<char>(i * 31 + 7);
-    const grpc::Status w = WriteAll(*acme, ids, kOwner, bytes_);
+    const grpc::Status w = WriteAll(*acme, ids, kOwner, bytes_, gens_);
     EXPECT_TRUE(w.ok()) << w.error_message();
     return ids;
   }
@@ -119,6 +123,7 @@ class BlockAgentAccessTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   std::string bytes_;
+  std::vector<uint64_t> gens_;  // of AcmeBlocks' ids
 };
 
 grpc::Status Stats(v1::BlockAgent::Stub& stub) {
@@ -174,13 +179,14 @@ TEST_F(BlockAgentAccessTest, AnotherTenantsWorkerCannotTouchItsBlocks) {
   const uint32_t free_before = pool_->Stats().free_blocks;
   auto evil = As(kEvil);
 
+  // Even with acme's generations (they are guessable): refused by tenant.
   absl::StatusOr<std::string> read = ReadAll(*evil, ids, kOwner);
   EXPECT_EQ(read.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(read.status().message(), HasSubstr("evil-vllm"));
-  const grpc::Status free = FreeAsWorker(*evil, ids, kOwner);
+  const grpc::Status free = FreeAsWorker(*evil, ids, kOwner, gens_);
   EXPECT_EQ(free.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(free.error_message(), HasSubstr("evil-vllm"));
-  EXPECT_EQ(WriteAll(*evil, ids, kOwner, std::string(bytes_.size(), 'x')).error_code(),
+  EXPECT_EQ(WriteAll(*evil, ids, kOwner, std::string(bytes_.size(), 'x'), gens_).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(RunAttention(*evil, ids).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   // Fetching into acme's namespace, or into its own over acme's blocks.
@@ -189,9 +195,12 @@ TEST_F(BlockAgentAccessTest, AnotherTenantsWorkerCannotTouchItsBlocks) {
 
   // One of acme's blocks among its own: the whole call is refused, its own block kept.
   std::vector<BlockId> mixed;
-  ASSERT_TRUE(AllocateTo(*evil, 1, kOwner, kEvilNs, &mixed).ok());
+  std::vector<uint64_t> mixed_gens;
+  ASSERT_TRUE(AllocateTo(*evil, 1, kOwner, kEvilNs, &mixed, &mixed_gens).ok());
   mixed.push_back(ids[0]);
-  EXPECT_EQ(FreeAsWorker(*evil, mixed, kOwner).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  mixed_gens.push_back(gens_[0]);
+  EXPECT_EQ(FreeAsWorker(*evil, mixed, kOwner, mixed_gens).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(pool_->Stats().free_blocks, free_before - 1);
   EXPECT_EQ(ReadAll(*evil, std::vector<BlockId>{mixed[0]}, kOwner).status().code(),
             absl::StatusCode::kOk);
@@ -200,7 +209,76 @@ TEST_F(BlockAgentAccessTest, AnotherTenantsWorkerCannotTouchItsBlocks) {
   // Acme itself passes the checks (Fetch then fails only for want of a transport).
   auto acme = As(kAcme);
   EXPECT_EQ(Fetch(*acme, kAcmeNs, ids).error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_TRUE(FreeAsWorker(*acme, ids, kOwner).ok());
+  EXPECT_TRUE(FreeAsWorker(*acme, ids, kOwner, gens_).ok());
+}
+
+TEST_F(BlockAgentAccessTest, RefusalsNeverSayWhoHoldsABlock) {
+  const std::vector<BlockId> ids = AcmeBlocks(1);
+  auto evil = As(kEvil);
+  const BlockId free_block = kBlocks - 1;  // never allocated
+  absl::StatusOr<std::string> taken = ReadAll(*evil, ids, kOwner);
+  absl::StatusOr<std::string> free = ReadAll(*evil, std::vector<BlockId>{free_block}, kOwner);
+  ASSERT_EQ(taken.status().code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_EQ(free.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(taken.status().message(), Not(HasSubstr("acme")));
+  EXPECT_THAT(taken.status().message(), HasSubstr("not allocated to a namespace of its tenant"));
+  // The same words for acme's block and a free one: nothing to tell them apart.
+  EXPECT_EQ(taken.status().message(),
+            absl::StrReplaceAll(free.status().message(), {{absl::StrCat("block ", free_block),
+                                                           absl::StrCat("block ", ids[0])}}));
+}
+
+TEST_F(BlockAgentAccessTest, WorkersMustSendGenerationsToFreeOrWrite) {
+  const std::vector<BlockId> ids = AcmeBlocks(2);
+  auto acme = As(kAcme);
+  const uint32_t free_before = pool_->Stats().free_blocks;
+  const grpc::Status bare = FreeAsWorker(*acme, ids, kOwner);
+  EXPECT_EQ(bare.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bare.error_message(), HasSubstr("block_generations is required"));
+  const grpc::Status short_list = FreeAsWorker(*acme, ids, kOwner, std::span(gens_).first(1));
+  EXPECT_EQ(short_list.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(short_list.error_message(), HasSubstr("block_generations"));
+  const std::vector<uint64_t> zeros(ids.size(), 0);
+  EXPECT_EQ(FreeAsWorker(*acme, ids, kOwner, zeros).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  const grpc::Status write = WriteAll(*acme, ids, kOwner, std::string(bytes_.size(), 'x'));
+  EXPECT_EQ(write.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(write.error_message(), HasSubstr("header.block_generations"));
+  EXPECT_EQ(pool_->Stats().free_blocks, free_before);
+  ExpectAcmeBytesUnchanged(ids);
+}
+
+TEST_F(BlockAgentAccessTest, AFreedAndReallocatedBlockRefusesItsOldGenerationEverywhere) {
+  // Acme holds every block; it frees the last, which evil then gets (the only free one).
+  const std::vector<BlockId> ids = AcmeBlocks(kBlocks);
+  const std::vector<uint64_t> acme_gens = gens_;
+  auto acme = As(kAcme);
+  const BlockId last = ids.back();
+  ASSERT_TRUE(FreeAsWorker(*acme, {&last, 1}, kOwner, {&acme_gens.back(), 1}).ok());
+  auto evil = As(kEvil);
+  std::vector<BlockId> got;
+  std::vector<uint64_t> evil_gens;
+  ASSERT_TRUE(AllocateTo(*evil, 1, kOwner, kEvilNs, &got, &evil_gens).ok());
+  ASSERT_EQ(got, std::vector<BlockId>{last});
+  ASSERT_NE(evil_gens[0], acme_gens.back());
+  const std::string evil_bytes(pool_->geometry().bytes_per_block(), 'E');
+  ASSERT_TRUE(WriteAll(*evil, got, kOwner, evil_bytes, evil_gens).ok());
+
+  // Acme's stale id with its old generation: ABORTED, naming no tenant, nothing touched.
+  const grpc::Status free = FreeAsWorker(*acme, {&last, 1}, kOwner, {&acme_gens.back(), 1});
+  EXPECT_EQ(free.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(free.error_message(), HasSubstr("was freed and reallocated since generation"));
+  EXPECT_THAT(free.error_message(), Not(HasSubstr("evil")));
+  const grpc::Status write = WriteAll(*acme, {&last, 1}, kOwner,
+                                      std::string(evil_bytes.size(), 'A'), {&acme_gens.back(), 1});
+  EXPECT_EQ(write.error_code(), grpc::StatusCode::ABORTED);
+  absl::StatusOr<std::string> read =
+      ReadAll(*acme, {&last, 1}, kOwner, v1::TIER_UNSPECIFIED, {&acme_gens.back(), 1});
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kAborted);
+  absl::StatusOr<std::string> still = ReadAll(*evil, got, kOwner, v1::TIER_UNSPECIFIED, evil_gens);
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_EQ(*still, evil_bytes);
+  EXPECT_EQ(pool_->Stats().free_blocks, 0u);
 }
 
 TEST_F(BlockAgentAccessTest, AllocatingOutsideItsTenantIsDenied) {
@@ -229,6 +307,8 @@ TEST_F(BlockAgentAccessTest, RoutersMayOnlyCallStats) {
             grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(ReadAll(*router, ids, kOwner).status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(FreeAsWorker(*router, ids, kOwner).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(FreeAsWorker(*router, ids, kOwner, gens_).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
   ExpectAcmeBytesUnchanged(ids);
 }
 

@@ -33,7 +33,8 @@ BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools poo
       epoch_(epoch),
       rpc_(metrics->rpcs()),
       fetcher_(fetcher),
-      authenticator_(authenticator != nullptr ? authenticator : OpenAuthenticator()) {}
+      authenticator_(authenticator != nullptr ? authenticator : OpenAuthenticator()),
+      streams_(options->max_streams_per_principal) {}
 
 BlockPool* BlockAgentService::PoolOf(v1::Tier tier) const {
   if (tier == v1::TIER_UNSPECIFIED || tier == static_cast<v1::Tier>(options_.tier)) {
@@ -51,6 +52,16 @@ grpc::ServerUnaryReactor* BlockAgentService::Fetch(grpc::CallbackServerContext* 
             authenticator_->Authenticate(*ctx);
         if (!caller.ok()) {
           finish(caller.status());
+          return;
+        }
+        if (absl::Status s =
+                RequireGenerations(**caller, req->local_block_ids_size(),
+                                   std::span<const uint64_t>(req->local_block_generations().data(),
+                                                             req->local_block_generations_size()),
+                                   "local_block_generations");
+            !s.ok() && req->local_block_generations_size() > 0) {
+          // Optional (FetchRequest): checked only when given.
+          finish(s);
           return;
         }
         if (absl::Status s = AuthorizeFetch(**caller, PoolOf(req->tier()), *req); !s.ok()) {
@@ -84,10 +95,12 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
     if (req->has_namespace_()) {
       KVCM_ASSIGN_OR_RETURN(ns, NamespaceFromProto(&req->namespace_(), "namespace"));
     }
+    std::vector<uint64_t> generations;
     KVCM_ASSIGN_OR_RETURN(
         std::vector<BlockId> ids,
-        pools_.main->Allocate(req->count(), req->owner_epoch(), ns ? &*ns : nullptr));
+        pools_.main->Allocate(req->count(), req->owner_epoch(), ns ? &*ns : nullptr, &generations));
     resp->mutable_block_ids()->Add(ids.begin(), ids.end());
+    resp->mutable_block_generations()->Add(generations.begin(), generations.end());
     return absl::OkStatus();
   });
 }
@@ -103,30 +116,47 @@ grpc::ServerUnaryReactor* BlockAgentService::Free(grpc::CallbackServerContext* c
           absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
     }
     const std::span<const BlockId> ids(req->block_ids().data(), req->block_ids_size());
-    KVCM_RETURN_IF_ERROR(AuthorizeBlocks(*caller, pools_.main, ids, "free blocks"));
-    return pools_.main->Free(ids, req->owner_epoch());
+    const std::span<const uint64_t> gens(req->block_generations().data(),
+                                         req->block_generations_size());
+    KVCM_RETURN_IF_ERROR(RequireGenerations(*caller, ids.size(), gens, "block_generations"));
+    KVCM_RETURN_IF_ERROR(AuthorizeBlocks(*caller, pools_.main, ids, "free blocks", gens));
+    return pools_.main->Free(ids, req->owner_epoch(), gens);
   });
 }
 
 grpc::ServerReadReactor<v1::WriteBlocksRequest>* BlockAgentService::WriteBlocks(
     grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp) {
   return new WriteBlocksReactor(&options_, pools_.main, &rpc_, ctx, resp,
-                                authenticator_->Authenticate(*ctx));
+                                authenticator_->Authenticate(*ctx), &streams_);
 }
 
 grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
     grpc::CallbackServerContext* ctx, const v1::ReadBlocksRequest* req) {
   BlockPool* pool = PoolOf(req->tier());
   absl::Status access;
+  StreamLimiter::Slot slot;
+  std::vector<uint64_t> bound;
   if (absl::StatusOr<std::shared_ptr<const Principal>> caller = authenticator_->Authenticate(*ctx);
       !caller.ok()) {
     access = caller.status();
+  } else if (absl::StatusOr<StreamLimiter::Slot> s = streams_.Acquire((*caller)->name); !s.ok()) {
+    access = s.status();
   } else {
-    access = AuthorizeBlocks(
-        **caller, pool, std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
-        "read blocks");
+    slot = *std::move(s);
+    // Optional: a Match's committed blocks come without generations. Bound either way.
+    const std::span<const uint64_t> gens(req->block_generations().data(),
+                                         req->block_generations_size());
+    if (!gens.empty()) {
+      access = RequireGenerations(**caller, req->block_ids_size(), gens, "block_generations");
+    }
+    if (access.ok()) {
+      access = AuthorizeBlocks(
+          **caller, pool, std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
+          "read blocks", gens, &bound);
+    }
   }
-  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access);
+  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access, std::move(slot),
+                               std::move(bound));
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerContext* ctx,
@@ -135,8 +165,18 @@ grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerCo
   return rpc_.Unary(ctx, AgentRpc::kRunAttention, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
                           authenticator_->Authenticate(*ctx));
-    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req));
+    for (int i = 0; i < req->block_table_size(); ++i) {
+      const v1::BlockList& row = req->block_table(i);
+      if (row.block_generations_size() > 0) {
+        KVCM_RETURN_IF_ERROR(RequireGenerations(
+            *caller, row.block_ids_size(),
+            std::span<const uint64_t>(row.block_generations().data(), row.block_generations_size()),
+            absl::StrCat("block_table[", i, "].block_generations")));
+      }
+    }
     PoolAttentionRequest in;
+    // Optional, as for ReadBlocks; the kernel runs in the generations bound here.
+    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req, &in.block_generations));
     in.block_table.reserve(req->block_table_size());
     for (const v1::BlockList& row : req->block_table()) {
       in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
@@ -177,6 +217,11 @@ grpc::ServerUnaryReactor* BlockAgentService::Stats(grpc::CallbackServerContext* 
       out->set_used_bytes(h.used_bytes);
       out->set_free_blocks(h.free_blocks);
     }
+    v1::BlockStreamLimits* limits = resp->mutable_stream_limits();
+    limits->set_max_streams_per_principal(options_.max_streams_per_principal);
+    limits->set_max_message_bytes(options_.max_message_bytes);
+    limits->set_read_chunk_bytes(options_.read_chunk_bytes);
+    limits->set_max_blocks_per_call(options_.max_blocks_per_call);
     return absl::OkStatus();
   });
 }

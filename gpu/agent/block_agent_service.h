@@ -4,7 +4,10 @@
 // with the body's status; WriteBlocks and ReadBlocks start the reactors of
 // block_stream_reactors.h, which record their outcome through the same runner. Every handler
 // first authenticates the caller (Authenticator) and authorizes the call (block_agent_access.h):
-// UNAUTHENTICATED or PERMISSION_DENIED, and nothing changed, otherwise.
+// UNAUTHENTICATED or PERMISSION_DENIED, and nothing changed, otherwise. Allocate answers
+// each block's generation; the other calls take them back (block_agent_access.h) and the
+// pool checks them with the work. WriteBlocks and ReadBlocks streams count against
+// max_streams_per_principal.
 //
 // Thread-safe: gRPC calls the handlers concurrently; the pools, the epoch and the metrics are
 // thread-safe.
@@ -19,6 +22,7 @@
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/agent_state.h"
 #include "gpu/agent/fetcher.h"
+#include "gpu/agent/stream_limiter.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace kvcm {
@@ -61,6 +65,7 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
   RpcRunner<AgentRpc> rpc_;
   Fetcher* const fetcher_;
   const Authenticator* const authenticator_;
+  StreamLimiter streams_;
 };
 
 }  // namespace kvcm

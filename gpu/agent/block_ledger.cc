@@ -4,17 +4,23 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace kvcm {
 
-BlockLedger::BlockLedger(uint32_t num_blocks) : slots_(num_blocks) {
-  free_.reserve(num_blocks);
-  // Pushed in reverse so the first allocations return 0, 1, 2, ...
-  for (BlockId id = num_blocks; id > 0; --id) free_.push_back(id - 1);
+BlockLedger::BlockLedger(uint32_t num_blocks, uint64_t first_generation)
+    : slots_(num_blocks),
+      next_generation_(
+          first_generation != 0
+              ? first_generation
+              : std::max<uint64_t>(1, static_cast<uint64_t>(absl::GetCurrentTimeNanos()))) {
+  for (BlockId id = 0; id < num_blocks; ++id) free_.push_back(id);
 }
 
 absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint64_t owner_epoch,
-                                                           const NamespaceId* ns) {
+                                                           const NamespaceId* ns,
+                                                           std::vector<uint64_t>* generations,
+                                                           std::vector<BlockId>* scrub) {
   if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
   if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
   if (count > free_.size()) {
@@ -22,10 +28,17 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint6
                                                      " of ", slots_.size(), " are free"));
   }
   const uint32_t ns_index = ns != nullptr ? Intern(*ns) : kNoNamespace;
-  std::vector<BlockId> out(free_.rbegin(), free_.rbegin() + count);
-  free_.resize(free_.size() - count);
+  std::vector<BlockId> out(free_.begin(), free_.begin() + count);
+  free_.erase(free_.begin(), free_.begin() + count);
+  if (generations != nullptr) generations->clear();
+  if (scrub != nullptr) scrub->clear();
   for (BlockId id : out) {
-    slots_[id] = Slot{.state = State::kAllocated, .ns = ns_index, .owner_epoch = owner_epoch};
+    if (scrub != nullptr && slots_[id].last_ns != ns_index) scrub->push_back(id);
+    slots_[id] = Slot{.state = State::kAllocated,
+                      .ns = ns_index,
+                      .owner_epoch = owner_epoch,
+                      .generation = next_generation_++};
+    if (generations != nullptr) generations->push_back(slots_[id].generation);
   }
   return out;
 }
@@ -54,11 +67,13 @@ absl::Status BlockLedger::CheckList(std::span<const BlockId> ids, uint64_t epoch
   return absl::OkStatus();
 }
 
-absl::Status BlockLedger::Free(std::span<const BlockId> ids, uint64_t owner_epoch) {
+absl::Status BlockLedger::Free(std::span<const BlockId> ids, uint64_t owner_epoch,
+                               std::span<const uint64_t> generations) {
   if (absl::Status s = CheckList(ids, owner_epoch, "block_ids", absl::StatusCode::kOutOfRange);
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = CheckGenerations(ids, generations, "block_ids"); !s.ok()) return s;
   for (BlockId id : ids) {
     const Slot& slot = slots_[id];
     switch (slot.state) {
@@ -187,12 +202,42 @@ absl::Status BlockLedger::FreeCommitted(std::span<const BlockId> ids, uint64_t e
   return absl::OkStatus();
 }
 
+absl::Status BlockLedger::CheckGenerations(std::span<const BlockId> ids,
+                                           std::span<const uint64_t> generations,
+                                           absl::string_view field) const {
+  if (generations.empty()) return absl::OkStatus();
+  if (generations.size() != ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("block_generations: ", generations.size(),
+                                                   " generations for ", ids.size(),
+                                                   " block ids (one per id)"));
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= slots_.size()) {
+      return absl::OutOfRangeError(absl::StrCat(field, "[", i, "]: block ", ids[i],
+                                                " is past the pool of ", slots_.size(), " blocks"));
+    }
+    const Slot& slot = slots_[ids[i]];
+    if (generations[i] == 0 || slot.generation == generations[i]) continue;
+    if (generations[i] >= next_generation_) {
+      return absl::InvalidArgumentError(absl::StrCat("block_generations[", i, "]: ", generations[i],
+                                                     " is not a generation Allocate gave"));
+    }
+    return absl::AbortedError(absl::StrCat(field, "[", i, "]: block ", ids[i], " was freed",
+                                           slot.state == State::kFree ? "" : " and reallocated",
+                                           " since generation ", generations[i],
+                                           "; its allocation ended"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BlockLedger::Check(std::span<const BlockId> ids, uint64_t owner_epoch, bool writable,
-                                absl::string_view field) const {
+                                absl::string_view field,
+                                std::span<const uint64_t> generations) const {
   if (absl::Status s = CheckList(ids, owner_epoch, field, absl::StatusCode::kInvalidArgument);
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = CheckGenerations(ids, generations, field); !s.ok()) return s;
   for (BlockId id : ids) {
     const Slot& slot = slots_[id];
     if (slot.state == State::kFree) {
@@ -255,7 +300,8 @@ uint32_t BlockLedger::Intern(const NamespaceId& ns) {
 
 void BlockLedger::MakeFree(BlockId id) {
   if (slots_[id].state == State::kCommitted) --committed_;
-  slots_[id] = Slot{};
+  const uint32_t last_ns = slots_[id].ns;
+  slots_[id] = Slot{.last_ns = last_ns};  // generation 0: the allocation ended
   free_.push_back(id);
 }
 

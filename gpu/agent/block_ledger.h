@@ -14,6 +14,13 @@
 // committed block is immutable (no writes) and belongs to the cache: only FreeCommitted
 // (the manager's FreeBlocks) or the end of its epoch frees it, never its allocator.
 //
+// Every allocation gets a generation: a pool-wide counter, never reused, that Allocate hands
+// out per block and that ends when the block is freed. Calls that name generations
+// (parallel to their ids) act only while each block is still in that allocation, so an id
+// kept past its Free (a stream opened before the Free) can never reach the block's next
+// owner, whatever order free blocks are reused in. The free list is FIFO (a freed block is
+// reused last), which only makes stale ids rarer; correctness does not depend on it.
+//
 // Every mutation is all or nothing, and every error names the field it is about. Not
 // thread-safe: BlockPool guards its ledger with its own mutex.
 #ifndef KVCM_GPU_AGENT_BLOCK_LEDGER_H_
@@ -56,21 +63,31 @@ class BlockLedger {
  public:
   enum class State : uint8_t { kFree, kAllocated, kCommitted };
 
+  // Generations start at `first_generation`; 0 (the default) takes the wall clock in
+  // nanoseconds, so a restarted agent never hands out a generation its predecessor gave.
   // REQUIRES: 0 < num_blocks < kPendingBlock.
-  explicit BlockLedger(uint32_t num_blocks);
+  explicit BlockLedger(uint32_t num_blocks, uint64_t first_generation = 0);
 
   // `count` distinct free blocks, now allocated to `owner_epoch` and, when `ns` is given,
   // to that namespace (only such blocks can be committed). INVALID_ARGUMENT for count 0 or
   // owner_epoch 0; RESOURCE_EXHAUSTED when fewer are free. Ids come out 0, 1, 2, ... on a
-  // fresh ledger.
+  // fresh ledger; freed ids are reused first in, first out. With `generations`, it is set
+  // to the fresh generation of each block, parallel to the ids. With `scrub`, it is set to
+  // the blocks that may still hold another namespace's bytes (their last allocation was in
+  // another namespace, or private while this one is not, or they were never allocated),
+  // which the caller must overwrite before anyone reads them.
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
-                                                const NamespaceId* ns);
+                                                const NamespaceId* ns,
+                                                std::vector<uint64_t>* generations = nullptr,
+                                                std::vector<BlockId>* scrub = nullptr);
 
   // Allocated blocks back to free, by their owner. INVALID_ARGUMENT for an empty list,
   // owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
   // FAILED_PRECONDITION for a free block (double free) or a committed one (it belongs to
-  // the cache: the manager frees it); ABORTED for a block of another owner epoch.
-  absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch);
+  // the cache: the manager frees it); ABORTED for a block of another owner epoch. With
+  // `generations` (empty: not checked), CheckGenerations first.
+  absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch,
+                    std::span<const uint64_t> generations = {});
 
   // Commits `entries` in namespace `ns` for agent epoch `epoch`. A block already committed
   // to exactly this (ns, page, parent) in `epoch` is accepted as is (a repeated commit);
@@ -106,8 +123,21 @@ class BlockLedger {
   // `owner_epoch` (readable); with `writable`, committed blocks are refused too. Errors
   // name `field`: INVALID_ARGUMENT for an empty list, owner_epoch 0, an id listed twice or
   // past the pool; FAILED_PRECONDITION for any other block.
+  // With `generations` (empty: not checked), CheckGenerations first.
   absl::Status Check(std::span<const BlockId> ids, uint64_t owner_epoch, bool writable,
-                     absl::string_view field) const;
+                     absl::string_view field, std::span<const uint64_t> generations = {}) const;
+
+  // OK when block ids[i] is still in the allocation of generation generations[i], for every
+  // i (nothing is checked for an empty `generations`, nor for an entry 0: "any").
+  // INVALID_ARGUMENT "block_generations" unless there is one generation per id, or for one
+  // no allocation had yet; OUT_OF_RANGE for an id past the pool; ABORTED
+  // "<field>[i]: block 7 was freed ... since generation N" otherwise. The message never
+  // says who holds the block now.
+  absl::Status CheckGenerations(std::span<const BlockId> ids, std::span<const uint64_t> generations,
+                                absl::string_view field) const;
+
+  // The generation of block `id`'s allocation; 0 for a free block. REQUIRES: id < num_blocks.
+  uint64_t generation(BlockId id) const { return slots_[id].generation; }
 
   // Frees every block allocated to or committed by `owner_epoch`; returns how many.
   uint64_t FreeAllOwnedBy(uint64_t owner_epoch);
@@ -129,6 +159,7 @@ class BlockLedger {
 
  private:
   static constexpr uint32_t kNoNamespace = 0xFFFFFFFF;
+  static constexpr uint32_t kNever = 0xFFFFFFFE;
   struct Slot {
     State state = State::kFree;
     uint32_t ns = kNoNamespace;  // index into namespaces_
@@ -136,6 +167,10 @@ class BlockLedger {
     PageHash page;
     PageHash parent;
     int64_t committed_unix_ms = 0;
+    uint64_t generation = 0;  // of the allocation; 0 while free
+    // The namespace of the block's last allocation (kNoNamespace: private), kNever before
+    // its first: kept while free, so that Allocate knows whose bytes the block holds.
+    uint32_t last_ns = kNever;
   };
 
   // INVALID_ARGUMENT / OUT_OF_RANGE checks shared by every list-taking call.
@@ -148,8 +183,10 @@ class BlockLedger {
   void MakeFree(BlockId id);
 
   std::vector<Slot> slots_;
-  // Free block ids; allocation pops from the back.
-  std::vector<BlockId> free_;
+  // Free block ids; allocation pops from the front, frees push to the back (FIFO).
+  std::deque<BlockId> free_;
+  // The next allocation's generation; only grows.
+  uint64_t next_generation_;
   uint32_t committed_ = 0;
   // Namespaces blocks were allocated to, by index; never shrinks (one entry per namespace
   // ever seen, not per block).

@@ -28,14 +28,29 @@ BlockPool::BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backe
       ledger_(static_cast<uint32_t>(geometry_.num_blocks)) {}
 
 absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch,
-                                                         const NamespaceId* ns) {
+                                                         const NamespaceId* ns,
+                                                         std::vector<uint64_t>* generations) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Allocate(count, owner_epoch, ns);
+  std::vector<BlockId> scrub;
+  absl::StatusOr<std::vector<BlockId>> ids =
+      ledger_.Allocate(count, owner_epoch, ns, generations, &scrub);
+  if (!ids.ok() || scrub.empty()) return ids;
+  // Blocks that may hold another namespace's bytes are zeroed before anyone can read them
+  // (same lock): a new allocation never sees another tenant's KV.
+  if (zeros_.empty()) zeros_.resize(bytes_per_block_);
+  for (BlockId id : scrub) {
+    if (absl::Status s = backend_->CopyIn(BlockOffset(id), zeros_); !s.ok()) {
+      (void)ledger_.Free(*ids, owner_epoch);
+      return s;
+    }
+  }
+  return ids;
 }
 
-absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch) {
+absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch,
+                             std::span<const uint64_t> generations) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Free(ids, owner_epoch);
+  return ledger_.Free(ids, owner_epoch, generations);
 }
 
 absl::StatusOr<std::vector<BlockId>> BlockPool::Commit(const NamespaceId& ns, uint64_t epoch,
@@ -67,26 +82,37 @@ std::vector<CommittedBlock> BlockPool::Inventory() const {
 }
 
 absl::Status BlockPool::CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
-                                   absl::string_view field) const {
+                                   absl::string_view field,
+                                   std::span<const uint64_t> generations) const {
   absl::MutexLock lock(&mu_);
-  return ledger_.Check(ids, owner_epoch, /*writable=*/false, field);
+  return ledger_.Check(ids, owner_epoch, /*writable=*/false, field, generations);
 }
 
 absl::Status BlockPool::CheckNamespaces(
     std::span<const BlockId> ids,
-    absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check) const {
+    absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check,
+    std::span<const uint64_t> generations, std::vector<uint64_t>* bound) const {
   absl::MutexLock lock(&mu_);
+  if (absl::Status s = ledger_.CheckGenerations(ids, generations, "block_ids"); !s.ok()) return s;
   for (const BlockId id : ids) {
     const NamespaceId* ns = id < ledger_.num_blocks() ? ledger_.NamespaceOf(id) : nullptr;
     if (absl::Status s = check(id, ns); !s.ok()) return s;
+  }
+  if (bound != nullptr) {
+    bound->clear();
+    for (const BlockId id : ids) {
+      bound->push_back(id < ledger_.num_blocks() ? ledger_.generation(id) : 0);
+    }
   }
   return absl::OkStatus();
 }
 
 absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
-                                    std::span<const std::byte> bytes) {
+                                    std::span<const std::byte> bytes,
+                                    std::span<const uint64_t> generations) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/true, "block_ids"); !s.ok()) {
+  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/true, "block_ids", generations);
+      !s.ok()) {
     return s;
   }
   if (bytes.size() != ids.size() * bytes_per_block_) {
@@ -99,6 +125,80 @@ absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner
         !s.ok()) {
       return s;
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
+                             size_t* first, size_t* last) const {
+  const uint64_t total = num_ids * bytes_per_block_;
+  if (n == 0 || offset > total || n > total - offset) {
+    return absl::OutOfRangeError(absl::StrCat(field, ": bytes [", offset, ", +", n, ") leave the ",
+                                              num_ids, " blocks of ", bytes_per_block_, " bytes"));
+  }
+  *first = offset / bytes_per_block_;
+  *last = (offset + n - 1) / bytes_per_block_;
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
+                                   std::span<const uint64_t> generations, uint64_t owner_epoch,
+                                   uint64_t offset, std::span<const std::byte> bytes,
+                                   absl::string_view field) {
+  size_t first = 0, last = 0;
+  if (absl::Status s = Span(ids.size(), offset, bytes.size(), field, &first, &last); !s.ok()) {
+    return s;
+  }
+  const size_t n = last - first + 1;
+  const std::span<const uint64_t> gens =
+      generations.empty() ? generations : generations.subspan(first, n);
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s =
+          ledger_.Check(ids.subspan(first, n), owner_epoch, /*writable=*/true, field, gens);
+      !s.ok()) {
+    return s;
+  }
+  for (uint64_t done = 0; done < bytes.size();) {
+    const uint64_t pos = offset + done;
+    const uint64_t in_block = pos % bytes_per_block_;
+    const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, bytes.size() - done);
+    if (absl::Status s = backend_->CopyIn(BlockOffset(ids[pos / bytes_per_block_]) + in_block,
+                                          bytes.subspan(done, take));
+        !s.ok()) {
+      return s;
+    }
+    done += take;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
+                                  std::span<const uint64_t> generations, uint64_t owner_epoch,
+                                  uint64_t offset, std::span<std::byte> dst,
+                                  absl::string_view field) const {
+  size_t first = 0, last = 0;
+  if (absl::Status s = Span(ids.size(), offset, dst.size(), field, &first, &last); !s.ok()) {
+    return s;
+  }
+  const size_t n = last - first + 1;
+  const std::span<const uint64_t> gens =
+      generations.empty() ? generations : generations.subspan(first, n);
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s =
+          ledger_.Check(ids.subspan(first, n), owner_epoch, /*writable=*/false, field, gens);
+      !s.ok()) {
+    return s;
+  }
+  for (uint64_t done = 0; done < dst.size();) {
+    const uint64_t pos = offset + done;
+    const uint64_t in_block = pos % bytes_per_block_;
+    const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, dst.size() - done);
+    if (absl::Status s = backend_->CopyOut(BlockOffset(ids[pos / bytes_per_block_]) + in_block,
+                                           dst.subspan(done, take));
+        !s.ok()) {
+      return s;
+    }
+    done += take;
   }
   return absl::OkStatus();
 }
@@ -136,26 +236,33 @@ absl::Status BlockPool::WithCommittedBlock(
   const CommittedBlock c = ledger_.Committed(id);
   if (c.ns == nullptr || *c.ns != ns || c.page != page) {
     return absl::FailedPreconditionError(
-        absl::StrCat(field, ": block ", id, " no longer holds page ", page.ToHex(), " of ",
-                     ns.ToString(), " (evicted or reused)"));
+        // No page hash or namespace: this message reaches the puller's logs and errors.
+        absl::StrCat(field, ": block ", id,
+                     " no longer holds page the pull expects (evicted or reused)"));
   }
   return fn(backend_->base() + BlockOffset(id));
 }
 
 absl::Status BlockPool::WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
-                                          absl::FunctionRef<absl::Status(std::byte* block)> fn) {
+                                          absl::FunctionRef<absl::Status(std::byte* block)> fn,
+                                          uint64_t generation) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = ledger_.Check({&id, 1}, owner_epoch, /*writable=*/true, field); !s.ok()) {
+  const std::span<const uint64_t> gens =
+      generation == 0 ? std::span<const uint64_t>() : std::span<const uint64_t>(&generation, 1);
+  if (absl::Status s = ledger_.Check({&id, 1}, owner_epoch, /*writable=*/true, field, gens);
+      !s.ok()) {
     return s;
   }
   return fn(backend_->base() + BlockOffset(id));
 }
 
-absl::Status BlockPool::WithOwnedArena(
-    std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
-    absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
+absl::Status BlockPool::WithOwnedArena(std::span<const BlockId> ids, uint64_t owner_epoch,
+                                       absl::string_view field,
+                                       absl::FunctionRef<absl::Status(const std::byte* arena)> fn,
+                                       std::span<const uint64_t> generations) const {
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/false, field); !s.ok()) {
+  if (absl::Status s = ledger_.Check(ids, owner_epoch, /*writable=*/false, field, generations);
+      !s.ok()) {
     return s;
   }
   return fn(backend_->base());
@@ -163,12 +270,13 @@ absl::Status BlockPool::WithOwnedArena(
 
 absl::Status BlockPool::WithOwnedHostArena(
     std::span<const BlockId> ids, uint64_t owner_epoch, absl::string_view field,
-    absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const {
+    absl::FunctionRef<absl::Status(const std::byte* arena)> fn,
+    std::span<const uint64_t> generations) const {
   if (backend_->is_device()) {
     return absl::FailedPreconditionError(
         absl::StrCat("backend ", backend_->name(), " is device memory, not host memory"));
   }
-  return WithOwnedArena(ids, owner_epoch, field, fn);
+  return WithOwnedArena(ids, owner_epoch, field, fn, generations);
 }
 
 absl::Status BlockPool::CopyBlocksTo(std::span<const BlockId> ids, BlockPool& dst,

@@ -7,8 +7,12 @@
 // nothing. Byte accounting is exact: used_bytes = allocated blocks x bytes_per_block. The
 // pool never allocates device memory after Create: the backend's arena is fixed.
 //
-// WriteBlocks / ReadBlock move raw bytes between the host and allocated blocks through the
-// backend's CopyIn / CopyOut (cudaMemcpy on a device), checking ownership first.
+// WriteBlocks / WriteRange / ReadRange move raw bytes between the host and allocated blocks
+// through the backend's CopyIn / CopyOut (cudaMemcpy on a device), checking ownership first,
+// under the same lock as the copy. Every method that takes `generations` (parallel to its
+// ids; empty: not checked) also requires each block to be still in that allocation
+// (BlockLedger::CheckGenerations: ABORTED otherwise), in the same critical section as what
+// it does, so an id kept past its Free never reaches the block's next allocation.
 //
 // Thread-safe: every method locks mu_; the arena is touched only by WriteBlocks, ReadBlock
 // and the callbacks of WithOwnedArena / WithOwnedHostArena, all under mu_ and all over
@@ -55,15 +59,20 @@ class BlockPool {
   // `count` distinct free blocks, now owned by `owner_epoch` and, when `ns` is given, that
   // namespace (BlockLedger::Allocate). RESOURCE_EXHAUSTED (nothing allocated) when fewer
   // than `count` are free.
+  // With `generations`, it is set to the allocation's generation of each block. A block
+  // whose previous allocation was in another namespace (or that was never allocated) is
+  // zeroed first, so no allocation reads another tenant's bytes.
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
-                                                const NamespaceId* ns = nullptr)
+                                                const NamespaceId* ns = nullptr,
+                                                std::vector<uint64_t>* generations = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Returns allocated blocks to the free list (BlockLedger::Free): INVALID_ARGUMENT for an
   // empty list, owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
   // FAILED_PRECONDITION for a free (double free) or committed block; ABORTED for a block
   // of another owner epoch.
-  absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch,
+                    std::span<const uint64_t> generations = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The ledger's Commit, Release and FreeCommitted, under the pool's lock.
   absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
@@ -86,15 +95,22 @@ class BlockPool {
   // owner epoch. The answer may be stale as soon as it returns (another thread may Free);
   // the copy methods check again.
   absl::Status CheckOwned(std::span<const BlockId> ids, uint64_t owner_epoch,
-                          absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
+                          absl::string_view field, std::span<const uint64_t> generations = {}) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs `check` on each of `ids` in order, with the namespace it was allocated to (null for a
   // free block, one allocated without a namespace, or an id past the pool), and returns the
   // first error; nothing is changed. Holds mu_ throughout: `check` must not call the pool.
-  // The answer may be stale as soon as it returns, as CheckOwned's.
+  // The answer may be stale as soon as it returns, as CheckOwned's, but not for the
+  // generations: `generations` (empty, or 0 entries: any) are checked first in the same
+  // critical section (ABORTED for one that ended), and with `bound`, on success, it is set to
+  // each block's generation now (0 for a free block), parallel to `ids`. An allocation's
+  // namespace never changes while its generation lasts, so calls made with the bound
+  // generations act only on the allocations `check` passed.
   absl::Status CheckNamespaces(
       std::span<const BlockId> ids,
-      absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check) const
+      absl::FunctionRef<absl::Status(BlockId id, const NamespaceId* ns)> check,
+      std::span<const uint64_t> generations = {}, std::vector<uint64_t>* bound = nullptr) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Overwrites whole blocks: byte i of `bytes` goes to byte i % bytes_per_block of block
@@ -103,7 +119,25 @@ class BlockPool {
   // INVALID_ARGUMENT "bytes" unless bytes.size() == ids.size() x bytes_per_block, are
   // returned before any byte is copied. Holds mu_ while copying, so no Free interleaves.
   absl::Status WriteBlocks(std::span<const BlockId> ids, uint64_t owner_epoch,
-                           std::span<const std::byte> bytes) ABSL_LOCKS_EXCLUDED(mu_);
+                           std::span<const std::byte> bytes,
+                           std::span<const uint64_t> generations = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Writes `bytes` at byte `offset` of blocks `ids` laid end to end (byte o goes to byte
+  // o % bytes_per_block of ids[o / bytes_per_block]): one chunk of a WriteBlocks stream.
+  // Only the blocks the range touches are checked, writable as WriteBlocks and in their
+  // generations, all before any byte is copied and under the lock held for the copy.
+  // Errors name `field`; OUT_OF_RANGE when the range leaves the blocks. `generations` is
+  // parallel to `ids`, or empty (not checked).
+  absl::Status WriteRange(std::span<const BlockId> ids, std::span<const uint64_t> generations,
+                          uint64_t owner_epoch, uint64_t offset, std::span<const std::byte> bytes,
+                          absl::string_view field) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Copies dst.size() bytes at byte `offset` of blocks `ids` laid end to end into `dst`:
+  // one chunk of a ReadBlocks stream. Checks as WriteRange but readable (committed blocks
+  // of owner_epoch too); `generations` may be empty (not checked).
+  absl::Status ReadRange(std::span<const BlockId> ids, std::span<const uint64_t> generations,
+                         uint64_t owner_epoch, uint64_t offset, std::span<std::byte> dst,
+                         absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Copies dst.size() bytes of block `id`, from byte `offset_in_block`, into `dst`. Errors
   // as CheckOwned for the one id (field "block_ids"); OUT_OF_RANGE when the range leaves
@@ -131,11 +165,11 @@ class BlockPool {
 
   // Runs `fn` on the start of block `id` in the arena while holding mu_, if the block is
   // allocated to `owner_epoch` and not committed (writable, as WriteBlocks checks; errors
-  // name `field`). For copies from a transfer's staging buffer into a pulled block; `fn` as
-  // for WithCommittedBlock.
+  // name `field`) and, when `generation` is not 0, still in that allocation. For copies from
+  // a transfer's staging buffer into a pulled block; `fn` as for WithCommittedBlock.
   absl::Status WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
-                                 absl::FunctionRef<absl::Status(std::byte* block)> fn)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                 absl::FunctionRef<absl::Status(std::byte* block)> fn,
+                                 uint64_t generation = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the arena
   // (backend().base(), arena_bytes long, block b at BlockOffset(b)) while holding mu_, so no
@@ -145,14 +179,16 @@ class BlockPool {
   // synchronised) when it returns.
   absl::Status WithOwnedArena(std::span<const BlockId> ids, uint64_t owner_epoch,
                               absl::string_view field,
-                              absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const
+                              absl::FunctionRef<absl::Status(const std::byte* arena)> fn,
+                              std::span<const uint64_t> generations = {}) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // WithOwnedArena for a host backend only: FAILED_PRECONDITION (before checking `ids`) when
   // the backend is device memory, so `fn` may dereference the arena.
   absl::Status WithOwnedHostArena(std::span<const BlockId> ids, uint64_t owner_epoch,
                                   absl::string_view field,
-                                  absl::FunctionRef<absl::Status(const std::byte* arena)> fn) const
+                                  absl::FunctionRef<absl::Status(const std::byte* arena)> fn,
+                                  std::span<const uint64_t> generations = {}) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Byte offset of block `id` in the backend's arena. REQUIRES: id < num_blocks.
@@ -182,11 +218,18 @@ class BlockPool {
  private:
   BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backend);
 
+  // The blocks of `ids` that bytes [offset, offset + n) of them laid end to end touch, as
+  // [first, last] indexes into ids; OUT_OF_RANGE naming `field` when the range leaves them.
+  absl::Status Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
+                    size_t* first, size_t* last) const;
+
   const PoolGeometry geometry_;
   const uint64_t bytes_per_block_;
   const std::unique_ptr<DeviceBackend> backend_;
   mutable absl::Mutex mu_;
   BlockLedger ledger_ ABSL_GUARDED_BY(mu_);
+  // bytes_per_block zero bytes, made at the first scrub (BlockPool::Allocate).
+  std::vector<std::byte> zeros_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvcm

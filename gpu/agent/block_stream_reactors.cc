@@ -13,13 +13,20 @@ namespace kvcm {
 WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                        RpcRunner<AgentRpc>* rpc, grpc::CallbackServerContext* ctx,
                                        v1::WriteBlocksResponse* resp,
-                                       absl::StatusOr<std::shared_ptr<const Principal>> caller)
+                                       absl::StatusOr<std::shared_ptr<const Principal>> caller,
+                                       StreamLimiter* limiter)
     : stage_(options, pool), pool_(pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
   if (!caller.ok()) {
     End(caller.status());
     return;
   }
   caller_ = *std::move(caller);
+  absl::StatusOr<StreamLimiter::Slot> slot = limiter->Acquire(caller_->name);
+  if (!slot.ok()) {
+    End(slot.status());
+    return;
+  }
+  slot_ = *std::move(slot);
   StartRead(&msg_);
 }
 
@@ -38,14 +45,24 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
   if (!authorized_ && msg_.has_header()) {
     // Before the header is checked: a refused call learns nothing of the blocks.
     const v1::WriteBlocksHeader& h = msg_.header();
-    if (absl::Status s = AuthorizeBlocks(
-            *caller_, pool_, std::span<const BlockId>(h.block_ids().data(), h.block_ids_size()),
-            "write blocks");
-        !s.ok()) {
+    const std::span<const uint64_t> gens(h.block_generations().data(), h.block_generations_size());
+    absl::Status s =
+        RequireGenerations(*caller_, h.block_ids_size(), gens, "header.block_generations");
+    std::vector<uint64_t> bound;
+    if (s.ok()) {
+      s = AuthorizeBlocks(*caller_, pool_,
+                          std::span<const BlockId>(h.block_ids().data(), h.block_ids_size()),
+                          "write blocks", gens, &bound);
+    }
+    // Every chunk is written in the generations bound here.
+    if (s.ok()) s = stage_.Take(msg_, bound);
+    if (!s.ok()) {
       End(s);
       return;
     }
     authorized_ = true;
+    StartRead(&msg_);
+    return;
   }
   if (absl::Status s = stage_.Take(msg_); !s.ok()) {
     End(s);
@@ -61,7 +78,8 @@ void WriteBlocksReactor::OnSendInitialMetadataDone(bool ok) {
 WriteBlocksStage::WriteBlocksStage(const AgentOptions* options, BlockPool* pool)
     : options_(*options), pool_(*pool) {}
 
-absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
+absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg,
+                                    std::span<const uint64_t> generations) {
   if (!have_header_) {
     if (!msg.has_header()) {
       return absl::InvalidArgumentError("header must be the stream's first message");
@@ -72,10 +90,10 @@ absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
                                                      options_.max_blocks_per_call, " blocks"));
     }
     ids_.assign(h.block_ids().begin(), h.block_ids().end());
+    generations_.assign(generations.begin(), generations.end());
     owner_epoch_ = h.owner_epoch();
-    KVCM_RETURN_IF_ERROR(pool_.CheckOwned(ids_, owner_epoch_, "header.block_ids"));
+    KVCM_RETURN_IF_ERROR(pool_.CheckOwned(ids_, owner_epoch_, "header.block_ids", generations_));
     expected_bytes_ = ids_.size() * pool_.geometry().bytes_per_block();
-    staged_.reserve(expected_bytes_);
     have_header_ = true;
     return absl::OkStatus();
   }
@@ -85,20 +103,26 @@ absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data chunk must be 1..", options_.max_message_bytes, " bytes, got ", data.size()));
   }
-  if (data.size() > expected_bytes_ - staged_.size()) {
+  if (data.size() > expected_bytes_ - written_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("data exceeds ", ids_.size(), " blocks x ",
                                                    pool_.geometry().bytes_per_block(), " = ",
                                                    expected_bytes_, " bytes"));
   }
-  const auto* bytes = reinterpret_cast<const std::byte*>(data.data());
-  staged_.insert(staged_.end(), bytes, bytes + data.size());
+  KVCM_RETURN_IF_ERROR(pool_.WriteRange(ids_, generations_, owner_epoch_, written_bytes_,
+                                        std::as_bytes(std::span<const char>(data)),
+                                        "header.block_ids"));
+  written_bytes_ += data.size();
   return absl::OkStatus();
 }
 
 absl::Status WriteBlocksStage::Apply(v1::WriteBlocksResponse* resp) {
   if (!have_header_) return absl::InvalidArgumentError("header is missing (empty stream)");
-  KVCM_RETURN_IF_ERROR(pool_.WriteBlocks(ids_, owner_epoch_, staged_));
-  resp->set_bytes_written(staged_.size());
+  if (written_bytes_ != expected_bytes_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data: got ", written_bytes_, " bytes, expected ", ids_.size(), " blocks x ",
+                     pool_.geometry().bytes_per_block(), " = ", expected_bytes_));
+  }
+  resp->set_bytes_written(written_bytes_);
   return absl::OkStatus();
 }
 
@@ -118,32 +142,28 @@ absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
         absl::StrCat("block_ids must list at most ", max_blocks, " blocks"));
   }
   const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
-  return pool->CheckOwned(ids, req.owner_epoch(), "block_ids");
+  return pool->CheckOwned(
+      ids, req.owner_epoch(), "block_ids",
+      std::span<const uint64_t>(req.block_generations().data(), req.block_generations_size()));
 }
 
 absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
-                             uint64_t owner_epoch, uint64_t offset, std::string& out) {
-  const uint64_t bpb = pool.geometry().bytes_per_block();
-  const uint64_t n = out.size();
-  for (uint64_t filled = 0; filled < n;) {
-    const uint64_t pos = offset + filled;
-    const uint64_t off = pos % bpb;
-    const uint64_t take = std::min(bpb - off, n - filled);
-    KVCM_RETURN_IF_ERROR(
-        pool.ReadBlock(ids[pos / bpb], owner_epoch, off,
-                       std::as_writable_bytes(std::span<char>(out.data() + filled, take))));
-    filled += take;
-  }
-  return absl::OkStatus();
+                             std::span<const uint64_t> generations, uint64_t owner_epoch,
+                             uint64_t offset, std::string& out) {
+  return pool.ReadRange(ids, generations, owner_epoch, offset,
+                        std::as_writable_bytes(std::span<char>(out)), "block_ids");
 }
 
 ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                      RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req,
-                                     const absl::Status& access)
+                                     const absl::Status& access, StreamLimiter::Slot slot,
+                                     std::vector<uint64_t> generations)
     : pool_(pool),
       rpc_(rpc),
       chunk_bytes_(options->read_chunk_bytes),
+      slot_(std::move(slot)),
       ids_(req->block_ids().begin(), req->block_ids().end()),
+      generations_(std::move(generations)),
       owner_epoch_(req->owner_epoch()) {
   if (!access.ok()) {
     End(access);
@@ -174,7 +194,8 @@ void ReadBlocksReactor::WriteNext() {
   const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
   std::string* buf = chunk_.mutable_data();
   buf->resize(n);
-  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, owner_epoch_, sent_bytes_, *buf); !s.ok()) {
+  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, generations_, owner_epoch_, sent_bytes_, *buf);
+      !s.ok()) {
     End(s);
     return;
   }

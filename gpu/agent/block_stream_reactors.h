@@ -1,9 +1,12 @@
-// The BlockAgent stream reactors. WriteBlocksReactor reads the header, stages the data chunks
-// in host memory (bounded by the header's block count) and applies them with one
-// BlockPool::WriteBlocks when the client half-closes, so an error at any point leaves the
-// blocks untouched. ReadBlocksReactor checks every block first, then streams the blocks' bytes
-// in chunks of read_chunk_bytes, one write in flight at a time. Both record their outcome
-// through the RpcRunner when they finish and delete themselves in OnDone.
+// The BlockAgent stream reactors. WriteBlocksReactor reads the header, then writes each data
+// chunk into its blocks as it arrives (BlockPool::WriteRange), so a stream holds at most one
+// message. ReadBlocksReactor checks every block first, then streams the blocks' bytes in
+// chunks of read_chunk_bytes (BlockPool::ReadRange), one write in flight at a time. Every
+// chunk, both ways, checks the blocks' generations under the lock its copy holds: a block
+// freed (and reallocated) mid-stream ends the stream ABORTED, touching none of the new
+// allocation's bytes. Each stream holds a StreamLimiter slot of its caller until OnDone.
+// Both record their outcome through the RpcRunner when they finish and delete themselves in
+// OnDone.
 //
 // Thread-safe: gRPC runs a reactor's callbacks one at a time.
 #ifndef KVCM_GPU_AGENT_BLOCK_STREAM_REACTORS_H_
@@ -26,11 +29,12 @@
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/agent_options.h"
 #include "gpu/agent/block_pool.h"
+#include "gpu/agent/stream_limiter.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 
 namespace kvcm {
 
-// The checks and staging of one WriteBlocks call, without gRPC: Take each message as it
+// The checks and writes of one WriteBlocks call, without gRPC: Take each message as it
 // arrives, Apply when the client half-closes. Not thread-safe (one call's messages arrive
 // one at a time).
 class WriteBlocksStage {
@@ -38,12 +42,15 @@ class WriteBlocksStage {
   // Writes into `pool`. `options` and `pool` are not owned and must outlive the stage.
   WriteBlocksStage(const AgentOptions* options, BlockPool* pool);
 
-  // Checks and stages one message: the first must be the header (at most
-  // max_blocks_per_call blocks, each owned in its owner_epoch), the others data chunks of
-  // 1..max_message_bytes bytes, together at most the header's blocks' bytes.
-  // INVALID_ARGUMENT (or the pool's error) otherwise.
-  absl::Status Take(const v1::WriteBlocksRequest& msg);
-  // Writes the staged bytes into the header's blocks and sets resp->bytes_written.
+  // Checks one message: the first must be the header (at most max_blocks_per_call blocks,
+  // each owned in its owner_epoch, in `generations`: those authorization bound, parallel to
+  // the header's ids, or empty: not checked), the others
+  // data chunks of 1..max_message_bytes bytes, together at most the header's blocks' bytes;
+  // INVALID_ARGUMENT (or the pool's error) otherwise. A data chunk is written into its
+  // blocks at once (BlockPool::WriteRange: ABORTED for a block whose allocation ended).
+  absl::Status Take(const v1::WriteBlocksRequest& msg, std::span<const uint64_t> generations = {});
+  // At the end of the stream: INVALID_ARGUMENT unless every byte of the header's blocks
+  // came; sets resp->bytes_written.
   absl::Status Apply(v1::WriteBlocksResponse* resp);
 
  private:
@@ -51,9 +58,10 @@ class WriteBlocksStage {
   BlockPool& pool_;
   bool have_header_ = false;
   std::vector<BlockId> ids_;
+  std::vector<uint64_t> generations_;  // parallel to ids_, or empty (not checked)
   uint64_t owner_epoch_ = 0;
   uint64_t expected_bytes_ = 0;
-  std::vector<std::byte> staged_;
+  uint64_t written_bytes_ = 0;
 };
 
 // The checks of a ReadBlocks request read from `pool` (null when the agent has no pool of
@@ -66,16 +74,19 @@ absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
 // read one after the other. REQUIRES: CheckReadBlocks passed, offset + out.size() within
 // ids.size() blocks.
 absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
-                             uint64_t owner_epoch, uint64_t offset, std::string& out);
+                             std::span<const uint64_t> generations, uint64_t owner_epoch,
+                             uint64_t offset, std::string& out);
 
 class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
  public:
   // Writes into `pool` for `caller` (or ends with its error, reading nothing), once the
-  // header's blocks pass AuthorizeBlocks. `options`, `pool` and `rpc` are not owned and must
-  // outlive the call.
+  // header's blocks pass AuthorizeBlocks, holding a slot of `limiter` for the caller (or
+  // ending with RESOURCE_EXHAUSTED). `options`, `pool`, `rpc` and `limiter` are not owned and
+  // must outlive the call.
   WriteBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
                      grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp,
-                     absl::StatusOr<std::shared_ptr<const Principal>> caller);
+                     absl::StatusOr<std::shared_ptr<const Principal>> caller,
+                     StreamLimiter* limiter);
 
   void OnReadDone(bool ok) override;
   void OnSendInitialMetadataDone(bool ok) override;
@@ -86,6 +97,7 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
   void End(const absl::Status& status);
 
   WriteBlocksStage stage_;
+  StreamLimiter::Slot slot_;
   BlockPool* const pool_;
   std::shared_ptr<const Principal> caller_;
   bool authorized_ = false;
@@ -99,11 +111,14 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
  public:
   // Reads from `pool`, the pool req->tier names, or null when the agent has no such pool (the
   // call then fails with INVALID_ARGUMENT). A failed `access` (the caller's authentication
-  // or authorization) ends the call with it before anything is read. `options`, `pool` and
-  // `rpc` are not owned and must outlive the call.
+  // or authorization, or its stream slot) ends the call with it before anything is read.
+  // `slot` is held until OnDone. `options`, `pool` and `rpc` are not owned and must outlive
+  // the call.
+  // Every chunk is read in `generations` (parallel to req->block_ids, as authorization bound
+  // them; empty: not checked).
   ReadBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
-                    const v1::ReadBlocksRequest* req,
-                    const absl::Status& access = absl::OkStatus());
+                    const v1::ReadBlocksRequest* req, const absl::Status& access = absl::OkStatus(),
+                    StreamLimiter::Slot slot = {}, std::vector<uint64_t> generations = {});
 
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
@@ -117,7 +132,9 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   BlockPool* const pool_;
   RpcRunner<AgentRpc>* const rpc_;
   const uint64_t chunk_bytes_;
+  StreamLimiter::Slot slot_;
   const std::vector<BlockId> ids_;
+  const std::vector<uint64_t> generations_;  // parallel to ids_, or empty (not checked)
   const uint64_t owner_epoch_;
   uint64_t total_bytes_ = 0;
   uint64_t sent_bytes_ = 0;

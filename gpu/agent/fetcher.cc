@@ -26,7 +26,8 @@ struct Fetcher::Job {
   BlockPool* pool = nullptr;
   Tier tier = Tier::kGpu;
   uint64_t epoch = 0;
-  std::vector<BlockId> fetched;  // this pool's new blocks, one per source block
+  std::vector<BlockId> fetched;       // this pool's new blocks, one per source block
+  std::vector<uint64_t> generations;  // of their allocations, parallel to fetched
 };
 
 Fetcher::Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const AgentEpoch* epoch,
@@ -89,8 +90,8 @@ void Fetcher::OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> a
   if (!address.ok()) return done(address.status());
   const v1::FetchRequest& req = job->req;
   job->epoch = epoch_->current();
-  absl::StatusOr<std::vector<BlockId>> blocks =
-      job->pool->Allocate(static_cast<uint32_t>(req.source_block_ids_size()), job->epoch, &job->ns);
+  absl::StatusOr<std::vector<BlockId>> blocks = job->pool->Allocate(
+      static_cast<uint32_t>(req.source_block_ids_size()), job->epoch, &job->ns, &job->generations);
   if (!blocks.ok()) return done(blocks.status());
   job->fetched = *std::move(blocks);
 
@@ -105,7 +106,8 @@ void Fetcher::OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> a
                 .pages = {all.begin() + local, all.end()},
                 .dst = job->pool,
                 .dst_blocks = job->fetched,
-                .dst_owner_epoch = job->epoch};
+                .dst_owner_epoch = job->epoch,
+                .dst_generations = job->generations};
   transport_->Pull(std::move(spec), [this, job, done = std::move(done)](
                                         absl::StatusOr<TransferStats> pulled) mutable {
     OnPulled(*job, std::move(pulled), std::move(done));
@@ -116,7 +118,7 @@ void Fetcher::OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, Fet
   metrics_->RecordTransfer(pulled.status(), pulled.ok() ? pulled->bytes : 0,
                            pulled.ok() ? pulled->elapsed : absl::ZeroDuration());
   if (!pulled.ok()) {
-    FreeQuietly(job.pool, job.fetched, job.epoch);
+    FreeQuietly(job.pool, job.fetched, job.epoch, job.generations);
     const absl::StatusCode code = pulled.status().code();
     if (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded) {
       return done(pulled.status());
@@ -146,7 +148,7 @@ void Fetcher::OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, Fet
     // Refused or released by the manager before it answered: the blocks are ours again. A
     // timeout may leave them committed and indexed; then the Free fails and the cache owns
     // them, as it should.
-    FreeQuietly(job.pool, job.fetched, job.epoch);
+    FreeQuietly(job.pool, job.fetched, job.epoch, job.generations);
     return done(absl::Status(s.code(), absl::StrCat("indexing the fetched pages: ", s.message())));
   }
   // Pages the pool held already (another fetch won): their index blocks stay, ours go.
@@ -154,19 +156,24 @@ void Fetcher::OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, Fet
                      .bytes = pulled->bytes};
   const size_t local = job.req.local_block_ids_size();
   std::vector<BlockId> spare;
+  std::vector<uint64_t> spare_generations;
   for (int i = 0; i < insert.block_ids_size(); ++i) {
     const BlockId ours = insert.block_ids(i);
     const BlockId held = i < answer.existing_block_ids_size() ? answer.existing_block_ids(i) : ours;
     result.block_ids.push_back(held);
-    if (held != ours && static_cast<size_t>(i) >= local) spare.push_back(ours);
+    if (held != ours && static_cast<size_t>(i) >= local) {
+      spare.push_back(ours);
+      spare_generations.push_back(job.generations[i - local]);
+    }
   }
-  FreeQuietly(job.pool, spare, job.epoch);
+  FreeQuietly(job.pool, spare, job.epoch, spare_generations);
   done(std::move(result));
 }
 
-void Fetcher::FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch) {
+void Fetcher::FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch,
+                          const std::vector<uint64_t>& generations) {
   if (ids.empty()) return;
-  if (absl::Status s = pool->Free(ids, epoch); !s.ok()) {
+  if (absl::Status s = pool->Free(ids, epoch, generations); !s.ok()) {
     LogWarning(absl::StrCat("fetch: freeing ", ids.size(), " blocks: ", s.ToString()));
   }
 }

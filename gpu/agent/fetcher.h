@@ -55,7 +55,9 @@ class Fetcher {
   struct Job;
   void OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> address, FetchDone done);
   void OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, FetchDone done);
-  void FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch);
+  // Frees `ids` of their allocations `generations` (parallel), logging a failure.
+  void FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch,
+                   const std::vector<uint64_t>& generations);
 
   const std::string agent_id_;
   const Tier main_tier_;

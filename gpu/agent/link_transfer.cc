@@ -78,7 +78,10 @@ absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, Blo
       socket_staging.resize(block_bytes);
       if (absl::Status s = RecvAll(conn, socket_staging.data(), block_bytes); !s.ok()) return s;
       if (absl::Status s =
-              spec.dst->WriteBlocks({&spec.dst_blocks[i], 1}, spec.dst_owner_epoch, socket_staging);
+              spec.dst->WriteBlocks({&spec.dst_blocks[i], 1}, spec.dst_owner_epoch, socket_staging,
+                                    spec.dst_generations.empty()
+                                        ? std::span<const uint64_t>()
+                                        : std::span<const uint64_t>(&spec.dst_generations[i], 1));
           !s.ok()) {
         return s;
       }
@@ -105,7 +108,8 @@ absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, Blo
       // The pool's lock is held for this block's copy out of staging only.
       absl::Status s = spec.dst->WithWritableBlock(
           spec.dst_blocks[i], spec.dst_owner_epoch, absl::StrCat("dst_blocks[", i, "]"),
-          [&](std::byte* block) { return link->StageOut(j * block_bytes, block, block_bytes); });
+          [&](std::byte* block) { return link->StageOut(j * block_bytes, block, block_bytes); },
+          spec.dst_generations.empty() ? 0 : spec.dst_generations[i]);
       if (!s.ok()) return s;
     }
   }

@@ -80,6 +80,8 @@ ABSL_FLAG(uint64_t, max_message_bytes, kDefaults.max_message_bytes,
           "Largest BlockAgent request message, in bytes.");
 ABSL_FLAG(uint64_t, read_chunk_bytes, kDefaults.read_chunk_bytes,
           "Bytes per ReadBlocks response message.");
+ABSL_FLAG(uint32_t, max_streams_per_principal, kDefaults.max_streams_per_principal,
+          "Most WriteBlocks + ReadBlocks streams one principal may have open at once.");
 ABSL_FLAG(std::string, tls_cert_file, kDefaults.tls_cert_file,
           "PEM certificate of this agent: its BlockAgent and data ports, and its client "
           "certificate to the manager and peers (mutual TLS, with tls_key_file, tls_ca_file).");
@@ -176,6 +178,7 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.max_blocks_per_call = absl::GetFlag(FLAGS_max_blocks_per_call);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.read_chunk_bytes = absl::GetFlag(FLAGS_read_chunk_bytes);
+  o.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
   o.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);

@@ -152,19 +152,60 @@ absl::Status DecodeOnDevice(const DeviceBackend& backend, const gpu::MlaDecodePa
 #endif
 }
 
+// The generation of each block of `distinct` (sorted, as PrepareDecode leaves it), from
+// req.block_generations: INVALID_ARGUMENT "block_generations" for a shape unlike
+// block_table's or a block listed with two generations.
+absl::StatusOr<std::vector<uint64_t>> DistinctGenerations(const PoolAttentionRequest& req,
+                                                          const std::vector<BlockId>& distinct) {
+  if (req.block_generations.size() != req.block_table.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_generations: ", req.block_generations.size(), " rows for ",
+                     req.block_table.size(), " rows of block_table"));
+  }
+  std::vector<uint64_t> out(distinct.size(), 0);
+  for (size_t b = 0; b < req.block_table.size(); ++b) {
+    const std::vector<BlockId>& row = req.block_table[b];
+    if (req.block_generations[b].size() != row.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("block_generations[", b,
+                                                     "]: ", req.block_generations[b].size(),
+                                                     " generations for ", row.size(), " blocks"));
+    }
+    for (size_t i = 0; i < row.size(); ++i) {
+      const size_t k =
+          std::lower_bound(distinct.begin(), distinct.end(), row[i]) - distinct.begin();
+      const uint64_t g = req.block_generations[b][i];
+      if (out[k] != 0 && out[k] != g) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block_generations[", b, "][", i, "]: block ", row[i],
+                         " listed with generations ", out[k], " and ", g));
+      }
+      out[k] = g;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<PoolAttentionResult> RunMlaDecodeOnPool(const BlockPool& pool,
                                                        const PoolAttentionRequest& req) {
   PoolDecode d;
   if (absl::Status s = PrepareDecode(pool, req, &d); !s.ok()) return s;
+  std::vector<uint64_t> generations;  // parallel to d.distinct
+  if (!req.block_generations.empty()) {
+    absl::StatusOr<std::vector<uint64_t>> g = DistinctGenerations(req, d.distinct);
+    if (!g.ok()) return g.status();
+    generations = *std::move(g);
+  }
   const DeviceBackend& backend = pool.backend();
-  absl::Status run =
-      pool.WithOwnedArena(d.distinct, req.owner_epoch, "block_table", [&](const std::byte* arena) {
+  absl::Status run = pool.WithOwnedArena(
+      d.distinct, req.owner_epoch, "block_table",
+      [&](const std::byte* arena) {
         d.params.kv_cache = arena + d.layer_offset;
         return backend.is_device() ? DecodeOnDevice(backend, d.params)
                                    : gpu::MlaDecodeCpu(d.params);
-      });
+      },
+      generations);
   if (!run.ok()) return run;
   PoolAttentionResult result;
   result.output.resize(d.out.size());

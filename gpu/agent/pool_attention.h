@@ -34,6 +34,10 @@ struct PoolAttentionRequest {
   uint32_t num_heads = 0;      // 1..kMaxHeads
   uint32_t layer = 0;          // < spec.num_layers
   uint64_t owner_epoch = 0;    // every listed block must be allocated to it
+  // Parallel to block_table (row by row), the generation each block was allocated in,
+  // checked under the lock the kernel runs under (ABORTED for an allocation that ended);
+  // empty: not checked.
+  std::vector<std::vector<uint64_t>> block_generations;
 
   static constexpr size_t kMaxBatch = 1024;
   static constexpr uint32_t kMaxHeads = 128;

@@ -292,7 +292,8 @@ class TcpTransport final : public Transport {
 
   absl::StatusOr<uint64_t> RunPull(const PullSpec& spec) {
     const size_t n = spec.peer_blocks.size();
-    if (spec.dst == nullptr || n == 0 || spec.pages.size() != n || spec.dst_blocks.size() != n) {
+    if (spec.dst == nullptr || n == 0 || spec.pages.size() != n || spec.dst_blocks.size() != n ||
+        (!spec.dst_generations.empty() && spec.dst_generations.size() != n)) {
       return absl::InvalidArgumentError(
           "a pull needs a destination pool and one page and one destination block per peer "
           "block");

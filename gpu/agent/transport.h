@@ -41,6 +41,9 @@ struct PullSpec {
   BlockPool* dst = nullptr;         // not owned; must outlive the pull
   std::vector<BlockId> dst_blocks;  // allocated to dst_owner_epoch, one per peer block
   uint64_t dst_owner_epoch = 0;
+  // The generations of dst_blocks' allocations, parallel to them (empty: not checked): a
+  // destination block freed mid-pull fails the pull before its bytes are copied.
+  std::vector<uint64_t> dst_generations;
 };
 
 struct TransferStats {
