@@ -91,6 +91,19 @@ TEST(StreamLimitsRpcTest, StreamsBeyondThePrincipalCapAreRefusedNamingTheOption)
   bool reopened = false;
   for (int i = 0; i < 20 && !reopened; ++i) reopened = open(kOps);
   EXPECT_TRUE(reopened);
+
+  // Stats reports the limits in force.
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kOps));
+  v1::StatsRequest req;
+  v1::StatsResponse stats;
+  ASSERT_TRUE(stub->Stats(&ctx, req, &stats).ok());
+  EXPECT_EQ(stats.limits().max_streams_per_principal(), 2u);
+  EXPECT_EQ(stats.limits().grpc_handshake_timeout_ms(), o.grpc_handshake_timeout_ms);
+  EXPECT_EQ(stats.limits().grpc_max_concurrent_streams(), o.grpc_max_concurrent_streams);
+  EXPECT_EQ(stats.limits().grpc_max_connections_per_peer(), o.grpc_max_connections_per_peer);
+  EXPECT_GT(stats.limits().grpc_max_connections(), 0u);
+  EXPECT_LE(stats.limits().grpc_max_connections(), o.grpc_max_connections);
   (*server)->Shutdown();
   std::remove(tokens.c_str());
 }

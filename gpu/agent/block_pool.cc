@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace kvcm {
 
@@ -141,6 +142,19 @@ absl::Status BlockPool::Span(size_t num_ids, uint64_t offset, uint64_t n, absl::
   return absl::OkStatus();
 }
 
+absl::Status BlockPool::ForEachPiece(
+    std::span<const BlockId> ids, uint64_t offset, uint64_t n,
+    absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn) const {
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t pos = offset + done;
+    const uint64_t in_block = pos % bytes_per_block_;
+    const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, n - done);
+    KVCM_RETURN_IF_ERROR(fn(BlockOffset(ids[pos / bytes_per_block_]) + in_block, done, take));
+    done += take;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
                                    std::span<const uint64_t> generations, uint64_t owner_epoch,
                                    uint64_t offset, std::span<const std::byte> bytes,
@@ -158,18 +172,10 @@ absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
       !s.ok()) {
     return s;
   }
-  for (uint64_t done = 0; done < bytes.size();) {
-    const uint64_t pos = offset + done;
-    const uint64_t in_block = pos % bytes_per_block_;
-    const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, bytes.size() - done);
-    if (absl::Status s = backend_->CopyIn(BlockOffset(ids[pos / bytes_per_block_]) + in_block,
-                                          bytes.subspan(done, take));
-        !s.ok()) {
-      return s;
-    }
-    done += take;
-  }
-  return absl::OkStatus();
+  return ForEachPiece(ids, offset, bytes.size(),
+                      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
+                        return backend_->CopyIn(arena_offset, bytes.subspan(done, take));
+                      });
 }
 
 absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
@@ -189,18 +195,10 @@ absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
       !s.ok()) {
     return s;
   }
-  for (uint64_t done = 0; done < dst.size();) {
-    const uint64_t pos = offset + done;
-    const uint64_t in_block = pos % bytes_per_block_;
-    const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, dst.size() - done);
-    if (absl::Status s = backend_->CopyOut(BlockOffset(ids[pos / bytes_per_block_]) + in_block,
-                                           dst.subspan(done, take));
-        !s.ok()) {
-      return s;
-    }
-    done += take;
-  }
-  return absl::OkStatus();
+  return ForEachPiece(ids, offset, dst.size(),
+                      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
+                        return backend_->CopyOut(arena_offset, dst.subspan(done, take));
+                      });
 }
 
 absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,

@@ -220,6 +220,13 @@ class BlockPool {
 
   // The blocks of `ids` that bytes [offset, offset + n) of them laid end to end touch, as
   // [first, last] indexes into ids; OUT_OF_RANGE naming `field` when the range leaves them.
+  // Calls fn(arena offset, bytes done, bytes to take) for each piece of the byte range
+  // [offset, offset + n) of the concatenated blocks `ids`, one piece per block it touches, in
+  // order; stops at fn's first error. REQUIRES: the range was checked by Span.
+  absl::Status ForEachPiece(
+      std::span<const BlockId> ids, uint64_t offset, uint64_t n,
+      absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn)
+      const;
   absl::Status Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
                     size_t* first, size_t* last) const;
 

@@ -110,7 +110,18 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
     hub->Publish(event);
     block_commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
   });
+  const ServerLimitsOptions conn_limits = opts.Limits();
+  const uint64_t fd_limit = RaiseFileLimit();
+  const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
+  LogInfo(absl::StrCat("gRPC connection limits: ", max_connections, " connections (",
+                       conn_limits.max_connections_per_peer, " per peer address) of ", fd_limit,
+                       " fds; handshake within ", conn_limits.handshake_timeout_ms, " ms"));
   RequestLimits limits;
+  limits.max_streams_per_principal = opts.max_streams_per_principal;
+  limits.grpc_max_connections = max_connections;
+  limits.grpc_max_connections_per_peer = conn_limits.max_connections_per_peer;
+  limits.grpc_handshake_timeout_ms = conn_limits.handshake_timeout_ms;
+  limits.grpc_max_concurrent_streams = conn_limits.max_concurrent_streams;
   limits.max_tokens_per_request = opts.max_tokens_per_request;
   limits.max_pages_per_request = opts.max_pages_per_request;
   limits.max_lease_ttl_ms = opts.max_lease_ttl_ms;
@@ -149,13 +160,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   // silently; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes));
-  const ServerLimitsOptions conn_limits = opts.Limits();
   ApplyServerLimits(conn_limits, &builder);
-  const uint64_t fd_limit = RaiseFileLimit();
-  const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
-  LogInfo(absl::StrCat("gRPC connection limits: ", max_connections, " connections (",
-                       conn_limits.max_connections_per_peer, " per peer address) of ", fd_limit,
-                       " fds; handshake within ", conn_limits.handshake_timeout_ms, " ms"));
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->agent_service_.get());
   s->server_ = builder.BuildAndStart();

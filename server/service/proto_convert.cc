@@ -472,6 +472,11 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   l->set_default_tenant_pool_share_pct(stats.default_tenant_pool_share_pct);
   l->set_max_engine_pages_per_engine(stats.max_engine_pages_per_engine);
   l->set_max_engine_pages_per_tenant(stats.max_engine_pages_per_tenant);
+  l->set_max_streams_per_principal(limits.max_streams_per_principal);
+  l->set_grpc_max_connections(limits.grpc_max_connections);
+  l->set_grpc_max_connections_per_peer(limits.grpc_max_connections_per_peer);
+  l->set_grpc_handshake_timeout_ms(limits.grpc_handshake_timeout_ms);
+  l->set_grpc_max_concurrent_streams(limits.grpc_max_concurrent_streams);
 }
 
 absl::StatusOr<std::optional<NamespaceId>> WatchFilterFromProto(const v1::WatchEventsRequest& req) {

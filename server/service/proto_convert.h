@@ -28,12 +28,19 @@
 
 namespace kvcm {
 
-// Per-request size limits (from ServerOptions), enforced on every call and reported by Stats.
+// Per-request size limits (from ServerOptions), enforced on every call and reported by Stats,
+// with the connection and stream limits in force (reported only; enforced by gRPC, the accept4
+// guard and the stream slots: common/server_limits.h, common/stream_slots.h).
 struct RequestLimits {
   uint32_t max_tokens_per_request = 1u << 20;
   uint32_t max_pages_per_request = 65'536;
   uint32_t max_lease_ttl_ms = 600'000;
   uint32_t default_lease_ttl_ms = 30'000;
+  uint32_t max_streams_per_principal = 0;
+  uint32_t grpc_max_connections = 0;  // after the RLIMIT_NOFILE cap
+  uint32_t grpc_max_connections_per_peer = 0;
+  uint32_t grpc_handshake_timeout_ms = 0;
+  uint32_t grpc_max_concurrent_streams = 0;
 };
 
 // ---- Shared types. `field` is the path used in error messages, e.g. "namespace". ----
