@@ -143,8 +143,17 @@ absl::Status BlockPool::Span(size_t num_ids, uint64_t offset, uint64_t n, absl::
 }
 
 absl::Status BlockPool::ForEachPiece(
-    std::span<const BlockId> ids, uint64_t offset, uint64_t n,
+    std::span<const BlockId> ids, std::span<const uint64_t> generations, uint64_t owner_epoch,
+    uint64_t offset, uint64_t n, bool writable, absl::string_view field,
     absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn) const {
+  size_t first = 0, last = 0;
+  KVCM_RETURN_IF_ERROR(Span(ids.size(), offset, n, field, &first, &last));
+  const size_t count = last - first + 1;
+  const std::span<const uint64_t> gens =
+      generations.empty() ? generations : generations.subspan(first, count);
+  absl::MutexLock lock(&mu_);
+  KVCM_RETURN_IF_ERROR(
+      ledger_.Check(ids.subspan(first, count), owner_epoch, writable, field, gens));
   for (uint64_t done = 0; done < n;) {
     const uint64_t pos = offset + done;
     const uint64_t in_block = pos % bytes_per_block_;
@@ -159,20 +168,7 @@ absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
                                    std::span<const uint64_t> generations, uint64_t owner_epoch,
                                    uint64_t offset, std::span<const std::byte> bytes,
                                    absl::string_view field) {
-  size_t first = 0, last = 0;
-  if (absl::Status s = Span(ids.size(), offset, bytes.size(), field, &first, &last); !s.ok()) {
-    return s;
-  }
-  const size_t n = last - first + 1;
-  const std::span<const uint64_t> gens =
-      generations.empty() ? generations : generations.subspan(first, n);
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s =
-          ledger_.Check(ids.subspan(first, n), owner_epoch, /*writable=*/true, field, gens);
-      !s.ok()) {
-    return s;
-  }
-  return ForEachPiece(ids, offset, bytes.size(),
+  return ForEachPiece(ids, generations, owner_epoch, offset, bytes.size(), /*writable=*/true, field,
                       [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
                         return backend_->CopyIn(arena_offset, bytes.subspan(done, take));
                       });
@@ -182,20 +178,7 @@ absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
                                   std::span<const uint64_t> generations, uint64_t owner_epoch,
                                   uint64_t offset, std::span<std::byte> dst,
                                   absl::string_view field) const {
-  size_t first = 0, last = 0;
-  if (absl::Status s = Span(ids.size(), offset, dst.size(), field, &first, &last); !s.ok()) {
-    return s;
-  }
-  const size_t n = last - first + 1;
-  const std::span<const uint64_t> gens =
-      generations.empty() ? generations : generations.subspan(first, n);
-  absl::MutexLock lock(&mu_);
-  if (absl::Status s =
-          ledger_.Check(ids.subspan(first, n), owner_epoch, /*writable=*/false, field, gens);
-      !s.ok()) {
-    return s;
-  }
-  return ForEachPiece(ids, offset, dst.size(),
+  return ForEachPiece(ids, generations, owner_epoch, offset, dst.size(), /*writable=*/false, field,
                       [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
                         return backend_->CopyOut(arena_offset, dst.subspan(done, take));
                       });

@@ -220,13 +220,15 @@ class BlockPool {
 
   // The blocks of `ids` that bytes [offset, offset + n) of them laid end to end touch, as
   // [first, last] indexes into ids; OUT_OF_RANGE naming `field` when the range leaves them.
-  // Calls fn(arena offset, bytes done, bytes to take) for each piece of the byte range
-  // [offset, offset + n) of the concatenated blocks `ids`, one piece per block it touches, in
-  // order; stops at fn's first error. REQUIRES: the range was checked by Span.
+  // Checks the blocks the byte range [offset, offset + n) of the concatenated blocks `ids`
+  // touches (Span, then the ledger's Check with their `generations`, writable or readable),
+  // then, holding mu_, calls fn(arena offset, bytes done, bytes to take) for each piece of the
+  // range, one per block, in order; stops at fn's first error. `fn` must not call the pool.
   absl::Status ForEachPiece(
-      std::span<const BlockId> ids, uint64_t offset, uint64_t n,
-      absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn)
-      const;
+      std::span<const BlockId> ids, std::span<const uint64_t> generations, uint64_t owner_epoch,
+      uint64_t offset, uint64_t n, bool writable, absl::string_view field,
+      absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
                     size_t* first, size_t* last) const;
 
