@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -19,6 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/log.h"
+#include "grpc/support/log.h"
 
 namespace kvcm {
 namespace {
@@ -189,7 +192,33 @@ class AcceptGuard {
   AcceptGuardCounters counters_ ABSL_GUARDED_BY(mu_);
 };
 
+std::atomic<LogRateLimiter*> grpc_log_limiter{nullptr};
+
+void LogGrpcLine(gpr_log_func_args* args) {
+  LogRateLimiter* limiter = grpc_log_limiter.load(std::memory_order_acquire);
+  const LogSeverity severity = args->severity == GPR_LOG_SEVERITY_ERROR  ? LogSeverity::kError
+                               : args->severity == GPR_LOG_SEVERITY_INFO ? LogSeverity::kInfo
+                                                                         : LogSeverity::kWarning;
+  // gRPC's file names are build paths ("./src/core/..."); the base name is enough.
+  absl::string_view file = args->file != nullptr ? args->file : "";
+  if (const size_t slash = file.rfind('/'); slash != absl::string_view::npos) {
+    file.remove_prefix(slash + 1);
+  }
+  limiter->Log(severity, absl::StrCat("grpc ", file, ":", args->line, " ", args->message));
+}
+
 }  // namespace
+
+void RateLimitGrpcLog(int max_lines_per_second) {
+  static LogRateLimiter* const limiter = new LogRateLimiter(max_lines_per_second, absl::Seconds(1));
+  grpc_log_limiter.store(limiter, std::memory_order_release);
+  gpr_set_log_function(&LogGrpcLine);
+}
+
+uint64_t SuppressedGrpcLogLines() {
+  LogRateLimiter* limiter = grpc_log_limiter.load(std::memory_order_acquire);
+  return limiter == nullptr ? 0 : limiter->suppressed_total();
+}
 
 absl::Status ServerLimitsOptions::Validate(absl::string_view prefix) const {
   if (handshake_timeout_ms < 100 || handshake_timeout_ms > 120'000) {

@@ -96,6 +96,17 @@ struct AcceptGuardCounters {
 };
 AcceptGuardCounters GetAcceptGuardCounters();
 
+// Sends gRPC's own log lines through kvcm's logger at most `max_lines_per_second` a second,
+// counting the rest. gRPC 1.51 logs an ERROR line for every TLS handshake that times out, so
+// without this a flood of idle connections writes a line per connection, and once stderr is a
+// pipe nobody drains, gRPC's timer thread blocks in that write and no handshake deadline
+// fires again (the flood then holds its sockets for good). Process-wide; call before the
+// server starts.
+void RateLimitGrpcLog(int max_lines_per_second = 20);
+
+// gRPC log lines RateLimitGrpcLog dropped since it was called.
+uint64_t SuppressedGrpcLogLines();
+
 }  // namespace kvcm
 
 #endif  // KVCM_COMMON_SERVER_LIMITS_H_

@@ -14,6 +14,8 @@
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "grpc/support/log.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {
@@ -51,6 +53,16 @@ TEST(ServerLimitsOptionsTest, ErrorsNameTheOptionWithItsPrefix) {
     EXPECT_TRUE(absl::IsInvalidArgument(s)) << c.name;
     EXPECT_THAT(s.message(), HasSubstr(c.name));
   }
+}
+
+TEST(ServerLimitsTest, GrpcLogLinesOverTheRateAreCountedNotWritten) {
+  grpc_init();  // reads GRPC_VERBOSITY; gpr_log prints nothing before
+  RateLimitGrpcLog(5);
+  const uint64_t before = SuppressedGrpcLogLines();
+  for (int i = 0; i < 50; ++i) gpr_log(GPR_ERROR, "line %d of a flood", i);
+  // At most 5 a second get through; the test runs well within two seconds.
+  EXPECT_GE(SuppressedGrpcLogLines() - before, 40u);
+  grpc_shutdown();
 }
 
 TEST(ServerLimitsTest, RaiseFileLimitReachesTheHardLimit) {

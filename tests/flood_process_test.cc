@@ -259,6 +259,18 @@ double Sample(int metrics_port, absl::string_view prefix) {
   return -1;
 }
 
+// gRPC logs a line for every handshake that times out: the server lets through at most 20
+// a second (RateLimitGrpcLog), so two floods of thousands write hundreds of lines at most.
+void ExpectGrpcLogWasRateLimited(const std::string& err) {
+  int grpc_lines = 0;
+  for (absl::string_view line : absl::StrSplit(err, '\n')) {
+    if (absl::StrContains(line, "] grpc ")) ++grpc_lines;
+  }
+  std::printf("gRPC log lines: %d\n", grpc_lines);
+  EXPECT_GT(grpc_lines, 0);
+  EXPECT_LT(grpc_lines, 1'000);
+}
+
 TEST(FloodProcessTest, ManagerKeepsServingAndAcceptsAgainAfterAnIdleFlood) {
   const int port = FreePort();
   const int metrics_port = FreePort();
@@ -274,10 +286,14 @@ TEST(FloodProcessTest, ManagerKeepsServingAndAcceptsAgainAfterAnIdleFlood) {
   std::printf("refused: %.0f over grpc_max_connections, %.0f over the per-peer cap\n", over_total,
               over_peer);
   EXPECT_GT(over_total + over_peer, 0);
+  const double log_suppressed = Sample(metrics_port, "kvcm_grpc_log_lines_suppressed_total");
+  std::printf("gRPC log lines suppressed: %.0f\n", log_suppressed);
+  EXPECT_GT(log_suppressed, 1'000);
   manager->Signal(SIGTERM);
   testing::ProcessResult r = manager->Finish(absl::Seconds(15));
   EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();
   EXPECT_THAT(r.err, HasSubstr("gRPC connection limits: 3072 connections"));
+  ExpectGrpcLogWasRateLimited(r.err);
 }
 
 TEST(FloodProcessTest, AgentBlockAgentPortKeepsServingAndAcceptsAgainAfterAnIdleFlood) {
@@ -297,6 +313,7 @@ TEST(FloodProcessTest, AgentBlockAgentPortKeepsServingAndAcceptsAgainAfterAnIdle
   testing::ProcessResult r = agent->Finish(absl::Seconds(15));
   EXPECT_TRUE(r.exited && r.exit_code == 0) << r.Describe();
   EXPECT_THAT(r.err, HasSubstr("BlockAgent connection limits: 3072 connections"));
+  ExpectGrpcLogWasRateLimited(r.err);
 }
 
 // The Match of 2^20 token ids (about 4 MB) an unauthenticated client sends.

@@ -13,11 +13,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -50,7 +56,7 @@ struct ProcessResult {
 };
 
 // A child process. Output goes to two pipes (captured by Finish) or, with a log path, to
-// that file. Not thread-safe.
+// that file; a thread reads the pipes as the child writes. Not thread-safe.
 class Subprocess {
  public:
   static std::unique_ptr<Subprocess> Start(const std::vector<std::string>& argv,
@@ -83,8 +89,14 @@ class Subprocess {
     if (log_path.empty()) {
       close(out_pipe[1]);
       close(err_pipe[1]);
-      p->out_fd_ = out_pipe[0];
-      p->err_fd_ = err_pipe[0];
+      if (rc == 0) {
+        p->drain_ = std::thread(&Subprocess::Drain, p.get(), out_pipe[0], err_pipe[0]);
+      } else {
+        close(out_pipe[0]);
+        close(err_pipe[0]);
+      }
+    } else {
+      p->drained_ = true;  // the output is in the log file
     }
     if (rc != 0) {
       ADD_FAILURE() << "posix_spawn " << argv[0] << ": " << strerror(rc);
@@ -98,12 +110,7 @@ class Subprocess {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
-    if (out_fd_ >= 0) {
-      close(out_fd_);
-    }
-    if (err_fd_ >= 0) {
-      close(err_fd_);
-    }
+    StopDrain();
   }
 
   // False once the process has ended (it is then reaped; Finish returns at once).
@@ -124,40 +131,10 @@ class Subprocess {
     }
   }
 
-  // Reads the output until both pipes close and waits for the exit, for at most `timeout`;
-  // then SIGKILLs the process and reports timed_out.
+  // Waits for the exit and for the output pipes to close, for at most `timeout`; then
+  // SIGKILLs the process and reports timed_out.
   ProcessResult Finish(absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
-    while (out_fd_ >= 0 || err_fd_ >= 0) {
-      std::vector<pollfd> fds;
-      if (out_fd_ >= 0) {
-        fds.push_back({out_fd_, POLLIN, 0});
-      }
-      if (err_fd_ >= 0) {
-        fds.push_back({err_fd_, POLLIN, 0});
-      }
-      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-      if (left_ms <= 0) {
-        break;
-      }
-      if (poll(fds.data(), fds.size(), static_cast<int>(left_ms)) <= 0) {
-        continue;
-      }
-      for (const pollfd& f : fds) {
-        if (f.revents == 0) {
-          continue;
-        }
-        char buf[4096];
-        const ssize_t n = read(f.fd, buf, sizeof(buf));
-        std::string& sink = f.fd == out_fd_ ? result_.out : result_.err;
-        if (n > 0) {
-          sink.append(buf, n);
-        } else {
-          close(f.fd);
-          (f.fd == out_fd_ ? out_fd_ : err_fd_) = -1;
-        }
-      }
-    }
     while (Running() && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(10));
     }
@@ -168,11 +145,62 @@ class Subprocess {
       waitpid(pid_, &status, 0);
       Reap(status);
     }
+    {
+      // A grandchild may still hold the pipes; what arrived by the deadline is the output.
+      std::unique_lock<std::mutex> lock(mu_);
+      drained_cv_.wait_until(lock, absl::ToChronoTime(deadline), [this] { return drained_; });
+    }
+    StopDrain();
+    std::lock_guard<std::mutex> lock(mu_);
+    result_.out = out_;
+    result_.err = err_;
     return result_;
   }
 
  private:
   Subprocess() = default;
+
+  // Reads both pipes as the child writes, so that a child that logs a lot never blocks in a
+  // write to a full pipe (a server whose timer thread blocks there stops closing sockets).
+  void Drain(int out_fd, int err_fd) {
+    int fds_open[2] = {out_fd, err_fd};
+    while (!stop_.load() && (fds_open[0] >= 0 || fds_open[1] >= 0)) {
+      pollfd fds[2] = {{fds_open[0], POLLIN, 0}, {fds_open[1], POLLIN, 0}};
+      if (poll(fds, 2, 100) <= 0) {
+        continue;
+      }
+      for (int i = 0; i < 2; ++i) {
+        if (fds[i].fd < 0 || fds[i].revents == 0) {
+          continue;
+        }
+        char buf[4096];
+        const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+        if (n > 0) {
+          std::lock_guard<std::mutex> lock(mu_);
+          (i == 0 ? out_ : err_).append(buf, static_cast<size_t>(n));
+        } else if (n == 0 || errno != EINTR) {
+          close(fds_open[i]);
+          fds_open[i] = -1;
+        }
+      }
+    }
+    for (int fd : fds_open) {
+      if (fd >= 0) {
+        close(fd);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    drained_ = true;
+    drained_cv_.notify_all();
+  }
+
+  void StopDrain() {
+    stop_.store(true);
+    if (drain_.joinable()) {
+      drain_.join();
+    }
+  }
+
   void Reap(int status) {
     reaped_ = true;
     result_.exited = WIFEXITED(status);
@@ -186,9 +214,14 @@ class Subprocess {
 
   pid_t pid_ = -1;
   bool reaped_ = false;
-  int out_fd_ = -1;
-  int err_fd_ = -1;
   ProcessResult result_;
+  std::thread drain_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable drained_cv_;
+  bool drained_ = false;  // guarded by mu_, as are out_ and err_
+  std::string out_;
+  std::string err_;
 };
 
 // A loopback port that was free a moment ago (bound to port 0, then closed).

@@ -154,6 +154,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
   const ServerLimitsOptions conn_limits = opts.Limits();
   ApplyServerLimits(conn_limits, &builder);
+  RateLimitGrpcLog();
   const uint64_t fd_limit = RaiseFileLimit();
   const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
   LogInfo(absl::StrCat("BlockAgent connection limits: ", max_connections, " connections (",

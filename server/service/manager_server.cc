@@ -111,6 +111,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
     block_commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
   });
   const ServerLimitsOptions conn_limits = opts.Limits();
+  RateLimitGrpcLog();
   const uint64_t fd_limit = RaiseFileLimit();
   const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
   LogInfo(absl::StrCat("gRPC connection limits: ", max_connections, " connections (",

@@ -283,6 +283,13 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     AddSample(&refused, {{"reason", "out_of_fds"}}, static_cast<double>(guard.shed_fd_exhausted));
     out.push_back(std::move(accepted));
     out.push_back(std::move(refused));
+    MetricFamily suppressed =
+        Family("kvcm_grpc_log_lines_suppressed_total",
+               "gRPC log lines dropped over the 20-a-second limit (one per timed-out handshake "
+               "in a flood).",
+               kCounter);
+    AddSample(&suppressed, {}, static_cast<double>(SuppressedGrpcLogLines()));
+    out.push_back(std::move(suppressed));
     return out;
   }
 
