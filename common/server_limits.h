@@ -28,8 +28,11 @@ namespace kvcm {
 struct ServerLimitsOptions {
   // A connection that has not finished its TLS handshake and sent HTTP/2 SETTINGS within
   // this is closed (GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS; gRPC's default is 120 s, which let
-  // idle sockets pile up). 100..120000.
-  uint32_t handshake_timeout_ms = 5'000;
+  // idle sockets pile up). Not lower: a gRPC 1.51 client reconnecting in the background
+  // (channel in TRANSIENT_FAILURE, its fail-fast calls failing at once, so nothing polls)
+  // advances its TLS handshake only on its 5 s backup poller; at 5 s such a client never got
+  // through (BlockReuseAttackTest's sync stub did not, run after run). 100..120000.
+  uint32_t handshake_timeout_ms = 20'000;
   // A connection with no call in flight for this long gets GOAWAY
   // (GRPC_ARG_MAX_CONNECTION_IDLE_MS). Long-lived streams keep theirs. 0: never.
   uint32_t max_connection_idle_ms = 300'000;

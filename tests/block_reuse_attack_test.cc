@@ -30,10 +30,6 @@
 namespace kvcm {
 namespace {
 
-// gRPC 1.51's sync fail-fast client can stall its TLS handshake until its 5 s backup poller,
-// the servers' default handshake deadline (issue 22, open): these tests are about blocks.
-constexpr const char* kHandshakeFlag = "--grpc_handshake_timeout_ms=30000";
-
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -65,7 +61,7 @@ class BlockReuseAttackTest : public ::testing::Test {
          absl::StrCat("--tls_cert_file=", certs_->Path("manager.pem")),
          absl::StrCat("--tls_key_file=", certs_->Path("manager.key")),
          absl::StrCat("--tls_ca_file=", certs_->Path("ca.pem")),
-         absl::StrCat("--tokens_file=", tokens_), kHandshakeFlag},
+         absl::StrCat("--tokens_file=", tokens_)},
         log + "manager.log");
     ASSERT_NE(manager_, nullptr);
     // The agent starts once the manager serves (else it waits out gRPC's reconnect backoff).
@@ -84,7 +80,7 @@ class BlockReuseAttackTest : public ::testing::Test {
          "--heartbeat_interval_ms=100", absl::StrCat("--tls_cert_file=", certs_->Path("gpu-a.pem")),
          absl::StrCat("--tls_key_file=", certs_->Path("gpu-a.key")),
          absl::StrCat("--tls_ca_file=", certs_->Path("ca.pem")),
-         absl::StrCat("--tokens_file=", tokens_), kHandshakeFlag},
+         absl::StrCat("--tokens_file=", tokens_)},
         log + "agent.log");
     unsetenv("KVCM_AGENT_TOKEN");
     ASSERT_NE(agent_, nullptr);

@@ -53,6 +53,9 @@ constexpr char kAdminToken[] = "ops-token-0123456789abcdef";
 constexpr int kFloodConnections = 6'000;
 constexpr int kFloodSources = 12;  // 127.0.0.10 .. 127.0.0.21
 constexpr char kServerFdLimit[] = "--nofile=4096:4096";
+// 5 s rather than the default 20 s, so that a test waits out the deadline quickly; the clients
+// here wait for ready (see WithDeadline), so a 5 s deadline does not shut them out.
+constexpr char kHandshakeFlag[] = "--grpc_handshake_timeout_ms=5000";
 
 TestCerts& Certs() {
   static TestCerts* const certs = [] {
@@ -180,7 +183,8 @@ std::unique_ptr<Subprocess> StartManager(int port, int metrics_port,
                                    "--tls_key_file=" + c.Path("manager.key"),
                                    "--tls_ca_file=" + c.Path("ca.pem"),
                                    "--tokens_file=" + TokensFile(),
-                                   "--shutdown_grace_ms=100"};
+                                   "--shutdown_grace_ms=100",
+                                   kHandshakeFlag};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return Subprocess::Start(argv);
 }
@@ -205,7 +209,7 @@ bool AgentStatsOk(const std::shared_ptr<grpc::Channel>& channel, absl::Duration 
 
 // The flood scenario against the server at `address` (whose Stats `stats_ok` calls): a
 // connected client keeps its answers during the flood, a fresh one connects within the
-// handshake deadline (5 s by default) plus slack even while the flood holds its sockets,
+// handshake deadline (kHandshakeFlag) plus slack even while the flood holds its sockets,
 // and within 3 s after it ends.
 template <typename StatsOk>
 void FloodAndRecover(int port, const std::string& address, StatsOk stats_ok) {
@@ -306,7 +310,7 @@ TEST(FloodProcessTest, AgentBlockAgentPortKeepsServingAndAcceptsAgainAfterAnIdle
        absl::StrCat("--manager_address=127.0.0.1:", FreePort()), "--use_device=false",
        "--model=deepseek-v3", "--capacity_bytes=50000000", "--heartbeat_interval_ms=1000",
        "--tls_cert_file=" + c.Path("gpu-f.pem"), "--tls_key_file=" + c.Path("gpu-f.key"),
-       "--tls_ca_file=" + c.Path("ca.pem"), "--tokens_file=" + TokensFile()});
+       "--tls_ca_file=" + c.Path("ca.pem"), "--tokens_file=" + TokensFile(), kHandshakeFlag});
   ASSERT_NE(agent, nullptr);
   FloodAndRecover(port, absl::StrCat("127.0.0.1:", port), AgentStatsOk);
   agent->Signal(SIGTERM);

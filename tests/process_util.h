@@ -224,20 +224,30 @@ class Subprocess {
   std::string err_;
 };
 
-// A loopback port that was free a moment ago (bound to port 0, then closed).
+// A TCP port nothing was bound to on any address a moment ago. Ports come from below Linux's
+// ephemeral range (32768-60999 by default), where the kernel also picks the local ports of
+// outgoing connections: a port bound to 0 and closed could be taken by any client's connect()
+// before the server binds it (a flood test beside these opens 12,000). Each process walks
+// 20000-31999 from a random start, so it never hands out one port twice.
 inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
+  constexpr int kLow = 20'000;
+  constexpr int kHigh = 32'000;
+  static std::atomic<int> next{kLow + static_cast<int>(getpid() * 7919u % (kHigh - kLow))};
+  for (int tries = 0; tries < kHigh - kLow; ++tries) {
+    const int port = kLow + (next.fetch_add(1) - kLow) % (kHigh - kLow);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);  // taken on any address is taken
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    // No SO_REUSEADDR: a port with a TIME_WAIT socket counts as taken too.
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) {
+      return port;
+    }
   }
-  close(fd);
-  return port;
+  return 0;
 }
 
 // The whole file at `path`; "" when it cannot be read.

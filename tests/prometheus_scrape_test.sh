@@ -14,6 +14,7 @@
 # KVCM_REQUIRE_PROMETHEUS=1 / KVCM_REQUIRE_ETCD=1 (scripts/test.sh).
 set -euo pipefail
 manager_bin=$1 ctl_bin=$2 agent_bin=$3
+tests_dir=$(cd "$(dirname "$0")" && pwd)
 deploy=$(cd "${4:-$(dirname "$0")/../deploy/prometheus}" && pwd)
 grafana=$(cd "${5:-$deploy/../grafana}" && pwd)
 
@@ -44,8 +45,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# A port nothing is bound to, below the ephemeral range (outgoing connections take ports there).
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 "$tests_dir/free_port.py"
 }
 # wait_for SECONDS COMMAND...: retries COMMAND every 0.5 s until it succeeds or time runs out.
 wait_for() {

@@ -23,7 +23,7 @@ cleanup() {
   rm -rf "$scratch"
 }
 trap cleanup EXIT
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+port=$(python3 "$repo/tests/free_port.py")
 cd "$scratch"
 printf '%s\n' "$block" > demo.sh
 B="$build" PORT="$port" REPO="$repo" timeout --kill-after=5 120 bash -euo pipefail demo.sh || {

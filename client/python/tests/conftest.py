@@ -10,7 +10,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import kvcm
+import kvcm.testing.manager
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = Path(os.environ.get("KVCM_SOURCE_ROOT") or HERE.parent.parent.parent).resolve()
@@ -48,9 +48,7 @@ def require_or_skip(reason: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return kvcm.testing.manager.free_port()
 
 
 def binary(env: str, what: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,29 @@ from pathlib import Path
 import grpc
 
 
+# Ports handed out below Linux's ephemeral range (32768-60999 by default), where the kernel
+# also picks the local ports of outgoing connections: a port bound to 0 and closed could be
+# taken by any client's connect() before the server binds it (seen with a flood test running
+# beside these). Each process walks the range from a random start.
+_PORT_RANGE = (20000, 32000)
+_next_port = random.randrange(*_PORT_RANGE)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing was bound to on any address a moment ago, below the ephemeral range;
+    never the same twice in one process (until the range wraps)."""
+    global _next_port
+    low, high = _PORT_RANGE
+    for _ in range(high - low):
+        port = _next_port
+        _next_port = low + (_next_port + 1 - low) % (high - low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # no SO_REUSEADDR: TIME_WAIT counts as taken
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in %d-%d" % _PORT_RANGE)
 
 
 class ManagerProcess:
