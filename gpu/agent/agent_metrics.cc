@@ -1,7 +1,11 @@
 #include "gpu/agent/agent_metrics.h"
 
+#include <cstdint>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "common/server_limits.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -67,6 +71,33 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
     // it is kvcm_agent_epoch{agent}.
     gauge("kvcm_agent_local_epoch", "The epoch (incarnation) this agent registers with.",
           static_cast<double>(epoch_->current()));
+    // The BlockAgent port's accept4 guard and gRPC's rate-limited log (common/server_limits.h).
+    auto counter = [&](std::string name, std::string help,
+                       std::vector<std::pair<std::string, uint64_t>> by_reason) {
+      prometheus::MetricFamily f;
+      f.name = std::move(name);
+      f.help = std::move(help);
+      f.type = prometheus::MetricType::Counter;
+      for (const auto& [reason, value] : by_reason) {
+        prometheus::ClientMetric m;
+        m.label = labels;
+        if (!reason.empty()) m.label.push_back({"reason", reason});
+        m.counter.value = static_cast<double>(value);
+        f.metric.push_back(std::move(m));
+      }
+      out.push_back(std::move(f));
+    };
+    const AcceptGuardCounters guard = GetAcceptGuardCounters();
+    counter("kvcm_agent_grpc_connections_accepted_total",
+            "TCP connections the BlockAgent port accepted.", {{"", guard.accepted}});
+    counter("kvcm_agent_grpc_connections_refused_total",
+            "TCP connections the BlockAgent port closed as it accepted them, by the limit that "
+            "refused them.",
+            {{"grpc_max_connections", guard.refused_total_cap},
+             {"grpc_max_connections_per_peer", guard.refused_peer_cap},
+             {"out_of_fds", guard.shed_fd_exhausted}});
+    counter("kvcm_agent_grpc_log_lines_suppressed_total",
+            "gRPC log lines dropped over the 20-a-second limit.", {{"", SuppressedGrpcLogLines()}});
     if (pools_.host != nullptr) {
       const BlockPoolStats h = pools_.host->Stats();
       gauge("kvcm_agent_host_pool_capacity_bytes", "Bytes of the agent's host-DRAM pool.",

@@ -29,6 +29,13 @@ TEST(AgentMetricsTest, PoolBlocksAndEpoch) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_registered", labels, "0")));
   // The epoch is microseconds since 1970, printed exactly.
   EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_local_epoch", labels, epoch.current())));
+  // The BlockAgent port's connection guard and gRPC log limiter, one family each.
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_grpc_connections_accepted_total", labels)));
+  EXPECT_THAT(text, HasSubstr("kvcm_agent_grpc_connections_refused_total{agent=\"gpu-0\""));
+  EXPECT_THAT(text, HasSubstr("reason=\"grpc_max_connections_per_peer\"}"));
+  EXPECT_EQ(text.find("# TYPE kvcm_agent_grpc_connections_refused_total"),
+            text.rfind("# TYPE kvcm_agent_grpc_connections_refused_total"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_grpc_log_lines_suppressed_total", labels)));
 }
 
 TEST(AgentMetricsTest, TransfersBySuccessAndFailureReason) {
