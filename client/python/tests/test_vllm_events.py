@@ -104,3 +104,22 @@ def test_random_bytes_never_raise_anything_else():
             decode_batch(bytes(b[:rng.randrange(len(b) + 1)]))
         except EventDecodeError:
             pass
+
+
+def test_fields_of_later_releases_and_unknown_ones():
+    payload = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
+         "lora_name": None, "ownership": "t2", "session_id": "s1",
+         "lookahead_token_ids": [[3]], "brand_new": 1},
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "ownership": "t2"},
+        # 0.23's array form: kv_cache_spec_kind and sliding window positional, one more.
+        ["BlockStored", [2], None, [1, 2], 2, None, "GPU", None, None, 0, "sliding_window",
+         64, "extra"],
+    ], 0])
+    stored, removed, arr = decode_batch(payload).events
+    assert stored.ownership == "t2" and stored.session_id == "s1"
+    assert stored.lookahead_token_ids == ((3,),) and stored.unknown_fields == ("brand_new",)
+    assert removed.ownership == "t2" and removed.unknown_fields == ()
+    assert arr.kv_cache_spec_kind == "sliding_window"
+    assert arr.kv_cache_spec_sliding_window == 64 and arr.unknown_fields == ("#12",)

@@ -101,6 +101,10 @@ class EngineConfig:
     block_size: int = 16
     # vLLM KV-cache group whose events are mirrored (hybrid models emit one per group).
     kv_group: int = 0
+    # Mirror LoRA blocks keyed by adapter name (vLLM < 0.32 hashes the name; >= 0.32 the
+    # name and path, of which events carry the name). Off: LoRA blocks are refused. Turn on
+    # only where every engine of the namespace maps each adapter name to one path.
+    lora_by_name: bool = False
     # Overrides of [namespace] for this engine.
     tenant: str = ""
     model: str = ""
@@ -230,6 +234,11 @@ def parse_engine_flag(text: str) -> EngineConfig:
                               "token_file or token_env")
         if k not in {f.name for f in fields(e)}:
             raise ConfigError(f"--engine: unknown key {k!r}")
+        if k == "lora_by_name":
+            if v not in ("true", "false"):
+                raise ConfigError("--engine: lora_by_name must be true or false")
+            setattr(e, k, v == "true")
+            continue
         setattr(e, k, int(v) if k in ints else v)
     return e
 
@@ -259,7 +268,8 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page_size", type=int)
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an engine: id, endpoint, endpoint_mode, replay_endpoint, topic, "
-                        "token_file, token_env, data_parallel_rank, block_size, kv_group")
+                        "token_file, token_env, data_parallel_rank, block_size, kv_group, "
+                        "lora_by_name")
     p.add_argument("--log_level", default="INFO")
     return p
 

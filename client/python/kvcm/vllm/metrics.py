@@ -40,6 +40,10 @@ _COUNTERS = [
     ("unknown_removals", "Removals of blocks the mirror did not hold",
      ("mirror", "unknown_removals")),
     ("conflicts", "Known block hashes stored again with other content", ("mirror", "conflicts")),
+    ("restored_blocks", "BlockStored of blocks already held (report mode): not new copies",
+     ("mirror", "restored_blocks")),
+    ("shared_pages", "Pages two or more held vLLM blocks map to", ("mirror", "shared_pages")),
+    ("bad_frames", "Messages in none of vLLM's frame forms", ("bad_frames",)),
     ("publish_requests", "PublishEngineEvents requests that succeeded", ("session", "requests")),
     ("heartbeats", "Empty PublishEngineEvents requests", ("session", "heartbeats")),
     ("sessions", "Sessions started with the manager", ("session", "sessions")),
@@ -63,6 +67,10 @@ _LABELLED_COUNTERS = [
     ("events", "Events applied, by type", ("mirror", "events"), "type"),
     ("refused_blocks", "Blocks refused, by reason", ("mirror", "refused_blocks"), "reason"),
     ("ignored_events", "Events ignored, by reason", ("mirror", "ignored_events"), "reason"),
+    ("ignored_fields", "Event fields that do not change what a block holds, by name",
+     ("mirror", "ignored_fields"), "field"),
+    ("unknown_fields", "Event fields this bridge does not know, by name",
+     ("mirror", "unknown_fields"), "field"),
     ("publish_errors", "Failed manager calls, by gRPC code", ("session", "errors"), "code"),
 ]
 _LABELLED_GAUGES = [
