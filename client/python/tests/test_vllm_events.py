@@ -27,17 +27,16 @@ def test_each_form_round_trips_what_it_carries(form):
     assert stored.token_ids == STORED.token_ids
     assert stored.block_size == 16 and stored.lora_id == 3
     assert removed.block_hashes == REMOVED.block_hashes
-    if form == "legacy":  # vLLM's first release: no rank, medium, lora_name, extra_keys
-        assert batch.data_parallel_rank is None
+    assert batch.data_parallel_rank == 2  # every release since 0.9 sends the rank
+    if form == "legacy":  # vLLM 0.9: no medium, lora_name, extra_keys
         assert stored.medium is None and stored.lora_name is None
         assert stored.extra_keys is None and stored.group_idx is None
         assert removed.medium is None
     else:
-        assert batch.data_parallel_rank == 2
         assert stored.medium == "CPU" and stored.lora_name == "adapter"
         assert stored.extra_keys == STORED.extra_keys
         assert stored.group_idx == 0 and removed.medium == "GPU"
-    assert stored.kv_cache_spec_kind == ("full_attention" if form == "map" else None)
+    assert stored.kv_cache_spec_kind == (None if form == "legacy" else "full_attention")
 
 
 def test_bytes_hashes_and_null_extras():
