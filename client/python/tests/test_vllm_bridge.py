@@ -388,3 +388,13 @@ async def test_engine_id_of_an_agent_is_refused_slowly(make_rig, view):
     errors = sum(rig.eb.session.counters.errors.values())
     assert 1 <= errors <= 10  # refused, retried with a growing backoff, not in a tight loop
     assert not rig.task.done()
+
+
+@pytest.mark.asyncio
+async def test_idle_engine_keeps_one_session(make_rig):
+    # An engine that has published nothing answers each probe with the end marker only.
+    rig = make_rig()
+    await asyncio.sleep(1.5)  # several probe intervals (0.2 s)
+    c = rig.eb.stream.counters
+    assert c.probes >= 3 and c.resyncs == 0
+    assert rig.eb.session.counters.sessions == 1
