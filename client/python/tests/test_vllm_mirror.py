@@ -320,11 +320,13 @@ def expected_visible(eng, key, k):
     return out
 
 
-@pytest.mark.parametrize("form, batched", [("array", False), ("map", True)])
+@pytest.mark.parametrize("form, batched, report", [("array", False, "incremental"),
+                                                   ("map", True, "incremental"),
+                                                   ("map", True, "full")])
 @pytest.mark.parametrize("k", [1, 3])
-def test_random_workload_matches_the_engine(form, batched, k):
+def test_random_workload_matches_the_engine(form, batched, report, k):
     rng = random.Random(k * 7 + len(form))
-    eng = FakeVllmEngine(BS, 48, form=form, cpu_blocks=20)
+    eng = FakeVllmEngine(BS, 48, form=form, cpu_blocks=20, report_mode=report)
     m = EngineMirror(KEY, k * BS, BS, lora_by_name=True)
     pool = PoolModel()
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 40))] for _ in range(6)]
@@ -358,6 +360,7 @@ def test_random_workload_matches_the_engine(form, batched, k):
                 snap.apply(c)
             assert snap.pages == pool.pages
     assert m.counters.refused_blocks == {}
+    assert (m.counters.restored_blocks > 0) == (report == "full")
 
 
 def test_extra_keys_kvcm_cannot_encode_are_refused():

@@ -348,13 +348,16 @@ class FakeVllmEngine:
     def __init__(self, block_size: int = 16, num_blocks: int = 1024,
                  publisher: FakeVllmPublisher | None = None, *, form: str | None = None,
                  hash_seed: str = "kvcm-fake", int_hashes: bool = True, cpu_blocks: int = 0,
-                 group_idx: int = 0):
+                 group_idx: int = 0, report_mode: str = "incremental"):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.publisher = publisher
         self.form = form or (publisher.form if publisher else "map")
         self.int_hashes = int_hashes
         self.group_idx = group_idx
+        # "full": re-send BlockStored for a request's reused prefix (vLLM 0.33's
+        # kv_cache_report_mode), with no new physical copy.
+        self.report_mode = report_mode
         self._none_hash = hashlib.sha256(hash_seed.encode()).digest()
         self._ref = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -419,6 +422,9 @@ class FakeVllmEngine:
         while hits < min(max_hit, len(digests)) and digests[hits] in self._cached:
             hits += 1
         out: list[ev.Event] = []
+        if self.report_mode == "full" and hits:
+            out.append(self._stored_event(digests[:hits], None, token_ids[:hits * bs],
+                                          lora_name, lora_id))
         blocks: list[int] = []
         for d in digests[:hits]:
             b = self._cached[d][0]
