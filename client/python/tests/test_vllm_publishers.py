@@ -22,7 +22,7 @@ import zmq
 
 from kvcm import hashing
 from kvcm.testing.bridge_rig import RealManagerView
-from kvcm.testing.fake_vllm import FakeVllmPublisher, wire_for_release
+from kvcm.testing.fake_vllm import FakeVllmPublisher
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC,
                                           RealPublisherThread, frames_of)
@@ -248,10 +248,9 @@ def test_fake_vllm_speaks_each_release_wire(version):
     data = golden(version)
     real_live = frames_of(data["live"])[0]
     real_replay = frames_of(data["replay"]["0"])
-    wire = wire_for_release(version)
     pub_port, replay_port = free_port(), free_port()
     pub = FakeVllmPublisher(f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", topic=TOPIC,
-                            form=wire.form, replay_form=wire.replay_form)
+                            release=version)
     ctx = zmq.Context()
     try:
         first = decode_batch(real_live[2]).events

