@@ -35,11 +35,12 @@ import zmq
 from kvcm.vllm import events as ev
 
 # ---- vLLM's structs, three generations -------------------------------------------------
-# "legacy": vLLM 0.9.x: events tagged arrays, BlockStored(block_hashes, parent_block_hash,
+# "legacy": vLLM 0.9 - 0.10: events tagged arrays, BlockStored(block_hashes, parent_block_hash,
 #           token_ids, block_size, lora_id), BlockRemoved(block_hashes).
-# "array":  vLLM 0.23 - 0.24: events tagged arrays with medium, lora_name, extra_keys,
-#           group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window appended.
-# "map":    vLLM >= 0.25: events maps tagged by "type"; locality (0.26), ownership and
+# "array":  vLLM 0.11 - 0.23: events tagged arrays with medium, lora_name, extra_keys,
+#           group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window appended over
+#           releases (`array_fields` keeps a release's count).
+# "map":    vLLM >= 0.24: events maps tagged by "type"; locality (0.26), ownership (0.29),
 #           session_id (0.30), lookahead_token_ids (0.33) added.
 # The batch is [ts, events, data_parallel_rank] in every release.
 

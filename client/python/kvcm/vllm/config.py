@@ -101,7 +101,7 @@ class EngineConfig:
     block_size: int = 16
     # vLLM KV-cache group whose events are mirrored (hybrid models emit one per group).
     kv_group: int = 0
-    # Mirror LoRA blocks keyed by adapter name (vLLM < 0.32 hashes the name; >= 0.32 the
+    # Mirror LoRA blocks keyed by adapter name (vLLM 0.14 - 0.30 hash the name; >= 0.31 the
     # name and path, of which events carry the name). Off: LoRA blocks are refused. Turn on
     # only where every engine of the namespace maps each adapter name to one path.
     lora_by_name: bool = False

@@ -27,8 +27,8 @@ BlockHash = Union[int, bytes]
 
 # Positional field order of the tagged-array form, as declared in vllm/distributed/kv_events.py.
 # Later releases append fields, so a shorter array is an older release.
-# vLLM 0.9.x sends the first five of BlockStored and the first of BlockRemoved; 0.23/0.24 (the
-# last array releases) send up to kv_cache_spec_sliding_window.
+# vLLM 0.9 - 0.10 send the first five of BlockStored and the first of BlockRemoved; 0.22 - 0.23
+# (the last array releases) send all of them (docs/ENGINES.md, "vLLM's wire format").
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                   "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
                   "kv_cache_spec_sliding_window")

@@ -125,8 +125,8 @@ class EngineMirror:
     """Mirror of one engine's cache. Not thread-safe: one owner applies events and takes
     changes. `ns_key` is the namespace's 16-byte hash key.
 
-    `lora_by_name`: hash a LoRA block's pages by its adapter name (or, in 0.9.x, its integer
-    id), as vLLM before 0.32 does. vLLM >= 0.32 hashes ("lora", name, path) but publishes
+    `lora_by_name`: hash a LoRA block's pages by its adapter name (or, before 0.14, its integer
+    id), as vLLM before 0.31 does. vLLM >= 0.31 hashes ("lora", name, path) but publishes
     the name only, so by default LoRA blocks are refused (reason "lora"): a name reused for
     another adapter path would claim hits vLLM does not give."""
 
