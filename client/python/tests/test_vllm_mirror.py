@@ -69,7 +69,7 @@ def test_removing_a_parent_hides_children_until_it_comes_back():
 
 
 def test_restore_of_a_held_block_is_not_a_copy():
-    # vLLM 0.33 kv_cache_report_mode="full" re-sends BlockStored for reused blocks.
+    # vLLM >= 0.26 kv_cache_report_mode="full" re-sends BlockStored for reused blocks.
     m = EngineMirror(KEY, BS, BS)
     m.apply(stored([1, 2], None, toks(8)))
     m.apply(stored([1, 2], None, toks(8)))

@@ -386,7 +386,7 @@ class FakeVllmEngine:
         self.form = form or (publisher.form if publisher else "map")
         self.int_hashes = int_hashes
         self.group_idx = group_idx
-        # "full": re-send BlockStored for a request's reused prefix (vLLM 0.33's
+        # "full": re-send BlockStored for a request's reused prefix (vLLM >= 0.26,
         # kv_cache_report_mode), with no new physical copy.
         self.report_mode = report_mode
         self._none_hash = hashlib.sha256(hash_seed.encode()).digest()

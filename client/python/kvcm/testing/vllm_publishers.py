@@ -159,8 +159,8 @@ def script(mod: types.ModuleType) -> tuple[list[Any], list[dict[str, Any]]]:
     if "extra_keys" in fields:  # a salted prompt, its salt in extra_keys (vLLM >= 0.23)
         batches.append([stored([401], None, a[:16], extra_keys=[("salt-x",)])])
         expect.append({"tokens": a[:16], "cache_salt": "salt-x", "pages": 1})
-    # The engine re-reports a reused prefix (0.33 kv_cache_report_mode="full"), then evicts
-    # its one physical copy of block 102: page 1 of `a` is gone.
+    # The engine re-reports a reused prefix (vLLM >= 0.26, kv_cache_report_mode="full"),
+    # then evicts its one physical copy of block 102: page 1 of `a` is gone.
     batches.append([stored([101, 102], None, a[:32], session_id="sess-1")])
     batches.append([removed([102])])
     # A LoRA block: vLLM >= 0.32 hashes the adapter path, which events lack: refused.

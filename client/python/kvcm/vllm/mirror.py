@@ -105,7 +105,7 @@ class MirrorCounters:
     ignored_events: Counter = field(default_factory=Counter)  # by reason
     unknown_removals: int = 0      # removals of blocks the mirror did not hold
     conflicts: int = 0             # a known hash stored again with other content
-    # BlockStored of a block the tier already holds (vLLM >= 0.33 kv_cache_report_mode
+    # BlockStored of a block the tier already holds (vLLM >= 0.26 kv_cache_report_mode
     # "full" re-reports reused blocks): not a new copy.
     restored_blocks: int = 0
     # Pages that two or more held vLLM blocks map to (each keeps the page visible).
