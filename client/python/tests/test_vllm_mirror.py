@@ -384,3 +384,19 @@ def test_a_batch_gives_one_change_per_chain():
     # Evicted and stored again within one step: nothing changed.
     m.apply_batch([BlockRemoved((2,), "GPU"), stored([2], 1, toks(4, 4))])
     assert m.take_changes() == [] and m.visible_pages(Tier.GPU) == set(h[:2])
+
+
+def test_releases_without_extra_keys_are_counted_or_refused():
+    from kvcm.testing.fake_vllm import encode_batch
+    from kvcm.vllm.events import decode_batch
+    # vLLM 0.14's array: no extra_keys field, so a salted block looks plain.
+    old = decode_batch(encode_batch("array", [stored([1], None, toks(4))],
+                                    array_fields=(7, 2))).events[0]
+    new = decode_batch(encode_batch("array", [stored([2], None, toks(4, 4))])).events[0]
+    assert not old.keys_published and new.keys_published
+    m = EngineMirror(KEY, BS, BS)
+    m.apply_batch([old, new])
+    assert len(m.take_changes()) == 2 and m.counters.unkeyed_blocks == 1
+    m = EngineMirror(KEY, BS, BS, require_extra_keys=True)
+    m.apply_batch([old, new])
+    assert len(m.take_changes()) == 1 and m.counters.refused_blocks == {"no_extra_keys": 1}

@@ -153,7 +153,8 @@ class EngineBridge:
             return
         self.mirror = EngineMirror(self.reg.hash_key, self.reg.page_size,
                                    self.engine.block_size, self.engine.kv_group,
-                                   self.engine.lora_by_name)
+                                   self.engine.lora_by_name,
+                                   self.engine.require_extra_keys)
         tasks = [asyncio.create_task(self._supervise(self._zmq_loop, stop),
                                      name=f"{self.id}-zmq"),
                  asyncio.create_task(self._supervise(self._publish_loop, stop),
@@ -405,6 +406,7 @@ class EngineBridge:
                 "ignored_events": dict(c.ignored_events),
                 "unknown_removals": c.unknown_removals, "conflicts": c.conflicts,
                 "restored_blocks": c.restored_blocks, "shared_pages": c.shared_pages,
+                "unkeyed_blocks": c.unkeyed_blocks,
                 "ignored_fields": dict(c.ignored_fields),
                 "unknown_fields": dict(c.unknown_fields),
                 "orphans": m.orphans, "known_blocks": m.known_blocks,

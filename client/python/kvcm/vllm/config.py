@@ -105,6 +105,9 @@ class EngineConfig:
     # name and path, of which events carry the name). Off: LoRA blocks are refused. Turn on
     # only where every engine of the namespace maps each adapter name to one path.
     lora_by_name: bool = False
+    # Refuse blocks from vLLM < 0.17 (no extra_keys in events): set when such engines serve
+    # salted or multimodal requests, whose blocks would otherwise look plain.
+    require_extra_keys: bool = False
     # Overrides of [namespace] for this engine.
     tenant: str = ""
     model: str = ""
@@ -234,9 +237,9 @@ def parse_engine_flag(text: str) -> EngineConfig:
                               "token_file or token_env")
         if k not in {f.name for f in fields(e)}:
             raise ConfigError(f"--engine: unknown key {k!r}")
-        if k == "lora_by_name":
+        if k in ("lora_by_name", "require_extra_keys"):
             if v not in ("true", "false"):
-                raise ConfigError("--engine: lora_by_name must be true or false")
+                raise ConfigError(f"--engine: {k} must be true or false")
             setattr(e, k, v == "true")
             continue
         setattr(e, k, int(v) if k in ints else v)
@@ -269,7 +272,7 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an engine: id, endpoint, endpoint_mode, replay_endpoint, topic, "
                         "token_file, token_env, data_parallel_rank, block_size, kv_group, "
-                        "lora_by_name")
+                        "lora_by_name, require_extra_keys")
     p.add_argument("--log_level", default="INFO")
     return p
 

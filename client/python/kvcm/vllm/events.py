@@ -78,6 +78,9 @@ class BlockStored:
     lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
     # Names of fields this module does not know (positions, for the array form).
     unknown_fields: tuple[str, ...] = ()
+    # False for releases that send no extra_keys field (vLLM < 0.17, arrays of < 8 fields):
+    # salts and multimodal inputs are in vLLM's hash but not in the event.
+    keys_published: bool = True
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ def _stored(f: dict[str, Any], index: int) -> BlockStored:
         session_id=_opt_str(f.get("session_id"), "session_id"),
         lookahead_token_ids=lookahead,
         unknown_fields=_unknown(f, _KNOWN_STORED),
+        keys_published="extra_keys" in f or "type" in f,
     )
 
 

@@ -43,6 +43,8 @@ _COUNTERS = [
     ("restored_blocks", "BlockStored of blocks already held (report mode): not new copies",
      ("mirror", "restored_blocks")),
     ("shared_pages", "Pages two or more held vLLM blocks map to", ("mirror", "shared_pages")),
+    ("unkeyed_blocks", "Blocks of a release that publishes no extra keys (vLLM < 0.17)",
+     ("mirror", "unkeyed_blocks")),
     ("bad_frames", "Messages in none of vLLM's frame forms", ("bad_frames",)),
     ("publish_requests", "PublishEngineEvents requests that succeeded", ("session", "requests")),
     ("heartbeats", "Empty PublishEngineEvents requests", ("session", "heartbeats")),

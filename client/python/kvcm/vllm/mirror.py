@@ -110,6 +110,9 @@ class MirrorCounters:
     restored_blocks: int = 0
     # Pages that two or more held vLLM blocks map to (each keeps the page visible).
     shared_pages: int = 0
+    # Blocks stored by a release that publishes no extra keys (vLLM < 0.17), mirrored as if
+    # they had none (see `require_extra_keys`).
+    unkeyed_blocks: int = 0
     # Fields the events carry that do not change what a block holds, by name (ownership,
     # session_id, kv_cache_spec_kind, kv_cache_spec_sliding_window), and fields the decoder
     # does not know, by name.
@@ -128,15 +131,20 @@ class EngineMirror:
     `lora_by_name`: hash a LoRA block's pages by its adapter name (or, before 0.14, its integer
     id), as vLLM before 0.31 does. vLLM >= 0.31 hashes ("lora", name, path) but publishes
     the name only, so by default LoRA blocks are refused (reason "lora"): a name reused for
-    another adapter path would claim hits vLLM does not give."""
+    another adapter path would claim hits vLLM does not give.
+
+    `require_extra_keys`: refuse blocks of releases that publish no extra keys (vLLM < 0.17,
+    reason "no_extra_keys"): there a salted or multimodal block looks plain and its page
+    would claim hits for the plain prompt. Off: they are mirrored and counted."""
 
     def __init__(self, ns_key: bytes, page_size: int, block_size: int, kv_group: int = 0,
-                 lora_by_name: bool = False):
+                 lora_by_name: bool = False, require_extra_keys: bool = False):
         self.k = blocks_per_page(page_size, block_size)
         self.page_size = page_size
         self.block_size = block_size
         self.kv_group = kv_group
         self.lora_by_name = lora_by_name
+        self.require_extra_keys = require_extra_keys
         self._ns_key = ns_key
         self.counters = MirrorCounters()
         self._log_counts: Counter = Counter()
@@ -297,6 +305,12 @@ class EngineMirror:
             self._refuse("lora", n, f"LoRA block ({ev.lora_name or ev.lora_id}): vLLM hashes "
                          "the adapter path, which events do not carry")
             return
+        if not ev.keys_published and ev.token_ids:
+            if self.require_extra_keys:
+                self._refuse("no_extra_keys", n, "the release publishes no extra keys (vLLM "
+                             "< 0.17): salted blocks cannot be told apart")
+                return
+            self.counters.unkeyed_blocks += n
         if ev.token_ids:
             if ev.block_size != bs:
                 self._refuse("block_size", n, f"event block_size {ev.block_size} is not the "
