@@ -293,6 +293,9 @@ async def test_metrics(make_rig):
     assert 'kvcm_vllm_bridge_events_total{engine="vllm-0",type="BlockStored"} 2.0' in text
     assert 'kvcm_vllm_bridge_visible_pages{engine="vllm-0",tier="GPU"} 10.0' in text
     assert 'kvcm_vllm_bridge_up{engine="vllm-0"} 1.0' in text
+    assert 'kvcm_vllm_bridge_stale_batches_total{engine="vllm-0"} 0.0' in text
+    assert ('kvcm_vllm_bridge_ignored_fields_total{engine="vllm-0",field="kv_cache_spec_kind"} '
+            '2.0') in text
 
 
 @pytest.mark.asyncio

@@ -33,6 +33,8 @@ _COUNTERS = [
     ("restarts", "Publisher restarts or reconnects detected", ("stream", "restarts")),
     ("bad_payloads", "Batches that did not decode", ("stream", "bad_payloads")),
     ("lost_batches", "Batches nothing could bring back", ("stream", "lost_batches")),
+    ("stale_batches", "Live batches ahead of everything the engine holds, dropped",
+     ("stream", "stale_batches")),
     ("ignored_batches", "Batches of another data-parallel rank", ("ignored_batches",)),
     ("loop_failures", "Bridge loops restarted after an unexpected error", ("failures",)),
     ("blocks_stored", "Blocks stored by the engine's events", ("mirror", "blocks_stored")),
