@@ -293,6 +293,9 @@ async def test_metrics(make_rig):
     assert 'kvcm_vllm_bridge_events_total{engine="vllm-0",type="BlockStored"} 2.0' in text
     assert 'kvcm_vllm_bridge_visible_pages{engine="vllm-0",tier="GPU"} 10.0' in text
     assert 'kvcm_vllm_bridge_up{engine="vllm-0"} 1.0' in text
+    assert 'kvcm_vllm_bridge_stale_batches_total{engine="vllm-0"} 0.0' in text
+    assert ('kvcm_vllm_bridge_ignored_fields_total{engine="vllm-0",field="kv_cache_spec_kind"} '
+            '2.0') in text
 
 
 @pytest.mark.asyncio
@@ -388,3 +391,13 @@ async def test_engine_id_of_an_agent_is_refused_slowly(make_rig, view):
     errors = sum(rig.eb.session.counters.errors.values())
     assert 1 <= errors <= 10  # refused, retried with a growing backoff, not in a tight loop
     assert not rig.task.done()
+
+
+@pytest.mark.asyncio
+async def test_idle_engine_keeps_one_session(make_rig):
+    # An engine that has published nothing answers each probe with the end marker only.
+    rig = make_rig()
+    await asyncio.sleep(1.5)  # several probe intervals (0.2 s)
+    c = rig.eb.stream.counters
+    assert c.probes >= 3 and c.resyncs == 0
+    assert rig.eb.session.counters.sessions == 1

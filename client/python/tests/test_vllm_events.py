@@ -27,17 +27,16 @@ def test_each_form_round_trips_what_it_carries(form):
     assert stored.token_ids == STORED.token_ids
     assert stored.block_size == 16 and stored.lora_id == 3
     assert removed.block_hashes == REMOVED.block_hashes
-    if form == "legacy":  # vLLM's first release: no rank, medium, lora_name, extra_keys
-        assert batch.data_parallel_rank is None
+    assert batch.data_parallel_rank == 2  # every release since 0.9 sends the rank
+    if form == "legacy":  # vLLM 0.9: no medium, lora_name, extra_keys
         assert stored.medium is None and stored.lora_name is None
         assert stored.extra_keys is None and stored.group_idx is None
         assert removed.medium is None
     else:
-        assert batch.data_parallel_rank == 2
         assert stored.medium == "CPU" and stored.lora_name == "adapter"
         assert stored.extra_keys == STORED.extra_keys
         assert stored.group_idx == 0 and removed.medium == "GPU"
-    assert stored.kv_cache_spec_kind == ("full_attention" if form == "map" else None)
+    assert stored.kv_cache_spec_kind == (None if form == "legacy" else "full_attention")
 
 
 def test_bytes_hashes_and_null_extras():
@@ -104,3 +103,22 @@ def test_random_bytes_never_raise_anything_else():
             decode_batch(bytes(b[:rng.randrange(len(b) + 1)]))
         except EventDecodeError:
             pass
+
+
+def test_fields_of_later_releases_and_unknown_ones():
+    payload = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
+         "lora_name": None, "ownership": "t2", "session_id": "s1",
+         "lookahead_token_ids": [[3]], "brand_new": 1},
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "ownership": "t2"},
+        # 0.23's array form: kv_cache_spec_kind and sliding window positional, one more.
+        ["BlockStored", [2], None, [1, 2], 2, None, "GPU", None, None, 0, "sliding_window",
+         64, "extra"],
+    ], 0])
+    stored, removed, arr = decode_batch(payload).events
+    assert stored.ownership == "t2" and stored.session_id == "s1"
+    assert stored.lookahead_token_ids == ((3,),) and stored.unknown_fields == ("brand_new",)
+    assert removed.ownership == "t2" and removed.unknown_fields == ()
+    assert arr.kv_cache_spec_kind == "sliding_window"
+    assert arr.kv_cache_spec_sliding_window == 64 and arr.unknown_fields == ("#12",)

@@ -103,13 +103,54 @@ def test_batch_published_after_the_replay_was_served():
     assert sink.applied == [0, 1, 2, 3]
 
 
-def test_empty_replays_give_up_after_three():
-    s, sink = started(max_empty_replays=3)
+def test_empty_gap_replay_drops_live_batches_ahead_of_the_engine():
+    s, sink = started()
     replay(s, [0])
-    s.on_live(5, b"p5", 1.0)
-    for _ in range(3):
-        replay(s, [], 1.0)
-    assert sink.take()[-2:] == [("reset",), ("replay", 0)]
+    s.on_live(5, b"p5", 1.0)          # the engine holds nothing after 0: an earlier run's
+    replay(s, [], 1.0)
+    assert ("reset",) not in sink.take() and s.counters.stale_batches == 1
+    s.on_live(1, b"p1", 1.1)          # not a restart: 5 is forgotten
+    assert sink.applied == [0, 1] and s.counters.restarts == 0
+
+
+def test_live_batch_ahead_after_a_resync_does_not_loop():
+    s, sink = started(probe_interval_s=2.0, engine_timeout_s=30.0)
+    replay(s, [0, 1, 2])
+    s.on_reconnect(1.0)               # the engine restarted: full resync
+    s.on_live(500, b"old", 1.0)       # still queued from its earlier run
+    replay(s, [0], 1.1)
+    for i in range(50):               # 10 s of answered probes and replays
+        now = 1.2 + i * 0.2
+        s.on_tick(now)
+        if s._replay is not None:
+            replay(s, [], now)
+    calls = sink.take()
+    assert calls.count(("synced",)) == 2 and calls.count(("reset",)) == 1
+    assert s.counters.resyncs == 1 and s.counters.stale_batches == 1
+    s.on_live(1, b"p1", 11.0)
+    assert sink.applied == [0, 1]
+
+
+def test_full_resync_drops_pending_batches():
+    s, sink = started()
+    replay(s, [0])
+    s.on_live(3, b"p3", 1.0)          # gap: replay from 1 asked, 3 pending
+    s.on_live(0, b"new0", 1.1)        # restart: full resync
+    assert s._pending == {0: b"new0"}
+
+
+def test_idle_engine_that_published_nothing_keeps_its_session():
+    s, sink = started(probe_interval_s=2.0, engine_timeout_s=30.0)
+    s.on_replay_end(0.0)
+    assert sink.take() == [("synced",)]
+    for i in range(1, 6):             # 10 s of probes, each answered by the end marker
+        s.on_tick(2.0 * i)
+        assert sink.take() == [("replay", 0)]
+        s.on_replay_end(2.0 * i)
+    assert sink.take() == [] and s.counters.resyncs == 0 and s.counters.probes == 5
+    s.on_tick(12.0)
+    replay(s, [0, 1], 12.0)           # the probe that finds the first batches applies them
+    assert sink.take() == [("replay", 0), ("apply", 0), ("apply", 1)]
 
 
 def test_publisher_restart_resyncs():

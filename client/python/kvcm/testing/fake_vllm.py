@@ -3,9 +3,12 @@
 - `FakeVllmPublisher` publishes event batches the way vLLM's `ZmqEventPublisher`
   (vllm/distributed/kv_events.py) does: a PUB socket sending `[topic, seq (8 bytes big-endian),
   payload]`, a ROUTER replay socket answering `[identity, b"", start_seq]` with every buffered
-  `[seq, payload]` from start_seq then `[-1 (8 bytes, signed), b""]`, a bounded replay buffer,
-  and the same bind-or-connect rule. Payloads are encoded with msgspec structs of the same
-  shape as vLLM's, in one of three forms (`FORMS`).
+  batch from start_seq then an end marker, a bounded replay buffer, and the same
+  bind-or-connect rule. Replay answers come in vLLM <= 0.25's form `[seq, payload]`, end
+  `[-1, b""]` ("seq"), or >= 0.26's `[topic, seq, payload]`, end `[b"", -1, b""]` ("topic").
+  Payloads are encoded with msgspec structs of the same shape as vLLM's, in one of three
+  forms (`FORMS`). `wire_for_release` picks both for a release; tests/test_vllm_publishers.py
+  checks them against frames captured from vLLM's own publisher.
 - `FakeVllmEngine` is a tiny prefix cache with vLLM's block semantics (chained block hashes
   with extra keys, LRU eviction of unreferenced cached blocks, no deduplication), emitting
   BlockStored / BlockRemoved / AllBlocksCleared into a publisher.
@@ -24,23 +27,22 @@ from collections.abc import Sequence
 from itertools import count
 from typing import Any
 
+from dataclasses import dataclass
+
 import msgspec
 import zmq
 
 from kvcm.vllm import events as ev
 
 # ---- vLLM's structs, three generations -------------------------------------------------
-# "legacy": vllm/distributed/kv_events.py at b4e69e0af33f: batch [ts, events], events tagged
-#           arrays, BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id).
-# "array":  before vLLM PR #42892: batch [ts, events, data_parallel_rank], events tagged arrays
-#           with medium, lora_name, extra_keys, group_idx appended.
-# "map":    after PR #42892 (v0.26 sends this): the batch stays an array, events are maps
-#           tagged by "type", with kv_cache_spec_kind / _sliding_window added.
-
-
-class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
+# "legacy": vLLM 0.9 - 0.10: events tagged arrays, BlockStored(block_hashes, parent_block_hash,
+#           token_ids, block_size, lora_id), BlockRemoved(block_hashes).
+# "array":  vLLM 0.11 - 0.23: events tagged arrays with medium, lora_name, extra_keys,
+#           group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window appended over
+#           releases (`array_fields` keeps a release's count).
+# "map":    vLLM >= 0.24: events maps tagged by "type"; locality (0.26), ownership (0.29),
+#           session_id (0.30), lookahead_token_ids (0.33) added.
+# The batch is [ts, events, data_parallel_rank] in every release.
 
 
 class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -83,6 +85,8 @@ class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
@@ -111,12 +115,18 @@ class _MapBlockStored(_MapEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
@@ -124,12 +134,41 @@ class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
 
 
 FORMS = ("legacy", "array", "map")
+REPLAY_FORMS = ("seq", "topic")
+
+
+@dataclass(frozen=True)
+class Wire:
+    form: str          # payload form, one of FORMS
+    replay_form: str   # replay answer form, one of REPLAY_FORMS
+    # Array form: how many BlockStored / BlockRemoved fields the release sends (None: all).
+    array_fields: tuple[int, int] | None = None
+
+
+# (first release seen with it, BlockStored fields, BlockRemoved fields) of the array form;
+# docs/ENGINES.md has the table and which releases were checked.
+_ARRAY_FIELDS = (((0, 11), 6, 2), ((0, 14), 7, 2), ((0, 17), 8, 2), ((0, 20), 9, 3),
+                 ((0, 22), 11, 3))
+
+
+def wire_for_release(version: str) -> Wire:
+    """The payload and replay forms of a vLLM release (docs/ENGINES.md has the table)."""
+    v = tuple(int(x) for x in version.split(".")[:2])
+    replay = "seq" if v < (0, 26) else "topic"
+    if v < (0, 11):
+        return Wire("legacy", replay)
+    if v >= (0, 24):
+        return Wire("map", replay)
+    fields = [(s, r) for first, s, r in _ARRAY_FIELDS if v >= first][-1]
+    return Wire("array", replay, fields)
 
 
 def encode_batch(form: str, events: Sequence[ev.Event], ts: float | None = None,
-                 data_parallel_rank: int | None = 0) -> bytes:
+                 data_parallel_rank: int | None = 0,
+                 array_fields: tuple[int, int] | None = None) -> bytes:
     """msgpack of a batch of events as a vLLM release of `form` encodes it (fields the form
-    lacks are dropped)."""
+    lacks are dropped). `array_fields`: the array form's BlockStored and BlockRemoved keep
+    only their first n fields (releases before 0.22 sent fewer)."""
     ts = time.time() if ts is None else ts
     enc = msgspec.msgpack.encode
     if form == "legacy":
@@ -142,7 +181,7 @@ def encode_batch(form: str, events: Sequence[ev.Event], ts: float | None = None,
                 out.append(_LegacyBlockRemoved(list(e.block_hashes)))
             else:
                 out.append(_LegacyAllBlocksCleared())
-        return enc(_LegacyBatch(ts, out))
+        return enc(_Batch(ts, out, data_parallel_rank))
     if form not in FORMS:
         raise ValueError(f"unknown form {form!r}; one of {FORMS}")
     arr = form == "array"
@@ -158,14 +197,28 @@ def encode_batch(form: str, events: Sequence[ev.Event], ts: float | None = None,
                 medium=e.medium, lora_name=e.lora_name,
                 extra_keys=None if e.extra_keys is None else list(e.extra_keys),
                 group_idx=e.group_idx)
+            kw["kv_cache_spec_kind"] = e.kv_cache_spec_kind
+            kw["kv_cache_spec_sliding_window"] = e.kv_cache_spec_sliding_window
             if not arr:
-                kw["kv_cache_spec_kind"] = e.kv_cache_spec_kind
-            out.append(stored(**kw))
+                kw.update(locality=e.locality, ownership=e.ownership, session_id=e.session_id,
+                          lookahead_token_ids=None if e.lookahead_token_ids is None else
+                          [list(x) for x in e.lookahead_token_ids])
+            out.append(_trim(stored(**kw), array_fields and array_fields[0]))
         elif isinstance(e, ev.BlockRemoved):
-            out.append(removed(list(e.block_hashes), e.medium, e.group_idx))
+            rkw: dict[str, Any] = {} if arr else dict(locality=e.locality,
+                                                      ownership=e.ownership)
+            out.append(_trim(removed(list(e.block_hashes), e.medium, e.group_idx, **rkw),
+                             array_fields and array_fields[1]))
         else:
             out.append(cleared())
     return enc(_Batch(ts, out, data_parallel_rank))
+
+
+def _trim(event: Any, fields: int | None) -> Any:
+    """An array-form event with only its tag and first `fields` fields."""
+    if not fields:
+        return event
+    return msgspec.to_builtins(event)[:1 + fields]
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -195,10 +248,21 @@ class FakeVllmPublisher:
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
-                 data_parallel_rank: int = 0, form: str = "map"):
+                 data_parallel_rank: int = 0, form: str = "map",
+                 replay_form: str | None = None, release: str | None = None):
+        """`release` (a vLLM version) sets form and replay_form as that release's."""
+        self.array_fields: tuple[int, int] | None = None
+        if release is not None:
+            wire = wire_for_release(release)
+            form, replay_form, self.array_fields = wire.form, wire.replay_form, \
+                wire.array_fields
         if form not in FORMS:
             raise ValueError(f"unknown form {form!r}; one of {FORMS}")
-        self.form = form
+        # By default the replay form of the newest release sending `form`.
+        replay_form = replay_form or ("topic" if form == "map" else "seq")
+        if replay_form not in REPLAY_FORMS:
+            raise ValueError(f"unknown replay form {replay_form!r}; one of {REPLAY_FORMS}")
+        self.form, self.replay_form = form, replay_form
         self.data_parallel_rank = data_parallel_rank
         self._ctx = zmq.Context()
         self._queue: queue.Queue[tuple[bytes, bool] | None] = queue.Queue()
@@ -231,7 +295,8 @@ class FakeVllmPublisher:
         """Queues one batch (vLLM: one per engine step with events)."""
         if not self._running:
             raise RuntimeError("Publisher is closed")
-        payload = encode_batch(self.form, events, ts, self.data_parallel_rank)
+        payload = encode_batch(self.form, events, ts, self.data_parallel_rank,
+                               self.array_fields)
         self.publish_payload(payload)
 
     def publish_payload(self, payload: bytes) -> None:
@@ -295,9 +360,11 @@ class FakeVllmPublisher:
         self.replay_requests += 1
         with self._lock:
             items = [(s, p) for s, p in self._buffer if s >= start_seq]
+        topic = (self._topic,) if self.replay_form == "topic" else ()
+        end_topic = (b"",) if self.replay_form == "topic" else ()
         for s, p in items:
-            self._replay.send_multipart((client_id, b"", s.to_bytes(8, "big"), p))
-        self._replay.send_multipart((client_id, b"", self.END_SEQ, b""))
+            self._replay.send_multipart((client_id, b"", *topic, s.to_bytes(8, "big"), p))
+        self._replay.send_multipart((client_id, b"", *end_topic, self.END_SEQ, b""))
 
 
 # ---- the engine ------------------------------------------------------------------------
@@ -312,13 +379,16 @@ class FakeVllmEngine:
     def __init__(self, block_size: int = 16, num_blocks: int = 1024,
                  publisher: FakeVllmPublisher | None = None, *, form: str | None = None,
                  hash_seed: str = "kvcm-fake", int_hashes: bool = True, cpu_blocks: int = 0,
-                 group_idx: int = 0):
+                 group_idx: int = 0, report_mode: str = "incremental"):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.publisher = publisher
         self.form = form or (publisher.form if publisher else "map")
         self.int_hashes = int_hashes
         self.group_idx = group_idx
+        # "full": re-send BlockStored for a request's reused prefix (vLLM >= 0.26,
+        # kv_cache_report_mode), with no new physical copy.
+        self.report_mode = report_mode
         self._none_hash = hashlib.sha256(hash_seed.encode()).digest()
         self._ref = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -383,6 +453,9 @@ class FakeVllmEngine:
         while hits < min(max_hit, len(digests)) and digests[hits] in self._cached:
             hits += 1
         out: list[ev.Event] = []
+        if self.report_mode == "full" and hits:
+            out.append(self._stored_event(digests[:hits], None, token_ids[:hits * bs],
+                                          lora_name, lora_id))
         blocks: list[int] = []
         for d in digests[:hits]:
             b = self._cached[d][0]

@@ -28,10 +28,10 @@ from kvcm.vllm.manager import ManagerConnection, Registration
 from kvcm.vllm.mirror import EngineMirror, Tier
 from kvcm.vllm.session import Action, PublishSession, SessionOptions, State
 from kvcm.vllm.stream import EventStream, StreamOptions
+from kvcm.vllm.wire import FrameError, parse_live, parse_replay, replay_request
 
 log = logging.getLogger("kvcm.vllm.bridge")
 
-_END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _TICK_S = 0.1
 _MAX_DRAIN = 1000  # messages taken from one socket before looking at the others
 _SLICE_S = 0.02    # work between two yields to the loop (the publisher, heartbeats)
@@ -73,6 +73,8 @@ class EngineBridge:
             replay_timeout_s=cfg.replay_timeout_s, engine_timeout_s=cfg.engine_timeout_s))
         self.ignored_batches = 0     # other data-parallel ranks
         self.failures = 0            # loops restarted after a bug
+        self.bad_frames = 0          # messages in none of vLLM's frame forms
+        self.replay_form = ""        # "seq" or "topic" once a replay answered
         self.metrics: dict = {}
         self._wake = asyncio.Event()
         self._dealer: zmq.asyncio.Socket | None = None
@@ -111,7 +113,7 @@ class EngineBridge:
         self._dealer.setsockopt(zmq.RCVHWM, 0)  # take a whole replay as fast as it comes
         self._dealer.connect(self.engine.replay_endpoint)
         self._poller.register(self._dealer, zmq.POLLIN)
-        self._dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        self._dealer.send_multipart(replay_request(start_seq))
 
     def reset(self) -> None:
         assert self.mirror is not None
@@ -150,7 +152,9 @@ class EngineBridge:
         if stop.is_set():
             return
         self.mirror = EngineMirror(self.reg.hash_key, self.reg.page_size,
-                                   self.engine.block_size, self.engine.kv_group)
+                                   self.engine.block_size, self.engine.kv_group,
+                                   self.engine.lora_by_name,
+                                   self.engine.require_extra_keys)
         tasks = [asyncio.create_task(self._supervise(self._zmq_loop, stop),
                                      name=f"{self.id}-zmq"),
                  asyncio.create_task(self._supervise(self._publish_loop, stop),
@@ -336,12 +340,13 @@ class EngineBridge:
             if time.monotonic() - now > _SLICE_S:
                 return  # the next poll comes back at once
             frames = await sub.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning("engine %s: a live message of %d frames is not [topic, seq, "
-                            "payload]", self.id, len(frames))
+            try:
+                seq, payload = parse_live(frames)
+            except FrameError as e:
+                self._warn_frame(str(e))
                 self.stream.counters.bad_payloads += 1
                 continue
-            self.stream.on_live(int.from_bytes(frames[1], "big"), frames[2], now)
+            self.stream.on_live(seq, payload, now)
 
     async def _drain_dealer(self, dealer: zmq.asyncio.Socket, now: float) -> None:
         for _ in range(_MAX_DRAIN):
@@ -350,15 +355,26 @@ class EngineBridge:
             if time.monotonic() - now > _SLICE_S:
                 return
             frames = await dealer.recv_multipart()
-            # [b"", seq, payload]: ROUTER's envelope delimiter, then vLLM's two frames.
-            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                log.warning("engine %s: a replay answer is not [seq, payload]", self.id)
+            try:
+                r = parse_replay(frames)
+            except FrameError as e:
+                self._warn_frame(str(e))
                 self.stream.on_bad_reply(now)
                 return
-            if frames[1] == _END_SEQ:
+            if r.form != self.replay_form:
+                self.replay_form = r.form
+                log.info("engine %s: replay answers in the %s form (vLLM %s)", self.id, r.form,
+                         "<= 0.25" if r.form == "seq" else ">= 0.26")
+            if r.seq is None:
                 self.stream.on_replay_end(now)
             else:
-                self.stream.on_replay(int.from_bytes(frames[1], "big"), frames[2], now)
+                self.stream.on_replay(r.seq, r.payload, now)
+
+    def _warn_frame(self, message: str) -> None:
+        """Logs the first few malformed messages, then one in a thousand."""
+        self.bad_frames += 1
+        if self.bad_frames <= 5 or self.bad_frames % 1000 == 0:
+            log.warning("engine %s: %s (%d so far)", self.id, message, self.bad_frames)
 
     async def _drain_monitor(self, monitor: zmq.asyncio.Socket, now: float) -> None:
         while _readable(monitor):
@@ -379,6 +395,7 @@ class EngineBridge:
             "session": asdict(self.session.counters),
             "ignored_batches": self.ignored_batches,
             "failures": self.failures,
+            "bad_frames": self.bad_frames,
             "outbox_pages": self.session.outbox_pages,
         }
         if m is not None:
@@ -388,6 +405,10 @@ class EngineBridge:
                 "blocks_removed": c.blocks_removed, "refused_blocks": dict(c.refused_blocks),
                 "ignored_events": dict(c.ignored_events),
                 "unknown_removals": c.unknown_removals, "conflicts": c.conflicts,
+                "restored_blocks": c.restored_blocks, "shared_pages": c.shared_pages,
+                "unkeyed_blocks": c.unkeyed_blocks,
+                "ignored_fields": dict(c.ignored_fields),
+                "unknown_fields": dict(c.unknown_fields),
                 "orphans": m.orphans, "known_blocks": m.known_blocks,
                 "held_blocks": {t.name: m.held_blocks(t) for t in Tier},
                 "visible_pages": {t.name: len(m.visible_pages(t)) for t in Tier},

@@ -101,6 +101,13 @@ class EngineConfig:
     block_size: int = 16
     # vLLM KV-cache group whose events are mirrored (hybrid models emit one per group).
     kv_group: int = 0
+    # Mirror LoRA blocks keyed by adapter name (vLLM 0.14 - 0.30 hash the name; >= 0.31 the
+    # name and path, of which events carry the name). Off: LoRA blocks are refused. Turn on
+    # only where every engine of the namespace maps each adapter name to one path.
+    lora_by_name: bool = False
+    # Refuse blocks from vLLM < 0.17 (no extra_keys in events): set when such engines serve
+    # salted or multimodal requests, whose blocks would otherwise look plain.
+    require_extra_keys: bool = False
     # Overrides of [namespace] for this engine.
     tenant: str = ""
     model: str = ""
@@ -230,6 +237,11 @@ def parse_engine_flag(text: str) -> EngineConfig:
                               "token_file or token_env")
         if k not in {f.name for f in fields(e)}:
             raise ConfigError(f"--engine: unknown key {k!r}")
+        if k in ("lora_by_name", "require_extra_keys"):
+            if v not in ("true", "false"):
+                raise ConfigError(f"--engine: {k} must be true or false")
+            setattr(e, k, v == "true")
+            continue
         setattr(e, k, int(v) if k in ints else v)
     return e
 
@@ -259,7 +271,8 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--page_size", type=int)
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an engine: id, endpoint, endpoint_mode, replay_endpoint, topic, "
-                        "token_file, token_env, data_parallel_rank, block_size, kv_group")
+                        "token_file, token_env, data_parallel_rank, block_size, kv_group, "
+                        "lora_by_name, require_extra_keys")
     p.add_argument("--log_level", default="INFO")
     return p
 

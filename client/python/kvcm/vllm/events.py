@@ -7,8 +7,9 @@ vLLM encodes a `KVEventBatch` with msgspec msgpack. Every release seen so far se
 - each event: a tagged array `["BlockStored", field, field, ...]` (fields in declaration
   order, releases before vLLM PR #42892) or a tagged map `{"type": "BlockStored", ...}`.
 
-Fields a release does not send are None; fields this module does not know are ignored, so
-newer releases decode as long as the fields below keep their meaning. Anything else raises
+Fields a release does not send are None; fields this module does not know are named in the
+event's `unknown_fields` (the mirror counts them) and otherwise ignored, so newer releases
+decode as long as the fields below keep their meaning. Anything else raises
 `EventDecodeError` (docs/ENGINES.md has the field tables and the sources they come from).
 """
 
@@ -26,9 +27,18 @@ BlockHash = Union[int, bytes]
 
 # Positional field order of the tagged-array form, as declared in vllm/distributed/kv_events.py.
 # Later releases append fields, so a shorter array is an older release.
+# vLLM 0.9 - 0.10 send the first five of BlockStored and the first of BlockRemoved; 0.22 - 0.23
+# (the last array releases) send all of them (docs/ENGINES.md, "vLLM's wire format").
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name", "extra_keys", "group_idx")
+                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                  "kv_cache_spec_sliding_window")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# Fields of the map form this module knows (docs/ENGINES.md, "Event fields by release");
+# any other is reported in `unknown_fields` and otherwise ignored.
+_KNOWN_STORED = frozenset(_STORED_FIELDS + (
+    "type", "locality", "ownership", "session_id", "lookahead_token_ids"))
+_KNOWN_REMOVED = frozenset(_REMOVED_FIELDS + (
+    "type", "locality", "ownership", "remaining_copy_counts"))
 
 _MAX_EXTRA_DEPTH = 8
 
@@ -58,6 +68,19 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
     # "LOCAL" / "REMOTE" relative to the publisher, where a release says.
     locality: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    # vLLM >= 0.30: the secondary offloading tier, and the request session that stored or
+    # re-reported the block. Neither changes what the block holds.
+    ownership: str | None = None
+    session_id: str | None = None
+    # vLLM >= 0.33: per block, the tokens after it that its hash also covers (EAGLE-style
+    # speculative decoding with prefix caching); None when lookahead hashing is off.
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # Names of fields this module does not know (positions, for the array form).
+    unknown_fields: tuple[str, ...] = ()
+    # False for releases that send no extra_keys field (vLLM < 0.17, arrays of < 8 fields):
+    # salts and multimodal inputs are in vLLM's hash but not in the event.
+    keys_published: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,8 @@ class BlockRemoved:
     locality: str | None = None
     # Copies of each hash still held after the removal, where the release says.
     remaining_copy_counts: tuple[int, ...] | None = None
+    ownership: str | None = None
+    unknown_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,11 +150,15 @@ def _batch(raw: Any) -> EventBatch:
 
 
 def _fields(raw: Any, index: int, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-    """(tag, fields by name) of a tagged array or tagged map."""
+    """(tag, fields by name) of a tagged array or tagged map. Array elements past `names`
+    are named "#<position>"."""
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise EventDecodeError(f"event {index}: tagged array without a string tag")
-        return raw[0], dict(zip(names, raw[1:]))
+        f = dict(zip(names, raw[1:]))
+        for i in range(len(names) + 1, len(raw)):
+            f[f"#{i}"] = raw[i]
+        return raw[0], f
     if isinstance(raw, dict):
         tag = raw.get("type")
         if not isinstance(tag, str):
@@ -155,7 +184,9 @@ def _event(raw: Any, index: int) -> Event:
                                        "match block_hashes")
         return BlockRemoved(hashes, _opt_str(f.get("medium"), "medium"),
                             _opt_int(f.get("group_idx"), "group_idx"),
-                            _opt_str(f.get("locality"), "locality"), counts)
+                            _opt_str(f.get("locality"), "locality"), counts,
+                            _opt_str(f.get("ownership"), "ownership"),
+                            _unknown(f, _KNOWN_REMOVED))
     if tag == "AllBlocksCleared":
         _fields(raw, index, ())
         return AllBlocksCleared()
@@ -175,6 +206,13 @@ def _stored(f: dict[str, Any], index: int) -> BlockStored:
         if len(extras) != len(hashes):
             raise EventDecodeError(f"event {index}: {len(extras)} extra_keys for "
                                    f"{len(hashes)} block_hashes")
+    lookahead = f.get("lookahead_token_ids")
+    if lookahead is not None:
+        lookahead = tuple(tuple(_int(t, "lookahead_token_ids") for t in _list(b, index))
+                          for b in _list(lookahead, index))
+        if len(lookahead) != len(hashes):
+            raise EventDecodeError(f"event {index}: {len(lookahead)} lookahead_token_ids for "
+                                   f"{len(hashes)} block_hashes")
     parent = f.get("parent_block_hash")
     return BlockStored(
         block_hashes=hashes,
@@ -188,7 +226,19 @@ def _stored(f: dict[str, Any], index: int) -> BlockStored:
         group_idx=_opt_int(f.get("group_idx"), "group_idx"),
         kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         locality=_opt_str(f.get("locality"), "locality"),
+        kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window"),
+                                              "kv_cache_spec_sliding_window"),
+        ownership=_opt_str(f.get("ownership"), "ownership"),
+        session_id=_opt_str(f.get("session_id"), "session_id"),
+        lookahead_token_ids=lookahead,
+        unknown_fields=_unknown(f, _KNOWN_STORED),
+        keys_published="extra_keys" in f or "type" in f,
     )
+
+
+def _unknown(f: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
+    """Names of the fields a release sent that this module does not know (None ones too)."""
+    return tuple(sorted(str(k) for k in f if k not in known))
 
 
 def _list(v: Any, index: int) -> list[Any]:

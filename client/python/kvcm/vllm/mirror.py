@@ -105,17 +105,46 @@ class MirrorCounters:
     ignored_events: Counter = field(default_factory=Counter)  # by reason
     unknown_removals: int = 0      # removals of blocks the mirror did not hold
     conflicts: int = 0             # a known hash stored again with other content
+    # BlockStored of a block the tier already holds (vLLM >= 0.26 kv_cache_report_mode
+    # "full" re-reports reused blocks): not a new copy.
+    restored_blocks: int = 0
+    # Pages that two or more held vLLM blocks map to (each keeps the page visible).
+    shared_pages: int = 0
+    # Blocks stored by a release that publishes no extra keys (vLLM < 0.17), mirrored as if
+    # they had none (see `require_extra_keys`).
+    unkeyed_blocks: int = 0
+    # Fields the events carry that do not change what a block holds, by name (ownership,
+    # session_id, kv_cache_spec_kind, kv_cache_spec_sliding_window), and fields the decoder
+    # does not know, by name.
+    ignored_fields: Counter = field(default_factory=Counter)
+    unknown_fields: Counter = field(default_factory=Counter)
+
+
+_IGNORED_FIELDS = ("ownership", "session_id", "kv_cache_spec_kind",
+                   "kv_cache_spec_sliding_window")
 
 
 class EngineMirror:
     """Mirror of one engine's cache. Not thread-safe: one owner applies events and takes
-    changes. `ns_key` is the namespace's 16-byte hash key."""
+    changes. `ns_key` is the namespace's 16-byte hash key.
 
-    def __init__(self, ns_key: bytes, page_size: int, block_size: int, kv_group: int = 0):
+    `lora_by_name`: hash a LoRA block's pages by its adapter name (or, before 0.14, its integer
+    id), as vLLM before 0.31 does. vLLM >= 0.31 hashes ("lora", name, path) but publishes
+    the name only, so by default LoRA blocks are refused (reason "lora"): a name reused for
+    another adapter path would claim hits vLLM does not give.
+
+    `require_extra_keys`: refuse blocks of releases that publish no extra keys (vLLM < 0.17,
+    reason "no_extra_keys"): there a salted or multimodal block looks plain and its page
+    would claim hits for the plain prompt. Off: they are mirrored and counted."""
+
+    def __init__(self, ns_key: bytes, page_size: int, block_size: int, kv_group: int = 0,
+                 lora_by_name: bool = False, require_extra_keys: bool = False):
         self.k = blocks_per_page(page_size, block_size)
         self.page_size = page_size
         self.block_size = block_size
         self.kv_group = kv_group
+        self.lora_by_name = lora_by_name
+        self.require_extra_keys = require_extra_keys
         self._ns_key = ns_key
         self.counters = MirrorCounters()
         self._log_counts: Counter = Counter()
@@ -129,6 +158,8 @@ class EngineMirror:
         self._children: dict[BlockHash, set[BlockHash]] = {}
         self._holds: dict[Tier, dict[BlockHash, int]] = {t: {} for t in Tier}
         self._visible: dict[Tier, set[BlockHash]] = {t: set() for t in Tier}
+        # Visible page-end blocks per kvcm page hash: a page leaves when its last one does.
+        self._page_refs: dict[Tier, Counter] = {t: Counter() for t in Tier}
         self._unresolved: set[BlockHash] = set()
         self._changes: list[Change] = []
         # Touched by the batch being applied: pages to re-evaluate, blocks maybe unheld.
@@ -147,6 +178,7 @@ class EngineMirror:
                 roots.append(h)
         for t in Tier:
             self._visible[t].clear()
+            self._page_refs[t].clear()
         for h in roots:
             self._resolve(h)
         for t in Tier:
@@ -202,6 +234,8 @@ class EngineMirror:
         REMOVED per chain rather than one per block."""
         for event in events:
             self.counters.events[type(event).__name__] += 1
+            if not isinstance(event, AllBlocksCleared):
+                self._count_fields(event)
             if isinstance(event, AllBlocksCleared):
                 for t in Tier:
                     if self._visible[t]:
@@ -243,6 +277,13 @@ class EngineMirror:
                 self._forget(h)
         self._released.clear()
 
+    def _count_fields(self, event: BlockStored | BlockRemoved) -> None:
+        for name in _IGNORED_FIELDS:
+            if getattr(event, name, None) is not None:
+                self.counters.ignored_fields[name] += 1
+        for name in event.unknown_fields:
+            self.counters.unknown_fields[name] += 1
+
     def _refuse(self, reason: str, blocks: int, message: str) -> None:
         self.counters.refused_blocks[reason] += blocks
         n = self._log_counts[reason]
@@ -254,6 +295,22 @@ class EngineMirror:
     def _stored(self, ev: BlockStored, tier: Tier) -> None:
         n, bs = len(ev.block_hashes), self.block_size
         resolved: list[BlockHash] = []
+        if ev.lookahead_token_ids is not None and any(ev.lookahead_token_ids):
+            # vLLM's hash covers tokens after the block, kvcm's page hash does not: the
+            # page would claim hits for prompts that continue differently.
+            self._refuse("lookahead", n, "block hashes cover lookahead tokens "
+                         "(speculative decoding with prefix caching)")
+            return
+        if not self.lora_by_name and (ev.lora_name or ev.lora_id is not None):
+            self._refuse("lora", n, f"LoRA block ({ev.lora_name or ev.lora_id}): vLLM hashes "
+                         "the adapter path, which events do not carry")
+            return
+        if not ev.keys_published and ev.token_ids:
+            if self.require_extra_keys:
+                self._refuse("no_extra_keys", n, "the release publishes no extra keys (vLLM "
+                             "< 0.17): salted blocks cannot be told apart")
+                return
+            self.counters.unkeyed_blocks += n
         if ev.token_ids:
             if ev.block_size != bs:
                 self._refuse("block_size", n, f"event block_size {ev.block_size} is not the "
@@ -278,7 +335,9 @@ class EngineMirror:
             self._dirty[t].update(resolved)
         held = self._holds[tier]
         for h in ev.block_hashes:
-            held[h] = held.get(h, 0) + 1
+            if h in held:
+                self.counters.restored_blocks += 1
+            held[h] = 1
         self._dirty[tier].update(ev.block_hashes)
         self.counters.blocks_stored += n
 
@@ -403,6 +462,7 @@ class EngineMirror:
         pages whose visibility follows; emits the changes."""
         b = self._blocks[h]
         vis = self._visible[t]
+        refs = self._page_refs[t]
         newly: list[BlockHash] = []
         stack = self._page_ends_under(h, self.k - 1 - b.depth % self.k)
         while stack:
@@ -410,21 +470,33 @@ class EngineMirror:
             was, now = e in vis, self._should_be_visible(t, e)
             if now and not was:
                 vis.add(e)
+                khash = self._blocks[e].khash
+                refs[khash] += 1
+                if refs[khash] == 2:
+                    self.counters.shared_pages += 1
                 newly.append(e)
                 stack.extend(self._next_page_ends(e))
             elif was and not now:
-                self._changes.append(Change(ChangeKind.REMOVED, t, self._chain(e)))
                 self._hide_subtree(t, e)
         for e in newly:
             if e in vis and not any(c in vis for c in self._next_page_ends(e)):
                 self._changes.append(Change(ChangeKind.STORED, t, self._chain(e)))
 
     def _hide_subtree(self, t: Tier, e: BlockHash) -> None:
-        vis = self._visible[t]
+        """Hides page-end e and the visible pages under it. A page another visible block
+        still maps to stays (no REMOVED); REMOVED goes out for each topmost page that left,
+        the manager dropping what is under it."""
+        vis, refs = self._visible[t], self._page_refs[t]
         stack = [e]
         while stack:
             x = stack.pop()
             vis.discard(x)
+            b = self._blocks[x]
+            refs[b.khash] -= 1
+            if refs[b.khash] <= 0:
+                del refs[b.khash]
+                if x == e or b.page_prev in refs:
+                    self._changes.append(Change(ChangeKind.REMOVED, t, self._chain(x)))
             stack.extend(c for c in self._next_page_ends(x) if c in vis)
 
     def _chain(self, e: BlockHash) -> bytes:

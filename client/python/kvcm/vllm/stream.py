@@ -15,6 +15,9 @@ for a replay; it does no I/O (its `StreamSink` does), so it is tested without so
 - A live seq at or below the previous live seq means the publisher restarted: full resync.
   So does a reconnect of its sockets (an idle engine that restarted sends nothing).
 - A batch that does not decode triggers a full resync; within a full resync it is skipped.
+- A full resync drops pending live batches (the replay brings back those the engine has); a
+  gap replay that brings nothing means the pending batches are ahead of the engine (sent by
+  an earlier run of it): they are dropped, not waited for.
 - Liveness: with no batch for `probe_interval_s`, a replay request for the next seq probes
   the engine (vLLM answers at least the end marker, and any batch we missed). With nothing
   heard for `engine_timeout_s` the engine is down; it is up again once a full replay
@@ -73,6 +76,7 @@ class StreamCounters:
     restarts: int = 0           # publisher restarts detected
     bad_payloads: int = 0
     lost_batches: int = 0       # batches nothing could bring back
+    stale_batches: int = 0      # live batches ahead of everything the engine holds, dropped
 
 
 @dataclass
@@ -172,6 +176,14 @@ class EventStream:
             self._resume(now)
             return
         self._empty_replays = 0 if r.got_any else self._empty_replays + 1
+        if (not r.got_any and not r.full and self._pending
+                and min(self._pending) > (self.next_seq or 0)):
+            # The engine holds nothing from next_seq on, yet a later live batch is pending:
+            # it came from an earlier run of the engine. Waiting for it would never end.
+            self.counters.stale_batches += len(self._pending)
+            self._pending.clear()
+            self._last_live = None
+            self._empty_replays = 0
         if self._syncing:
             self._syncing = False
             self.up = True
@@ -239,9 +251,11 @@ class EventStream:
             del self._pending[min(self._pending)]
 
     def _resume(self, now: float) -> None:
-        """Asks for what follows the last applied batch (everything, if none)."""
+        """Asks for what follows the last applied batch (everything, if none). An engine
+        that is synced but has published nothing yet is asked from 0 without a resync, so
+        probing it does not start a new session."""
         if self.next_seq is None:
-            self._request(0, True, now)
+            self._request(0, not (self.up and not self._syncing), now)
         else:
             self._request(self.next_seq, False, now)
 
@@ -267,6 +281,9 @@ class EventStream:
         self.counters.resyncs += 1
         self.sink.reset()
         self.next_seq = None
+        # The replay from 0 brings back whatever of these the engine still has; one ahead
+        # of the engine (an earlier run's) would otherwise start the next resync.
+        self._pending.clear()
         self._request(0, True, now)
 
     def _drain(self, now: float) -> None:
