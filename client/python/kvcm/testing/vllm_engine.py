@@ -60,6 +60,7 @@ class VllmEngine:
         self.start_timeout_s = start_timeout_s
         self.port, self.pub_port, self.replay_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
+        self._launched = 0.0
         self.log_path = self.dir / f"vllm-{self.port}.log"
 
     @property
@@ -105,14 +106,26 @@ class VllmEngine:
 
     def start(self) -> "VllmEngine":
         """Starts the server and waits (at most start_timeout_s) until /health answers."""
+        return self.launch().wait_healthy()
+
+    def launch(self) -> "VllmEngine":
+        """Starts the server without waiting (start several, then wait_healthy() each)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env(), start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout_s
+        self._launched = time.monotonic()
+        return self
+
+    def wait_healthy(self) -> "VllmEngine":
+        """Until /health answers, at most start_timeout_s after launch(); RuntimeError with
+        the log's tail if the server exits or stays unhealthy (it is stopped then)."""
+        assert self.proc is not None, "launch() first"
+        deadline = self._launched + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n"
-                                   + self.log_tail())
+                code = self.proc.returncode
+                self.stop()
+                raise RuntimeError(f"vLLM exited with {code}:\n" + self.log_tail())
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -129,18 +142,22 @@ class VllmEngine:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL after 15 s."""
+        """SIGTERM to the process group (the API server and its engine-core child), SIGKILL
+        after 15 s; then SIGKILL to whatever of the group is left."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+        group = self.proc.pid
+        try:
+            if self.proc.poll() is None:
+                os.killpg(group, signal.SIGTERM)
+                try:
+                    self.proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    pass
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.proc = None
 
     def __enter__(self) -> "VllmEngine":
