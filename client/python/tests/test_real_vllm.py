@@ -87,7 +87,7 @@ class Bridge:
         # vLLM says nothing while idle: the bridge's replay probes are what keeps it "up".
         self.config.write_text(
             f'manager = "{manager}"\ninsecure = true\nttl_ms = 3000\n'
-            "engine_timeout_s = 10\nprobe_interval_s = 1\nreplay_timeout_s = 2\n"
+            "engine_timeout_s = 5\nprobe_interval_s = 1\nreplay_timeout_s = 2\n"
             f'\n[namespace]\ntenant = "{TENANT}"\nmodel = "{MODEL_NAME}"\n'
             f'preset = "llama-3-8b"\npage_size = {BLOCK_SIZE}\n' + blocks)
         self.proc: subprocess.Popen | None = None
@@ -172,7 +172,7 @@ class Story:
         return [self.probe.held_tokens(e, list(ids), salt) for e, ids, salt in self.sent]
 
     def settle(self) -> None:
-        """Until the manager's view of every prompt sent stayed the same for 0.6 s (the
+        """Until the manager's view of every prompt sent stayed the same for 0.3 s (the
         engines publish within milliseconds of a request; the bridge forwards at once)."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         last, stable_since = None, time.monotonic()
@@ -180,9 +180,9 @@ class Story:
             now = self.snapshot()
             if now != last:
                 last, stable_since = now, time.monotonic()
-            elif time.monotonic() - stable_since >= 0.6:
+            elif time.monotonic() - stable_since >= 0.3:
                 return
-            time.sleep(0.15)
+            time.sleep(0.1)
 
     def wait_held(self, engine_id: str, ids: list[int], want: int) -> None:
         """Until the manager says engine_id holds `want` leading tokens of the prompt."""
@@ -203,7 +203,8 @@ class Story:
             held = self.probe.held_tokens(engine_id, list(ids), salt)
             cached = self.engines[engine_id].cached_tokens(list(ids), cache_salt=salt)
             if held != cached:
-                wrong.append(f"{engine_id} prompt {ids[:3]}..({len(ids)}) salt={salt}: "
+                wrong.append(f"{engine_id} prompt {self.sent.index((engine_id, ids, salt))} "
+                             f"({len(ids)} tokens) salt={salt}: "
                              f"manager {held} tokens, vLLM cached {cached}")
         assert not wrong, (f"after {step}:\n  " + "\n  ".join(wrong)
                            + "\n---- bridge log tail:\n" + self.bridge.tail())
@@ -285,10 +286,10 @@ def test_manager_restart(story):
 
 
 def test_idle_engines_stay_mirrored(story):
-    """vLLM publishes nothing while idle: past the bridge's engine_timeout_s (10 s) the
+    """vLLM publishes nothing while idle: past the bridge's engine_timeout_s (5 s) the
     engines must still count as up (the bridge's replay probes answer for them)."""
-    time.sleep(12)
-    story.check("12 s idle")
+    time.sleep(7)
+    story.check("7 s idle")
 
 
 # ---- the router in front of the two engines ----------------------------------------------
