@@ -100,7 +100,7 @@ class Bridge:
             log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvcm.vllm.bridge", "--config", str(self.config),
-                 "--log_level", "DEBUG"], stdout=log, stderr=subprocess.STDOUT)
+                 "--log_level", "INFO"], stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
