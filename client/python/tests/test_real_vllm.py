@@ -194,20 +194,23 @@ class Story:
                                      + self.bridge.tail())
             time.sleep(0.1)
 
-    def check(self, step: str) -> None:
+    def check(self, step: str) -> list[int]:
         """For each prompt sent so far, in order: settle, probe, resend, compare. All
-        mismatches are reported together, with the bridge's log."""
-        wrong = []
+        mismatches are reported together, with the bridge's log. Returns vLLM's cached_tokens
+        of each prompt."""
+        wrong, reported = [], []
         for engine_id, ids, salt in list(self.sent):
             self.settle()
             held = self.probe.held_tokens(engine_id, list(ids), salt)
             cached = self.engines[engine_id].cached_tokens(list(ids), cache_salt=salt)
+            reported.append(cached)
             if held != cached:
                 wrong.append(f"{engine_id} prompt {self.sent.index((engine_id, ids, salt))} "
                              f"({len(ids)} tokens) salt={salt}: "
                              f"manager {held} tokens, vLLM cached {cached}")
         assert not wrong, (f"after {step}:\n  " + "\n  ".join(wrong)
                            + "\n---- bridge log tail:\n" + self.bridge.tail())
+        return reported
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +254,7 @@ def test_shared_prefixes(story):
 def test_eviction_under_a_small_kv_cache(story):
     for i in range(8):  # 8 x 5 blocks through 24: A, B and C are evicted
         story.send("vllm-0", tokens(10 + i, 4))
-    story.check("evictions")
+    assert story.check("evictions")[0] == 0  # A, checked first, was evicted
 
 
 def test_salted_requests(story):

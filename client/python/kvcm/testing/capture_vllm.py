@@ -24,6 +24,7 @@ next engine step: the AllBlocksCleared of reset_prefix_cache comes with the next
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -139,8 +140,7 @@ def capture(engine: VllmEngine) -> dict[str, Any]:
 
 
 def engine_version(python: str) -> str:
-    import subprocess
-
+    """vllm.__version__ in the environment of `python`."""
     return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
                           check=True, capture_output=True, text=True).stdout.strip()
 
