@@ -24,6 +24,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$repo/scripts/python_env.sh" "$venv"
 export KVCM_SOURCE_ROOT=$repo
+# A real vLLM's python, for test_real_vllm.py (scripts/vllm_env.sh BUILD_DIR/vllm-venv).
+export KVCM_VLLM_PYTHON=${KVCM_VLLM_PYTHON:-$build/vllm-venv/bin/python}
 # From the tests' directory, never client/python: the source tree's kvcm has no stubs.
 cd "$repo/client/python/tests"
 exec "$venv/bin/pytest" -q -p no:cacheprovider "$@"

