@@ -32,6 +32,11 @@ export KVCM_REQUIRE_PYTHON=1
 # here, never skip.
 ./scripts/vllm_env.sh "$build_dir/vllm-venv"
 export KVCM_REQUIRE_VLLM=1
+# vLLM's own kv_events.py of every release tests/test_vllm_publishers.py runs live (wheels
+# from PyPI, about 1.7 GB downloaded once, deleted once read; the cache keeps ~1 MB).
+"$build_dir/pyenv/bin/python" -m kvcm.testing.vllm_publishers --fetch-only \
+  --cache "$build_dir/vllm-wheels"
+export KVCM_VLLM_WHEELS=$(cd "$build_dir" && pwd)/vllm-wheels
 # kubectl and kubernetes-validate for ctest's k8s_render_test, which must run here too.
 ./scripts/k8s_env.sh "$build_dir/k8s-venv"
 export KVCM_REQUIRE_K8S=1

