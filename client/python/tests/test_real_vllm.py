@@ -295,6 +295,21 @@ def test_idle_engines_stay_mirrored(story):
     story.check("7 s idle")
 
 
+def test_engine_restart(story):
+    """vllm-0 stops (its pages must leave the manager once the bridge declares it down) and
+    comes back on the same ports with an empty cache and a publisher counting from 0."""
+    engine = story.engines["vllm-0"]
+    held = tokens(25, 2)
+    story.send("vllm-0", held)
+    story.wait_held("vllm-0", held, 2 * BLOCK_SIZE)
+    engine.stop()
+    story.wait_held("vllm-0", held, 0)  # down: its pool left the manager
+    engine.start()
+    story.send("vllm-0", tokens(24, 2))
+    story.send("vllm-0", tokens(24, 3))  # shares 2 blocks with the one before
+    story.check("an engine restart")
+
+
 # ---- the router in front of the two engines ----------------------------------------------
 
 
