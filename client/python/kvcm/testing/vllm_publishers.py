@@ -61,8 +61,8 @@ def fetch(version: str, cache: Path, keep_wheel: bool = True) -> Path:
     stem = pkg.replace("-", "_")
     wheels = list(cache.glob(f"{stem}-{version}-*.whl"))
     if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--no-cache-dir",
-                        f"{pkg}=={version}", "-d", str(cache)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                        "--no-cache-dir", f"{pkg}=={version}", "-d", str(cache)], check=True)
         wheels = list(cache.glob(f"{stem}-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as z:
         data = z.read(KV_EVENTS)
