@@ -115,11 +115,16 @@ def test_second_engine_loads_the_prefix_the_first_stored(cluster) -> None:
         a.launch()
         plain.wait_healthy()
         a.wait_healthy()
-        want = plain.complete(p, max_tokens=MAX_TOKENS)
-        got_a = a.complete(p, max_tokens=MAX_TOKENS)
+        want = plain.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+        # The greedy output depends on the first block's KV: wrong loaded KV would show.
+        other_first = [(t + 1) % 1000 for t in p[:BLOCK_SIZE]] + p[BLOCK_SIZE:]
+        control = plain.complete(other_first, max_tokens=MAX_TOKENS, logprobs=1)
+        got_a = a.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     finally:
         plain.stop()
         a.stop()
+    print("plain:", want["choices"][0]["text"], "| first block changed:",
+          control["choices"][0]["text"])
     assert cached_tokens_of(got_a) == 0, a.log_tail()
     assert got_a["choices"][0]["text"] == want["choices"][0]["text"]
     # A stored every whole block of the prompt on the agent.
@@ -129,11 +134,29 @@ def test_second_engine_loads_the_prefix_the_first_stored(cluster) -> None:
     b = engine(cluster, "b", connector=True)
     try:
         b.start()
-        got_b = b.complete(p, max_tokens=MAX_TOKENS)
+        got_b = b.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     finally:
         b.stop()
-    print("plain:", want["choices"][0]["text"], "| A:", got_a["choices"][0]["text"],
+    print("A:", got_a["choices"][0]["text"],
           "| B:", got_b["choices"][0]["text"], "| B cached_tokens:", cached_tokens_of(got_b))
+    for name, body in (("plain", want), ("control", control), ("A", got_a), ("B", got_b)):
+        print(name, body["choices"][0]["logprobs"]["token_logprobs"])
     assert cached_tokens_of(got_b) == full, b.log_tail()
     assert got_b["choices"][0]["text"] == want["choices"][0]["text"], b.log_tail()
     assert "loaded 4 blocks" in b.log_path.read_text(errors="replace")
+
+
+def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(cluster) -> None:
+    # The namespace holds another model's pages (head_dim 128): the tiny Llama must not
+    # read or write them.
+    spec = kvcm.ModelSpec(attention=kvcm.AttentionKind.GQA, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=128, page_size_tokens=BLOCK_SIZE)
+    cluster["client"].register_model(("other", MODEL_NAME), spec)
+    e = engine(cluster, "mismatch", connector=True, tenant="other")
+    e.start_timeout_s = 120
+    with pytest.raises(RuntimeError):
+        e.start()
+    log = e.log_path.read_text(errors="replace")
+    # Both layouts named: vLLM's (the connector) and the namespace's (the manager).
+    assert "KvcmConnector: namespace other/tiny-llama refuses vLLM's layout" in log
+    assert "is registered with spec {gqa layers=2 heads=4 kv_heads=2 head_dim=128" in log

@@ -182,10 +182,12 @@ class VllmEngine:
         return json.loads(raw) if raw.strip() else None
 
     def complete(self, tokens: list[int], *, max_tokens: int = 1,
-                 cache_salt: str | None = None) -> dict[str, Any]:
+                 cache_salt: str | None = None, logprobs: int | None = None) -> dict[str, Any]:
         """/v1/completions of a prompt given as token ids (greedy)."""
         body: dict[str, Any] = {"model": MODEL_NAME, "prompt": tokens,
                                 "max_tokens": max_tokens, "temperature": 0.0}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return self.post("/v1/completions", body)

@@ -160,8 +160,14 @@ class KvcmConnector(KVConnectorBase_V1):
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
         self._client = kvcm.Client(self._opts.manager_address, insecure=True)
-        # Creates or confirms the namespace; a different spec under the same name fails here.
-        self._client.register_model(self._ns, self._spec)
+        # Creates or confirms the namespace; a different spec under the same name refuses
+        # to start (vLLM's KV would be read as another layout).
+        try:
+            self._client.register_model(self._ns, self._spec)
+        except kvcm.KvcmError as e:
+            self._client.close()
+            raise ValueError(f"KvcmConnector: namespace {self._ns} refuses vLLM's layout "
+                             f"{self._spec}: {e}") from e
         # Scheduler state.
         self._matched: Dict[str, _Matched] = {}
         # Worker state.
