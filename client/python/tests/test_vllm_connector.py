@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +21,7 @@ from typing import Iterator
 import pytest
 
 import kvcm
+from kvcm.testing import tiny_llama
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
@@ -58,6 +60,11 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     pythonpath = workdir / "pythonpath"
     pythonpath.mkdir()
     (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
+    # Real random weights: the output depends on the KV (dummy weights' does not).
+    model_dir = tiny_llama.write(workdir / "model")
+    weights = Path(tiny_llama.__file__).with_name("tiny_llama_weights.py")
+    subprocess.run([vllm_python, str(weights), str(model_dir)], check=True,
+                   timeout=300)
     manager = ManagerProcess(manager_bin, workdir / "manager")
     agent = None
     client = None
@@ -79,7 +86,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
             assert time.monotonic() < deadline, "the agent did not register"
             time.sleep(0.1)
         yield {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
-               "manager": manager, "agent_address": f"127.0.0.1:{agent_port}",
+               "manager": manager, "model_dir": model_dir, "agent_address": f"127.0.0.1:{agent_port}",
                "client": client}
     finally:
         if client is not None:
@@ -90,7 +97,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
 
 
 def engine(cluster: dict, name: str, *, connector: bool, tenant: str = TENANT) -> VllmEngine:
-    args: tuple[str, ...] = ("--seed", "0")
+    args: tuple[str, ...] = ("--seed", "0", "--load-format", "safetensors")
     if connector:
         config = {"kv_connector": "KvcmConnector",
                   "kv_connector_module_path": "kvcm.vllm.connector",
@@ -101,6 +108,7 @@ def engine(cluster: dict, name: str, *, connector: bool, tenant: str = TENANT) -
                       "model": MODEL_NAME}}
         args += ("--kv-transfer-config", json.dumps(config))
     return VllmEngine(cluster["workdir"] / name, python=cluster["python"], extra_args=args,
+                      model_dir=cluster["model_dir"],
                       extra_env={"PYTHONPATH": cluster["pythonpath"]})
 
 
@@ -125,6 +133,8 @@ def test_second_engine_loads_the_prefix_the_first_stored(cluster) -> None:
         a.stop()
     print("plain:", want["choices"][0]["text"], "| first block changed:",
           control["choices"][0]["text"])
+    # The output depends on the first block's KV: wrong loaded KV would show.
+    assert control["choices"][0]["text"] != want["choices"][0]["text"]
     assert cached_tokens_of(got_a) == 0, a.log_tail()
     assert got_a["choices"][0]["text"] == want["choices"][0]["text"]
     # A stored every whole block of the prompt on the agent.
