@@ -75,8 +75,8 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
         agent = Process([agent_bin, "--insecure", f"--agent_id={AGENT}",
                          f"--manager_address={manager.address}",
                          f"--listen_address=127.0.0.1:{agent_port}", "--use_device=false",
-                         "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4", "--num_kv_heads=2",
-                         "--head_dim=64", "--kv_dtype=bf16",
+                         "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4",
+                         "--num_kv_heads=2", "--head_dim=64", "--kv_dtype=bf16",
                          f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=16777216",
                          "--heartbeat_interval_ms=200"], workdir / "agent.log")
         client = kvcm.Client(manager.address, insecure=True)
@@ -86,8 +86,8 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
             assert time.monotonic() < deadline, "the agent did not register"
             time.sleep(0.1)
         yield {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
-               "manager": manager, "model_dir": model_dir, "agent_address": f"127.0.0.1:{agent_port}",
-               "client": client}
+               "manager": manager, "model_dir": model_dir,
+               "agent_address": f"127.0.0.1:{agent_port}", "client": client}
     finally:
         if client is not None:
             client.close()
@@ -153,6 +153,8 @@ def test_second_engine_loads_the_prefix_the_first_stored(cluster) -> None:
         print(name, body["choices"][0]["logprobs"]["token_logprobs"])
     assert cached_tokens_of(got_b) == full, b.log_tail()
     assert got_b["choices"][0]["text"] == want["choices"][0]["text"], b.log_tail()
+    logprobs = [body["choices"][0]["logprobs"]["token_logprobs"] for body in (want, got_b)]
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-3)
     assert "loaded 4 blocks" in b.log_path.read_text(errors="replace")
 
 
