@@ -172,3 +172,21 @@ def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(clus
     # Both layouts named: vLLM's (the connector) and the namespace's (the manager).
     assert "KvcmConnector: namespace other/tiny-llama refuses vLLM's layout" in log
     assert "is registered with spec {gqa layers=2 heads=4 kv_heads=2 head_dim=128" in log
+
+
+def test_two_tenants_with_the_same_prompt_never_share_kv(cluster) -> None:
+    # Runs after the first test: tenant acme's agent holds every whole block of prompt(1).
+    p = prompt(1)
+    assert cluster["client"].match((TENANT, MODEL_NAME), p, requester_agent_id=AGENT,
+                                   probe=True).local_pages == PROMPT_BLOCKS
+    e = engine(cluster, "globex", connector=True, tenant="globex")
+    try:
+        e.start()
+        got = e.complete(p, max_tokens=MAX_TOKENS)
+    finally:
+        e.stop()
+    assert cached_tokens_of(got) == 0, e.log_tail()
+    assert "KvcmConnector: loaded" not in e.log_path.read_text(errors="replace")
+    # globex stored its own copy under its own namespace.
+    assert cluster["client"].match(("globex", MODEL_NAME), p, requester_agent_id=AGENT,
+                                   probe=True).local_pages == PROMPT_BLOCKS
