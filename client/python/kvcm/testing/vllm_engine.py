@@ -46,7 +46,8 @@ class VllmEngine:
     def __init__(self, workdir: str | os.PathLike, *, python: str | None = None,
                  model_dir: str | os.PathLike | None = None, num_blocks: int | None = None,
                  topic: str = "kv", buffer_steps: int = 10_000, max_model_len: int = 512,
-                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 180.0):
+                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 180.0,
+                 extra_env: dict[str, str] | None = None):
         self.python = vllm_python(python)
         if not self.python:
             raise RuntimeError("no vLLM python: set $KVCM_VLLM_PYTHON (scripts/vllm_env.sh)")
@@ -57,6 +58,7 @@ class VllmEngine:
         if num_blocks is not None:  # vLLM refuses a cache that cannot hold one longest request
             max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
         self.max_model_len, self.extra_args = max_model_len, extra_args
+        self.extra_env = dict(extra_env or {})  # e.g. PYTHONPATH for a KV connector module
         self.start_timeout_s = start_timeout_s
         self.port, self.pub_port, self.replay_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
@@ -102,6 +104,7 @@ class VllmEngine:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if self.num_blocks is None:
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
+        env.update(self.extra_env)
         return env
 
     def start(self) -> "VllmEngine":
@@ -179,10 +182,12 @@ class VllmEngine:
         return json.loads(raw) if raw.strip() else None
 
     def complete(self, tokens: list[int], *, max_tokens: int = 1,
-                 cache_salt: str | None = None) -> dict[str, Any]:
+                 cache_salt: str | None = None, logprobs: int | None = None) -> dict[str, Any]:
         """/v1/completions of a prompt given as token ids (greedy)."""
         body: dict[str, Any] = {"model": MODEL_NAME, "prompt": tokens,
                                 "max_tokens": max_tokens, "temperature": 0.0}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return self.post("/v1/completions", body)
