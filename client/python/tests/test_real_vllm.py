@@ -15,7 +15,6 @@ unless KVCM_REQUIRE_VLLM=1 (scripts/test.sh, CI): then it fails. ctest runs it o
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from kvcm.testing.manager import ManagerProcess
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 from kvcm.vllm.pagehash import hash_request
 
+from conftest import vllm_test_path
+
 pytestmark = pytest.mark.timeout(300)
 
 SECRET = bytes(range(16))
@@ -40,27 +41,6 @@ ENGINES = ("vllm-0", "vllm-1")
 NUM_BLOCKS = 24
 GPU = 1
 SETTLE_TIMEOUT_S = 15.0
-
-
-def vllm_python() -> str:
-    path = os.environ.get("KVCM_VLLM_PYTHON", "")
-    if path and os.access(path, os.X_OK):
-        return path
-    reason = f"$KVCM_VLLM_PYTHON does not name the vLLM environment's python ({path!r})"
-    if os.environ.get("KVCM_REQUIRE_VLLM") == "1":
-        pytest.fail(f"{reason} (KVCM_REQUIRE_VLLM=1)")
-    pytest.skip(reason)
-
-
-def manager_binary() -> str:
-    path = os.environ.get("KVCM_MANAGER_BIN", "")
-    if not path or not os.access(path, os.X_OK):
-        reason = f"$KVCM_MANAGER_BIN does not name the kvcm-manager binary ({path!r})"
-        if os.environ.get("KVCM_REQUIRE_VLLM") == "1" or \
-                os.environ.get("KVCM_REQUIRE_PYTHON") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return path
 
 
 def tokens(seed: int, blocks: int) -> list[int]:
@@ -215,8 +195,8 @@ class Story:
 
 @pytest.fixture(scope="module")
 def story(tmp_path_factory) -> Iterator[Story]:
-    python = vllm_python()
-    binary = manager_binary()
+    python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
+    binary = vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
     workdir = tmp_path_factory.mktemp("real-vllm")
     engines = {eid: VllmEngine(workdir / eid, python=python, num_blocks=NUM_BLOCKS)
                for eid in ENGINES}

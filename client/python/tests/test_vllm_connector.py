@@ -25,7 +25,7 @@ from kvcm.testing import tiny_llama
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
-from conftest import Process
+from conftest import Process, vllm_test_path
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,16 +35,6 @@ PROMPT_BLOCKS = 4
 MAX_TOKENS = 8
 
 
-def _need(env: str, what: str) -> str:
-    path = os.environ.get(env, "")
-    if path and os.access(path, os.X_OK):
-        return path
-    reason = f"${env} does not name {what} ({path!r})"
-    if os.environ.get("KVCM_REQUIRE_VLLM") == "1":
-        pytest.fail(f"{reason} (KVCM_REQUIRE_VLLM=1)")
-    pytest.skip(reason)
-
-
 def prompt(seed: int) -> list[int]:
     """PROMPT_BLOCKS whole blocks plus 5 tokens (vLLM always computes the last one)."""
     return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
@@ -52,9 +42,9 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
-    vllm_python = _need("KVCM_VLLM_PYTHON", "the vLLM environment's python")
-    manager_bin = _need("KVCM_MANAGER_BIN", "the kvcm-manager binary")
-    agent_bin = _need("KVCM_AGENT_BIN", "the kvcm-agent binary")
+    vllm_python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
+    manager_bin = vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
+    agent_bin = vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
     workdir = tmp_path_factory.mktemp("connector")
     # vLLM imports kvcm from a directory holding only the package under test.
     pythonpath = workdir / "pythonpath"
