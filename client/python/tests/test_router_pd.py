@@ -190,7 +190,11 @@ async def test_pd_prefills_then_decodes_on_the_prefill_engines_agent():
             assert status == 200 and events[-1] == "[DONE]"
             assert len("".join(e["choices"][0]["delta"].get("content", "")
                                for e in events[:-1] if e["choices"]).split()) == 3
-            assert (p0.requests, d1.requests, d0.requests) == (3, 3, 1)
+            # A prompt of less than one block and a token: nothing to prefill apart.
+            short = {"model": "fake-model", "prompt": "a b c", "max_tokens": 2}
+            status, _, engine = await post(http, rs.url + "/v1/completions", short)
+            assert (status, engine) == (200, "d0")  # least-loaded: nothing on an agent
+            assert (p0.requests, d1.requests, d0.requests) == (3, 3, 2)
             text = await metrics_text(http, rs.url)
             assert sample(text, "kvcm_router_requests_total",
                           {"engine": "p0", "policy": "least-loaded",

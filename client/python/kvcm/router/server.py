@@ -29,7 +29,7 @@ from kvcm.router.load import LoadTracker, Ticket
 from kvcm.router.manager_index import ManagerIndex
 from kvcm.router.metrics import RouterMetrics
 from kvcm.router.pd import AgentMappedIndex, DecodePolicy, agent_of, prefill_body
-from kvcm.router.policy import ImbalanceGuard, PrefixIndex, RoutingRequest
+from kvcm.router.policy import ImbalanceGuard, PrefixIndex, RoutingRequest, cacheable_tokens
 from kvcm.router.tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -204,7 +204,9 @@ class RouterServer:
             message = str(e) if isinstance(e, TokenizerError) else f"body: not JSON: {e}"
             return error_response(400, message, "invalid_request_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
-        if self.prefill_router is not None:
+        # P/D: a prompt without a whole block before its last token has nothing to hand over.
+        if self.prefill_router is not None and cacheable_tokens(
+                len(routing.tokens), self.cfg.namespace.block_size) > 0:
             kv_agent = await self._prefill(body, chat, path, routing, headers)
             routing = dataclasses.replace(routing, kv_agent=kv_agent)
         routed = await self.router.route(routing, endpoint=path)
