@@ -224,6 +224,17 @@ def test_the_decode_engine_loads_what_the_prefill_engine_stored(cluster) -> None
     assert metric(url, "kvcm_router_engine_cached_tokens_total", engine="decode") == \
         PROMPT_BLOCKS * BLOCK_SIZE
     assert metric(url, "kvcm_router_pd_prefill_fallbacks_total") == 0
+    # Streamed: the decode engine's SSE passes through (the prompt is in its cache by now).
+    req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                 data=json.dumps({**completion(p), "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers.get("x-kvcm-engine") == "decode"
+        raw = r.read().decode()
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text == want["choices"][0]["text"]
 
 
 def test_with_the_prefill_engine_down_the_decode_engine_answers_alone(cluster) -> None:
