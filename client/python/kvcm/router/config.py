@@ -5,6 +5,10 @@
     tokenizer = "meta-llama/Meta-Llama-3-8B-Instruct"   # or a path; "words"/"bytes": tests
     lora_adapters = ["sql-lora"]     # a request whose model is one of these uses that LoRA
     engines = ["vllm-0=http://10.0.0.5:8000", "vllm-1=http://10.0.0.6:8000"]
+    # or, prefill/decode disaggregation (instead of engines; policy picks the prefill engine):
+    # prefill_engines = ["p0=http://10.0.0.5:8000"]
+    # decode_engines = ["d0=http://10.0.0.6:8000"]
+    # engine_agents = ["p0=gpu0", "d0=gpu0"]  # kvcm-agent of a connector engine (default: id)
 
     manager = "kvcm.internal:50051"  # kv-aware only
     ca_file = "/etc/kvcm/ca.pem"     # or insecure = true
@@ -14,12 +18,13 @@
     [namespace]                      # the bridge's: same tenant, model, spec, page size
     tenant = "acme"
     model = "llama-3-8b"
-    preset = "llama-3-8b"
+    preset = "llama-3-8b"            # a catalogue model, or a [namespace.spec] table
     dtype = "bf16"
     page_size = 16                   # kvcm page, a multiple of block_size
     block_size = 16                  # the engines' block size
 
-Engine ids are the ids kvcm-vllm-bridge publishes the engines under.
+Engine ids are the ids kvcm-vllm-bridge publishes the engines under; an engine listed in
+engine_agents is ranked by the pages of that kvcm-agent instead (the kvcm vLLM connector).
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvcm.router.policy import POLICIES
-from kvcm.types import CATALOG, KvDtype, ModelSpec, Namespace
+from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec, Namespace
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _DTYPES = {"bf16": KvDtype.BF16, "fp16": KvDtype.FP16, "fp8": KvDtype.FP8,
            "int8": KvDtype.INT8}
+_ATTENTION = {"mha": AttentionKind.MHA, "mqa": AttentionKind.MQA, "gqa": AttentionKind.GQA,
+              "mla": AttentionKind.MLA}
 
 
 class ConfigError(ValueError):
@@ -61,11 +68,21 @@ def parse_engine(text: str, where: str = "engines") -> EngineSpec:
     return EngineSpec(engine_id, url)
 
 
+def parse_engine_agent(text: str, where: str = "engine_agents") -> Tuple[str, str]:
+    """'engine=agent' as a pair; ConfigError naming `where` otherwise."""
+    engine_id, sep, agent_id = (p.strip() for p in text.partition("="))
+    if not sep or not _ENGINE_ID.match(engine_id) or not _ENGINE_ID.match(agent_id):
+        raise ConfigError(f"{where}: {text!r} must be ENGINE=AGENT, each 1..128 of "
+                          "[A-Za-z0-9._:-]")
+    return engine_id, agent_id
+
+
 @dataclass
 class NamespaceConfig:
     tenant: str = ""
     model: str = ""
-    preset: str = ""  # a catalogue model (kvcm.CATALOG)
+    preset: str = ""  # a catalogue model (kvcm.CATALOG), or `spec`
+    spec: Dict[str, Any] = field(default_factory=dict)  # ModelSpec fields (TOML table)
     dtype: str = "bf16"
     page_size: int = 0  # tokens per kvcm page; 0: block_size
     block_size: int = 16  # the engines' KV block size, tokens
@@ -79,6 +96,16 @@ class NamespaceConfig:
         return self.page_size or self.block_size
 
     def model_spec(self) -> ModelSpec:
+        if self.spec:
+            if self.preset:
+                raise ConfigError("namespace: give preset or spec, not both")
+            kw = dict(self.spec)
+            try:
+                kw["attention"] = _ATTENTION[str(kw.get("attention", "")).lower()]
+                kw["dtype"] = _DTYPES[str(kw.get("dtype", self.dtype)).lower()]
+                return ModelSpec(page_size_tokens=self.page_tokens, **kw)
+            except (KeyError, TypeError) as e:
+                raise ConfigError(f"namespace.spec: {e}") from None
         base = CATALOG.get(self.preset.lower())
         if base is None:
             raise ConfigError(f"namespace.preset: {self.preset!r} is not a catalogue model; "
@@ -92,6 +119,11 @@ class RouterConfig:
     policy: str = "kv-aware"
     tokenizer: str = ""
     engines: List[EngineSpec] = field(default_factory=list)
+    # Prefill/decode disaggregation: both lists instead of `engines`.
+    prefill_engines: List[EngineSpec] = field(default_factory=list)
+    decode_engines: List[EngineSpec] = field(default_factory=list)
+    # engine id -> the kvcm-agent its connector stores into and loads from.
+    engine_agents: Dict[str, str] = field(default_factory=dict)
     lora_adapters: List[str] = field(default_factory=list)
     namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
     # Manager connection (kv-aware).
@@ -117,6 +149,15 @@ class RouterConfig:
     log_level: str = "info"
 
     @property
+    def pd(self) -> bool:
+        """Prefill/decode disaggregation: prefill_engines and decode_engines are given."""
+        return bool(self.prefill_engines or self.decode_engines)
+
+    @property
+    def all_engines(self) -> List[EngineSpec]:
+        return self.engines + self.prefill_engines + self.decode_engines
+
+    @property
     def listen_host_port(self) -> Tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host.strip("[]") or "0.0.0.0", int(port)
@@ -124,12 +165,21 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if not self.engines:
+        if self.pd:
+            if self.engines:
+                raise ConfigError("engines: not with prefill_engines / decode_engines (P/D)")
+            if not self.prefill_engines or not self.decode_engines:
+                raise ConfigError("prefill_engines and decode_engines: P/D needs at least one "
+                                  "ID=URL in each")
+        elif not self.engines:
             raise ConfigError("engines: at least one ID=URL is required")
-        ids = [e.id for e in self.engines]
+        ids = [e.id for e in self.all_engines]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
             raise ConfigError(f"engines: id {sorted(dup)[0]!r} is listed twice")
+        unknown = sorted(set(self.engine_agents) - set(ids))
+        if unknown:
+            raise ConfigError(f"engine_agents: {unknown[0]!r} is not a configured engine")
         if not self.tokenizer:
             raise ConfigError("tokenizer: required: the engines' Hugging Face tokenizer (name "
                               "or path), or 'words' / 'bytes' (test tokenizers)")
@@ -176,10 +226,15 @@ def _from_toml(data: Dict[str, Any]) -> RouterConfig:
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"{key}: unknown setting")
-        if key == "engines":
+        if key in ("engines", "prefill_engines", "decode_engines"):
             if not isinstance(value, list):
-                raise ConfigError("engines: must be a list of \"ID=URL\" strings")
-            cfg.engines = [parse_engine(str(v), f"engines[{i}]") for i, v in enumerate(value)]
+                raise ConfigError(f"{key}: must be a list of \"ID=URL\" strings")
+            setattr(cfg, key, [parse_engine(str(v), f"{key}[{i}]") for i, v in enumerate(value)])
+        elif key == "engine_agents":
+            if not isinstance(value, list):
+                raise ConfigError("engine_agents: must be a list of \"ENGINE=AGENT\" strings")
+            cfg.engine_agents = dict(parse_engine_agent(str(v), f"engine_agents[{i}]")
+                                     for i, v in enumerate(value))
         elif key == "namespace":
             if not isinstance(value, dict):
                 raise ConfigError("namespace: must be a table")
@@ -214,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "'bytes' for tests")
     p.add_argument("--engine", action="append", metavar="ID=URL",
                    help="an engine (repeatable); replaces the file's engines")
+    p.add_argument("--prefill_engine", action="append", metavar="ID=URL",
+                   help="P/D: a prefill engine (repeatable); replaces the file's list")
+    p.add_argument("--decode_engine", action="append", metavar="ID=URL",
+                   help="P/D: a decode engine (repeatable); replaces the file's list")
+    p.add_argument("--engine_agent", action="append", metavar="ENGINE=AGENT",
+                   help="the kvcm-agent of a connector engine (repeatable); replaces the "
+                        "file's engine_agents")
     p.add_argument("--lora_adapter", action="append", metavar="NAME",
                    help="a LoRA adapter name served by the engines (repeatable)")
     p.add_argument("--manager", help="kvcm-manager HOST:PORT")
@@ -262,6 +324,13 @@ def load_config(argv: Optional[List[str]] = None) -> RouterConfig:
             setattr(cfg, name, value)
     if args.engine:
         cfg.engines = [parse_engine(e, "--engine") for e in args.engine]
+    if args.prefill_engine:
+        cfg.prefill_engines = [parse_engine(e, "--prefill_engine") for e in args.prefill_engine]
+    if args.decode_engine:
+        cfg.decode_engines = [parse_engine(e, "--decode_engine") for e in args.decode_engine]
+    if args.engine_agent:
+        cfg.engine_agents = dict(parse_engine_agent(e, "--engine_agent")
+                                 for e in args.engine_agent)
     if args.lora_adapter:
         cfg.lora_adapters = list(args.lora_adapter)
     for flag, attr in (("tenant", "tenant"), ("model", "model"), ("preset", "preset"),
@@ -275,4 +344,4 @@ def load_config(argv: Optional[List[str]] = None) -> RouterConfig:
 
 
 __all__ = ["ConfigError", "EngineSpec", "NamespaceConfig", "RouterConfig", "load_config",
-           "parse_engine"]
+           "parse_engine", "parse_engine_agent"]

@@ -56,13 +56,17 @@ class Router:
     """Chooses engines and accounts for what it sent them."""
 
     def __init__(self, policy: Policy, loads: LoadTracker,
-                 metrics: Optional[RouterMetrics] = None) -> None:
+                 metrics: Optional[RouterMetrics] = None,
+                 engine_ids: Optional[Sequence[str]] = None) -> None:
+        """Routes among `engine_ids` (default: all of `loads`'); several Routers may share
+        one LoadTracker and metrics, each over its own engines (P/D: prefill, decode)."""
         self.policy = policy
         self.loads = loads
         self.metrics = metrics
+        self.engine_ids = list(loads.engine_ids if engine_ids is None else engine_ids)
         if metrics is not None:
-            metrics.init_engines(loads.engine_ids)
-            for e in loads.engine_ids:
+            metrics.init_engines(self.engine_ids)
+            for e in self.engine_ids:
                 metrics.engine_up.labels(e).set_function(self._up_function(e))
         self._last_fallback_log = float("-inf")
 
@@ -72,7 +76,8 @@ class Router:
     async def route(self, request: RoutingRequest, endpoint: str = "") -> Routed:
         """Chooses an engine among the available ones and counts the request on it."""
         start = time.perf_counter()
-        decision = await self.policy.choose(request, self.loads.available(), self.loads)
+        decision = await self.policy.choose(request, self.loads.available(self.engine_ids),
+                                            self.loads)
         elapsed = time.perf_counter() - start
         ticket = self.loads.begin(decision.engine_id, len(request.tokens),
                                   decision.expected_cached_tokens)

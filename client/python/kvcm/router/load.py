@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 
 @dataclass
@@ -105,12 +105,14 @@ class LoadTracker:
     def is_up(self, engine_id: str) -> bool:
         return self._engines[engine_id].down_until <= self._clock()
 
-    def available(self) -> List[str]:
-        """Engines not marked down, in configuration order; every engine when all are (a
-        request is better tried on a failed engine than refused)."""
+    def available(self, among: Optional[Sequence[str]] = None) -> List[str]:
+        """Engines of `among` (default: all) not marked down, in configuration order; every
+        one of them when all are (a request is better tried on a failed engine than
+        refused)."""
         now = self._clock()
-        up = [e for e, load in self._engines.items() if load.down_until <= now]
-        return up or list(self._engines)
+        engines = list(self._engines) if among is None else list(among)
+        up = [e for e in engines if self._engines[e].down_until <= now]
+        return up or engines
 
 
 __all__ = ["EngineLoad", "LoadTracker", "Ticket"]

@@ -56,6 +56,10 @@ class RouterMetrics:
             "kvcm_router_manager_fallbacks",
             "kv-aware requests routed least-loaded because the manager could not rank them",
             ["cause"], registry=r)
+        self.pd_prefill_fallbacks = Counter(
+            "kvcm_router_pd_prefill_fallbacks",
+            "P/D requests sent to a decode engine without their prefill, which failed "
+            "(cause: HTTP status, or connect, timeout, disconnect)", ["cause"], registry=r)
         self.engine_up = Gauge(
             "kvcm_router_engine_up", "1 while the engine is not avoided after a failure",
             ["engine"], registry=r)

@@ -40,6 +40,8 @@ class RoutingRequest:
     cache_salt: Optional[str] = None
     # False when the engine hashes inputs the router cannot see (images): no prefix match.
     hashable: bool = True
+    # P/D decode: the kvcm-agent known to hold the prompt's KV (the prefill engine's).
+    kv_agent: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,14 @@ too) to the engine the policy picks; GET /v1/models merges the engines' lists; /
 Prometheus text; /health says which engines are avoided. Answers carry `x-kvcm-engine`
 (the engine id). An engine that does not answer (refused, reset, timed out) gives 502 / 504
 naming it and is avoided for a while; an engine's own HTTP errors pass through unchanged.
+With prefill_engines / decode_engines (P/D), a request is first prefilled on a prefill engine
+(max_tokens 1), then passed unchanged to a decode engine (kvcm.router.pd).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -25,7 +28,8 @@ from kvcm.router.core import Router, make_policy
 from kvcm.router.load import LoadTracker, Ticket
 from kvcm.router.manager_index import ManagerIndex
 from kvcm.router.metrics import RouterMetrics
-from kvcm.router.policy import ImbalanceGuard, RoutingRequest
+from kvcm.router.pd import AgentMappedIndex, DecodePolicy, agent_of, prefill_body
+from kvcm.router.policy import ImbalanceGuard, PrefixIndex, RoutingRequest, cacheable_tokens
 from kvcm.router.tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -93,13 +97,15 @@ class RouterServer:
         cfg.validate()
         self.cfg = cfg
         self.tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
-        self.engines = {e.id: e for e in cfg.engines}
+        self.engines = {e.id: e for e in cfg.all_engines}
         self.metrics = RouterMetrics()
         self.loads = LoadTracker(self.engines, down_s=cfg.engine_down_s)
         self.index: Optional[ManagerIndex] = None
         self._clients: List[kvcm_aio.Client] = []
         self._session: Optional[aiohttp.ClientSession] = None
+        # P/D: `router` chooses the decode engine, `prefill_router` the prefill engine.
         self.router: Optional[Router] = None
+        self.prefill_router: Optional[Router] = None
         self.app = web.Application()
         self.app.add_routes([
             web.post("/v1/completions", self._completions),
@@ -135,15 +141,31 @@ class RouterServer:
                 block_size=c.namespace.block_size, prefill_tokens_per_s=c.prefill_tokens_per_s,
                 route_deadline_ms=c.route_deadline_ms, register_client=register)
             await self.index.register()
-        policy = make_policy(c.policy, list(self.engines), page_size=c.namespace.page_tokens,
-                             block_size=c.namespace.block_size, guard=guard, index=self.index,
+        index: Optional[PrefixIndex] = self.index
+        if index is not None and c.engine_agents:
+            index = AgentMappedIndex(index, c.engine_agents,
+                                     prefill_tokens_per_s=c.prefill_tokens_per_s)
+        first = [e.id for e in (c.prefill_engines if c.pd else c.engines)]
+        policy = make_policy(c.policy, first, page_size=c.namespace.page_tokens,
+                             block_size=c.namespace.block_size, guard=guard, index=index,
                              hash_prefix_pages=c.hash_prefix_pages)
-        self.router = Router(policy, self.loads, self.metrics)
+        if c.pd:
+            self.prefill_router = Router(policy, self.loads, self.metrics, first)
+            decode = DecodePolicy(c.engine_agents, block_size=c.namespace.block_size,
+                                  guard=guard)
+            self.router = Router(decode, self.loads, self.metrics,
+                                 [e.id for e in c.decode_engines])
+        else:
+            self.router = Router(policy, self.loads, self.metrics)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=c.upstream_timeout_s, sock_connect=5.0),
             auto_decompress=False)
-        log.info("kvcm-router on http://%s: policy %s, engines %s", c.listen, c.policy,
-                 ", ".join(f"{e.id}={e.url}" for e in c.engines))
+        log.info("kvcm-router on http://%s: policy %s, %s", c.listen, c.policy,
+                 "; ".join(f"{what} " + ", ".join(f"{e.id}={e.url}" for e in engines)
+                           for what, engines in (("engines", c.engines),
+                                                 ("prefill engines", c.prefill_engines),
+                                                 ("decode engines", c.decode_engines))
+                           if engines))
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
@@ -176,14 +198,20 @@ class RouterServer:
         assert self.router is not None and self._session is not None
         raw = await request.read()
         try:
-            routing = self._routing_request(json.loads(raw), chat)
+            body = json.loads(raw)
+            routing = self._routing_request(body, chat)
         except ValueError as e:  # TokenizerError, or JSON that does not parse
             message = str(e) if isinstance(e, TokenizerError) else f"body: not JSON: {e}"
             return error_response(400, message, "invalid_request_error")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+        # P/D: a prompt without a whole block before its last token has nothing to hand over.
+        if self.prefill_router is not None and cacheable_tokens(
+                len(routing.tokens), self.cfg.namespace.block_size) > 0:
+            kv_agent = await self._prefill(body, chat, path, routing, headers)
+            routing = dataclasses.replace(routing, kv_agent=kv_agent)
         routed = await self.router.route(routing, endpoint=path)
         ticket = routed.ticket
         engine = self.engines[ticket.engine_id]
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
         try:
             return await self._forward(request, engine.url + path, raw, headers, ticket)
         except asyncio.TimeoutError:
@@ -206,6 +234,47 @@ class RouterServer:
         finally:
             if ticket.open:  # the client went away, or the handler was cancelled
                 self.router.abandon(ticket)
+
+    async def _prefill(self, body: Dict[str, Any], chat: bool, path: str,
+                       routing: RoutingRequest, headers: Dict[str, str]) -> Optional[str]:
+        """P/D: the request with one output token on a prefill engine, awaited whole (its
+        connector stores the prompt's pages before the engine answers). Returns the agent
+        that now holds them, or None when the prefill failed (counted; the decode engine
+        then computes the prompt itself)."""
+        assert self.prefill_router is not None and self._session is not None
+        routed = await self.prefill_router.route(routing, endpoint=path)
+        ticket = routed.ticket
+        engine = self.engines[ticket.engine_id]
+        cause = ""
+        try:
+            async with self._session.post(engine.url + path, json=prefill_body(body, chat),
+                                          headers=headers) as up:
+                data = await up.read()
+                if up.status < 400:
+                    cached = None
+                    try:
+                        cached = cached_tokens_of(json.loads(data).get("usage"))
+                    except (ValueError, AttributeError):
+                        pass
+                    self.prefill_router.finish(ticket, cached)
+                    return agent_of(self.cfg.engine_agents, engine.id)
+                cause = str(up.status)
+                self.prefill_router.failed(ticket, cause, engine_down=False)
+                log.warning("prefill engine %s: HTTP %d: %s", engine.id, up.status,
+                            data[:200].decode(errors="replace"))
+        except asyncio.TimeoutError:
+            cause = "timeout"
+            self.prefill_router.failed(ticket, cause, engine_down=True)
+        except (aiohttp.ClientError, ConnectionError) as e:
+            cause = "connect" if isinstance(e, aiohttp.ClientConnectorError) else "disconnect"
+            self.prefill_router.failed(ticket, cause, engine_down=True)
+            log.warning("prefill engine %s (%s): %s: %s", engine.id, engine.url,
+                        type(e).__name__, e)
+        finally:
+            if ticket.open:  # the handler was cancelled
+                self.prefill_router.abandon(ticket)
+        self.metrics.pd_prefill_fallbacks.labels(cause).inc()
+        return None
 
     async def _forward(self, request: web.Request, url: str, raw: bytes,
                        headers: Dict[str, str], ticket: Ticket) -> web.StreamResponse:
@@ -285,7 +354,7 @@ class RouterServer:
     async def _health(self, request: web.Request) -> web.Response:
         up = {e: self.loads.is_up(e) for e in self.engines}
         body: Dict[str, Any] = {"status": "ok" if any(up.values()) else "no-engine",
-                                "policy": self.cfg.policy, "engines": up}
+                                "policy": self.cfg.policy, "pd": self.cfg.pd, "engines": up}
         if self.index is not None:
             body["manager_key"] = self.index.has_key
         return web.json_response(body, status=200 if any(up.values()) else 503)

@@ -13,6 +13,9 @@ Worker side: ReadBlocks the pinned agent blocks into vLLM's paged KV before the 
 after it, Allocate + WriteBlocks the newly computed whole pages and Insert them. Bytes go
 over gRPC (this slice); shared memory is a later one.
 
+kv_role: "kv_both" loads and stores; "kv_producer" (a prefill engine) stores and never loads;
+"kv_consumer" (a decode engine) loads and never stores.
+
 Block bytes: one agent block holds one vLLM block of every layer, layer after layer, each as
 vLLM's per-block slice of that layer's cache (CPU backend: [kv_heads, block_size,
 2 * head_dim], K then V in the last dim). It must have the namespace's bytes_per_block.
@@ -157,6 +160,8 @@ class KvcmConnector(KVConnectorBase_V1):
             served = served[0]
         self._opts = ConnectorOptions.from_extra(extra, str(served or "model"))
         self._block_size = vllm_config.cache_config.block_size
+        self._loads = self._kv_transfer_config.is_kv_consumer  # kv_consumer, kv_both
+        self._stores = self._kv_transfer_config.is_kv_producer  # kv_producer, kv_both
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
         self._client = kvcm.Client(self._opts.manager_address, insecure=True)
@@ -176,8 +181,9 @@ class KvcmConnector(KVConnectorBase_V1):
         self._agent: Optional[agent_pb2_grpc.BlockAgentStub] = None
         self._channel: Optional[grpc.Channel] = None
         self._lock = threading.Lock()
-        logger.info("KvcmConnector (%s): namespace %s, agent %s at %s, spec %s", role.name,
-                    self._ns, self._opts.agent_id, self._opts.agent_address, self._spec)
+        logger.info("KvcmConnector (%s, %s): namespace %s, agent %s at %s, spec %s",
+                    role.name, self._kv_transfer_config.kv_role, self._ns, self._opts.agent_id,
+                    self._opts.agent_address, self._spec)
 
     # ---- scheduler side -----------------------------------------------------------------
 
@@ -188,6 +194,9 @@ class KvcmConnector(KVConnectorBase_V1):
         # At least one prompt token is always computed (vLLM needs its logits).
         loadable = (len(tokens) - 1) // self._block_size
         if loadable * self._block_size <= num_computed_tokens:
+            return 0, False
+        if not self._loads:  # kv_producer: store every whole page, match nothing
+            self._matched[request.request_id] = _Matched(0, [], 0, num_computed_tokens)
             return 0, False
         try:
             match = self._client.match(
@@ -236,7 +245,7 @@ class KvcmConnector(KVConnectorBase_V1):
             # Whole prompt pages computed (or loaded) by the end of this step. A prompt whose
             # prefill spans several steps stores only this first step's pages (this slice).
             pages = min(done, len(tokens)) // bs
-            if pages > len(m.local_blocks):
+            if self._stores and pages > len(m.local_blocks):
                 meta.stores.append(StoreSpec(new_req.req_id, tokens[: pages * bs],
                                              block_ids[:pages], list(m.local_blocks)))
             m.stored = True
