@@ -17,6 +17,7 @@
 #include "gpu/agent/command_loop.h"
 #include "gpu/agent/control_loop.h"
 #include "gpu/agent/data_tls.h"
+#include "gpu/agent/local_socket_server.h"
 #include "gpu/agent/peer_lookup.h"
 #include "gpu/agent/tcp_transport.h"
 #include "prometheus/exposer.h"
@@ -167,6 +168,16 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
         absl::StrCat("cannot serve BlockAgent on listen_address ", opts.listen_address));
   }
   a->address_ = absl::StrCat(HostOf(opts.listen_address), ":", port);
+  if (!opts.local_socket.empty()) {
+    KVCM_ASSIGN_OR_RETURN(a->local_,
+                          LocalSocketServer::Start(
+                              {.path = opts.local_socket, .max_sessions = opts.local_max_sessions},
+                              LocalSessionEnv{.options = &opts,
+                                              .pools = a->pools(),
+                                              .epoch = &a->epoch_,
+                                              .authenticator = a->authenticator_.get(),
+                                              .metrics = a->metrics_.get()}));
+  }
 
   if (!opts.metrics_address.empty()) {
     // prometheus-cpp reports a bind failure by throwing; turned into a Status here only.
@@ -270,6 +281,7 @@ void Agent::Shutdown() {
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
+  if (local_ != nullptr) local_->Stop();
   transport_.reset();  // cancels pulls in flight (their fetches fail) and joins its threads
   exposer_.reset();
   shutdown_done_.Notify();

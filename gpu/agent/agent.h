@@ -1,7 +1,8 @@
 // Agent: a running kvcm-agent. Owns the block pool (over the backend CreateBackend chose)
 // and, when host_capacity_bytes > 0, a host-DRAM pool of the same geometry that the manager
 // demotes pages into, the epoch (agent_state.h) and the metrics; starts and stops the
-// components over them: the BlockAgent gRPC server (block_agent_service.h), the ControlLoop
+// components over them: the BlockAgent gRPC server (block_agent_service.h), the optional
+// local data path (local_socket_server.h), the ControlLoop
 // that registers, reports the inventory and heartbeats, the CommandLoop that runs the manager's
 // commands, and the optional Prometheus exposer.
 //
@@ -40,6 +41,7 @@ class DataTls;
 class BlockAgentService;
 class CommandLoop;
 class ControlLoop;
+class LocalSocketServer;
 
 class Agent {
  public:
@@ -58,6 +60,8 @@ class Agent {
   const std::string& address() const { return address_; }
   // Where peers pull this agent's blocks ("host:port").
   const std::string& data_address() const { return data_address_; }
+  // Path of the local data path's socket; empty when off.
+  const std::string& local_socket() const { return options_.local_socket; }
   // "host:port" of /metrics; empty when disabled.
   const std::string& metrics_address() const { return metrics_address_; }
   // The current epoch; changes when the manager refuses it (ABORTED, see ControlLoop).
@@ -111,6 +115,8 @@ class Agent {
   std::unique_ptr<BlockAgentService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  // The local data path (--local_socket); null when off.
+  std::unique_ptr<LocalSocketServer> local_;
   std::string address_;
   std::string data_address_;
   std::string metrics_address_;

@@ -138,6 +138,20 @@ AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEp
                             .Name("kvcm_transfer_failures_total")
                             .Help("Failed pulls from peer agents by reason (status code).")
                             .Register(*registry_);
+  local_sessions_ = &prometheus::BuildCounter()
+                         .Name("kvcm_agent_local_sessions_total")
+                         .Help(
+                             "Connections to the local socket, by result: opened as a session, "
+                             "or refused over local_max_sessions.")
+                         .Register(*registry_);
+  local_copies_ = &prometheus::BuildCounter()
+                       .Name("kvcm_agent_local_copies_total")
+                       .Help("LocalCopy requests by direction (load, store) and status code.")
+                       .Register(*registry_);
+  local_bytes_ = &prometheus::BuildCounter()
+                      .Name("kvcm_agent_local_bytes_total")
+                      .Help("Bytes copied by the local data path, by direction (load, store).")
+                      .Register(*registry_);
 }
 
 AgentMetrics::~AgentMetrics() = default;
@@ -157,6 +171,18 @@ void AgentMetrics::RecordTransfer(const absl::Status& status, uint64_t bytes,
     return;
   }
   transfer_failures_->Add({{"reason", absl::StatusCodeToString(status.code())}}).Increment();
+}
+
+void AgentMetrics::RecordLocalSession(bool opened) {
+  local_sessions_->Add({{"result", opened ? "opened" : "refused"}}).Increment();
+}
+
+void AgentMetrics::RecordLocalCopy(absl::string_view direction, const absl::Status& status,
+                                   uint64_t bytes) {
+  const std::string dir(direction);
+  local_copies_->Add({{"direction", dir}, {"code", absl::StatusCodeToString(status.code())}})
+      .Increment();
+  if (bytes > 0) local_bytes_->Add({{"direction", dir}}).Increment(static_cast<double>(bytes));
 }
 
 double AgentMetrics::pull_gbps() const {

@@ -61,6 +61,15 @@ class AgentMetrics {
   // A successful pull also moves pull_gbps().
   void RecordTransfer(const absl::Status& status, uint64_t bytes, absl::Duration elapsed);
 
+  // The local data path (local_socket_server.h): one connection accepted as a session
+  // (`opened`) or closed as it was accepted, over local_max_sessions:
+  // kvcm_agent_local_sessions_total{result="opened"|"refused"}.
+  void RecordLocalSession(bool opened);
+  // One LocalCopy in `direction` ("load" / "store") ended with `status`, having copied
+  // `bytes`: kvcm_agent_local_copies_total{direction,code} and
+  // kvcm_agent_local_bytes_total{direction}.
+  void RecordLocalCopy(absl::string_view direction, const absl::Status& status, uint64_t bytes);
+
   // Bandwidth of recent successful pulls, Gbit/s: a moving average with weight 1/8 per pull
   // (as TCP smooths its RTT), 0 before the first. Heartbeats report it for Route.
   double pull_gbps() const;
@@ -80,6 +89,9 @@ class AgentMetrics {
   prometheus::Counter* transfer_bytes_ = nullptr;
   prometheus::Histogram* transfer_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* transfer_failures_ = nullptr;
+  prometheus::Family<prometheus::Counter>* local_sessions_ = nullptr;
+  prometheus::Family<prometheus::Counter>* local_copies_ = nullptr;
+  prometheus::Family<prometheus::Counter>* local_bytes_ = nullptr;
   mutable absl::Mutex pull_mu_;
   double pull_gbps_ ABSL_GUARDED_BY(pull_mu_) = 0;
 };

@@ -140,6 +140,14 @@ absl::Status AgentOptions::Validate() const {
     return Invalid("max_streams_per_principal",
                    absl::StrCat("must be in [1, 65536], got ", max_streams_per_principal));
   }
+  if (local_socket.size() > 107) {
+    return Invalid("local_socket",
+                   absl::StrCat("must be at most 107 bytes, got ", local_socket.size()));
+  }
+  if (local_max_sessions < 1 || local_max_sessions > 4096) {
+    return Invalid("local_max_sessions",
+                   absl::StrCat("must be in [1, 4096], got ", local_max_sessions));
+  }
   if (host_capacity_bytes > 0) {
     if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");
     if (absl::StatusOr<PoolGeometry> host = HostGeometry(); !host.ok()) return host.status();

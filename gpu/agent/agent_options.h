@@ -147,6 +147,16 @@ struct AgentOptions {
   uint32_t data_max_connections_per_peer = 8;
   uint32_t data_request_timeout_ms = 2'000;
 
+  // The local data path (local_socket_server.h, docs/AGENTS.md "Local data path"): a Unix
+  // SOCK_SEQPACKET socket at this path (mode 0600; a stale one is replaced) where engines on
+  // this host register their KV memory and have the agent copy blocks between it and the
+  // pool, with the checks of ReadBlocks / WriteBlocks. Empty (the default): off. At most
+  // 107 bytes (sun_path).
+  std::string local_socket;
+  // Sessions the local socket serves at once (one thread each); one more connection is
+  // closed as it is accepted. 1..4096.
+  uint32_t local_max_sessions = 64;
+
   // The BlockAgent port's connection limits as common/server_limits.h takes them.
   ServerLimitsOptions Limits() const;
 

@@ -46,6 +46,23 @@ TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   EXPECT_TRUE(staging.Validate().ok());
 }
 
+TEST(AgentOptionsTest, LocalSocketOptionsAreValidated) {
+  AgentOptions o;
+  o.insecure = true;
+  EXPECT_TRUE(o.local_socket.empty());  // off by default
+  EXPECT_EQ(o.local_max_sessions, 64u);
+  o.local_socket = "/tmp/kvcm-agent.sock";
+  EXPECT_TRUE(o.Validate().ok());
+  AgentOptions sessions = o;
+  sessions.local_max_sessions = 0;
+  EXPECT_THAT(sessions.Validate().message(), HasSubstr("local_max_sessions"));
+  sessions.local_max_sessions = 4097;
+  EXPECT_THAT(sessions.Validate().message(), HasSubstr("local_max_sessions"));
+  AgentOptions path = o;
+  path.local_socket = "/" + std::string(107, 'a');  // 108 bytes: no room for sun_path's NUL
+  EXPECT_THAT(path.Validate().message(), HasSubstr("local_socket"));
+}
+
 TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
   struct Case {
     void (*set)(AgentOptions&);

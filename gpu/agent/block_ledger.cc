@@ -275,6 +275,28 @@ void BlockLedger::ForEachCommitted(absl::FunctionRef<void(const CommittedBlock&)
   }
 }
 
+absl::Status BlockLedger::CheckPages(std::span<const BlockId> ids, const NamespaceId& ns,
+                                     std::span<const PageHash> pages,
+                                     absl::string_view field) const {
+  if (pages.size() != ids.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", pages.size(), " page hashes for ", ids.size(), " block ids"));
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= slots_.size()) {
+      return absl::OutOfRangeError(
+          absl::StrCat(field, "[", i, "]: block ", ids[i], " is past the pool of ", slots_.size()));
+    }
+    const Slot& slot = slots_[ids[i]];
+    if (slot.state != State::kCommitted || namespaces_[slot.ns] != ns || slot.page != pages[i]) {
+      // Never says what the block holds now: that may be another tenant's page.
+      return absl::AbortedError(absl::StrCat(field, "[", i, "]: block ", ids[i],
+                                             " no longer holds page ", pages[i].ToHex()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 CommittedBlock BlockLedger::Committed(BlockId id) const {
   const Slot& slot = slots_[id];
   if (slot.state != State::kCommitted) return CommittedBlock{.block = id};

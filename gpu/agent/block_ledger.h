@@ -136,6 +136,13 @@ class BlockLedger {
   absl::Status CheckGenerations(std::span<const BlockId> ids, std::span<const uint64_t> generations,
                                 absl::string_view field) const;
 
+  // OK when block ids[i] is committed in namespace `ns` to page pages[i], for every i (the
+  // page a reader expects it to hold). ABORTED "<field>[i]: block 7 no longer holds page
+  // <hex>" otherwise (freed, or reused for another page since the reader learned it);
+  // INVALID_ARGUMENT unless pages is parallel to ids; OUT_OF_RANGE for an id past the pool.
+  absl::Status CheckPages(std::span<const BlockId> ids, const NamespaceId& ns,
+                          std::span<const PageHash> pages, absl::string_view field) const;
+
   // The generation of block `id`'s allocation; 0 for a free block. REQUIRES: id < num_blocks.
   uint64_t generation(BlockId id) const { return slots_[id].generation; }
 

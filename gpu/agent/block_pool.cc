@@ -145,15 +145,23 @@ absl::Status BlockPool::Span(size_t num_ids, uint64_t offset, uint64_t n, absl::
 absl::Status BlockPool::ForEachPiece(
     std::span<const BlockId> ids, std::span<const uint64_t> generations, uint64_t owner_epoch,
     uint64_t offset, uint64_t n, bool writable, absl::string_view field,
-    absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn) const {
+    absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn,
+    const PageCheck* pages) const {
   size_t first = 0, last = 0;
   KVCM_RETURN_IF_ERROR(Span(ids.size(), offset, n, field, &first, &last));
   const size_t count = last - first + 1;
   const std::span<const uint64_t> gens =
       generations.empty() ? generations : generations.subspan(first, count);
+  if (pages != nullptr && (pages->ns == nullptr || pages->pages.size() != ids.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": one page hash per block required"));
+  }
   absl::MutexLock lock(&mu_);
   KVCM_RETURN_IF_ERROR(
       ledger_.Check(ids.subspan(first, count), owner_epoch, writable, field, gens));
+  if (pages != nullptr) {
+    KVCM_RETURN_IF_ERROR(ledger_.CheckPages(ids.subspan(first, count), *pages->ns,
+                                            pages->pages.subspan(first, count), field));
+  }
   for (uint64_t done = 0; done < n;) {
     const uint64_t pos = offset + done;
     const uint64_t in_block = pos % bytes_per_block_;
@@ -177,11 +185,28 @@ absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
 absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
                                   std::span<const uint64_t> generations, uint64_t owner_epoch,
                                   uint64_t offset, std::span<std::byte> dst,
-                                  absl::string_view field) const {
-  return ForEachPiece(ids, generations, owner_epoch, offset, dst.size(), /*writable=*/false, field,
-                      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
-                        return backend_->CopyOut(arena_offset, dst.subspan(done, take));
-                      });
+                                  absl::string_view field, const PageCheck* pages) const {
+  return ForEachPiece(
+      ids, generations, owner_epoch, offset, dst.size(), /*writable=*/false, field,
+      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
+        return backend_->CopyOut(arena_offset, dst.subspan(done, take));
+      },
+      pages);
+}
+
+absl::Status BlockPool::WithCheckedBlocks(
+    std::span<const BlockId> ids, uint64_t owner_epoch, bool writable, absl::string_view field,
+    std::span<const uint64_t> generations, const PageCheck* pages,
+    absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn) {
+  if (pages != nullptr && (writable || pages->ns == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": a page check needs a namespace and applies to reads only"));
+  }
+  absl::MutexLock lock(&mu_);
+  KVCM_RETURN_IF_ERROR(ledger_.Check(ids, owner_epoch, writable, field, generations));
+  if (pages != nullptr)
+    KVCM_RETURN_IF_ERROR(ledger_.CheckPages(ids, *pages->ns, pages->pages, field));
+  return fn(*backend_);
 }
 
 absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,

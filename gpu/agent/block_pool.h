@@ -47,6 +47,13 @@ struct BlockPoolStats {
   uint64_t committed_blocks = 0;  // of the allocated ones, those committed to a page
 };
 
+// The pages blocks must hold for a page-verified read: block ids[i] committed in `ns` to
+// pages[i] (BlockLedger::CheckPages), parallel to the ids it goes with. Not owning.
+struct PageCheck {
+  const NamespaceId* ns = nullptr;
+  std::span<const PageHash> pages;
+};
+
 class BlockPool {
  public:
   // INVALID_ARGUMENT for a bad geometry (see PoolGeometry::Validate) or a backend whose
@@ -134,10 +141,26 @@ class BlockPool {
 
   // Copies dst.size() bytes at byte `offset` of blocks `ids` laid end to end into `dst`:
   // one chunk of a ReadBlocks stream. Checks as WriteRange but readable (committed blocks
-  // of owner_epoch too); `generations` may be empty (not checked).
+  // of owner_epoch too); `generations` may be empty (not checked). With `pages` (parallel to
+  // `ids`), each block the range touches must also hold its page (BlockLedger::CheckPages:
+  // ABORTED otherwise), checked in the same critical section as the copy.
   absl::Status ReadRange(std::span<const BlockId> ids, std::span<const uint64_t> generations,
                          uint64_t owner_epoch, uint64_t offset, std::span<std::byte> dst,
-                         absl::string_view field) const ABSL_LOCKS_EXCLUDED(mu_);
+                         absl::string_view field, const PageCheck* pages = nullptr) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Checks `ids` as WriteBlocks (`writable`: allocated to owner_epoch, not committed) or as
+  // ReadRange (readable), in `generations` (empty: not checked) and, when `pages` is given
+  // (readable only), holding those pages; then runs `fn` on the backend while holding mu_,
+  // so no Free, Commit or write interleaves. All checks pass before `fn` runs. For copies
+  // between blocks of `ids` and memory outside the pool (the local data path): `fn` must
+  // touch only blocks of `ids` (at BlockOffset), finish its copies (device work
+  // synchronised) before returning, and not call back into the pool. Errors name `field`.
+  absl::Status WithCheckedBlocks(std::span<const BlockId> ids, uint64_t owner_epoch, bool writable,
+                                 absl::string_view field, std::span<const uint64_t> generations,
+                                 const PageCheck* pages,
+                                 absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Copies dst.size() bytes of block `id`, from byte `offset_in_block`, into `dst`. Errors
   // as CheckOwned for the one id (field "block_ids"); OUT_OF_RANGE when the range leaves
@@ -227,8 +250,8 @@ class BlockPool {
   absl::Status ForEachPiece(
       std::span<const BlockId> ids, std::span<const uint64_t> generations, uint64_t owner_epoch,
       uint64_t offset, uint64_t n, bool writable, absl::string_view field,
-      absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+      absl::FunctionRef<absl::Status(uint64_t arena_offset, uint64_t done, uint64_t take)> fn,
+      const PageCheck* pages = nullptr) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
                     size_t* first, size_t* last) const;
 

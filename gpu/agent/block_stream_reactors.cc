@@ -1,14 +1,22 @@
 #include "gpu/agent/block_stream_reactors.h"
 
 #include <algorithm>
+#include <optional>
 #include <span>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gpu/agent/block_agent_access.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
+namespace {
+
+// Bytes of one page hash on the wire (Prompt.page_hashes encoding).
+constexpr size_t kPageHashBytes = 16;
+
+}  // namespace
 
 WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* pool,
                                        RpcRunner<AgentRpc>* rpc, grpc::CallbackServerContext* ctx,
@@ -130,6 +138,23 @@ void WriteBlocksReactor::End(const absl::Status& status) {
   Finish(rpc_->StreamEnd(AgentRpc::kWriteBlocks, status));
 }
 
+absl::StatusOr<std::optional<OwnedPageCheck>> DecodePageCheck(bool has_namespace,
+                                                              const v1::Namespace& ns,
+                                                              const std::string& page_hashes,
+                                                              size_t num_ids) {
+  if (!has_namespace && page_hashes.empty()) return std::nullopt;
+  if (!has_namespace) {
+    return absl::InvalidArgumentError("namespace is required with page_hashes");
+  }
+  if (page_hashes.size() != num_ids * kPageHashBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("page_hashes is ", page_hashes.size(),
+                                                   " bytes; expected ", kPageHashBytes, " x ",
+                                                   num_ids, " blocks"));
+  }
+  KVCM_ASSIGN_OR_RETURN(NamespaceId id, NamespaceFromProto(&ns, "namespace"));
+  return OwnedPageCheck{.ns = std::move(id), .pages = DecodePageHashes(page_hashes)};
+}
+
 absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
                              const v1::ReadBlocksRequest& req) {
   const uint32_t max_blocks = options.max_blocks_per_call;
@@ -141,6 +166,9 @@ absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
     return absl::InvalidArgumentError(
         absl::StrCat("block_ids must list at most ", max_blocks, " blocks"));
   }
+  KVCM_RETURN_IF_ERROR(DecodePageCheck(req.has_namespace_(), req.namespace_(), req.page_hashes(),
+                                       req.block_ids_size())
+                           .status());
   const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
   return pool->CheckOwned(
       ids, req.owner_epoch(), "block_ids",
@@ -149,9 +177,9 @@ absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
 
 absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
                              std::span<const uint64_t> generations, uint64_t owner_epoch,
-                             uint64_t offset, std::string& out) {
+                             uint64_t offset, std::string& out, const PageCheck* pages) {
   return pool.ReadRange(ids, generations, owner_epoch, offset,
-                        std::as_writable_bytes(std::span<char>(out)), "block_ids");
+                        std::as_writable_bytes(std::span<char>(out)), "block_ids", pages);
 }
 
 ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
@@ -174,6 +202,9 @@ ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* poo
     End(s);
     return;
   }
+  // Valid: CheckReadBlocks decoded it.
+  pages_ =
+      *DecodePageCheck(req->has_namespace_(), req->namespace_(), req->page_hashes(), ids_.size());
   total_bytes_ = ids_.size() * pool_->geometry().bytes_per_block();
   WriteNext();
 }
@@ -194,7 +225,10 @@ void ReadBlocksReactor::WriteNext() {
   const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
   std::string* buf = chunk_.mutable_data();
   buf->resize(n);
-  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, generations_, owner_epoch_, sent_bytes_, *buf);
+  const std::optional<PageCheck> pages =
+      pages_.has_value() ? std::optional<PageCheck>(pages_->view()) : std::nullopt;
+  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, generations_, owner_epoch_, sent_bytes_, *buf,
+                                       pages ? &*pages : nullptr);
       !s.ok()) {
     End(s);
     return;

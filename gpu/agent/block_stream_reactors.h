@@ -17,12 +17,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/page_hash.h"
 #include "common/rpc_runner.h"
 #include "common/token_table.h"
 #include "common/types.h"
@@ -64,18 +66,36 @@ class WriteBlocksStage {
   uint64_t written_bytes_ = 0;
 };
 
+// The optional page check of a read (ReadBlocksRequest, LocalCopy LOAD), decoded: the
+// namespace and the page each block must hold.
+struct OwnedPageCheck {
+  NamespaceId ns;
+  std::vector<PageHash> pages;  // parallel to the request's block ids
+
+  PageCheck view() const { return PageCheck{.ns = &ns, .pages = pages}; }
+};
+
+// nullopt when neither a namespace nor page hashes were sent. INVALID_ARGUMENT naming the
+// field for one without the other, a malformed namespace, or page_hashes not 16 bytes per
+// block of `num_ids`.
+absl::StatusOr<std::optional<OwnedPageCheck>> DecodePageCheck(bool has_namespace,
+                                                              const v1::Namespace& ns,
+                                                              const std::string& page_hashes,
+                                                              size_t num_ids);
+
 // The checks of a ReadBlocks request read from `pool` (null when the agent has no pool of
-// req.tier): INVALID_ARGUMENT for no pool or more than max_blocks_per_call blocks, the
-// pool's error for a block not owned in req.owner_epoch.
+// req.tier): INVALID_ARGUMENT for no pool, more than max_blocks_per_call blocks or a bad page
+// check (DecodePageCheck), the pool's error for a block not owned in req.owner_epoch.
 absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
                              const v1::ReadBlocksRequest& req);
 
 // Fills `out` (its size is the chunk's) with the bytes at `offset` of the blocks `ids`
-// read one after the other. REQUIRES: CheckReadBlocks passed, offset + out.size() within
-// ids.size() blocks.
+// read one after the other, each block holding its page of `pages` when given (ABORTED
+// otherwise, nothing of it copied). REQUIRES: CheckReadBlocks passed, offset + out.size()
+// within ids.size() blocks.
 absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
                              std::span<const uint64_t> generations, uint64_t owner_epoch,
-                             uint64_t offset, std::string& out);
+                             uint64_t offset, std::string& out, const PageCheck* pages = nullptr);
 
 class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
  public:
@@ -136,6 +156,7 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   const std::vector<BlockId> ids_;
   const std::vector<uint64_t> generations_;  // parallel to ids_, or empty (not checked)
   const uint64_t owner_epoch_;
+  std::optional<OwnedPageCheck> pages_;  // the request's page check, if it sent one
   uint64_t total_bytes_ = 0;
   uint64_t sent_bytes_ = 0;
   v1::ReadBlocksResponse chunk_;

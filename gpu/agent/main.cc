@@ -128,6 +128,12 @@ ABSL_FLAG(uint32_t, data_max_connections, kDefaults.data_max_connections,
           "Connections the data port serves at once; one more is closed as it is accepted.");
 ABSL_FLAG(uint32_t, data_max_connections_per_peer, kDefaults.data_max_connections_per_peer,
           "Connections the data port serves at once from one IP address.");
+ABSL_FLAG(std::string, local_socket, kDefaults.local_socket,
+          "Unix socket (SOCK_SEQPACKET, mode 0600) of the local data path, where engines on "
+          "this host register their KV memory and the agent copies blocks into and out of it; "
+          "empty: off.");
+ABSL_FLAG(uint32_t, local_max_sessions, kDefaults.local_max_sessions,
+          "Sessions the local socket serves at once; one more connection is closed.");
 ABSL_FLAG(uint32_t, data_request_timeout_ms, kDefaults.data_request_timeout_ms,
           "A data connection must finish its TLS handshake and send its request within this (ms).");
 
@@ -201,6 +207,8 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.data_max_connections = absl::GetFlag(FLAGS_data_max_connections);
   o.data_max_connections_per_peer = absl::GetFlag(FLAGS_data_max_connections_per_peer);
   o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
+  o.local_socket = absl::GetFlag(FLAGS_local_socket);
+  o.local_max_sessions = absl::GetFlag(FLAGS_local_max_sessions);
   if (const char* token = std::getenv("KVCM_AGENT_TOKEN");
       o.token_file.empty() && token != nullptr) {
     o.token = token;
