@@ -320,6 +320,15 @@ class ClientCore:
         key = self._require_key(as_namespace(ns))
         return hashing.hash_pages(key.key, tokens, key.page_size_tokens)
 
+    def hashed_prompt(self, ns: NamespaceLike, page_hashes: Sequence[bytes]) -> common_pb.Prompt:
+        """A kvcm.v1.Prompt of page hashes (from hash_prompt) with the scheme of `ns`, for
+        requests the Client does not wrap (e.g. BlockAgent.Fetch). FailedPrecondition when
+        RegisterModel was not called for `ns`."""
+        key = self._require_key(as_namespace(ns))
+        out = common_pb.Prompt()
+        self._fill_prompt(out, key, Prompt.of(None, list(page_hashes)))
+        return out
+
     def _cached_key(self, ns: Namespace) -> Optional[NamespaceKey]:
         with self._lock:
             return self._keys.get(ns)

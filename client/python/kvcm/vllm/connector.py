@@ -1,5 +1,6 @@
 """kvcm as a vLLM (0.32, V1) KV connector: vLLM stores the full blocks it computes into its
-local kvcm-agent and loads a prefix the agent holds instead of recomputing it.
+local kvcm-agent and loads a prefix that any agent of the cluster holds instead of
+recomputing it.
 
     --kv-transfer-config '{"kv_connector": "KvcmConnector",
         "kv_connector_module_path": "kvcm.vllm.connector", "kv_role": "kv_both",
@@ -7,20 +8,27 @@ local kvcm-agent and loads a prefix the agent holds instead of recomputing it.
         "kv_connector_extra_config": {"manager_address": "HOST:PORT", "agent_id": "gpu0",
             "agent_address": "HOST:PORT", "tenant": "t", "model": "m"}}'
 
-Scheduler side: Match + pin (on the manager) the longest prefix of a new request's whole
-pages held by the local agent, beyond vLLM's own hit; the pin lasts until request_finished.
-Worker side: ReadBlocks the pinned agent blocks into vLLM's paged KV before the forward;
-after it, Allocate + WriteBlocks the newly computed whole pages and Insert them. Bytes go
-over gRPC (this slice); shared memory is a later one.
-
-kv_role: "kv_both" loads and stores; "kv_producer" (a prefill engine) stores and never loads;
-"kv_consumer" (a decode engine) loads and never stores.
+Scheduler side (get_num_new_matched_tokens): one Route call for the local agent ranks the
+prompt's cached pages: those the local agent holds, then those other agents hold that the
+manager's cost model says are cheaper to fetch than to recompute. Both are pinned (lease
+`lease_ttl_ms`) until request_finished. vLLM is told those tokens beyond its own hit.
+Worker side (start_load_kv): pages held elsewhere are first pulled into the local agent
+(BlockAgent.Fetch: TCP or NCCL between agents; the agent indexes the new replica), then
+every page is read into vLLM's paged KV with its page hash, so the agent refuses a block
+that no longer holds the page (pin lost, block evicted and reused). After the forward
+(wait_for_save) the whole pages computed this step are copied into newly allocated agent
+blocks and inserted at the manager; kv_both inserts in the background (the copy is done
+when wait_for_save returns, so vLLM may reuse its blocks), kv_producer before returning
+(its answer means the KV is in kvcm: prefill/decode disaggregation).
 
 Block bytes: one agent block holds one vLLM block of every layer, layer after layer, each as
 vLLM's per-block slice of that layer's cache (CPU backend: [kv_heads, block_size,
-2 * head_dim], K then V in the last dim). It must have the namespace's bytes_per_block.
+2 * head_dim], K then V in the last dim); it must have the namespace's bytes_per_block.
 Any failure loads nothing (0 external tokens) or reports the blocks through
-get_block_ids_with_load_errors, so vLLM recomputes them; never wrong KV.
+get_block_ids_with_load_errors, so vLLM recomputes them: never wrong KV.
+
+Requests with a cache_salt, LoRA or multimodal inputs are served without kvcm: their KV
+depends on more than the token ids a page hash covers.
 
 Runs inside vLLM's processes: imports kvcm (grpcio + protobuf of vLLM's environment) and
 torch; no other dependency.
@@ -28,9 +36,13 @@ torch; no other dependency.
 
 from __future__ import annotations
 
+import mmap
+import os
+import queue
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import grpc
 import torch
@@ -42,10 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 import kvcm
+from kvcm._core import channel_credentials
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.types import PENDING_BLOCK_ID
 
 if TYPE_CHECKING:
+    from kvcm.agent_local import LocalRegion
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,6 +73,7 @@ logger = init_logger("vllm.kvcm_connector")
 _DTYPES = {torch.bfloat16: kvcm.KvDtype.BF16, torch.float16: kvcm.KvDtype.FP16}
 _MAX_BLOCKS_PER_CALL = 64  # the agent's default max_blocks_per_call
 _RPC_TIMEOUT_S = 10.0
+_HOST = int(kvcm.Tier.HOST)
 
 
 @dataclass
@@ -71,12 +86,35 @@ class ConnectorOptions:
     tenant: str = "default"
     model: str = ""  # default: vLLM's served model name
     lease_ttl_ms: int = 60_000  # of a load's pin; request_finished releases it sooner
+    # What recomputing a token costs on this engine (Route's cost model for fetches);
+    # 0: the manager's route_prefill_tokens_per_s.
+    prefill_tokens_per_s: float = 0.0
+    # Fetch pages other agents hold when the cost model says so (False: local pages only).
+    fetch: bool = True
+    # TLS to the manager and the agent (ca_file; cert_file + key_file: mutual TLS) and the
+    # bearer token (token_file, else $KVCM_TOKEN); no ca_file: plaintext.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    token_file: str = ""
+    # The agent's --local_socket: the engine registers its KV memory with the agent
+    # (kvcm.agent_local), which copies blocks in and out with one memcpy. Empty: bytes go
+    # over BlockAgent's ReadBlocks / WriteBlocks.
+    local_socket: str = ""
+    # For failure tests only: before reading a load's blocks (after fetching them), wait
+    # until this file exists (at most 60 s), so a test can break things mid-load.
+    test_load_gate: str = ""
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any], served_model: str) -> "ConnectorOptions":
         missing = [k for k in ("manager_address", "agent_id", "agent_address") if not extra.get(k)]
         if missing:
             raise ValueError(f"KvcmConnector: kv_connector_extra_config lacks {missing}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"KvcmConnector: unknown kv_connector_extra_config keys {unknown} "
+                             f"(known: {sorted(known)})")
         return cls(
             manager_address=str(extra["manager_address"]),
             agent_id=str(extra["agent_id"]),
@@ -84,6 +122,14 @@ class ConnectorOptions:
             tenant=str(extra.get("tenant", "default")),
             model=str(extra.get("model") or served_model),
             lease_ttl_ms=int(extra.get("lease_ttl_ms", 60_000)),
+            prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", 0.0)),
+            fetch=bool(extra.get("fetch", True)),
+            ca_file=str(extra.get("ca_file", "")),
+            cert_file=str(extra.get("cert_file", "")),
+            key_file=str(extra.get("key_file", "")),
+            token_file=str(extra.get("token_file", "")),
+            local_socket=str(extra.get("local_socket", "")),
+            test_load_gate=str(extra.get("test_load_gate", "")),
         )
 
 
@@ -109,25 +155,39 @@ def model_spec_of(vllm_config: "VllmConfig") -> kvcm.ModelSpec:
 
 
 @dataclass
+class FetchRun:
+    """Pages [first_page, first_page + len(source_blocks)) of a prompt, held by another
+    agent's pool: pulled into the local agent before they are loaded."""
+
+    source_agent_id: str
+    source_tier: int
+    first_page: int
+    source_blocks: List[int]
+
+
+@dataclass
 class LoadSpec:
-    """Pages [first_page, first_page + len(agent_blocks)) of a request: agent block ids to
-    read into vLLM block ids."""
+    """Load pages [first_page, end) of a request into vLLM blocks `vllm_blocks`. The local
+    agent holds pages [0, len(local_blocks)) (block, tier each); `fetch` brings the rest."""
 
     req_id: str
-    agent_blocks: List[int]
-    vllm_blocks: List[int]
-    tier: int
+    first_page: int
+    page_hashes: List[bytes]  # pages [0, end)
+    local_blocks: List[Tuple[int, int]]
+    fetch: List[FetchRun]
+    vllm_blocks: List[int]  # pages [first_page, end)
 
 
 @dataclass
 class StoreSpec:
-    """A request's whole pages [0, num_pages): its tokens, vLLM's block of each page, and the
-    agent blocks of the leading pages the agent already holds (not written again)."""
+    """A request's whole pages [0, num_pages) are computed: the worker stores those the
+    local agent does not hold yet. `known_blocks`: the local agent's (main pool) blocks of
+    leading pages, as the scheduler's match found them."""
 
     req_id: str
     tokens: List[int]
     vllm_blocks: List[int]
-    present_agent_blocks: List[int]
+    known_blocks: List[int]
 
 
 @dataclass
@@ -137,15 +197,65 @@ class KvcmConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class _Matched:
-    """Scheduler state of one request between its match and its first scheduling."""
+class _Request:
+    """Scheduler state of one request, from its match to request_finished."""
 
-    pin_id: int
-    local_blocks: List[int]  # agent block of each leading page the local agent holds
-    tier: int
+    tokens: List[int]
+    pin_id: int = 0
+    page_hashes: List[bytes] = field(default_factory=list)
+    local_blocks: List[Tuple[int, int]] = field(default_factory=list)
+    fetch: List[FetchRun] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_external_tokens: int = 0
-    stored: bool = False
+    block_ids: List[int] = field(default_factory=list)
+    stored_pages: int = 0  # whole pages handed to the worker for storing
+
+
+def _fetch_runs(match: kvcm.MatchResult, agent_id: str, first: int,
+                count: int) -> List[FetchRun]:
+    """Pages [first, first + count) from other agents' pools, as runs of consecutive pages
+    of one source pool; stops at a page no other agent holds with a known block."""
+    runs: List[FetchRun] = []
+    for page in range(first, first + count):
+        sources = [r for r in match.pages[page]
+                   if r.pool.agent_id != agent_id and r.block_id != PENDING_BLOCK_ID]
+        if not sources:
+            break
+        last = runs[-1] if runs else None
+        same = [r for r in sources if last is not None and r.pool.agent_id == last.source_agent_id
+                and int(r.pool.tier) == last.source_tier]
+        if same:
+            last.source_blocks.append(same[0].block_id)
+            continue
+        r = sources[0]
+        runs.append(FetchRun(r.pool.agent_id, int(r.pool.tier), page, [r.block_id]))
+    return runs
+
+
+class _Inserter:
+    """One background thread that runs the manager Inserts of kv_both stores in order."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvcm-insert", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - a failed insert only costs a later hit
+                logger.warning("KvcmConnector: background insert failed: %s", e)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
 
 class KvcmConnector(KVConnectorBase_V1):
@@ -159,14 +269,18 @@ class KvcmConnector(KVConnectorBase_V1):
         if isinstance(served, (list, tuple)):
             served = served[0]
         self._opts = ConnectorOptions.from_extra(extra, str(served or "model"))
+        self._kv_role = str(self._kv_transfer_config.kv_role or "kv_both")
         self._block_size = vllm_config.cache_config.block_size
-        self._loads = self._kv_transfer_config.is_kv_consumer  # kv_consumer, kv_both
-        self._stores = self._kv_transfer_config.is_kv_producer  # kv_producer, kv_both
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
-        self._client = kvcm.Client(self._opts.manager_address, insecure=True)
-        # Creates or confirms the namespace; a different spec under the same name refuses
-        # to start (vLLM's KV would be read as another layout).
+        o = self._opts
+        self._client = kvcm.Client(o.manager_address, insecure=not o.ca_file,
+                                   ca_file=o.ca_file or None, cert_file=o.cert_file or None,
+                                   key_file=o.key_file or None, token_file=o.token_file or None)
+        self._token = self._client.options.token  # token_file's, else $KVCM_TOKEN's
+        self._metadata = (("authorization", f"Bearer {self._token}"),) if self._token else ()
+        # Creates or confirms the namespace (and caches its hash key); a different spec
+        # under the same name refuses to start (vLLM's KV would be read as another layout).
         try:
             self._client.register_model(self._ns, self._spec)
         except kvcm.KvcmError as e:
@@ -174,96 +288,161 @@ class KvcmConnector(KVConnectorBase_V1):
             raise ValueError(f"KvcmConnector: namespace {self._ns} refuses vLLM's layout "
                              f"{self._spec}: {e}") from e
         # Scheduler state.
-        self._matched: Dict[str, _Matched] = {}
+        self._requests: Dict[str, _Request] = {}
+        self._scheduler_s = 0.0  # time spent matching, for the per-request log line
+        self._scheduler_calls = 0
         # Worker state.
         self._kv_caches: List[Tuple[str, torch.Tensor]] = []
         self._load_errors: Set[int] = set()
         self._agent: Optional[agent_pb2_grpc.BlockAgentStub] = None
         self._channel: Optional[grpc.Channel] = None
-        self._lock = threading.Lock()
-        logger.info("KvcmConnector (%s, %s): namespace %s, agent %s at %s, spec %s",
-                    role.name, self._kv_transfer_config.kv_role, self._ns, self._opts.agent_id,
-                    self._opts.agent_address, self._spec)
+        # Local agent blocks (main pool) of each running request's leading pages: what a
+        # later step's store names for the pages before its own.
+        self._agent_blocks: Dict[str, List[int]] = {}
+        self._inserter: Optional[_Inserter] = None
+        self._region: Optional["LocalRegion"] = None
+        logger.info("KvcmConnector (%s, %s): namespace %s, agent %s at %s, spec %s", role.name,
+                    self._kv_role, self._ns, self._opts.agent_id, self._opts.agent_address,
+                    self._spec)
 
     # ---- scheduler side -----------------------------------------------------------------
+
+    def _loads(self) -> bool:
+        return bool(self._kv_transfer_config.is_kv_consumer)  # kv_consumer, kv_both
+
+    def _stores(self) -> bool:
+        return bool(self._kv_transfer_config.is_kv_producer)  # kv_producer, kv_both
+
+    @staticmethod
+    def _cacheable(request: "Request") -> bool:
+        return (not getattr(request, "cache_salt", None)
+                and getattr(request, "lora_request", None) is None
+                and not getattr(request, "mm_features", None))
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         self._release(request.request_id)
+        if not self._cacheable(request):
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
+        state = _Request(tokens, num_computed_tokens=num_computed_tokens)
+        self._requests[request.request_id] = state
         # At least one prompt token is always computed (vLLM needs its logits).
         loadable = (len(tokens) - 1) // self._block_size
-        if loadable * self._block_size <= num_computed_tokens:
+        if not self._loads() or loadable * self._block_size <= num_computed_tokens:
             return 0, False
-        if not self._loads:  # kv_producer: store every whole page, match nothing
-            self._matched[request.request_id] = _Matched(0, [], 0, num_computed_tokens)
-            return 0, False
+        start = time.perf_counter()
         try:
-            match = self._client.match(
-                self._ns, tokens[: loadable * self._block_size],
-                requester_agent_id=self._opts.agent_id, pin=True,
-                lease_ttl_ms=self._opts.lease_ttl_ms)
+            hit = self._match(state, tokens[: loadable * self._block_size])
         except Exception as e:  # noqa: BLE001 - any failure: recompute
             logger.warning("KvcmConnector: match failed, recomputing: %s", e)
-            return 0, False
-        local: List[int] = []
-        tier = 0
+            hit = 0
+        finally:
+            self._scheduler_s += time.perf_counter() - start
+            self._scheduler_calls += 1
+        return max(0, hit - num_computed_tokens), False
+
+    def _match(self, state: _Request, tokens: List[int]) -> int:
+        """Pins the prompt's cached pages for the local agent; the tokens it can load."""
+        hashes = self._client.hash_prompt(self._ns, tokens)
+        route = self._client.route(
+            self._ns, page_hashes=hashes, candidates=[self._opts.agent_id], pin=True,
+            lease_ttl_ms=self._opts.lease_ttl_ms,
+            prefill_tokens_per_s=self._opts.prefill_tokens_per_s)
+        match = route.match
+        state.pin_id = match.pin_id
+        state.page_hashes = hashes
+        ranked = next((r for r in route.ranked if r.agent_id == self._opts.agent_id), None)
         for replicas in match.pages:
             mine = [r for r in replicas
                     if r.pool.agent_id == self._opts.agent_id and r.block_id != PENDING_BLOCK_ID]
             if not mine:
                 break
-            local.append(mine[0].block_id)
-            tier = int(mine[0].pool.tier)
-        self._matched[request.request_id] = _Matched(match.pin_id, local, tier,
-                                                     num_computed_tokens)
-        hit = len(local) * self._block_size
-        return max(0, hit - num_computed_tokens), False
+            main = [r for r in mine if int(r.pool.tier) != _HOST]
+            best = (main or mine)[0]
+            state.local_blocks.append((best.block_id, int(best.pool.tier)))
+        local = len(state.local_blocks)
+        # Fetch into the main pool only after leading pages that are all in it (Fetch names
+        # the destination's blocks of the pages before the pulled ones).
+        if (self._opts.fetch and ranked is not None and ranked.fetch_pages > 0
+                and all(tier != _HOST for _, tier in state.local_blocks)):
+            state.fetch = _fetch_runs(match, self._opts.agent_id, local, ranked.fetch_pages)
+        pages = local + sum(len(r.source_blocks) for r in state.fetch)
+        return pages * self._block_size
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        m = self._matched.get(request.request_id)
-        if m is not None:
-            m.num_external_tokens = num_external_tokens
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            state.num_external_tokens = num_external_tokens
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvcmConnectorMetadata()
         bs = self._block_size
         for new_req in scheduler_output.scheduled_new_reqs:
-            m = self._matched.get(new_req.req_id)
-            if m is None or m.stored:
+            state = self._requests.get(new_req.req_id)
+            if state is None:
                 continue
-            block_ids = list(new_req.block_ids[0])
-            if m.num_external_tokens > 0:
-                first = m.num_computed_tokens // bs
-                count = m.num_external_tokens // bs
-                meta.loads.append(LoadSpec(new_req.req_id, m.local_blocks[first:first + count],
-                                           block_ids[first:first + count], m.tier))
-            tokens = list(new_req.prompt_token_ids or [])
-            done = new_req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(
-                new_req.req_id, 0)
-            # Whole prompt pages computed (or loaded) by the end of this step. A prompt whose
-            # prefill spans several steps stores only this first step's pages (this slice).
-            pages = min(done, len(tokens)) // bs
-            if self._stores and pages > len(m.local_blocks):
-                meta.stores.append(StoreSpec(new_req.req_id, tokens[: pages * bs],
-                                             block_ids[:pages], list(m.local_blocks)))
-            m.stored = True
+            state.block_ids = list(new_req.block_ids[0])
+            state.num_computed_tokens = new_req.num_computed_tokens
+            if state.num_external_tokens > 0:
+                first = (new_req.num_computed_tokens - state.num_external_tokens) // bs
+                end = (new_req.num_computed_tokens) // bs
+                meta.loads.append(LoadSpec(
+                    new_req.req_id, first, state.page_hashes[:end], state.local_blocks,
+                    state.fetch, state.block_ids[first:end]))
+            self._maybe_store(meta, new_req.req_id, state,
+                              scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: new blocks, recomputed from scratch; what was
+                # stored stays stored.
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            self._maybe_store(meta, req_id, state,
+                              scheduler_output.num_scheduled_tokens.get(req_id, 0))
         return meta
+
+    def _maybe_store(self, meta: KvcmConnectorMetadata, req_id: str, state: _Request,
+                     scheduled: int) -> None:
+        """Stores the prompt's whole pages this step completes (chunked prefill: a page is
+        stored by the step that computes its last token)."""
+        if not self._stores():
+            return
+        bs = self._block_size
+        done = min(state.num_computed_tokens + scheduled, len(state.tokens))
+        pages = min(done // bs, len(state.block_ids))
+        if pages <= state.stored_pages:
+            return
+        known = [b for b, tier in state.local_blocks if tier != _HOST]
+        if pages > len(known):
+            meta.stores.append(StoreSpec(req_id, state.tokens[: pages * bs],
+                                         state.block_ids[:pages], known))
+        state.stored_pages = pages
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._release(request.request_id)
+        if self._scheduler_calls:
+            logger.debug("KvcmConnector: scheduler match time %.3f ms per request",
+                         1e3 * self._scheduler_s / self._scheduler_calls)
         return False, None
 
     def _release(self, req_id: str) -> None:
-        m = self._matched.pop(req_id, None)
-        if m is None or m.pin_id == 0:
+        state = self._requests.pop(req_id, None)
+        if state is None or state.pin_id == 0:
             return
         try:
-            self._client.release(self._ns, m.pin_id)
+            self._client.release(self._ns, state.pin_id)
         except Exception as e:  # noqa: BLE001 - the lease expires anyway
-            logger.info("KvcmConnector: release of pin %d failed: %s", m.pin_id, e)
+            logger.info("KvcmConnector: release of pin %d failed: %s", state.pin_id, e)
 
     # ---- worker side --------------------------------------------------------------------
 
@@ -274,7 +453,7 @@ class KvcmConnector(KVConnectorBase_V1):
             return (int(digits[0]) if digits else 0, name)
 
         self._kv_caches = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
-        per_block = sum(t[0].numel() * t.element_size() for _, t in self._kv_caches)
+        per_block = self._expected_block_bytes()
         expected = (self._spec.bytes_per_token_per_layer() * self._spec.num_layers
                     * self._block_size)
         logger.info("KvcmConnector: %d KV layers, layer 0 shape %s stride %s dtype %s; "
@@ -284,18 +463,56 @@ class KvcmConnector(KVConnectorBase_V1):
         if per_block != expected:
             raise ValueError(f"KvcmConnector: vLLM's KV block is {per_block} bytes, namespace "
                              f"{self._ns}'s spec {self._spec} makes {expected}")
+        if self._opts.local_socket:
+            self._register_region()
+
+    def _register_region(self) -> None:
+        """Moves vLLM's KV tensors into one memfd region (each layer page-aligned) and
+        registers it with the agent: from now on the agent copies blocks into and out of
+        vLLM's cache itself. The tensors keep their identity (set_), so every reference
+        vLLM holds sees the new memory."""
+        from kvcm.agent_local import LocalRegion
+
+        layers = [t for _, t in self._kv_caches]
+        for name, t in self._kv_caches:
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"KvcmConnector: local_socket needs contiguous CPU KV tensors; "
+                                 f"{name} is {t.device} stride {t.stride()}")
+        sizes = [t.numel() * t.element_size() for t in layers]
+        offsets, end = [], 0
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        segment = layers[0][0].numel() * layers[0].element_size()
+        region = LocalRegion(self._opts.local_socket, region_bytes=end,
+                             segment_offsets=offsets, segment_bytes=segment,
+                             segment_stride=segment, num_engine_blocks=layers[0].shape[0],
+                             token=self._token)
+        for t, offset in zip(layers, offsets):
+            moved = torch.frombuffer(region.buffer, dtype=t.dtype, count=t.numel(),
+                                     offset=offset).view(t.shape)
+            moved.copy_(t)
+            t.set_(moved)
+        self._region = region
+        logger.info("KvcmConnector: vLLM's KV cache (%d bytes) is registered with the agent "
+                    "at %s", end, self._opts.local_socket)
 
     def _stub(self) -> agent_pb2_grpc.BlockAgentStub:
         if self._agent is None:
-            self._channel = grpc.insecure_channel(
-                self._opts.agent_address,
-                options=[("grpc.max_receive_message_length", 64 << 20),
-                         ("grpc.max_send_message_length", 64 << 20)])
+            options = [("grpc.max_receive_message_length", 64 << 20),
+                       ("grpc.max_send_message_length", 64 << 20)]
+            creds = channel_credentials(self._client.options)
+            self._channel = (grpc.insecure_channel(self._opts.agent_address, options=options)
+                             if creds is None else
+                             grpc.secure_channel(self._opts.agent_address, creds, options=options))
             self._agent = agent_pb2_grpc.BlockAgentStub(self._channel)
         return self._agent
 
     def _epoch(self) -> int:
-        return self._stub().Stats(agent_pb2.BlockAgentStatsRequest(), timeout=_RPC_TIMEOUT_S).epoch
+        """The agent's epoch (asked once a step that moves blocks: a restarted agent has a
+        new one, and its old blocks are gone)."""
+        return self._stub().Stats(agent_pb2.BlockAgentStatsRequest(), timeout=_RPC_TIMEOUT_S,
+                                  metadata=self._metadata).epoch
 
     def _block_bytes(self, vllm_block: int) -> bytes:
         parts = [t[vllm_block].contiguous().view(torch.uint8).reshape(-1)
@@ -327,25 +544,88 @@ class KvcmConnector(KVConnectorBase_V1):
             try:
                 self._load(load, epoch)
             except Exception as e:  # noqa: BLE001 - recompute those blocks
-                logger.warning("KvcmConnector: load of %s failed, recomputing: %s",
-                               load.req_id, e)
+                logger.warning("KvcmConnector: load of %s failed, recomputing %d blocks: %s",
+                               load.req_id, len(load.vllm_blocks), e)
                 self._load_errors.update(load.vllm_blocks)
 
     def _load(self, load: LoadSpec, epoch: int) -> None:
+        blocks = list(load.local_blocks)
+        fetched = 0
+        for run in load.fetch:
+            blocks = self._fetch(load, run, blocks)
+            fetched += len(run.source_blocks)
+        self._agent_blocks[load.req_id] = [b for b, tier in blocks if tier != _HOST]
+        if self._opts.test_load_gate:
+            self._wait_for_gate(load.req_id)
+        end = load.first_page + len(load.vllm_blocks)
+        if len(blocks) < end:
+            raise RuntimeError(f"the agent holds {len(blocks)} of {end} pages")
         block_bytes = self._expected_block_bytes()
-        for i in range(0, len(load.agent_blocks), _MAX_BLOCKS_PER_CALL):
-            agent_blocks = load.agent_blocks[i:i + _MAX_BLOCKS_PER_CALL]
-            request = agent_pb2.ReadBlocksRequest(block_ids=agent_blocks, owner_epoch=epoch,
-                                                  tier=load.tier)
+        start = time.perf_counter()
+        page = load.first_page
+        while page < end:
+            # One ReadBlocks per run of pages in one tier, at most _MAX_BLOCKS_PER_CALL.
+            tier = blocks[page][1]
+            stop = page
+            while stop < end and stop - page < _MAX_BLOCKS_PER_CALL and blocks[stop][1] == tier:
+                stop += 1
+            # With the pages' hashes, the agent checks under its lock that each block still
+            # holds its page (a lost pin's block may hold another page by now).
+            agent_ids = [b for b, _ in blocks[page:stop]]
+            vllm_ids = load.vllm_blocks[page - load.first_page:stop - load.first_page]
+            if self._region is not None:
+                self._region.load(agent_ids, vllm_ids, owner_epoch=epoch, tier=tier,
+                                  namespace=self._ns,
+                                  page_hashes=b"".join(load.page_hashes[page:stop]))
+                page = stop
+                continue
+            request = agent_pb2.ReadBlocksRequest(
+                block_ids=[b for b, _ in blocks[page:stop]], owner_epoch=epoch, tier=tier,
+                page_hashes=b"".join(load.page_hashes[page:stop]))
+            request.namespace.tenant, request.namespace.model = self._ns.tenant, self._ns.model
             data = b"".join(r.data for r in self._stub().ReadBlocks(
-                request, timeout=_RPC_TIMEOUT_S))
-            if len(data) != block_bytes * len(agent_blocks):
+                request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata))
+            if len(data) != block_bytes * (stop - page):
                 raise RuntimeError(f"ReadBlocks returned {len(data)} bytes for "
-                                   f"{len(agent_blocks)} blocks of {block_bytes}")
+                                   f"{stop - page} blocks of {block_bytes}")
             view = memoryview(data)
-            for j, vllm_block in enumerate(load.vllm_blocks[i:i + len(agent_blocks)]):
+            for j in range(stop - page):
+                vllm_block = load.vllm_blocks[page - load.first_page + j]
                 self._fill_block(vllm_block, view[j * block_bytes:(j + 1) * block_bytes])
-        logger.info("KvcmConnector: loaded %d blocks of %s", len(load.agent_blocks), load.req_id)
+            page = stop
+        seconds = time.perf_counter() - start
+        logger.info("KvcmConnector: loaded %d blocks of %s (%d fetched from other agents): "
+                    "%d bytes in %.3f ms", len(load.vllm_blocks), load.req_id, fetched,
+                    len(load.vllm_blocks) * block_bytes, 1e3 * seconds)
+
+    def _wait_for_gate(self, req_id: str) -> None:
+        logger.info("KvcmConnector: %s waits for the test gate %s", req_id,
+                    self._opts.test_load_gate)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self._opts.test_load_gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _fetch(self, load: LoadSpec, run: FetchRun,
+               blocks: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+        """Pulls a run of pages into the local agent's main pool; the local blocks of every
+        page up to the run's end."""
+        if len(blocks) != run.first_page:
+            raise RuntimeError(f"fetch of pages from {run.first_page} after {len(blocks)} "
+                               "local pages")
+        end = run.first_page + len(run.source_blocks)
+        request = agent_pb2.FetchRequest(
+            prompt=self._client.hashed_prompt(self._ns, load.page_hashes[:end]),
+            local_block_ids=[b for b, _ in blocks], source_agent_id=run.source_agent_id,
+            source_tier=run.source_tier, source_block_ids=run.source_blocks)
+        request.namespace.tenant, request.namespace.model = self._ns.tenant, self._ns.model
+        response = self._stub().Fetch(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+        if len(response.block_ids) < end:
+            raise RuntimeError(f"Fetch answered {len(response.block_ids)} blocks for "
+                               f"{end} pages")
+        tier = blocks[0][1] if blocks else int(kvcm.Tier.UNSPECIFIED)
+        logger.info("KvcmConnector: fetched %d pages of %s from agent %s (%d bytes)",
+                    response.fetched_pages, load.req_id, run.source_agent_id, response.bytes)
+        return blocks + [(b, tier) for b in response.block_ids[run.first_page:end]]
 
     def _expected_block_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for _, t in self._kv_caches)
@@ -360,26 +640,45 @@ class KvcmConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcmConnectorMetadata)
+        if not meta.stores:
+            return
+        try:
+            epoch = self._epoch()
+        except Exception as e:  # noqa: BLE001 - a store that fails only costs a later hit
+            logger.warning("KvcmConnector: agent unreachable, %d stores skipped: %s",
+                           len(meta.stores), e)
+            return
         for store in meta.stores:
             try:
-                self._store(store)
-            except Exception as e:  # noqa: BLE001 - a store that fails only costs a later hit
+                self._store(store, epoch)
+            except Exception as e:  # noqa: BLE001
                 logger.warning("KvcmConnector: store of %s failed: %s", store.req_id, e)
 
-    def _store(self, store: StoreSpec) -> None:
+    def _store(self, store: StoreSpec, epoch: int) -> None:
+        """Copies the pages the agent lacks into new blocks now; inserts them at the manager
+        now (kv_producer) or in the background (kv_both)."""
+        known = self._agent_blocks.get(store.req_id) or []
+        if len(store.known_blocks) > len(known):
+            known = list(store.known_blocks)
+        pages = len(store.vllm_blocks)
+        if len(known) >= pages:
+            return
+        new_vllm = store.vllm_blocks[len(known):]
+        start = time.perf_counter()
         stub = self._stub()
-        epoch = self._epoch()
-        present = len(store.present_agent_blocks)
-        new_vllm = store.vllm_blocks[present:]
         request = agent_pb2.AllocateBlocksRequest(count=len(new_vllm), owner_epoch=epoch)
         request.namespace.tenant, request.namespace.model = self._ns.tenant, self._ns.model
-        allocated = stub.Allocate(request, timeout=_RPC_TIMEOUT_S)
+        allocated = stub.Allocate(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         new_agent = list(allocated.block_ids)
         generations = list(allocated.block_generations)
         try:
             for i in range(0, len(new_agent), _MAX_BLOCKS_PER_CALL):
                 ids = new_agent[i:i + _MAX_BLOCKS_PER_CALL]
                 gens = generations[i:i + _MAX_BLOCKS_PER_CALL]
+                if self._region is not None:
+                    self._region.store(ids, new_vllm[i:i + len(ids)], owner_epoch=epoch,
+                                       generations=gens)
+                    continue
                 payload = [self._block_bytes(b) for b in new_vllm[i:i + len(ids)]]
 
                 def messages(ids=ids, gens=gens, payload=payload):
@@ -388,9 +687,30 @@ class KvcmConnector(KVConnectorBase_V1):
                     for chunk in payload:
                         yield agent_pb2.WriteBlocksRequest(data=chunk)
 
-                stub.WriteBlocks(messages(), timeout=_RPC_TIMEOUT_S)
-            result = self._client.insert(self._ns, store.tokens, self._opts.agent_id,
-                                         store.present_agent_blocks + new_agent,
+                stub.WriteBlocks(messages(), timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+        except Exception:
+            self._free(new_agent, generations, epoch)
+            raise
+        logger.info("KvcmConnector: copied %d pages of %s to the agent: %d bytes in %.3f ms",
+                    len(new_agent), store.req_id, len(new_agent) * self._expected_block_bytes(),
+                    1e3 * (time.perf_counter() - start))
+        all_blocks = list(known[:pages - len(new_vllm)]) + new_agent
+        self._agent_blocks[store.req_id] = all_blocks
+
+        def insert() -> None:
+            self._insert(store, all_blocks, len(known), new_agent, generations, epoch)
+
+        if not self._loads():  # kv_producer: its answer means the KV is in kvcm
+            insert()
+        else:
+            if self._inserter is None:
+                self._inserter = _Inserter()
+            self._inserter.submit(insert)
+
+    def _insert(self, store: StoreSpec, blocks: List[int], present: int, new_agent: List[int],
+                generations: List[int], epoch: int) -> None:
+        try:
+            result = self._client.insert(self._ns, store.tokens, self._opts.agent_id, blocks,
                                          agent_epoch=epoch)
         except Exception:
             self._free(new_agent, generations, epoch)
@@ -409,7 +729,7 @@ class KvcmConnector(KVConnectorBase_V1):
         try:
             self._stub().Free(agent_pb2.FreeBlocksRequest(
                 block_ids=block_ids, owner_epoch=epoch, block_generations=generations),
-                timeout=_RPC_TIMEOUT_S)
+                timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         except Exception as e:  # noqa: BLE001
             logger.info("KvcmConnector: free of %d blocks failed: %s", len(block_ids), e)
 
@@ -419,9 +739,15 @@ class KvcmConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
                                                                  Optional[Set[str]]]:
+        for req_id in finished_req_ids:
+            self._agent_blocks.pop(req_id, None)
         return None, None
 
     def shutdown(self) -> None:
+        if self._inserter is not None:
+            self._inserter.close()
+        if self._region is not None:
+            self._region.close()
         if self._channel is not None:
             self._channel.close()
         self._client.close()
