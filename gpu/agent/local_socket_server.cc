@@ -190,7 +190,12 @@ void LocalSocketServer::Serve(Connection* conn, std::string peer) {
     msg.msg_controllen = sizeof(control);
     const ssize_t n = recvmsg(conn->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n <= 0) break;  // hung up (0) or broken
+    if (n < 0) break;
+    if (n == 0) {
+      // A hang-up, or an empty datagram (an empty LocalRequest): only a hang-up sets RDHUP.
+      pollfd p{.fd = conn->fd, .events = POLLRDHUP};
+      if (poll(&p, 1, 0) != 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) break;
+    }
     std::vector<int> fds;
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
       if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -216,6 +221,7 @@ void LocalSocketServer::Serve(Connection* conn, std::string peer) {
       break;
     }
   }
+  shutdown(conn->fd, SHUT_RDWR);  // the peer sees the end now; the fd closes when reaped
   conn->done = true;
 }
 
