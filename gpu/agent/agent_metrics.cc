@@ -141,8 +141,8 @@ AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEp
   local_sessions_ = &prometheus::BuildCounter()
                          .Name("kvcm_agent_local_sessions_total")
                          .Help(
-                             "Connections to the local socket, by result: opened as a session, "
-                             "or refused over local_max_sessions.")
+                             "Local data path sessions by result: opened (a hello registered a "
+                             "region) or refused (a connection over local_max_sessions).")
                          .Register(*registry_);
   local_copies_ = &prometheus::BuildCounter()
                        .Name("kvcm_agent_local_copies_total")

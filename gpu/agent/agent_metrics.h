@@ -61,8 +61,8 @@ class AgentMetrics {
   // A successful pull also moves pull_gbps().
   void RecordTransfer(const absl::Status& status, uint64_t bytes, absl::Duration elapsed);
 
-  // The local data path (local_socket_server.h): one connection accepted as a session
-  // (`opened`) or closed as it was accepted, over local_max_sessions:
+  // The local data path (local_socket_server.h): a session whose hello registered a region
+  // (`opened`), or a connection closed as it was accepted, over local_max_sessions:
   // kvcm_agent_local_sessions_total{result="opened"|"refused"}.
   void RecordLocalSession(bool opened);
   // One LocalCopy in `direction` ("load" / "store") ended with `status`, having copied
