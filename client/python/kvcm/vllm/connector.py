@@ -21,6 +21,12 @@ blocks and inserted at the manager; kv_both inserts in the background (the copy 
 when wait_for_save returns, so vLLM may reuse its blocks), kv_producer before returning
 (its answer means the KV is in kvcm: prefill/decode disaggregation).
 
+Bytes: with `local_socket` (the agent's --local_socket, same host) the worker moves vLLM's
+KV tensors into one memfd it registers with the agent (kvcm.agent_local), and the agent
+copies blocks between its pool and vLLM's cache itself, one memcpy per layer segment, with
+the checks of ReadBlocks / WriteBlocks; vLLM never maps the agent's pool. Without it, bytes
+go over the agent's gRPC ReadBlocks / WriteBlocks.
+
 Block bytes: one agent block holds one vLLM block of every layer, layer after layer, each as
 vLLM's per-block slice of that layer's cache (CPU backend: [kv_heads, block_size,
 2 * head_dim], K then V in the last dim); it must have the namespace's bytes_per_block.
