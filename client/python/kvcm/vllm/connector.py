@@ -391,12 +391,7 @@ class KvcmConnector(KVConnectorBase_V1):
                 continue
             state.block_ids = list(new_req.block_ids[0])
             state.num_computed_tokens = new_req.num_computed_tokens
-            if state.num_external_tokens > 0:
-                first = (new_req.num_computed_tokens - state.num_external_tokens) // bs
-                end = (new_req.num_computed_tokens) // bs
-                meta.loads.append(LoadSpec(
-                    new_req.req_id, first, state.page_hashes[:end], state.local_blocks,
-                    state.fetch, state.block_ids[first:end]))
+            self._maybe_load(meta, new_req.req_id, state)
             self._maybe_store(meta, new_req.req_id, state,
                               scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -406,15 +401,28 @@ class KvcmConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                # Preempted and resumed: new blocks, recomputed from scratch; what was
-                # stored stays stored.
+                # Preempted and resumed: new blocks, matched again when it was rescheduled
+                # (get_num_new_matched_tokens); what was stored stays stored.
                 state.block_ids = list(new_blocks[0]) if new_blocks else []
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            self._maybe_load(meta, req_id, state)
             self._maybe_store(meta, req_id, state,
                               scheduler_output.num_scheduled_tokens.get(req_id, 0))
         return meta
+
+    def _maybe_load(self, meta: KvcmConnectorMetadata, req_id: str, state: _Request) -> None:
+        """The load of the external tokens vLLM accepted (update_state_after_alloc), once:
+        they end at num_computed_tokens."""
+        if state.num_external_tokens <= 0:
+            return
+        bs = self._block_size
+        first = (state.num_computed_tokens - state.num_external_tokens) // bs
+        end = state.num_computed_tokens // bs
+        meta.loads.append(LoadSpec(req_id, first, state.page_hashes[:end], state.local_blocks,
+                                   state.fetch, state.block_ids[first:end]))
+        state.num_external_tokens = 0
 
     def _maybe_store(self, meta: KvcmConnectorMetadata, req_id: str, state: _Request,
                      scheduled: int) -> None:
