@@ -1,6 +1,6 @@
 """EventStream: vLLM batch sequencing, replay, resync and liveness, without sockets."""
 
-from kvcm.vllm.stream import EventStream, StreamOptions
+from kvcm.engines.stream import EventStream, StreamOptions
 
 
 class Sink:

@@ -19,7 +19,7 @@
     page_size = 16                   # kvcm page, a multiple of block_size
     block_size = 16                  # the engines' block size
 
-Engine ids are the ids kvcm-vllm-bridge publishes the engines under.
+Engine ids are the ids kvcm-bridge publishes the engines under.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Sequencing one vLLM engine's KV-event stream: ordering, gaps, replay, resync, liveness.
+"""Sequencing one engine's KV-event stream: ordering, gaps, replay, resync, liveness.
 
-vLLM numbers its batches 0, 1, 2... on the PUB socket and keeps the last `buffer_steps` in a
+vLLM (and SGLang, whose publisher is a copy of it) numbers its batches 0, 1, 2... on the PUB socket and keeps the last `buffer_steps` in a
 replay buffer behind a ROUTER socket that answers "every batch from seq s" and then an end
 marker. `EventStream` decides, from what arrives, which batch to apply next and when to ask
 for a replay; it does no I/O (its `StreamSink` does), so it is tested without sockets.
