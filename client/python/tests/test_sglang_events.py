@@ -115,6 +115,7 @@ def test_hash_taking_in_what_events_do_not_carry_is_refused_with_its_subtree():
     ({"lora_name": "adapter-1"}, "lora"),
     ({"medium": "EXTERNAL"}, "unknown_medium"),
     ({"token_ids": [[t, t + 1] for t in toks(8)]}, "bigram"),
+    ({"token_ids": [1 << 33] + toks(7)}, "token_range"),
 ])
 def test_blocks_kvcm_cannot_mirror_are_refused_and_counted(change, reason):
     m = mirror()

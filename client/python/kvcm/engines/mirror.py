@@ -123,6 +123,8 @@ class MirrorCounters:
     unknown_fields: Counter = field(default_factory=Counter)
 
 
+_TOKEN_MIN, _TOKEN_MAX = -(1 << 31), (1 << 31) - 1  # what kvcm.hashing.hash_page takes
+
 _IGNORED_FIELDS = ("ownership", "session_id", "kv_cache_spec_kind",
                    "kv_cache_spec_sliding_window")
 
@@ -327,6 +329,10 @@ class EngineMirror:
             if len(ev.token_ids) != n * bs:
                 self._refuse("token_count", n, f"{len(ev.token_ids)} token ids for {n} blocks "
                              f"of {bs}")
+                return
+            if min(ev.token_ids) < _TOKEN_MIN or max(ev.token_ids) > _TOKEN_MAX:
+                self._refuse("token_range", n, "token ids outside int32, the range of kvcm "
+                             "page hashes (SGLang hashes ids up to 2^63 - 1)")
                 return
             extras = [self._extras_of(ev, i) for i in range(n)]
             try:
