@@ -277,9 +277,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype")
     p.add_argument("--page_size", type=int)
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
-                   help="an engine: id, kind (vllm or sglang), endpoint, endpoint_mode, replay_endpoint, topic, "
-                        "token_file, token_env, data_parallel_rank, block_size, kv_group, "
-                        "lora_by_name, require_extra_keys")
+                   help="an engine: id, kind (vllm or sglang), endpoint, endpoint_mode, "
+                        "replay_endpoint, topic, token_file, token_env, data_parallel_rank, "
+                        "block_size, kv_group, lora_by_name, require_extra_keys")
     p.add_argument("--log_level", default="INFO")
     return p
 

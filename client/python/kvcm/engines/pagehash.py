@@ -1,9 +1,9 @@
 """kvcm page hashes of engine blocks, extra keys included (docs/HASHING.md, "Engine extra keys").
 
-Engines mix per-block *extra keys* into their block hashes. vLLM mixes per-block *extra keys* into its block hashes: the LoRA adapter, multimodal inputs,
-the request's `cache_salt` (first block only) and prompt-embedding digests. Two requests with
-the same tokens but different extra keys must never share a kvcm page, so a page whose blocks
-carry extra keys chains from a mixed predecessor:
+Engines mix per-block *extra keys* into their block hashes. vLLM mixes the LoRA adapter,
+multimodal inputs, the request's `cache_salt` (first block only) and prompt-embedding
+digests. Two requests with the same tokens but different extra keys must never share a kvcm
+page, so a page whose blocks carry extra keys chains from a mixed predecessor:
 
     prev' = SipHash128(key_ns, "kvcm/extra/v1" || prev || canonical(extras of the page's blocks))
     h_i   = hash_page(key_ns, prev', tokens of page i)

@@ -1,9 +1,10 @@
 """Sequencing one engine's KV-event stream: ordering, gaps, replay, resync, liveness.
 
-vLLM (and SGLang, whose publisher is a copy of it) numbers its batches 0, 1, 2... on the PUB socket and keeps the last `buffer_steps` in a
-replay buffer behind a ROUTER socket that answers "every batch from seq s" and then an end
-marker. `EventStream` decides, from what arrives, which batch to apply next and when to ask
-for a replay; it does no I/O (its `StreamSink` does), so it is tested without sockets.
+vLLM (and SGLang, whose publisher is a copy of vLLM's) numbers its batches 0, 1, 2... on the
+PUB socket and keeps the last `buffer_steps` in a replay buffer behind a ROUTER socket that
+answers "every batch from seq s" and then an end marker. `EventStream` decides, from what
+arrives, which batch to apply next and when to ask for a replay; it does no I/O (its
+`StreamSink` does), so it is tested without sockets.
 
 - A gap (seq > next) asks for a replay from the first missed seq; a replay whose first batch
   is past that seq cannot cover the gap, and neither can three replays in a row that bring

@@ -1,6 +1,7 @@
-"""An SGLang KV-event source for tests, made of SGLang's own code: its UnifiedRadixCache
-(built as SGLang's own unit-test kit builds one, on CPU) records the events with SGLang's hashing, and its
-ZmqEventPublisher sends them. Run by SGLang's Python, not kvcm's (it imports no kvcm):
+"""An SGLang KV-event source for tests, made of SGLang's own code: its
+UnifiedRadixCache (built as SGLang's own unit-test kit builds one, on CPU) records the events
+with SGLang's hashing, and its ZmqEventPublisher sends them. Run by SGLang's Python, not
+kvcm's (it imports no kvcm):
 
     python sglang_publisher.py --endpoint tcp://127.0.0.1:P --replay tcp://127.0.0.1:R \
         --page-size 4 [--dynamo]
