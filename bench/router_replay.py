@@ -9,7 +9,7 @@ Every policy gets its own `--engines` engines (kvcm.testing.fake_vllm.FakeVllmEn
 block hashing and LRU eviction, `--capacity_blocks` blocks of `--block_size` tokens) and its
 own kvcm.router.Router; requests arrive at the trace's timestamps in simulated time.
 kv-aware's engines feed the manager's engine pools through the bridge's own path: their
-vLLM KV events go through kvcm.vllm's EngineMirror and PublishSession into
+vLLM KV events go through kvcm.engines' EngineMirror and PublishSession into
 PublishEngineEvents (no Insert), and the router asks the manager's Route (probe) exactly as
 kvcm-router does. The manager is published to after every request, before the next is
 routed: an index with no lag.
@@ -321,9 +321,9 @@ async def build_arms(args: argparse.Namespace, address: str, report_from_s: floa
     from kvcm.router import LoadTracker, Router, make_policy
     from kvcm.router.manager_index import ManagerIndex
     from kvcm.types import ModelSpec, Namespace
-    from kvcm.vllm.manager import ManagerConnection
-    from kvcm.vllm.mirror import EngineMirror
-    from kvcm.vllm.session import PublishSession
+    from kvcm.engines.manager import ManagerConnection
+    from kvcm.engines.mirror import EngineMirror
+    from kvcm.engines.session import PublishSession
 
     spec = ModelSpec.from_catalog("llama-3-8b", page_size_tokens=args.page_size)
     ns = Namespace("replay", "mooncake")

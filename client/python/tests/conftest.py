@@ -71,6 +71,18 @@ def vllm_test_path(env: str, what: str) -> str:
     pytest.skip(reason)
 
 
+def sglang_test_path(env: str, what: str) -> str:
+    """The executable in $env for a real-SGLang test, or skip (fail under KVCM_REQUIRE_SGLANG=1
+    or KVCM_REQUIRE_PYTHON=1)."""
+    path = os.environ.get(env, "")
+    if path and os.access(path, os.X_OK):
+        return path
+    reason = f"${env} does not name {what} ({path!r})"
+    if os.environ.get("KVCM_REQUIRE_SGLANG") == "1" or required():
+        pytest.fail(f"{reason} (KVCM_REQUIRE_SGLANG/KVCM_REQUIRE_PYTHON=1)")
+    pytest.skip(reason)
+
+
 class Process:
     """A child process whose output goes to a log file; stopped by stop() or kill()."""
 

@@ -29,7 +29,7 @@ from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.testing.manager import ManagerProcess
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
-from kvcm.vllm.pagehash import hash_request
+from kvcm.engines.pagehash import hash_request
 
 from conftest import vllm_test_path
 
@@ -79,7 +79,7 @@ class Bridge:
             log.write(f"---- start {self.starts}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvcm.vllm.bridge", "--config", str(self.config),
+                [sys.executable, "-m", "kvcm.engines.bridge", "--config", str(self.config),
                  "--log_level", "INFO"], stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:

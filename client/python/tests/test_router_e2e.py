@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("kvcm.testing.fake_vllm")
-pytest.importorskip("kvcm.vllm.bridge")
+pytest.importorskip("kvcm.engines.bridge")
 
 import aiohttp  # noqa: E402
 import pytest_asyncio  # noqa: E402
@@ -22,10 +22,10 @@ import pytest_asyncio  # noqa: E402
 import kvcm  # noqa: E402
 from conftest import free_port  # noqa: E402
 from kvcm.router.tokenizer import WordTokenizer  # noqa: E402
-from kvcm.vllm import hash_request  # noqa: E402
-from kvcm.vllm.bridge import Bridge  # noqa: E402
-from kvcm.vllm.config import BridgeConfig, EngineConfig  # noqa: E402
-from kvcm.vllm.config import NamespaceConfig as BridgeNamespace  # noqa: E402
+from kvcm.engines import hash_request  # noqa: E402
+from kvcm.engines.bridge import Bridge  # noqa: E402
+from kvcm.engines.config import BridgeConfig, EngineConfig  # noqa: E402
+from kvcm.engines.config import NamespaceConfig as BridgeNamespace  # noqa: E402
 from router_rig import metrics_text, post, sample, sse, start_engine, start_router  # noqa: E402
 
 TENANT, MODEL, BLOCK = "acme", "fake-model", 16
@@ -323,7 +323,7 @@ def test_the_readme_demo_runs_from_the_command_line(manager, workdir):
                                   "--kv-events-endpoint", f"tcp://*:{pub}",
                                   "--replay-endpoint", f"tcp://*:{replay}"],
                                  workdir / f"{e}.log"))
-        bridge = [py, "-m", "kvcm.vllm.bridge", "--manager", manager.address, "--insecure",
+        bridge = [py, "-m", "kvcm.engines.bridge", "--manager", manager.address, "--insecure",
                   "--tenant", TENANT, "--model", MODEL, "--preset", "llama-3-8b",
                   "--page_size", str(BLOCK)]
         for e in ("e0", "e1"):

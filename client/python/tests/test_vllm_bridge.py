@@ -23,7 +23,7 @@ from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.testing.bridge_rig import BridgeRig, FakeManagerView, RealManagerView
 from kvcm.testing.fake_manager import FakeEngineManager
 from kvcm.testing.manager import ManagerProcess
-from kvcm.vllm.metrics import registry_for
+from kvcm.engines.metrics import registry_for
 
 BS = 16
 SECRET = bytes(range(16))
@@ -300,7 +300,7 @@ async def test_metrics(make_rig):
 
 @pytest.mark.asyncio
 async def test_a_failing_loop_restarts_with_a_resync(make_rig, monkeypatch):
-    from kvcm.vllm.bridge import EngineBridge
+    from kvcm.engines.bridge import EngineBridge
     rig = make_rig()
     await run_prompts(rig, [0])
     await rig.converge()

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from kvcm.vllm.events import AllBlocksCleared, decode_batch
-from kvcm.vllm.mirror import EngineMirror, Tier
-from kvcm.vllm.pagehash import hash_request
+from kvcm.engines.mirror import EngineMirror, Tier
+from kvcm.engines.pagehash import hash_request
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-0.32.0" / "capture.json"
 NS_KEY = bytes(range(16))

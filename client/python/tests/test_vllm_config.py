@@ -3,8 +3,8 @@
 import pytest
 
 from kvcm.types import AttentionKind, KvDtype
-from kvcm.vllm.bridge import main
-from kvcm.vllm.config import ConfigError, from_args
+from kvcm.engines.bridge import main
+from kvcm.engines.config import ConfigError, from_args
 
 TOML = """
 manager = "kvcm:50051"

@@ -8,8 +8,8 @@ import pytest
 from kvcm import hashing
 from kvcm.testing.fake_vllm import FakeVllmEngine
 from kvcm.vllm.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvcm.vllm.mirror import Change, ChangeKind, EngineMirror, Tier, tier_of_medium
-from kvcm.vllm.pagehash import hash_request
+from kvcm.engines.mirror import Change, ChangeKind, EngineMirror, Tier, tier_of_medium
+from kvcm.engines.pagehash import hash_request
 
 KEY = bytes(range(16))
 BS = 4

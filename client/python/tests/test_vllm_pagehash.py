@@ -5,7 +5,7 @@ import struct
 import pytest
 
 from kvcm import hashing
-from kvcm.vllm.pagehash import (blocks_per_page, canonical_extras, hash_request, mixed_prev,
+from kvcm.engines.pagehash import (blocks_per_page, canonical_extras, hash_request, mixed_prev,
                                 request_block_extras)
 
 KEY = bytes(range(16))

@@ -26,11 +26,11 @@ from kvcm.testing.fake_vllm import FakeVllmPublisher
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC,
                                           RealPublisherThread, frames_of)
-from kvcm.vllm.bridge import Bridge
-from kvcm.vllm.config import BridgeConfig, EngineConfig, NamespaceConfig
+from kvcm.engines.bridge import Bridge
+from kvcm.engines.config import BridgeConfig, EngineConfig, NamespaceConfig
 from kvcm.vllm.events import decode_batch
-from kvcm.vllm.pagehash import hash_request
-from kvcm.vllm.wire import END_SEQ
+from kvcm.engines.pagehash import hash_request
+from kvcm.engines.wire import END_SEQ
 
 DATA = Path(__file__).parent / "data" / "vllm_publishers"
 SECRET = bytes(range(16))

@@ -1,7 +1,7 @@
 """PublishSession: sessions, sequences, chunking, heartbeats and error handling."""
 
-from kvcm.vllm.mirror import Change, ChangeKind, Tier
-from kvcm.vllm.session import Action, PublishSession, SessionOptions, State, classify
+from kvcm.engines.mirror import Change, ChangeKind, Tier
+from kvcm.engines.session import Action, PublishSession, SessionOptions, State, classify
 
 STORED, REMOVED = ChangeKind.STORED, ChangeKind.REMOVED
 

@@ -1,6 +1,6 @@
 """EventStream: vLLM batch sequencing, replay, resync and liveness, without sockets."""
 
-from kvcm.vllm.stream import EventStream, StreamOptions
+from kvcm.engines.stream import EventStream, StreamOptions
 
 
 class Sink:
@@ -256,3 +256,20 @@ def test_replay_timeout_while_syncing_resumes_without_applying_live_batches():
     s.on_live(5, b"p5", 1.3)              # kept: history first
     replay(s, [1, 2, 3, 4, 5], 1.4)
     assert sink.applied == [0, 1, 2, 3, 4, 5] and s.up
+
+
+def test_a_seq_missing_from_the_engines_own_history_is_skipped_not_resynced_forever():
+    # SGLang's / vLLM's publisher consumed seq 2 but never sent or buffered it.
+    s, sink = started()
+    replay(s, [0, 1])
+    s.on_live(3, b"p3", 0.1)                    # gap: 2 missing
+    assert sink.take()[-1] == ("replay", 2)
+    replay(s, [3], 0.1, end=False)              # the buffer lacks 2: resync from 0
+    assert sink.take() == [("reset",), ("replay", 0)]
+    replay(s, [0, 1, 3], 0.2)                   # the same hole: asked again from it
+    assert sink.take()[-1] == ("replay", 2)
+    replay(s, [3], 0.3)                         # twice unreachable: skipped, counted lost
+    assert sink.take() == [("apply", 3), ("synced",)]
+    assert sink.applied == [0, 1, 3] and s.up and s.counters.lost_batches == 2
+    s.on_live(4, b"p4", 0.4)
+    assert sink.applied == [0, 1, 3, 4]

@@ -1,8 +1,8 @@
-"""vLLM's publisher frames, both replay forms (kvcm.vllm.wire)."""
+"""vLLM's publisher frames, both replay forms (kvcm.engines.wire)."""
 
 import pytest
 
-from kvcm.vllm.wire import END_SEQ, FrameError, parse_live, parse_replay, replay_request
+from kvcm.engines.wire import END_SEQ, FrameError, parse_live, parse_replay, replay_request
 
 SEQ7 = (7).to_bytes(8, "big")
 

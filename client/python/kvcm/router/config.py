@@ -23,7 +23,7 @@
     page_size = 16                   # kvcm page, a multiple of block_size
     block_size = 16                  # the engines' block size
 
-Engine ids are the ids kvcm-vllm-bridge publishes the engines under; an engine listed in
+Engine ids are the ids kvcm-bridge publishes the engines under; an engine listed in
 engine_agents is ranked by the pages of that kvcm-agent instead (the kvcm vLLM connector).
 """
 

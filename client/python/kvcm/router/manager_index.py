@@ -1,6 +1,6 @@
 """The kv-aware policy's prefix index: kvcm-manager's Route, probing, over engine pools.
 
-A request is hashed as the bridge hashes the engine's blocks (kvcm.vllm.hash_request: the
+A request is hashed as the bridge hashes the engine's blocks (kvcm.engines.hash_request: the
 namespace key, LoRA and cache salt mixed in), so it only ever matches pages cached for the
 same adapter and salt. The key comes from RegisterModel, with the router's token or a
 separate register token (a `router` role may only probe). Without a key, unsalted base-model
@@ -25,7 +25,7 @@ from kvcm.aio import Client
 from kvcm.errors import KvcmError
 from kvcm.router.policy import IndexUnavailable, RoutingRequest
 from kvcm.types import ModelSpec, Namespace, RankedAgent, RouteCandidate, RoutePolicy
-from kvcm.vllm import hash_request
+from kvcm.engines import hash_request
 
 log = logging.getLogger(__name__)
 

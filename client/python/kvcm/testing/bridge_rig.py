@@ -24,9 +24,9 @@ from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.testing.fake_manager import FakeEngineManager
 from kvcm.testing.fake_vllm import FakeVllmEngine, FakeVllmPublisher
 from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.vllm.bridge import Bridge
-from kvcm.vllm.config import BridgeConfig, EngineConfig, NamespaceConfig
-from kvcm.vllm.pagehash import hash_request, page_hash
+from kvcm.engines.bridge import Bridge
+from kvcm.engines.config import BridgeConfig, EngineConfig, NamespaceConfig
+from kvcm.engines.pagehash import hash_request, page_hash
 
 GPU = 1
 

@@ -15,15 +15,16 @@ decode as long as the fields below keep their meaning. Anything else raises
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
-import msgspec
+from kvcm.engines.events import (MALFORMED, AllBlocksCleared, BlockHash, BlockRemoved,
+                                 BlockStored, Event, EventBatch, EventDecodeError, as_hash,
+                                 as_hashes, as_int, as_list, batch_header, msgpack, opt_int,
+                                 opt_str, unknown)
+from kvcm.engines.kinds import EngineKind
 
-# A vLLM block hash: the low 64 bits of its digest as an int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
-# the default), the whole digest as bytes, or, in early releases, Python's hash() of a tuple.
-BlockHash = Union[int, bytes]
+__all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "Event",
+           "EventBatch", "EventDecodeError", "decode_batch"]
 
 # Positional field order of the tagged-array form, as declared in vllm/distributed/kv_events.py.
 # Later releases append fields, so a shorter array is an older release.
@@ -43,110 +44,17 @@ _KNOWN_REMOVED = frozenset(_REMOVED_FIELDS + (
 _MAX_EXTRA_DEPTH = 8
 
 
-class EventDecodeError(ValueError):
-    """A payload that is not a vLLM KV event batch this module understands."""
-
-
-@dataclass(frozen=True)
-class BlockStored:
-    """The engine cached full blocks `block_hashes` (a chain: each block's parent is the
-    previous one, the first one's is `parent_block_hash`, None at a prompt's start)."""
-
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None
-    # Tokens of every block, block after block: len == len(block_hashes) * block_size, or
-    # empty when the publisher did not send them (offloading connectors).
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    # One entry per block: the extra keys vLLM mixed into that block's hash, or None.
-    # None as a whole when the release does not send them.
-    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    # "LOCAL" / "REMOTE" relative to the publisher, where a release says.
-    locality: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    # vLLM >= 0.30: the secondary offloading tier, and the request session that stored or
-    # re-reported the block. Neither changes what the block holds.
-    ownership: str | None = None
-    session_id: str | None = None
-    # vLLM >= 0.33: per block, the tokens after it that its hash also covers (EAGLE-style
-    # speculative decoding with prefix caching); None when lookahead hashing is off.
-    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
-    # Names of fields this module does not know (positions, for the array form).
-    unknown_fields: tuple[str, ...] = ()
-    # False for releases that send no extra_keys field (vLLM < 0.17, arrays of < 8 fields):
-    # salts and multimodal inputs are in vLLM's hash but not in the event.
-    keys_published: bool = True
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    """The engine dropped one cached copy of each block (vLLM does not deduplicate: two
-    physical blocks may hold the same hash, each stored and removed on its own)."""
-
-    block_hashes: tuple[BlockHash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    # Copies of each hash still held after the removal, where the release says.
-    remaining_copy_counts: tuple[int, ...] | None = None
-    ownership: str | None = None
-    unknown_fields: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """The engine dropped its whole prefix cache."""
-
-
-Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-@dataclass(frozen=True)
-class EventBatch:
-    ts: float
-    events: tuple[Event, ...]
-    data_parallel_rank: int | None = None
-
-
-_decoder = msgspec.msgpack.Decoder()
-
-
 def decode_batch(payload: bytes) -> EventBatch:
     """Decodes one payload frame. Raises EventDecodeError, never anything else."""
+    raw = msgpack(payload)
     try:
-        raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as e:
-        raise EventDecodeError(f"not msgpack: {e}") from None
-    try:
-        return _batch(raw)
+        ts, events, rank = batch_header(raw)
+        return EventBatch(ts, tuple(_event(e, i) for i, e in enumerate(events)),
+                          opt_int(rank, "data_parallel_rank"))
     except EventDecodeError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as e:
+    except MALFORMED as e:
         raise EventDecodeError(f"malformed batch: {e!r}") from None
-
-
-def _batch(raw: Any) -> EventBatch:
-    if isinstance(raw, list):
-        if len(raw) < 2:
-            raise EventDecodeError(f"batch array has {len(raw)} elements, expected >= 2")
-        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
-    elif isinstance(raw, dict):
-        if "events" not in raw:
-            raise EventDecodeError("batch map has no 'events'")
-        ts, events, rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
-    else:
-        raise EventDecodeError(f"batch is a {type(raw).__name__}, expected array or map")
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
-        raise EventDecodeError(f"batch ts is {ts!r}")
-    if not isinstance(events, list):
-        raise EventDecodeError(f"batch events is a {type(events).__name__}, expected array")
-    return EventBatch(float(ts), tuple(_event(e, i) for i, e in enumerate(events)),
-                      _opt_int(rank, "data_parallel_rank"))
 
 
 def _fields(raw: Any, index: int, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
@@ -175,18 +83,18 @@ def _event(raw: Any, index: int) -> Event:
         return _stored(f, index)
     if tag == "BlockRemoved":
         _, f = _fields(raw, index, _REMOVED_FIELDS)
-        hashes = _hashes(f.get("block_hashes"), index)
+        hashes = as_hashes(f.get("block_hashes"), index)
         counts = f.get("remaining_copy_counts")
         if counts is not None:
-            counts = tuple(_int(c, "remaining_copy_counts") for c in _list(counts, index))
+            counts = tuple(as_int(c, "remaining_copy_counts") for c in as_list(counts, index))
             if len(counts) != len(hashes) or any(c < 0 for c in counts):
                 raise EventDecodeError(f"event {index}: remaining_copy_counts does not "
                                        "match block_hashes")
-        return BlockRemoved(hashes, _opt_str(f.get("medium"), "medium"),
-                            _opt_int(f.get("group_idx"), "group_idx"),
-                            _opt_str(f.get("locality"), "locality"), counts,
-                            _opt_str(f.get("ownership"), "ownership"),
-                            _unknown(f, _KNOWN_REMOVED))
+        return BlockRemoved(hashes, opt_str(f.get("medium"), "medium"),
+                            opt_int(f.get("group_idx"), "group_idx"),
+                            opt_str(f.get("locality"), "locality"), counts,
+                            opt_str(f.get("ownership"), "ownership"),
+                            unknown(f, _KNOWN_REMOVED))
     if tag == "AllBlocksCleared":
         _fields(raw, index, ())
         return AllBlocksCleared()
@@ -195,66 +103,45 @@ def _event(raw: Any, index: int) -> Event:
 
 
 def _stored(f: dict[str, Any], index: int) -> BlockStored:
-    hashes = _hashes(f.get("block_hashes"), index)
-    block_size = _int(f.get("block_size"), "block_size")
-    tokens = tuple(_int(t, "token_ids") for t in _list(f.get("token_ids"), index))
+    hashes = as_hashes(f.get("block_hashes"), index)
+    block_size = as_int(f.get("block_size"), "block_size")
+    tokens = tuple(as_int(t, "token_ids") for t in as_list(f.get("token_ids"), index))
     if block_size < 0:
         raise EventDecodeError(f"event {index}: block_size {block_size}")
     extras = f.get("extra_keys")
     if extras is not None:
-        extras = tuple(None if e is None else _extra(e, index, 0) for e in _list(extras, index))
+        extras = tuple(None if e is None else _extra(e, index, 0) for e in as_list(extras, index))
         if len(extras) != len(hashes):
             raise EventDecodeError(f"event {index}: {len(extras)} extra_keys for "
                                    f"{len(hashes)} block_hashes")
     lookahead = f.get("lookahead_token_ids")
     if lookahead is not None:
-        lookahead = tuple(tuple(_int(t, "lookahead_token_ids") for t in _list(b, index))
-                          for b in _list(lookahead, index))
+        lookahead = tuple(tuple(as_int(t, "lookahead_token_ids") for t in as_list(b, index))
+                          for b in as_list(lookahead, index))
         if len(lookahead) != len(hashes):
             raise EventDecodeError(f"event {index}: {len(lookahead)} lookahead_token_ids for "
                                    f"{len(hashes)} block_hashes")
     parent = f.get("parent_block_hash")
     return BlockStored(
         block_hashes=hashes,
-        parent_block_hash=None if parent is None else _hash(parent, index),
+        parent_block_hash=None if parent is None else as_hash(parent, index),
         token_ids=tokens,
         block_size=block_size,
-        lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-        medium=_opt_str(f.get("medium"), "medium"),
-        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+        lora_id=opt_int(f.get("lora_id"), "lora_id"),
+        medium=opt_str(f.get("medium"), "medium"),
+        lora_name=opt_str(f.get("lora_name"), "lora_name"),
         extra_keys=extras,
-        group_idx=_opt_int(f.get("group_idx"), "group_idx"),
-        kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
-        locality=_opt_str(f.get("locality"), "locality"),
-        kv_cache_spec_sliding_window=_opt_int(f.get("kv_cache_spec_sliding_window"),
+        group_idx=opt_int(f.get("group_idx"), "group_idx"),
+        kv_cache_spec_kind=opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        locality=opt_str(f.get("locality"), "locality"),
+        kv_cache_spec_sliding_window=opt_int(f.get("kv_cache_spec_sliding_window"),
                                               "kv_cache_spec_sliding_window"),
-        ownership=_opt_str(f.get("ownership"), "ownership"),
-        session_id=_opt_str(f.get("session_id"), "session_id"),
+        ownership=opt_str(f.get("ownership"), "ownership"),
+        session_id=opt_str(f.get("session_id"), "session_id"),
         lookahead_token_ids=lookahead,
-        unknown_fields=_unknown(f, _KNOWN_STORED),
+        unknown_fields=unknown(f, _KNOWN_STORED),
         keys_published="extra_keys" in f or "type" in f,
     )
-
-
-def _unknown(f: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:
-    """Names of the fields a release sent that this module does not know (None ones too)."""
-    return tuple(sorted(str(k) for k in f if k not in known))
-
-
-def _list(v: Any, index: int) -> list[Any]:
-    if not isinstance(v, list):
-        raise EventDecodeError(f"event {index}: expected an array, got {type(v).__name__}")
-    return v
-
-
-def _hash(v: Any, index: int) -> BlockHash:
-    if isinstance(v, bytes) or (isinstance(v, int) and not isinstance(v, bool)):
-        return v
-    raise EventDecodeError(f"event {index}: block hash {v!r} is neither int nor bytes")
-
-
-def _hashes(v: Any, index: int) -> tuple[BlockHash, ...]:
-    return tuple(_hash(h, index) for h in _list(v, index))
 
 
 def _extra(v: Any, index: int, depth: int) -> Any:
@@ -268,17 +155,4 @@ def _extra(v: Any, index: int, depth: int) -> Any:
     raise EventDecodeError(f"event {index}: extra key of type {type(v).__name__}")
 
 
-def _int(v: Any, name: str) -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    raise EventDecodeError(f"{name} is {v!r}, expected an integer")
-
-
-def _opt_int(v: Any, name: str) -> int | None:
-    return None if v is None else _int(v, name)
-
-
-def _opt_str(v: Any, name: str) -> str | None:
-    if v is None or isinstance(v, str):
-        return v
-    raise EventDecodeError(f"{name} is {v!r}, expected a string")
+KIND = EngineKind("vllm", decode_batch)

@@ -1,4 +1,4 @@
-"""kvcm-vllm-bridge configuration: a TOML file and/or flags (flags win).
+"""kvcm-bridge configuration: a TOML file and/or flags (flags win).
 
     manager = "kvcm.internal:50051"
     ca_file = "/etc/kvcm/ca.pem"          # or insecure = true
@@ -14,6 +14,7 @@
 
     [[engine]]
     id = "vllm-0"
+    kind = "vllm"                         # or "sglang" (kvcm.engines.kinds)
     endpoint = "tcp://10.0.0.5:5557"      # vLLM's --kv-events-config endpoint, as we reach it
     endpoint_mode = "connect"             # vLLM binds tcp://*:5557: we connect (the default)
     replay_endpoint = "tcp://10.0.0.5:5558"
@@ -23,7 +24,8 @@
 vLLM binds its PUB endpoint when it holds `*` (or `::`, ipc://, inproc://) and connects to it
 otherwise. So: vLLM given `tcp://*:5557` -> endpoint = "tcp://<engine host>:5557", mode
 "connect"; vLLM given `tcp://<bridge host>:5557` -> endpoint = "tcp://*:5557", mode "bind".
-vLLM always binds its replay (ROUTER) endpoint; the bridge connects to it.
+vLLM always binds its replay (ROUTER) endpoint; the bridge connects to it. SGLang's
+publisher (`--kv-events-config`) decides bind/connect the same way (docs/ENGINES.md, "SGLang").
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvcm.engines import kinds
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -88,6 +91,8 @@ class NamespaceConfig:
 @dataclass
 class EngineConfig:
     id: str = ""
+    # Whose events: "vllm" or "sglang" (kvcm.engines.kinds.names()).
+    kind: str = "vllm"
     endpoint: str = ""
     endpoint_mode: str = "connect"
     replay_endpoint: str = ""
@@ -116,6 +121,8 @@ class EngineConfig:
         where = f"engine {self.id!r}"
         if not _ENGINE_ID.match(self.id):
             raise ConfigError(f"engine.id: {self.id!r} must be 1..128 of [A-Za-z0-9._:-]")
+        if self.kind not in kinds.names():
+            raise ConfigError(f"{where}: kind {self.kind!r} is not one of {kinds.names()}")
         if not _ENDPOINT.match(self.endpoint):
             raise ConfigError(f"{where}: endpoint {self.endpoint!r} is not tcp://, ipc:// "
                               "or inproc://")
@@ -248,9 +255,9 @@ def parse_engine_flag(text: str) -> EngineConfig:
 
 def arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvcm-vllm-bridge",
-        description="Mirror vLLM engines' prefix caches into a kvcm-manager from their KV "
-                    "events (docs/ENGINES.md).")
+        prog="kvcm-bridge",
+        description="Mirror vLLM and SGLang engines' prefix caches into a kvcm-manager from "
+                    "their KV events (docs/ENGINES.md).")
     p.add_argument("--config", help="TOML file; flags override it")
     p.add_argument("--manager", help="manager address host:port")
     p.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC")
@@ -270,9 +277,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype")
     p.add_argument("--page_size", type=int)
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
-                   help="an engine: id, endpoint, endpoint_mode, replay_endpoint, topic, "
-                        "token_file, token_env, data_parallel_rank, block_size, kv_group, "
-                        "lora_by_name, require_extra_keys")
+                   help="an engine: id, kind (vllm or sglang), endpoint, endpoint_mode, "
+                        "replay_endpoint, topic, token_file, token_env, data_parallel_rank, "
+                        "block_size, kv_group, lora_by_name, require_extra_keys")
     p.add_argument("--log_level", default="INFO")
     return p
 

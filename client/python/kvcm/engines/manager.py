@@ -1,7 +1,7 @@
 """The bridge's two manager calls, RegisterModel and PublishEngineEvents, over grpc.aio.
 
 Each call carries the caller's bearer token, so one channel serves every engine. Errors are
-grpc.aio.AioRpcError; the bridge decides what they mean (kvcm.vllm.session.classify).
+grpc.aio.AioRpcError; the bridge decides what they mean (kvcm.engines.session.classify).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm._proto.v1 import common_pb2
 from kvcm.types import ModelSpec
-from kvcm.vllm.session import PublishRequest
+from kvcm.engines.session import PublishRequest
 
 # grpc's default receive limit (4 MiB) is below what a snapshot request may reach.
 _MAX_MESSAGE_BYTES = 16 << 20

@@ -1,4 +1,5 @@
-"""Prometheus metrics of kvcm-vllm-bridge (`--metrics_port`), per engine.
+"""Prometheus metrics of kvcm-bridge (`--metrics_port`), per engine. The prefix stays
+kvcm_vllm_bridge_ for every engine kind, so dashboards made before SGLang keep working.
 
 The collector reads each EngineBridge's `metrics` snapshot (rebuilt by its loop about once a
 second), so a scrape never touches state the loop is changing.

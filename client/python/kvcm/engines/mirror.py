@@ -1,7 +1,7 @@
-"""One engine's prefix cache as kvcm sees it, rebuilt from its vLLM KV events.
+"""One engine's prefix cache as kvcm sees it, rebuilt from its KV events (any engine kind).
 
 `EngineMirror` keeps what the engine holds (per tier, with a copy count per vLLM block hash,
-since vLLM may cache one hash in several physical blocks) and the content of each held block
+since an engine may cache one hash in several physical blocks) and the content of each held block
 (parent, tokens, extra keys), derives each block's kvcm page hash from its chain to the
 prompt start, and turns every change of what is *visible* into `Change` records shaped like
 the manager's `EngineChange`.
@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from kvcm import hashing
-from kvcm.vllm.events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event)
-from kvcm.vllm.pagehash import (BlockExtras, blocks_per_page, canonical_extras,
+from kvcm.engines.events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored,
+                                 Event)
+from kvcm.engines.kinds import VerifyBlock
+from kvcm.engines.pagehash import (BlockExtras, blocks_per_page, canonical_extras,
                                 normalize_extras, page_hash)
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class _Block:
     start is known; depth -1 marks an orphan."""
 
     __slots__ = ("parent", "tokens", "extras", "depth", "page_prev", "acc_tokens",
-                 "acc_extras", "khash")
+                 "acc_extras", "khash", "state")
 
     def __init__(self, parent: BlockHash | None, tokens: tuple[int, ...],
                  extras: BlockExtras) -> None:
@@ -93,6 +95,7 @@ class _Block:
         self.acc_tokens: tuple[int, ...] = ()          # this page's tokens up to this block
         self.acc_extras: tuple[BlockExtras, ...] = ()  # their extras, one per block
         self.khash: bytes | None = None                # kvcm page hash if it ends a page
+        self.state: object = None                      # the engine kind's verify state
 
 
 @dataclass
@@ -120,6 +123,8 @@ class MirrorCounters:
     unknown_fields: Counter = field(default_factory=Counter)
 
 
+_TOKEN_MIN, _TOKEN_MAX = -(1 << 31), (1 << 31) - 1  # what kvcm.hashing.hash_page takes
+
 _IGNORED_FIELDS = ("ownership", "session_id", "kv_cache_spec_kind",
                    "kv_cache_spec_sliding_window")
 
@@ -138,13 +143,15 @@ class EngineMirror:
     would claim hits for the plain prompt. Off: they are mirrored and counted."""
 
     def __init__(self, ns_key: bytes, page_size: int, block_size: int, kv_group: int = 0,
-                 lora_by_name: bool = False, require_extra_keys: bool = False):
+                 lora_by_name: bool = False, require_extra_keys: bool = False,
+                 verify_block: VerifyBlock | None = None):
         self.k = blocks_per_page(page_size, block_size)
         self.page_size = page_size
         self.block_size = block_size
         self.kv_group = kv_group
         self.lora_by_name = lora_by_name
         self.require_extra_keys = require_extra_keys
+        self._verify = verify_block
         self._ns_key = ns_key
         self.counters = MirrorCounters()
         self._log_counts: Counter = Counter()
@@ -295,6 +302,9 @@ class EngineMirror:
     def _stored(self, ev: BlockStored, tier: Tier) -> None:
         n, bs = len(ev.block_hashes), self.block_size
         resolved: list[BlockHash] = []
+        if ev.refused:
+            self._refuse(ev.refused, n, f"the decoder refused these blocks ({ev.refused})")
+            return
         if ev.lookahead_token_ids is not None and any(ev.lookahead_token_ids):
             # vLLM's hash covers tokens after the block, kvcm's page hash does not: the
             # page would claim hits for prompts that continue differently.
@@ -319,6 +329,10 @@ class EngineMirror:
             if len(ev.token_ids) != n * bs:
                 self._refuse("token_count", n, f"{len(ev.token_ids)} token ids for {n} blocks "
                              f"of {bs}")
+                return
+            if min(ev.token_ids) < _TOKEN_MIN or max(ev.token_ids) > _TOKEN_MAX:
+                self._refuse("token_range", n, "token ids outside int32, the range of kvcm "
+                             "page hashes (SGLang hashes ids up to 2^63 - 1)")
                 return
             extras = [self._extras_of(ev, i) for i in range(n)]
             try:
@@ -407,13 +421,20 @@ class EngineMirror:
         while stack:
             x = stack.pop()
             b = self._blocks[x]
-            if b.parent is None:
+            p = None if b.parent is None else self._blocks.get(b.parent)
+            if b.parent is not None and (p is None or p.depth < 0):
+                continue
+            if self._verify is not None:
+                b.state = self._verify(None if p is None else p.state, b.tokens, b.extras, x)
+                if b.state is None:  # stays an orphan, and so does everything under it
+                    self._refuse("hash_mismatch", 1, "the block's published hash is not the "
+                                 "engine's hash of its content (content the event does not "
+                                 "carry went into it)")
+                    continue
+            if p is None:
                 b.depth, b.page_prev = 0, hashing.ZERO_HASH
                 b.acc_tokens, b.acc_extras = b.tokens, (b.extras,)
             else:
-                p = self._blocks.get(b.parent)
-                if p is None or p.depth < 0:
-                    continue
                 b.depth = p.depth + 1
                 if b.depth % k == 0:
                     assert p.khash is not None  # the parent ends the previous page

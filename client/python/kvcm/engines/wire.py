@@ -1,4 +1,5 @@
-"""The frames of vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py), every release.
+"""The frames of vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py), every release, and
+of SGLang's, which speaks vLLM >= 0.26's form (sglang/srt/disaggregation/kv_events.py, 0.5.23).
 
 Live (PUB), all releases:      [topic, seq, payload]    (0.9.2 - 0.33.0 checked)
 Replay answer (ROUTER -> our DEALER, after the empty delimiter frame):

@@ -15,7 +15,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvcm.vllm.mirror import Change, ChangeKind
+from kvcm.engines.mirror import Change, ChangeKind
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
-"""Sequencing one vLLM engine's KV-event stream: ordering, gaps, replay, resync, liveness.
+"""Sequencing one engine's KV-event stream: ordering, gaps, replay, resync, liveness.
 
-vLLM numbers its batches 0, 1, 2... on the PUB socket and keeps the last `buffer_steps` in a
-replay buffer behind a ROUTER socket that answers "every batch from seq s" and then an end
-marker. `EventStream` decides, from what arrives, which batch to apply next and when to ask
-for a replay; it does no I/O (its `StreamSink` does), so it is tested without sockets.
+vLLM (and SGLang, whose publisher is a copy of vLLM's) numbers its batches 0, 1, 2... on the
+PUB socket and keeps the last `buffer_steps` in a replay buffer behind a ROUTER socket that
+answers "every batch from seq s" and then an end marker. `EventStream` decides, from what
+arrives, which batch to apply next and when to ask for a replay; it does no I/O (its
+`StreamSink` does), so it is tested without sockets.
 
 - A gap (seq > next) asks for a replay from the first missed seq; a replay whose first batch
   is past that seq cannot cover the gap, and neither can three replays in a row that bring
@@ -11,7 +12,9 @@ for a replay; it does no I/O (its `StreamSink` does), so it is tested without so
   (a *full resync*, replay from 0).
 - vLLM's ROUTER drops what its send queue cannot hold (1000 messages by default), so a long
   replay may skip batches: nothing after such a hole is applied, and the replay is asked for
-  again from the hole (each round brings at least one more batch).
+  again from the hole (each round brings at least one more batch). A seq the buffer lacks
+  between batches it holds (the publisher consumed it but failed to send it) is skipped and
+  counted lost once a resync met it twice, rather than resyncing forever.
 - A live seq at or below the previous live seq means the publisher restarted: full resync.
   So does a reconnect of its sockets (an idle engine that restarted sends nothing).
 - A batch that does not decode triggers a full resync; within a full resync it is skipped.
@@ -109,6 +112,8 @@ class EventStream:
         # A full resync runs (mirror forgotten): synced() when a replay completes without a
         # hole; undecodable batches are skipped meanwhile.
         self._syncing = False
+        # A seq a replay from it could not reach, once: see on_replay.
+        self._unreachable: int | None = None
 
     # ---- inputs -----------------------------------------------------------------------
 
@@ -159,8 +164,16 @@ class EventStream:
             self._apply(seq, payload, now)
             return
         if r.applied == 0 and not r.full:
-            # The buffer no longer reaches back to next_seq.
             self.counters.lost_batches += seq - self.next_seq
+            if self._unreachable == self.next_seq:
+                # Twice the buffer skipped this seq with batches on both sides: a hole in
+                # the engine's own history (a batch it failed to encode), never filled.
+                self._unreachable = None
+                r.applied += 1
+                self._apply(seq, payload, now)
+                return
+            # The buffer no longer reaches back to next_seq (or has a hole there).
+            self._unreachable = self.next_seq
             self._full_resync(now)
             return
         self.counters.replay_holes += 1
