@@ -22,7 +22,9 @@ deps=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec p
   "pyzmq>=25.1.2" tqdm IPython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11"
   "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf "openai==2.8.0" partial_json_parser
   # Builds SGLang's page-hash extension (cpp_utils/hash_binding.cpp) on first use.
-  ninja)
+  ninja
+  # kvcm itself (the backend runs in SGLang's processes): client/python/setup.py's pins.
+  "grpcio>=1.76.0" "protobuf>=6.31.1,<7")
 pins="sglang==$sglang_version torch==$torch_version torchvision==$torchvision_version ${deps[*]}"
 stamp=$venv/.kvcm-sglang-installed
 
