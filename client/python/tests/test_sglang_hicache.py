@@ -168,3 +168,10 @@ def test_mla_latent_pages_cost_their_bytes(cluster) -> None:
     ns = namespace_stats(cluster, r["namespace"])
     assert ns.spec.attention == kvcm.AttentionKind.MLA and ns.bytes_per_page == want
     assert ns.pages == 2
+
+
+def test_every_pin_was_released(cluster) -> None:
+    """Each get pins its page (Match pin=True) for the read and releases it after."""
+    for name in cluster["results"]:
+        outcome(cluster, name)
+    assert cluster["client"].stats().active_pins == 0
