@@ -155,7 +155,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self._counters: Dict[str, int] = dict.fromkeys(
             ("stored_pages", "already_present_pages", "local_hits", "fetched_pages", "misses",
-             "refused_page_size", "refused_unattached", "errors"), 0)
+             "refused_page_size", "refused_unattached", "errors", "key_refreshes"), 0)
         self.ns: Optional[kvcm.Namespace] = None
         self.spec: Optional[kvcm.ModelSpec] = None
         self.bytes_per_page = 0
@@ -189,6 +189,20 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self._ns_key = self._client._require_key(ns).key
         logger.info("KvcmHiCacheStorage: namespace %s, %d bytes per page, agent %s at %s",
                     ns, page_bytes, self._opts.agent_id, self._opts.agent_address)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """Counts a failed call; a stale namespace key (the manager's secret changed, or
+        the namespace was deleted) is refreshed for the next call: this one stays failed."""
+        logger.warning("KvcmHiCacheStorage: %s failed: %s", what, e)
+        self._count("errors")
+        if isinstance(e, kvcm.FailedPrecondition) and self.ns is not None:
+            try:
+                self._client.register_model(self.ns, self.spec)
+                self._ns_key = self._client._require_key(self.ns).key
+                self._count("key_refreshes")
+            except kvcm.KvcmError as refresh:
+                logger.warning("KvcmHiCacheStorage: re-registering %s failed: %s", self.ns,
+                               refresh)
 
     @property
     def counters(self) -> Dict[str, int]:
@@ -246,8 +260,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
                                                  pool=self._pool, block_ids=[block],
                                                  agent_epoch=epoch)
                 except kvcm.KvcmError as e:
-                    logger.warning("KvcmHiCacheStorage: insert of %s failed: %s", key, e)
-                    self._count("errors")
+                    self._failed(f"insert of {key}", e)
                     to_free.append(block)
                     free_generations.append(generations[i])
                     continue
@@ -288,8 +301,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         try:
             return self._store(keys, pages)  # type: ignore[arg-type]
         except (grpc.RpcError, kvcm.KvcmError) as e:
-            logger.warning("KvcmHiCacheStorage: store of %d pages failed: %s", len(keys), e)
-            self._count("errors")
+            self._failed(f"store of {len(keys)} pages", e)
             return [False] * len(keys)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -388,8 +400,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         try:
             data = self._get_page(key)
         except (grpc.RpcError, kvcm.KvcmError) as e:
-            logger.warning("KvcmHiCacheStorage: get of %s failed: %s", key, e)
-            self._count("errors")
+            self._failed(f"get of {key}", e)
             return None
         if data is None:
             return None
@@ -437,8 +448,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         try:
             return self._match(self._hash(key), pin=False).matched_pages > 0
         except kvcm.KvcmError as e:
-            logger.warning("KvcmHiCacheStorage: exists of %s failed: %s", key, e)
-            self._count("errors")
+            self._failed(f"exists of {key}", e)
             return False
 
     def batch_exists(self, keys: List[str],
