@@ -338,6 +338,12 @@ def mla_latent_pages(out: Dict[str, Any]) -> None:
         raise AssertionError("an MLA pool attached to an MHA namespace")
     except ValueError as e:
         assert "refuses" in str(e), e
+    # An agent whose blocks are MHA pages refuses it too.
+    try:
+        attach("a", pool, mla=True, model=CFG["model"] + "-mla")
+        raise AssertionError("an MLA pool attached to an MHA agent")
+    except ValueError as e:
+        assert "blocks are" in str(e), e
     m = attach("mla", pool, mla=True, model=CFG["model"] + "-mla")
     g = CFG["mla"]
     want = (g["kv_lora_rank"] + g["rope_dim"]) * g["layers"] * PAGE * 2

@@ -165,9 +165,9 @@ class KvcmHiCacheStorage(HiCacheStorage):
     # ---- setup --------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Derives the namespace and its spec from SGLang's host pool and registers it; a
-        spec the namespace already has differently refuses (raises): SGLang's pages would
-        be read as another layout."""
+        """Derives the namespace and its spec from SGLang's host pool and registers it.
+        Raises when the namespace has another spec or the agent's blocks another size:
+        SGLang's pages would be misread, or never stored."""
         super().register_mem_pool_host(mem_pool_host)
         spec = model_spec_of(mem_pool_host)
         page = mem_pool_host.get_dummy_flat_data_page()
@@ -183,6 +183,10 @@ class KvcmHiCacheStorage(HiCacheStorage):
                              f"{spec}: {e}") from e
         stats = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
                                   timeout=self._opts.rpc_timeout_s)
+        if stats.geometry.bytes_per_block != page_bytes:
+            raise ValueError(f"KvcmHiCacheStorage: agent {self._opts.agent_id}'s blocks are "
+                             f"{stats.geometry.bytes_per_block} bytes, SGLang's pages "
+                             f"{page_bytes}: start it with the model's geometry")
         if stats.stream_limits.max_blocks_per_call:
             self._max_blocks_per_call = stats.stream_limits.max_blocks_per_call
         self.ns, self.spec, self.bytes_per_page = ns, spec, page_bytes
