@@ -161,6 +161,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self.bytes_per_page = 0
         self._ns_key = b""
         self._max_blocks_per_call = 64
+        self._epoch = 0  # the local agent's, 0 until asked
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -194,11 +195,20 @@ class KvcmHiCacheStorage(HiCacheStorage):
         logger.info("KvcmHiCacheStorage: namespace %s, %d bytes per page, agent %s at %s",
                     ns, page_bytes, self._opts.agent_id, self._opts.agent_address)
 
+    def _agent_epoch(self) -> int:
+        """The local agent's epoch, asked once and again after any failed call (a restarted
+        agent has a new one, and none of the old blocks)."""
+        if not self._epoch:
+            self._epoch = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
+                                            timeout=self._opts.rpc_timeout_s).epoch
+        return self._epoch
+
     def _failed(self, what: str, e: Exception) -> None:
         """Counts a failed call; a stale namespace key (the manager's secret changed, or
         the namespace was deleted) is refreshed for the next call: this one stays failed."""
         logger.warning("KvcmHiCacheStorage: %s failed: %s", what, e)
         self._count("errors")
+        self._epoch = 0
         if isinstance(e, kvcm.FailedPrecondition) and self.ns is not None:
             try:
                 self._client.register_model(self.ns, self.spec)
@@ -237,8 +247,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
         """Writes pages into new blocks of the local agent and inserts each under its key."""
         if not keys:
             return []
-        epoch = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
-                                  timeout=self._opts.rpc_timeout_s).epoch
+        epoch = self._agent_epoch()
         request = agent_pb2.AllocateBlocksRequest(count=len(keys), owner_epoch=epoch)
         request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
         allocated = self._agent.Allocate(request, timeout=self._opts.rpc_timeout_s)
@@ -357,8 +366,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
             if not match.matched_pages:
                 self._count("misses")
                 return None
-            epoch = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
-                                      timeout=self._opts.rpc_timeout_s).epoch
+            epoch = self._agent_epoch()
             local = self._local_replica(match)
             if local is not None:
                 data = self._read(local.block_id, int(local.pool.tier), epoch)
