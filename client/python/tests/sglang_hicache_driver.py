@@ -63,7 +63,7 @@ def mha_host_pool() -> MHATokenToKVPoolHost:
     device = MHATokenToKVPool(256, PAGE, torch.bfloat16, g["heads"], g["head_dim"],
                               g["layers"], "cpu", False)
     return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, CFG.get("layout", "page_first"),
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
         pin_memory=False, device_capacity_tokens=device.size, start_layer=device.start_layer,
         end_layer=device.end_layer)
 
