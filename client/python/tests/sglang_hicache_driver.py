@@ -57,13 +57,13 @@ def scenario(fn: Callable[[Dict[str, Any]], None]) -> Callable:
     return fn
 
 
-def mha_host_pool() -> MHATokenToKVPoolHost:
+def mha_host_pool(layout: str = "page_first") -> MHATokenToKVPoolHost:
     """SGLang's own device (CPU) and host KV pools, in the agents' MHA geometry."""
     g = CFG["mha"]
     device = MHATokenToKVPool(256, PAGE, torch.bfloat16, g["heads"], g["head_dim"],
                               g["layers"], "cpu", False)
     return MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
         pin_memory=False, device_capacity_tokens=device.size, start_layer=device.start_layer,
         end_layer=device.end_layer)
 
@@ -323,6 +323,55 @@ def other_tenant(out: Dict[str, Any]) -> None:
     assert a.batch_exists(keys) == 2
     out["namespace_b"] = [b.ns.tenant, b.ns.model]
     out["counters_b"] = b.counters
+    a.close()
+    b.close()
+
+
+@scenario
+def layouts_and_threads(out: Dict[str, Any]) -> None:
+    """A layer_first engine's pages live in another namespace than page_first ones (their
+    bytes are ordered differently); one backend serves SGLang's prefetch and backup threads
+    at once."""
+    import threading
+
+    pool_l = mha_host_pool("layer_first")
+    lf = attach("b", pool_l)
+    out["namespace"] = [lf.ns.tenant, lf.ns.model]
+    toks = tokens(1, 5)  # factory_round_trip stored these from a page_first engine
+    hit, done, _ = prefetch(controller(lf, pool_l), pool_l, toks)
+    assert (hit, done) == (0, 0), (hit, done)
+    lf.close()
+
+    pool_a, pool_b = mha_host_pool(), mha_host_pool()
+    a, b = attach("a", pool_a), attach("b", pool_b)
+    errors: List[str] = []
+    lock = threading.Lock()  # SGLang's host pool allocator is the scheduler's, not shared
+
+    def engine_pair(seed: int) -> None:
+        try:
+            with lock:
+                src = fill(pool_a, 3)
+            toks = tokens(1000 + seed, 3)
+            assert backup(controller(a, pool_a), src, toks) == 3 * PAGE
+            c = controller(b, pool_b)
+            op = PrefetchOperation(f"req{seed}", toks)
+            keys, hit_tokens = HiCacheController._storage_hit_query(c, op)
+            assert hit_tokens == 3 * PAGE, hit_tokens
+            with lock:
+                op.hash_value, op.host_indices = keys, pool_b.alloc(3 * PAGE)
+            assert HiCacheController._page_transfer(c, op) == 3
+            for i in range(3):
+                assert page_bytes(pool_b, op.host_indices, i) == page_bytes(pool_a, src, i)
+        except Exception:  # noqa: BLE001
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=engine_pair, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert b.counters["fetched_pages"] == 18 and b.counters["errors"] == 0, b.counters
     a.close()
     b.close()
 

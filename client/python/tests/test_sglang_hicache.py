@@ -160,6 +160,11 @@ def test_other_tenant_gets_nothing(cluster) -> None:
     assert namespace_stats(cluster, r["namespace_b"]).pages == 0
 
 
+def test_layouts_apart_and_threads_at_once(cluster) -> None:
+    r = outcome(cluster, "layouts_and_threads")
+    assert r["namespace"] == [TENANT, f"{MODEL}/sglang-layer_first"]
+
+
 def test_mla_latent_pages_cost_their_bytes(cluster) -> None:
     r = outcome(cluster, "mla_latent_pages")
     want = (MLA["kv_lora_rank"] + MLA["rope_dim"]) * MLA["layers"] * PAGE * 2
