@@ -26,7 +26,8 @@ fi
 export KVCM_SOURCE_ROOT=$repo
 # A real vLLM's python, for test_real_vllm.py (scripts/vllm_env.sh BUILD_DIR/vllm-venv).
 export KVCM_VLLM_PYTHON=${KVCM_VLLM_PYTHON:-$build/vllm-venv/bin/python}
-# A real SGLang's python, for test_real_sglang.py (an environment with sglang installed).
+# SGLang's python, for test_real_sglang.py and test_sglang_hicache.py (scripts/sglang_env.sh
+# BUILD_DIR/sglang-venv).
 export KVCM_SGLANG_PYTHON=${KVCM_SGLANG_PYTHON:-$build/sglang-venv/bin/python}
 # From the tests' directory, never client/python: the source tree's kvcm has no stubs.
 cd "$repo/client/python/tests"

@@ -1,0 +1,182 @@
+"""kvcm.sglang.hicache (KvcmHiCacheStorage) inside SGLang's own code (PyPI sglang 0.5.23,
+scripts/sglang_env.sh): SGLang's StorageBackendFactory builds it for `dynamic`, SGLang's host
+KV pools and HiCacheController storage paths move pages through it, SGLang's page keys name
+them, and its failure injector wraps it; a real kvcm-manager and three kvcm-agents (host
+pools: "a" and "b" MHA, "mla" an MLA latent pool) hold the pages.
+
+The scenarios run in SGLang's environment ($KVCM_SGLANG_PYTHON, which imports the kvcm package
+under test from a PYTHONPATH holding only it) as one process (sglang_hicache_driver.py; SGLang
+takes ~20 s to import); each test here checks one scenario's outcome and the cluster's state.
+Without $KVCM_SGLANG_PYTHON or the binaries the module skips, unless KVCM_REQUIRE_SGLANG=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import kvcm
+from kvcm.testing.manager import ManagerProcess, free_port
+
+from conftest import Process
+
+pytestmark = pytest.mark.timeout(600)
+
+HERE = Path(__file__).resolve().parent
+TENANT = "acme"
+MODEL = "tiny"
+PAGE = 4
+MHA = {"layers": 2, "heads": 2, "head_dim": 64}
+MLA = {"layers": 3, "kv_lora_rank": 512, "rope_dim": 64}
+
+
+def sglang_test_path(env: str, what: str) -> str:
+    """The executable in $env, or skip (fail under KVCM_REQUIRE_SGLANG=1). ctest's run sets
+    KVCM_SGLANG_SKIP_CODE=77: a skip then ends the session with that code (ctest: skipped)."""
+    path = os.environ.get(env, "")
+    if path and os.access(path, os.X_OK):
+        return path
+    reason = f"{what} not found (${env}; scripts/sglang_env.sh makes it)"
+    if os.environ.get("KVCM_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"{reason} (KVCM_REQUIRE_SGLANG=1)")
+    if os.environ.get("KVCM_SGLANG_SKIP_CODE"):
+        pytest.exit(f"skipped: {reason}", returncode=int(os.environ["KVCM_SGLANG_SKIP_CODE"]))
+    pytest.skip(reason)
+
+
+def agent_args(agent_bin: str, agent_id: str, manager: str, port: int, geometry: list) -> list:
+    return [agent_bin, "--insecure", f"--agent_id={agent_id}", f"--manager_address={manager}",
+            f"--listen_address=127.0.0.1:{port}", "--use_device=false", "--tier=host",
+            "--model=", *geometry, "--kv_dtype=bf16", f"--page_size_tokens={PAGE}",
+            "--capacity_bytes=8388608", "--heartbeat_interval_ms=200"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[dict]:
+    sglang_python = sglang_test_path("KVCM_SGLANG_PYTHON", "the SGLang environment's python")
+    manager_bin = sglang_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
+    agent_bin = sglang_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
+    workdir = tmp_path_factory.mktemp("sglang-hicache")
+    # SGLang imports kvcm from a directory holding only the package under test.
+    pythonpath = workdir / "pythonpath"
+    pythonpath.mkdir()
+    (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
+    manager = ManagerProcess(manager_bin, workdir / "manager")
+    agents: dict = {}
+    procs = []
+    client = None
+    try:
+        manager.start()
+        mha = ["--attention=mha", f"--num_layers={MHA['layers']}",
+               f"--num_heads={MHA['heads']}", f"--num_kv_heads={MHA['heads']}",
+               f"--head_dim={MHA['head_dim']}"]
+        mla = ["--attention=mla", f"--num_layers={MLA['layers']}", "--num_heads=1",
+               f"--kv_lora_rank={MLA['kv_lora_rank']}", f"--rope_dim={MLA['rope_dim']}"]
+        for agent_id, geometry in (("a", mha), ("b", mha), ("mla", mla)):
+            port = free_port()
+            procs.append(Process(agent_args(agent_bin, agent_id, manager.address, port,
+                                            geometry), workdir / f"agent-{agent_id}.log"))
+            agents[agent_id] = f"127.0.0.1:{port}"
+        client = kvcm.Client(manager.address, insecure=True)
+        deadline = time.monotonic() + 20
+        while sum(a.alive for a in client.stats().agents) < len(agents):
+            for p in procs:
+                assert p.proc.poll() is None, p.log.read_text()
+            assert time.monotonic() < deadline, "the agents did not register"
+            time.sleep(0.1)
+        config = {"manager": manager.address, "agents": agents, "tenant": TENANT,
+                  "model": MODEL, "page_size": PAGE, "mha": MHA, "mla": MLA}
+        (workdir / "config.json").write_text(json.dumps(config))
+        env = dict(os.environ, PYTHONPATH=str(pythonpath))
+        run = subprocess.run([sglang_python, str(HERE / "sglang_hicache_driver.py"),
+                              str(workdir / "config.json"), str(workdir / "results.json")],
+                             env=env, capture_output=True, text=True, timeout=500)
+        if run.returncode != 0 or not (workdir / "results.json").exists():
+            pytest.fail(f"the SGLang driver failed ({run.returncode}):\n{run.stdout[-3000:]}\n"
+                        f"{run.stderr[-6000:]}")
+        results = json.loads((workdir / "results.json").read_text())
+        yield {"results": results, "client": client, "log": run.stderr}
+    finally:
+        if client is not None:
+            client.close()
+        for p in procs:
+            p.stop()
+        manager.stop()
+
+
+def outcome(cluster: dict, name: str) -> dict:
+    result = cluster["results"][name]
+    assert result["ok"], f"{name} in SGLang's process:\n{result['error']}"
+    return result
+
+
+def namespace_stats(cluster: dict, ns: list) -> kvcm.NamespaceStats:
+    stats = cluster["client"].stats()
+    return next(n for n in stats.namespaces if [n.namespace.tenant, n.namespace.model] == ns)
+
+
+def test_factory_round_trip_between_two_agents(cluster) -> None:
+    r = outcome(cluster, "factory_round_trip")
+    # SGLang's keys are SHA-256 chains (64 hex digits), one per page.
+    assert len(r["keys"]) == 5 and all(len(k) == 64 for k in r["keys"])
+    assert r["namespace"] == [TENANT, f"{MODEL}/sglang-page_first"]
+    ns = namespace_stats(cluster, r["namespace"])
+    assert ns.spec.attention == kvcm.AttentionKind.MHA
+    assert ns.bytes_per_page == 2 * MHA["layers"] * MHA["heads"] * MHA["head_dim"] * PAGE * 2
+    # Engine B's fetch made a second replica of every page (on agent b).
+    assert r["counters_b"]["fetched_pages"] == 5 and r["counters_b"]["errors"] == 0
+
+
+def test_zero_copy_interface_v1(cluster) -> None:
+    outcome(cluster, "interface_v1")
+
+
+def test_sglang_unit_test_adapted(cluster) -> None:
+    outcome(cluster, "sglang_unit_test_adapted")
+
+
+def test_failure_injector(cluster) -> None:
+    r = outcome(cluster, "failure_injector")
+    print("under 30% injected failures:", r["stored_pages"], "pages stored,",
+          r["fetched_pages"], "fetched")
+
+
+def test_wrong_page_size_is_refused_and_changes_nothing(cluster) -> None:
+    r = outcome(cluster, "wrong_page_size")
+    assert r["counters"]["refused_page_size"] == 3
+
+
+def test_other_tenant_gets_nothing(cluster) -> None:
+    r = outcome(cluster, "other_tenant")
+    assert r["namespace_b"][0] == "intruder"
+    assert r["counters_b"]["fetched_pages"] == 0 and r["counters_b"]["local_hits"] == 0
+    # The intruder's namespace holds no page.
+    assert namespace_stats(cluster, r["namespace_b"]).pages == 0
+
+
+def test_layouts_apart_and_threads_at_once(cluster) -> None:
+    r = outcome(cluster, "layouts_and_threads")
+    assert r["namespace"] == [TENANT, f"{MODEL}/sglang-layer_first"]
+
+
+def test_mla_latent_pages_cost_their_bytes(cluster) -> None:
+    r = outcome(cluster, "mla_latent_pages")
+    want = (MLA["kv_lora_rank"] + MLA["rope_dim"]) * MLA["layers"] * PAGE * 2
+    assert r["bytes_per_page"] == want
+    assert r["used_bytes_delta"] == 2 * want
+    ns = namespace_stats(cluster, r["namespace"])
+    assert ns.spec.attention == kvcm.AttentionKind.MLA and ns.bytes_per_page == want
+    assert ns.pages == 2
+
+
+def test_every_pin_was_released(cluster) -> None:
+    """Each get pins its page (Match pin=True) for the read and releases it after."""
+    for name in cluster["results"]:
+        outcome(cluster, name)
+    assert cluster["client"].stats().active_pins == 0
