@@ -161,9 +161,10 @@ void LocalSocketServer::AcceptLoop() {
     absl::MutexLock lock(&mu_);
     Reap();
     if (stopped_ || connections_.size() >= options_.max_sessions) {
-      close(fd);
+      // Counted before the close: a peer that sees the hang-up sees the count too.
       refused_.fetch_add(1, std::memory_order_relaxed);
       if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(false);
+      close(fd);
       LogWarning(absl::StrCat("local_socket: closed the connection of ", peer, ": ",
                               options_.max_sessions, " sessions (local_max_sessions) are open"));
       continue;
