@@ -25,6 +25,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,7 +114,6 @@ def main(argv: list[str]) -> int:
                   "--heartbeat_interval_ms=200"]
     if args.transport == "local":
         agent_args.append(f"--local_socket={socket_path}")
-    import subprocess
     agent_log = open(workdir / "agent.log", "wb")
     agent = subprocess.Popen(agent_args, stdout=agent_log, stderr=subprocess.STDOUT)
     client = kvcm.Client(manager.address, insecure=True)
@@ -143,6 +143,10 @@ def main(argv: list[str]) -> int:
                             extra_args=("--kv-transfer-config", json.dumps(config)),
                             extra_env={"PYTHONPATH": str(pythonpath)}, start_timeout_s=600)
         engine.start()
+        # The connector registered the namespace; this client needs its hash key too.
+        client.register_model(ns, kvcm.ModelSpec(
+            attention=kvcm.AttentionKind.GQA, num_layers=args.layers, num_heads=args.heads,
+            num_kv_heads=args.kv_heads, head_dim=args.head_dim, page_size_tokens=BLOCK))
         rng = np.random.default_rng(1)
 
         def prompt() -> list[int]:
