@@ -15,12 +15,17 @@ Reads one JSON command a line on stdin, answers one JSON line on stdout:
   {"op": "skip_seq"}                                the next batch's sequence number is lost
   {"op": "quit"}
 Each answer holds the events published, as SGLang's structs encode to builtins.
+
+With --prompt (repeatable; token ids separated by spaces), it reads no stdin: it inserts each
+prompt, prints the answers, and serves its live and replay sockets until killed (SIGTERM), as
+an engine that served those prompts would (README's engines-sglang walk-through).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from array import array
@@ -60,6 +65,8 @@ def main() -> int:
     p.add_argument("--topic", default="")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--dynamo", action="store_true")
+    p.add_argument("--prompt", action="append", default=[],
+                   help="insert these token ids (separated by spaces), then serve until killed")
     args = p.parse_args()
 
     import msgspec
@@ -76,9 +83,7 @@ def main() -> int:
             pub.publish(kve.KVEventBatch(ts=time.time(), events=events))
         return [msgspec.to_builtins(e) for e in events]
 
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    def handle(cmd: dict) -> dict:
         op = cmd["op"]
         out: dict = {"op": op}
         if op == "insert":
@@ -104,10 +109,24 @@ def main() -> int:
             pub._event_queue.put(msgspec.Raw(bytes.fromhex(cmd["payload_hex"])))
         elif op == "skip_seq":
             next(pub._seq_gen)
-        elif op == "quit":
-            break
-        print(json.dumps(out), flush=True)
-    pub.shutdown()
+        return out
+
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        if args.prompt:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            for prompt in args.prompt:
+                cmd = {"op": "insert", "tokens": [int(t) for t in prompt.split()]}
+                print(json.dumps(handle(cmd)), flush=True)
+            while True:
+                signal.pause()
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            print(json.dumps(handle(cmd)), flush=True)
+    finally:
+        pub.shutdown()
     return 0
 
 
