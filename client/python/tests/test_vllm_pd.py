@@ -235,6 +235,8 @@ def test_the_decode_engine_loads_what_the_prefill_engine_stored(cluster) -> None
     assert events[-1] == "[DONE]"
     text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
     assert text == want["choices"][0]["text"]
+    # The second prefill of the prompt found its pages in its agent: nothing stored twice.
+    assert prefill.log_path.read_text(errors="replace").count("KvcmConnector: stored") == 1
 
 
 def test_with_the_prefill_engine_down_the_decode_engine_answers_alone(cluster) -> None:

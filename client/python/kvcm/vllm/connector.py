@@ -335,7 +335,9 @@ class KvcmConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = state
         # At least one prompt token is always computed (vLLM needs its logits).
         loadable = (len(tokens) - 1) // self._block_size
-        if not self._loads() or loadable * self._block_size <= num_computed_tokens:
+        # kv_producer matches too, though it never loads: the pages its agent holds
+        # already are not stored again.
+        if loadable == 0 or (self._loads() and loadable * self._block_size <= num_computed_tokens):
             return 0, False
         start = time.perf_counter()
         try:
@@ -346,6 +348,8 @@ class KvcmConnector(KVConnectorBase_V1):
         finally:
             self._scheduler_s += time.perf_counter() - start
             self._scheduler_calls += 1
+        if not self._loads():
+            return 0, False
         return max(0, hit - num_computed_tokens), False
 
     def _match(self, state: _Request, tokens: List[int]) -> int:
