@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -126,6 +126,22 @@ def batch_header(raw: Any) -> tuple[float, list[Any], Any]:
     if not isinstance(events, list):
         raise EventDecodeError(f"batch events is a {type(events).__name__}, expected array")
     return float(ts), events, rank
+
+
+def decode_events(payload: bytes, event: Callable[[Any, int], "Event"],
+                  rank_name: str) -> EventBatch:
+    """One payload frame `[ts, events, rank]` whose events `event(raw, index)` decodes (an
+    engine's decoder); rank_name names the rank in errors. Raises EventDecodeError, never
+    anything else."""
+    raw = msgpack(payload)
+    try:
+        ts, events, rank = batch_header(raw)
+        return EventBatch(ts, tuple(event(e, i) for i, e in enumerate(events)),
+                          opt_int(rank, rank_name))
+    except EventDecodeError:
+        raise
+    except MALFORMED as e:
+        raise EventDecodeError(f"malformed batch: {e!r}") from None
 
 
 def unknown(f: dict[str, Any], known: frozenset[str]) -> tuple[str, ...]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcm.engines.events import (MALFORMED, AllBlocksCleared, BlockRemoved, BlockStored, Event,
+from kvcm.engines.events import (AllBlocksCleared, BlockRemoved, BlockStored, Event,
                                  EventBatch, EventDecodeError, as_hash, as_hashes, as_int,
-                                 as_list, batch_header, msgpack, opt_int, opt_str, unknown)
+                                 as_list, decode_events, opt_int, opt_str, unknown)
 from kvcm.engines.kinds import EngineKind
 from kvcm.sglang.pagehash import verify_block
 
@@ -26,15 +26,7 @@ _KNOWN_REMOVED = frozenset(("type", "block_hashes", "medium"))
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decodes one payload frame. Raises EventDecodeError, never anything else."""
-    raw = msgpack(payload)
-    try:
-        ts, events, rank = batch_header(raw)
-        return EventBatch(ts, tuple(_event(e, i) for i, e in enumerate(events)),
-                          opt_int(rank, "attn_dp_rank"))
-    except EventDecodeError:
-        raise
-    except MALFORMED as e:
-        raise EventDecodeError(f"malformed batch: {e!r}") from None
+    return decode_events(payload, _event, "attn_dp_rank")
 
 
 def _event(raw: Any, index: int) -> Event:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcm.engines.events import (MALFORMED, AllBlocksCleared, BlockHash, BlockRemoved,
-                                 BlockStored, Event, EventBatch, EventDecodeError, as_hash,
-                                 as_hashes, as_int, as_list, batch_header, msgpack, opt_int,
-                                 opt_str, unknown)
+from kvcm.engines.events import (AllBlocksCleared, BlockHash, BlockRemoved, BlockStored,
+                                 Event, EventBatch, EventDecodeError, as_hash, as_hashes,
+                                 as_int, as_list, decode_events, opt_int, opt_str, unknown)
 from kvcm.engines.kinds import EngineKind
 
 __all__ = ["AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "Event",
@@ -46,15 +45,7 @@ _MAX_EXTRA_DEPTH = 8
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decodes one payload frame. Raises EventDecodeError, never anything else."""
-    raw = msgpack(payload)
-    try:
-        ts, events, rank = batch_header(raw)
-        return EventBatch(ts, tuple(_event(e, i) for i, e in enumerate(events)),
-                          opt_int(rank, "data_parallel_rank"))
-    except EventDecodeError:
-        raise
-    except MALFORMED as e:
-        raise EventDecodeError(f"malformed batch: {e!r}") from None
+    return decode_events(payload, _event, "data_parallel_rank")
 
 
 def _fields(raw: Any, index: int, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
