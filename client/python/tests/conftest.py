@@ -59,28 +59,49 @@ def binary(env: str, what: str) -> str:
     return path
 
 
-def vllm_test_path(env: str, what: str) -> str:
-    """The executable in $env for a real-vLLM test, or skip (fail under KVCM_REQUIRE_VLLM=1 or
-    KVCM_REQUIRE_PYTHON=1)."""
+def engine_test_path(engine: str, env: str, what: str) -> str:
+    """The executable in $env for a real-engine test ("VLLM", "SGLANG"), or skip (fail under
+    KVCM_REQUIRE_<engine>=1 or KVCM_REQUIRE_PYTHON=1)."""
     path = os.environ.get(env, "")
     if path and os.access(path, os.X_OK):
         return path
     reason = f"${env} does not name {what} ({path!r})"
-    if os.environ.get("KVCM_REQUIRE_VLLM") == "1" or required():
-        pytest.fail(f"{reason} (KVCM_REQUIRE_VLLM/KVCM_REQUIRE_PYTHON=1)")
+    if os.environ.get(f"KVCM_REQUIRE_{engine}") == "1" or required():
+        pytest.fail(f"{reason} (KVCM_REQUIRE_{engine}/KVCM_REQUIRE_PYTHON=1)")
     pytest.skip(reason)
+
+
+def vllm_test_path(env: str, what: str) -> str:
+    return engine_test_path("VLLM", env, what)
 
 
 def sglang_test_path(env: str, what: str) -> str:
-    """The executable in $env for a real-SGLang test, or skip (fail under KVCM_REQUIRE_SGLANG=1
-    or KVCM_REQUIRE_PYTHON=1)."""
-    path = os.environ.get(env, "")
-    if path and os.access(path, os.X_OK):
-        return path
-    reason = f"${env} does not name {what} ({path!r})"
-    if os.environ.get("KVCM_REQUIRE_SGLANG") == "1" or required():
-        pytest.fail(f"{reason} (KVCM_REQUIRE_SGLANG/KVCM_REQUIRE_PYTHON=1)")
-    pytest.skip(reason)
+    return engine_test_path("SGLANG", env, what)
+
+
+def kvcm_pythonpath(workdir: Path) -> Path:
+    """workdir/pythonpath holding only a symlink to the kvcm package under test: an engine's
+    PYTHONPATH (kvcm's stubs load with the engine's newer protobuf, and nothing else of this
+    environment shadows the engine's own packages)."""
+    pythonpath = workdir / "pythonpath"
+    pythonpath.mkdir(exist_ok=True)
+    if not (pythonpath / "kvcm").exists():
+        (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
+    return pythonpath
+
+
+def wait_registered(client: "kvcm.Client", agents: Dict[str, "Process"],
+                    timeout_s: float = 20) -> None:
+    """Until every agent (id -> its process) is registered and alive at the manager."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {a.agent_id for a in client.stats().agents if a.alive}
+        if alive >= set(agents):
+            return
+        for agent_id, p in agents.items():
+            assert p.proc.poll() is None, p.log.read_text()
+        assert time.monotonic() < deadline, f"agents {sorted(set(agents) - alive)} did not register"
+        time.sleep(0.1)
 
 
 class Process:

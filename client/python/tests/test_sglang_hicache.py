@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,7 @@ import pytest
 import kvcm
 from kvcm.testing.manager import ManagerProcess, free_port
 
-from conftest import Process
+from conftest import Process, kvcm_pythonpath, wait_registered
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,10 +62,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     manager_bin = sglang_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
     agent_bin = sglang_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
     workdir = tmp_path_factory.mktemp("sglang-hicache")
-    # SGLang imports kvcm from a directory holding only the package under test.
-    pythonpath = workdir / "pythonpath"
-    pythonpath.mkdir()
-    (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
+    pythonpath = kvcm_pythonpath(workdir)
     manager = ManagerProcess(manager_bin, workdir / "manager")
     agents: dict = {}
     procs = []
@@ -78,18 +74,15 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
                f"--head_dim={MHA['head_dim']}"]
         mla = ["--attention=mla", f"--num_layers={MLA['layers']}", "--num_heads=1",
                f"--kv_lora_rank={MLA['kv_lora_rank']}", f"--rope_dim={MLA['rope_dim']}"]
+        started = {}
         for agent_id, geometry in (("a", mha), ("b", mha), ("mla", mla)):
             port = free_port()
-            procs.append(Process(agent_args(agent_bin, agent_id, manager.address, port,
-                                            geometry), workdir / f"agent-{agent_id}.log"))
+            started[agent_id] = Process(agent_args(agent_bin, agent_id, manager.address, port,
+                                                   geometry), workdir / f"agent-{agent_id}.log")
+            procs.append(started[agent_id])
             agents[agent_id] = f"127.0.0.1:{port}"
         client = kvcm.Client(manager.address, insecure=True)
-        deadline = time.monotonic() + 20
-        while sum(a.alive for a in client.stats().agents) < len(agents):
-            for p in procs:
-                assert p.proc.poll() is None, p.log.read_text()
-            assert time.monotonic() < deadline, "the agents did not register"
-            time.sleep(0.1)
+        wait_registered(client, started)
         config = {"manager": manager.address, "agents": agents, "tenant": TENANT,
                   "model": MODEL, "page_size": PAGE, "mha": MHA, "mla": MLA}
         (workdir / "config.json").write_text(json.dumps(config))

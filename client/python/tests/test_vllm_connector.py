@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from kvcm.testing import tiny_llama
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
-from conftest import Process, vllm_test_path
+from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,11 +62,7 @@ def start_agent(cluster: dict, agent_id: str) -> Process:
                     cluster["workdir"] / f"{agent_id}.log")
     cluster["agents"][agent_id] = agent
     cluster["agent_address"][agent_id] = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 15
-    while not any(a.agent_id == agent_id and a.alive for a in cluster["client"].stats().agents):
-        assert agent.proc.poll() is None, agent.log.read_text()
-        assert time.monotonic() < deadline, f"agent {agent_id} did not register"
-        time.sleep(0.1)
+    wait_registered(cluster["client"], {agent_id: agent})
     return agent
 
 
@@ -77,14 +72,8 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     manager_bin = vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
     agent_bin = vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
     workdir = tmp_path_factory.mktemp("connector")
-    # vLLM imports kvcm from a directory holding only the package under test.
-    pythonpath = workdir / "pythonpath"
-    pythonpath.mkdir()
-    (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
-    # Real random weights: the output depends on the KV (dummy weights' does not).
-    model_dir = tiny_llama.write(workdir / "model")
-    weights = Path(tiny_llama.__file__).with_name("tiny_llama_weights.py")
-    subprocess.run([vllm_python, str(weights), str(model_dir)], check=True, timeout=300)
+    pythonpath = kvcm_pythonpath(workdir)
+    model_dir = tiny_llama.write_with_weights(workdir / "model", vllm_python)
     manager = ManagerProcess(manager_bin, workdir / "manager")
     cluster = {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
                "manager": manager, "model_dir": model_dir, "agent_bin": agent_bin,

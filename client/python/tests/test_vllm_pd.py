@@ -12,12 +12,10 @@ module skips, unless KVCM_REQUIRE_VLLM=1.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -27,7 +25,7 @@ from kvcm.testing import tiny_llama
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
-from conftest import Process, vllm_test_path
+from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -101,13 +99,9 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     manager_bin = vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
     agent_bin = vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
     workdir = tmp_path_factory.mktemp("pd")
-    pythonpath = workdir / "pythonpath"
-    pythonpath.mkdir()
-    (pythonpath / "kvcm").symlink_to(Path(kvcm.__file__).parent)
-    # Real random weights (the same files for both engines): the output depends on the KV.
-    model_dir = tiny_llama.write(workdir / "model")
-    weights = Path(tiny_llama.__file__).with_name("tiny_llama_weights.py")
-    subprocess.run([vllm_python, str(weights), str(model_dir)], check=True, timeout=300)
+    pythonpath = kvcm_pythonpath(workdir)
+    # The same random weights for both engines: the output depends on the KV.
+    model_dir = tiny_llama.write_with_weights(workdir / "model", vllm_python)
     manager = ManagerProcess(manager_bin, workdir / "manager")
     agent = router = client = None
     engines: list[VllmEngine] = []
@@ -123,11 +117,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
                          f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=16777216",
                          "--heartbeat_interval_ms=200"], workdir / "agent.log")
         client = kvcm.Client(manager.address, insecure=True)
-        deadline = time.monotonic() + 15
-        while not any(a.agent_id == AGENT and a.alive for a in client.stats().agents):
-            assert agent.proc.poll() is None, agent.log.read_text()
-            assert time.monotonic() < deadline, "the agent did not register"
-            time.sleep(0.1)
+        wait_registered(client, {AGENT: agent})
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             config = {"kv_connector": "KvcmConnector",
                       "kv_connector_module_path": "kvcm.vllm.connector",

@@ -12,6 +12,7 @@ noise, but its KV cache, prefix caching and KV events are vLLM's own. Standard l
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -100,6 +101,16 @@ def write(directory: str | Path, **overrides: int) -> Path:
              "generation_config.json": generation_config()}
     for name, content in files.items():
         (d / name).write_text(json.dumps(content, indent=1) + "\n")
+    return d
+
+
+def write_with_weights(directory: str | Path, python: str, timeout_s: float = 300) -> Path:
+    """write() plus random real weights (tiny_llama_weights.py, run by `python`: an
+    environment with torch, transformers and safetensors, e.g. vLLM's), so that the text
+    the model writes depends on its KV (vLLM's dummy weights' does not)."""
+    d = write(directory)
+    weights = Path(__file__).with_name("tiny_llama_weights.py")
+    subprocess.run([python, str(weights), str(d)], check=True, timeout=timeout_s)
     return d
 
 
