@@ -275,7 +275,6 @@ class KvcmConnector(KVConnectorBase_V1):
         if isinstance(served, (list, tuple)):
             served = served[0]
         self._opts = ConnectorOptions.from_extra(extra, str(served or "model"))
-        self._kv_role = str(self._kv_transfer_config.kv_role or "kv_both")
         self._block_size = vllm_config.cache_config.block_size
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
@@ -295,10 +294,9 @@ class KvcmConnector(KVConnectorBase_V1):
                              f"{self._spec}: {e}") from e
         # Scheduler state.
         self._requests: Dict[str, _Request] = {}
-        self._scheduler_s = 0.0  # time spent matching, for the per-request log line
-        self._scheduler_calls = 0
         # Worker state.
         self._kv_caches: List[Tuple[str, torch.Tensor]] = []
+        self._agent_block_bytes = 0  # one vLLM block of every layer (register_kv_caches)
         self._load_errors: Set[int] = set()
         self._agent: Optional[agent_pb2_grpc.BlockAgentStub] = None
         self._channel: Optional[grpc.Channel] = None
@@ -308,7 +306,7 @@ class KvcmConnector(KVConnectorBase_V1):
         self._inserter: Optional[_Inserter] = None
         self._region: Optional["LocalRegion"] = None
         logger.info("KvcmConnector (%s, %s): namespace %s, agent %s at %s, spec %s", role.name,
-                    self._kv_role, self._ns, self._opts.agent_id, self._opts.agent_address,
+                    self._kv_transfer_config.kv_role, self._ns, self._opts.agent_id, self._opts.agent_address,
                     self._spec)
 
     # ---- scheduler side -----------------------------------------------------------------
@@ -339,15 +337,11 @@ class KvcmConnector(KVConnectorBase_V1):
         # already are not stored again.
         if loadable == 0 or (self._loads() and loadable * self._block_size <= num_computed_tokens):
             return 0, False
-        start = time.perf_counter()
         try:
             hit = self._match(state, tokens[: loadable * self._block_size])
         except Exception as e:  # noqa: BLE001 - any failure: recompute
             logger.warning("KvcmConnector: match failed, recomputing: %s", e)
             hit = 0
-        finally:
-            self._scheduler_s += time.perf_counter() - start
-            self._scheduler_calls += 1
         if not self._loads():
             return 0, False
         return max(0, hit - num_computed_tokens), False
@@ -388,7 +382,6 @@ class KvcmConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvcmConnectorMetadata()
-        bs = self._block_size
         for new_req in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new_req.req_id)
             if state is None:
@@ -448,9 +441,6 @@ class KvcmConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._release(request.request_id)
-        if self._scheduler_calls:
-            logger.debug("KvcmConnector: scheduler match time %.3f ms per request",
-                         1e3 * self._scheduler_s / self._scheduler_calls)
         return False, None
 
     def _release(self, req_id: str) -> None:
@@ -471,7 +461,8 @@ class KvcmConnector(KVConnectorBase_V1):
             return (int(digits[0]) if digits else 0, name)
 
         self._kv_caches = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
-        per_block = self._expected_block_bytes()
+        per_block = self._agent_block_bytes = sum(t[0].numel() * t.element_size()
+                                                  for _, t in self._kv_caches)
         expected = (self._spec.bytes_per_token_per_layer() * self._spec.num_layers
                     * self._block_size)
         logger.info("KvcmConnector: %d KV layers, layer 0 shape %s stride %s dtype %s; "
@@ -578,7 +569,7 @@ class KvcmConnector(KVConnectorBase_V1):
         end = load.first_page + len(load.vllm_blocks)
         if len(blocks) < end:
             raise RuntimeError(f"the agent holds {len(blocks)} of {end} pages")
-        block_bytes = self._expected_block_bytes()
+        block_bytes = self._agent_block_bytes
         start = time.perf_counter()
         page = load.first_page
         while page < end:
@@ -645,9 +636,6 @@ class KvcmConnector(KVConnectorBase_V1):
                     response.fetched_pages, load.req_id, run.source_agent_id, response.bytes)
         return blocks + [(b, tier) for b in response.block_ids[run.first_page:end]]
 
-    def _expected_block_bytes(self) -> int:
-        return sum(t[0].numel() * t.element_size() for _, t in self._kv_caches)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -710,7 +698,7 @@ class KvcmConnector(KVConnectorBase_V1):
             self._free(new_agent, generations, epoch)
             raise
         logger.info("KvcmConnector: copied %d pages of %s to the agent: %d bytes in %.3f ms",
-                    len(new_agent), store.req_id, len(new_agent) * self._expected_block_bytes(),
+                    len(new_agent), store.req_id, len(new_agent) * self._agent_block_bytes,
                     1e3 * (time.perf_counter() - start))
         all_blocks = list(known[:pages - len(new_vllm)]) + new_agent
         self._agent_blocks[store.req_id] = all_blocks
