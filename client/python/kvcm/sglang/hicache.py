@@ -47,7 +47,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import kvcm
 from kvcm import hashing
-from kvcm._core import Prompt
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.types import PENDING_BLOCK_ID
 
@@ -335,8 +334,12 @@ class KvcmHiCacheStorage(HiCacheStorage):
 
     # ---- get ----------------------------------------------------------------------------
 
-    def _read(self, block: int, tier: int, epoch: int) -> bytes:
-        request = agent_pb2.ReadBlocksRequest(block_ids=[block], owner_epoch=epoch, tier=tier)
+    def _read(self, block: int, tier: int, epoch: int, h: bytes) -> bytes:
+        """The block's bytes, if it still holds page `h` (the agent checks under its lock:
+        a pin whose lease ran out may have let the block go to another page)."""
+        request = agent_pb2.ReadBlocksRequest(block_ids=[block], owner_epoch=epoch, tier=tier,
+                                              page_hashes=h)
+        request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
         return b"".join(r.data for r in self._agent.ReadBlocks(
             request, timeout=self._opts.rpc_timeout_s))
 
@@ -369,7 +372,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
             epoch = self._agent_epoch()
             local = self._local_replica(match)
             if local is not None:
-                data = self._read(local.block_id, int(local.pool.tier), epoch)
+                data = self._read(local.block_id, int(local.pool.tier), epoch, h)
                 self._count("local_hits")
                 return data
             remote = next((r for r in match.pages[0] if r.block_id != PENDING_BLOCK_ID), None)
@@ -386,7 +389,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
             if local is None:
                 self._count("misses")
                 return None
-            data = self._read(local.block_id, int(local.pool.tier), epoch)
+            data = self._read(local.block_id, int(local.pool.tier), epoch, h)
             self._count("fetched_pages")
             return data
         finally:
@@ -398,8 +401,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
                                          source_agent_id=source.pool.agent_id,
                                          tier=int(self._pool.tier))
         request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
-        self._client._fill_prompt(request.prompt, self._client._require_key(self.ns),
-                                  Prompt.of(None, [h]))
+        request.prompt.CopyFrom(self._client.hashed_prompt(self.ns, [h]))
         self._agent.Fetch(request, timeout=self._opts.rpc_timeout_s)
 
     def _get_into(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
