@@ -240,25 +240,15 @@ absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
   KVCM_RETURN_IF_ERROR(pool->WithCheckedBlocks(
       ids, c.owner_epoch(), /*writable=*/!load, "block_ids", bound, check ? &*check : nullptr,
       [&](DeviceBackend& backend) -> absl::Status {
-        const bool device = backend.is_device();
-        std::byte* const arena = backend.base();
+        // The backend's copies: memcpy on a host pool, cudaMemcpy on a device pool.
         for (int i = 0; i < n; ++i) {
           const uint64_t block = pool->BlockOffset(ids[i]);
           const uint64_t engine_block = c.engine_blocks(i);
           for (size_t s = 0; s < segment_offsets_.size(); ++s) {
             std::byte* const mine = region_ + segment_offsets_[s] + engine_block * segment_stride_;
             const uint64_t theirs = block + s * segment_bytes_;
-            if (!device) {
-              if (load) {
-                std::memcpy(mine, arena + theirs, segment_bytes_);
-              } else {
-                std::memcpy(arena + theirs, mine, segment_bytes_);
-              }
-            } else if (load) {
-              KVCM_RETURN_IF_ERROR(backend.CopyOut(theirs, {mine, segment_bytes_}));
-            } else {
-              KVCM_RETURN_IF_ERROR(backend.CopyIn(theirs, {mine, segment_bytes_}));
-            }
+            KVCM_RETURN_IF_ERROR(load ? backend.CopyOut(theirs, {mine, segment_bytes_})
+                                      : backend.CopyIn(theirs, {mine, segment_bytes_}));
           }
         }
         return absl::OkStatus();
