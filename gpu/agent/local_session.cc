@@ -154,9 +154,13 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply
         "fd: must be sealed against shrinking (memfd_create with MFD_ALLOW_SEALING, then "
         "fcntl F_ADD_SEALS F_SEAL_SHRINK)");
   }
-  // MAP_POPULATE: the page tables are filled once here, not by a fault on every 4 KiB page
-  // of the first copy into each engine block (measured: a 16 MB load 4x slower without).
-  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  // MAP_POPULATE fills the page tables once here, not by a fault on every 4 KiB page of the
+  // first copy into each engine block (measured: a 16 MB load 4x slower without). Only over
+  // memory the engine has already allocated: populating a sparse file would allocate its
+  // holes, so an engine could make the agent allocate up to region_bytes (1 TiB).
+  const bool allocated = static_cast<uint64_t>(st.st_blocks) * 512 >= region;
+  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (allocated ? MAP_POPULATE : 0), fd, 0);
   if (map == MAP_FAILED) {
     return absl::InternalError(
         absl::StrCat("fd: mmap of ", region, " bytes failed: ", std::strerror(errno)));

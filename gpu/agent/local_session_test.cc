@@ -591,6 +591,27 @@ TEST_F(LocalSessionTest, GarbageGetsAnErrorAndTheSessionSurvives) {
   EXPECT_EQ(EngineBlock(*region, 3), std::string(1024, 'q'));
 }
 
+TEST_F(LocalSessionTest, ASparseRegionIsMappedWithoutAllocatingItsHoles) {
+  StartServer(false);
+  auto c = Connect();
+  // 1 GiB the engine never touched: the agent's mapping must not allocate it.
+  constexpr uint64_t kSparse = uint64_t{1} << 30;
+  auto region = Region(kSparse);
+  ASSERT_NE(region, nullptr);
+  v1::LocalHello h = GoodHello();
+  h.set_region_bytes(kSparse);
+  ASSERT_TRUE(Hello(*c, *region, h).ok());
+  struct stat st {};
+  ASSERT_EQ(fstat(region->fd(), &st), 0);
+  EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, uint64_t{16} << 20);
+  // Copies still work (and allocate only what they write).
+  std::vector<uint64_t> gens;
+  const std::vector<BlockId> ids = Allocate(1, kAcmeNs, &gens);
+  WritePool(ids[0], gens[0], 'z');
+  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, {ids[0]}, {1}).ok());
+  EXPECT_EQ(EngineBlock(*region, 1), std::string(1024, 'z'));
+}
+
 TEST_F(LocalSessionTest, ConnectionsOverTheLimitAreClosed) {
   StartServer(false, /*max_sessions=*/2);
   auto a = Connect();
