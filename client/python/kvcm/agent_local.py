@@ -64,6 +64,9 @@ class LocalRegion:
         self._fd = os.memfd_create("kvcm-engine-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, region_bytes)
+            # Allocated now (it is the engine's KV memory): the agent maps an allocated region
+            # with its page tables filled (a sparse one page by page, on first copy).
+            os.posix_fallocate(self._fd, 0, region_bytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             self._map = mmap.mmap(self._fd, region_bytes, mmap.MAP_SHARED)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
