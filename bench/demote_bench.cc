@@ -1,5 +1,5 @@
-// Demotion on the agent (gpu/agent/command_executor.h): a DemoteBlocks command copies blocks
-// of the main pool into newly allocated host-pool blocks. Bytes demoted per second, next to
+// Demotion on the agent (gpu/agent/control/command_executor.h): a DemoteBlocks command copies
+// blocks of the main pool into newly allocated host-pool blocks. Bytes demoted per second, next to
 // a memcpy of the same bytes between the same two arenas in the same run, for DeepSeek-V3
 // (MLA, 4.3 MiB per 64-token page), DeepSeek-V2-Lite and Llama-3-70B (GQA, 20 MiB per page).
 //   kvcm_demote_bench [--smoke] [google-benchmark flags]
@@ -17,8 +17,8 @@
 #include "benchmark/benchmark.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
-#include "gpu/agent/block_pool.h"
-#include "gpu/agent/command_executor.h"
+#include "gpu/agent/control/command_executor.h"
+#include "gpu/agent/pool/block_pool.h"
 
 namespace kvcm::bench {
 namespace {

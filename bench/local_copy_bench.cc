@@ -1,4 +1,4 @@
-// The agent's local data path (gpu/agent/local_session.h): bytes per second of LOAD (pool ->
+// The agent's local data path (gpu/agent/local/local_session.h): bytes per second of LOAD (pool ->
 // engine region) and STORE (region -> pool) through the real code path — an in-process host
 // pool, LocalSocketServer on a Unix socket, LocalClient with a memfd region — next to plain
 // memcpy of the same segments between the same two buffers, in the same run. Batches of 64
@@ -26,11 +26,11 @@
 #include "common/authenticator.h"
 #include "common/model_spec.h"
 #include "common/program_flags.h"
-#include "gpu/agent/agent_metrics.h"
-#include "gpu/agent/block_pool.h"
-#include "gpu/agent/device_backend.h"
-#include "gpu/agent/local_client.h"
-#include "gpu/agent/local_socket_server.h"
+#include "gpu/agent/local/local_client.h"
+#include "gpu/agent/local/local_socket_server.h"
+#include "gpu/agent/pool/block_pool.h"
+#include "gpu/agent/pool/device_backend.h"
+#include "gpu/agent/server/agent_metrics.h"
 
 namespace kvcm::bench {
 namespace {

@@ -31,10 +31,10 @@
 #include "absl/synchronization/notification.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
-#include "gpu/agent/block_pool.h"
-#include "gpu/agent/data_tls.h"
-#include "gpu/agent/device_backend.h"
-#include "gpu/agent/tcp_transport.h"
+#include "gpu/agent/pool/block_pool.h"
+#include "gpu/agent/pool/device_backend.h"
+#include "gpu/agent/transport/data_tls.h"
+#include "gpu/agent/transport/tcp/tcp_transport.h"
 
 namespace kvcm {
 namespace {

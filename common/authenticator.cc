@@ -1,8 +1,10 @@
 #include "common/authenticator.h"
 
+#include <grpc/grpc_security_constants.h>
 #include <sys/stat.h>
 
 #include <map>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -24,9 +26,11 @@ std::unique_ptr<Authenticator> Authenticator::Open() {
   return std::unique_ptr<Authenticator>(new Authenticator(""));
 }
 
-absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string path) {
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(
+    std::string path, std::string agent_identity_dns_suffix) {
   if (path.empty()) return absl::InvalidArgumentError("tokens_file is empty");
-  std::unique_ptr<Authenticator> a(new Authenticator(std::move(path)));
+  std::unique_ptr<Authenticator> a(
+      new Authenticator(std::move(path), std::move(agent_identity_dns_suffix)));
   struct stat st {};
   if (stat(a->path_.c_str(), &st) != 0) {
     return absl::NotFoundError(absl::StrCat("cannot read tokens_file ", a->path_));
@@ -45,15 +49,41 @@ absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::Authenticate(
   if (open()) return OpenPrincipal();
   const std::multimap<grpc::string_ref, grpc::string_ref>& md = ctx.client_metadata();
   auto it = md.find(grpc::string_ref(kAuthorization.data(), kAuthorization.size()));
-  if (it == md.end()) return AuthenticateValue(nullptr);
+  if (it == md.end()) return AuthenticateValue(nullptr, ctx.auth_context().get());
   const absl::string_view value(it->second.data(), it->second.size());
   return AuthenticateValue(&value);
 }
 
+std::shared_ptr<const Principal> Authenticator::AgentFromCertificate(
+    const grpc::AuthContext* peer) const {
+  // Certificate properties exist only for a peer whose certificate the TLS handshake
+  // verified against the CA (servers that require and verify client certificates).
+  if (agent_identity_dns_suffix_.empty() || peer == nullptr || !peer->IsPeerAuthenticated()) {
+    return nullptr;
+  }
+  for (const char* property : {GRPC_PEER_DNS_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& san : peer->FindPropertyValues(property)) {
+      std::optional<std::string> name = AgentNameFromDnsSan(
+          absl::string_view(san.data(), san.size()), agent_identity_dns_suffix_);
+      if (!name.has_value()) continue;
+      auto p = std::make_shared<Principal>();
+      p->name = absl::StrCat("certificate ", *name, agent_identity_dns_suffix_);
+      p->roles = static_cast<uint8_t>(Role::kAgent);
+      p->agent_id = *std::move(name);
+      p->agent_gpu_ids = true;
+      return p;
+    }
+  }
+  return nullptr;
+}
+
 absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::AuthenticateValue(
-    const absl::string_view* authorization) const {
+    const absl::string_view* authorization, const grpc::AuthContext* peer) const {
   if (open()) return OpenPrincipal();
   if (authorization == nullptr) {
+    if (std::shared_ptr<const Principal> agent = AgentFromCertificate(peer); agent != nullptr) {
+      return agent;
+    }
     return absl::UnauthenticatedError(
         "no bearer token: send metadata \"authorization: Bearer <token>\" (kvcmctl --token_file "
         "or KVCM_TOKEN)");
@@ -109,7 +139,7 @@ grpc::Status TokenAuthMetadataProcessor::Process(const InputMetadata& auth_metad
   absl::string_view value;
   if (it != auth_metadata.end()) value = absl::string_view(it->second.data(), it->second.size());
   absl::StatusOr<std::shared_ptr<const Principal>> p =
-      authenticator_->AuthenticateValue(it != auth_metadata.end() ? &value : nullptr);
+      authenticator_->AuthenticateValue(it != auth_metadata.end() ? &value : nullptr, context);
   if (!p.ok()) {
     refused_.fetch_add(1, std::memory_order_relaxed);
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(p.status().message()));

@@ -1,9 +1,16 @@
 // Authenticator: who is calling a kvcm gRPC server, from the `authorization: Bearer <token>`
 // metadata and a tokens file (common/token_table.h) it re-reads when the file changes. The
 // manager and the agent both authenticate with it; what a caller may then do is each
-// server's own policy (server/service/access_control.h, gpu/agent/block_agent_access.h).
+// server's own policy (server/service/access_control.h, gpu/agent/server/block_agent_access.h).
 //
 // Without a tokens file (the documented insecure dev mode) every caller is OpenPrincipal().
+//
+// Agents may instead be identified by their certificate (docs/SECURITY.md, "Agent
+// identity"): with an agent identity suffix, a call that sends no bearer token, over mutual
+// TLS whose client certificate verified, is the agent principal N when the certificate's
+// first DNS subjectAltName of the form N + suffix names one DNS label N
+// (AgentNameFromDnsSan); that principal may act as agent N and N-gpu<K>. A bearer token,
+// when sent, decides alone.
 //
 // Thread-safe.
 #ifndef KVCM_COMMON_AUTHENTICATOR_H_
@@ -30,15 +37,19 @@ class Authenticator {
  public:
   // Every caller is OpenPrincipal().
   static std::unique_ptr<Authenticator> Open();
-  // Callers are the principals of the tokens file at `path`; its errors are returned.
-  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(std::string path);
+  // Callers are the principals of the tokens file at `path` (its errors are returned), and
+  // agents named by their certificate under `agent_identity_dns_suffix` (empty: none).
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(
+      std::string path, std::string agent_identity_dns_suffix = "");
 
   // The caller of `ctx`, from its `authorization: Bearer <token>` metadata.
   absl::StatusOr<std::shared_ptr<const Principal>> Authenticate(
       const grpc::ServerContextBase& ctx) const ABSL_LOCKS_EXCLUDED(mu_);
-  // The caller whose `authorization` metadata value is `*authorization` (null: none sent).
+  // The caller whose `authorization` metadata value is `*authorization` (null: none sent),
+  // on a connection whose peer is `peer` (null: unknown, as in insecure mode).
   absl::StatusOr<std::shared_ptr<const Principal>> AuthenticateValue(
-      const absl::string_view* authorization) const ABSL_LOCKS_EXCLUDED(mu_);
+      const absl::string_view* authorization, const grpc::AuthContext* peer = nullptr) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Re-reads the tokens file when its modification time or size changed. A file that no
   // longer parses keeps the previous table (the error is returned, for the log): a typo must
@@ -49,9 +60,14 @@ class Authenticator {
   const std::string& path() const { return path_; }
 
  private:
-  explicit Authenticator(std::string path) : path_(std::move(path)) {}
+  explicit Authenticator(std::string path, std::string agent_identity_dns_suffix = "")
+      : path_(std::move(path)), agent_identity_dns_suffix_(std::move(agent_identity_dns_suffix)) {}
+
+  // The agent principal `peer`'s verified certificate names, or null.
+  std::shared_ptr<const Principal> AgentFromCertificate(const grpc::AuthContext* peer) const;
 
   const std::string path_;
+  const std::string agent_identity_dns_suffix_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
   timespec mtime_ ABSL_GUARDED_BY(mu_) = {};

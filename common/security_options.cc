@@ -17,6 +17,27 @@
 #include "absl/strings/string_view.h"
 
 namespace kvcm {
+
+absl::Status ValidateAgentIdentity(absl::string_view suffix, absl::string_view tokens_file,
+                                   absl::string_view tls_ca_file) {
+  if (suffix.empty()) return absl::OkStatus();
+  if (suffix.front() != '.' || suffix.size() < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("agent_identity_dns_suffix must start with '.' and name a domain (e.g. "
+                     ".kvcm-agent.kvcm.svc), got \"",
+                     suffix, "\""));
+  }
+  if (tokens_file.empty()) {
+    return absl::InvalidArgumentError(
+        "agent_identity_dns_suffix needs tokens_file: without one no caller is authenticated");
+  }
+  if (tls_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "agent_identity_dns_suffix needs tls_ca_file: certificates identify agents only when "
+        "client certificates are required and verified");
+  }
+  return absl::OkStatus();
+}
 namespace {
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {

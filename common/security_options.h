@@ -1,7 +1,7 @@
 // What a process needs to secure its connections, as options structs hold it: TlsOptions
 // (the PEM files of its TLS identity and trust, and their checks) and bearer tokens. The
 // credentials factory (credentials.h) builds gRPC credentials from them and the agents' data
-// port (gpu/agent/data_tls.h) OpenSSL contexts. No gRPC in this header.
+// port (gpu/agent/transport/data_tls.h) OpenSSL contexts. No gRPC in this header.
 #ifndef KVCM_COMMON_SECURITY_OPTIONS_H_
 #define KVCM_COMMON_SECURITY_OPTIONS_H_
 
@@ -13,6 +13,11 @@
 #include "absl/strings/string_view.h"
 
 namespace kvcm {
+
+// agent_identity_dns_suffix (empty: off) needs a tokens file (without one nobody is
+// authenticated) and client certificates (tls_ca_file); it starts with '.'.
+absl::Status ValidateAgentIdentity(absl::string_view suffix, absl::string_view tokens_file,
+                                   absl::string_view tls_ca_file);
 
 // Default period of the certificate files' reload, in seconds.
 inline constexpr uint32_t kDefaultTlsReloadIntervalS = 60;

@@ -83,7 +83,32 @@ bool Principal::MayProbe(absl::string_view t) const {
 }
 
 bool Principal::IsAgent(absl::string_view id) const {
-  return Has(Role::kAgent) && (any_agent || agent_id == id);
+  return Has(Role::kAgent) &&
+         (any_agent || agent_id == id || (agent_gpu_ids && IsGpuAgentIdOf(id, agent_id)));
+}
+
+bool IsGpuAgentIdOf(absl::string_view id, absl::string_view name) {
+  if (name.empty() || !absl::ConsumePrefix(&id, name) || !absl::ConsumePrefix(&id, "-gpu")) {
+    return false;
+  }
+  if (id.empty() || id.size() > 3 || (id.size() > 1 && id[0] == '0')) return false;
+  int k = 0;
+  for (char c : id) {
+    if (c < '0' || c > '9') return false;
+    k = k * 10 + (c - '0');
+  }
+  return k <= 255;
+}
+
+std::optional<std::string> AgentNameFromDnsSan(absl::string_view san, absl::string_view suffix) {
+  if (suffix.empty() || !absl::ConsumeSuffix(&san, suffix)) return std::nullopt;
+  if (san.empty() || san.size() > 63 || san.front() == '-' || san.back() == '-') {
+    return std::nullopt;
+  }
+  for (char c : san) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-')) return std::nullopt;
+  }
+  return std::string(san);
 }
 
 bool Principal::IsEngineOf(absl::string_view id, absl::string_view t) const {

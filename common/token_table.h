@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,8 +64,11 @@ struct Principal {
   std::vector<std::string> router_tenants;
   bool probes_any_tenant = false;
   // agent: the agent id it may act as; every id when any_agent (the open, dev-mode caller).
+  // An agent named by its certificate (agent_gpu_ids) may also act as "<agent_id>-gpu<K>",
+  // K in 0..255: one agent per GPU of its pod.
   std::string agent_id;
   bool any_agent = false;
+  bool agent_gpu_ids = false;
   // engine: the engine id it may publish as (with `tenant`); every id when any_engine (the
   // open, dev-mode caller).
   std::string engine_id;
@@ -79,6 +83,14 @@ struct Principal {
   // Whether it may publish engine `id`'s events into a namespace of tenant `t`.
   bool IsEngineOf(absl::string_view id, absl::string_view t) const;
 };
+
+// Whether `id` is "<name>-gpu<K>" with K a decimal in [0, 255] without leading zeros.
+bool IsGpuAgentIdOf(absl::string_view id, absl::string_view name);
+
+// The agent name a certificate's DNS subjectAltName grants under `suffix`
+// (".kvcm-agent.kvcm.svc"): N when `san` is N + suffix and N is one DNS label (1-63 of
+// [a-z0-9-], not starting or ending with '-'); nullopt otherwise, and for an empty suffix.
+std::optional<std::string> AgentNameFromDnsSan(absl::string_view san, absl::string_view suffix);
 
 // The principal of a manager run without a tokens file (the documented insecure dev mode):
 // every role, every tenant, every agent id.

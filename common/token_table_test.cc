@@ -1,5 +1,6 @@
 #include "common/token_table.h"
 
+#include <optional>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -106,6 +107,42 @@ TEST(TokenTableTest, TheOpenPrincipalMayDoEverything) {
   EXPECT_TRUE(p->IsWorkerOf("any"));
   EXPECT_TRUE(p->IsAgent("gpu-7"));
   EXPECT_TRUE(p->Has(Role::kAdmin));
+}
+
+TEST(AgentIdentityTest, OneDnsLabelBeforeTheSuffixIsTheAgentName) {
+  constexpr absl::string_view kSuffix = ".kvcm-agent.kvcm.svc";
+  EXPECT_EQ(AgentNameFromDnsSan("kvcm-agent-x7k2p.kvcm-agent.kvcm.svc", kSuffix),
+            "kvcm-agent-x7k2p");
+  EXPECT_EQ(AgentNameFromDnsSan("a.kvcm-agent.kvcm.svc", kSuffix), "a");
+  for (absl::string_view bad :
+       {"kvcm-agent.kvcm.svc", ".kvcm-agent.kvcm.svc", "a.b.kvcm-agent.kvcm.svc",
+        "-a.kvcm-agent.kvcm.svc", "a-.kvcm-agent.kvcm.svc", "A.kvcm-agent.kvcm.svc",
+        "a_b.kvcm-agent.kvcm.svc", "a.kvcm-agent.kvcm.svc.evil", "spiffe://a.kvcm-agent.kvcm.svc",
+        "a.kvcm-agent.other.svc"}) {
+    EXPECT_EQ(AgentNameFromDnsSan(bad, kSuffix), std::nullopt) << bad;
+  }
+  EXPECT_EQ(AgentNameFromDnsSan(std::string(63, 'a') + std::string(kSuffix), kSuffix),
+            std::string(63, 'a'));
+  EXPECT_EQ(AgentNameFromDnsSan(std::string(64, 'a') + std::string(kSuffix), kSuffix),
+            std::nullopt);
+  EXPECT_EQ(AgentNameFromDnsSan("a.kvcm-agent.kvcm.svc", ""), std::nullopt);
+}
+
+TEST(AgentIdentityTest, ACertificateAgentActsAsItsNameAndItsPerGpuIdsOnly) {
+  Principal p;
+  p.roles = static_cast<uint8_t>(Role::kAgent);
+  p.agent_id = "pod";
+  EXPECT_TRUE(p.IsAgent("pod"));
+  EXPECT_FALSE(p.IsAgent("pod-gpu0"));  // a token's agent: its one id
+  p.agent_gpu_ids = true;
+  for (absl::string_view ok : {"pod", "pod-gpu0", "pod-gpu7", "pod-gpu10", "pod-gpu255"}) {
+    EXPECT_TRUE(p.IsAgent(ok)) << ok;
+  }
+  for (absl::string_view bad : {"pod-gpu256", "pod-gpu01", "pod-gpu", "pod-gpu-1", "pod-gpu1x",
+                                "pod-gpu1000", "pod2-gpu0", "po", "pod-cpu0", "other-gpu0"}) {
+    EXPECT_FALSE(p.IsAgent(bad)) << bad;
+  }
+  EXPECT_FALSE(IsGpuAgentIdOf("-gpu0", ""));
 }
 
 }  // namespace

@@ -15,10 +15,10 @@
 #include "common/types.h"
 #include "fuzz/fuzz_input.h"
 #include "gpu/agent/agent_options.h"
-#include "gpu/agent/agent_state.h"
-#include "gpu/agent/block_pool.h"
-#include "gpu/agent/device_backend.h"
-#include "gpu/agent/pool_geometry.h"
+#include "gpu/agent/pool/agent_state.h"
+#include "gpu/agent/pool/block_pool.h"
+#include "gpu/agent/pool/device_backend.h"
+#include "gpu/agent/pool/pool_geometry.h"
 
 namespace kvcm::fuzz {
 

@@ -14,11 +14,11 @@
 #include "fuzz/agent_world.h"
 #include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
-#include "gpu/agent/agent_metrics.h"
-#include "gpu/agent/agent_proto.h"
-#include "gpu/agent/block_stream_reactors.h"
-#include "gpu/agent/fetcher.h"
-#include "gpu/agent/pool_attention.h"
+#include "gpu/agent/control/agent_proto.h"
+#include "gpu/agent/pool/pool_attention.h"
+#include "gpu/agent/server/agent_metrics.h"
+#include "gpu/agent/server/block_stream_reactors.h"
+#include "gpu/agent/server/fetcher.h"
 #include "proto/core_types.h"
 
 namespace kvcm::fuzz {

@@ -17,9 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "fuzz/agent_world.h"
 #include "fuzz/fuzz_input.h"
-#include "gpu/agent/data_socket.h"
-#include "gpu/agent/link_transfer.h"
-#include "gpu/agent/tcp_transport.h"
+#include "gpu/agent/transport/data_socket.h"
+#include "gpu/agent/transport/link_transfer.h"
+#include "gpu/agent/transport/tcp/tcp_transport.h"
 
 namespace kvcm::fuzz {
 namespace {

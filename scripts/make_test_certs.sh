@@ -5,7 +5,9 @@
 # Writes into DIR (created if missing), every key an unencrypted P-256 PEM:
 #   ca.pem ca.key                   the trusted CA
 #   manager.pem manager.key         server certificate of kvcm-manager
-#   <agent_id>.pem <agent_id>.key   one per agent: its servers, and its client certificate
+#   <agent_id>.pem <agent_id>.key   one per agent: its servers, and its client certificate;
+#                                   an argument ID@DNS adds DNS to ID's subjectAltNames (an
+#                                   agent named by its certificate, docs/SECURITY.md)
 #   client.pem client.key           a worker's / kvcmctl's client certificate
 #   untrusted-ca.pem untrusted-ca.key, untrusted.pem untrusted.key
 #                                   a second CA nobody trusts, and a certificate it signed
@@ -69,8 +71,16 @@ make_ca ca "kvcm test CA"
 make_ca untrusted-ca "kvcm untrusted test CA"
 make_leaf manager kvcm-manager ca server
 for a in "${agents[@]}"; do
-  make_leaf "$a" "$a" ca server
+  if [[ $a == *@* ]]; then
+    # A section of its own: the server one plus the extra DNS name.
+    printf '[%s]\nbasicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature\nextendedKeyUsage = serverAuth, clientAuth\nsubjectAltName = DNS:localhost, IP:127.0.0.1, DNS:%s\n' \
+      "ext_${a%%@*}" "${a#*@}" >>openssl.cnf
+    make_leaf "${a%%@*}" "${a%%@*}" ca "ext_${a%%@*}"
+  else
+    make_leaf "$a" "$a" ca server
+  fi
 done
+agents=("${agents[@]%%@*}")
 make_leaf client kvcm-client ca client
 make_leaf untrusted kvcm-untrusted untrusted-ca server
 rm -f openssl.cnf

@@ -82,6 +82,10 @@ ABSL_FLAG(std::string, hash_secret_file, kDefaults.hash_secret_file,
 ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
           "Bearer tokens file (sha256-of-token name roles=... per line, docs/SECURITY.md); "
           "re-read when it changes. Empty: no authentication (dev mode only).");
+ABSL_FLAG(std::string, agent_identity_dns_suffix, kDefaults.agent_identity_dns_suffix,
+          "Agents identified by their client certificate instead of a token: a caller sending "
+          "no token whose certificate names N + this suffix (e.g. .kvcm-agent.kvcm.svc) is "
+          "agent N and N-gpu<K> (docs/SECURITY.md, Agent identity). Empty: off.");
 ABSL_FLAG(uint32_t, max_event_queue, kDefaults.max_event_queue,
           "Events a WatchEvents subscriber may have queued before it is dropped.");
 ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,

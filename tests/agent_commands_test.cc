@@ -32,7 +32,7 @@
 #include "common/credentials.h"
 #include "common/model_catalog.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"

@@ -18,7 +18,7 @@
 #include "common/credentials.h"
 #include "common/model_catalog.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"

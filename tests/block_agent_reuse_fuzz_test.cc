@@ -29,9 +29,9 @@
 #include "common/authenticator.h"
 #include "common/credentials.h"
 #include "common/token_table.h"
-#include "gpu/agent/agent_metrics.h"
-#include "gpu/agent/agent_test_util.h"
-#include "gpu/agent/block_agent_service.h"
+#include "gpu/agent/pool/agent_test_util.h"
+#include "gpu/agent/server/agent_metrics.h"
+#include "gpu/agent/server/block_agent_service.h"
 #include "gtest/gtest.h"
 #include "tests/block_agent_calls.h"
 

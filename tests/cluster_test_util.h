@@ -16,7 +16,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "common/credentials.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"

@@ -1,8 +1,8 @@
-// The TCP transport's data port over mutual TLS (gpu/agent/data_tls.h): pulls between two
+// The TCP transport's data port over mutual TLS (gpu/agent/transport/data_tls.h): pulls between two
 // agents holding certificates of the cluster CA copy bit for bit; a peer without such a
 // certificate, or speaking plaintext, gets no block byte either way; a silent peer fails the
 // handshake at the io timeout; a certificate replaced on disk is used by new connections.
-#include "gpu/agent/data_tls.h"
+#include "gpu/agent/transport/data_tls.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -23,9 +23,9 @@
 #include "absl/time/clock.h"
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent_test_util.h"
-#include "gpu/agent/data_socket.h"
-#include "gpu/agent/tcp_transport.h"
+#include "gpu/agent/pool/agent_test_util.h"
+#include "gpu/agent/transport/data_socket.h"
+#include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
 #include "tests/test_certs.h"

@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "common/credentials.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"

@@ -19,7 +19,7 @@
 #include "client/client.h"
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
@@ -61,7 +61,7 @@ std::unique_ptr<Agent> StartNcclAgent(const std::string& manager, const std::str
   o.device_index = device;
   o.capacity_bytes = kBlocks * kBlockBytes;
   o.heartbeat_interval_ms = 20;
-  o.transport = TransportKind::kNccl;
+  o.transport = "nccl";
   o.nccl_staging_bytes = 2 * kBlockBytes;  // a 3-page fetch crosses in two chunks
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   EXPECT_TRUE(agent.ok()) << agent.status();

@@ -13,7 +13,7 @@
 #include "client/client.h"
 #include "common/credentials.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"

@@ -26,10 +26,10 @@
 #include "common/model_catalog.h"
 #include "common/token_table.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
-#include "gpu/agent/agent_test_util.h"
-#include "gpu/agent/data_tls.h"
-#include "gpu/agent/tcp_transport.h"
+#include "gpu/agent/pool/agent_test_util.h"
+#include "gpu/agent/server/agent.h"
+#include "gpu/agent/transport/data_tls.h"
+#include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
@@ -570,6 +570,117 @@ TEST(TlsTenantTest, AValidCertificateAndTokenOfAnotherTenantGetNothingOfAcme) {
   ASSERT_TRUE(still.ok());
   EXPECT_EQ(still->matched_pages, 4u);
   EXPECT_TRUE(acme->Release(acme_ns, pinned->pin_id).ok());
+}
+
+// Agents named by their certificate (issue 26; docs/SECURITY.md "Agent identity"): an agent
+// pod's certificate names <pod>.kvcm-agent.<ns>.svc and no token is mounted.
+class AgentIdentityTest : public ::testing::Test {
+ protected:
+  static constexpr char kSuffix[] = ".kvcm-agent.test.svc";
+
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<TestCerts>> made = TestCerts::Make(
+        {"pod-a@pod-a.kvcm-agent.test.svc", "deep@x.pod-b.kvcm-agent.test.svc", "plain"});
+    ASSERT_TRUE(made.ok()) << made.status();
+    certs_ = *std::move(made);
+    const std::string tokens = certs_->Path("tokens");
+    {
+      std::ofstream out(tokens);
+      out << Sha256Hex("ops-token-01234567890") << " ops roles=admin\n"
+          << Sha256Hex("acme-token-0123456789") << " acme roles=worker tenant=acme\n";
+    }
+    ServerOptions o = ManagerTls(*certs_);
+    o.tokens_file = tokens;
+    o.agent_identity_dns_suffix = kSuffix;
+    manager_ = StartManager(o);
+    ASSERT_NE(manager_, nullptr);
+    ClientOptions ops = ClientTls(*certs_, manager_->address());
+    ops.token = "ops-token-01234567890";
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(ops);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ops_ = *std::move(client);
+  }
+
+  // Heartbeat as `agent_id` from certificate `identity`, with bearer `token` (empty: none).
+  absl::Status Heartbeat(const std::string& identity, const std::string& agent_id,
+                         const std::string& token = "") {
+    absl::StatusOr<ChannelFactory> channels =
+        ChannelFactory::Create(certs_->Identity(identity), token);
+    if (!channels.ok()) return channels.status();
+    auto stub = v1::AgentControl::NewStub(channels->Open(manager_->address()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::HeartbeatRequest req;
+    req.set_agent_id(agent_id);
+    req.set_epoch(1);
+    v1::HeartbeatResponse resp;
+    const grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+
+  size_t AgentCount() {
+    absl::StatusOr<ManagerStats> stats = ops_->Stats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? stats->agents.size() : 0;
+  }
+
+  std::unique_ptr<TestCerts> certs_;
+  std::unique_ptr<ManagerServer> manager_;
+  std::unique_ptr<Client> ops_;
+};
+
+TEST_F(AgentIdentityTest, AnAgentWithoutATokenRegistersAsItsCertificatesPerGpuIds) {
+  std::unique_ptr<Agent> gpu3 =
+      StartAgent(AgentTls(*certs_, "pod-a", manager_->address(), "pod-a-gpu3"));
+  std::unique_ptr<Agent> whole =
+      StartAgent(AgentTls(*certs_, "pod-a", manager_->address(), "pod-a"));
+  ASSERT_TRUE(gpu3 && whole);
+  ASSERT_TRUE(WaitFor([&] { return gpu3->registered() && whole->registered(); }));
+  EXPECT_EQ(AgentCount(), 2u);
+}
+
+TEST_F(AgentIdentityTest, ACertificateActsAsNoOtherAgentAndChangesNothing) {
+  for (const char* other : {"pod-b", "pod-a-gpu256", "pod-a-gpu03", "pod-ab", "pod-a-gpu1x"}) {
+    absl::Status s = Heartbeat("pod-a", other);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << other << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("certificate pod-a.kvcm-agent.test.svc"));
+  }
+  // An agent process refused likewise never registers.
+  std::unique_ptr<Agent> impostor =
+      StartAgent(AgentTls(*certs_, "pod-a", manager_->address(), "pod-b-gpu0"));
+  ASSERT_NE(impostor, nullptr);
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(impostor->registered());
+  EXPECT_EQ(AgentCount(), 0u);
+}
+
+TEST_F(AgentIdentityTest, OnlyOneDnsLabelBeforeTheSuffixNamesAnAgent) {
+  // x.pod-b.kvcm-agent.test.svc: two labels, no agent; a certificate of no such name either.
+  EXPECT_EQ(Heartbeat("deep", "x.pod-b").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(Heartbeat("deep", "pod-b").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(Heartbeat("plain", "plain").code(), absl::StatusCode::kUnauthenticated);
+}
+
+TEST_F(AgentIdentityTest, ABearerTokenDecidesAloneOverTheCertificate) {
+  // A worker's token on the agent's certificate: a worker, which may not act as an agent.
+  absl::Status s = Heartbeat("pod-a", "pod-a", "acme-token-0123456789");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("acme"));
+  EXPECT_EQ(Heartbeat("pod-a", "pod-a", "unknown-token-0123456").code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST(AgentIdentityOptionsTest, TheSuffixNeedsTokensAndClientCertificates) {
+  TestCerts& certs = SharedCerts();
+  ServerOptions o = ManagerTls(certs);
+  o.agent_identity_dns_suffix = ".kvcm-agent.test.svc";
+  EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("needs tokens_file"));
+  o.tokens_file = certs.Path("tenant_tokens");
+  o.tls_ca_file.clear();
+  EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("needs tls_ca_file"));
+  o.tls_ca_file = certs.Path("ca.pem");
+  o.agent_identity_dns_suffix = "kvcm-agent.test.svc";
+  EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("must start with '.'"));
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/model_catalog.h"
-#include "gpu/agent/tcp_transport.h"
+#include "common/security_options.h"
+#include "gpu/agent/transport/registry.h"
+#include "gpu/agent/transport/tcp/tcp_transport.h"
 
 namespace kvcm {
 namespace {
@@ -48,8 +50,22 @@ absl::Status ValidateSecurity(const AgentOptions& o) {
                      absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
     }
   }
+  if (o.insecure && !o.agent_identity_dns_suffix.empty()) {
+    return Invalid("agent_identity_dns_suffix", "needs mutual TLS, not insecure = true");
+  }
+  if (absl::Status s =
+          ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls_ca_file);
+      !s.ok()) {
+    return s;
+  }
+  if (!o.advertise_host.empty() &&
+      (absl::StrContains(o.advertise_host, ':') || absl::StrContains(o.advertise_host, '/'))) {
+    return Invalid("advertise_host",
+                   absl::StrCat("is a host name or IPv4 address without a port, got \"",
+                                o.advertise_host, "\""));
+  }
   if (!o.token.empty() && !o.token_file.empty()) {
-    return Invalid("token_file", "excludes a token given directly (KVCM_AGENT_TOKEN)");
+    return Invalid("token_file", "excludes a token given directly ($KVCM_TOKEN)");
   }
   if (!o.token.empty()) {
     if (absl::Status s = ValidateBearerToken(o.token); !s.ok()) {
@@ -60,16 +76,6 @@ absl::Status ValidateSecurity(const AgentOptions& o) {
 }
 
 }  // namespace
-
-absl::string_view TransportName(TransportKind kind) {
-  return kind == TransportKind::kNccl ? "nccl" : "tcp";
-}
-
-absl::StatusOr<TransportKind> ParseTransport(absl::string_view text, absl::string_view field) {
-  if (text == "tcp") return TransportKind::kTcp;
-  if (text == "nccl") return TransportKind::kNccl;
-  return Invalid(field, absl::StrCat("must be tcp or nccl, got \"", text, "\""));
-}
 
 absl::StatusOr<PoolGeometry> AgentOptions::Geometry() const {
   ModelSpec resolved = spec;
@@ -152,19 +158,16 @@ absl::Status AgentOptions::Validate() const {
     if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");
     if (absl::StatusOr<PoolGeometry> host = HostGeometry(); !host.ok()) return host.status();
   }
-  if (transport != TransportKind::kTcp && transport != TransportKind::kNccl) {
-    return Invalid("transport", "must be tcp or nccl");
-  }
+  absl::StatusOr<const TransportEntry*> transport_entry = FindTransport(transport);
+  if (!transport_entry.ok()) return transport_entry.status();
   if (nccl_max_links < 1 || nccl_max_links > 1024) {
     return Invalid("nccl_max_links", absl::StrCat("must be in [1, 1024], got ", nccl_max_links));
   }
   if (nccl_connect_timeout_ms < 1) return Invalid("nccl_connect_timeout_ms", "must be >= 1");
   absl::StatusOr<PoolGeometry> geometry = Geometry();
   if (!geometry.ok()) return geometry.status();
-  if (transport == TransportKind::kNccl && nccl_staging_bytes < geometry->bytes_per_block()) {
-    return Invalid("nccl_staging_bytes",
-                   absl::StrCat("must hold at least one block (", geometry->bytes_per_block(),
-                                " bytes), got ", nccl_staging_bytes));
+  if ((*transport_entry)->validate != nullptr) {
+    if (absl::Status s = (*transport_entry)->validate(*this, *geometry); !s.ok()) return s;
   }
   return ValidateSecurity(*this);
 }

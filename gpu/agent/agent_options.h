@@ -13,20 +13,9 @@
 #include "common/security_options.h"
 #include "common/server_limits.h"
 #include "common/types.h"
-#include "gpu/agent/pool_geometry.h"
+#include "gpu/agent/pool/pool_geometry.h"
 
 namespace kvcm {
-
-// How block bytes move between agents.
-enum class TransportKind {
-  kTcp,   // the data port's sockets (tcp_transport.h)
-  kNccl,  // NCCL links between GPUs, bootstrapped through the manager (nccl_transport.h)
-};
-// "tcp" / "nccl": the flag's spelling and RegisterAgentRequest.transport.
-absl::string_view TransportName(TransportKind kind);
-// INVALID_ARGUMENT naming `field` for anything but "tcp" or "nccl".
-absl::StatusOr<TransportKind> ParseTransport(absl::string_view text,
-                                             absl::string_view field = "transport");
 
 struct AgentOptions {
   // Id of this agent, also its pool's agent_id at the manager. 1..128 bytes of
@@ -39,13 +28,18 @@ struct AgentOptions {
   // Where peers pull this agent's blocks (the TCP transport's data port), "a.b.c.d:port"
   // (port 0 picks a free one).
   std::string data_listen_address = "127.0.0.1:0";
+  // The host this agent registers for its BlockAgent and data addresses (ports stay the
+  // bound ones): the name workers and peers dial and verify its certificate against, e.g.
+  // "<pod>.kvcm-agent.kvcm.svc". Empty: the host of each listen address.
+  std::string advertise_host;
   // A peer silent for this long fails a transfer; over NCCL, a send or receive that does not
   // complete within it aborts the link. >= 1.
   uint32_t transfer_io_timeout_ms = 10'000;
-  // How this agent pulls and serves block bytes; registered with the manager. kNccl needs a
-  // build with NCCL (KVCM_HAVE_NCCL) and the pool on a CUDA device: Agent::Start refuses it
-  // otherwise (FAILED_PRECONDITION). Requests and acks still use the data port.
-  TransportKind transport = TransportKind::kTcp;
+  // How this agent pulls and serves block bytes, by its registered name (transport/
+  // registry.h: "tcp", "nccl"); registered with the manager. "nccl" needs a build with NCCL
+  // (KVCM_HAVE_NCCL) and the pool on a CUDA device: Agent::Start refuses it otherwise
+  // (FAILED_PRECONDITION). Requests and acks still use the data port.
+  std::string transport = "tcp";
   // NCCL: bytes of the device staging buffer of each link end; a chunk of a pull is at most
   // this. At least one block.
   uint64_t nccl_staging_bytes = 64ull << 20;
@@ -120,9 +114,12 @@ struct AgentOptions {
   // Who may call this agent's BlockAgent: a tokens file (common/token_table.h; hashes only,
   // never a token), re-read every heartbeat_interval_ms when it changes. Workers then use
   // only their tenant's blocks, routers only Stats, agents (peers) and admins everything
-  // (gpu/agent/block_agent_access.h). Empty: every caller may do everything (dev mode; a
+  // (gpu/agent/server/block_agent_access.h). Empty: every caller may do everything (dev mode; a
   // warning is logged). Read at Start.
   std::string tokens_file;
+  // Peer agents identified by their certificate on the BlockAgent port, as on the manager
+  // (common/authenticator.h): needs tokens_file and mutual TLS. Empty: off.
+  std::string agent_identity_dns_suffix;
 
   // Connection limits of the BlockAgent port (docs/SECURITY.md "Connection limits"): each
   // grpc_<name> is ServerLimitsOptions::<name> (common/server_limits.h), which documents it

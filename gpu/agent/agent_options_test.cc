@@ -3,7 +3,8 @@
 #include "gpu/agent/agent_options.h"
 
 #include "gmock/gmock.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
+#include "gpu/agent/transport/registry.h"
 #include "gtest/gtest.h"
 
 namespace kvcm {
@@ -11,16 +12,22 @@ namespace {
 
 using ::testing::HasSubstr;
 
-TEST(AgentOptionsTest, TransportParsesTcpAndNcclOnly) {
-  EXPECT_EQ(*ParseTransport("tcp"), TransportKind::kTcp);
-  EXPECT_EQ(*ParseTransport("nccl"), TransportKind::kNccl);
-  EXPECT_EQ(TransportName(TransportKind::kTcp), "tcp");
-  EXPECT_EQ(TransportName(TransportKind::kNccl), "nccl");
-  absl::StatusOr<TransportKind> bad = ParseTransport("rdma", "--transport");
+TEST(AgentOptionsTest, TransportsAreFoundByTheirRegisteredNameOnly) {
+  std::vector<std::string> names;
+  for (const TransportEntry& e : RegisteredTransports()) names.emplace_back(e.name);
+  EXPECT_THAT(names, ::testing::ElementsAre("tcp", "nccl"));
+  EXPECT_EQ((*FindTransport("tcp"))->name, "tcp");
+  EXPECT_EQ((*FindTransport("nccl"))->name, "nccl");
+  absl::StatusOr<const TransportEntry*> bad = FindTransport("rdma", "--transport");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(), HasSubstr("--transport"));
-  EXPECT_EQ(ParseTransport("NCCL").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(AgentOptions().transport, TransportKind::kTcp);  // TCP stays the default
+  EXPECT_THAT(bad.status().message(), HasSubstr("--transport must be one of tcp, nccl"));
+  EXPECT_EQ(FindTransport("NCCL").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AgentOptions().transport, "tcp");  // TCP stays the default
+  AgentOptions o;
+  o.insecure = true;
+  o.capacity_bytes = 1ull << 30;
+  o.transport = "rdma";
+  EXPECT_THAT(o.Validate().message(), HasSubstr("transport must be one of tcp, nccl"));
 }
 
 TEST(AgentOptionsTest, NcclOptionsAreValidated) {
@@ -40,7 +47,7 @@ TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   AgentOptions staging = o;
   staging.nccl_staging_bytes = 1 << 20;
   EXPECT_TRUE(staging.Validate().ok());
-  staging.transport = TransportKind::kNccl;
+  staging.transport = "nccl";
   EXPECT_THAT(staging.Validate().message(), HasSubstr("nccl_staging_bytes"));
   staging.nccl_staging_bytes = staging.Geometry()->bytes_per_block();
   EXPECT_TRUE(staging.Validate().ok());
@@ -164,7 +171,7 @@ TEST(AgentNcclStartTest, NcclWithoutNcclOrWithoutADeviceIsRefusedCleanly) {
   o.manager_address = "127.0.0.1:1";  // never reached: the start fails first
   o.capacity_bytes = 64ull << 20;
   o.use_device = false;  // the host backend, whatever this machine has
-  o.transport = TransportKind::kNccl;
+  o.transport = "nccl";
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   ASSERT_FALSE(agent.ok());
   EXPECT_EQ(agent.status().code(), absl::StatusCode::kFailedPrecondition) << agent.status();
@@ -175,7 +182,7 @@ TEST(AgentNcclStartTest, NcclWithoutNcclOrWithoutADeviceIsRefusedCleanly) {
 #endif
   EXPECT_THAT(agent.status().message(), HasSubstr("--transport=tcp"));
   // The same options with tcp start.
-  o.transport = TransportKind::kTcp;
+  o.transport = "tcp";
   absl::StatusOr<std::unique_ptr<Agent>> tcp = Agent::Start(o);
   ASSERT_TRUE(tcp.ok()) << tcp.status();
   (*tcp)->Shutdown();

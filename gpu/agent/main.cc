@@ -26,7 +26,7 @@
 #include "common/enum_names.h"
 #include "common/log.h"
 #include "common/program_flags.h"
-#include "gpu/agent/agent.h"
+#include "gpu/agent/server/agent.h"
 
 namespace {
 const kvcm::AgentOptions kDefaults;
@@ -97,6 +97,14 @@ ABSL_FLAG(std::string, token_file, kDefaults.token_file,
           "File holding this agent's bearer token for the manager; default: $KVCM_TOKEN (or the "
           "deprecated $KVCM_AGENT_TOKEN) "
           "(no token flag: a command line is visible in ps).");
+ABSL_FLAG(std::string, advertise_host, kDefaults.advertise_host,
+          "Host registered for the BlockAgent and data addresses (what peers dial and verify "
+          "the certificate against, e.g. <pod>.kvcm-agent.kvcm.svc); default: each listen "
+          "address's host.");
+ABSL_FLAG(std::string, agent_identity_dns_suffix, kDefaults.agent_identity_dns_suffix,
+          "Peer agents identified by their client certificate on the BlockAgent port: a caller "
+          "sending no token whose certificate names N + this suffix is agent N and N-gpu<K> "
+          "(docs/SECURITY.md, Agent identity). Needs --tokens_file and mutual TLS.");
 ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
           "Tokens file (SHA-256 hashes and grants) of the callers BlockAgent accepts; re-read "
           "when it changes. Empty: every caller may do everything (dev mode only).");
@@ -160,7 +168,7 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.listen_address = absl::GetFlag(FLAGS_listen_address);
   o.data_listen_address = absl::GetFlag(FLAGS_data_listen_address);
   o.transfer_io_timeout_ms = absl::GetFlag(FLAGS_transfer_io_timeout_ms);
-  o.transport = OrFail(kvcm::ParseTransport(absl::GetFlag(FLAGS_transport), "--transport"));
+  o.transport = absl::GetFlag(FLAGS_transport);
   o.nccl_staging_bytes = absl::GetFlag(FLAGS_nccl_staging_bytes);
   o.nccl_max_links = absl::GetFlag(FLAGS_nccl_max_links);
   o.nccl_connect_timeout_ms = absl::GetFlag(FLAGS_nccl_connect_timeout_ms);
@@ -194,6 +202,8 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.insecure = absl::GetFlag(FLAGS_insecure);
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.tokens_file = absl::GetFlag(FLAGS_tokens_file);
+  o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
+  o.agent_identity_dns_suffix = absl::GetFlag(FLAGS_agent_identity_dns_suffix);
   o.grpc_handshake_timeout_ms = absl::GetFlag(FLAGS_grpc_handshake_timeout_ms);
   o.grpc_max_connection_idle_ms = absl::GetFlag(FLAGS_grpc_max_connection_idle_ms);
   o.grpc_keepalive_time_ms = absl::GetFlag(FLAGS_grpc_keepalive_time_ms);
@@ -247,8 +257,8 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   kvcm::LogInfo(
       absl::StrCat("backend ", agent->pool().backend().name(), ": ", agent->backend_reason()));
-  kvcm::LogInfo(absl::StrCat("transport ", kvcm::TransportName(agent->options().transport),
-                             ", data port ", agent->data_address()));
+  kvcm::LogInfo(absl::StrCat("transport ", agent->options().transport, ", data port ",
+                             agent->data_address()));
   kvcm::LogInfo(absl::StrCat("pool: ", g.num_blocks, " blocks of ", g.bytes_per_block(),
                              " bytes, layout ", g.Layout().ToString()));
   if (const kvcm::BlockPool* host = agent->host_pool(); host != nullptr) {

@@ -89,7 +89,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
         "* agent. Dev mode only; see docs/SECURITY.md.                                      *\n"
         "********************************************************************************");
   } else {
-    KVCM_ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(opts.tokens_file));
+    KVCM_ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(
+                                                 opts.tokens_file, opts.agent_identity_dns_suffix));
   }
 
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);

@@ -46,6 +46,7 @@ const std::vector<Field>& Fields() {
       {"hash_secret_hex", &ServerOptions::hash_secret_hex},
       {"hash_secret_file", &ServerOptions::hash_secret_file},
       {"tokens_file", &ServerOptions::tokens_file},
+      {"agent_identity_dns_suffix", &ServerOptions::agent_identity_dns_suffix},
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
@@ -120,6 +121,7 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 }
 
 // One of TLS (certificate and key) or insecure; the files themselves are read at Start.
+// Agent identity by certificate is checked here too: it needs TLS.
 absl::Status ValidateTransportSecurity(const ServerOptions& o) {
   if (o.insecure) {
     for (const auto& [name, value] :
@@ -128,6 +130,9 @@ absl::Status ValidateTransportSecurity(const ServerOptions& o) {
       if (!value->empty()) {
         return Invalid("insecure", absl::StrCat("= true excludes ", name, " (got both)"));
       }
+    }
+    if (!o.agent_identity_dns_suffix.empty()) {
+      return Invalid("agent_identity_dns_suffix", "needs mutual TLS, not insecure = true");
     }
     return absl::OkStatus();
   }
@@ -142,7 +147,7 @@ absl::Status ValidateTransportSecurity(const ServerOptions& o) {
     return Invalid("tls_reload_interval_s",
                    absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
   }
-  return absl::OkStatus();
+  return ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls_ca_file);
 }
 
 // The etcd_* options and advertise_address; all of them but the election key and lease

@@ -60,6 +60,11 @@ struct ServerOptions {
   // Empty: callers are not authenticated (everyone may do everything), which the manager
   // allows only in the insecure dev mode and announces loudly. Re-read when it changes.
   std::string tokens_file;
+  // Agents identified by their certificate instead of a token (docs/SECURITY.md, "Agent
+  // identity"): a caller sending no token whose verified client certificate has the DNS
+  // subjectAltName N + this suffix (".kvcm-agent.kvcm.svc") is agent N and N-gpu<K>. Empty:
+  // off. Needs tokens_file and tls_ca_file (client certificates required); starts with '.'.
+  std::string agent_identity_dns_suffix;
   // Events one WatchEvents subscriber may have queued before it is ended with
   // RESOURCE_EXHAUSTED. >= 1.
   uint32_t max_event_queue = 4'096;

@@ -267,13 +267,14 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 56u);
+  EXPECT_EQ(names.size(), 57u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
                          name == "policy" || name == "hash_secret_hex" ||
                          absl::EndsWith(name, "_file") || name == "etcd_endpoints" ||
-                         name == "etcd_election_key" || name == "advertise_address";
+                         name == "etcd_election_key" || name == "advertise_address" ||
+                         name == "agent_identity_dns_suffix";
     const bool is_bool = name == "insecure";
     EXPECT_TRUE(options.Set(name, is_bool ? "true" : is_text ? "lru" : "5").ok()) << name;
     EXPECT_THAT(options.DebugString(), HasSubstr(std::string(name) + " = ")) << name;

@@ -1,0 +1,265 @@
+#include "gpu/agent/local/local_session.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <optional>
+#include <span>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status_macros.h"
+#include "gpu/agent/server/block_agent_access.h"
+#include "gpu/agent/server/block_stream_reactors.h"
+
+namespace kvcm {
+namespace {
+
+v1::LocalReply ReplyOf(const absl::Status& status, v1::LocalReply reply = {}) {
+  reply.set_code(static_cast<uint32_t>(status.code()));
+  if (!status.ok()) reply.set_message(std::string(status.message()));
+  return reply;
+}
+
+absl::string_view DirectionName(v1::LocalDirection d) {
+  switch (d) {
+    case v1::LOCAL_DIRECTION_LOAD:
+      return "load";
+    case v1::LOCAL_DIRECTION_STORE:
+      return "store";
+    default:
+      return "invalid";
+  }
+}
+
+}  // namespace
+
+LocalSession::LocalSession(LocalSessionEnv env, std::string peer)
+    : env_(env), peer_(std::move(peer)) {}
+
+LocalSession::~LocalSession() {
+  if (region_ != nullptr) munmap(region_, region_bytes_);
+}
+
+v1::LocalReply LocalSession::Handle(absl::string_view datagram, std::vector<int> fds,
+                                    bool truncated) {
+  // Every fd is closed on the way out: a hello's mapping outlives its descriptor.
+  struct CloseAll {
+    std::vector<int>& fds;
+    ~CloseAll() {
+      for (int fd : fds) close(fd);
+    }
+  } close_all{fds};
+  if (truncated) {
+    return ReplyOf(absl::InvalidArgumentError(
+        absl::StrCat("request: longer than ", kMaxRequestBytes, " bytes")));
+  }
+  v1::LocalRequest req;
+  if (!req.ParseFromArray(datagram.data(), static_cast<int>(datagram.size()))) {
+    return ReplyOf(absl::InvalidArgumentError("request: not a LocalRequest message"));
+  }
+  v1::LocalReply reply;
+  switch (req.request_case()) {
+    case v1::LocalRequest::kHello: {
+      if (fds.size() != 1) {
+        return ReplyOf(absl::InvalidArgumentError(absl::StrCat(
+            "hello: must carry exactly one file descriptor (SCM_RIGHTS), got ", fds.size())));
+      }
+      const absl::Status s = Hello(req.hello(), fds[0], &reply);
+      return ReplyOf(s, std::move(reply));
+    }
+    case v1::LocalRequest::kCopy: {
+      absl::Status s;
+      if (!fds.empty()) {
+        s = absl::InvalidArgumentError("copy: carries file descriptors; only a hello may");
+      } else {
+        s = Copy(req.copy(), &reply);
+      }
+      if (env_.metrics != nullptr) {
+        env_.metrics->RecordLocalCopy(DirectionName(req.copy().direction()), s,
+                                      s.ok() ? reply.bytes_copied() : 0);
+      }
+      if (!s.ok()) reply.Clear();
+      return ReplyOf(s, std::move(reply));
+    }
+    default:
+      return ReplyOf(absl::InvalidArgumentError("request: neither a hello nor a copy"));
+  }
+}
+
+absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply* reply) {
+  if (region_ != nullptr) {
+    return absl::FailedPreconditionError("hello: this connection already registered a region");
+  }
+  // Who first: an unauthenticated peer learns nothing of the pool.
+  std::shared_ptr<const Principal> principal;
+  if (h.token().empty()) {
+    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(nullptr));
+  } else {
+    const std::string value = absl::StrCat("Bearer ", h.token());
+    const absl::string_view view(value);
+    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(&view));
+  }
+  const uint64_t bytes_per_block = env_.pools.main->geometry().bytes_per_block();
+  const uint64_t region = h.region_bytes();
+  if (region < 1 || region > kMaxRegionBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region_bytes must be in [1, ", kMaxRegionBytes, "], got ", region));
+  }
+  const int segments = h.segment_offsets_size();
+  if (segments < 1 || segments > kMaxSegments) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment_offsets must list 1..", kMaxSegments, " segments, got ", segments));
+  }
+  if (h.segment_bytes() < 1 || h.segment_bytes() > bytes_per_block ||
+      h.segment_bytes() * static_cast<uint64_t>(segments) != bytes_per_block) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment_bytes: ", segments, " segments of ", h.segment_bytes(),
+                     " bytes do not make the pool's blocks of ", bytes_per_block, " bytes"));
+  }
+  if (h.num_engine_blocks() < 1 || h.num_engine_blocks() > kMaxEngineBlocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_engine_blocks must be in [1, ", kMaxEngineBlocks, "], got ", h.num_engine_blocks()));
+  }
+  // Offsets grow with the block (stride >= 0): the last engine block's segment ends last.
+  for (int s = 0; s < segments; ++s) {
+    const unsigned __int128 end =
+        static_cast<unsigned __int128>(h.segment_offsets(s)) +
+        static_cast<unsigned __int128>(h.num_engine_blocks() - 1) * h.segment_stride() +
+        h.segment_bytes();
+    if (end > region) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_offsets[", s, "]: segment ", s, " of engine block ", h.num_engine_blocks() - 1,
+          " (offset ", h.segment_offsets(s), " + ", h.num_engine_blocks() - 1, " x segment_stride ",
+          h.segment_stride(), ") ends past region_bytes ", region));
+    }
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("fd: not a regular file (send a memfd)");
+  }
+  if (static_cast<uint64_t>(st.st_size) < region) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region_bytes ", region, " exceed the fd's ", st.st_size, " bytes"));
+  }
+  // A file that could shrink would fault the agent (SIGBUS) on its next copy.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError(
+        "fd: must be sealed against shrinking (memfd_create with MFD_ALLOW_SEALING, then "
+        "fcntl F_ADD_SEALS F_SEAL_SHRINK)");
+  }
+  // MAP_POPULATE fills the page tables once here, not by a fault on every 4 KiB page of the
+  // first copy into each engine block (measured: a 16 MB load 4x slower without). Only over
+  // memory the engine has already allocated: populating a sparse file would allocate its
+  // holes, so an engine could make the agent allocate up to region_bytes (1 TiB).
+  const bool allocated = static_cast<uint64_t>(st.st_blocks) * 512 >= region;
+  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (allocated ? MAP_POPULATE : 0), fd, 0);
+  if (map == MAP_FAILED) {
+    return absl::InternalError(
+        absl::StrCat("fd: mmap of ", region, " bytes failed: ", std::strerror(errno)));
+  }
+  region_ = static_cast<std::byte*>(map);
+  region_bytes_ = region;
+  principal_ = std::move(principal);
+  segment_offsets_.assign(h.segment_offsets().begin(), h.segment_offsets().end());
+  segment_bytes_ = h.segment_bytes();
+  segment_stride_ = h.segment_stride();
+  num_engine_blocks_ = h.num_engine_blocks();
+  if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(true);
+  LogInfo(absl::StrCat("local session of ", peer_, " (principal ", principal_->name,
+                       ") registered ", region, " bytes: ", num_engine_blocks_,
+                       " engine blocks of ", segments, " segments x ", segment_bytes_, " bytes"));
+  reply->set_epoch(env_.epoch != nullptr ? env_.epoch->current() : 0);
+  reply->set_bytes_per_block(bytes_per_block);
+  return absl::OkStatus();
+}
+
+absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
+  if (region_ == nullptr) {
+    return absl::FailedPreconditionError("copy: no region yet (send a hello first)");
+  }
+  const bool load = c.direction() == v1::LOCAL_DIRECTION_LOAD;
+  if (!load && c.direction() != v1::LOCAL_DIRECTION_STORE) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "direction must be LOCAL_DIRECTION_LOAD or LOCAL_DIRECTION_STORE, got ", c.direction()));
+  }
+  const AgentOptions& options = *env_.options;
+  // As ReadBlocks (either pool) and WriteBlocks (the main pool only).
+  BlockPool* pool = c.tier() == v1::TIER_UNSPECIFIED
+                        ? env_.pools.main
+                        : env_.pools.ForWireTier(options.tier, static_cast<int>(c.tier()));
+  if (pool == nullptr || (!load && pool != env_.pools.main)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tier ", static_cast<int>(c.tier()), " is not a pool of this agent",
+                     load ? "" : " that blocks are written to (STORE writes the main pool)"));
+  }
+  const int n = c.block_ids_size();
+  if (n < 1 || n > static_cast<int>(options.max_blocks_per_call)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_ids must list 1..", options.max_blocks_per_call, " blocks, got ", n));
+  }
+  if (c.engine_blocks_size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat("engine_blocks: ", c.engine_blocks_size(),
+                                                   " engine blocks for ", n, " block ids"));
+  }
+  absl::flat_hash_set<uint32_t> seen;
+  for (int i = 0; i < n; ++i) {
+    const uint32_t e = c.engine_blocks(i);
+    if (e >= num_engine_blocks_) {
+      return absl::InvalidArgumentError(absl::StrCat("engine_blocks[", i, "]: ", e,
+                                                     " is past the region's ", num_engine_blocks_,
+                                                     " engine blocks"));
+    }
+    if (load && !seen.insert(e).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engine_blocks[", i, "]: engine block ", e, " is listed twice"));
+    }
+  }
+  const std::span<const BlockId> ids(c.block_ids().data(), n);
+  const std::span<const uint64_t> gens(c.block_generations().data(), c.block_generations_size());
+  // STORE as WriteBlocks: a worker must name the allocations it writes; LOAD as ReadBlocks:
+  // optional, checked when given.
+  if (!load || !gens.empty()) {
+    KVCM_RETURN_IF_ERROR(RequireGenerations(*principal_, n, gens, "block_generations"));
+  }
+  std::optional<OwnedPageCheck> pages;
+  if (!load && (c.has_namespace_() || !c.page_hashes().empty())) {
+    return absl::InvalidArgumentError("page_hashes: only a LOAD checks pages");
+  }
+  KVCM_ASSIGN_OR_RETURN(pages,
+                        DecodePageCheck(c.has_namespace_(), c.namespace_(), c.page_hashes(), n));
+  std::vector<uint64_t> bound;
+  KVCM_RETURN_IF_ERROR(
+      AuthorizeBlocks(*principal_, pool, ids, load ? "read blocks" : "write blocks", gens, &bound));
+  const std::optional<PageCheck> check =
+      pages.has_value() ? std::optional<PageCheck>(pages->view()) : std::nullopt;
+  const uint64_t bytes_per_block = pool->geometry().bytes_per_block();
+  KVCM_RETURN_IF_ERROR(pool->WithCheckedBlocks(
+      ids, c.owner_epoch(), /*writable=*/!load, "block_ids", bound, check ? &*check : nullptr,
+      [&](DeviceBackend& backend) -> absl::Status {
+        // The backend's copies: memcpy on a host pool, cudaMemcpy on a device pool.
+        for (int i = 0; i < n; ++i) {
+          const uint64_t block = pool->BlockOffset(ids[i]);
+          const uint64_t engine_block = c.engine_blocks(i);
+          for (size_t s = 0; s < segment_offsets_.size(); ++s) {
+            std::byte* const mine = region_ + segment_offsets_[s] + engine_block * segment_stride_;
+            const uint64_t theirs = block + s * segment_bytes_;
+            KVCM_RETURN_IF_ERROR(load ? backend.CopyOut(theirs, {mine, segment_bytes_})
+                                      : backend.CopyIn(theirs, {mine, segment_bytes_}));
+          }
+        }
+        return absl::OkStatus();
+      }));
+  reply->set_blocks_copied(static_cast<uint32_t>(n));
+  reply->set_bytes_copied(static_cast<uint64_t>(n) * bytes_per_block);
+  return absl::OkStatus();
+}
+
+}  // namespace kvcm

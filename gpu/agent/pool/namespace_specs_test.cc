@@ -1,0 +1,47 @@
+#include "gpu/agent/pool/namespace_specs.h"
+
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gpu/agent/pool/agent_test_util.h"
+#include "gtest/gtest.h"
+
+namespace kvcm {
+namespace {
+
+using ::testing::Optional;
+
+TEST(NamespaceSpecsTest, TheLastSetWins) {
+  NamespaceSpecs specs;
+  const NamespaceId a{"t", "a"}, b{"t", "b"};
+  EXPECT_EQ(specs.Get(a), std::nullopt);
+  specs.Set(a, SmallGqa());
+  ModelSpec wide = SmallGqa();
+  wide.num_layers = 4;
+  specs.Set(b, wide);
+  EXPECT_THAT(specs.Get(a), Optional(SmallGqa()));
+  specs.Set(a, wide);
+  EXPECT_THAT(specs.Get(a), Optional(wide));
+  const absl::flat_hash_map<NamespaceId, ModelSpec> all = specs.Snapshot();
+  EXPECT_EQ(all.size(), 2u);
+  EXPECT_EQ(all.at(b), wide);
+}
+
+TEST(NamespaceSpecsTest, SetAndSnapshotMayRunConcurrently) {
+  NamespaceSpecs specs;
+  std::thread writer([&] {
+    for (int i = 0; i < 1000; ++i) specs.Set(NamespaceId{"t", absl::StrCat("m", i)}, SmallGqa());
+  });
+  size_t seen = 0;
+  while (seen < 1000) {
+    const size_t now = specs.Snapshot().size();
+    EXPECT_GE(now, seen);  // entries are never removed
+    seen = now;
+  }
+  writer.join();
+  EXPECT_THAT(specs.Get(NamespaceId{"t", "m999"}), Optional(SmallGqa()));
+}
+
+}  // namespace
+}  // namespace kvcm
