@@ -1,12 +1,14 @@
 // kvcmctl: command-line client of the kvcm-manager, for operators and demos.
 //
-//   kvcmctl [--addr=127.0.0.1:50051] [--deadline_ms=N] [--ca=ca.pem [--cert=c.pem --key=c.key]
-//           | --insecure] [--token_file=path] <command> [flags]
+//   kvcmctl [--manager_address=127.0.0.1:50051] [--deadline_ms=N] [--json]
+//           [--tls_ca_file=ca.pem [--tls_cert_file=c.pem --tls_key_file=c.key] | --insecure]
+//           [--token_file=path] <command> [flags]
 //
-// Connections are TLS (--ca verifies the manager and the agents, --cert/--key is the client
-// certificate mutual TLS requires) unless --insecure; the bearer token comes from
-// --token_file, --token (visible in ps) or $KVCM_TOKEN, and goes with every call, the
-// agents' included.
+// The manager address defaults to $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051. Connections
+// are TLS (--tls_ca_file verifies the manager and the agents, --tls_cert_file/--tls_key_file
+// is the client certificate mutual TLS requires) unless --insecure; the bearer token comes
+// from --token_file, --token (visible in ps) or $KVCM_TOKEN, and goes with every call, the
+// agents' included. --json prints each result as one JSON object (one per line for watch).
 // Exit status: 0 on success; 1 when the manager answered an error or could not be reached
 // (the message names the gRPC code); 2 for a usage error (unknown command or flag, bad value).
 //
@@ -43,34 +45,26 @@
 #include "client/cli_inputs.h"
 #include "client/client.h"
 #include "client/fetch_plan.h"
+#include "client/kvcmctl_agent.h"
+#include "client/kvcmctl_command.h"
 #include "client/kvcmctl_print.h"
+#include "common/build_info.h"
 #include "common/credentials.h"
 #include "common/model_catalog.h"
+#include "common/page_hash.h"
+#include "kvcm/v1/cache_manager.pb.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailed = 1;
-constexpr int kExitUsage = 2;
+using cli::Invocation;
+using cli::kExitFailed;
+using cli::kExitOk;
+using cli::kExitUsage;
+using cli::PrintJson;
 
-// One run of one command: its name (for messages), its parsed flags and the client.
-struct Invocation {
-  absl::string_view command;
-  const cli::FlagSet& flags;
-  Client* client;  // null for a command that needs no manager
-
-  int Usage(absl::string_view message) const {
-    absl::FPrintF(stderr, "kvcmctl %s: %s\nRun 'kvcmctl %s --help' for its flags.\n", command,
-                  message, command);
-    return kExitUsage;
-  }
-  int Failed(const absl::Status& status) const {
-    absl::FPrintF(stderr, "kvcmctl %s: %s: %s\n", command, absl::StatusCodeToString(status.code()),
-                  status.message());
-    return kExitFailed;
-  }
-};
+constexpr int kDefaultManagerPort = 50051;
 
 // --tenant/--model and the prompt's tokens: what every command about a prompt takes.
 struct PromptFlags {
@@ -95,10 +89,12 @@ absl::StatusOr<PromptFlags> PromptFlagsFrom(const cli::FlagSet& flags) {
 void DefineStats(cli::FlagSet&) {}
 
 int RunStats(const Invocation& in) {
-  absl::StatusOr<ManagerStats> stats = in.client->Stats();
+  v1::StatsResponse reply;
+  absl::StatusOr<ManagerStats> stats = in.client->Stats(in.Call(reply));
   if (!stats.ok()) {
     return in.Failed(stats.status());
   }
+  if (in.json) return PrintJson(reply);
   cli::PrintStats(in.client->options().address, *stats);
   return kExitOk;
 }
@@ -126,10 +122,15 @@ int RunRegisterModel(const Invocation& in) {
   if (max_page_age_s > UINT32_MAX) {
     return in.Usage(absl::StrCat("--max_page_age_s=", max_page_age_s, " does not fit 32 bits"));
   }
+  v1::RegisterModelResponse response;
   absl::StatusOr<RegisterModelReply> reply = in.client->RegisterModel(
-      *ns, *spec, {.max_page_age_s = static_cast<uint32_t>(max_page_age_s)});
+      *ns, *spec, {.max_page_age_s = static_cast<uint32_t>(max_page_age_s)}, in.Call(response));
   if (!reply.ok()) {
     return in.Failed(reply.status());
+  }
+  if (in.json) {
+    response.clear_hash_key();  // the namespace's secret: never printed
+    return PrintJson(response);
   }
   absl::PrintF("namespace: %s (%s)\n", ns->ToString(),
                reply->created ? "created" : "already registered");
@@ -160,8 +161,9 @@ void PrintMatch(const MatchReply& m) {
       absl::PrintF("  %s blocks %s\n", r.pool.ToString(), absl::StrJoin(r.block_ids, ","));
     }
   }
-  absl::PrintF("pin_id: %d\n", m.pin_id);
+  // Only a pin has an id: "pin_id: 0" would read as a pin numbered 0.
   if (m.pin_id != 0) {
+    absl::PrintF("pin_id: %d\n", m.pin_id);
     absl::PrintF("lease_expiry: %s\n", cli::FormatExpiry(m.lease_expiry));
   }
 }
@@ -190,10 +192,12 @@ int RunMatch(const Invocation& in) {
   params.pin = in.flags.GetBool("pin");
   params.lease_ttl_ms = static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms"));
   params.probe = in.flags.GetBool("probe");
-  absl::StatusOr<MatchReply> m = in.client->Match(ns, tokens, params);
+  v1::MatchResponse reply;
+  absl::StatusOr<MatchReply> m = in.client->Match(ns, tokens, params, in.Call(reply));
   if (!m.ok()) {
     return in.Failed(m.status());
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("prompt_tokens: %d\n", tokens.size());
   PrintMatch(*m);
   return kExitOk;
@@ -251,10 +255,12 @@ int RunRoute(const Invocation& in) {
       return in.Usage(absl::StrCat("--loads: \"", loads[i], "\" is not a number"));
     }
   }
-  absl::StatusOr<RouteReply> r = in.client->Route(ns, tokens, params);
+  v1::RouteResponse reply;
+  absl::StatusOr<RouteReply> r = in.client->Route(ns, tokens, params, in.Call(reply));
   if (!r.ok()) {
     return in.Failed(r.status());
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("prompt_tokens: %d\n", tokens.size());
   for (size_t i = 0; i < r->ranked.size(); ++i) {
     const RouteReply::Ranked& a = r->ranked[i];
@@ -313,8 +319,10 @@ int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<co
   if (!blocks.ok()) {
     return in.Failed(blocks.status());
   }
-  absl::StatusOr<InsertReply> r = in.client->Insert(ns, tokens, pool, blocks->ids(),
-                                                    InsertParams{.agent_epoch = blocks->epoch()});
+  v1::InsertResponse reply;
+  absl::StatusOr<InsertReply> r =
+      in.client->Insert(ns, tokens, pool, blocks->ids(),
+                        InsertParams{.agent_epoch = blocks->epoch()}, in.Call(reply));
   if (!r.ok()) {
     (void)blocks->Free(blocks->ids());  // nothing was committed: they are ours again
     return in.Failed(r.status());
@@ -327,6 +335,7 @@ int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<co
     absl::FPrintF(stderr, "kvcmctl insert: freeing %d spare blocks: %s\n", spare.size(),
                   s.ToString());
   }
+  if (in.json) return PrintJson(reply);
   PrintInsert(pool, *r);
   absl::PrintF("agent_epoch: %d\n", blocks->epoch());
   absl::PrintF("block_ids: %s\n", absl::StrJoin(HeldBlocks(*r, blocks->ids()), ","));
@@ -400,10 +409,12 @@ int RunInsert(const Invocation& in) {
     }
   }
 
-  absl::StatusOr<InsertReply> r = in.client->Insert(ns, tokens, pool, block_ids);
+  v1::InsertResponse reply;
+  absl::StatusOr<InsertReply> r = in.client->Insert(ns, tokens, pool, block_ids, in.Call(reply));
   if (!r.ok()) {
     return in.Failed(r.status());
   }
+  if (in.json) return PrintJson(reply);
   PrintInsert(pool, *r);
   return kExitOk;
 }
@@ -499,6 +510,15 @@ int RunFetch(const Invocation& in) {
   if (!fetched.ok()) {
     return in.Failed(fetched.status());
   }
+  if (in.json) {
+    // Several BlockAgent.Fetch calls: their sum, in the text output's field names.
+    absl::PrintF(
+        "{\"agent\":\"%s\",\"local_pages\":%u,\"fetched_pages\":%u,\"bytes\":\"%d\","
+        "\"block_ids\":[%s]}\n",
+        dest_id, plan->local_blocks.size(), fetched->fetched_pages, fetched->bytes,
+        absl::StrJoin(fetched->block_ids, ","));
+    return kExitOk;
+  }
   absl::PrintF("agent: %s\n", dest_id);
   absl::PrintF("local_pages: %u\n", plan->local_blocks.size());
   for (const FetchRun& run : plan->runs) {
@@ -527,9 +547,11 @@ int RunRelease(const Invocation& in) {
     return in.Usage("--pin_id is required");
   }
   const uint64_t pin_id = in.flags.GetUint("pin_id");
-  if (absl::Status s = in.client->Release(*ns, pin_id); !s.ok()) {
+  v1::ReleaseResponse reply;
+  if (absl::Status s = in.client->Release(*ns, pin_id, in.Call(reply)); !s.ok()) {
     return in.Failed(s);
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("released pin %d\n", pin_id);
   return kExitOk;
 }
@@ -551,11 +573,14 @@ int RunRenew(const Invocation& in) {
   if (in.flags.GetUint("lease_ttl_ms") > UINT32_MAX) {
     return in.Usage("--lease_ttl_ms: too large");
   }
+  v1::RenewLeaseResponse reply;
   absl::StatusOr<absl::Time> expiry = in.client->RenewLease(
-      *ns, in.flags.GetUint("pin_id"), static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms")));
+      *ns, in.flags.GetUint("pin_id"), static_cast<uint32_t>(in.flags.GetUint("lease_ttl_ms")),
+      in.Call(reply));
   if (!expiry.ok()) {
     return in.Failed(expiry.status());
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("lease_expiry: %s\n", cli::FormatExpiry(*expiry));
   return kExitOk;
 }
@@ -569,10 +594,12 @@ int RunDeleteNamespace(const Invocation& in) {
   if (!ns.ok()) {
     return in.Usage(ns.status().message());
   }
-  absl::StatusOr<DeleteNamespaceReply> r = in.client->DeleteNamespace(*ns);
+  v1::DeleteNamespaceResponse reply;
+  absl::StatusOr<DeleteNamespaceReply> r = in.client->DeleteNamespace(*ns, in.Call(reply));
   if (!r.ok()) {
     return in.Failed(r.status());
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("removed_pages: %d\n", r->removed_pages);
   absl::PrintF("dropped_pins: %d\n", r->dropped_pins);
   return kExitOk;
@@ -596,6 +623,7 @@ int RunEvict(const Invocation& in) {
   if (by_pool == by_ns) {
     return in.Usage("give either --agent [--tier] or --tenant and --model");
   }
+  v1::EvictResponse reply;
   absl::StatusOr<EvictReply> r;
   if (by_pool) {
     absl::StatusOr<Tier> tier = ParseTier(in.flags.GetString("tier"), "--tier");
@@ -603,17 +631,18 @@ int RunEvict(const Invocation& in) {
       return in.Usage(tier.status().message());
     }
     r = in.client->EvictFromPool(PoolRef{in.flags.GetString("agent"), *tier},
-                                 in.flags.GetUint("bytes"));
+                                 in.flags.GetUint("bytes"), in.Call(reply));
   } else {
     absl::StatusOr<NamespaceId> ns = cli::NamespaceFrom(in.flags);
     if (!ns.ok()) {
       return in.Usage(ns.status().message());
     }
-    r = in.client->EvictFromNamespace(*ns, in.flags.GetUint("bytes"));
+    r = in.client->EvictFromNamespace(*ns, in.flags.GetUint("bytes"), in.Call(reply));
   }
   if (!r.ok()) {
     return in.Failed(r.status());
   }
+  if (in.json) return PrintJson(reply);
   absl::PrintF("evicted_bytes: %d\n", r->evicted_bytes);
   absl::PrintF("evicted_pages: %d\n", r->evicted_pages);
   return kExitOk;
@@ -626,6 +655,18 @@ void DefineWatch(cli::FlagSet& f) {
   f.AddString("model", "", "see --tenant");
   f.AddUint("count", 0, "exit after this many events; 0 = no limit");
   f.AddUint("duration_ms", 0, "exit after this long; 0 = no limit");
+}
+
+// The event as the manager sent it (kvcm.v1.CacheEvent), for --json.
+v1::CacheEvent EventToProto(const WatchedEvent& e) {
+  v1::CacheEvent out;
+  out.set_kind(static_cast<v1::CacheEvent::Kind>(e.kind));
+  out.set_reason(static_cast<v1::CacheEvent::Reason>(e.reason));
+  NamespaceToProto(e.ns, out.mutable_namespace_());
+  PoolToProto(e.pool, out.mutable_pool());
+  out.set_page_hashes(EncodePageHashes(e.pages));
+  out.set_sequence(e.sequence);
+  return out;
 }
 
 int RunWatch(const Invocation& in) {
@@ -643,7 +684,11 @@ int RunWatch(const Invocation& in) {
   uint64_t seen = 0;
   absl::Notification enough;
   std::unique_ptr<EventWatch> watch = in.client->WatchEvents(filter, [&](const WatchedEvent& e) {
-    cli::PrintEvent(e);
+    if (in.json) {
+      PrintJson(EventToProto(e));
+    } else {
+      cli::PrintEvent(e);
+    }
     std::fflush(stdout);
     absl::MutexLock lock(&mu);
     if (++seen == count) {
@@ -674,35 +719,40 @@ int RunWatch(const Invocation& in) {
 // --- models -------------------------------------------------------------------------------
 
 void DefineModels(cli::FlagSet& f) {
-  f.AddString("dtype", "bf16", "KV element type: bf16|fp16|fp8|int8, or all for a row of each");
-  f.AddUint("page_size", kDefaultPageSizeTokens, "tokens per page, for BYTES/PAGE");
+  f.AddString("kv_dtype", "bf16",
+              "KV element type: bf16|fp16|fp8|int8, or all for a row of each");
+  f.AddUint("page_size_tokens", kDefaultPageSizeTokens, "tokens per page, for BYTES/PAGE");
+  f.AddDeprecatedAlias("dtype", "kv_dtype");
+  f.AddDeprecatedAlias("page_size", "page_size_tokens");
 }
 
 // Prints the catalogue with what each model's KV costs. Needs no manager.
 int RunModels(const Invocation& in) {
   std::vector<KvDtype> dtypes;
-  const std::string& dtype_flag = in.flags.GetString("dtype");
+  const std::string& dtype_flag = in.flags.GetString("kv_dtype");
   if (dtype_flag == "all") {
     dtypes = {KvDtype::kBf16, KvDtype::kFp16, KvDtype::kFp8, KvDtype::kInt8};
   } else {
-    absl::StatusOr<KvDtype> dtype = ParseDtype(dtype_flag, "--dtype");
+    absl::StatusOr<KvDtype> dtype = ParseDtype(dtype_flag, "--kv_dtype");
     if (!dtype.ok()) {
       return in.Usage(
-          absl::StrCat("--dtype: expected bf16|fp16|fp8|int8|all, got '", dtype_flag, "'"));
+          absl::StrCat("--kv_dtype: expected bf16|fp16|fp8|int8|all, got '", dtype_flag, "'"));
     }
     dtypes = {*dtype};
   }
   // The page size's range is ModelSpec's: check it on any catalogue spec.
-  const uint64_t page_size = in.flags.GetUint("page_size");
+  const uint64_t page_size = in.flags.GetUint("page_size_tokens");
   ModelSpec probe = Catalog().front().spec;
   probe.page_size_tokens = static_cast<uint32_t>(std::min<uint64_t>(page_size, UINT32_MAX));
   if (page_size > UINT32_MAX) {
-    return in.Usage("--page_size: too large");
+    return in.Usage("--page_size_tokens: too large");
   }
   if (absl::Status s = probe.Validate(); !s.ok()) {
-    return in.Usage(absl::StrCat("--page_size: ", s.message()));
+    return in.Usage(absl::StrCat("--page_size_tokens: ", s.message()));
   }
-
+  if (in.json) {
+    return in.Usage("--json: the catalogue has no proto message; 'models' prints text only");
+  }
   if (absl::Status s = cli::PrintModels(dtypes, probe.page_size_tokens); !s.ok()) {
     return in.Failed(s);
   }
@@ -731,18 +781,30 @@ constexpr Command kCommands[] = {
     {"release", "drop a pin taken by 'match --pin'", DefineRelease, RunRelease},
     {"renew", "extend a pin's lease", DefineRenew, RunRenew},
     {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
+    {"reserve", "hold free headroom in a pool for admitted work, evicting the shortfall",
+     cli::DefineReserve, cli::RunReserve},
+    {"unreserve", "give back headroom taken by 'reserve'", cli::DefineUnreserve,
+     cli::RunUnreserve},
     {"delete-namespace", "remove a namespace with its pages and pins (operator)",
      DefineDeleteNamespace, RunDeleteNamespace},
     {"watch", "print index change events as they happen", DefineWatch, RunWatch},
+    {"agent-stats", "an agent's own pool, epoch and limits (BlockAgent.Stats)",
+     cli::DefineAgentStats, cli::RunAgentStats},
+    {"lookup-agent", "where a live agent serves its blocks (AgentControl.LookupAgent)",
+     cli::DefineLookupAgent, cli::RunLookupAgent},
     {"models", "known models and the bytes their KV cache costs (offline)", DefineModels, RunModels,
      /*needs_manager=*/false},
 };
 
 void DefineGlobal(cli::FlagSet& f) {
-  f.AddString("addr", "127.0.0.1:50051", "kvcm-manager address");
+  f.AddString("manager_address", "",
+              "kvcm-manager host:port (default: $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051)");
+  f.AddDeprecatedAlias("addr", "manager_address");
   f.AddInt("deadline_ms", 5000, "deadline of each call, retries included");
   f.AddInt("max_attempts", 5, "attempts per call while the manager is unavailable");
   cli::DefineSecurity(f);
+  f.AddBool("json", "print each result as one JSON object (one per line for watch)");
+  f.AddBool("version", "print the version and exit");
   f.AddBool("help", "show this help");
 }
 
@@ -753,11 +815,18 @@ void PrintMainHelp(const cli::FlagSet& global) {
   }
   absl::PrintF("\nGlobal flags:\n%s", global.Help());
   absl::PrintF(
+      "\nNot commands: the agents' own RPCs (Register, Heartbeat, ReportInventory, Commands,\n"
+      "NcclBootstrap; BlockAgent Allocate, Free, WriteBlocks, ReadBlocks, RunAttention) and\n"
+      "PublishEngineEvents, whose sessions and sequences only a long-lived bridge keeps\n"
+      "(kvcm-bridge); one-shot events from a shell would empty the engine's pools.\n");
+  absl::PrintF(
       "\nExamples:\n"
-      "  kvcmctl register-model --tenant=acme --model=deepseek-v3 --attention=mla --layers=61 \\\n"
-      "      --heads=128 --kv_lora_rank=512 --rope_dim=64 --dtype=bf16 --page_size=64\n"
-      "  kvcmctl register-model --tenant=acme --model=llama3 --preset=llama-3-70b --dtype=fp8\n"
-      "  kvcmctl models --dtype=all\n"
+      "  kvcmctl register-model --tenant=acme --model=deepseek-v3 --attention=mla \\\n"
+      "      --num_layers=61 --num_heads=128 --kv_lora_rank=512 --rope_dim=64 --kv_dtype=bf16 \\\n"
+      "      --page_size_tokens=64\n"
+      "  kvcmctl register-model --tenant=acme --model=llama3 --preset=llama-3-70b "
+      "--kv_dtype=fp8\n"
+      "  kvcmctl models --kv_dtype=all\n"
       "  kvcmctl insert --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-0\n"
       "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
@@ -766,7 +835,13 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "  kvcmctl fetch --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-1\n"
       "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
-      "  kvcmctl --addr=kvcm:50051 --ca=ca.pem --cert=me.pem --key=me.key stats\n"
+      "  pin=$(kvcmctl --json match --tenant=acme --model=deepseek-v3 --random_tokens=300 "
+      "--pin \\\n"
+      "      | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"pin_id\"])')\n"
+      "  kvcmctl reserve --agent=gpu-0 --bytes=1073741824\n"
+      "  kvcmctl agent-stats --agent_id=gpu-0\n"
+      "  kvcmctl --manager_address=kvcm:50051 --tls_ca_file=ca.pem --tls_cert_file=me.pem \\\n"
+      "      --tls_key_file=me.key stats\n"
       "  kvcmctl --insecure stats          # a manager started with --insecure\n"
       "\nRun 'kvcmctl <command> --help' for a command's flags.\n");
 }
@@ -781,8 +856,19 @@ int Main(int argc, char** argv) {
                   consumed.status().message());
     return kExitUsage;
   }
+  // Each deprecated name once, however often it was given; warnings go before any result.
+  auto warn = [](const cli::FlagSet& f) {
+    for (const std::string& w : f.DeprecationWarnings()) {
+      absl::FPrintF(stderr, "kvcmctl: %s\n", w);
+    }
+  };
+  warn(global);
   if (global.GetBool("help")) {
     PrintMainHelp(global);
+    return kExitOk;
+  }
+  if (global.GetBool("version")) {
+    absl::PrintF("%s\n", VersionLine("kvcmctl"));
     return kExitOk;
   }
   if (*consumed == args.size()) {
@@ -803,6 +889,7 @@ int Main(int argc, char** argv) {
 
   cli::FlagSet flags;
   command->define(flags);
+  flags.AddBool("json", "print the result as JSON (as the global --json)");
   flags.AddBool("help", "show this help");
   const std::span<const absl::string_view> rest(args.data() + *consumed + 1,
                                                 args.size() - *consumed - 1);
@@ -811,14 +898,38 @@ int Main(int argc, char** argv) {
                   s.message(), name);
     return kExitUsage;
   }
+  warn(flags);
   if (flags.GetBool("help")) {
     absl::PrintF("Usage: kvcmctl [global flags] %s [flags]\n%s\n\nFlags:\n%s", name,
                  command->summary, flags.Help());
     return kExitOk;
   }
 
+  const bool json = global.GetBool("json") || flags.GetBool("json");
   if (!command->needs_manager) {
-    return command->run(Invocation{name, flags, nullptr});
+    return command->run(Invocation{name, flags, nullptr, json});
+  }
+  // The flag, else $KVCM_MANAGER_ADDRESS, else the local default.
+  std::string address = global.GetString("manager_address");
+  absl::string_view address_source = "manager_address";
+  if (!global.IsSet("manager_address")) {
+    const char* env = std::getenv("KVCM_MANAGER_ADDRESS");
+    if (env != nullptr && env[0] != '\0') {
+      address = env;
+      address_source = "KVCM_MANAGER_ADDRESS";
+    } else {
+      address = absl::StrCat("127.0.0.1:", kDefaultManagerPort);
+    }
+  }
+  if (absl::Status s =
+          cli::CheckHostPort(address_source, address, "the manager", kDefaultManagerPort);
+      !s.ok()) {
+    std::string message(s.message());
+    if (address_source == "KVCM_MANAGER_ADDRESS") {
+      message = message.substr(2);  // an environment variable, not a flag: no "--"
+    }
+    absl::FPrintF(stderr, "kvcmctl: %s\nRun 'kvcmctl --help' for usage.\n", message);
+    return kExitUsage;
   }
   absl::StatusOr<cli::Security> security = cli::SecurityFrom(global, std::getenv("KVCM_TOKEN"));
   if (!security.ok()) {
@@ -827,7 +938,7 @@ int Main(int argc, char** argv) {
     return kExitUsage;
   }
   ClientOptions options;
-  options.address = global.GetString("addr");
+  options.address = address;
   options.insecure = security->tls.insecure;
   options.ca_file = security->tls.ca_file;
   options.cert_file = security->tls.cert_file;
@@ -842,7 +953,7 @@ int Main(int argc, char** argv) {
     absl::FPrintF(stderr, "kvcmctl: %s\n", client.status().message());
     return kExitUsage;
   }
-  return command->run(Invocation{name, flags, client->get()});
+  return command->run(Invocation{name, flags, client->get(), json});
 }
 
 }  // namespace
