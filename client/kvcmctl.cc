@@ -750,10 +750,9 @@ int RunModels(const Invocation& in) {
   if (absl::Status s = probe.Validate(); !s.ok()) {
     return in.Usage(absl::StrCat("--page_size_tokens: ", s.message()));
   }
-  if (in.json) {
-    return in.Usage("--json: the catalogue has no proto message; 'models' prints text only");
-  }
-  if (absl::Status s = cli::PrintModels(dtypes, probe.page_size_tokens); !s.ok()) {
+  if (absl::Status s = in.json ? cli::PrintModelsJson(dtypes, probe.page_size_tokens)
+                                : cli::PrintModels(dtypes, probe.page_size_tokens);
+      !s.ok()) {
     return in.Failed(s);
   }
   return kExitOk;

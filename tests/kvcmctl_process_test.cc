@@ -508,6 +508,12 @@ TEST_F(KvcmctlProcessTest, ModelCatalogueOfflineAndAsPreset) {
   // FP8 MLA: 656 B/token/layer * 61 = 40,016 B/token, * 16 = 640,256 B/page.
   EXPECT_THAT(out, testing::ContainsRegex("deepseek-v3 +mla +61 +fp8 +656 +40016 +640256 "));
   EXPECT_THAT(out, testing::ContainsRegex("llama-3-8b +gqa +32 +int8 +2112 +67584 "));
+  // --json: one object, the same numbers.
+  out = CtlOk({"models", "--json", "--kv_dtype=fp8", "--page_size_tokens=16"});
+  ExpectOneJsonObject(out);
+  EXPECT_THAT(out, HasSubstr("{\"page_size_tokens\":16,\"models\":[{\"name\":\"deepseek-v3\""));
+  EXPECT_THAT(out, HasSubstr("\"kv_dtype\":\"fp8\",\"bytes_per_token_per_layer\":656,"
+                             "\"bytes_per_token\":40016,\"bytes_per_page\":640256,"));
 
   ASSERT_NO_FATAL_FAILURE(StartManager());
   out = CtlOk(With({"register-model", "--preset=deepseek-v3"}, kNs));
@@ -584,7 +590,6 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
       {{"register-model", "--tenant=a", "--model=b", "--preset=gpt-5"}, "deepseek-v3"},
       {{"models", "--kv_dtype=fp4"}, "--kv_dtype: expected bf16|fp16|fp8|int8|all"},
       {{"models", "--page_size_tokens=0"}, "--page_size_tokens"},
-      {{"models", "--json"}, "'models' prints text only"},
       {{"reserve", "--agent=g"}, "--bytes is required and must be > 0"},
       {{"unreserve", "--agent=g", "--bytes=0"}, "--bytes is required and must be > 0"},
       {{"reserve", "--bytes=1"}, "--agent is required"},
