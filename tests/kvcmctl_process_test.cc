@@ -431,26 +431,35 @@ TEST_F(KvcmctlProcessTest, TlsAgainstAPlaintextManagerHints) {
   EXPECT_THAT(r.err, HasSubstr("\nhint: the manager may be plaintext: pass --insecure"));
 }
 
-// agent-stats and lookup-agent against a real kvcm-agent process (host backend).
+// agent-stats and lookup-agent against real kvcm-agent processes (host backend), and insert
+// and fetch through them with --json.
 TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
   ASSERT_NO_FATAL_FAILURE(StartManager());
-  const std::string agent_log = log_path_ + ".agent";
-  std::unique_ptr<Subprocess> agent = Subprocess::Start(
-      {KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0",
-       absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
-       "--model=deepseek-v3", "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
-      agent_log);
-  ASSERT_NE(agent, nullptr);
-  std::string block_agent_address;
+  std::vector<std::unique_ptr<Subprocess>> agents;
+  for (const char* id : {"gpu0", "gpu1"}) {
+    agents.push_back(Subprocess::Start(
+        {KVCM_AGENT_PATH, "--insecure", absl::StrCat("--agent_id=", id),
+         absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
+         "--model=deepseek-v3", "--capacity_bytes=50000000", "--heartbeat_interval_ms=100"},
+        absl::StrCat(log_path_, ".", id)));
+    ASSERT_NE(agents.back(), nullptr);
+  }
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
-  while (block_agent_address.empty() && agent->Running() && absl::Now() < give_up) {
-    const std::string stats = CtlOk({"--json", "stats"});
-    if (JsonField(stats, "alive") == "true") {
-      block_agent_address = JsonField(stats, "block_agent_address");
+  std::string stats;
+  while (absl::Now() < give_up) {
+    stats = CtlOk({"stats"});
+    if (testing::Value(stats, testing::ContainsRegex("gpu0 +[^ ]+ +gpu +alive")) &&
+        testing::Value(stats, testing::ContainsRegex("gpu1 +[^ ]+ +gpu +alive"))) {
+      break;
     }
     absl::SleepFor(absl::Milliseconds(100));
   }
-  ASSERT_FALSE(block_agent_address.empty()) << ReadFile(agent_log);
+  ASSERT_THAT(stats, testing::ContainsRegex("gpu1 +[^ ]+ +gpu +alive"))
+      << ReadFile(log_path_ + ".gpu0") << ReadFile(log_path_ + ".gpu1");
+  // Agents list in id order: the first address is gpu0's.
+  const std::string block_agent_address =
+      JsonField(CtlOk({"--json", "stats"}), "block_agent_address");
+  ASSERT_FALSE(block_agent_address.empty());
 
   std::string out = CtlOk({"agent-stats", "--agent_id=gpu0"});
   EXPECT_THAT(out, HasSubstr("agent_id: gpu0\n"));
@@ -486,9 +495,24 @@ TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
                             absl::StrCat("--agent_address=127.0.0.1:", FreePort())});
   EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
   EXPECT_THAT(gone.err, HasSubstr("UNAVAILABLE"));
-  agent->Signal(SIGKILL);
-  agent->Finish(absl::Seconds(10));
-  std::remove(agent_log.c_str());
+
+  // Insert through gpu0 (blocks allocated on it), then fetch into gpu1 from it.
+  const std::vector<std::string> prompt = {"--random_tokens=300", "--seed=11"};
+  out = CtlOk(With({"insert", "--json", "--agent=gpu0"}, With(kNs, prompt)));
+  ExpectOneJsonObject(out);
+  EXPECT_EQ(JsonField(out, "new_pages"), "4") << out;
+  out = CtlOk(With({"fetch", "--json", "--agent=gpu1"}, With(kNs, prompt)));
+  ExpectOneJsonObject(out);
+  EXPECT_EQ(JsonField(out, "agent"), "gpu1") << out;
+  EXPECT_EQ(JsonField(out, "fetched_pages"), "4") << out;
+  EXPECT_EQ(JsonField(out, "bytes"), std::to_string(4 * 70'272 * 64)) << out;
+  for (const auto& agent : agents) {
+    agent->Signal(SIGKILL);
+    agent->Finish(absl::Seconds(10));
+  }
+  for (const char* id : {"gpu0", "gpu1"}) {
+    std::remove(absl::StrCat(log_path_, ".", id).c_str());
+  }
 }
 
 // 'models' prints the catalogue without a manager; 'register-model --preset' sends a
