@@ -542,9 +542,15 @@ absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pi
 
 absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
                                          const CallOptions& call) {
+  return Reserve(pool, bytes, ReserveParams{}, call);
+}
+
+absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
+                                         const ReserveParams& params, const CallOptions& call) {
   v1::ReserveRequest request;
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
+  request.set_tenant(params.tenant);
   v1::ReserveResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Reserve(context, request, &response);
@@ -557,9 +563,15 @@ absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
 }
 
 absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call) {
+  return Unreserve(pool, bytes, ReserveParams{}, call);
+}
+
+absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
+                               const CallOptions& call) {
   v1::ReserveRequest request;
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
+  request.set_tenant(params.tenant);
   v1::UnreserveResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Unreserve(context, request, &response);

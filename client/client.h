@@ -221,6 +221,13 @@ struct InsertReply {
   uint64_t evicted_bytes = 0;
 };
 
+struct ReserveParams {
+  // Whose headroom (kvcm.v1.ReserveRequest.tenant). Empty: a worker's own tenant, or for an
+  // admin the operators' (no quota; no Insert takes it). An admin may name any tenant; a
+  // worker only its own (PERMISSION_DENIED otherwise).
+  std::string tenant;
+};
+
 struct EvictReply {
   uint64_t evicted_bytes = 0;
   uint64_t evicted_pages = 0;
@@ -482,6 +489,11 @@ class Client {
   absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
                                    const CallOptions& call = {});
   absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call = {});
+  // The same for the tenant `params` names (an admin's call; see ReserveParams).
+  absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
+                                   const ReserveParams& params, const CallOptions& call = {});
+  absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
+                         const CallOptions& call = {});
 
   absl::StatusOr<EvictReply> EvictFromPool(const PoolRef& pool, uint64_t bytes,
                                            const CallOptions& call = {});

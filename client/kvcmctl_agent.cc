@@ -61,9 +61,17 @@ absl::Status FromCall(const Invocation& in, const grpc::Status& status, absl::st
 
 // --- reserve / unreserve ------------------------------------------------------------------
 
+// --tenant: whose headroom.
+void DefineReservationTenant(FlagSet& f) {
+  f.AddString("tenant", "",
+              "whose headroom: empty is your token's tenant, or the operators' for an admin; "
+              "an admin may name any tenant");
+}
+
 void DefineReserve(FlagSet& f) {
   DefinePool(f);
   f.AddUint("bytes", 0, "bytes of headroom to take (required, > 0)");
+  DefineReservationTenant(f);
 }
 
 int RunReserve(const Invocation& in) {
@@ -72,7 +80,8 @@ int RunReserve(const Invocation& in) {
   absl::StatusOr<uint64_t> bytes = BytesFrom(in.flags);
   if (!bytes.ok()) return in.Usage(bytes.status().message());
   v1::ReserveResponse reply;
-  absl::StatusOr<uint64_t> evicted = in.client->Reserve(*pool, *bytes, in.Call(reply));
+  absl::StatusOr<uint64_t> evicted = in.client->Reserve(
+      *pool, *bytes, ReserveParams{.tenant = in.flags.GetString("tenant")}, in.Call(reply));
   if (!evicted.ok()) return in.Failed(evicted.status());
   if (in.json) return PrintJson(reply);
   absl::PrintF("reserved %d bytes in %s\n", *bytes, pool->ToString());
@@ -83,6 +92,7 @@ int RunReserve(const Invocation& in) {
 void DefineUnreserve(FlagSet& f) {
   DefinePool(f);
   f.AddUint("bytes", 0, "bytes of headroom to give back (required, > 0)");
+  DefineReservationTenant(f);
 }
 
 int RunUnreserve(const Invocation& in) {
@@ -91,7 +101,9 @@ int RunUnreserve(const Invocation& in) {
   absl::StatusOr<uint64_t> bytes = BytesFrom(in.flags);
   if (!bytes.ok()) return in.Usage(bytes.status().message());
   v1::UnreserveResponse reply;
-  if (absl::Status s = in.client->Unreserve(*pool, *bytes, in.Call(reply)); !s.ok()) {
+  if (absl::Status s = in.client->Unreserve(
+          *pool, *bytes, ReserveParams{.tenant = in.flags.GetString("tenant")}, in.Call(reply));
+      !s.ok()) {
     return in.Failed(s);
   }
   if (in.json) return PrintJson(reply);

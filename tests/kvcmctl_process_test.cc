@@ -368,6 +368,16 @@ TEST_F(KvcmctlProcessTest, ReserveAndUnreserve) {
   out = CtlOk({"unreserve", "--agent=a0", "--bytes=4196"});
   EXPECT_THAT(out, HasSubstr("unreserved 4196 bytes in a0:gpu\n"));
   EXPECT_EQ(reserved(), "0");
+
+  // A tenant's headroom (no tokens: every caller is an admin) is not the operators'.
+  CtlOk({"reserve", "--agent=a0", "--bytes=512", "--tenant=acme"});
+  EXPECT_EQ(reserved(), "512");
+  ProcessResult operators = Ctl({"unreserve", "--agent=a0", "--bytes=512"});
+  EXPECT_EQ(operators.exit_code, 1) << operators.Describe();
+  EXPECT_THAT(operators.err, HasSubstr("OUT_OF_RANGE"));
+  EXPECT_EQ(reserved(), "512");
+  CtlOk({"unreserve", "--agent=a0", "--bytes=512", "--tenant=acme"});
+  EXPECT_EQ(reserved(), "0");
 }
 
 // The vocabulary's names (--manager_address, $KVCM_MANAGER_ADDRESS, --num_layers...) and the
