@@ -534,6 +534,11 @@ int Main(int argc, char** argv) {
                   security.status().message());
     return kExitUsage;
   }
+  if (global.IsSet("token")) {
+    absl::FPrintF(stderr,
+                  "kvcmctl: --token is visible to every user in ps; prefer --token_file or "
+                  "$KVCM_TOKEN\n");
+  }
   ClientOptions options;
   options.address = address;
   options.insecure = security->tls.insecure;

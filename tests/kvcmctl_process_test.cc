@@ -409,6 +409,11 @@ TEST_F(KvcmctlProcessTest, ManagerAddressAndDeprecatedNames) {
   }
   EXPECT_EQ(old.err.find("--addr is"), old.err.rfind("--addr is")) << "warned twice: " << old.err;
 
+  // --token still works, with a warning that ps shows it.
+  ProcessResult token = Ctl({"--token=visible-token", "stats"});
+  EXPECT_EQ(token.exit_code, 0) << token.Describe();
+  EXPECT_THAT(token.err, HasSubstr("kvcmctl: --token is visible to every user in ps"));
+
   // $KVCM_MANAGER_ADDRESS without the flag; the flag over it.
   ProcessResult env = CtlEnv({"KVCM_MANAGER_ADDRESS=" + address}, {"--insecure", "stats"});
   EXPECT_EQ(env.exit_code, 0) << env.Describe();
