@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "client/tls_hint.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "proto/core_types.h"
@@ -29,7 +30,8 @@ absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const ChannelFactory& channels
     grpc::ClientContext ctx;
     SetDeadline(&ctx);
     if (grpc::Status s = out.stub_->Stats(&ctx, v1::BlockAgentStatsRequest(), &stats); !s.ok()) {
-      return FromGrpcStatus(s);
+      // The first call to the agent: where a TLS/plaintext mismatch shows.
+      return WithTlsMismatchHint(FromGrpcStatus(s), channels.insecure(), "the agent");
     }
   }
   out.epoch_ = stats.epoch();

@@ -1,5 +1,6 @@
 #include "client/cli_args.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace kvcm::cli {
@@ -47,6 +49,11 @@ void FlagSet::AddUint(std::string name, uint64_t default_value, std::string help
 
 void FlagSet::AddBool(std::string name, std::string help) {
   Add(std::move(name), NewFlag(Kind::kBool, std::move(help), "false"));
+}
+
+void FlagSet::AddDeprecatedAlias(std::string old_name, std::string new_name) {
+  alias_order_.push_back(old_name);
+  aliases_.emplace(std::move(old_name), std::move(new_name));
 }
 
 absl::Status FlagSet::Assign(absl::string_view name, Flag& flag, absl::string_view value) {
@@ -93,7 +100,15 @@ absl::StatusOr<size_t> FlagSet::ParsePrefix(std::span<const absl::string_view> a
     }
     arg.remove_prefix(2);
     const size_t eq = arg.find('=');
-    const absl::string_view name = arg.substr(0, eq);
+    absl::string_view name = arg.substr(0, eq);
+    if (auto alias = aliases_.find(name); alias != aliases_.end()) {
+      std::string warning =
+          absl::StrCat("--", alias->first, " is deprecated; use --", alias->second);
+      if (std::find(warnings_.begin(), warnings_.end(), warning) == warnings_.end()) {
+        warnings_.push_back(std::move(warning));
+      }
+      name = alias->second;
+    }
     auto it = flags_.find(name);
     if (it == flags_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
@@ -182,7 +197,65 @@ std::string FlagSet::Help() const {
     }
     absl::StrAppend(&out, "\n");
   }
+  if (!alias_order_.empty()) {
+    std::vector<std::string> pairs;
+    for (const std::string& old_name : alias_order_) {
+      pairs.push_back(absl::StrCat("--", old_name, " (--", aliases_.find(old_name)->second, ")"));
+    }
+    absl::StrAppend(&out, "  deprecated, still accepted: ", absl::StrJoin(pairs, ", "), "\n");
+  }
   return out;
+}
+
+absl::Status CheckHostPort(absl::string_view flag, absl::string_view address,
+                           absl::string_view server, int default_port) {
+  if (absl::StrContains(address, "://") || absl::StartsWith(address, "unix:") ||
+      absl::StartsWith(address, "ipv4:") || absl::StartsWith(address, "ipv6:")) {
+    return absl::OkStatus();  // a gRPC target with a scheme: gRPC parses it
+  }
+  if (address.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty; ", server,
+                                                   " listens on ", default_port,
+                                                   " by default: 127.0.0.1:", default_port));
+  }
+  absl::string_view host = address;
+  absl::string_view port;
+  if (absl::StartsWith(address, "[")) {  // [v6]:port
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " '", address, "': an IPv6 address ends with ']'"));
+    }
+    host = address.substr(0, close + 1);
+    if (close + 1 < address.size() && address[close + 1] == ':') {
+      port = address.substr(close + 2);
+    } else if (close + 1 != address.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " '", address, "': expected [address]:port"));
+    }
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon != absl::string_view::npos && address.find(':') != colon) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, " '", address, "': write an IPv6 address in brackets with its port: [",
+          address, "]:", default_port));
+    }
+    if (colon != absl::string_view::npos) {
+      host = address.substr(0, colon);
+      port = address.substr(colon + 1);
+    }
+  }
+  if (port.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " '", address, "' has no port; ",
+                                                   server, " listens on ", default_port,
+                                                   " by default: ", host, ":", default_port));
+  }
+  int value = 0;
+  if (!absl::SimpleAtoi(port, &value) || value < 1 || value > 65535 || host.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, " '", address, "': expected host:port with a port in 1..65535"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {

@@ -28,6 +28,9 @@ class FlagSet {
   void AddInt(std::string name, int64_t default_value, std::string help);
   void AddUint(std::string name, uint64_t default_value, std::string help);
   void AddBool(std::string name, std::string help);
+  // `old_name` keeps working as `new_name` (declared before) for one release: parsing it
+  // sets `new_name` and records one warning per alias used (see DeprecationWarnings).
+  void AddDeprecatedAlias(std::string old_name, std::string new_name);
 
   // Parses flags from the front of `args` and stops at the first argument that is not a
   // flag, or after "--". Returns how many arguments were consumed.
@@ -43,8 +46,13 @@ class FlagSet {
   // Whether the flag was given on the command line (rather than defaulted).
   bool IsSet(absl::string_view name) const;
 
-  // One line per flag, "  --name=<type>   help (default: value)", in declaration order.
+  // One line per flag, "  --name=<type>   help (default: value)", in declaration order,
+  // then a line naming the deprecated aliases, if any.
   std::string Help() const;
+
+  // "--old is deprecated; use --new", once per alias the parsed arguments used, in the
+  // order they were first used.
+  const std::vector<std::string>& DeprecationWarnings() const { return warnings_; }
 
  private:
   enum class Kind : uint8_t { kString, kInt, kUint, kBool };
@@ -66,7 +74,18 @@ class FlagSet {
 
   std::map<std::string, Flag, std::less<>> flags_;
   std::vector<std::string> order_;
+  std::map<std::string, std::string, std::less<>> aliases_;  // old name -> new name
+  std::vector<std::string> alias_order_;
+  std::vector<std::string> warnings_;
 };
+
+// Checks that `address`, the value of --`flag`, is "host:port" (IPv6 as "[::1]:port") with
+// a port in 1..65535, or a gRPC target with a scheme ("dns:///h:p", "unix:/path"), which is
+// passed through. INVALID_ARGUMENT naming the flag and the fix: "--manager_address
+// 'localhost' has no port; the manager listens on 50051 by default: localhost:50051", where
+// `server` ("the manager") listens on `default_port`. gRPC would dial :443 instead.
+absl::Status CheckHostPort(absl::string_view flag, absl::string_view address,
+                           absl::string_view server, int default_port);
 
 // Token ids separated by commas and/or whitespace ("1,2,3", "1 2\n3"). Each must fit int32
 // and be >= 0. An empty list is allowed.

@@ -162,9 +162,9 @@ TEST(CliInputsTest, ModelSpecFromFlags) {
 
   FlagSet big;
   DefineModelSpec(big);
-  std::vector<absl::string_view> big_args = {"--layers=4294967296"};
+  std::vector<absl::string_view> big_args = {"--num_layers=4294967296"};
   ASSERT_TRUE(big.ParseAll(big_args).ok());
-  EXPECT_THAT(ModelSpecFrom(big).status().message(), HasSubstr("--layers"));
+  EXPECT_THAT(ModelSpecFrom(big).status().message(), HasSubstr("--num_layers"));
 }
 
 TEST(CliInputsTest, ModelSpecFromPresetWithOverrides) {
@@ -243,11 +243,11 @@ TEST(CliInputsTest, SecurityFlags) {
   EXPECT_EQ(tls->tls.key_file, "c.key");
   EXPECT_TRUE(tls->tls.ValidateForChannel().ok());
 
-  EXPECT_THAT(security({}).status().message(), HasSubstr("--ca is required"));
-  EXPECT_THAT(security({"--insecure", "--ca=ca.pem"}).status().message(),
+  EXPECT_THAT(security({}).status().message(), HasSubstr("--tls_ca_file is required"));
+  EXPECT_THAT(security({"--insecure", "--tls_ca_file=ca.pem"}).status().message(),
               HasSubstr("--insecure excludes"));
-  EXPECT_THAT(security({"--ca=ca.pem", "--cert=c.pem"}).status().message(),
-              HasSubstr("--cert and --key go together"));
+  EXPECT_THAT(security({"--tls_ca_file=ca.pem", "--tls_cert_file=c.pem"}).status().message(),
+              HasSubstr("--tls_cert_file and --tls_key_file go together"));
 
   // The token: --token_file or --token, else the environment.
   EXPECT_EQ(security({"--insecure", "--token=t1"}, "env")->token, "t1");
@@ -264,6 +264,92 @@ TEST(CliInputsTest, SecurityFlags) {
   EXPECT_THAT(security({"--insecure", "--token=a b"}).status().message(), HasSubstr("--token"));
   EXPECT_THAT(security({"--insecure"}, "bad token").status().message(), HasSubstr("KVCM_TOKEN"));
   std::remove(path.c_str());
+}
+
+TEST(FlagSetTest, DeprecatedAliasSetsTheNewFlagAndWarnsOnce) {
+  FlagSet f = TestFlags();
+  f.AddDeprecatedAlias("n", "name");
+  f.AddDeprecatedAlias("c", "count");
+  EXPECT_THAT(f.Help(), HasSubstr("deprecated, still accepted: --n (--name), --c (--count)"));
+  std::vector<absl::string_view> args = {"--n=a", "--n", "b", "--c=3", "--pin"};
+  ASSERT_TRUE(f.ParseAll(args).ok());
+  EXPECT_EQ(f.GetString("name"), "b");  // the last one wins, as with the new name
+  EXPECT_TRUE(f.IsSet("name"));
+  EXPECT_EQ(f.GetUint("count"), 3u);
+  EXPECT_THAT(f.DeprecationWarnings(),
+              ElementsAre("--n is deprecated; use --name", "--c is deprecated; use --count"));
+
+  // The new name warns about nothing; an alias's bad value names the new flag.
+  FlagSet g = TestFlags();
+  g.AddDeprecatedAlias("c", "count");
+  std::vector<absl::string_view> plain = {"--count=4"};
+  ASSERT_TRUE(g.ParseAll(plain).ok());
+  EXPECT_TRUE(g.DeprecationWarnings().empty());
+  FlagSet h = TestFlags();
+  h.AddDeprecatedAlias("c", "count");
+  std::vector<absl::string_view> bad = {"--c=-1"};
+  EXPECT_THAT(h.ParseAll(bad).message(), HasSubstr("--count"));
+}
+
+TEST(CliInputsTest, OldModelAndTlsFlagNamesStillWork) {
+  FlagSet f;
+  DefineModelSpec(f);
+  std::vector<absl::string_view> old_args = {"--attention=gqa", "--layers=2",  "--heads=8",
+                                             "--kv_heads=2",    "--head_dim=4", "--dtype=fp8",
+                                             "--page_size=16"};
+  ASSERT_TRUE(f.ParseAll(old_args).ok());
+  FlagSet g;
+  DefineModelSpec(g);
+  std::vector<absl::string_view> new_args = {
+      "--attention=gqa", "--num_layers=2", "--num_heads=8",      "--num_kv_heads=2",
+      "--head_dim=4",    "--kv_dtype=fp8", "--page_size_tokens=16"};
+  ASSERT_TRUE(g.ParseAll(new_args).ok());
+  ASSERT_TRUE(ModelSpecFrom(f).ok());
+  EXPECT_EQ(*ModelSpecFrom(f), *ModelSpecFrom(g));
+  EXPECT_EQ(f.DeprecationWarnings().size(), 5u);
+  EXPECT_TRUE(g.DeprecationWarnings().empty());
+
+  FlagSet tls;
+  DefineSecurity(tls);
+  std::vector<absl::string_view> tls_args = {"--ca=ca.pem", "--cert=c.pem", "--key=c.key"};
+  ASSERT_TRUE(tls.ParseAll(tls_args).ok());
+  absl::StatusOr<Security> security = SecurityFrom(tls, nullptr);
+  ASSERT_TRUE(security.ok()) << security.status();
+  EXPECT_EQ(security->tls.ca_file, "ca.pem");
+  EXPECT_EQ(security->tls.cert_file, "c.pem");
+  EXPECT_EQ(security->tls.key_file, "c.key");
+  EXPECT_THAT(tls.DeprecationWarnings(),
+              ElementsAre("--ca is deprecated; use --tls_ca_file",
+                          "--cert is deprecated; use --tls_cert_file",
+                          "--key is deprecated; use --tls_key_file"));
+}
+
+TEST(CheckHostPortTest, AcceptsHostPortAndSchemes) {
+  for (absl::string_view ok : {"localhost:50051", "127.0.0.1:1", "[::1]:50051", "kvcm:65535",
+                               "dns:///kvcm:50051", "unix:/tmp/kvcm.sock", "ipv4:10.0.0.1:5"}) {
+    EXPECT_TRUE(CheckHostPort("manager_address", ok, "the manager", 50051).ok()) << ok;
+  }
+}
+
+TEST(CheckHostPortTest, NamesTheFlagAndTheFix) {
+  absl::Status s = CheckHostPort("manager_address", "localhost", "the manager", 50051);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "--manager_address 'localhost' has no port; the manager listens on 50051 by "
+            "default: localhost:50051");
+  EXPECT_THAT(CheckHostPort("agent_address", "gpu-0:", "the agent", 50052).message(),
+              HasSubstr("gpu-0:50052"));
+  EXPECT_THAT(CheckHostPort("agent_address", "[::1]", "the agent", 50052).message(),
+              HasSubstr("[::1]:50052"));
+  EXPECT_THAT(CheckHostPort("manager_address", "::1", "the manager", 50051).message(),
+              HasSubstr("[::1]:50051"));
+  for (absl::string_view bad : {"h:0", "h:65536", "h:x", ":50051", "[::1", "[::1]x"}) {
+    absl::Status b = CheckHostPort("manager_address", bad, "the manager", 50051);
+    EXPECT_EQ(b.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(b.message(), HasSubstr("--manager_address")) << bad;
+  }
+  EXPECT_THAT(CheckHostPort("manager_address", "", "the manager", 50051).message(),
+              HasSubstr("empty"));
 }
 
 }  // namespace

@@ -55,18 +55,23 @@ void DefineModelSpec(FlagSet& f) {
               "start from this catalogue model (see 'kvcmctl models'); the flags below "
               "override its fields");
   f.AddString("attention", "mla", "attention kind: mla|gqa|mha|mqa");
-  f.AddUint("layers", 0, "transformer layers with a KV cache");
-  f.AddUint("heads", 0, "query heads");
-  f.AddUint("kv_heads", 0, "K/V heads (gqa; mha uses --heads, mqa 1)");
+  f.AddUint("num_layers", 0, "transformer layers with a KV cache");
+  f.AddUint("num_heads", 0, "query heads");
+  f.AddUint("num_kv_heads", 0, "K/V heads (gqa; mha uses --num_heads, mqa 1)");
   f.AddUint("head_dim", 0, "elements per K/V head (mha/mqa/gqa)");
   f.AddUint("kv_lora_rank", 0, "MLA latent width (DeepSeek-V3: 512)");
   f.AddUint("rope_dim", 0, "MLA decoupled RoPE width (DeepSeek-V3: 64)");
-  f.AddString("dtype", "bf16", "KV element type: bf16|fp16|fp8|int8");
-  f.AddUint("page_size", kDefaultPageSizeTokens, "tokens per page");
+  f.AddString("kv_dtype", "bf16", "KV element type: bf16|fp16|fp8|int8");
+  f.AddUint("page_size_tokens", kDefaultPageSizeTokens, "tokens per page");
+  f.AddDeprecatedAlias("layers", "num_layers");
+  f.AddDeprecatedAlias("heads", "num_heads");
+  f.AddDeprecatedAlias("kv_heads", "num_kv_heads");
+  f.AddDeprecatedAlias("dtype", "kv_dtype");
+  f.AddDeprecatedAlias("page_size", "page_size_tokens");
 }
 
 absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
-  absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("dtype"), "--dtype");
+  absl::StatusOr<KvDtype> dtype = ParseDtype(f.GetString("kv_dtype"), "--kv_dtype");
   if (!dtype.ok()) {
     return dtype.status();
   }
@@ -90,10 +95,10 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
     spec.attention = *attention;
   }
   const std::pair<const char*, uint32_t*> fields[] = {
-      {"layers", &spec.num_layers},         {"heads", &spec.num_heads},
-      {"kv_heads", &spec.num_kv_heads},     {"head_dim", &spec.head_dim},
+      {"num_layers", &spec.num_layers},     {"num_heads", &spec.num_heads},
+      {"num_kv_heads", &spec.num_kv_heads}, {"head_dim", &spec.head_dim},
       {"kv_lora_rank", &spec.kv_lora_rank}, {"rope_dim", &spec.rope_dim},
-      {"page_size", &spec.page_size_tokens}};
+      {"page_size_tokens", &spec.page_size_tokens}};
   for (const auto& [name, field] : fields) {
     if (preset && !f.IsSet(name)) {
       continue;
@@ -104,10 +109,10 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
     }
     *field = static_cast<uint32_t>(value);
   }
-  if (spec.attention == AttentionKind::kMha && !f.IsSet("kv_heads")) {
+  if (spec.attention == AttentionKind::kMha && !f.IsSet("num_kv_heads")) {
     spec.num_kv_heads = spec.num_heads;
   }
-  if (spec.attention == AttentionKind::kMqa && !f.IsSet("kv_heads")) {
+  if (spec.attention == AttentionKind::kMqa && !f.IsSet("num_kv_heads")) {
     spec.num_kv_heads = 1;
   }
   return spec;
@@ -115,30 +120,36 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
 
 void DefineSecurity(FlagSet& f) {
   f.AddBool("insecure", "plaintext, for a manager started with --insecure (development only)");
-  f.AddString("ca", "", "PEM CA bundle that verifies the manager (and agents): TLS");
-  f.AddString("cert", "", "PEM client certificate, for a manager or agent that requires one");
-  f.AddString("key", "", "PEM private key of --cert");
+  f.AddString("tls_ca_file", "", "PEM CA bundle that verifies the manager (and agents): TLS");
+  f.AddString("tls_cert_file", "",
+              "PEM client certificate, for a manager or agent that requires one");
+  f.AddString("tls_key_file", "", "PEM private key of --tls_cert_file");
   f.AddString("token", "",
               "bearer token sent with every call; visible to every user in ps: prefer "
               "--token_file or KVCM_TOKEN");
   f.AddString("token_file", "", "file holding the bearer token (default: $KVCM_TOKEN)");
+  f.AddDeprecatedAlias("ca", "tls_ca_file");
+  f.AddDeprecatedAlias("cert", "tls_cert_file");
+  f.AddDeprecatedAlias("key", "tls_key_file");
 }
 
 absl::StatusOr<Security> SecurityFrom(const FlagSet& f, const char* env_token) {
   Security out;
   out.tls = TlsOptions{.insecure = f.GetBool("insecure"),
-                       .cert_file = f.GetString("cert"),
-                       .key_file = f.GetString("key"),
-                       .ca_file = f.GetString("ca")};
+                       .cert_file = f.GetString("tls_cert_file"),
+                       .key_file = f.GetString("tls_key_file"),
+                       .ca_file = f.GetString("tls_ca_file")};
   if (out.tls.insecure) {
     if (!out.tls.ca_file.empty() || !out.tls.cert_file.empty() || !out.tls.key_file.empty()) {
-      return absl::InvalidArgumentError("--insecure excludes --ca, --cert and --key");
+      return absl::InvalidArgumentError(
+          "--insecure excludes --tls_ca_file, --tls_cert_file and --tls_key_file");
     }
   } else if (out.tls.ca_file.empty()) {
     return absl::InvalidArgumentError(
-        "--ca is required to verify the manager (or --insecure for a plaintext manager)");
+        "--tls_ca_file is required to verify the manager (or --insecure for a plaintext "
+        "manager)");
   } else if (out.tls.cert_file.empty() != out.tls.key_file.empty()) {
-    return absl::InvalidArgumentError("--cert and --key go together");
+    return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file go together");
   }
 
   if (f.IsSet("token") && f.IsSet("token_file")) {

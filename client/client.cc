@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/tls_hint.h"
 #include "client/wire.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
@@ -13,6 +14,15 @@
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 
 namespace kvcm {
+
+namespace {
+
+// CallOptions::reply: a copy of a successful call's reply for a caller that asked.
+void CopyReply(const CallOptions& call, const google::protobuf::Message& response) {
+  if (call.reply != nullptr) call.reply->CopyFrom(response);
+}
+
+}  // namespace
 
 struct Client::Rpc {
   ChannelFactory channels;
@@ -204,23 +214,22 @@ absl::Status Client::Invoke(absl::Time deadline,
   }
   absl::Status result = FromGrpcStatus(status);
   if (!result.ok() && attempts > 1) {
-    return absl::Status(result.code(),
-                        absl::StrCat(result.message(), " (after ", attempts, " attempts)"));
+    result = absl::Status(result.code(),
+                          absl::StrCat(result.message(), " (after ", attempts, " attempts)"));
   }
-  return result;
+  return WithTlsMismatchHint(std::move(result), options_.insecure, "the manager");
 }
 
 absl::StatusOr<RegisterModelReply> Client::RegisterModel(const NamespaceId& ns,
                                                          const ModelSpec& spec,
                                                          const RegisterModelParams& params,
                                                          const CallOptions& call) {
-  return RegisterModelUntil(ns, spec, params, DeadlineOf(call));
+  return RegisterModelUntil(ns, spec, params, DeadlineOf(call), call.reply);
 }
 
-absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId& ns,
-                                                              const ModelSpec& spec,
-                                                              const RegisterModelParams& params,
-                                                              absl::Time deadline) {
+absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(
+    const NamespaceId& ns, const ModelSpec& spec, const RegisterModelParams& params,
+    absl::Time deadline, google::protobuf::Message* reply_copy) {
   v1::RegisterModelRequest request;
   NamespaceToProto(ns, request.mutable_namespace_());
   ModelSpecToProto(spec, request.mutable_spec());
@@ -232,6 +241,7 @@ absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(const NamespaceId&
   if (!status.ok()) {
     return status;
   }
+  if (reply_copy != nullptr) reply_copy->CopyFrom(response);
 
   RegisterModelReply reply;
   reply.spec = wire::FromProto(response.spec());
@@ -348,6 +358,7 @@ absl::StatusOr<MatchReply> Client::Match(const NamespaceId& ns, std::span<const 
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -368,6 +379,7 @@ absl::StatusOr<MatchReply> Client::MatchHashes(const NamespaceId& ns,
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -412,6 +424,7 @@ absl::StatusOr<RouteReply> Client::Route(const NamespaceId& ns, std::span<const 
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -465,6 +478,7 @@ absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<cons
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -493,6 +507,7 @@ absl::StatusOr<InsertReply> Client::InsertHashes(
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -501,9 +516,11 @@ absl::Status Client::Release(const NamespaceId& ns, uint64_t pin_id, const CallO
   NamespaceToProto(ns, request.mutable_namespace_());
   request.set_pin_id(pin_id);
   v1::ReleaseResponse response;
-  return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Release(context, request, &response);
   });
+  if (status.ok()) CopyReply(call, response);
+  return status;
 }
 
 absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pin_id,
@@ -519,14 +536,21 @@ absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pi
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return absl::FromUnixMillis(response.lease_expiry_unix_ms());
 }
 
 absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
                                          const CallOptions& call) {
+  return Reserve(pool, bytes, ReserveParams{}, call);
+}
+
+absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
+                                         const ReserveParams& params, const CallOptions& call) {
   v1::ReserveRequest request;
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
+  request.set_tenant(params.tenant);
   v1::ReserveResponse response;
   absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Reserve(context, request, &response);
@@ -534,17 +558,26 @@ absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return response.evicted_bytes();
 }
 
 absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call) {
+  return Unreserve(pool, bytes, ReserveParams{}, call);
+}
+
+absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
+                               const CallOptions& call) {
   v1::ReserveRequest request;
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
+  request.set_tenant(params.tenant);
   v1::UnreserveResponse response;
-  return Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Unreserve(context, request, &response);
   });
+  if (status.ok()) CopyReply(call, response);
+  return status;
 }
 
 absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t bytes,
@@ -559,6 +592,7 @@ absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t b
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -574,6 +608,7 @@ absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uin
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -586,6 +621,7 @@ absl::StatusOr<DeleteNamespaceReply> Client::DeleteNamespace(const NamespaceId& 
     return rpc_->stub->DeleteNamespace(context, request, &response);
   });
   if (!status.ok()) return status;
+  CopyReply(call, response);
   return DeleteNamespaceReply{.removed_pages = response.removed_pages(),
                               .dropped_pins = response.dropped_pins()};
 }
@@ -599,6 +635,7 @@ absl::StatusOr<ManagerStats> Client::Stats(const CallOptions& call) {
   if (!status.ok()) {
     return status;
   }
+  CopyReply(call, response);
   return wire::FromProto(response);
 }
 
@@ -611,15 +648,16 @@ std::unique_ptr<EventWatch> Client::WatchEvents(const std::optional<NamespaceId>
   }
   EventWatch* w = watch.get();
   v1::CacheManager::Stub* stub = rpc_->stub.get();
-  watch->thread_ =
-      std::thread([w, stub, request = std::move(request), callback = std::move(callback)] {
+  watch->thread_ = std::thread([w, stub, insecure = options_.insecure,
+                                request = std::move(request), callback = std::move(callback)] {
         std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> reader =
             stub->WatchEvents(w->context_.get(), request);
         v1::CacheEvent event;
         while (reader->Read(&event)) {
           callback(wire::FromProto(event));
         }
-        w->final_status_ = FromGrpcStatus(reader->Finish());
+        w->final_status_ =
+            WithTlsMismatchHint(FromGrpcStatus(reader->Finish()), insecure, "the manager");
       });
   return watch;
 }

@@ -4,7 +4,9 @@
 // Every call returns absl::Status / absl::StatusOr with the server's gRPC code and message,
 // runs under a deadline (ClientOptions::default_deadline_ms unless CallOptions says
 // otherwise) and is retried with exponential backoff and jitter only when the answer is
-// UNAVAILABLE, at most ClientOptions::max_attempts times and never past the deadline.
+// UNAVAILABLE, at most ClientOptions::max_attempts times and never past the deadline. An
+// UNAVAILABLE whose text suggests a TLS/plaintext mismatch gets a line naming the likely fix
+// (client/tls_hint.h).
 // A retried call whose first reply was lost in transit may run twice on the manager: Insert
 // is idempotent, a duplicated pin lapses with its lease, and a retried Release may answer
 // NOT_FOUND after the first one succeeded.
@@ -40,6 +42,10 @@
 #include "common/page_hash.h"
 #include "common/security_options.h"
 #include "common/types.h"
+
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
 
 namespace grpc {
 class ClientContext;
@@ -97,6 +103,10 @@ struct ClientOptions {
 struct CallOptions {
   // Deadline of this call including retries; <= 0 uses ClientOptions::default_deadline_ms.
   int64_t deadline_ms = 0;
+  // When set, receives a copy of the call's successful reply message, for tools that print
+  // it whole (kvcmctl --json). REQUIRES: the RPC's response type (kvcm.v1.MatchResponse for
+  // Match, MatchHashes and MatchAndPin; InsertResponse for Insert; ...).
+  google::protobuf::Message* reply = nullptr;
 };
 
 struct RegisterModelReply {
@@ -209,6 +219,13 @@ struct InsertReply {
   uint32_t new_pages = 0;
   uint32_t replicated_pages = 0;
   uint64_t evicted_bytes = 0;
+};
+
+struct ReserveParams {
+  // Whose headroom (kvcm.v1.ReserveRequest.tenant). Empty: a worker's own tenant, or for an
+  // admin the operators' (no quota; no Insert takes it). An admin may name any tenant; a
+  // worker only its own (PERMISSION_DENIED otherwise).
+  std::string tenant;
 };
 
 struct EvictReply {
@@ -472,6 +489,11 @@ class Client {
   absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
                                    const CallOptions& call = {});
   absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call = {});
+  // The same for the tenant `params` names (an admin's call; see ReserveParams).
+  absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
+                                   const ReserveParams& params, const CallOptions& call = {});
+  absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
+                         const CallOptions& call = {});
 
   absl::StatusOr<EvictReply> EvictFromPool(const PoolRef& pool, uint64_t bytes,
                                            const CallOptions& call = {});
@@ -518,10 +540,10 @@ class Client {
   absl::Status Invoke(absl::Time deadline,
                       absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
 
-  absl::StatusOr<RegisterModelReply> RegisterModelUntil(const NamespaceId& ns,
-                                                        const ModelSpec& spec,
-                                                        const RegisterModelParams& params,
-                                                        absl::Time deadline);
+  // reply_copy: CallOptions::reply.
+  absl::StatusOr<RegisterModelReply> RegisterModelUntil(
+      const NamespaceId& ns, const ModelSpec& spec, const RegisterModelParams& params,
+      absl::Time deadline, google::protobuf::Message* reply_copy = nullptr);
   std::optional<NamespaceKey> CachedKey(const NamespaceId& ns) const;
   // The cached key, or FAILED_PRECONDITION when RegisterModel was not called for `ns`.
   absl::StatusOr<NamespaceKey> RequireKey(const NamespaceId& ns) const;

@@ -1,9 +1,12 @@
 #include "client/kvcmctl_print.h"
 
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/cli_inputs.h"
 #include "common/enum_names.h"
 #include "common/model_catalog.h"
@@ -148,6 +151,31 @@ absl::Status PrintModels(std::span<const KvDtype> dtypes, uint32_t page_size_tok
       "Dimensions: each model's Hugging Face config.json. Register one with 'register-model "
       "--preset=NAME'.\n",
       page_size_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status PrintModelsJson(std::span<const KvDtype> dtypes, uint32_t page_size_tokens) {
+  // Catalogue names and enum names are [a-z0-9.-]: nothing to escape.
+  std::vector<std::string> rows;
+  for (const CatalogModel& m : Catalog()) {
+    for (KvDtype dtype : dtypes) {
+      absl::StatusOr<ModelSpec> spec = FindModel(m.name, dtype);
+      if (!spec.ok()) {
+        return spec.status();
+      }
+      spec->page_size_tokens = page_size_tokens;
+      const KvFootprint f = FootprintOf(*spec);
+      rows.push_back(absl::StrFormat(
+          "{\"name\":\"%s\",\"family\":\"%s\",\"attention\":\"%s\",\"num_layers\":%u,"
+          "\"kv_dtype\":\"%s\",\"bytes_per_token_per_layer\":%u,\"bytes_per_token\":%u,"
+          "\"bytes_per_page\":%u,\"tokens_per_gib\":%u,\"mha_shaped_ratio\":%.3f}",
+          m.name, m.family, AttentionName(spec->attention), spec->num_layers,
+          DtypeName(spec->dtype), f.bytes_per_token_per_layer, f.bytes_per_token,
+          f.bytes_per_page, f.tokens_per_gib, f.mha_shaped_ratio));
+    }
+  }
+  absl::PrintF("{\"page_size_tokens\":%u,\"models\":[%s]}\n", page_size_tokens,
+               absl::StrJoin(rows, ","));
   return absl::OkStatus();
 }
 

@@ -35,6 +35,9 @@ void PrintStats(absl::string_view address, const ManagerStats& stats);
 // error of a model the catalogue cannot build, with the rows before it already printed
 // and no legend.
 absl::Status PrintModels(std::span<const KvDtype> dtypes, uint32_t page_size_tokens);
+// The same rows as one JSON object (--json): {"page_size_tokens":N,"models":[{"name":...,
+// "kv_dtype":..., "bytes_per_token":..., ...}]}, printed only when every row could be built.
+absl::Status PrintModelsJson(std::span<const KvDtype> dtypes, uint32_t page_size_tokens);
 
 }  // namespace kvcm::cli
 

@@ -31,7 +31,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ctl() { "$build/client/kvcmctl" --insecure --addr="127.0.0.1:$port" "$@"; }
+ctl() { "$build/client/kvcmctl" --insecure --manager_address="127.0.0.1:$port" "$@"; }
 # Retries a command every 0.1 s until it succeeds; fails after 30 s.
 until_ok() {
   local give_up=$((SECONDS + 30))

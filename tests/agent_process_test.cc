@@ -77,7 +77,7 @@ class AgentProcessTest : public ::testing::Test {
 
   ProcessResult Ctl(const std::vector<std::string>& args) {
     std::vector<std::string> argv = {KVCMCTL_PATH, "--insecure",
-                                     absl::StrCat("--addr=127.0.0.1:", port_)};
+                                     absl::StrCat("--manager_address=127.0.0.1:", port_)};
     argv.insert(argv.end(), args.begin(), args.end());
     std::unique_ptr<Subprocess> p = Subprocess::Start(argv);
     if (p == nullptr) return ProcessResult{};

@@ -181,8 +181,8 @@ class ClusterProcessTest : public ::testing::Test {
   }
 
   ProcessResult Ctl(std::vector<std::string> args) {
-    args.insert(args.begin(),
-                {KVCMCTL_PATH, "--insecure", absl::StrCat("--addr=", cluster_->manager_address())});
+    args.insert(args.begin(), {KVCMCTL_PATH, "--insecure",
+                               absl::StrCat("--manager_address=", cluster_->manager_address())});
     std::unique_ptr<Subprocess> p = Subprocess::Start(args);
     return p == nullptr ? ProcessResult{} : p->Finish(absl::Seconds(30));
   }

@@ -123,11 +123,11 @@ class FetchTlsProcessTest : public ::testing::Test {
 
   // kvcmctl over mutual TLS with `who`'s token.
   ProcessResult Ctl(const std::string& who, std::vector<std::string> args) {
-    args.insert(
-        args.begin(),
-        {KVCMCTL_PATH, absl::StrCat("--addr=", address_), absl::StrCat("--ca=", Path("ca.pem")),
-         absl::StrCat("--cert=", Path("client.pem")), absl::StrCat("--key=", Path("client.key")),
-         absl::StrCat("--token_file=", Path(who + ".token"))});
+    args.insert(args.begin(), {KVCMCTL_PATH, absl::StrCat("--manager_address=", address_),
+                               absl::StrCat("--tls_ca_file=", Path("ca.pem")),
+                               absl::StrCat("--tls_cert_file=", Path("client.pem")),
+                               absl::StrCat("--tls_key_file=", Path("client.key")),
+                               absl::StrCat("--token_file=", Path(who + ".token"))});
     std::unique_ptr<Subprocess> p = Subprocess::Start(args);
     return p == nullptr ? ProcessResult{} : p->Finish(absl::Seconds(30));
   }

@@ -143,10 +143,10 @@ has_series() {
     python3 -c 'import json, sys; r = json.load(sys.stdin); sys.exit(not (r["status"] == "success" and r["data"]["result"]))' 2>/dev/null
 }
 
-ctl=("$ctl_bin" --insecure --addr=127.0.0.1:$grpc_port)
+ctl=("$ctl_bin" --insecure --manager_address=127.0.0.1:$grpc_port)
 acme=(--tenant=acme --model=dsv3) beta=(--tenant=beta --model=dsv3) short=(--tenant=beta --model=short)
-geometry=(--attention=mla --layers=61 --heads=128 --kv_lora_rank=512 --rope_dim=64 --dtype=bf16
-  --page_size=64)
+geometry=(--attention=mla --num_layers=61 --num_heads=128 --kv_lora_rank=512 --rope_dim=64
+  --kv_dtype=bf16 --page_size_tokens=64)
 run() { "${ctl[@]}" "$@" > "$work/ctl.out" 2>&1 || { cat "$work/ctl.out" >&2; return 1; }; }
 pin_id() { sed -n 's/^pin_id: //p' "$work/ctl.out"; }
 run register-model "${acme[@]}" "${geometry[@]}"
