@@ -15,6 +15,7 @@ import grpc
 from kvcm import hashing
 from kvcm._convert import namespace_to_proto, pool_to_proto, spec_to_proto
 from kvcm._proto.v1 import cache_manager_pb2 as pb
+from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm._proto.v1 import common_pb2 as common_pb
 from kvcm.errors import FailedPrecondition, InvalidArgument, KvcmError, error_for
 from kvcm.types import (
@@ -31,25 +32,40 @@ from kvcm.types import (
 )
 
 TOKEN_ENV = "KVCM_TOKEN"
+MANAGER_ADDRESS_ENV = "KVCM_MANAGER_ADDRESS"
+MANAGER_PORT = 50051
+DEFAULT_MANAGER_ADDRESS = f"127.0.0.1:{MANAGER_PORT}"
+_TARGET_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock")
 PageHashesLike = Union[bytes, bytearray, memoryview, Sequence[bytes]]
 
 
 @dataclass(frozen=True)
 class ClientOptions:
-    """Connection and retry settings; the same fields and defaults as kvcm::ClientOptions."""
+    """Connection and retry settings; the same fields and defaults as kvcm::ClientOptions.
 
-    # Manager address, "host:port" or any gRPC target ("dns:///kvcm:50051").
-    address: str = "127.0.0.1:50051"
+    The default retry schedule rides out a manager takeover: a leader that dies is replaced
+    once its etcd lease lapses (deploy/k8s: etcd_lease_ttl_s = 5) and a standby is elected,
+    so idempotent calls retry UNAVAILABLE for up to ~10 s (backoff 0.1 s doubling to 2 s,
+    bounded by the call's deadline). Reserve, Unreserve and Evict are not idempotent (a
+    repeat takes more bytes): they make at most non_idempotent_max_attempts attempts.
+    """
+
+    # Manager address, "host:port" or a gRPC target with a scheme ("dns:///kvcm:50051").
+    # None (the Client's default): $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051.
+    address: str = DEFAULT_MANAGER_ADDRESS
     # Deadline of a call, all its retries included, unless the call gives deadline_ms. > 0.
-    default_deadline_ms: int = 5000
-    # Attempts per call, the first included; retried only on UNAVAILABLE. 1..100.
-    max_attempts: int = 5
+    default_deadline_ms: int = 10000
+    # Attempts per idempotent call, the first included; retried only on UNAVAILABLE. 1..100.
+    max_attempts: int = 30
     # Backoff before the first retry, and the channel's initial reconnect backoff. > 0.
-    initial_backoff_ms: int = 20
+    initial_backoff_ms: int = 100
     # Longest backoff between two attempts. >= initial_backoff_ms.
-    max_backoff_ms: int = 1000
+    max_backoff_ms: int = 2000
     # Growth of the backoff per retry. >= 1.
     backoff_multiplier: float = 2.0
+    # Attempts per non-idempotent call (Reserve, Unreserve, Evict), at most max_attempts.
+    # 1..100.
+    non_idempotent_max_attempts: int = 5
     # TLS: ca_file (PEM) verifies the manager; cert_file and key_file (both or neither) are
     # this client's certificate for mutual TLS. insecure=True speaks plaintext and excludes
     # them. One of ca_file or insecure is required. The files are read once, at connect.
@@ -62,12 +78,13 @@ class ClientOptions:
 
     def validate(self) -> None:
         """Raises InvalidArgument naming the first bad field."""
-        if not self.address:
-            raise InvalidArgument("address: must not be empty")
+        validate_address(self.address, "address")
         if self.default_deadline_ms <= 0:
             raise InvalidArgument("default_deadline_ms: must be > 0")
         if not 1 <= self.max_attempts <= 100:
             raise InvalidArgument("max_attempts: must be in 1..100")
+        if not 1 <= self.non_idempotent_max_attempts <= 100:
+            raise InvalidArgument("non_idempotent_max_attempts: must be in 1..100")
         if self.initial_backoff_ms <= 0:
             raise InvalidArgument("initial_backoff_ms: must be > 0")
         if self.max_backoff_ms < self.initial_backoff_ms:
@@ -122,6 +139,35 @@ def resolve_token(token: Optional[str], token_file: Optional[str]) -> str:
     return os.environ.get(TOKEN_ENV, "")
 
 
+def default_manager_address() -> str:
+    """$KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051: where a client goes when not told."""
+    return os.environ.get(MANAGER_ADDRESS_ENV) or DEFAULT_MANAGER_ADDRESS
+
+
+def validate_address(address: str, name: str, default_port: int = MANAGER_PORT,
+                     what: str = "the manager") -> None:
+    """InvalidArgument unless `address` is host:port ([v6]:port) or a gRPC target with a
+    scheme (dns:///h:p, unix:/path, ipv4:...). A missing port is never a silent :443."""
+    if not address:
+        raise InvalidArgument(f"{name}: must not be empty (host:port)")
+    if ":/" in address or address.split(":", 1)[0] in _TARGET_SCHEMES:
+        return  # a gRPC target URI: gRPC validates it
+    if address.startswith("["):
+        host, sep, port = address.partition("]:")
+        host += "]"
+    elif address.count(":") > 1:
+        raise InvalidArgument(
+            f"{name} {address!r}: an IPv6 address needs brackets: [{address}]:{default_port}")
+    else:
+        host, sep, port = address.rpartition(":")
+    if not sep:
+        raise InvalidArgument(
+            f"{name} {address!r} has no port; {what} listens on {default_port} by default: "
+            f"{address}:{default_port}")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise InvalidArgument(f"{name} {address!r}: must be host:port with a port in 1..65535")
+
+
 def _read_pem(path: str, field_name: str, marker: bytes) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -166,18 +212,46 @@ class Backoff:
         self._options = options
         self._ms = float(options.initial_backoff_ms)
 
+    @staticmethod
+    def attempts(options: ClientOptions, idempotent: bool) -> int:
+        """How many attempts a call makes at most."""
+        if idempotent:
+            return options.max_attempts
+        return min(options.max_attempts, options.non_idempotent_max_attempts)
+
     def next_sleep_s(self) -> float:
         sleep_ms = random.uniform(self._ms / 2, self._ms)
         self._ms = min(self._ms * self._options.backoff_multiplier, self._options.max_backoff_ms)
         return sleep_ms / 1000.0
 
 
-def final_error(e: grpc.RpcError, attempts: int) -> KvcmError:
-    """The KvcmError for an RPC's last failure, noting retries as the C++ client does."""
+# UNAVAILABLE details that come from a TLS handshake with a plaintext peer or the reverse.
+_HANDSHAKE_SIGNS = ("socket closed", "ssl", "handshake", "tls", "wrong_version_number",
+                    "connection reset", "end of tcp stream", "http2 frame", "http/2 frame")
+
+
+def tls_mismatch_hint(details: str, insecure: bool) -> str:
+    """"" unless `details` (an UNAVAILABLE's) looks like a TLS / plaintext mismatch; then
+    what this client's side of it should change."""
+    text = details.lower()
+    if not any(sign in text for sign in _HANDSHAKE_SIGNS):
+        return ""
+    if insecure:
+        return ("; the server may require TLS: pass --tls_ca_file (ca_file=), "
+                "or --insecure if it is plaintext")
+    return ("; the server may be plaintext: pass --insecure (insecure=True), "
+            "or check --tls_ca_file / the server's certificate")
+
+
+def final_error(e: grpc.RpcError, attempts: int, insecure: Optional[bool] = None) -> KvcmError:
+    """The KvcmError for an RPC's last failure, noting retries as the C++ client does, and
+    for an UNAVAILABLE that looks like a TLS mismatch (when `insecure` is known) a hint."""
     code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
     message = (e.details() if callable(getattr(e, "details", None)) else None) or str(e)
     if attempts > 1:
         message = f"{message} (after {attempts} attempts)"
+    if insecure is not None and code == grpc.StatusCode.UNAVAILABLE:
+        message += tls_mismatch_hint(message, insecure)
     return error_for(code, message)
 
 
@@ -256,27 +330,29 @@ class ClientCore:
 
     def __init__(
         self,
-        address: str,
+        address: Optional[str] = None,
         *,
-        insecure: bool,
-        ca_file: Optional[str],
-        cert_file: Optional[str],
-        key_file: Optional[str],
-        token: Optional[str],
-        token_file: Optional[str],
-        default_deadline_ms: int,
-        max_attempts: int,
-        initial_backoff_ms: int,
-        max_backoff_ms: int,
-        backoff_multiplier: float,
+        insecure: bool = False,
+        ca_file: Optional[str] = None,
+        cert_file: Optional[str] = None,
+        key_file: Optional[str] = None,
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
+        default_deadline_ms: int = ClientOptions.default_deadline_ms,
+        max_attempts: int = ClientOptions.max_attempts,
+        initial_backoff_ms: int = ClientOptions.initial_backoff_ms,
+        max_backoff_ms: int = ClientOptions.max_backoff_ms,
+        backoff_multiplier: float = ClientOptions.backoff_multiplier,
+        non_idempotent_max_attempts: int = ClientOptions.non_idempotent_max_attempts,
     ) -> None:
         self.options = ClientOptions(
-            address=address,
+            address=default_manager_address() if address is None else address,
             default_deadline_ms=default_deadline_ms,
             max_attempts=max_attempts,
             initial_backoff_ms=initial_backoff_ms,
             max_backoff_ms=max_backoff_ms,
             backoff_multiplier=backoff_multiplier,
+            non_idempotent_max_attempts=non_idempotent_max_attempts,
             ca_file=ca_file or "",
             cert_file=cert_file or "",
             key_file=key_file or "",
@@ -290,6 +366,19 @@ class ClientCore:
         self._lock = threading.Lock()
         self._keys: dict[Namespace, NamespaceKey] = {}
         self._calls = self._attempts = self._retries = 0
+        self._channel = self._open_channel(
+            channel_credentials(self.options), channel_options(self.options)
+        )
+        self._stub = pb_grpc.CacheManagerStub(self._channel)
+
+    def _open_channel(
+        self, credentials: Optional[grpc.ChannelCredentials], options: List[Tuple[str, Any]]
+    ) -> Any:
+        """The grpc (or grpc.aio) channel to options.address; None credentials: plaintext."""
+        raise NotImplementedError
+
+    def _final_error(self, e: grpc.RpcError, attempts: int) -> KvcmError:
+        return final_error(e, attempts, self.options.insecure)
 
     # -- counters -----------------------------------------------------------------------
 
