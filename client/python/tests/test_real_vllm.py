@@ -306,8 +306,8 @@ async def start_router(story: Story):
         engines=[EngineSpec(eid, e.url) for eid, e in story.engines.items()],
         namespace=NamespaceConfig(tenant=TENANT, model=MODEL_NAME, preset="llama-3-8b",
                                   block_size=BLOCK_SIZE),
-        manager=story.manager.address, insecure=True, route_deadline_ms=2000,
-        engine_down_s=30.0, listen=f"127.0.0.1:{port}")
+        manager_address=story.manager.address, insecure=True, route_deadline_ms=2000,
+        engine_down_s=30.0, listen_address=f"127.0.0.1:{port}")
     return await Served(RouterServer(cfg).app, port).start()
 
 

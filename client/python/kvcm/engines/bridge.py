@@ -439,9 +439,9 @@ class Bridge:
         cfg.validate()
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.manager = ManagerConnection(cfg.manager, insecure=cfg.insecure,
-                                         ca_file=cfg.ca_file, cert_file=cfg.cert_file,
-                                         key_file=cfg.key_file, deadline_ms=cfg.deadline_ms)
+        self.manager = ManagerConnection(cfg.manager_address, insecure=cfg.insecure,
+                                         ca_file=cfg.tls_ca_file, cert_file=cfg.tls_cert_file,
+                                         key_file=cfg.tls_key_file, deadline_ms=cfg.deadline_ms)
         self.engines = [EngineBridge(cfg, e, self.manager, self.ctx) for e in cfg.engines]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -452,11 +452,11 @@ class Bridge:
             self.ctx.destroy(linger=0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "kvcm-bridge") -> int:
     try:
-        cfg, args = from_args(argv)
+        cfg, args = from_args(argv, prog)
     except ConfigError as e:
-        print(f"kvcm-bridge: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -466,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         bridge = Bridge(cfg)  # inside the loop: grpc.aio and zmq.asyncio bind to it
-        if cfg.metrics_port:
+        if cfg.metrics_address:
             from kvcm.engines.metrics import serve_metrics
-            serve_metrics(bridge.engines, cfg.metrics_address, cfg.metrics_port)
+            host, _, port = cfg.metrics_address.rpartition(":")
+            serve_metrics(bridge.engines, host.strip("[]"), int(port))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -478,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run())
     except (ConfigError, ValueError, OSError) as e:
-        print(f"kvcm-bridge: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     return 0
 
