@@ -66,10 +66,10 @@ class Bridge:
         self.config = workdir / "bridge.toml"
         # vLLM says nothing while idle: the bridge's replay probes are what keeps it "up".
         self.config.write_text(
-            f'manager = "{manager}"\ninsecure = true\nttl_ms = 3000\n'
+            f'manager_address = "{manager}"\ninsecure = true\nttl_ms = 3000\n'
             "engine_timeout_s = 5\nprobe_interval_s = 1\nreplay_timeout_s = 2\n"
             f'\n[namespace]\ntenant = "{TENANT}"\nmodel = "{MODEL_NAME}"\n'
-            f'preset = "llama-3-8b"\npage_size = {BLOCK_SIZE}\n' + blocks)
+            f'preset = "llama-3-8b"\npage_size_tokens = {BLOCK_SIZE}\n' + blocks)
         self.proc: subprocess.Popen | None = None
         self.log = workdir / "bridge.log"
 
