@@ -66,7 +66,14 @@ def rename_keys(table: Mapping[str, Any], aliases: Mapping[str, str], prog: str,
 
 
 def git_rev() -> str:
-    """The commit of the source tree this package runs from, when it is a git checkout."""
+    """The commit this package was built from (setup.py records it in an installed copy),
+    else the commit of the checkout it runs from, else "unknown"."""
+    try:
+        from kvcm._build_info import GIT_REV  # type: ignore[import-not-found]
+
+        return str(GIT_REV)
+    except ImportError:
+        pass
     try:
         done = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
                                "--short=12", "HEAD"], capture_output=True, text=True,

@@ -11,7 +11,9 @@ import pytest
 
 import kvcm
 import kvcm.aio
-from test_tls import secured  # noqa: F401  (fixture: a manager serving mutual TLS)
+import test_tls
+
+secured = test_tls.secured  # the fixture: a manager serving mutual TLS
 
 POOL = kvcm.PoolRef("gpu-0")
 
@@ -44,7 +46,7 @@ def test_manager_address_comes_from_the_environment(monkeypatch, manager) -> Non
     assert kvcm.Client(insecure=True).options.address == "127.0.0.1:50051"
 
 
-def test_plaintext_client_of_a_tls_manager_is_told_to_use_tls(secured) -> None:  # noqa: F811
+def test_plaintext_client_of_a_tls_manager_is_told_to_use_tls(secured) -> None:
     manager, _, _ = secured
     with kvcm.Client(manager.address, insecure=True) as plain:
         with pytest.raises(kvcm.Unavailable, match=r"the server may require TLS: pass "
@@ -53,11 +55,10 @@ def test_plaintext_client_of_a_tls_manager_is_told_to_use_tls(secured) -> None: 
 
 
 def test_tls_client_of_a_plaintext_manager_is_told_it_may_be_plaintext(manager, workdir) -> None:
-    from test_tls import REPO_ROOT
     import subprocess
 
     certs = workdir / "certs"
-    subprocess.run([str(REPO_ROOT / "scripts" / "make_test_certs.sh"), str(certs)],
+    subprocess.run([str(test_tls.REPO_ROOT / "scripts" / "make_test_certs.sh"), str(certs)],
                    check=True, capture_output=True)
     with kvcm.Client(manager.address, ca_file=str(certs / "ca.pem")) as tls:
         with pytest.raises(kvcm.Unavailable, match=r"the server may be plaintext: pass "
@@ -126,3 +127,28 @@ def test_non_idempotent_calls_give_up_after_their_own_attempts(manager_factory) 
             client.evict_from_pool(POOL, 1)
     with pytest.raises(kvcm.InvalidArgument, match="non_idempotent_max_attempts"):
         kvcm.Client(address, insecure=True, non_idempotent_max_attempts=0)
+
+
+def test_bridge_logs_the_tls_hint(secured, tmp_path) -> None:
+    pytest.importorskip("zmq")
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    manager, _, _ = secured
+    log = tmp_path / "bridge.log"
+    with open(log, "wb") as out:
+        bridge = subprocess.Popen(
+            [sys.executable, "-m", "kvcm.engines.bridge", "--manager_address", manager.address,
+             "--insecure", "--tenant", "acme", "--model", "m", "--preset", "llama-3-8b",
+             "--engine", f"id=e0,endpoint=tcp://127.0.0.1:{free_port()}"],
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 30
+        while "the server may require TLS" not in log.read_text():
+            assert bridge.poll() is None and time.monotonic() < end, log.read_text()
+            time.sleep(0.2)
+    finally:
+        bridge.kill()
+        bridge.wait()

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvcm._core import tls_mismatch_hint
 from kvcm.engines.config import BridgeConfig, ConfigError, EngineConfig, from_args
 from kvcm.engines import kinds
 from kvcm.engines.events import EventDecodeError
@@ -212,10 +213,17 @@ class EngineBridge:
             except grpc.aio.AioRpcError as e:
                 self._count_error(e.code().name)
                 log.error("engine %s: RegisterModel %s/%s failed: %s: %s", self.id,
-                          self.tenant, self.model, e.code().name, e.details())
+                          self.tenant, self.model, e.code().name, self._details(e))
             except ConfigError as e:
                 log.error("%s", e)
             await _sleep_or_stop(stop, backoff.take())
+
+    def _details(self, e: grpc.aio.AioRpcError) -> str:
+        """The error's text, with a hint when an UNAVAILABLE looks like a TLS mismatch."""
+        details = e.details() or ""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            details += tls_mismatch_hint(details, self.cfg.insecure)
+        return details
 
     def _count_error(self, code: str) -> None:
         errs = self.session.counters.errors
@@ -255,7 +263,8 @@ class EngineBridge:
         action = self.session.on_failed(code, msg)
         assert self.mirror is not None
         if action is Action.RETRY:
-            log.warning("engine %s: publish failed (%s: %s), retrying", self.id, code, msg)
+            log.warning("engine %s: publish failed (%s: %s), retrying", self.id, code,
+                        self._details(e))
             await _sleep_or_stop(stop, backoff.take())
         elif action is Action.NEW_SESSION:
             log.info("engine %s: the manager lost the session (%s), resending the mirror",
