@@ -21,7 +21,8 @@ import grpc.aio
 
 from kvcm import _convert
 from kvcm._commands import Command, Commands, Rpc, bind_commands
-from kvcm._core import Backoff, PageHashesLike, final_error
+from kvcm._core import PageHashesLike
+from kvcm._options import Backoff, final_error
 from kvcm.client import RELEASE_DEADLINE_MS
 from kvcm.errors import FailedPrecondition, KvcmError
 from kvcm.types import CacheEvent, MatchResult, Namespace, NamespaceLike, as_namespace

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcm._core import tls_mismatch_hint
+from kvcm._options import tls_mismatch_hint
 from kvcm.engines.config import BridgeConfig, ConfigError, EngineConfig, from_args
 from kvcm.engines import kinds
 from kvcm.engines.events import EventDecodeError

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvcm import _cli
-from kvcm._core import default_manager_address, validate_address
+from kvcm._options import default_manager_address, validate_address
 from kvcm.engines import kinds
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec
 

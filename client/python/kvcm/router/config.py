@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from kvcm import _cli
-from kvcm._core import MANAGER_ADDRESS_ENV, validate_address
+from kvcm._options import MANAGER_ADDRESS_ENV, validate_address
 from kvcm.router.policy import POLICIES
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec, Namespace
 

@@ -61,7 +61,7 @@ from vllm.logger import init_logger
 
 import kvcm
 from kvcm import _cli
-from kvcm._core import channel_credentials
+from kvcm._options import channel_credentials
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.types import PENDING_BLOCK_ID
 
