@@ -54,6 +54,14 @@ def test_plaintext_client_of_a_tls_manager_is_told_to_use_tls(secured) -> None:
             plain.stats(deadline_ms=1500)
 
 
+def test_tls_client_without_a_certificate_is_told_to_pass_one(secured) -> None:
+    manager, certs, _ = secured  # serves mutual TLS
+    with kvcm.Client(manager.address, ca_file=str(certs / "ca.pem")) as no_cert:
+        with pytest.raises(kvcm.Unavailable, match=r"the server may require a client "
+                                                   r"certificate it trusts: pass --tls_cert_file"):
+            no_cert.stats(deadline_ms=1500)
+
+
 def test_tls_client_of_a_plaintext_manager_is_told_it_may_be_plaintext(manager, workdir) -> None:
     import subprocess
 
