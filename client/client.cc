@@ -40,6 +40,9 @@ absl::Status ClientOptions::Validate() const {
   if (max_attempts < 1 || max_attempts > 100) {
     return absl::InvalidArgumentError("max_attempts: must be in 1..100");
   }
+  if (non_idempotent_max_attempts < 1 || non_idempotent_max_attempts > 100) {
+    return absl::InvalidArgumentError("non_idempotent_max_attempts: must be in 1..100");
+  }
   if (initial_backoff_ms <= 0) {
     return absl::InvalidArgumentError("initial_backoff_ms: must be > 0");
   }
@@ -186,8 +189,12 @@ absl::Time Client::DeadlineOf(const CallOptions& call) const {
 }
 
 absl::Status Client::Invoke(absl::Time deadline,
-                            absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
+                            absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt,
+                            bool idempotent) {
   calls_.fetch_add(1, std::memory_order_relaxed);
+  const int max_attempts =
+      idempotent ? options_.max_attempts
+                 : std::min(options_.max_attempts, options_.non_idempotent_max_attempts);
   double backoff_ms = static_cast<double>(options_.initial_backoff_ms);
   grpc::Status status;
   int attempts = 0;
@@ -197,7 +204,7 @@ absl::Status Client::Invoke(absl::Time deadline,
     ++attempts;
     attempts_.fetch_add(1, std::memory_order_relaxed);
     status = attempt(&context);
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempts >= options_.max_attempts) {
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempts >= max_attempts) {
       break;
     }
     // "Equal jitter": sleep between half and all of the backoff, so that clients that failed
@@ -218,6 +225,11 @@ absl::Status Client::Invoke(absl::Time deadline,
                           absl::StrCat(result.message(), " (after ", attempts, " attempts)"));
   }
   return WithTlsMismatchHint(std::move(result), options_.insecure, "the manager");
+}
+
+absl::Status Client::InvokeNonIdempotent(
+    absl::Time deadline, absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
+  return Invoke(deadline, attempt, /*idempotent=*/false);
 }
 
 absl::StatusOr<RegisterModelReply> Client::RegisterModel(const NamespaceId& ns,
@@ -552,7 +564,7 @@ absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
   request.set_bytes(bytes);
   request.set_tenant(params.tenant);
   v1::ReserveResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Reserve(context, request, &response);
   });
   if (!status.ok()) {
@@ -573,7 +585,7 @@ absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const Reserv
   request.set_bytes(bytes);
   request.set_tenant(params.tenant);
   v1::UnreserveResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Unreserve(context, request, &response);
   });
   if (status.ok()) CopyReply(call, response);
@@ -586,7 +598,7 @@ absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t b
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
   v1::EvictResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Evict(context, request, &response);
   });
   if (!status.ok()) {
@@ -602,7 +614,7 @@ absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uin
   NamespaceToProto(ns, request.mutable_namespace_());
   request.set_bytes(bytes);
   v1::EvictResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
+  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
     return rpc_->stub->Evict(context, request, &response);
   });
   if (!status.ok()) {
@@ -648,17 +660,17 @@ std::unique_ptr<EventWatch> Client::WatchEvents(const std::optional<NamespaceId>
   }
   EventWatch* w = watch.get();
   v1::CacheManager::Stub* stub = rpc_->stub.get();
-  watch->thread_ = std::thread([w, stub, insecure = options_.insecure,
-                                request = std::move(request), callback = std::move(callback)] {
-        std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> reader =
-            stub->WatchEvents(w->context_.get(), request);
-        v1::CacheEvent event;
-        while (reader->Read(&event)) {
-          callback(wire::FromProto(event));
-        }
-        w->final_status_ =
-            WithTlsMismatchHint(FromGrpcStatus(reader->Finish()), insecure, "the manager");
-      });
+  watch->thread_ = std::thread([w, stub, insecure = options_.insecure, request = std::move(request),
+                                callback = std::move(callback)] {
+    std::unique_ptr<grpc::ClientReader<v1::CacheEvent>> reader =
+        stub->WatchEvents(w->context_.get(), request);
+    v1::CacheEvent event;
+    while (reader->Read(&event)) {
+      callback(wire::FromProto(event));
+    }
+    w->final_status_ =
+        WithTlsMismatchHint(FromGrpcStatus(reader->Finish()), insecure, "the manager");
+  });
   return watch;
 }
 

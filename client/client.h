@@ -4,9 +4,10 @@
 // Every call returns absl::Status / absl::StatusOr with the server's gRPC code and message,
 // runs under a deadline (ClientOptions::default_deadline_ms unless CallOptions says
 // otherwise) and is retried with exponential backoff and jitter only when the answer is
-// UNAVAILABLE, at most ClientOptions::max_attempts times and never past the deadline. An
-// UNAVAILABLE whose text suggests a TLS/plaintext mismatch gets a line naming the likely fix
-// (client/tls_hint.h).
+// UNAVAILABLE, at most ClientOptions::max_attempts times (non_idempotent_max_attempts for
+// Reserve, Unreserve and Evict*) and never past the deadline. The defaults ride out a
+// manager takeover (etcd lease ttl 5 s plus an election). An UNAVAILABLE whose text suggests
+// a TLS/plaintext mismatch gets a line naming the likely fix (client/tls_hint.h).
 // A retried call whose first reply was lost in transit may run twice on the manager: Insert
 // is idempotent, a duplicated pin lapses with its lease, and a retried Release may answer
 // NOT_FOUND after the first one succeeded.
@@ -67,16 +68,21 @@ struct ClientOptions {
   // Manager address, "host:port" or any gRPC target ("dns:///kvcm:50051").
   std::string address = "127.0.0.1:50051";
   // Deadline of a call, including all its retries, when CallOptions gives none. > 0.
-  int64_t default_deadline_ms = 5000;
-  // Attempts per call, the first included: 1 disables retries. 1..100.
-  int max_attempts = 5;
+  // With the retry defaults below it outlasts a manager takeover: the deployed leader lease
+  // (deploy/k8s etcd_lease_ttl_s = 5) plus an election.
+  int64_t default_deadline_ms = 10000;
+  // Attempts per idempotent call, the first included: 1 disables retries. 1..100.
+  int max_attempts = 30;
   // Backoff before the first retry; also the channel's initial reconnect backoff, so that a
   // retry does not find the channel still waiting out gRPC's default 1 s backoff. > 0.
-  int64_t initial_backoff_ms = 20;
+  int64_t initial_backoff_ms = 100;
   // Longest backoff between two attempts (and between two reconnects). >= initial.
-  int64_t max_backoff_ms = 1000;
+  int64_t max_backoff_ms = 2000;
   // Growth of the backoff per retry. >= 1.
   double backoff_multiplier = 2.0;
+  // Attempts per call that is not idempotent (Reserve, Unreserve, EvictFromPool,
+  // EvictFromNamespace: a repeat takes more bytes), at most max_attempts. 1..100.
+  int non_idempotent_max_attempts = 5;
 
   // Transport security (common/credentials.h): one of ca_file or insecure is required.
   // ca_file (PEM) verifies the manager, whose certificate must name the address's host;
@@ -490,8 +496,8 @@ class Client {
                                    const CallOptions& call = {});
   absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const CallOptions& call = {});
   // The same for the tenant `params` names (an admin's call; see ReserveParams).
-  absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes,
-                                   const ReserveParams& params, const CallOptions& call = {});
+  absl::StatusOr<uint64_t> Reserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
+                                   const CallOptions& call = {});
   absl::Status Unreserve(const PoolRef& pool, uint64_t bytes, const ReserveParams& params,
                          const CallOptions& call = {});
 
@@ -535,10 +541,15 @@ class Client {
 
   // Absolute deadline of a call started now.
   absl::Time DeadlineOf(const CallOptions& call) const;
-  // Runs `attempt` until `deadline`, retrying UNAVAILABLE with backoff, and converts the
-  // final grpc::Status. `attempt` gets a fresh context per try with the deadline set.
+  // Runs `attempt` until `deadline`, retrying UNAVAILABLE with backoff (at most
+  // max_attempts times, or non_idempotent_max_attempts unless `idempotent`), and converts
+  // the final grpc::Status. `attempt` gets a fresh context per try with the deadline set.
   absl::Status Invoke(absl::Time deadline,
-                      absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
+                      absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt,
+                      bool idempotent = true);
+  // Invoke for a call a repeat would apply twice (Reserve, Unreserve, Evict).
+  absl::Status InvokeNonIdempotent(absl::Time deadline,
+                                   absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
 
   // reply_copy: CallOptions::reply.
   absl::StatusOr<RegisterModelReply> RegisterModelUntil(

@@ -589,6 +589,51 @@ TEST(ClientDeadlineTest, NothingListeningFailsFastWithBoundedRetries) {
   EXPECT_EQ(patient->counters().attempts, 1u);
 }
 
+// The defaults ride out a manager takeover: the deployed etcd lease (5 s) plus an election.
+TEST(ClientRetryTest, DefaultScheduleSpansATakeover) {
+  const ClientOptions options;
+  EXPECT_GE(options.default_deadline_ms, 8000);
+  // Equal jitter sleeps at least half of each backoff; the attempts still span 8 s.
+  double backoff_ms = static_cast<double>(options.initial_backoff_ms);
+  double slept_ms = 0;
+  for (int i = 1; i < options.max_attempts; ++i) {
+    slept_ms += backoff_ms / 2;
+    backoff_ms = std::min(backoff_ms * options.backoff_multiplier,
+                          static_cast<double>(options.max_backoff_ms));
+  }
+  EXPECT_GE(slept_ms, 8000);
+  EXPECT_LT(options.non_idempotent_max_attempts, options.max_attempts);
+}
+
+TEST(ClientRetryTest, DefaultPolicyWaitsOutAManagerGoneForThreeSeconds) {
+  const int port = UnusedPort();
+  std::unique_ptr<Client> client = ConnectTo(port, ClientOptions{});
+  std::unique_ptr<ManagerServer> server;
+  std::thread starter([&] {
+    absl::SleepFor(absl::Seconds(3));
+    server = StartServer(port);
+  });
+  const absl::Time start = absl::Now();
+  absl::StatusOr<ManagerStats> stats = client->Stats();  // default deadline and retries
+  starter.join();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(2500));
+  EXPECT_GE(client->counters().retries, 1u);
+}
+
+TEST(ClientRetryTest, NonIdempotentCallsMakeTheirOwnAttempts) {
+  ClientOptions options;
+  options.non_idempotent_max_attempts = 2;
+  options.initial_backoff_ms = 10;
+  std::unique_ptr<Client> client = ConnectTo(UnusedPort(), options);
+  absl::Status s = client->Reserve(PoolRef{"gpu-0", Tier::kGpu}, 1).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("(after 2 attempts)"));
+  EXPECT_EQ(client->counters().attempts, 2u);
+  options.non_idempotent_max_attempts = 0;
+  EXPECT_THAT(options.Validate().message(), HasSubstr("non_idempotent_max_attempts"));
+}
+
 TEST(ClientRetryTest, CallSucceedsOnceTheManagerStarts) {
   const int port = UnusedPort();
   ClientOptions options;

@@ -107,13 +107,31 @@ def _runtime_requirements() -> tuple[str, ...]:
     )
 
 
+def _git_rev(root: Path) -> str:
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
 class BuildPyWithStubs(build_py):
-    """build_py that also generates the gRPC stubs (into the source tree when editable)."""
+    """build_py that also generates the gRPC stubs (into the source tree when editable) and,
+    for an installed copy, records the commit it was built from (what --version prints; an
+    editable install asks git instead)."""
 
     def run(self) -> None:
         super().run()
-        out = HERE if getattr(self, "editable_mode", False) else Path(self.build_lib)
+        editable = getattr(self, "editable_mode", False)
+        out = HERE if editable else Path(self.build_lib)
         generate_stubs(out)
+        if not editable:
+            rev = _git_rev(_source_root())
+            (out / "kvcm" / "_build_info.py").write_text(
+                f'"""Written by setup.py at build time."""\n\nGIT_REV = "{rev}"\n')
 
 
 def _extensions() -> list[Extension]:

@@ -11,7 +11,7 @@ kvcm.aio.Client is the asyncio twin; kvcm.hashing the page hash.
 """
 
 from kvcm import hashing
-from kvcm._core import ClientOptions
+from kvcm._options import ClientOptions
 from kvcm.client import Client, EventStream, PinnedPrefix
 from kvcm.errors import (
     Aborted,

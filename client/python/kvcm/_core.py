@@ -1,11 +1,9 @@
-"""What the sync and async clients share: options, credentials, the retry schedule, the
-cache of namespace hash keys, and building requests. Internal.
+"""What the sync and async clients share: the cache of namespace hash keys, counters, and
+building requests (kvcm._options has the options, credentials and retry schedule). Internal.
 """
 
 from __future__ import annotations
 
-import os
-import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
@@ -14,7 +12,16 @@ import grpc
 
 from kvcm import hashing
 from kvcm._convert import namespace_to_proto, pool_to_proto, spec_to_proto
+from kvcm._options import (
+    ClientOptions,
+    channel_credentials,
+    channel_options,
+    default_manager_address,
+    final_error,
+    resolve_token,
+)
 from kvcm._proto.v1 import cache_manager_pb2 as pb
+from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm._proto.v1 import common_pb2 as common_pb
 from kvcm.errors import FailedPrecondition, InvalidArgument, KvcmError, error_for
 from kvcm.types import (
@@ -30,155 +37,7 @@ from kvcm.types import (
     as_pool,
 )
 
-TOKEN_ENV = "KVCM_TOKEN"
 PageHashesLike = Union[bytes, bytearray, memoryview, Sequence[bytes]]
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    """Connection and retry settings; the same fields and defaults as kvcm::ClientOptions."""
-
-    # Manager address, "host:port" or any gRPC target ("dns:///kvcm:50051").
-    address: str = "127.0.0.1:50051"
-    # Deadline of a call, all its retries included, unless the call gives deadline_ms. > 0.
-    default_deadline_ms: int = 5000
-    # Attempts per call, the first included; retried only on UNAVAILABLE. 1..100.
-    max_attempts: int = 5
-    # Backoff before the first retry, and the channel's initial reconnect backoff. > 0.
-    initial_backoff_ms: int = 20
-    # Longest backoff between two attempts. >= initial_backoff_ms.
-    max_backoff_ms: int = 1000
-    # Growth of the backoff per retry. >= 1.
-    backoff_multiplier: float = 2.0
-    # TLS: ca_file (PEM) verifies the manager; cert_file and key_file (both or neither) are
-    # this client's certificate for mutual TLS. insecure=True speaks plaintext and excludes
-    # them. One of ca_file or insecure is required. The files are read once, at connect.
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    insecure: bool = False
-    # Bearer token sent as "authorization: Bearer <token>" with every call; "" sends none.
-    token: str = field(default="", repr=False)
-
-    def validate(self) -> None:
-        """Raises InvalidArgument naming the first bad field."""
-        if not self.address:
-            raise InvalidArgument("address: must not be empty")
-        if self.default_deadline_ms <= 0:
-            raise InvalidArgument("default_deadline_ms: must be > 0")
-        if not 1 <= self.max_attempts <= 100:
-            raise InvalidArgument("max_attempts: must be in 1..100")
-        if self.initial_backoff_ms <= 0:
-            raise InvalidArgument("initial_backoff_ms: must be > 0")
-        if self.max_backoff_ms < self.initial_backoff_ms:
-            raise InvalidArgument("max_backoff_ms: must be >= initial_backoff_ms")
-        if not self.backoff_multiplier >= 1.0:
-            raise InvalidArgument("backoff_multiplier: must be >= 1")
-        if self.insecure:
-            for name in ("cert_file", "key_file", "ca_file"):
-                if getattr(self, name):
-                    raise InvalidArgument(f"insecure: excludes {name}")
-        else:
-            if not self.ca_file:
-                raise InvalidArgument(
-                    "ca_file: is required to verify the manager (or insecure=True for plaintext)"
-                )
-            if bool(self.cert_file) != bool(self.key_file):
-                missing = "key_file" if self.cert_file else "cert_file"
-                raise InvalidArgument(
-                    f"{missing}: is required with the other half of the client certificate"
-                )
-        if self.token:
-            validate_token(self.token, "token")
-
-
-def validate_token(token: str, field_name: str) -> None:
-    """Visible ASCII, 1..4096 characters (the manager's ValidateBearerToken)."""
-    if not 1 <= len(token) <= 4096:
-        raise InvalidArgument(
-            f"{field_name}: bearer token must be 1..4096 characters, got {len(token)}"
-        )
-    if any(not ("!" <= c <= "~") for c in token):
-        raise InvalidArgument(
-            f"{field_name}: bearer token must be visible ASCII "
-            "(no space, control or non-ASCII character)"
-        )
-
-
-def resolve_token(token: Optional[str], token_file: Optional[str]) -> str:
-    """token, else the stripped contents of token_file, else $KVCM_TOKEN, else ""."""
-    if token and token_file:
-        raise InvalidArgument("token_file: give token or token_file, not both")
-    if token:
-        return token
-    if token_file:
-        try:
-            with open(token_file, encoding="ascii", errors="replace") as f:
-                text = f.read().strip()
-        except OSError as e:
-            raise InvalidArgument(f'token_file "{token_file}": cannot open: {e.strerror}') from None
-        validate_token(text, f'token_file "{token_file}"')
-        return text
-    return os.environ.get(TOKEN_ENV, "")
-
-
-def _read_pem(path: str, field_name: str, marker: bytes) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise InvalidArgument(f'{field_name} "{path}": cannot open: {e.strerror}') from None
-    if marker not in data:
-        kind = "certificate" if marker == b"CERTIFICATE-----" else "private key"
-        raise InvalidArgument(f'{field_name} "{path}": holds no PEM {kind}')
-    return data
-
-
-def channel_credentials(options: ClientOptions) -> Optional[grpc.ChannelCredentials]:
-    """TLS credentials from the options' PEM files; None for insecure."""
-    if options.insecure:
-        return None
-    ca = _read_pem(options.ca_file, "ca_file", b"CERTIFICATE-----")
-    cert = key = None
-    if options.cert_file:
-        cert = _read_pem(options.cert_file, "cert_file", b"CERTIFICATE-----")
-        key = _read_pem(options.key_file, "key_file", b"PRIVATE KEY-----")
-    return grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert
-    )
-
-
-def channel_options(options: ClientOptions) -> List[Tuple[str, Any]]:
-    # Reconnect on the retries' schedule, so that a retry after a refused connection does
-    # not find the channel still waiting out gRPC's default 1 s reconnect backoff.
-    return [
-        ("grpc.initial_reconnect_backoff_ms", int(options.initial_backoff_ms)),
-        ("grpc.min_reconnect_backoff_ms", int(options.initial_backoff_ms)),
-        ("grpc.max_reconnect_backoff_ms", int(options.max_backoff_ms)),
-    ]
-
-
-class Backoff:
-    """Sleeps between attempts: "equal jitter", between half and all of a backoff that
-    starts at initial_backoff_ms and grows by backoff_multiplier up to max_backoff_ms."""
-
-    def __init__(self, options: ClientOptions) -> None:
-        self._options = options
-        self._ms = float(options.initial_backoff_ms)
-
-    def next_sleep_s(self) -> float:
-        sleep_ms = random.uniform(self._ms / 2, self._ms)
-        self._ms = min(self._ms * self._options.backoff_multiplier, self._options.max_backoff_ms)
-        return sleep_ms / 1000.0
-
-
-def final_error(e: grpc.RpcError, attempts: int) -> KvcmError:
-    """The KvcmError for an RPC's last failure, noting retries as the C++ client does."""
-    code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
-    message = (e.details() if callable(getattr(e, "details", None)) else None) or str(e)
-    if attempts > 1:
-        message = f"{message} (after {attempts} attempts)"
-    return error_for(code, message)
 
 
 def is_stale_key(e: KvcmError) -> bool:
@@ -256,27 +115,29 @@ class ClientCore:
 
     def __init__(
         self,
-        address: str,
+        address: Optional[str] = None,
         *,
-        insecure: bool,
-        ca_file: Optional[str],
-        cert_file: Optional[str],
-        key_file: Optional[str],
-        token: Optional[str],
-        token_file: Optional[str],
-        default_deadline_ms: int,
-        max_attempts: int,
-        initial_backoff_ms: int,
-        max_backoff_ms: int,
-        backoff_multiplier: float,
+        insecure: bool = False,
+        ca_file: Optional[str] = None,
+        cert_file: Optional[str] = None,
+        key_file: Optional[str] = None,
+        token: Optional[str] = None,
+        token_file: Optional[str] = None,
+        default_deadline_ms: int = ClientOptions.default_deadline_ms,
+        max_attempts: int = ClientOptions.max_attempts,
+        initial_backoff_ms: int = ClientOptions.initial_backoff_ms,
+        max_backoff_ms: int = ClientOptions.max_backoff_ms,
+        backoff_multiplier: float = ClientOptions.backoff_multiplier,
+        non_idempotent_max_attempts: int = ClientOptions.non_idempotent_max_attempts,
     ) -> None:
         self.options = ClientOptions(
-            address=address,
+            address=default_manager_address() if address is None else address,
             default_deadline_ms=default_deadline_ms,
             max_attempts=max_attempts,
             initial_backoff_ms=initial_backoff_ms,
             max_backoff_ms=max_backoff_ms,
             backoff_multiplier=backoff_multiplier,
+            non_idempotent_max_attempts=non_idempotent_max_attempts,
             ca_file=ca_file or "",
             cert_file=cert_file or "",
             key_file=key_file or "",
@@ -290,6 +151,19 @@ class ClientCore:
         self._lock = threading.Lock()
         self._keys: dict[Namespace, NamespaceKey] = {}
         self._calls = self._attempts = self._retries = 0
+        self._channel = self._open_channel(
+            channel_credentials(self.options), channel_options(self.options)
+        )
+        self._stub = pb_grpc.CacheManagerStub(self._channel)
+
+    def _open_channel(
+        self, credentials: Optional[grpc.ChannelCredentials], options: List[Tuple[str, Any]]
+    ) -> Any:
+        """The grpc (or grpc.aio) channel to options.address; None credentials: plaintext."""
+        raise NotImplementedError
+
+    def _final_error(self, e: grpc.RpcError, attempts: int) -> KvcmError:
+        return final_error(e, attempts, self.options.insecure)
 
     # -- counters -----------------------------------------------------------------------
 

@@ -14,46 +14,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Generator, Iterable, Optional
-from typing import Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Generator, Optional, TypeVar
 
 import grpc
 import grpc.aio
 
 from kvcm import _convert
-from kvcm._core import (
-    Backoff,
-    ClientCore,
-    NamespaceKey,
-    PageHashesLike,
-    Prompt,
-    channel_credentials,
-    channel_options,
-    final_error,
-    is_stale_key,
-    stale_refresh_error,
-)
-from kvcm._proto.v1 import cache_manager_pb2 as pb
-from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
+from kvcm._commands import Command, Commands, Rpc, bind_commands
+from kvcm._core import PageHashesLike
+from kvcm._options import Backoff, final_error
 from kvcm.client import RELEASE_DEADLINE_MS
-from kvcm.errors import FailedPrecondition, InvalidArgument, KvcmError
-from kvcm.types import (
-    CacheEvent,
-    DeleteNamespaceResult,
-    EvictResult,
-    InsertResult,
-    MatchResult,
-    ModelSpec,
-    Namespace,
-    NamespaceLike,
-    PoolLike,
-    RegisterModelResult,
-    RouteCandidate,
-    RoutePolicy,
-    RouteResult,
-    Stats,
-    as_namespace,
-)
+from kvcm.errors import FailedPrecondition, KvcmError
+from kvcm.types import CacheEvent, MatchResult, Namespace, NamespaceLike, as_namespace
 
 T = TypeVar("T")
 
@@ -162,46 +134,22 @@ class EventStream:
         self.cancel()
 
 
-class Client(ClientCore):
-    """Asynchronous client of the kvcm-manager; options as kvcm.Client."""
+def _async_method(cmd: Callable[..., Command[T]]) -> Callable[..., Awaitable[T]]:
+    async def method(self: "Client", *args: Any, **kwargs: Any) -> T:
+        return await self._run(cmd(self, *args, **kwargs))
 
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        *,
-        insecure: bool = False,
-        ca_file: Optional[str] = None,
-        cert_file: Optional[str] = None,
-        key_file: Optional[str] = None,
-        token: Optional[str] = None,
-        token_file: Optional[str] = None,
-        default_deadline_ms: int = 5000,
-        max_attempts: int = 5,
-        initial_backoff_ms: int = 20,
-        max_backoff_ms: int = 1000,
-        backoff_multiplier: float = 2.0,
-    ) -> None:
-        super().__init__(
-            address,
-            insecure=insecure,
-            ca_file=ca_file,
-            cert_file=cert_file,
-            key_file=key_file,
-            token=token,
-            token_file=token_file,
-            default_deadline_ms=default_deadline_ms,
-            max_attempts=max_attempts,
-            initial_backoff_ms=initial_backoff_ms,
-            max_backoff_ms=max_backoff_ms,
-            backoff_multiplier=backoff_multiplier,
-        )
-        creds = channel_credentials(self.options)
-        opts = channel_options(self.options)
-        if creds is None:
-            self._channel = grpc.aio.insecure_channel(self.options.address, options=opts)
-        else:
-            self._channel = grpc.aio.secure_channel(self.options.address, creds, options=opts)
-        self._stub = pb_grpc.CacheManagerStub(self._channel)
+    return method
+
+
+@bind_commands(_async_method)
+class Client(Commands):
+    """Asynchronous client of the kvcm-manager; options as kvcm.Client, and the same calls
+    (kvcm._commands.Commands) as coroutines."""
+
+    def _open_channel(self, credentials: Any, options: Any) -> grpc.aio.Channel:
+        if credentials is None:
+            return grpc.aio.insecure_channel(self.options.address, options=options)
+        return grpc.aio.secure_channel(self.options.address, credentials, options=options)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -212,97 +160,44 @@ class Client(ClientCore):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- plumbing -----------------------------------------------------------------------
-
-    async def _invoke(self, method: Callable[..., Any], request: Any, deadline: float) -> Any:
+    async def _invoke(self, rpc: Rpc) -> Any:
+        """Makes `rpc` until its deadline, retrying UNAVAILABLE."""
         self._count(calls=1)
+        method = getattr(self._stub, rpc.method)
         backoff = Backoff(self.options)
+        max_attempts = Backoff.attempts(self.options, rpc.idempotent)
         attempts = 0
         while True:
             attempts += 1
             self._count(attempts=1)
             try:
                 return await method(
-                    request,
-                    timeout=max(deadline - time.monotonic(), 0.0),
+                    rpc.request,
+                    timeout=max(rpc.deadline - time.monotonic(), 0.0),
                     metadata=self._metadata,
                 )
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempts >= self.options.max_attempts:
-                    raise final_error(e, attempts) from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempts >= max_attempts:
+                    raise self._final_error(e, attempts) from None
                 sleep = backoff.next_sleep_s()
-                if time.monotonic() + sleep >= deadline:
-                    raise final_error(e, attempts) from None
+                if time.monotonic() + sleep >= rpc.deadline:
+                    raise self._final_error(e, attempts) from None
                 await asyncio.sleep(sleep)
                 self._count(retries=1)
 
-    def _deadline(self, deadline_ms: Optional[int]) -> float:
-        return time.monotonic() + self._deadline_s(deadline_ms)
-
-    async def _send_prompt(
-        self,
-        ns: Namespace,
-        prompt: Prompt,
-        deadline: float,
-        send: Callable[[Optional[NamespaceKey]], Awaitable[T]],
-    ) -> T:
-        key = self._prompt_key(ns, prompt)
+    async def _run(self, cmd: Command[T]) -> T:
+        """Runs a command: each Rpc it yields is invoked and its answer (or error) sent in."""
         try:
-            return await send(key)
-        except KvcmError as e:
-            # Hashes the caller computed cannot be redone with a fresh key: their refusal
-            # is the answer (as the C++ MatchHashes / InsertHashes).
-            if key is None or prompt.page_hashes is not None or not is_stale_key(e):
-                raise
-            try:
-                await self._register_until(ns, key.spec, key.max_page_age_s, deadline)
-            except KvcmError as refresh:
-                raise stale_refresh_error(e, ns, refresh) from None
-            return await send(self._prompt_key(ns, prompt))
-
-    async def _register_until(
-        self, ns: Namespace, spec: ModelSpec, max_page_age_s: int, deadline: float
-    ) -> RegisterModelResult:
-        request = self._register_request(ns, spec, max_page_age_s)
-        response = await self._invoke(self._stub.RegisterModel, request, deadline)
-        return self._registered(ns, spec, max_page_age_s, response)
-
-    # -- API (see kvcm.Client for each method's contract) -------------------------------
-
-    async def register_model(
-        self,
-        ns: NamespaceLike,
-        spec: ModelSpec,
-        *,
-        max_page_age_s: int = 0,
-        deadline_ms: Optional[int] = None,
-    ) -> RegisterModelResult:
-        ns = as_namespace(ns)
-        return await self._register_until(ns, spec, max_page_age_s, self._deadline(deadline_ms))
-
-    async def match(
-        self,
-        ns: NamespaceLike,
-        tokens: Any = None,
-        *,
-        page_hashes: Optional[PageHashesLike] = None,
-        requester_agent_id: str = "",
-        pin: bool = False,
-        lease_ttl_ms: int = 0,
-        probe: bool = False,
-        deadline_ms: Optional[int] = None,
-    ) -> MatchResult:
-        ns = as_namespace(ns)
-        prompt = Prompt.of(tokens, page_hashes)
-        deadline = self._deadline(deadline_ms)
-
-        async def send(key: Optional[NamespaceKey]) -> pb.MatchResponse:
-            request = self._match_request(
-                ns, key, prompt, requester_agent_id, pin, lease_ttl_ms, probe
-            )
-            return await self._invoke(self._stub.Match, request, deadline)
-
-        return _convert.match_from_proto(await self._send_prompt(ns, prompt, deadline, send))
+            rpc = next(cmd)
+            while True:
+                try:
+                    response = await self._invoke(rpc)
+                except KvcmError as e:
+                    rpc = cmd.throw(e)
+                else:
+                    rpc = cmd.send(response)
+        except StopIteration as done:
+            return done.value
 
     def match_and_pin(
         self,
@@ -331,123 +226,6 @@ class Client(ClientCore):
             return PinnedPrefix(self, namespace, match)
 
         return _PinContext(make)
-
-    async def route(
-        self,
-        ns: NamespaceLike,
-        tokens: Any = None,
-        *,
-        page_hashes: Optional[PageHashesLike] = None,
-        candidates: Sequence[Union[RouteCandidate, str]] = (),
-        policy: RoutePolicy = RoutePolicy.PREFILL_SAVED,
-        prefill_tokens_per_s: float = 0.0,
-        probe: bool = False,
-        pin: bool = False,
-        lease_ttl_ms: int = 0,
-        deadline_ms: Optional[int] = None,
-    ) -> RouteResult:
-        ns = as_namespace(ns)
-        prompt = Prompt.of(tokens, page_hashes)
-        deadline = self._deadline(deadline_ms)
-
-        async def send(key: Optional[NamespaceKey]) -> pb.RouteResponse:
-            request = self._route_request(
-                ns,
-                key,
-                prompt,
-                candidates,
-                policy,
-                prefill_tokens_per_s,
-                probe,
-                pin,
-                lease_ttl_ms,
-            )
-            return await self._invoke(self._stub.Route, request, deadline)
-
-        return _convert.route_from_proto(await self._send_prompt(ns, prompt, deadline, send))
-
-    async def insert(
-        self,
-        ns: NamespaceLike,
-        tokens: Any = None,
-        pool: Optional[PoolLike] = None,
-        block_ids: Iterable[int] = (),
-        *,
-        page_hashes: Optional[PageHashesLike] = None,
-        use_reservation: bool = False,
-        agent_epoch: int = 0,
-        deadline_ms: Optional[int] = None,
-    ) -> InsertResult:
-        if pool is None:
-            raise InvalidArgument("pool: is required")
-        ns = as_namespace(ns)
-        prompt = Prompt.of(tokens, page_hashes)
-        deadline = self._deadline(deadline_ms)
-        block_ids = list(block_ids)
-
-        async def send(key: Optional[NamespaceKey]) -> pb.InsertResponse:
-            request = self._insert_request(
-                ns, key, prompt, pool, block_ids, use_reservation, agent_epoch
-            )
-            return await self._invoke(self._stub.Insert, request, deadline)
-
-        return _convert.insert_from_proto(await self._send_prompt(ns, prompt, deadline, send))
-
-    async def release(
-        self, ns: NamespaceLike, pin_id: int, *, deadline_ms: Optional[int] = None
-    ) -> None:
-        request = self._pin_request(as_namespace(ns), pin_id)
-        await self._invoke(self._stub.Release, request, self._deadline(deadline_ms))
-
-    async def renew_lease(
-        self, ns: NamespaceLike, pin_id: int, ttl_ms: int = 0, *, deadline_ms: Optional[int] = None
-    ) -> int:
-        request = self._renew_request(as_namespace(ns), pin_id, ttl_ms)
-        response = await self._invoke(self._stub.RenewLease, request, self._deadline(deadline_ms))
-        return response.lease_expiry_unix_ms
-
-    async def reserve(
-        self, pool: PoolLike, nbytes: int, *, tenant: str = "", deadline_ms: Optional[int] = None
-    ) -> int:
-        request = self._reserve_request(pool, nbytes, tenant)
-        response = await self._invoke(self._stub.Reserve, request, self._deadline(deadline_ms))
-        return response.evicted_bytes
-
-    async def unreserve(
-        self, pool: PoolLike, nbytes: int, *, tenant: str = "", deadline_ms: Optional[int] = None
-    ) -> None:
-        request = self._reserve_request(pool, nbytes, tenant)
-        await self._invoke(self._stub.Unreserve, request, self._deadline(deadline_ms))
-
-    async def evict_from_pool(
-        self, pool: PoolLike, nbytes: int, *, deadline_ms: Optional[int] = None
-    ) -> EvictResult:
-        request = self._evict_pool_request(pool, nbytes)
-        response = await self._invoke(self._stub.Evict, request, self._deadline(deadline_ms))
-        return _convert.evict_from_proto(response)
-
-    async def evict_from_namespace(
-        self, ns: NamespaceLike, nbytes: int, *, deadline_ms: Optional[int] = None
-    ) -> EvictResult:
-        request = self._evict_namespace_request(as_namespace(ns), nbytes)
-        response = await self._invoke(self._stub.Evict, request, self._deadline(deadline_ms))
-        return _convert.evict_from_proto(response)
-
-    async def delete_namespace(
-        self, ns: NamespaceLike, *, deadline_ms: Optional[int] = None
-    ) -> DeleteNamespaceResult:
-        ns = as_namespace(ns)
-        response = await self._invoke(
-            self._stub.DeleteNamespace, self._delete_request(ns), self._deadline(deadline_ms)
-        )
-        self._forget_key(ns)
-        return DeleteNamespaceResult(response.removed_pages, response.dropped_pins)
-
-    async def stats(self, *, deadline_ms: Optional[int] = None) -> Stats:
-        response = await self._invoke(
-            self._stub.Stats, pb.StatsRequest(), self._deadline(deadline_ms)
-        )
-        return _convert.stats_from_proto(response)
 
     def watch_events(self, ns: Optional[NamespaceLike] = None) -> EventStream:
         call = self._stub.WatchEvents(self._watch_request(ns), metadata=self._metadata)

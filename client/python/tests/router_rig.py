@@ -49,7 +49,7 @@ async def start_router(engines: List[Tuple[str, str]], policy: str, **kw: Any
                        engines=[EngineSpec(i, u) for i, u in engines], namespace=ns,
                        engine_down_s=30.0, **kw)
     port = free_port()
-    cfg.listen = f"127.0.0.1:{port}"
+    cfg.listen_address = f"127.0.0.1:{port}"
     server = RouterServer(cfg)
     return server, await Served(server.app, port).start()
 

@@ -166,12 +166,12 @@ def story(tmp_path_factory) -> Iterator[Story]:
     metrics_port = free_port()
     config = workdir / "bridge.toml"
     config.write_text(
-        f'manager = "{manager.address}"\nca_file = "{certs / "ca.pem"}"\n'
-        f'cert_file = "{certs / "client.pem"}"\nkey_file = "{certs / "client.key"}"\n'
-        f"metrics_port = {metrics_port}\nmetrics_address = \"127.0.0.1\"\nttl_ms = 3000\n"
+        f'manager_address = "{manager.address}"\ntls_ca_file = "{certs / "ca.pem"}"\n'
+        f'tls_cert_file = "{certs / "client.pem"}"\ntls_key_file = "{certs / "client.key"}"\n'
+        f'metrics_address = "127.0.0.1:{metrics_port}"\nttl_ms = 3000\n'
         "engine_timeout_s = 5\nprobe_interval_s = 1\nreplay_timeout_s = 2\n"
         f'\n[namespace]\ntenant = "{TENANT}"\nmodel = "{MODEL}"\npreset = "llama-3-8b"\n'
-        f"page_size = {K * PS}\n"
+        f"page_size_tokens = {K * PS}\n"
         f'\n[[engine]]\nid = "{ENGINE}"\nkind = "sglang"\nendpoint = "{source.endpoint}"\n'
         f'replay_endpoint = "{source.replay_endpoint}"\ntopic = "{source.topic}"\n'
         f'token_file = "{workdir / "engine.token"}"\nblock_size = {PS}\n')

@@ -66,10 +66,10 @@ class Bridge:
         self.config = workdir / "bridge.toml"
         # vLLM says nothing while idle: the bridge's replay probes are what keeps it "up".
         self.config.write_text(
-            f'manager = "{manager}"\ninsecure = true\nttl_ms = 3000\n'
+            f'manager_address = "{manager}"\ninsecure = true\nttl_ms = 3000\n'
             "engine_timeout_s = 5\nprobe_interval_s = 1\nreplay_timeout_s = 2\n"
             f'\n[namespace]\ntenant = "{TENANT}"\nmodel = "{MODEL_NAME}"\n'
-            f'preset = "llama-3-8b"\npage_size = {BLOCK_SIZE}\n' + blocks)
+            f'preset = "llama-3-8b"\npage_size_tokens = {BLOCK_SIZE}\n' + blocks)
         self.proc: subprocess.Popen | None = None
         self.log = workdir / "bridge.log"
 
@@ -306,8 +306,8 @@ async def start_router(story: Story):
         engines=[EngineSpec(eid, e.url) for eid, e in story.engines.items()],
         namespace=NamespaceConfig(tenant=TENANT, model=MODEL_NAME, preset="llama-3-8b",
                                   block_size=BLOCK_SIZE),
-        manager=story.manager.address, insecure=True, route_deadline_ms=2000,
-        engine_down_s=30.0, listen=f"127.0.0.1:{port}")
+        manager_address=story.manager.address, insecure=True, route_deadline_ms=2000,
+        engine_down_s=30.0, listen_address=f"127.0.0.1:{port}")
     return await Served(RouterServer(cfg).app, port).start()
 
 

@@ -72,18 +72,18 @@ class Cluster:
                 replay_endpoint=f"tcp://127.0.0.1:{replay}", block_size=BLOCK,
                 token=self.tokens.get(engine_id, "")))
         self.bridge_cfg = BridgeConfig(
-            manager=self.manager_address, insecure=True, ttl_ms=5000, engine_timeout_s=3.0,
+            manager_address=self.manager_address, insecure=True, ttl_ms=5000, engine_timeout_s=3.0,
             register_token_file=self._token_file("worker"),
             probe_interval_s=0.3, replay_timeout_s=0.5,
             namespace=BridgeNamespace(tenant=TENANT, model=MODEL, preset="llama-3-8b",
-                                      page_size=BLOCK),
+                                      page_size_tokens=BLOCK),
             engines=bridge_engines)
         self.bridge = Bridge(self.bridge_cfg)
         self.stop_bridge = asyncio.Event()
         self.bridge_task = asyncio.create_task(self.bridge.run(self.stop_bridge))
         self.router, self.router_served = await start_router(
             [(e, self.served[e].url) for e in ("e0", "e1")], "kv-aware",
-            manager=self.manager_address, insecure=True, route_deadline_ms=2000,
+            manager_address=self.manager_address, insecure=True, route_deadline_ms=2000,
             lora_adapters=["sql-lora"], prefill_tokens_per_s=1000.0,
             token_file=self._token_file("router"), **(router_kw or {}))
         self.url = self.router_served.url
@@ -323,17 +323,17 @@ def test_the_readme_demo_runs_from_the_command_line(manager, workdir):
                                   "--kv-events-endpoint", f"tcp://*:{pub}",
                                   "--replay-endpoint", f"tcp://*:{replay}"],
                                  workdir / f"{e}.log"))
-        bridge = [py, "-m", "kvcm.engines.bridge", "--manager", manager.address, "--insecure",
+        bridge = [py, "-m", "kvcm.engines.bridge", "--manager_address", manager.address, "--insecure",
                   "--tenant", TENANT, "--model", MODEL, "--preset", "llama-3-8b",
-                  "--page_size", str(BLOCK)]
+                  "--page_size_tokens", str(BLOCK)]
         for e in ("e0", "e1"):
             pub, replay = zmq[e]
             bridge += ["--engine", f"id={e},endpoint=tcp://127.0.0.1:{pub},"
                                    f"replay_endpoint=tcp://127.0.0.1:{replay},block_size={BLOCK}"]
         procs.append(Process(bridge, workdir / "bridge.log"))
         procs.append(Process(
-            [py, "-m", "kvcm.router.server", "--listen", f"127.0.0.1:{ports['router']}",
-             "--policy", "kv-aware", "--tokenizer", "words", "--manager", manager.address,
+            [py, "-m", "kvcm.router.server", "--listen_address", f"127.0.0.1:{ports['router']}",
+             "--policy", "kv-aware", "--tokenizer", "words", "--manager_address", manager.address,
              "--insecure", "--tenant", TENANT, "--model", MODEL, "--preset", "llama-3-8b",
              "--block_size", str(BLOCK),
              "--engine", f"e0=http://127.0.0.1:{ports['e0']}",

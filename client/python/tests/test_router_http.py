@@ -222,7 +222,7 @@ async def test_kv_aware_serves_least_loaded_while_the_manager_is_down():
     e0, s0 = await start_engine("e0", decode_ms_per_token=30)
     e1, s1 = await start_engine("e1", decode_ms_per_token=30)
     router, rs = await start_router([("e0", s0.url), ("e1", s1.url)], "kv-aware",
-                                    manager=f"127.0.0.1:{free_port()}", insecure=True,
+                                    manager_address=f"127.0.0.1:{free_port()}", insecure=True,
                                     route_deadline_ms=100)
     try:
         async with aiohttp.ClientSession() as http:
@@ -249,7 +249,7 @@ def test_cli_refuses_a_bad_configuration_naming_the_setting(tmp_path):
                       'engines = ["e0=http://127.0.0.1:1"]\n')
     run = subprocess.run([sys.executable, "-m", "kvcm.router.server", "--config", str(config)],
                          capture_output=True, text=True, timeout=30)
-    assert run.returncode == 2 and "manager: required by policy kv-aware" in run.stderr
+    assert run.returncode == 2 and "manager_address: required by policy kv-aware" in run.stderr
     run = subprocess.run([sys.executable, "-m", "kvcm.router.server", "--tokenizer", "words",
                           "--engine", "e0", "--policy", "round-robin"],
                          capture_output=True, text=True, timeout=30)

@@ -165,7 +165,7 @@ async def start_pd_router(prefill: list, decode: list, **kw) -> Served:
                        decode_engines=[EngineSpec(i, u) for i, u in decode],
                        namespace=NamespaceConfig(block_size=16), engine_down_s=30.0, **kw)
     port = free_port()
-    cfg.listen = f"127.0.0.1:{port}"
+    cfg.listen_address = f"127.0.0.1:{port}"
     return await Served(RouterServer(cfg).app, port).start()
 
 

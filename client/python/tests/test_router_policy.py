@@ -372,7 +372,7 @@ policy = "kv-aware"
 tokenizer = "words"
 engines = ["e0=http://10.0.0.5:8000/v1", "e1=https://e1.internal:8443"]
 lora_adapters = ["sql-lora"]
-manager = "kvcm:50051"
+manager_address = "kvcm:50051"
 insecure = true
 token = "0123456789abcdef0123"
 imbalance_margin = 8
@@ -380,25 +380,26 @@ imbalance_margin = 8
 tenant = "acme"
 model = "llama"
 preset = "llama-3-8b"
-page_size = 32
+page_size_tokens = 32
 block_size = 16
 ''')
-    cfg = load_config(["--config", str(path), "--listen", "0.0.0.0:9000",
+    cfg = load_config(["--config", str(path), "--listen_address", "0.0.0.0:9000",
                        "--imbalance-factor", "3"])
     assert [(e.id, e.url) for e in cfg.engines] == [("e0", "http://10.0.0.5:8000"),
                                                    ("e1", "https://e1.internal:8443")]
     assert (cfg.imbalance_factor, cfg.imbalance_margin, cfg.listen_host_port) == (
         3.0, 8, ("0.0.0.0", 9000))
     assert cfg.namespace.model_spec().page_size_tokens == 32 and "0123" not in repr(cfg)
-    cfg = load_config(["--config", str(path), "--engine", "x=http://h:1", "--page_size", "16"])
+    cfg = load_config(["--config", str(path), "--engine", "x=http://h:1", "--page_size_tokens", "16"])
     assert [e.id for e in cfg.engines] == ["x"] and cfg.namespace.page_tokens == 16
     for extra, message in [
-        (["--page_size", "24"], "namespace.page_size: 24 must be a multiple"),
+        (["--page_size_tokens", "24"], "namespace.page_size_tokens: 24 must be a multiple"),
         (["--policy", "fastest"], "invalid choice"),
         (["--token_file", "/t"], "token: give token or token_file, not both"),
         (["--engine", "e0=http://a:1", "--engine", "e0=http://b:1"], "'e0' is listed twice"),
         (["--engine", "e0=ftp://a:1"], "must be http(s)://HOST:PORT"),
-        (["--listen", "nowhere"], "listen: 'nowhere' must be HOST:PORT"),
+        (["--listen_address", "nowhere"], "listen_address 'nowhere' has no port; kvcm-router "
+                                          "listens on 8100 by default: nowhere:8100"),
     ]:
         with pytest.raises((ConfigError, SystemExit)) as e:
             load_config(["--config", str(path), *extra])

@@ -352,8 +352,8 @@ async def test_mutual_tls(tmp_path):
     await asyncio.get_running_loop().run_in_executor(None, proc.start)
     view = RealManagerView(proc, ADMIN)
     rig = BridgeRig(view, block_size=BS, token=ENGINE, insecure=False,
-                    ca_file=str(certs / "ca.pem"), cert_file=str(certs / "client.pem"),
-                    key_file=str(certs / "client.key"))
+                    tls_ca_file=str(certs / "ca.pem"), tls_cert_file=str(certs / "client.pem"),
+                    tls_key_file=str(certs / "client.key"))
     try:
         await run_prompts(rig, range(2))
         assert len({h for c in await rig.converge() for h in c}) == 10

@@ -7,7 +7,7 @@ from kvcm.engines.bridge import main
 from kvcm.engines.config import ConfigError, from_args
 
 TOML = """
-manager = "kvcm:50051"
+manager_address = "kvcm:50051"
 insecure = true
 engine_timeout_s = 20
 
@@ -15,7 +15,7 @@ engine_timeout_s = 20
 tenant = "acme"
 model = "llama-3-8b"
 preset = "llama-3-8b"
-page_size = 32
+page_size_tokens = 32
 
 [[engine]]
 id = "vllm-0"
@@ -45,9 +45,9 @@ def test_toml_and_flags(tmp_path, monkeypatch):
     token.write_text("secret-token-0123456789\n")
     monkeypatch.setenv("VLLM1_TOKEN", "env-token-0123456789")
     path = write(tmp_path, TOML, token=token)
-    cfg, _ = from_args(["--config", path, "--manager", "other:1", "--engine_timeout_s", "9",
+    cfg, _ = from_args(["--config", path, "--manager_address", "other:1", "--engine_timeout_s", "9",
                         "--engine", "id=vllm-2,endpoint=tcp://h:7000,block_size=32"])
-    assert cfg.manager == "other:1" and cfg.engine_timeout_s == 9 and cfg.insecure
+    assert cfg.manager_address == "other:1" and cfg.engine_timeout_s == 9 and cfg.insecure
     e0, e1, e2 = cfg.engines
     assert e0.resolve_token() == "secret-token-0123456789"
     assert e1.resolve_token() == "env-token-0123456789" and e1.data_parallel_rank == 1
@@ -59,7 +59,7 @@ def test_toml_and_flags(tmp_path, monkeypatch):
 
 def test_explicit_spec(tmp_path):
     text = TOML.replace('preset = "llama-3-8b"\n', "").replace(
-        "page_size = 32", 'page_size = 32\n[namespace.spec]\nattention = "mla"\n'
+        "page_size_tokens = 32", 'page_size_tokens = 32\n[namespace.spec]\nattention = "mla"\n'
         'num_layers = 61\nnum_heads = 128\nkv_lora_rank = 512\nrope_dim = 64')
     cfg, _ = from_args(["--config", write(tmp_path, text.replace("token_file", "token")
                                           .replace("token_env", "token"),
@@ -71,7 +71,7 @@ def test_explicit_spec(tmp_path):
 @pytest.mark.parametrize("bad, message", [
     ('id = "vllm-0"', "engine ids repeat"),
     ('endpoint = "tcp://10.0.0.5:5557"', "cannot connect to 'tcp://\\*:6000'"),
-    ("page_size = 32", "page size 24 tokens is not a multiple of the engine's block size 16"),
+    ("page_size_tokens = 32", "page size 24 tokens is not a multiple of the engine's block size 16"),
     ('preset = "llama-3-8b"', "no model 'nope'"),
     ("engine_timeout_s = 20", "unknown setting 'engine_timeuot_s'"),
     ('replay_endpoint = "tcp://10.0.0.5:5558"', "replay_endpoint 'tcp://\\*:5558'"),
@@ -80,7 +80,7 @@ def test_errors_name_the_setting(tmp_path, bad, message):
     good = {
         'id = "vllm-0"': 'id = "vllm-1"',
         'endpoint = "tcp://10.0.0.5:5557"': 'endpoint = "tcp://*:6000"',
-        "page_size = 32": "page_size = 24",
+        "page_size_tokens = 32": "page_size_tokens = 24",
         'preset = "llama-3-8b"': 'preset = "nope"',
         "engine_timeout_s = 20": "engine_timeuot_s = 20",
         'replay_endpoint = "tcp://10.0.0.5:5558"': 'replay_endpoint = "tcp://*:5558"',

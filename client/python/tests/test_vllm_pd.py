@@ -42,13 +42,13 @@ def prompt(seed: int) -> list[int]:
 
 def router_toml(manager: str, prefill_url: str, decode_url: str, listen: str) -> str:
     return f'''
-listen = "{listen}"
+listen_address = "{listen}"
 policy = "kv-aware"
 tokenizer = "words"              # prompts are token ids: used as they are
 prefill_engines = ["prefill={prefill_url}"]
 decode_engines = ["decode={decode_url}"]
 engine_agents = ["prefill={AGENT}", "decode={AGENT}"]
-manager = "{manager}"
+manager_address = "{manager}"
 insecure = true
 engine_down_s = 30
 

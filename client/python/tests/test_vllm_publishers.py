@@ -106,7 +106,7 @@ class GoldenPublisher:
 
 def bridge_for(manager, pub_port, replay_port):
     cfg = BridgeConfig(
-        manager=manager.address, insecure=True, ttl_ms=3000, engine_timeout_s=3.0,
+        manager_address=manager.address, insecure=True, ttl_ms=3000, engine_timeout_s=3.0,
         probe_interval_s=0.3, replay_timeout_s=1.0,
         namespace=NamespaceConfig(tenant=TENANT, model=MODEL, preset="llama-3-8b"),
         engines=[EngineConfig(id="vllm-0", endpoint=f"tcp://127.0.0.1:{pub_port}",

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvcm._options import tls_mismatch_hint
 from kvcm.engines.config import BridgeConfig, ConfigError, EngineConfig, from_args
 from kvcm.engines import kinds
 from kvcm.engines.events import EventDecodeError
@@ -212,10 +213,17 @@ class EngineBridge:
             except grpc.aio.AioRpcError as e:
                 self._count_error(e.code().name)
                 log.error("engine %s: RegisterModel %s/%s failed: %s: %s", self.id,
-                          self.tenant, self.model, e.code().name, e.details())
+                          self.tenant, self.model, e.code().name, self._details(e))
             except ConfigError as e:
                 log.error("%s", e)
             await _sleep_or_stop(stop, backoff.take())
+
+    def _details(self, e: grpc.aio.AioRpcError) -> str:
+        """The error's text, with a hint when an UNAVAILABLE looks like a TLS mismatch."""
+        details = e.details() or ""
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            details += tls_mismatch_hint(details, self.cfg.insecure)
+        return details
 
     def _count_error(self, code: str) -> None:
         errs = self.session.counters.errors
@@ -255,7 +263,8 @@ class EngineBridge:
         action = self.session.on_failed(code, msg)
         assert self.mirror is not None
         if action is Action.RETRY:
-            log.warning("engine %s: publish failed (%s: %s), retrying", self.id, code, msg)
+            log.warning("engine %s: publish failed (%s: %s), retrying", self.id, code,
+                        self._details(e))
             await _sleep_or_stop(stop, backoff.take())
         elif action is Action.NEW_SESSION:
             log.info("engine %s: the manager lost the session (%s), resending the mirror",
@@ -439,9 +448,9 @@ class Bridge:
         cfg.validate()
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.manager = ManagerConnection(cfg.manager, insecure=cfg.insecure,
-                                         ca_file=cfg.ca_file, cert_file=cfg.cert_file,
-                                         key_file=cfg.key_file, deadline_ms=cfg.deadline_ms)
+        self.manager = ManagerConnection(cfg.manager_address, insecure=cfg.insecure,
+                                         ca_file=cfg.tls_ca_file, cert_file=cfg.tls_cert_file,
+                                         key_file=cfg.tls_key_file, deadline_ms=cfg.deadline_ms)
         self.engines = [EngineBridge(cfg, e, self.manager, self.ctx) for e in cfg.engines]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -452,11 +461,11 @@ class Bridge:
             self.ctx.destroy(linger=0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "kvcm-bridge") -> int:
     try:
-        cfg, args = from_args(argv)
+        cfg, args = from_args(argv, prog)
     except ConfigError as e:
-        print(f"kvcm-bridge: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -466,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         bridge = Bridge(cfg)  # inside the loop: grpc.aio and zmq.asyncio bind to it
-        if cfg.metrics_port:
+        if cfg.metrics_address:
             from kvcm.engines.metrics import serve_metrics
-            serve_metrics(bridge.engines, cfg.metrics_address, cfg.metrics_port)
+            host, _, port = cfg.metrics_address.rpartition(":")
+            serve_metrics(bridge.engines, host.strip("[]"), int(port))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -478,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run())
     except (ConfigError, ValueError, OSError) as e:
-        print(f"kvcm-bridge: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     return 0
 

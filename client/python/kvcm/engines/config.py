@@ -1,16 +1,16 @@
 """kvcm-bridge configuration: a TOML file and/or flags (flags win).
 
-    manager = "kvcm.internal:50051"
-    ca_file = "/etc/kvcm/ca.pem"          # or insecure = true
-    metrics_port = 9471
+    manager_address = "kvcm.internal:50051"   # default: $KVCM_MANAGER_ADDRESS
+    tls_ca_file = "/etc/kvcm/ca.pem"      # or insecure = true
+    metrics_address = "0.0.0.0:9466"      # default: no /metrics
     engine_timeout_s = 15
 
     [namespace]                           # every engine's, unless an engine overrides it
     tenant = "acme"
     model = "llama-3-8b"
     preset = "llama-3-8b"                 # a catalogue model, or a [namespace.spec] table
-    dtype = "bf16"
-    page_size = 16                        # 0: the engine's block size
+    kv_dtype = "bf16"
+    page_size_tokens = 16                 # 0: the engine's block size
 
     [[engine]]
     id = "vllm-0"
@@ -26,6 +26,10 @@ otherwise. So: vLLM given `tcp://*:5557` -> endpoint = "tcp://<engine host>:5557
 "connect"; vLLM given `tcp://<bridge host>:5557` -> endpoint = "tcp://*:5557", mode "bind".
 vLLM always binds its replay (ROUTER) endpoint; the bridge connects to it. SGLang's
 publisher (`--kv-events-config`) decides bind/connect the same way (docs/ENGINES.md, "SGLang").
+
+Settings and flags before issue 26's vocabulary still work and warn once: manager,
+ca_file / cert_file / key_file, metrics_port (with metrics_address a bare host), dtype,
+page_size.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvcm import _cli
+from kvcm._options import default_manager_address, validate_address
 from kvcm.engines import kinds
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec
 
@@ -46,6 +52,13 @@ _DTYPES = {"bf16": KvDtype.BF16, "fp16": KvDtype.FP16, "fp8": KvDtype.FP8,
            "int8": KvDtype.INT8}
 _ATTENTION = {"mha": AttentionKind.MHA, "mqa": AttentionKind.MQA, "gqa": AttentionKind.GQA,
               "mla": AttentionKind.MLA}
+PROG = "kvcm-bridge"
+METRICS_PORT = 9466
+# Deprecated spellings -> names (flags and TOML keys alike).
+_ALIASES = {"manager": "manager_address", "ca_file": "tls_ca_file",
+            "cert_file": "tls_cert_file", "key_file": "tls_key_file"}
+_NAMESPACE_ALIASES = {"dtype": "kv_dtype", "page_size": "page_size_tokens"}
+_FLAG_ALIASES = {**_ALIASES, **_NAMESPACE_ALIASES}
 
 
 class ConfigError(ValueError):
@@ -59,15 +72,16 @@ class NamespaceConfig:
     # A catalogue model (kvcm.CATALOG), or `spec` with the ModelSpec fields.
     preset: str = ""
     spec: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "bf16"
+    kv_dtype: str = "bf16"
     # Tokens per kvcm page: a multiple of the engine's block size; 0: the block size.
-    page_size: int = 0
+    page_size_tokens: int = 0
     max_page_age_s: int = 0
 
     def model_spec(self, block_size: int) -> ModelSpec:
-        page = self.page_size or block_size
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"namespace.dtype: {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        page = self.page_size_tokens or block_size
+        if self.kv_dtype not in _DTYPES:
+            raise ConfigError(f"namespace.kv_dtype: {self.kv_dtype!r} is not one of "
+                              f"{sorted(_DTYPES)}")
         if self.preset:
             if self.spec:
                 raise ConfigError("namespace: give preset or spec, not both")
@@ -75,13 +89,13 @@ class NamespaceConfig:
             if base is None:
                 raise ConfigError(f"namespace.preset: no model {self.preset!r} in the "
                                   f"catalogue; known: {', '.join(CATALOG)}")
-            return base.with_(dtype=_DTYPES[self.dtype], page_size_tokens=page)
+            return base.with_(dtype=_DTYPES[self.kv_dtype], page_size_tokens=page)
         if not self.spec:
             raise ConfigError("namespace: needs preset (a catalogue model) or a spec table")
         kw = dict(self.spec)
         try:
             kw["attention"] = _ATTENTION[str(kw.get("attention", "")).lower()]
-            kw.setdefault("dtype", self.dtype)
+            kw.setdefault("dtype", self.kv_dtype)
             kw["dtype"] = _DTYPES[str(kw["dtype"]).lower()]
             return ModelSpec(page_size_tokens=page, **kw)
         except (KeyError, TypeError) as e:
@@ -160,15 +174,15 @@ class EngineConfig:
 
 @dataclass
 class BridgeConfig:
-    manager: str = "127.0.0.1:50051"
+    # Default: $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051.
+    manager_address: str = field(default_factory=default_manager_address)
     insecure: bool = False
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     # Token for RegisterModel when the engines' tokens may not register ("": the engine's).
     register_token_file: str = ""
-    metrics_address: str = "0.0.0.0"
-    metrics_port: int = 0                 # 0: no /metrics
+    metrics_address: str = ""             # host:port of /metrics; "": none
     ttl_ms: int = 30_000                  # the engine session's TTL at the manager
     engine_timeout_s: float = 15.0        # nothing heard from an engine this long: drop it
     probe_interval_s: float = 2.0
@@ -187,16 +201,24 @@ class BridgeConfig:
             e.validate()
             if not (e.tenant or self.namespace.tenant) or not (e.model or self.namespace.model):
                 raise ConfigError(f"engine {e.id!r}: no tenant/model (set [namespace])")
-            page = self.namespace.page_size or e.block_size
+            page = self.namespace.page_size_tokens or e.block_size
             if page % e.block_size:
                 raise ConfigError(
                     f"engine {e.id!r}: namespace page size {page} tokens is not a multiple of "
                     f"the engine's block size {e.block_size} tokens")
             self.namespace.model_spec(e.block_size)
-        if self.insecure and (self.ca_file or self.cert_file or self.key_file):
-            raise ConfigError("insecure excludes ca_file, cert_file, key_file")
-        if not self.insecure and not self.ca_file:
-            raise ConfigError("ca_file is required to verify the manager (or insecure = true)")
+        try:
+            validate_address(self.manager_address, "manager_address")
+            if self.metrics_address:
+                validate_address(self.metrics_address, "metrics_address", METRICS_PORT,
+                                 "kvcm-bridge's /metrics")
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("INVALID_ARGUMENT: ")) from None
+        if self.insecure and (self.tls_ca_file or self.tls_cert_file or self.tls_key_file):
+            raise ConfigError("insecure excludes tls_ca_file, tls_cert_file, tls_key_file")
+        if not self.insecure and not self.tls_ca_file:
+            raise ConfigError("tls_ca_file is required to verify the manager "
+                              "(or insecure = true)")
         if not 1_000 <= self.ttl_ms <= 600_000:
             raise ConfigError("ttl_ms must be in 1000..600000")
         if self.engine_timeout_s <= self.probe_interval_s:
@@ -222,6 +244,15 @@ def load(path: str | None) -> BridgeConfig:
         raise ConfigError(f"{path}: {e}") from None
     ns = data.pop("namespace", {})
     engines = data.pop("engine", [])
+    try:
+        data = _cli.rename_keys(data, _ALIASES, PROG, path)
+        ns = _cli.rename_keys(ns, _NAMESPACE_ALIASES, PROG, f"{path} [namespace]")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if "metrics_port" in data:
+        _cli.warn_deprecated(PROG, f"{path}: key 'metrics_port'", "metrics_address host:port")
+        data["metrics_address"] = _metrics_address(data.get("metrics_address", ""),
+                                                   data.pop("metrics_port"))
     _fill(cfg, data, path)
     _fill(cfg.namespace, ns, f"{path} [namespace]")
     for i, t in enumerate(engines):
@@ -229,6 +260,13 @@ def load(path: str | None) -> BridgeConfig:
         _fill(engine, t, f"{path} [[engine]] #{i + 1}")
         cfg.engines.append(engine)
     return cfg
+
+
+def _metrics_address(host: str, port: Any) -> str:
+    """The deprecated metrics_port (0: none) with metrics_address as its bare host."""
+    if not port:
+        return ""
+    return f"{host or '0.0.0.0'}:{int(port)}"
 
 
 def parse_engine_flag(text: str) -> EngineConfig:
@@ -253,20 +291,25 @@ def parse_engine_flag(text: str) -> EngineConfig:
     return e
 
 
-def arg_parser() -> argparse.ArgumentParser:
+def arg_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvcm-bridge",
+        prog=prog,
         description="Mirror vLLM and SGLang engines' prefix caches into a kvcm-manager from "
-                    "their KV events (docs/ENGINES.md).")
+                    "their KV events (docs/ENGINES.md). Deprecated spellings (--manager, "
+                    "--ca_file, --cert_file, --key_file, --metrics_port, --dtype, "
+                    "--page_size) still work and warn.")
+    p.add_argument("--version", action=_cli.VersionAction)
     p.add_argument("--config", help="TOML file; flags override it")
-    p.add_argument("--manager", help="manager address host:port")
+    p.add_argument("--manager_address", help="manager host:port (default: "
+                   "$KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051)")
     p.add_argument("--insecure", action="store_true", default=None, help="plaintext gRPC")
-    p.add_argument("--ca_file")
-    p.add_argument("--cert_file")
-    p.add_argument("--key_file")
+    p.add_argument("--tls_ca_file", help="PEM CA that verifies the manager")
+    p.add_argument("--tls_cert_file", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls_key_file", help="PEM key of --tls_cert_file")
     p.add_argument("--register_token_file")
-    p.add_argument("--metrics_port", type=int)
-    p.add_argument("--metrics_address")
+    p.add_argument("--metrics_address", help=f"host:port of /metrics (e.g. "
+                   f"0.0.0.0:{METRICS_PORT}); default none")
+    p.add_argument("--metrics_port", type=int, help=argparse.SUPPRESS)  # deprecated
     p.add_argument("--ttl_ms", type=int)
     p.add_argument("--engine_timeout_s", type=float)
     p.add_argument("--probe_interval_s", type=float)
@@ -274,8 +317,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant")
     p.add_argument("--model")
     p.add_argument("--preset", help="catalogue model for the namespace's spec")
-    p.add_argument("--dtype")
-    p.add_argument("--page_size", type=int)
+    p.add_argument("--kv_dtype", help="bf16, fp16, fp8 or int8")
+    p.add_argument("--page_size_tokens", type=int, help="tokens per kvcm page (0: the "
+                   "engine's block size)")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an engine: id, kind (vllm or sglang), endpoint, endpoint_mode, "
                         "replay_endpoint, topic, token_file, token_env, data_parallel_rank, "
@@ -284,16 +328,23 @@ def arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def from_args(argv: list[str] | None = None) -> tuple[BridgeConfig, argparse.Namespace]:
-    args = arg_parser().parse_args(argv)
+def from_args(argv: list[str] | None = None,
+              prog: str = PROG) -> tuple[BridgeConfig, argparse.Namespace]:
+    import sys
+
+    argv = _cli.rename_flags(sys.argv[1:] if argv is None else argv, _FLAG_ALIASES, prog)
+    args = arg_parser(prog).parse_args(argv)
     cfg = load(args.config)
-    for name in ("manager", "insecure", "ca_file", "cert_file", "key_file",
-                 "register_token_file", "metrics_port", "metrics_address", "ttl_ms",
+    for name in ("manager_address", "insecure", "tls_ca_file", "tls_cert_file",
+                 "tls_key_file", "register_token_file", "metrics_address", "ttl_ms",
                  "engine_timeout_s", "probe_interval_s", "replay_timeout_s"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
-    for name in ("tenant", "model", "preset", "dtype", "page_size"):
+    if args.metrics_port is not None:
+        _cli.warn_deprecated(prog, "--metrics_port", "--metrics_address host:port")
+        cfg.metrics_address = _metrics_address(args.metrics_address or "", args.metrics_port)
+    for name in ("tenant", "model", "preset", "kv_dtype", "page_size_tokens"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg.namespace, name, v)

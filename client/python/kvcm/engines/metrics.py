@@ -1,4 +1,4 @@
-"""Prometheus metrics of kvcm-bridge (`--metrics_port`), per engine. The prefix stays
+"""Prometheus metrics of kvcm-bridge (`--metrics_address`), per engine. The prefix stays
 kvcm_vllm_bridge_ for every engine kind, so dashboards made before SGLang keep working.
 
 The collector reads each EngineBridge's `metrics` snapshot (rebuilt by its loop about once a

@@ -1,6 +1,6 @@
 """kvcm-router configuration: a TOML file and/or flags (a flag wins over the file).
 
-    listen = "0.0.0.0:8000"
+    listen_address = "0.0.0.0:8100"  # default 127.0.0.1:8100 (8000 is vLLM's)
     policy = "kv-aware"              # kv-aware | round-robin | consistent-hash | least-loaded
     tokenizer = "meta-llama/Meta-Llama-3-8B-Instruct"   # or a path; "words"/"bytes": tests
     lora_adapters = ["sql-lora"]     # a request whose model is one of these uses that LoRA
@@ -10,8 +10,8 @@
     # decode_engines = ["d0=http://10.0.0.6:8000"]
     # engine_agents = ["p0=gpu0", "d0=gpu0"]  # kvcm-agent of a connector engine (default: id)
 
-    manager = "kvcm.internal:50051"  # kv-aware only
-    ca_file = "/etc/kvcm/ca.pem"     # or insecure = true
+    manager_address = "kvcm.internal:50051"  # kv-aware only; default $KVCM_MANAGER_ADDRESS
+    tls_ca_file = "/etc/kvcm/ca.pem"  # or insecure = true
     token_file = "/etc/kvcm/router.token"  # or token = "..." (this file only, never a flag)
     register_token_file = ""         # a token that may RegisterModel, for the hash key
 
@@ -19,12 +19,14 @@
     tenant = "acme"
     model = "llama-3-8b"
     preset = "llama-3-8b"            # a catalogue model, or a [namespace.spec] table
-    dtype = "bf16"
-    page_size = 16                   # kvcm page, a multiple of block_size
+    kv_dtype = "bf16"
+    page_size_tokens = 16            # kvcm page, a multiple of block_size
     block_size = 16                  # the engines' block size
 
 Engine ids are the ids kvcm-bridge publishes the engines under; an engine listed in
 engine_agents is ranked by the pages of that kvcm-agent instead (the kvcm vLLM connector).
+Settings and flags before issue 26's vocabulary still work and warn once: listen, manager,
+ca_file / cert_file / key_file, dtype, page_size.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
+from kvcm import _cli
+from kvcm._options import MANAGER_ADDRESS_ENV, validate_address
 from kvcm.router.policy import POLICIES
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec, Namespace
 
@@ -43,6 +47,13 @@ _DTYPES = {"bf16": KvDtype.BF16, "fp16": KvDtype.FP16, "fp8": KvDtype.FP8,
            "int8": KvDtype.INT8}
 _ATTENTION = {"mha": AttentionKind.MHA, "mqa": AttentionKind.MQA, "gqa": AttentionKind.GQA,
               "mla": AttentionKind.MLA}
+PROG = "kvcm-router"
+LISTEN_PORT = 8100  # vLLM's is 8000
+# Deprecated spellings -> names (flags and TOML keys alike).
+_ALIASES = {"listen": "listen_address", "manager": "manager_address",
+            "ca_file": "tls_ca_file", "cert_file": "tls_cert_file", "key_file": "tls_key_file"}
+_NAMESPACE_ALIASES = {"dtype": "kv_dtype", "page_size": "page_size_tokens"}
+_FLAG_ALIASES = {**_ALIASES, **_NAMESPACE_ALIASES}
 
 
 class ConfigError(ValueError):
@@ -83,8 +94,8 @@ class NamespaceConfig:
     model: str = ""
     preset: str = ""  # a catalogue model (kvcm.CATALOG), or `spec`
     spec: Dict[str, Any] = field(default_factory=dict)  # ModelSpec fields (TOML table)
-    dtype: str = "bf16"
-    page_size: int = 0  # tokens per kvcm page; 0: block_size
+    kv_dtype: str = "bf16"
+    page_size_tokens: int = 0  # tokens per kvcm page; 0: block_size
     block_size: int = 16  # the engines' KV block size, tokens
 
     @property
@@ -93,7 +104,7 @@ class NamespaceConfig:
 
     @property
     def page_tokens(self) -> int:
-        return self.page_size or self.block_size
+        return self.page_size_tokens or self.block_size
 
     def model_spec(self) -> ModelSpec:
         if self.spec:
@@ -102,7 +113,7 @@ class NamespaceConfig:
             kw = dict(self.spec)
             try:
                 kw["attention"] = _ATTENTION[str(kw.get("attention", "")).lower()]
-                kw["dtype"] = _DTYPES[str(kw.get("dtype", self.dtype)).lower()]
+                kw["dtype"] = _DTYPES[str(kw.get("dtype", self.kv_dtype)).lower()]
                 return ModelSpec(page_size_tokens=self.page_tokens, **kw)
             except (KeyError, TypeError) as e:
                 raise ConfigError(f"namespace.spec: {e}") from None
@@ -110,12 +121,12 @@ class NamespaceConfig:
         if base is None:
             raise ConfigError(f"namespace.preset: {self.preset!r} is not a catalogue model; "
                               f"known: {', '.join(CATALOG)}")
-        return base.with_(dtype=_DTYPES[self.dtype], page_size_tokens=self.page_tokens)
+        return base.with_(dtype=_DTYPES[self.kv_dtype], page_size_tokens=self.page_tokens)
 
 
 @dataclass
 class RouterConfig:
-    listen: str = "127.0.0.1:8000"
+    listen_address: str = f"127.0.0.1:{LISTEN_PORT}"
     policy: str = "kv-aware"
     tokenizer: str = ""
     engines: List[EngineSpec] = field(default_factory=list)
@@ -126,12 +137,12 @@ class RouterConfig:
     engine_agents: Dict[str, str] = field(default_factory=dict)
     lora_adapters: List[str] = field(default_factory=list)
     namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
-    # Manager connection (kv-aware).
-    manager: str = ""
+    # Manager connection (kv-aware). "": $KVCM_MANAGER_ADDRESS when load_config reads it.
+    manager_address: str = ""
     insecure: bool = False
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     token_file: str = ""  # the router's token; else `token` (TOML only), else $KVCM_TOKEN
     token: str = field(default="", repr=False)
     register_token_file: str = ""  # a token that may RegisterModel; "": token_file's
@@ -159,7 +170,7 @@ class RouterConfig:
 
     @property
     def listen_host_port(self) -> Tuple[str, int]:
-        host, _, port = self.listen.rpartition(":")
+        host, _, port = self.listen_address.rpartition(":")
         return host.strip("[]") or "0.0.0.0", int(port)
 
     def validate(self) -> None:
@@ -184,28 +195,31 @@ class RouterConfig:
             raise ConfigError("tokenizer: required: the engines' Hugging Face tokenizer (name "
                               "or path), or 'words' / 'bytes' (test tokenizers)")
         try:
-            _, port = self.listen_host_port
-        except ValueError:
-            raise ConfigError(f"listen: {self.listen!r} must be HOST:PORT") from None
-        if not 0 <= port <= 65535:
-            raise ConfigError(f"listen: port {port} out of range")
+            validate_address(self.listen_address, "listen_address", LISTEN_PORT, "kvcm-router")
+            if self.manager_address:
+                validate_address(self.manager_address, "manager_address")
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("INVALID_ARGUMENT: ")) from None
         ns = self.namespace
         if ns.block_size <= 0:
             raise ConfigError("namespace.block_size: must be > 0")
-        if ns.page_size < 0 or ns.page_tokens % ns.block_size != 0:
-            raise ConfigError(f"namespace.page_size: {ns.page_size} must be a multiple of "
-                              f"namespace.block_size {ns.block_size}")
-        if ns.dtype not in _DTYPES:
-            raise ConfigError(f"namespace.dtype: {ns.dtype!r} is not one of {sorted(_DTYPES)}")
+        if ns.page_size_tokens < 0 or ns.page_tokens % ns.block_size != 0:
+            raise ConfigError(f"namespace.page_size_tokens: {ns.page_size_tokens} must be a "
+                              f"multiple of namespace.block_size {ns.block_size}")
+        if ns.kv_dtype not in _DTYPES:
+            raise ConfigError(f"namespace.kv_dtype: {ns.kv_dtype!r} is not one of "
+                              f"{sorted(_DTYPES)}")
         if self.policy == "kv-aware":
-            if not self.manager:
-                raise ConfigError("manager: required by policy kv-aware (HOST:PORT)")
+            if not self.manager_address:
+                raise ConfigError(f"manager_address: required by policy kv-aware (HOST:PORT, "
+                                  f"or ${MANAGER_ADDRESS_ENV})")
             if not ns.tenant or not ns.model:
                 raise ConfigError("namespace.tenant and namespace.model: required by kv-aware "
                                   "(the bridge's namespace)")
             ns.model_spec()
-            if not self.insecure and not self.ca_file:
-                raise ConfigError("ca_file: required to verify the manager (or insecure = true)")
+            if not self.insecure and not self.tls_ca_file:
+                raise ConfigError("tls_ca_file: required to verify the manager "
+                                  "(or insecure = true)")
         if self.token and self.token_file:
             raise ConfigError("token: give token or token_file, not both")
         if self.prefill_tokens_per_s <= 0:
@@ -220,9 +234,16 @@ class RouterConfig:
             raise ConfigError("engine_down_s and upstream_timeout_s: must be > 0")
 
 
-def _from_toml(data: Dict[str, Any]) -> RouterConfig:
+def _from_toml(data: Dict[str, Any], where: str = "config") -> RouterConfig:
     cfg = RouterConfig()
     known = {f.name for f in fields(RouterConfig)}
+    try:
+        data = _cli.rename_keys(data, _ALIASES, PROG, where)
+        if isinstance(data.get("namespace"), dict):
+            data["namespace"] = _cli.rename_keys(data["namespace"], _NAMESPACE_ALIASES, PROG,
+                                                 f"{where} [namespace]")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"{key}: unknown setting")
@@ -257,13 +278,17 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*names, *more, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = _Parser(
-        prog="kvcm-router",
+        prog=prog,
         description="KV-aware OpenAI-compatible router in front of inference engines "
-                    "(docs/ROUTER.md). Every --a_b flag may also be spelled --a-b.")
+                    "(docs/ROUTER.md). Every --a_b flag may also be spelled --a-b. Deprecated "
+                    "spellings (--listen, --manager, --ca_file, --cert_file, --key_file, "
+                    "--dtype, --page_size) still work and warn.")
+    p.add_argument("--version", action=_cli.VersionAction)
     p.add_argument("--config", help="TOML file; flags override its settings")
-    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8000)")
+    p.add_argument("--listen_address", help=f"HOST:PORT to serve on (default "
+                                            f"127.0.0.1:{LISTEN_PORT})")
     p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--tokenizer", help="Hugging Face tokenizer name or path; 'words' or "
                                        "'bytes' for tests")
@@ -278,16 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "file's engine_agents")
     p.add_argument("--lora_adapter", action="append", metavar="NAME",
                    help="a LoRA adapter name served by the engines (repeatable)")
-    p.add_argument("--manager", help="kvcm-manager HOST:PORT")
+    p.add_argument("--manager_address", help=f"kvcm-manager HOST:PORT (default "
+                                             f"${MANAGER_ADDRESS_ENV})")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="plaintext to the manager (dev only)")
-    for name in ("ca_file", "cert_file", "key_file", "token_file", "register_token_file"):
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "token_file",
+                 "register_token_file"):
         p.add_argument(f"--{name}")
     p.add_argument("--tenant")
     p.add_argument("--model", help="namespace model (the bridge's)")
     p.add_argument("--preset", help="catalogue model spec of the namespace")
-    p.add_argument("--dtype")
-    p.add_argument("--page_size", type=int)
+    p.add_argument("--kv_dtype", help="bf16, fp16, fp8 or int8")
+    p.add_argument("--page_size_tokens", type=int, help="tokens per kvcm page (0: block_size)")
     p.add_argument("--block_size", type=int)
     p.add_argument("--prefill_tokens_per_s", type=float)
     p.add_argument("--route_deadline_ms", type=int)
@@ -300,22 +327,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_config(argv: Optional[List[str]] = None) -> RouterConfig:
-    """The configuration from argv (and the TOML file it names), validated."""
-    args = build_parser().parse_args(argv)
+def load_config(argv: Optional[List[str]] = None, prog: str = PROG) -> RouterConfig:
+    """The configuration from argv (and the TOML file it names), validated. The manager's
+    address, given neither by flag nor file, is $KVCM_MANAGER_ADDRESS."""
+    import os
+    import sys
+
+    argv = _cli.rename_flags(sys.argv[1:] if argv is None else argv, _FLAG_ALIASES, prog)
+    args = build_parser(prog).parse_args(argv)
     cfg = RouterConfig()
     if args.config:
         try:
             with open(args.config, "rb") as f:
-                cfg = _from_toml(tomllib.load(f))
+                cfg = _from_toml(tomllib.load(f), args.config)
         except OSError as e:
             raise ConfigError(f"config {args.config!r}: {e.strerror}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config {args.config!r}: {e}") from None
         except TypeError as e:
             raise ConfigError(f"config {args.config!r}: {e}") from None
-    for name in ("listen", "policy", "tokenizer", "manager", "insecure", "ca_file",
-                 "cert_file", "key_file", "token_file", "register_token_file",
+    for name in ("listen_address", "policy", "tokenizer", "manager_address", "insecure",
+                 "tls_ca_file", "tls_cert_file", "tls_key_file", "token_file",
+                 "register_token_file",
                  "prefill_tokens_per_s", "route_deadline_ms", "imbalance_factor",
                  "imbalance_margin", "hash_prefix_pages", "engine_down_s",
                  "upstream_timeout_s", "log_level"):
@@ -333,12 +366,12 @@ def load_config(argv: Optional[List[str]] = None) -> RouterConfig:
                                  for e in args.engine_agent)
     if args.lora_adapter:
         cfg.lora_adapters = list(args.lora_adapter)
-    for flag, attr in (("tenant", "tenant"), ("model", "model"), ("preset", "preset"),
-                       ("dtype", "dtype"), ("page_size", "page_size"),
-                       ("block_size", "block_size")):
-        value = getattr(args, flag)
+    for name in ("tenant", "model", "preset", "kv_dtype", "page_size_tokens", "block_size"):
+        value = getattr(args, name)
         if value is not None:
-            setattr(cfg.namespace, attr, value)
+            setattr(cfg.namespace, name, value)
+    if not cfg.manager_address:
+        cfg.manager_address = os.environ.get(MANAGER_ADDRESS_ENV, "")
     cfg.validate()
     return cfg
 

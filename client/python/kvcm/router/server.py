@@ -122,8 +122,9 @@ class RouterServer:
     def _manager_client(self, token: str, token_file: str) -> kvcm_aio.Client:
         c = self.cfg
         client = kvcm_aio.Client(
-            c.manager, insecure=c.insecure, ca_file=c.ca_file or None,
-            cert_file=c.cert_file or None, key_file=c.key_file or None, token=token or None,
+            c.manager_address, insecure=c.insecure, ca_file=c.tls_ca_file or None,
+            cert_file=c.tls_cert_file or None, key_file=c.tls_key_file or None,
+            token=token or None,
             token_file=token_file or None, default_deadline_ms=c.route_deadline_ms,
             max_attempts=2)
         self._clients.append(client)
@@ -160,7 +161,7 @@ class RouterServer:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=c.upstream_timeout_s, sock_connect=5.0),
             auto_decompress=False)
-        log.info("kvcm-router on http://%s: policy %s, %s", c.listen, c.policy,
+        log.info("kvcm-router on http://%s: policy %s, %s", c.listen_address, c.policy,
                  "; ".join(f"{what} " + ", ".join(f"{e.id}={e.url}" for e in engines)
                            for what, engines in (("engines", c.engines),
                                                  ("prefill engines", c.prefill_engines),
@@ -364,11 +365,11 @@ class RouterServer:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, prog: str = "kvcm-router") -> int:
     try:
-        cfg = load_config(argv)
+        cfg = load_config(argv, prog)
     except ConfigError as e:
-        print(f"kvcm-router: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -380,7 +381,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         web.run_app(make_app(), host=host, port=port, print=None)
     except TokenizerError as e:
-        print(f"kvcm-router: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -165,14 +165,14 @@ class BridgeRig:
         if history is not None:  # what the engine did before the bridge started
             history(self.engine)
             self.pub.flush()
-        opts: dict[str, Any] = dict(manager=view.address, insecure=True, ttl_ms=1500,
+        opts: dict[str, Any] = dict(manager_address=view.address, insecure=True, ttl_ms=1500,
                                     register_token_file=register_token_file,
                                     engine_timeout_s=1.5, probe_interval_s=0.2,
                                     replay_timeout_s=0.5)
         opts.update(cfg)
         self.cfg = BridgeConfig(
             namespace=NamespaceConfig(tenant=self.TENANT, model=self.MODEL,
-                                      preset="llama-3-8b", page_size=page_size),
+                                      preset="llama-3-8b", page_size_tokens=page_size),
             engines=[EngineConfig(id=engine_id, endpoint=bridge_ep, endpoint_mode=mode,
                                   replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
                                   if replay else "", token=token, block_size=block_size)],

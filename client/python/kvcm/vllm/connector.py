@@ -60,7 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 import kvcm
-from kvcm._core import channel_credentials
+from kvcm import _cli
+from kvcm._options import channel_credentials
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.types import PENDING_BLOCK_ID
 
@@ -80,6 +81,10 @@ _DTYPES = {torch.bfloat16: kvcm.KvDtype.BF16, torch.float16: kvcm.KvDtype.FP16}
 _MAX_BLOCKS_PER_CALL = 64  # the agent's default max_blocks_per_call
 _RPC_TIMEOUT_S = 10.0
 _HOST = int(kvcm.Tier.HOST)
+# Deprecated kv_connector_extra_config keys -> their names (issue 26's vocabulary).
+EXTRA_CONFIG_ALIASES = {"ca_file": "tls_ca_file", "cert_file": "tls_cert_file",
+                        "key_file": "tls_key_file", "manager": "manager_address",
+                        "agent": "agent_address"}
 
 
 @dataclass
@@ -97,11 +102,12 @@ class ConnectorOptions:
     prefill_tokens_per_s: float = 0.0
     # Fetch pages other agents hold when the cost model says so (False: local pages only).
     fetch: bool = True
-    # TLS to the manager and the agent (ca_file; cert_file + key_file: mutual TLS) and the
-    # bearer token (token_file, else $KVCM_TOKEN); no ca_file: plaintext.
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
+    # TLS to the manager and the agent (tls_ca_file; tls_cert_file + tls_key_file: mutual
+    # TLS) and the bearer token (token_file, else $KVCM_TOKEN); no tls_ca_file: plaintext.
+    # The keys ca_file, cert_file, key_file are deprecated aliases (a warning is logged).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     token_file: str = ""
     # The agent's --local_socket: the engine registers its KV memory with the agent
     # (kvcm.agent_local), which copies blocks in and out with one memcpy. Empty: bytes go
@@ -113,6 +119,8 @@ class ConnectorOptions:
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any], served_model: str) -> "ConnectorOptions":
+        extra = _cli.rename_keys(extra, EXTRA_CONFIG_ALIASES, "KvcmConnector",
+                                 "kv_connector_extra_config", warn=logger.warning)
         missing = [k for k in ("manager_address", "agent_id", "agent_address") if not extra.get(k)]
         if missing:
             raise ValueError(f"KvcmConnector: kv_connector_extra_config lacks {missing}")
@@ -130,9 +138,9 @@ class ConnectorOptions:
             lease_ttl_ms=int(extra.get("lease_ttl_ms", 60_000)),
             prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", 0.0)),
             fetch=bool(extra.get("fetch", True)),
-            ca_file=str(extra.get("ca_file", "")),
-            cert_file=str(extra.get("cert_file", "")),
-            key_file=str(extra.get("key_file", "")),
+            tls_ca_file=str(extra.get("tls_ca_file", "")),
+            tls_cert_file=str(extra.get("tls_cert_file", "")),
+            tls_key_file=str(extra.get("tls_key_file", "")),
             token_file=str(extra.get("token_file", "")),
             local_socket=str(extra.get("local_socket", "")),
             test_load_gate=str(extra.get("test_load_gate", "")),
@@ -279,9 +287,11 @@ class KvcmConnector(KVConnectorBase_V1):
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
         o = self._opts
-        self._client = kvcm.Client(o.manager_address, insecure=not o.ca_file,
-                                   ca_file=o.ca_file or None, cert_file=o.cert_file or None,
-                                   key_file=o.key_file or None, token_file=o.token_file or None)
+        self._client = kvcm.Client(o.manager_address, insecure=not o.tls_ca_file,
+                                   ca_file=o.tls_ca_file or None,
+                                   cert_file=o.tls_cert_file or None,
+                                   key_file=o.tls_key_file or None,
+                                   token_file=o.token_file or None)
         self._token = self._client.options.token  # token_file's, else $KVCM_TOKEN's
         self._metadata = (("authorization", f"Bearer {self._token}"),) if self._token else ()
         # Creates or confirms the namespace (and caches its hash key); a different spec
