@@ -55,6 +55,7 @@
 #include "bench/workload.h"
 #include "common/credentials.h"
 #include "common/page_hash.h"
+#include "common/program_flags.h"
 #include "common/token_table.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
@@ -435,7 +436,11 @@ int Run() {
 }  // namespace kvcm::bench
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  kvcm::ParseProgramFlags(argc, argv,
+                          {.name = "kvcm_auth_bench",
+                           .usage = "kvcm_auth_bench [--option=value ...]: the cost of "
+                                    "authentication on the manager's RPCs",
+                           .flag_files = {"bench/auth_bench.cc"}});
   // As kvcm-manager does (Debian's Abseil keeps Mutex deadlock detection on otherwise).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return kvcm::bench::Run();

@@ -46,6 +46,7 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/replay/trace.h"
 #include "bench/workload.h"
+#include "common/program_flags.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm::bench {
@@ -413,6 +414,7 @@ void BM_InsertEvict(benchmark::State& state, const std::string& name,
 }
 
 int Main(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm_core_bench", "");
   // As kvcm-manager does: Debian's Abseil otherwise runs its deadlock detector on every lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   std::vector<char*> args;

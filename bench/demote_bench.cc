@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "benchmark/benchmark.h"
 #include "common/model_catalog.h"
+#include "common/program_flags.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/command_executor.h"
 
@@ -108,6 +109,7 @@ void BM_Memcpy(benchmark::State& state, ModelSpec spec, uint32_t per_command) {
 }
 
 int Main(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm_demote_bench", "");
   bool smoke = std::getenv("KVCM_BENCH_SMOKE") != nullptr;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
@@ -121,6 +123,7 @@ int Main(int argc, char** argv) {
   if (smoke) args.push_back(min_time);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
 
   struct Case {
     const char* model;

@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "common/authenticator.h"
 #include "common/model_spec.h"
+#include "common/program_flags.h"
 #include "gpu/agent/agent_metrics.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/device_backend.h"
@@ -198,6 +199,9 @@ Result Run(uint32_t layers, uint32_t blocks, int batches, int rounds) {
 }  // namespace kvcm::bench
 
 int main(int argc, char** argv) {
+  kvcm::HandleHelpAndVersion(
+      argc, argv, "kvcm_local_copy_bench",
+      "kvcm_local_copy_bench [--smoke]: the agent's local one-copy path against memcpy");
   bool smoke = std::getenv("KVCM_BENCH_SMOKE") != nullptr;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--smoke") == 0) {

@@ -24,6 +24,7 @@
 
 #include "absl/strings/numbers.h"
 #include "common/model_catalog.h"
+#include "common/program_flags.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -147,6 +148,10 @@ int Run(const Args& args) {
 }  // namespace kvcm
 
 int main(int argc, char** argv) {
+  kvcm::HandleHelpAndVersion(
+      argc, argv, "kvcm_lock_bench",
+      "kvcm_lock_bench [--readers=N] [--reader=probe|match|route] [--writer=insert|none] "
+      "[--seconds=S] [--smoke]: CacheIndex readers beside an inserting writer, in process");
   kvcm::Args args;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_format.h"
 #include "benchmark/benchmark.h"
+#include "common/program_flags.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_decode_test_util.h"
 
@@ -74,6 +75,7 @@ void BM_Memcpy(benchmark::State& state, Shape shape, LatentDtype dtype) {
 }
 
 int Main(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm_mla_decode_bench", "");
   bool smoke = getenv("KVCM_BENCH_SMOKE") != nullptr;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
@@ -87,6 +89,7 @@ int Main(int argc, char** argv) {
   if (smoke) args.push_back(min_time);
   int n = static_cast<int>(args.size());
   benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
 
   const std::vector<Shape> shapes =
       smoke ? std::vector<Shape>{{"V3", 128, 1, 64}, {"V2-Lite", 16, 2, 100}}

@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "common/model_catalog.h"
+#include "common/program_flags.h"
 #include "server/core/cache_index.h"
 #include "server/core/inventory_restore.h"
 
@@ -91,6 +92,9 @@ double Seconds(std::chrono::steady_clock::duration d) {
 }
 
 int Run(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm_rebuild_bench",
+                       "kvcm_rebuild_bench [--smoke] [--reps=N]: a restarted manager rebuilding "
+                       "its index from an agent's inventory, beside Insert");
   Shape shape;
   int reps = 3;
   for (int i = 1; i < argc; ++i) {

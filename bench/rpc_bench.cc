@@ -49,6 +49,7 @@
 #include "bench/workload.h"
 #include "common/credentials.h"
 #include "common/page_hash.h"
+#include "common/program_flags.h"
 #include "echo.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/core/router.h"
@@ -505,7 +506,11 @@ int Run() {
 }  // namespace kvcm::bench
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  kvcm::ParseProgramFlags(argc, argv,
+                          {.name = "kvcm_rpc_bench",
+                           .usage = "kvcm_rpc_bench [--option=value ...]: the manager's RPC "
+                                    "latency and throughput",
+                           .flag_files = {"bench/rpc_bench.cc"}});
   if (!absl::GetFlag(FLAGS_mutex_deadlock_detection)) {
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   }

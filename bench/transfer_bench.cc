@@ -30,6 +30,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/model_catalog.h"
+#include "common/program_flags.h"
 #include "gpu/agent/block_pool.h"
 #include "gpu/agent/data_tls.h"
 #include "gpu/agent/device_backend.h"
@@ -119,6 +120,9 @@ double TimedPull(Transport& t, const PullSpec& spec) {
 }
 
 int Run(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm_transfer_bench",
+                       "kvcm_transfer_bench [--smoke] [--reps=N]: whole blocks pulled between host "
+                       "pools over TCP, plaintext and mutual TLS");
   bool smoke = false;
   int reps = 5;
   for (int i = 1; i < argc; ++i) {

@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/program_flags.h"
 #include "common/server_limits.h"
 #include "server/ha/etcd_client.h"
 #include "server/ha/leader_election.h"
@@ -325,17 +326,12 @@ struct Election {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "kvcm-manager [--config=path] [--option=value ...]: the kvcm KV-cache prefix manager.");
-  // --help lists this file's flags (Abseil's default looks for a file named after the
-  // binary, kvcm-manager.cc, and would list none).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "server/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  kvcm::ParseProgramFlags(
+      argc, argv,
+      {.name = "kvcm-manager",
+       .usage = "kvcm-manager [--config=path] [--option=value ...]: the kvcm KV-cache prefix "
+                "manager.",
+       .flag_files = {"server/main.cc"}});
   // Debian builds Abseil without NDEBUG, which makes every absl::Mutex lock run the deadlock
   // detector; that costs ~1 % of an RPC and buys nothing in production.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

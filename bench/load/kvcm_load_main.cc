@@ -36,11 +36,13 @@
 #include "client/client.h"
 #include "common/credentials.h"
 #include "common/model_catalog.h"
+#include "common/program_flags.h"
 #include "grpcpp/grpcpp.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"
 
-ABSL_FLAG(std::string, address, "127.0.0.1:50051", "kvcm-manager address (plaintext)");
+ABSL_FLAG(std::string, manager_address, "127.0.0.1:50051", "kvcm-manager address (plaintext)");
+ABSL_FLAG(std::string, address, "", "deprecated: use --manager_address");
 ABSL_FLAG(std::string, api, "stub",
           "stub: generated async stubs on completion queues; client: kvcm::Client's blocking "
           "calls, one thread per outstanding call (closed loop only)");
@@ -179,7 +181,7 @@ int Fail(const absl::Status& s) {
 int Main() {
   const bool smoke = absl::GetFlag(FLAGS_smoke);
   LoadOptions options;
-  options.address = absl::GetFlag(FLAGS_address);
+  options.address = absl::GetFlag(FLAGS_manager_address);
   options.open_loop = absl::GetFlag(FLAGS_loop) == "open";
   if (!options.open_loop && absl::GetFlag(FLAGS_loop) != "closed") {
     return Fail(absl::InvalidArgumentError("--loop: closed or open"));
@@ -425,9 +427,14 @@ int Main() {
 }  // namespace kvcm::load
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "kvcm-load: Match/Insert/Release/Route load against a running kvcm-manager");
-  absl::ParseCommandLine(argc, argv);
+  kvcm::ParseProgramFlags(
+      argc, argv,
+      {.name = "kvcm-load",
+       .usage = "kvcm-load [--manager_address=HOST:PORT] [--option=value ...]: Match/Insert/"
+                "Release/Route load against a running kvcm-manager",
+       .flag_files = {"bench/load/kvcm_load_main.cc"}});
+  kvcm::ApplyDeprecatedFlag("kvcm-load", FLAGS_address, "address", FLAGS_manager_address,
+                            "manager_address");
   // As in kvcm-manager: Debian's Abseil (built without NDEBUG) runs the deadlock detector on
   // every absl::Mutex lock, gRPC's included (GraphCycles: 2.7 % of kvcm-load's CPU profiled).
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

@@ -1,6 +1,7 @@
 // kvcm-bench: replays request traces through the real kvcm::CacheIndex and reports hit
 // rates per (workload, policy, capacity, cluster mode). See kUsage below and --help.
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,12 +28,15 @@
 #include "common/enum_names.h"
 #include "common/model_catalog.h"
 #include "common/model_spec.h"
+#include "common/program_flags.h"
 
 ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
           "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp "
           "(generated), mooncake (--mooncake_trace).");
-ABSL_FLAG(std::string, mooncake_trace, KVCM_DEFAULT_MOONCAKE_TRACE,
-          "Mooncake JSON-lines trace for the mooncake workload (512-token blocks).");
+ABSL_FLAG(std::string, mooncake_trace, "",
+          "Mooncake JSON-lines trace for the mooncake workload (512-token blocks); default: "
+          "tests/data/mooncake_conversation_trace.jsonl of the source tree kvcm-bench was "
+          "built from, else of the working directory.");
 ABSL_FLAG(std::string, mooncake_partial, "drop",
           "A Mooncake prompt's partial last block: drop (never cached, as kvcm does) or block "
           "(count it as a whole block, as the trace's published hit rates do).");
@@ -148,6 +152,16 @@ ABSL_FLAG(bool, smoke, false,
 
 namespace kvcm::bench {
 namespace {
+
+// --mooncake_trace, else the bundled trace: the source tree's copy, else the one under the
+// working directory (a build moved to another machine).
+std::string MooncakeTracePath() {
+  std::string path = absl::GetFlag(FLAGS_mooncake_trace);
+  if (!path.empty()) return path;
+  constexpr const char* kBundled = "tests/data/mooncake_conversation_trace.jsonl";
+  if (std::filesystem::exists(KVCM_DEFAULT_MOONCAKE_TRACE)) return KVCM_DEFAULT_MOONCAKE_TRACE;
+  return kBundled;
+}
 
 constexpr char kUsage[] = R"(trace-replay simulator over the real kvcm::CacheIndex.
 
@@ -275,7 +289,7 @@ absl::StatusOr<std::vector<Trace>> LoadWorkloads(bool smoke) {
               partial == "block" ? PartialBlock::kKeepAsBlock : PartialBlock::kDrop,
           .max_requests =
               smoke ? 300 : static_cast<size_t>(absl::GetFlag(FLAGS_mooncake_max_requests))};
-      absl::StatusOr<Trace> trace = ReadMooncakeTrace(absl::GetFlag(FLAGS_mooncake_trace), options);
+      absl::StatusOr<Trace> trace = ReadMooncakeTrace(MooncakeTracePath(), options);
       if (!trace.ok()) return trace.status();
       traces.push_back(std::move(*trace));
       continue;
@@ -304,16 +318,9 @@ int Fail(const absl::Status& status) {
 }
 
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(kUsage);
-  // --help lists this file's flags (Abseil's default looks for a file named after the
-  // binary, kvcm-bench.cc, and would list none).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "bench/replay/kvcm_bench_main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  ParseProgramFlags(
+      argc, argv,
+      {.name = "kvcm-bench", .usage = kUsage, .flag_files = {"bench/replay/kvcm_bench_main.cc"}});
   // As kvcm-manager does: Debian's Abseil otherwise runs its deadlock detector on every lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   const bool smoke = absl::GetFlag(FLAGS_smoke);
@@ -363,7 +370,7 @@ int Main(int argc, char** argv) {
                                  .step = absl::GetFlag(FLAGS_adaptive_step)};
 
   if (absl::GetFlag(FLAGS_crossval)) {
-    CrossvalOptions cv{.mooncake_trace = absl::GetFlag(FLAGS_mooncake_trace),
+    CrossvalOptions cv{.mooncake_trace = MooncakeTracePath(),
                        .mla = *spec,
                        .base = base,
                        .smoke = smoke,

@@ -3,7 +3,7 @@
 //
 //   kvcm-agent --agent_id=gpu0 --manager_address=127.0.0.1:50051 [--model=deepseek-v3 ...]
 //
-// Every kvcm::AgentOptions field is a flag (but the token: --token_file, or $KVCM_AGENT_TOKEN);
+// Every kvcm::AgentOptions field is a flag (but the token: --token_file, or $KVCM_TOKEN);
 // --model= (empty) takes the geometry from the explicit --attention/--num_layers/... flags
 // instead of the catalogue. Transport security is required: --tls_cert_file, --tls_key_file
 // and --tls_ca_file (mutual TLS), or --insecure for plaintext in development. SIGINT / SIGTERM
@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/enum_names.h"
 #include "common/log.h"
+#include "common/program_flags.h"
 #include "gpu/agent/agent.h"
 
 namespace {
@@ -93,7 +94,8 @@ ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
 ABSL_FLAG(bool, insecure, kDefaults.insecure,
           "Plaintext everywhere instead of mutual TLS: development on a trusted machine only.");
 ABSL_FLAG(std::string, token_file, kDefaults.token_file,
-          "File holding this agent's bearer token for the manager; default: $KVCM_AGENT_TOKEN "
+          "File holding this agent's bearer token for the manager; default: $KVCM_TOKEN (or the "
+          "deprecated $KVCM_AGENT_TOKEN) "
           "(no token flag: a command line is visible in ps).");
 ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
           "Tokens file (SHA-256 hashes and grants) of the callers BlockAgent accepts; re-read "
@@ -209,8 +211,8 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
   o.local_socket = absl::GetFlag(FLAGS_local_socket);
   o.local_max_sessions = absl::GetFlag(FLAGS_local_max_sessions);
-  if (const char* token = std::getenv("KVCM_AGENT_TOKEN");
-      o.token_file.empty() && token != nullptr) {
+  const char* token = kvcm::GetEnvWithDeprecated("kvcm-agent", "KVCM_TOKEN", "KVCM_AGENT_TOKEN");
+  if (o.token_file.empty() && token != nullptr) {
     o.token = token;
   }
   return o;
@@ -220,16 +222,12 @@ kvcm::AgentOptions OptionsFromFlags() {
 
 int main(int argc, char** argv) {
   kvcm::SetLogProgramName("kvcm-agent");
-  absl::SetProgramUsageMessage(
-      "kvcm-agent --agent_id=ID --manager_address=HOST:PORT [--option=value ...]: one GPU's KV "
-      "block pool, registered with kvcm-manager.");
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "gpu/agent/main.cc");
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  kvcm::ParseProgramFlags(
+      argc, argv,
+      {.name = "kvcm-agent",
+       .usage = "kvcm-agent --agent_id=ID --manager_address=HOST:PORT [--option=value ...]: one "
+                "GPU's KV block pool, registered with kvcm-manager.",
+       .flag_files = {"gpu/agent/main.cc"}});
 
   // Block SIGINT/SIGTERM before any thread starts; only sigwait below takes them.
   sigset_t stop_signals;

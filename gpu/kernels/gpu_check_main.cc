@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "common/program_flags.h"
 #include "gpu/kernels/cuda_runner.h"
 #include "gpu/kernels/fp8_latent.h"
 #include "gpu/kernels/fp8_latent_cpu.h"
@@ -96,6 +97,9 @@ absl::Status CheckFp8(int64_t tokens, int iterations, std::vector<Row>* rows) {
 }
 
 int Main(int argc, char** argv) {
+  HandleHelpAndVersion(argc, argv, "kvcm-gpu-check",
+                       "kvcm-gpu-check [--smoke]: runs the CUDA kernels on this machine's GPU "
+                       "against their CPU twins");
   const bool smoke = argc > 1 && strcmp(argv[1], "--smoke") == 0;
   if (absl::Status s = CudaDeviceStatus(); !s.ok()) {
     absl::PrintF("kvcm-gpu-check: no CUDA device (%s); nothing to check\n", s.message());
