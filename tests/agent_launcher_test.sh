@@ -121,6 +121,9 @@ grep -q "is not registered" "$work/check.log" || fail "--check: $(cat "$work/che
   --metrics_address=127.0.0.1:$manager_metrics > "$work/manager.log" 2>&1 &
 pids+=($!)
 wait_for 30 "$launcher" --check > /dev/null 2>&1 || fail "--check never passed: $("$launcher" --check 2>&1)"
+# GPUS_PER_NODE counts the agents without discovery; one more than runs is not ready.
+GPUS_PER_NODE=2 KVCM_GPUS=bad "$launcher" --check || fail "--check with GPUS_PER_NODE=2 failed"
+if GPUS_PER_NODE=3 "$launcher" --check > /dev/null; then fail "--check passed for a third agent"; fi
 stats=$("$ctl_bin" --insecure --addr=127.0.0.1:$manager_port stats 2>&1) || fail "kvcmctl stats: $stats"
 for id in launcher-test-gpu0 launcher-test-gpu1; do
   grep -q "$id" <<< "$stats" || fail "kvcmctl stats lists no $id: $stats"
