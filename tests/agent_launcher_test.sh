@@ -48,7 +48,7 @@ mkdir -p "$FAKE_DIR"
 KVCM_GPUS="0:81920,1:143771" HOST_CAPACITY_BYTES=1000 KVCM_ADVERTISE_HOST=kvcm-agent-x1y2z.kvcm-agent.kvcm.svc \
   "$launcher" --model=deepseek-v3 --insecure > "$work/launcher1.log" 2>&1 &
 launcher_pid=$!
-pids+=($launcher_pid)
+pids+=("$launcher_pid")
 wait_for 10 test -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu1.args" -a -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.args" ||
   fail "the launcher did not start two agents"
 expect_args() {  # expect_args ID LINE...: each LINE is one of ID's arguments
@@ -102,7 +102,8 @@ free_base() {
 }
 manager_port=$(python3 "$tests_dir/free_port.py")
 manager_metrics=$(python3 "$tests_dir/free_port.py")
-export KVCM_BLOCKAGENT_PORT=$(free_base) KVCM_DATA_PORT=$(free_base) KVCM_METRICS_PORT=$(free_base)
+KVCM_BLOCKAGENT_PORT=$(free_base) KVCM_DATA_PORT=$(free_base) KVCM_METRICS_PORT=$(free_base)
+export KVCM_BLOCKAGENT_PORT KVCM_DATA_PORT KVCM_METRICS_PORT
 export KVCM_LISTEN_HOST=127.0.0.1 KVCM_METRICS_HOST=127.0.0.1 KVCM_AGENT_BIN=$agent_bin
 export KVCM_GPUS="0:256,1:256" KVCM_AGENT_NAME=launcher-test
 unset KVCM_ADVERTISE_HOST
