@@ -68,6 +68,7 @@ expect_args kvcm-agent-x1y2z-gpu1 --device_index=1 --listen_address=0.0.0.0:5006
 kill -TERM $launcher_pid
 status=0; wait $launcher_pid || status=$?
 [ $status = 0 ] || fail "launcher exited $status on SIGTERM"
+pids=()  # waited for: its pid may be reused
 for i in 0 1; do
   [ -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu$i.term" ] || fail "gpu$i's agent got no SIGTERM"
 done
@@ -91,18 +92,27 @@ out=$(KVCM_GPUS="0:1024" POOL_GPU_FRACTION=1.5 "$launcher" 2>&1) || status=$?
 echo "ok: too few GPUs and a bad fraction refused"
 
 # --- 2. the real agent and manager --------------------------------------------------------
-# Base ports p with p+10 free as well (agent 1 adds 10).
+# A base port p with p..p+2 and p+10..p+12 free: BlockAgent p, data p+1, metrics p+2 (agent 1
+# adds 10), all distinct.
 free_base() {
-  local p
-  while :; do
-    p=$(python3 "$tests_dir/free_port.py")
-    python3 -c "import socket; socket.socket().bind(('0.0.0.0', $((p + 10))))" 2> /dev/null &&
-      { echo "$p"; return; }
-  done
+  python3 - <<'PY'
+import random, socket
+while True:
+    p = random.randrange(20000, 31980)
+    try:
+        for port in (p, p + 1, p + 2, p + 10, p + 11, p + 12):
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+    except OSError:
+        continue
+    print(p)
+    break
+PY
 }
 manager_port=$(python3 "$tests_dir/free_port.py")
 manager_metrics=$(python3 "$tests_dir/free_port.py")
-KVCM_BLOCKAGENT_PORT=$(free_base) KVCM_DATA_PORT=$(free_base) KVCM_METRICS_PORT=$(free_base)
+base=$(free_base)
+KVCM_BLOCKAGENT_PORT=$base KVCM_DATA_PORT=$((base + 1)) KVCM_METRICS_PORT=$((base + 2))
 export KVCM_BLOCKAGENT_PORT KVCM_DATA_PORT KVCM_METRICS_PORT
 export KVCM_LISTEN_HOST=127.0.0.1 KVCM_METRICS_HOST=127.0.0.1 KVCM_AGENT_BIN=$agent_bin
 export KVCM_GPUS="0:256,1:256" KVCM_AGENT_NAME=launcher-test
@@ -113,7 +123,7 @@ unset KVCM_ADVERTISE_HOST
 pids+=($!)
 launcher_pid=$!
 # Both agents serve /metrics, but with no manager neither is registered: not ready.
-wait_for 20 bash -c "exec 3<>/dev/tcp/127.0.0.1/$((KVCM_METRICS_PORT + 10))" 2> /dev/null ||
+wait_for 60 bash -c "exec 3<>/dev/tcp/127.0.0.1/$((KVCM_METRICS_PORT + 10))" 2> /dev/null ||
   fail "agent 1's metrics port never opened"
 if "$launcher" --check > "$work/check.log" 2>&1; then fail "--check passed with no manager"; fi
 grep -q "is not registered" "$work/check.log" || fail "--check: $(cat "$work/check.log")"
@@ -121,7 +131,7 @@ grep -q "is not registered" "$work/check.log" || fail "--check: $(cat "$work/che
 "$manager_bin" --insecure --listen_address=127.0.0.1:$manager_port \
   --metrics_address=127.0.0.1:$manager_metrics > "$work/manager.log" 2>&1 &
 pids+=($!)
-wait_for 30 "$launcher" --check > /dev/null 2>&1 || fail "--check never passed: $("$launcher" --check 2>&1)"
+wait_for 60 "$launcher" --check > /dev/null 2>&1 || fail "--check never passed: $("$launcher" --check 2>&1)"
 # GPUS_PER_NODE counts the agents without discovery; one more than runs is not ready.
 GPUS_PER_NODE=2 KVCM_GPUS=bad "$launcher" --check || fail "--check with GPUS_PER_NODE=2 failed"
 if GPUS_PER_NODE=3 "$launcher" --check > /dev/null; then fail "--check passed for a third agent"; fi
