@@ -2,8 +2,16 @@
 # Renders every overlay of deploy/k8s with `kubectl kustomize` and validates each object
 # against the Kubernetes OpenAPI schemas offline (kubernetes-validate bundles them), strict
 # (unknown fields refused). Custom resources (monitoring.coreos.com: ServiceMonitor,
-# PodMonitor) have no schema there and are skipped explicitly, by name. Also checks that
-# production requires TLS and that no Secret value is a literal outside the dev overlay.
+# PodMonitor; cert-manager.io: Issuer) have no schema there and are skipped explicitly, by
+# name. Also checks that production requires TLS and that no Secret value is a literal
+# outside the dev overlay, and (issue 26):
+#   - agents: one per GPU (the launcher, GPUS_PER_NODE ports, no nvidia.com/gpu request), each
+#     pod able to read only its own credential (production: a csi-driver certificate naming
+#     ${POD_NAME}, no token Secret; dev: one dummy token), readiness = registered;
+#   - NetworkPolicies: clients in this namespace or a labelled one admitted, others not;
+#   - monitors and the plain kubernetes-pods job: the job labels of every target, derived as
+#     prometheus-operator and Prometheus do, match the alert rules' selectors, and promtool's
+#     alert rule tests pass with them (tests/alert_jobs.py; skipped without promtool).
 #   tests/k8s_render_test.sh [VENV]   # VENV: default build/k8s-venv (scripts/k8s_env.sh)
 # Exit 77 (skip) when the venv is missing, unless KVCM_REQUIRE_K8S=1.
 set -euo pipefail
@@ -33,7 +41,7 @@ import pathlib, sys
 import kubernetes_validate, yaml
 
 version, out = sys.argv[1], pathlib.Path(sys.argv[2])
-CRD_GROUPS = ("monitoring.coreos.com/",)  # no schema offline: skipped, by name
+CRD_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")  # no schema offline: skipped, by name
 failures = 0
 docs = {}
 for path in sorted(out.glob("*.yaml")):
@@ -56,6 +64,140 @@ def check(cond, message):
     if not cond:
         failures += 1
         print("FAIL:", message)
+
+
+def merged_config(objs, name):
+    for o in objs:
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith(name):
+            return o.get("data", {})
+    return {}
+
+def check_agents(overlay, objs):
+    ds = next(o for o in objs if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "kvcm-agent")
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = {e["name"]: e for e in c.get("env", [])}
+    config = merged_config(objs, "kvcm-agent-config")
+    gpus = int(config.get("GPUS_PER_NODE", "0"))
+    check(gpus >= 1, f"{overlay}: GPUS_PER_NODE {config.get('GPUS_PER_NODE')}")
+    check(0 < float(config.get("POOL_GPU_FRACTION", "0")) <= 0.9, f"{overlay}: POOL_GPU_FRACTION")
+    check(c.get("command") == ["kvcm-agent-launcher"], f"{overlay}: agent command {c.get('command')}")
+    check(pod.get("runtimeClassName") == "nvidia", f"{overlay}: agent runtimeClassName")
+    check(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", f"{overlay}: NVIDIA_VISIBLE_DEVICES")
+    check("utility" in env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value", ""),
+          f"{overlay}: nvidia-smi needs NVIDIA_DRIVER_CAPABILITIES utility")
+    # The launcher's ports: GPU i's agent on 50052/50053/9465 + 10 i, each declared.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    want = {}
+    for i in range(gpus):
+        want.update({f"blockagent-g{i}": 50052 + 10 * i, f"data-g{i}": 50053 + 10 * i,
+                     f"metrics-g{i}": 9465 + 10 * i})
+    check(ports == want, f"{overlay}: agent ports {ports}, want {want} (GPUS_PER_NODE={gpus})")
+    # Readiness is registration (the launcher's --check), never a bare TCP connect.
+    check(c["readinessProbe"].get("exec", {}).get("command") == ["kvcm-agent-launcher", "--check"],
+          f"{overlay}: agent readiness must be registration (kvcm-agent-launcher --check)")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        check("tcpSocket" not in c.get(probe, {}), f"{overlay}: agent {probe} is a TCP probe")
+    # Credentials: no agent pod may read another's. The tokens file holds hashes only.
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounted = {m["name"] for m in c.get("volumeMounts", [])}
+    args = c.get("args", [])
+    for name, v in volumes.items():
+        secrets = []
+        if "secret" in v:
+            secrets.append((v["secret"]["secretName"], v["secret"].get("items")))
+        for src in v.get("projected", {}).get("sources", []):
+            if "secret" in src:
+                secrets.append((src["secret"]["name"], src["secret"].get("items")))
+        for secret, items in secrets:
+            if secret.startswith("kvcm-tokens"):
+                check(items == [{"key": "tokens", "path": "tokens"}], f"{overlay}: tokens items")
+                continue
+            check(overlay == "dev", f"{overlay}: agent pods mount Secret {secret}, the same in "
+                  "every pod: each could read every agent's credential")
+            check(items is not None and len(items) == 1,
+                  f"{overlay}: agent pods mount all of Secret {secret} (every node's credential)")
+    if overlay != "dev":
+        check(not any(a.startswith("--token_file") for a in args), f"{overlay}: agent token file")
+        tls = volumes.get("tls", {}).get("csi", {})
+        attrs = tls.get("volumeAttributes", {})
+        check(tls.get("driver") == "csi.cert-manager.io" and "tls" in mounted,
+              f"{overlay}: agent TLS must be the pod's own csi.cert-manager.io certificate")
+        names = attrs.get("csi.cert-manager.io/dns-names", "").split(",")
+        check(names == ["${POD_NAME}.kvcm-agent.${POD_NAMESPACE}.svc"],
+              f"{overlay}: agent certificate names {names}")
+        check(pod.get("subdomain") == "kvcm-agent", f"{overlay}: agent subdomain")
+        check("server auth" in attrs.get("csi.cert-manager.io/key-usages", "") and
+              "client auth" in attrs.get("csi.cert-manager.io/key-usages", ""),
+              f"{overlay}: agent certificate key usages")
+        issuer = attrs.get("csi.cert-manager.io/issuer-name")
+        check(any(o["kind"] == "Issuer" and o["metadata"]["name"] == issuer for o in objs) or
+              attrs.get("csi.cert-manager.io/issuer-kind") == "ClusterIssuer",
+              f"{overlay}: agent certificate Issuer {issuer} not in the render")
+        # The agents advertise, and the manager maps, the name in the certificate.
+        advertised = env.get("KVCM_ADVERTISE_HOST", {}).get("value", "")
+        check(advertised == names[0].replace("${", "$(").replace("}", ")"),
+              f"{overlay}: KVCM_ADVERTISE_HOST {advertised} is not the certificate's name")
+        check("--agent_identity_dns_suffix=.kvcm-agent.$(POD_NAMESPACE).svc" in args,
+              f"{overlay}: agent --agent_identity_dns_suffix")
+        manager_conf = "".join(o.get("data", {}).get("kvcm-manager.conf", "") for o in objs)
+        ns = ds["metadata"].get("namespace", "")
+        check(f"agent_identity_dns_suffix = .kvcm-agent.{ns}.svc" in manager_conf,
+              f"{overlay}: manager agent_identity_dns_suffix for namespace {ns}")
+    check(any(a.startswith("--tokens_file=") for a in args), f"{overlay}: agent tokens_file")
+
+def peer_admitted(rule_from, policy_ns, pod_ns, ns_labels, pod_labels):
+    for peer in rule_from:
+        if set(peer) - {"podSelector", "namespaceSelector"}:
+            check(False, f"peer {peer}: ipBlock not modelled")
+            continue
+        ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+        ns_ok = pod_ns == policy_ns if ns_sel is None else all(
+            ns_labels.get(k) == v for k, v in ns_sel.get("matchLabels", {}).items())
+        pod_ok = pod_sel is None or all(
+            pod_labels.get(k) == v for k, v in pod_sel.get("matchLabels", {}).items())
+        if ns_ok and pod_ok:
+            return True
+    return False
+
+def admitted(objs, target_labels, port, pod_ns, ns_labels, pod_labels):
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy" and all(
+        target_labels.get(k) == v for k, v in o["spec"]["podSelector"].get("matchLabels", {}).items())]
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
+                continue
+            if peer_admitted(rule.get("from", []), pol["metadata"].get("namespace", "default"),
+                             pod_ns, ns_labels, pod_labels):
+                return True
+    return False
+
+def check_network_policies(overlay, objs):
+    ns = next(o["metadata"]["name"] for o in objs if o["kind"] == "Namespace")
+    gpus = int(merged_config(objs, "kvcm-agent-config").get("GPUS_PER_NODE", "1"))
+    manager, agent = {"app.kubernetes.io/name": "kvcm-manager"}, {"app.kubernetes.io/name": "kvcm-agent"}
+    client = {"kvcm.io/client": "true"}
+    engines_ns = {"kubernetes.io/metadata.name": "engines", "kvcm.io/clients": "true"}
+    other_ns = {"kubernetes.io/metadata.name": "other"}
+    own_ns = {"kubernetes.io/metadata.name": ns}
+    targets = [("manager", manager, 50051)] + [
+        (f"agent gpu{i} BlockAgent", agent, 50052 + 10 * i) for i in range(gpus)]
+    for what, labels, port in targets:
+        check(admitted(objs, labels, port, ns, own_ns, client),
+              f"{overlay}: a client in {ns} cannot reach the {what} ({port})")
+        check(admitted(objs, labels, port, "engines", engines_ns, client),
+              f"{overlay}: a client in a namespace labelled kvcm.io/clients cannot reach the {what}")
+        check(not admitted(objs, labels, port, "other", other_ns, client),
+              f"{overlay}: a client in an unlabelled namespace reaches the {what}")
+        check(not admitted(objs, labels, port, "engines", engines_ns, {"app": "x"}),
+              f"{overlay}: an unlabelled pod of a labelled namespace reaches the {what}")
+    for i in range(gpus):
+        check(admitted(objs, agent, 9465 + 10 * i, "monitoring",
+                       {"kubernetes.io/metadata.name": "monitoring"}, {}),
+              f"{overlay}: Prometheus cannot scrape agent gpu{i} (port {9465 + 10 * i})")
+    check(not admitted(objs, agent, 50053, "engines", engines_ns, client),
+          f"{overlay}: clients reach the agents' data port")
 
 for overlay, objs in docs.items():
     kinds = {o["kind"] for o in objs}
@@ -81,7 +223,10 @@ for overlay, objs in docs.items():
             for e in c.get("env", []):
                 check("secretKeyRef" not in e.get("valueFrom", {}), f"{overlay}: secret in env")
             if o["kind"] == "DaemonSet":
-                check(c["resources"]["limits"].get("nvidia.com/gpu") == 1, f"{overlay}: gpu limit")
+                # One agent per GPU, sharing the node's GPUs with the engines: no GPU taken.
+                for kind in ("requests", "limits"):
+                    check("nvidia.com/gpu" not in c["resources"][kind],
+                          f"{overlay}: the agent pod {kind} nvidia.com/gpu (engines lose it)")
     # High availability: two managers elect a leader on etcd; the standby does not listen on
     # gRPC, so probes must not need it and the Service must resolve to every manager pod.
     by_name = {(o["kind"], o["metadata"]["name"]): o for o in objs}
@@ -117,6 +262,15 @@ for overlay, objs in docs.items():
     if overlay == "dev":
         check("insecure = true" in text, "dev: plaintext expected")
 
+    if "DaemonSet" in kinds:
+        check_agents(overlay, objs)
+    check_network_policies(overlay, objs)
+
 print(f"{failures} failure(s)")
 sys.exit(1 if failures else 0)
 PY
+
+# The job labels every target gets, against the alert rules (promtool's tests when present).
+for render in "$out"/*.yaml; do
+  "$venv/bin/python" tests/alert_jobs.py render "$render" deploy/prometheus
+done

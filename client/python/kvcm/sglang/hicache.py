@@ -76,6 +76,10 @@ class HiCacheOptions:
     tier: str = "host"  # the local agent's pool tier (its --tier)
     lease_ttl_ms: int = 30_000  # of the pin around each get
     rpc_timeout_s: float = 10.0
+    # Bound on each manager call on a request's path (match, insert): past it the call fails
+    # and the page is a miss / a store not made, rather than the request waiting out a
+    # manager takeover under the client's default deadline (docs/OPERATIONS.md).
+    request_deadline_ms: int = 500
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any], model_name: str) -> "HiCacheOptions":
@@ -95,6 +99,7 @@ class HiCacheOptions:
             tier=tier,
             lease_ttl_ms=int(extra.get("lease_ttl_ms", 30_000)),
             rpc_timeout_s=float(extra.get("rpc_timeout_s", 10.0)),
+            request_deadline_ms=int(extra.get("request_deadline_ms", 500)),
         )
 
 
@@ -270,7 +275,8 @@ class KvcmHiCacheStorage(HiCacheStorage):
                 try:
                     result = self._client.insert(self.ns, page_hashes=[self._hash(key)],
                                                  pool=self._pool, block_ids=[block],
-                                                 agent_epoch=epoch)
+                                                 agent_epoch=epoch,
+                                                 deadline_ms=self._opts.request_deadline_ms)
                 except kvcm.KvcmError as e:
                     self._failed(f"insert of {key}", e)
                     to_free.append(block)
@@ -346,7 +352,8 @@ class KvcmHiCacheStorage(HiCacheStorage):
     def _match(self, h: bytes, *, pin: bool) -> kvcm.MatchResult:
         return self._client.match(self.ns, page_hashes=[h], requester_agent_id=self._opts.agent_id,
                                   pin=pin, probe=not pin,
-                                  lease_ttl_ms=self._opts.lease_ttl_ms if pin else 0)
+                                  lease_ttl_ms=self._opts.lease_ttl_ms if pin else 0,
+                                  deadline_ms=self._opts.request_deadline_ms)
 
     def _release(self, pin_id: int) -> None:
         if pin_id:

@@ -97,6 +97,10 @@ class ConnectorOptions:
     tenant: str = "default"
     model: str = ""  # default: vLLM's served model name
     lease_ttl_ms: int = 60_000  # of a load's pin; request_finished releases it sooner
+    # Bound on each manager call on a request's path (Route, a producer's Insert): past it
+    # the call fails and the request computes its prefill (a miss) or stores nothing, rather
+    # than waiting out a manager takeover under the client's default deadline.
+    request_deadline_ms: int = 500
     # What recomputing a token costs on this engine (Route's cost model for fetches);
     # 0: the manager's route_prefill_tokens_per_s.
     prefill_tokens_per_s: float = 0.0
@@ -136,6 +140,7 @@ class ConnectorOptions:
             tenant=str(extra.get("tenant", "default")),
             model=str(extra.get("model") or served_model),
             lease_ttl_ms=int(extra.get("lease_ttl_ms", 60_000)),
+            request_deadline_ms=int(extra.get("request_deadline_ms", 500)),
             prefill_tokens_per_s=float(extra.get("prefill_tokens_per_s", 0.0)),
             fetch=bool(extra.get("fetch", True)),
             tls_ca_file=str(extra.get("tls_ca_file", "")),
@@ -362,7 +367,8 @@ class KvcmConnector(KVConnectorBase_V1):
         route = self._client.route(
             self._ns, page_hashes=hashes, candidates=[self._opts.agent_id], pin=True,
             lease_ttl_ms=self._opts.lease_ttl_ms,
-            prefill_tokens_per_s=self._opts.prefill_tokens_per_s)
+            prefill_tokens_per_s=self._opts.prefill_tokens_per_s,
+            deadline_ms=self._opts.request_deadline_ms)
         match = route.match
         state.pin_id = match.pin_id
         state.page_hashes = hashes
@@ -727,7 +733,8 @@ class KvcmConnector(KVConnectorBase_V1):
                 generations: List[int], epoch: int) -> None:
         try:
             result = self._client.insert(self._ns, store.tokens, self._opts.agent_id, blocks,
-                                         agent_epoch=epoch)
+                                         agent_epoch=epoch,
+                                         deadline_ms=self._opts.request_deadline_ms)
         except Exception:
             self._free(new_agent, generations, epoch)
             raise
