@@ -105,11 +105,12 @@ PORT=$port bash -euo pipefail .block.sh &
 block_pid=$!
 groups+=($block_pid)
 ( sleep "${DEMO_TIMEOUT_S:-120}"; echo "doc_block_test: $name: timed out" >&2
-  kill -TERM -- "-$block_pid"; sleep 5; kill -KILL -- "-$block_pid" ) 2>/dev/null &
+  kill -TERM -- "-$block_pid" 2>/dev/null; sleep 5; kill -KILL -- "-$block_pid" 2>/dev/null ) &
 watchdog=$!
-groups+=($watchdog)
 status=0
 wait $block_pid || status=$?
+kill -KILL -- "-$watchdog" 2>/dev/null || true
+wait $watchdog 2>/dev/null || true
 if [ $status != 0 ]; then
   for log in *.log; do [ -f "$log" ] && { echo "--- $log ---"; tail -n 100 "$log"; }; done
   echo "FAIL: $file, block $name: exit status $status" >&2

@@ -50,7 +50,8 @@ INDENTED_OK = {
 }
 
 MARKER = re.compile(r"^\s*<!--\s*kvcm-doc:\s*(.*?)\s*-->\s*$")
-FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})(.*)$")
+# CommonMark: a backtick fence's info string has no backtick (that line is inline code).
+FENCE = re.compile(r"^(\s*)(`{3,}(?=[^`]*$)|~{3,})(.*)$")
 
 
 def doc_files(root):
@@ -198,7 +199,7 @@ def registered(root, build, ctest):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.realpath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=["check", "list", "extract"])
     parser.add_argument("args", nargs="*", help="extract: FILE NAME")
