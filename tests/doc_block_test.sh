@@ -57,10 +57,14 @@ scratch=$(mktemp -d)
 set -m  # the block and the manager in process groups of their own, killed whole at the end
 groups=()
 cleanup() {
-  for g in "${groups[@]}"; do kill -KILL -- "-$g" 2>/dev/null || true; done
+  for g in "${groups[@]}"; do
+    kill -KILL -- "-$g" 2>/dev/null || true
+    wait "$g" 2>/dev/null || true
+  done
   if [ "${KVCM_DOC_KEEP:-0}" = 1 ]; then echo "kept $scratch"; else rm -rf "$scratch"; fi
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # (ctest's own timeout) so that cleanup runs
 
 for entry in "$repo"/* "$repo"/.[!.]*; do
   [ -e "$entry" ] && [ "$(basename "$entry")" != build ] && ln -s "$entry" "$scratch/"
@@ -106,11 +110,9 @@ block_pid=$!
 groups+=($block_pid)
 ( sleep "${DEMO_TIMEOUT_S:-120}"; echo "doc_block_test: $name: timed out" >&2
   kill -TERM -- "-$block_pid" 2>/dev/null; sleep 5; kill -KILL -- "-$block_pid" 2>/dev/null ) &
-watchdog=$!
+groups+=($!)
 status=0
 wait $block_pid || status=$?
-kill -KILL -- "-$watchdog" 2>/dev/null || true
-wait $watchdog 2>/dev/null || true
 if [ $status != 0 ]; then
   for log in *.log; do [ -f "$log" ] && { echo "--- $log ---"; tail -n 100 "$log"; }; done
   echo "FAIL: $file, block $name: exit status $status" >&2
