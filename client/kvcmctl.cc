@@ -125,7 +125,6 @@ int RunRegisterModel(const Invocation& in) {
   return kExitOk;
 }
 
-
 // --- release / renew ----------------------------------------------------------------------
 
 void DefineRelease(cli::FlagSet& f) {
@@ -314,8 +313,7 @@ int RunWatch(const Invocation& in) {
 // --- models -------------------------------------------------------------------------------
 
 void DefineModels(cli::FlagSet& f) {
-  f.AddString("kv_dtype", "bf16",
-              "KV element type: bf16|fp16|fp8|int8, or all for a row of each");
+  f.AddString("kv_dtype", "bf16", "KV element type: bf16|fp16|fp8|int8, or all for a row of each");
   f.AddUint("page_size_tokens", kDefaultPageSizeTokens, "tokens per page, for BYTES/PAGE");
   f.AddDeprecatedAlias("dtype", "kv_dtype");
   f.AddDeprecatedAlias("page_size", "page_size_tokens");
@@ -346,7 +344,7 @@ int RunModels(const Invocation& in) {
     return in.Usage(absl::StrCat("--page_size_tokens: ", s.message()));
   }
   if (absl::Status s = in.json ? cli::PrintModelsJson(dtypes, probe.page_size_tokens)
-                                : cli::PrintModels(dtypes, probe.page_size_tokens);
+                               : cli::PrintModels(dtypes, probe.page_size_tokens);
       !s.ok()) {
     return in.Failed(s);
   }
@@ -380,8 +378,7 @@ constexpr Command kCommands[] = {
     {"evict", "evict bytes from one pool or one namespace (operator)", DefineEvict, RunEvict},
     {"reserve", "hold free headroom in a pool for admitted work, evicting the shortfall",
      cli::DefineReserve, cli::RunReserve},
-    {"unreserve", "give back headroom taken by 'reserve'", cli::DefineUnreserve,
-     cli::RunUnreserve},
+    {"unreserve", "give back headroom taken by 'reserve'", cli::DefineUnreserve, cli::RunUnreserve},
     {"delete-namespace", "remove a namespace with its pages and pins (operator)",
      DefineDeleteNamespace, RunDeleteNamespace},
     {"watch", "print index change events as they happen", DefineWatch, RunWatch},
@@ -426,15 +423,16 @@ void PrintMainHelp(const cli::FlagSet& global) {
       "  kvcmctl models --kv_dtype=all\n"
       "  kvcmctl insert --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-0\n"
-      "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin\n"
+      "  kvcmctl match --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 --pin"
+      "   # pin_id: N\n"
       "  kvcmctl route --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--candidates=gpu-0,gpu-1\n"
       "  kvcmctl fetch --tenant=acme --model=deepseek-v3 --random_tokens=300 --seed=7 "
       "--agent=gpu-1\n"
-      "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=1\n"
       "  pin=$(kvcmctl --json match --tenant=acme --model=deepseek-v3 --random_tokens=300 "
-      "--pin \\\n"
+      "--seed=7 --pin \\\n"
       "      | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"pin_id\"])')\n"
+      "  kvcmctl release --tenant=acme --model=deepseek-v3 --pin_id=$pin\n"
       "  kvcmctl reserve --agent=gpu-0 --bytes=1073741824\n"
       "  kvcmctl agent-stats --agent_id=gpu-0\n"
       "  kvcmctl --manager_address=kvcm:50051 --tls_ca_file=ca.pem --tls_cert_file=me.pem \\\n"

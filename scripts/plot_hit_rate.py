@@ -2,10 +2,11 @@
 """Plots kvcm-bench results: hit rate vs cache capacity, one line per policy, one panel per
 workload.
 
-Needs matplotlib, which kvcm's build and tests do not: `pip install matplotlib`.
+Needs matplotlib, which kvcm's build and tests do not: scripts/plot.sh runs this script
+with matplotlib from a virtual environment of its own.
 
-    build/bench/kvcm-bench --gpus=8 --csv=results.csv
-    scripts/plot_hit_rate.py results.csv -o hit_rate.png
+    build/test/bench/kvcm-bench --gpus=8 --csv=results.csv
+    scripts/plot.sh results.csv -o hit_rate.png
 
 When the CSV holds several cluster modes (global, local), each policy gets one line per mode:
 solid for global, dashed for local. Capacity is on a log axis, as a percentage of the
