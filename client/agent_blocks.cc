@@ -86,7 +86,7 @@ absl::StatusOr<FetchedPages> FetchPlanned(v1::BlockAgent::Stub& dest, const Name
     scheme->set_key_fingerprint(prompt.key_fingerprint);
     req.mutable_local_block_ids()->Add(out.block_ids.begin(), out.block_ids.end());
     req.set_source_agent_id(run.source.agent_id);
-    req.set_source_tier(static_cast<v1::Tier>(run.source.tier));
+    req.set_source_tier(TierToProto(run.source.tier));
     req.mutable_source_block_ids()->Add(run.source_blocks.begin(), run.source_blocks.end());
     v1::FetchResponse resp;
     grpc::ClientContext ctx;

@@ -15,6 +15,15 @@
 
 namespace kvcm {
 
+// RouteParams::Policy goes on the wire by its value (Route below).
+static_assert(static_cast<int>(RouteParams::Policy::kPrefillSaved) ==
+              v1::ROUTE_POLICY_PREFILL_SAVED);
+static_assert(static_cast<int>(RouteParams::Policy::kRoundRobin) == v1::ROUTE_POLICY_ROUND_ROBIN);
+static_assert(static_cast<int>(RouteParams::Policy::kFirstPageHash) ==
+              v1::ROUTE_POLICY_FIRST_PAGE_HASH);
+static_assert(static_cast<int>(RouteParams::Policy::kLeastLoaded) == v1::ROUTE_POLICY_LEAST_LOADED);
+static_assert(v1::RoutePolicy_MAX == v1::ROUTE_POLICY_LEAST_LOADED);
+
 namespace {
 
 // CallOptions::reply: a copy of a successful call's reply for a caller that asked.

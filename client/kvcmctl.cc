@@ -251,7 +251,13 @@ void DefineWatch(cli::FlagSet& f) {
   f.AddUint("duration_ms", 0, "exit after this long; 0 = no limit");
 }
 
-// The event as the manager sent it (kvcm.v1.CacheEvent), for --json.
+// The event as the manager sent it (kvcm.v1.CacheEvent), for --json. WatchedEvent's enums
+// number their values as kvcm.v1's do:
+static_assert(static_cast<int>(WatchedEvent::Kind::kCleared) == v1::CacheEvent::KIND_CLEARED &&
+              static_cast<int>(WatchedEvent::Kind::kRemoved) == v1::CacheEvent::KIND_REMOVED &&
+              static_cast<int>(WatchedEvent::Kind::kStored) == v1::CacheEvent::KIND_STORED);
+static_assert(static_cast<int>(WatchedEvent::Reason::kEvicted) == v1::CacheEvent::REASON_EVICTED &&
+              static_cast<int>(WatchedEvent::Reason::kExpired) == v1::CacheEvent::REASON_EXPIRED);
 v1::CacheEvent EventToProto(const WatchedEvent& e) {
   v1::CacheEvent out;
   out.set_kind(static_cast<v1::CacheEvent::Kind>(e.kind));

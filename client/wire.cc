@@ -7,24 +7,10 @@ namespace kvcm::wire {
 NamespaceId FromProto(const v1::Namespace& ns) { return NamespaceId{ns.tenant(), ns.model()}; }
 
 PoolRef FromProto(const v1::PoolRef& pool) {
-  return PoolRef{pool.agent_id(), static_cast<Tier>(pool.tier())};
+  return PoolRef{pool.agent_id(), TierFromProto(pool.tier())};
 }
 
-ModelSpec FromProto(const v1::ModelSpec& spec) {
-  ModelSpec out;
-  out.attention = static_cast<AttentionKind>(spec.attention());
-  out.num_layers = spec.num_layers();
-  out.num_heads = spec.num_heads();
-  out.num_kv_heads = spec.num_kv_heads();
-  out.head_dim = spec.head_dim();
-  out.kv_lora_rank = spec.kv_lora_rank();
-  out.rope_dim = spec.rope_dim();
-  out.qk_nope_head_dim = spec.qk_nope_head_dim();
-  out.v_head_dim = spec.v_head_dim();
-  out.dtype = static_cast<KvDtype>(spec.dtype());
-  out.page_size_tokens = spec.page_size_tokens();
-  return out;
-}
+ModelSpec FromProto(const v1::ModelSpec& spec) { return ModelSpecFromTrustedProto(spec); }
 
 void SetTokens(std::span<const int32_t> tokens, v1::Prompt* out) {
   out->mutable_tokens()->mutable_ids()->Assign(tokens.begin(), tokens.end());
@@ -116,7 +102,7 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
     ns.expired_pages = n.expired_pages();
   }
   for (const v1::AgentStats& a : response.agents()) {
-    out.agents.push_back(ManagerStats::Agent{a.agent_id(), a.device(), static_cast<Tier>(a.tier()),
+    out.agents.push_back(ManagerStats::Agent{a.agent_id(), a.device(), TierFromProto(a.tier()),
                                              a.epoch(), a.alive(), a.last_heartbeat_age_ms(),
                                              a.used_bytes(), a.free_blocks(),
                                              a.block_agent_address(), a.data_address()});

@@ -30,11 +30,11 @@ void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out) {
 
 void PoolToProto(const PoolKey& pool, v1::PoolRef* out) {
   out->set_agent_id(pool.agent_id);
-  out->set_tier(static_cast<v1::Tier>(pool.tier));  // same values
+  out->set_tier(TierToProto(pool.tier));
 }
 
 void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
-  out->set_attention(static_cast<v1::AttentionKind>(spec.attention));  // same values
+  out->set_attention(AttentionToProto(spec.attention));
   out->set_num_layers(spec.num_layers);
   out->set_num_heads(spec.num_heads);
   out->set_num_kv_heads(spec.num_kv_heads);
@@ -43,7 +43,7 @@ void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
   out->set_rope_dim(spec.rope_dim);
   out->set_qk_nope_head_dim(spec.qk_nope_head_dim);
   out->set_v_head_dim(spec.v_head_dim);
-  out->set_dtype(static_cast<v1::KvDtype>(spec.dtype));  // same values
+  out->set_dtype(DtypeToProto(spec.dtype));
   out->set_page_size_tokens(spec.page_size_tokens);
 }
 
@@ -70,15 +70,29 @@ absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::st
   return NamespaceId{ns->tenant(), ns->model()};
 }
 
+ModelSpec ModelSpecFromTrustedProto(const v1::ModelSpec& spec) {
+  ModelSpec out;
+  out.attention = AttentionFromProto(spec.attention());
+  out.num_layers = spec.num_layers();
+  out.num_heads = spec.num_heads();
+  out.num_kv_heads = spec.num_kv_heads();
+  out.head_dim = spec.head_dim();
+  out.kv_lora_rank = spec.kv_lora_rank();
+  out.rope_dim = spec.rope_dim();
+  out.qk_nope_head_dim = spec.qk_nope_head_dim();
+  out.v_head_dim = spec.v_head_dim();
+  out.dtype = DtypeFromProto(spec.dtype());
+  out.page_size_tokens = spec.page_size_tokens();
+  return out;
+}
+
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec, absl::string_view field) {
   if (spec == nullptr) return Invalid(absl::StrCat(field, " is required"));
-  ModelSpec out;
   switch (spec->attention()) {
     case v1::ATTENTION_KIND_MHA:
     case v1::ATTENTION_KIND_MQA:
     case v1::ATTENTION_KIND_GQA:
     case v1::ATTENTION_KIND_MLA:
-      out.attention = static_cast<AttentionKind>(spec->attention());  // same values
       break;
     default:
       return Invalid(absl::StrCat(field,
@@ -90,22 +104,13 @@ absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec, absl::st
     case v1::KV_DTYPE_FP16:
     case v1::KV_DTYPE_FP8:
     case v1::KV_DTYPE_INT8:
-      out.dtype = static_cast<KvDtype>(spec->dtype());  // same values
       break;
     default:
       return Invalid(absl::StrCat(field, ".dtype must be KV_DTYPE_BF16, _FP16, _FP8 or _INT8, got ",
                                   static_cast<int>(spec->dtype())));
   }
-  out.num_layers = spec->num_layers();
-  out.num_heads = spec->num_heads();
-  out.num_kv_heads = spec->num_kv_heads();
-  out.head_dim = spec->head_dim();
-  out.kv_lora_rank = spec->kv_lora_rank();
-  out.rope_dim = spec->rope_dim();
-  out.qk_nope_head_dim = spec->qk_nope_head_dim();
-  out.v_head_dim = spec->v_head_dim();
-  out.page_size_tokens =
-      spec->page_size_tokens() == 0 ? kDefaultPageSizeTokens : spec->page_size_tokens();
+  ModelSpec out = ModelSpecFromTrustedProto(*spec);
+  if (out.page_size_tokens == 0) out.page_size_tokens = kDefaultPageSizeTokens;
   if (absl::Status s = out.Validate(); !s.ok()) {
     // Validate's messages name "spec.<member>"; put them under `field`.
     absl::string_view message = s.message();

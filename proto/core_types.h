@@ -14,6 +14,36 @@
 
 namespace kvcm {
 
+// The core's enums and kvcm.v1's share their numbering; these are the only conversions
+// between them, and the static_asserts below fail the build when either side changes.
+// A FromProto takes a value its caller has validated (or trusts: the manager's answers).
+constexpr v1::Tier TierToProto(Tier tier) { return static_cast<v1::Tier>(tier); }
+constexpr Tier TierFromProto(v1::Tier tier) { return static_cast<Tier>(tier); }
+constexpr v1::AttentionKind AttentionToProto(AttentionKind kind) {
+  return static_cast<v1::AttentionKind>(kind);
+}
+constexpr AttentionKind AttentionFromProto(v1::AttentionKind kind) {
+  return static_cast<AttentionKind>(kind);
+}
+constexpr v1::KvDtype DtypeToProto(KvDtype dtype) { return static_cast<v1::KvDtype>(dtype); }
+constexpr KvDtype DtypeFromProto(v1::KvDtype dtype) { return static_cast<KvDtype>(dtype); }
+
+static_assert(TierToProto(Tier::kGpu) == v1::TIER_GPU);
+static_assert(TierToProto(Tier::kHost) == v1::TIER_HOST);
+static_assert(TierToProto(Tier::kDisk) == v1::TIER_DISK);
+static_assert(v1::Tier_MAX == v1::TIER_DISK, "a new v1::Tier needs a kvcm::Tier");
+static_assert(AttentionToProto(AttentionKind::kMha) == v1::ATTENTION_KIND_MHA);
+static_assert(AttentionToProto(AttentionKind::kMqa) == v1::ATTENTION_KIND_MQA);
+static_assert(AttentionToProto(AttentionKind::kGqa) == v1::ATTENTION_KIND_GQA);
+static_assert(AttentionToProto(AttentionKind::kMla) == v1::ATTENTION_KIND_MLA);
+static_assert(v1::AttentionKind_MAX == v1::ATTENTION_KIND_MLA,
+              "a new v1::AttentionKind needs a kvcm::AttentionKind");
+static_assert(DtypeToProto(KvDtype::kBf16) == v1::KV_DTYPE_BF16);
+static_assert(DtypeToProto(KvDtype::kFp16) == v1::KV_DTYPE_FP16);
+static_assert(DtypeToProto(KvDtype::kFp8) == v1::KV_DTYPE_FP8);
+static_assert(DtypeToProto(KvDtype::kInt8) == v1::KV_DTYPE_INT8);
+static_assert(v1::KvDtype_MAX == v1::KV_DTYPE_INT8, "a new v1::KvDtype needs a kvcm::KvDtype");
+
 void NamespaceToProto(const NamespaceId& ns, v1::Namespace* out);
 void PoolToProto(const PoolKey& pool, v1::PoolRef* out);
 void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out);
@@ -32,6 +62,9 @@ absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::st
 // `field` or `field`.<member>. page_size_tokens 0 becomes kDefaultPageSizeTokens.
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec,
                                              absl::string_view field = "spec");
+// Every field as it is, unchecked: for answers from a peer that validated them (a client
+// reading the manager's). ModelSpecFromProto is this plus its checks.
+ModelSpec ModelSpecFromTrustedProto(const v1::ModelSpec& spec);
 
 }  // namespace kvcm
 

@@ -106,7 +106,7 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   AgentRegistration& r = call.registration;
   r.agent_id = req.agent_id();
   r.device = req.device();
-  r.tier = static_cast<Tier>(req.tier());
+  r.tier = TierFromProto(req.tier());
   r.epoch = req.epoch();
   r.capacity_bytes = req.capacity_bytes();
   r.block_agent_address = req.block_agent_address();
@@ -169,7 +169,7 @@ void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
     s->set_alive(a.alive);
     s->set_last_heartbeat_age_ms(static_cast<uint64_t>(
         std::max<int64_t>(0, absl::ToInt64Milliseconds(a.last_heartbeat_age))));
-    s->set_tier(static_cast<v1::Tier>(a.registration.tier));
+    s->set_tier(TierToProto(a.registration.tier));
     s->set_used_bytes(a.usage.used_bytes);
     s->set_free_blocks(a.usage.free_blocks);
     s->set_heartbeats(a.heartbeats);

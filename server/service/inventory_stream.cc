@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "proto/core_types.h"
 #include "server/core/inventory_restore.h"
 #include "server/service/access_control.h"
 #include "server/service/proto_convert.h"
@@ -66,7 +67,7 @@ absl::Status InventoryReceiver::Take(const v1::InventoryChunk& chunk) {
                                .parent = parents[i],
                                .committed_unix_ms = times == 0 ? 0 : chunk.committed_unix_ms(i)};
   }
-  return collector_->Add(static_cast<Tier>(chunk.tier()), *ns, *spec, std::move(entries),
+  return collector_->Add(TierFromProto(chunk.tier()), *ns, *spec, std::move(entries),
                          absl::Seconds(chunk.max_page_age_s()));
 }
 
@@ -112,7 +113,7 @@ absl::Status InventoryReceiver::Restore(v1::InventoryReply* reply) {
   for (const auto& [tier, blocks] : outcome->to_free) {
     if (blocks.empty()) continue;
     v1::PoolBlocks* free = reply->add_to_free();
-    free->set_tier(static_cast<v1::Tier>(tier));
+    free->set_tier(TierToProto(tier));
     free->mutable_block_ids()->Add(blocks.begin(), blocks.end());
   }
   LogInfo(absl::StrCat("agent ", agent_id_, " epoch ", epoch_, ": inventory of ",

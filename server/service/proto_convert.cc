@@ -12,8 +12,25 @@
 #include "absl/strings/str_cat.h"
 #include "common/page_hash.h"
 #include "common/status_macros.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
+
+// The casts below between the core's enums and kvcm.v1's rely on shared numbering, checked
+// here (proto/core_types.h checks Tier, AttentionKind and KvDtype).
+static_assert(static_cast<int>(RoutePolicy::kPrefillSaved) == v1::ROUTE_POLICY_PREFILL_SAVED);
+static_assert(static_cast<int>(RoutePolicy::kRoundRobin) == v1::ROUTE_POLICY_ROUND_ROBIN);
+static_assert(static_cast<int>(RoutePolicy::kFirstPageHash) == v1::ROUTE_POLICY_FIRST_PAGE_HASH);
+static_assert(static_cast<int>(RoutePolicy::kLeastLoaded) == v1::ROUTE_POLICY_LEAST_LOADED);
+static_assert(v1::RoutePolicy_MAX == v1::ROUTE_POLICY_LEAST_LOADED);
+static_assert(static_cast<int>(CacheEvent::Kind::kStored) == v1::CacheEvent::KIND_STORED);
+static_assert(static_cast<int>(CacheEvent::Kind::kRemoved) == v1::CacheEvent::KIND_REMOVED);
+static_assert(static_cast<int>(CacheEvent::Kind::kCleared) == v1::CacheEvent::KIND_CLEARED);
+static_assert(v1::CacheEvent::Kind_MAX == v1::CacheEvent::KIND_CLEARED);
+static_assert(static_cast<int>(CacheEvent::Reason::kNone) == v1::CacheEvent::REASON_UNSPECIFIED);
+static_assert(static_cast<int>(CacheEvent::Reason::kEvicted) == v1::CacheEvent::REASON_EVICTED);
+static_assert(static_cast<int>(CacheEvent::Reason::kExpired) == v1::CacheEvent::REASON_EXPIRED);
+static_assert(v1::CacheEvent::Reason_MAX == v1::CacheEvent::REASON_EXPIRED);
 namespace {
 
 constexpr size_t kMaxNameBytes = 128;
@@ -491,7 +508,7 @@ void CacheEventToProto(const CacheEvent& event, uint64_t sequence, v1::CacheEven
   PoolToProto(event.pool, out->mutable_pool());
   out->set_page_hashes(EncodePageHashes(event.pages));
   out->set_sequence(sequence);
-  out->set_reason(static_cast<v1::CacheEvent::Reason>(event.reason));  // same values
+  out->set_reason(static_cast<v1::CacheEvent::Reason>(event.reason));
 }
 
 void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnation,
@@ -501,14 +518,14 @@ void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnati
   out->set_acked_through(command.acked_through);
   out->set_manager_incarnation(manager_incarnation);
   if (const auto* free = std::get_if<FreeBlocksCommand>(&command.body)) {
-    out->mutable_free()->set_tier(static_cast<v1::Tier>(free->tier));
+    out->mutable_free()->set_tier(TierToProto(free->tier));
     out->mutable_free()->mutable_block_ids()->Add(free->block_ids.begin(), free->block_ids.end());
   } else if (const auto* demote = std::get_if<DemoteBlocksCommand>(&command.body)) {
     out->mutable_demote()->mutable_source_block_ids()->Add(demote->source_block_ids.begin(),
                                                            demote->source_block_ids.end());
   } else if (const auto* commit = std::get_if<CommitBlocksCommand>(&command.body)) {
     v1::CommitBlocks* c = out->mutable_commit();
-    c->set_tier(static_cast<v1::Tier>(commit->tier));
+    c->set_tier(TierToProto(commit->tier));
     c->mutable_namespace_()->set_tenant(commit->ns.tenant);
     c->mutable_namespace_()->set_model(commit->ns.model);
     ModelSpecToProto(commit->spec, c->mutable_spec());
@@ -520,7 +537,7 @@ void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnati
     c->set_committed_unix_ms(commit->committed_unix_ms);
     c->set_max_page_age_s(commit->max_page_age_s);
   } else if (const auto* release = std::get_if<ReleaseBlocksCommand>(&command.body)) {
-    out->mutable_release()->set_tier(static_cast<v1::Tier>(release->tier));
+    out->mutable_release()->set_tier(TierToProto(release->tier));
     out->mutable_release()->mutable_block_ids()->Add(release->block_ids.begin(),
                                                      release->block_ids.end());
   }

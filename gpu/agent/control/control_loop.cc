@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "gpu/agent/control/agent_proto.h"
 #include "gpu/agent/pool/inventory_report.h"
+#include "proto/core_types.h"
 
 namespace kvcm {
 namespace {
@@ -81,7 +82,7 @@ absl::Status ControlLoop::Register() {
   v1::RegisterAgentRequest req;
   req.set_agent_id(options_.agent_id);
   req.set_device(pools_.main->backend().name());
-  req.set_tier(static_cast<v1::Tier>(options_.tier));
+  req.set_tier(TierToProto(options_.tier));
   PoolGeometryToProto(g, req.mutable_geometry());
   req.set_capacity_bytes(g.pool_bytes());
   if (pools_.host != nullptr) {

@@ -57,7 +57,7 @@ v1::InventoryChunk InventoryReport::Chunk(size_t i) const {
   v1::InventoryChunk chunk;
   chunk.set_agent_id(agent_id_);
   chunk.set_epoch(epoch_);
-  chunk.set_tier(static_cast<v1::Tier>(group.tier));  // same values
+  chunk.set_tier(TierToProto(group.tier));
   NamespaceToProto(group.ns, chunk.mutable_namespace_());
   ModelSpecToProto(group.spec, chunk.mutable_spec());
   std::vector<PageHash> pages, parents;

@@ -37,7 +37,7 @@ BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools poo
       streams_(options->max_streams_per_principal) {}
 
 BlockPool* BlockAgentService::PoolOf(v1::Tier tier) const {
-  if (tier == v1::TIER_UNSPECIFIED || tier == static_cast<v1::Tier>(options_.tier)) {
+  if (tier == v1::TIER_UNSPECIFIED || tier == TierToProto(options_.tier)) {
     return pools_.main;
   }
   return tier == v1::TIER_HOST ? pools_.host : nullptr;

@@ -72,7 +72,7 @@ void Fetcher::Fetch(const v1::FetchRequest& req, FetchDone done) {
   job->pool =
       req.tier() == v1::TIER_UNSPECIFIED ? pools_.main : pools_.ForWireTier(main_tier_, req.tier());
   if (job->pool == nullptr) return done(Invalid("tier is not a pool of this agent"));
-  job->tier = req.tier() == v1::TIER_UNSPECIFIED ? main_tier_ : static_cast<Tier>(req.tier());
+  job->tier = req.tier() == v1::TIER_UNSPECIFIED ? main_tier_ : TierFromProto(req.tier());
   if (req.source_tier() < v1::TIER_UNSPECIFIED || req.source_tier() > v1::TIER_DISK) {
     return done(Invalid(
         absl::StrCat("source_tier ", static_cast<int>(req.source_tier()), " is not a tier")));
@@ -100,7 +100,7 @@ void Fetcher::OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> a
   PullSpec spec{.peer_address = *std::move(address),
                 .peer_tier = req.source_tier() == v1::TIER_UNSPECIFIED
                                  ? Tier::kGpu
-                                 : static_cast<Tier>(req.source_tier()),
+                                 : TierFromProto(req.source_tier()),
                 .ns = job->ns,
                 .peer_blocks = {req.source_block_ids().begin(), req.source_block_ids().end()},
                 .pages = {all.begin() + local, all.end()},
@@ -136,7 +136,7 @@ void Fetcher::OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, Fet
   *insert.mutable_namespace_() = job.req.namespace_();
   *insert.mutable_prompt() = job.req.prompt();
   insert.mutable_pool()->set_agent_id(agent_id_);
-  insert.mutable_pool()->set_tier(static_cast<v1::Tier>(job.tier));
+  insert.mutable_pool()->set_tier(TierToProto(job.tier));
   insert.mutable_block_ids()->Add(job.req.local_block_ids().begin(),
                                   job.req.local_block_ids().end());
   insert.mutable_block_ids()->Add(job.fetched.begin(), job.fetched.end());

@@ -362,7 +362,7 @@ class TcpTransport final : public Transport {
                           absl::StrCat(spec.peer_address, ": ", conn.status().message()));
     }
     v1::PullBlocksRequest req;
-    req.set_tier(static_cast<v1::Tier>(spec.peer_tier));
+    req.set_tier(TierToProto(spec.peer_tier));
     NamespaceToProto(spec.ns, req.mutable_namespace_());
     req.mutable_block_ids()->Add(spec.peer_blocks.begin(), spec.peer_blocks.end());
     req.set_page_hashes(EncodePageHashes(spec.pages));
