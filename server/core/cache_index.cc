@@ -64,7 +64,8 @@ CacheIndex::CacheIndex(CacheIndexOptions options)
       policy_(*MakeEvictionPolicy(options_.policy,
                                   PolicyContext{options_.next_use, options_.reuse_credit,
                                                 options_.adaptive, options_.density})),
-      leases_(options_.expired_pin_memory) {
+      leases_(options_.expired_pin_memory),
+      history_(options_.regret_window) {
   // Quota evictions take a tenant's own candidates, in the policy's order.
   if (options_.tenant_max_bytes > 0) policy_->TrackGroups();
 }
@@ -670,17 +671,16 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
   if (in_tree < n) {
     RadixNode* leaf = ns.tree.AddChild(parent, pages.subspan(in_tree));
-    if (auto ghost = evicted_runs_.find(pages[in_tree]); ghost != evicted_runs_.end()) {
+    if (std::optional<EvictionHistory::Run> ghost = history_.Take(pages[in_tree])) {
       // Back within the window: asked for again, on top of its earlier uses.
-      leaf->hits = ghost->second.hits + 1;
+      leaf->hits = ghost->hits + 1;
       policy_->OnGhostHit(*leaf,
-                          {.hits = ghost->second.hits,
-                           .last_access_s = ghost->second.last_access_s,
-                           .evicted_s = absl::ToDoubleSeconds(ghost->second.at - absl::UnixEpoch()),
-                           .pages = ghost->second.pages,
-                           .tag = ghost->second.policy_tag},
+                          {.hits = ghost->hits,
+                           .last_access_s = ghost->last_access_s,
+                           .evicted_s = absl::ToDoubleSeconds(ghost->at - absl::UnixEpoch()),
+                           .pages = ghost->pages,
+                           .tag = ghost->policy_tag},
                           absl::ToDoubleSeconds(now - absl::UnixEpoch()));
-      evicted_runs_.erase(ghost);
     }
     AddReplica(leaf, pid, block_ids.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});

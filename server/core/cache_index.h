@@ -35,6 +35,7 @@
 #include "common/types.h"
 #include "server/core/byte_budget.h"
 #include "server/core/clock.h"
+#include "server/core/eviction_history.h"
 #include "server/core/eviction_policy.h"
 #include "server/core/lease_table.h"
 #include "server/core/radix_tree.h"
@@ -759,23 +760,9 @@ class CacheIndex {
   // Taken after mu_ (shared) by matches that record; never the other way round.
   absl::Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<PendingAccess> pending_ ABSL_GUARDED_BY(access_mu_);
-  // Runs of pages removed from the index, by their first page's hash (keyed per namespace,
-  // so never ambiguous), kept for regret_window to count eviction regret and to give
-  // re-inserted runs their earlier hit count. A btree, not a
-  // hash map, so that growing it never rehashes millions of entries under mu_.
-  struct EvictedRun {
-    absl::Time at;
-    uint32_t pages;
-    // The node's hit count when it went: a re-inserted run starts from it, so reuse that
-    // outlives a stay in the cache is still seen (a "ghost" history).
-    uint32_t hits;
-    double last_access_s;    // clock time of its last access, for policies that learn
-    uint8_t policy_tag = 0;  // EvictionPolicy::OnGhostAdded's answer
-    // Its regret was counted already. Written under access_mu_ by matches sharing mu_.
-    mutable bool regretted = false;
-  };
-  absl::btree_map<PageHash, EvictedRun> evicted_runs_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::pair<absl::Time, PageHash>> evicted_order_ ABSL_GUARDED_BY(mu_);
+  // Runs of pages removed within regret_window: eviction regret, and re-inserted runs'
+  // earlier hit counts.
+  EvictionHistory history_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
   // Retired pools (DropPool) with replicas left in the tree, oldest first.
   std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);

@@ -61,15 +61,13 @@ uint64_t CacheIndex::EvictReplica(RadixNode* node, PoolId pool, absl::Time now) 
   // The node may go inside RemoveReplica: copy what the event needs first.
   std::vector<PageHash> removed_pages = node->pages;
   std::vector<BlockId> block_ids = RemoveReplica(node, pool, [&](RadixNode* last) {
-    if (options_.regret_window > absl::ZeroDuration()) {
-      evicted_runs_[last->pages[0]] =
-          EvictedRun{.at = now,
-                     .pages = last->size(),
-                     .hits = last->hits,
-                     .last_access_s = last->last_access_s,
-                     .policy_tag = policy_->OnGhostAdded(
-                         *last, absl::ToDoubleSeconds(now - absl::UnixEpoch()))};
-      evicted_order_.emplace_back(now, last->pages[0]);
+    if (history_.enabled()) {
+      history_.Record(last->pages[0], {.at = now,
+                                       .pages = last->size(),
+                                       .hits = last->hits,
+                                       .last_access_s = last->last_access_s,
+                                       .policy_tag = policy_->OnGhostAdded(
+                                           *last, absl::ToDoubleSeconds(now - absl::UnixEpoch()))});
     }
   });
   counters_.evicted_pages += pages;
@@ -318,26 +316,19 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming&
   return result;
 }
 
-void CacheIndex::ForgetOldEvictions(absl::Time now) {
-  while (!evicted_order_.empty() && evicted_order_.front().first + options_.regret_window < now) {
-    auto [at, page] = evicted_order_.front();
-    evicted_order_.pop_front();
-    auto it = evicted_runs_.find(page);
-    if (it != evicted_runs_.end() && it->second.at == at) evicted_runs_.erase(it);
-  }
-}
+void CacheIndex::ForgetOldEvictions(absl::Time now) { history_.Forget(now); }
 
 void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
-  if (missed.empty() || evicted_runs_.empty()) return;
+  if (missed.empty() || history_.empty()) return;
   // Runs past the window may not be forgotten yet (a shared match leaves that to
   // ApplyAccessesLocked): they do not count.
-  auto it = std::as_const(evicted_runs_).find(missed[0]);
-  if (it == evicted_runs_.end() || it->second.at + options_.regret_window < now) return;
+  const EvictionHistory::Run* run = history_.FindRecent(missed[0], now);
+  if (run == nullptr) return;
   absl::MutexLock lock(&access_mu_);
-  if (it->second.regretted) return;
-  it->second.regretted = true;  // count each eviction once
-  match_counters_.eviction_regret_pages.fetch_add(
-      std::min<uint64_t>(it->second.pages, missed.size()), std::memory_order_relaxed);
+  if (run->regretted) return;
+  run->regretted = true;  // count each eviction once
+  match_counters_.eviction_regret_pages.fetch_add(std::min<uint64_t>(run->pages, missed.size()),
+                                                  std::memory_order_relaxed);
 }
 
 absl::Status CacheIndex::SetPoolCapacity(const PoolKey& pool, uint64_t capacity_bytes) {
