@@ -56,7 +56,8 @@ ABSL_FLAG(
     "Eviction policy: lru (SGLang RadixCache order), lru-mha (byte-blind baseline: MHA-shaped "
     "bytes), cost (reuse x recompute cost per byte, replica-aware), adaptive (cost with a "
     "reuse credit learnt online), density (hit density learnt online per tenant and age, "
-    "with an LRU guard); docs/EVICTION.md.");
+    "with an LRU guard), conversation (recency shifted by the learnt odds that a context's "
+    "conversation continues; the default); docs/EVICTION.md.");
 ABSL_FLAG(uint64_t, default_pool_capacity_bytes, kDefaults.default_pool_capacity_bytes,
           "Capacity given to a pool the first time an Insert names it, in bytes.");
 ABSL_FLAG(uint32_t, default_lease_ttl_ms, kDefaults.default_lease_ttl_ms,

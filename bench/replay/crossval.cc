@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,6 +102,7 @@ std::optional<double> GapClosed(double policy, double lru, double opt) {
 struct Tuning {
   AdaptiveParams adaptive;
   DensityParams density;
+  ConversationParams conversation;
 };
 
 std::string AdaptiveName(const AdaptiveParams& p) {
@@ -127,6 +129,7 @@ class Evaluation {
     o.capacity_fraction = capacity;
     o.adaptive = tuning.adaptive;
     o.density = tuning.density;
+    o.conversation = tuning.conversation;
     absl::StatusOr<ReplayResult> r = Replay(w.trace, o);
     if (!r.ok()) {
       return absl::Status(r.status().code(), absl::StrCat(w.name, " ", policy, " ", capacity, ": ",
@@ -165,7 +168,8 @@ void Add(Score& s, double hit, double lru, double opt) {
   }
 }
 
-// Replays `policy` with each point of `grid` on the train part, prints each point's score,
+// Replays `policy` with each point of `grid` on the train part's real traces (generators
+// choose nothing), prints each point's score,
 // and returns the index of the best: fewest cells below lru, then the largest mean share of
 // the gap closed (the first such point on a tie).
 absl::StatusOr<size_t> ChooseOnTrain(Evaluation& eval,
@@ -174,14 +178,14 @@ absl::StatusOr<size_t> ChooseOnTrain(Evaluation& eval,
                                      const std::vector<std::vector<Cell>>& cells,
                                      const std::string& policy, const std::vector<Tuning>& grid,
                                      const std::vector<std::string>& names) {
-  std::printf("\n## Choosing %s's parameters on the train part\n\n", policy.c_str());
+  std::printf("\n## Choosing %s's parameters on the train part's real traces\n\n", policy.c_str());
   std::printf("| parameters | train cells below lru | mean gap closed (train) |\n|---|---|---|\n");
   size_t best = 0;
   Score best_score;
   for (size_t k = 0; k < grid.size(); ++k) {
     Score s;
     for (size_t w = 0; w < workloads.size(); ++w) {
-      if (!workloads[w].train) continue;
+      if (!workloads[w].train || !workloads[w].real) continue;
       for (size_t c = 0; c < caps.size(); ++c) {
         absl::StatusOr<double> hit = eval.Run(workloads[w], policy, caps[c], grid[k]);
         if (!hit.ok()) return hit.status();
@@ -213,10 +217,12 @@ absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
   const double mid = (first + mooncake->requests.back().arrival_ms) / 2;
   out.push_back({"mooncake-1st-half",
                  true,
+                 true,
                  TimeSlice(*mooncake, "mooncake-1st-half", first, mid),
                  {options.mla}});
   CrossvalWorkload second{"mooncake-2nd-half",
                           false,
+                          true,
                           TimeSlice(*mooncake, "mooncake-2nd-half", mid, 1e300),
                           {options.mla}};
 
@@ -237,6 +243,7 @@ absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
       const std::string label = absl::StrCat(name, "/shape", part.shape, "/seed", part.seed);
       CrossvalWorkload w{label,
                          part.train,
+                         false,
                          HashTokenTrace(label, *requests, kTenantKeys[0], kPage),
                          {options.mla}};
       (part.train ? out : test).push_back(std::move(w));
@@ -264,7 +271,7 @@ absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
     const std::string label =
         absl::StrCat("mix:", m.a, "(", options.mla_name, ")+", m.b, "(",
                      m.train ? options.gqa_train_name : options.gqa_test_name, ")/seed", m.seed);
-    CrossvalWorkload w{label, m.train, Mix(label, *a, *b, kPage), {options.mla, gqa}};
+    CrossvalWorkload w{label, m.train, false, Mix(label, *a, *b, kPage), {options.mla, gqa}};
     (m.train ? out : test).push_back(std::move(w));
   }
   test.insert(test.begin(), std::move(second));
@@ -274,7 +281,7 @@ absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
     if (!t.ok()) return t.status();
     const size_t slash = path.find_last_of('/');
     t->name = slash == std::string::npos ? path : path.substr(slash + 1);
-    test.push_back({t->name, false, std::move(*t), {options.mla}});
+    test.push_back({t->name, false, true, std::move(*t), {options.mla}});
   }
   for (CrossvalWorkload& w : test) out.push_back(std::move(w));
   return out;
@@ -320,18 +327,29 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
       density_grid.push_back({.density = {.reuse_classes = classes, .lru_guard = guard}});
     }
   }
+  std::vector<Tuning> conversation_grid;
+  for (double shift : {0.25, 0.5, 1.0, 2.0, 4.0}) {
+    conversation_grid.push_back({.conversation = {.shift = shift}});
+  }
   if (options.smoke) {
     adaptive_grid.resize(2);
     density_grid.resize(2);
+    conversation_grid.resize(2);
   }
   if (options.only_params.has_value()) adaptive_grid = {{.adaptive = *options.only_params}};
   if (options.only_density.has_value()) density_grid = {{.density = *options.only_density}};
+  if (options.only_conversation.has_value()) {
+    conversation_grid = {{.conversation = *options.only_conversation}};
+  }
   for (const auto& [policy, grid] :
-       {std::pair{"adaptive", &adaptive_grid}, std::pair{"density", &density_grid}}) {
+       {std::pair{"adaptive", &adaptive_grid}, std::pair{"density", &density_grid},
+        std::pair{"conversation", &conversation_grid}}) {
     std::vector<std::string> names;
     for (const Tuning& t : *grid) {
-      names.push_back(std::string(policy) == "adaptive" ? AdaptiveName(t.adaptive)
-                                                        : DensityName(t.density));
+      const std::string p = policy;
+      names.push_back(p == "adaptive"  ? AdaptiveName(t.adaptive)
+                      : p == "density" ? DensityName(t.density)
+                                       : absl::StrFormat("shift %.2g", t.conversation.shift));
     }
     absl::StatusOr<size_t> best =
         ChooseOnTrain(eval, *workloads, caps, cells, policy, *grid, names);
@@ -346,19 +364,20 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
   }
 
   // Per workload: hit rates, then the gap closed; "(below lru)" flags a cell.
-  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "opt"};
+  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "conversation", "opt"};
   std::vector<std::string> header;
   for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
   std::printf("\n## Token hit rate (%%) and share of the lru->opt gap closed\n\n");
   std::printf("| part | workload | policy | %s |\n|---|---|---|%s\n",
               absl::StrJoin(header, " | ").c_str(),
               absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
-  std::map<std::pair<bool, std::string>, std::vector<Score>> by_cap;  // (train, policy)
+  // (train, real, policy)
+  std::map<std::tuple<bool, bool, std::string>, std::vector<Score>> by_cap;
   for (size_t w = 0; w < workloads->size(); ++w) {
     const CrossvalWorkload& wl = (*workloads)[w];
     for (const char* policy : kPolicies) {
       std::vector<std::string> out;
-      std::vector<Score>& scores = by_cap[{wl.train, policy}];
+      std::vector<Score>& scores = by_cap[{wl.train, wl.real, policy}];
       scores.resize(caps.size());
       for (size_t c = 0; c < caps.size(); ++c) {
         const Cell& cell = cells[w][c];
@@ -380,12 +399,16 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
   std::printf(
       "\n## Summary: mean share of the lru->opt gap closed (cells with a gap), cells "
       "below lru\n\n");
-  std::printf("| part | policy | %s | all | cells below lru |\n|---|---|%s---|---|\n",
-              absl::StrJoin(header, " | ").c_str(),
-              absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
-  for (bool train : {true, false}) {
-    for (const char* policy : {"cost", "adaptive", "density"}) {
-      const std::vector<Score>& scores = by_cap[{train, policy}];
+  std::printf(
+      "| part | workloads | policy | %s | all | cells below lru |\n|---|---|---|%s---|---|\n",
+      absl::StrJoin(header, " | ").c_str(),
+      absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
+  for (const auto& [train, real] : {std::pair{true, true}, std::pair{false, true},
+                                    std::pair{true, false}, std::pair{false, false}}) {
+    for (const char* policy : {"cost", "adaptive", "density", "conversation"}) {
+      const auto it = by_cap.find({train, real, policy});
+      if (it == by_cap.end()) continue;
+      const std::vector<Score>& scores = it->second;
       Score all;
       std::vector<std::string> out;
       for (const Score& s : scores) {
@@ -394,8 +417,9 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
         all.cells += s.cells;
         all.below += s.below;
       }
-      std::printf("| %s | %s | %s | %.1f %% | %d |\n", train ? "train" : "test", policy,
-                  absl::StrJoin(out, " | ").c_str(), 100 * all.mean(), all.below);
+      std::printf("| %s | %s | %s | %s | %.1f %% | %d |\n", train ? "train" : "test",
+                  real ? "real traces" : "generators", policy, absl::StrJoin(out, " | ").c_str(),
+                  100 * all.mean(), all.below);
     }
   }
   if (!options.csv.empty()) return WriteCsv(options.csv, eval.rows());

@@ -4,11 +4,13 @@
 // generators with seeds 1-2 and their default or first variant shapes, and one two-model
 // mix. "test": the second time half of the Mooncake trace, the five generators with seeds
 // 3-4 and other shapes, two other mixes (another Llama), and any extra Mooncake-format
-// traces given. The "adaptive" and "density" policies' parameters are chosen, each from a
-// fixed grid, on the train part alone (fewest cells below lru, then the largest mean share
-// of the lru->opt gap closed); then lru, cost, adaptive, density (as chosen) and opt run
-// on both parts, and the report
-// gives per cell the share of the lru->opt gap each policy closes, flagging cells below lru.
+// traces given. The parameters of the learning policies ("adaptive", "density",
+// "conversation") are chosen, each from a fixed grid, on the real trace's train half alone
+// (fewest cells below lru, then the largest mean share of the lru->opt gap closed):
+// generators are reported, never chosen on. Then lru, cost, the learning policies (as
+// chosen) and opt run on both parts, and the report gives per cell the share of the
+// lru->opt gap each policy closes, flagging cells below lru, with real traces and
+// generators summarised apart.
 //
 // Not thread-safe; runs on the calling thread.
 #ifndef KVCM_BENCH_REPLAY_CROSSVAL_H_
@@ -28,6 +30,9 @@ namespace kvcm::bench {
 struct CrossvalWorkload {
   std::string name;
   bool train = false;
+  // A real request trace (not a generator or a mix of them): only these choose parameters
+  // (on train) and make the headline summary.
+  bool real = false;
   Trace trace;
   // Model of each tenant of the trace (TraceRequest::tenant); the page size is the trace's.
   std::vector<ModelSpec> specs;
@@ -47,8 +52,9 @@ struct CrossvalOptions {
   bool train_only = false;  // skip the test part (for development)
   // If set, the only grid point (so the choice is trivial): for development on train.
   std::optional<AdaptiveParams> only_params;
-  std::optional<DensityParams> only_density;  // the same for "density"
-  std::string csv;                            // if set, every run as CSV
+  std::optional<DensityParams> only_density;            // the same for "density"
+  std::optional<ConversationParams> only_conversation;  // the same for "conversation"
+  std::string csv;                                      // if set, every run as CSV
 };
 
 // The workloads of both parts, train first.

@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/replay/crossval.h"
+#include "bench/replay/explain.h"
 #include "bench/replay/generators.h"
 #include "bench/replay/replayer.h"
 #include "bench/replay/report.h"
@@ -85,6 +86,9 @@ ABSL_FLAG(int32_t, density_reuse_classes, kvcm::DensityParams{}.reuse_classes,
 ABSL_FLAG(bool, density_lru_guard, kvcm::DensityParams{}.lru_guard,
           "density policy: let LRU decide while its victims come back less often "
           "(DensityParams).");
+ABSL_FLAG(double, conversation_shift, kvcm::ConversationParams{}.shift,
+          "conversation policy: recency one unit of log-odds of a continuation is worth, in "
+          "typical times to the next turn (ConversationParams).");
 ABSL_FLAG(double, adaptive_initial_credit, kvcm::AdaptiveParams{}.initial_credit,
           "adaptive policy: credit of one reuse at start, in mean reuse intervals "
           "(AdaptiveParams).");
@@ -94,11 +98,20 @@ ABSL_FLAG(double, adaptive_step, kvcm::AdaptiveParams{}.step,
           "adaptive policy: credit change per adaptation step, in mean reuse intervals "
           "(AdaptiveParams).");
 ABSL_FLAG(bool, crossval, false,
-          "Cross-validated evaluation (bench/replay/crossval.h): lru, cost, adaptive, density "
-          "and opt at --crossval_capacities over a train and a test part; adaptive's and "
-          "density's parameters are chosen on the train part only. Ignores --workloads, "
-          "--policies, --capacities, "
-          "--gpus, --model and the generator flags.");
+          "Cross-validated evaluation (bench/replay/crossval.h): lru, cost, adaptive, density, "
+          "conversation and opt at --crossval_capacities over a train and a test part; the "
+          "learning policies' parameters are chosen on the train half of the real trace only. "
+          "Ignores --workloads, --policies, --capacities, --gpus, --model and the generator "
+          "flags.");
+ABSL_FLAG(bool, explain, false,
+          "Explain opt against lru on the Mooncake trace (--mooncake_trace; bench/replay/"
+          "explain.h): which pages opt hits that lru misses, by depth, reuse, time since last "
+          "use, fan-out and turn, at --explain_capacities, as Markdown tables.");
+ABSL_FLAG(std::string, explain_capacities, "0.01,0.05,0.2",
+          "--explain: capacities, as fractions like --capacities.");
+ABSL_FLAG(std::string, explain_half, "",
+          "--explain: \"first\" or \"second\" to explain one time half of the trace (as "
+          "--crossval splits it); empty for the whole trace.");
 ABSL_FLAG(std::string, crossval_capacities, "0.01,0.02,0.05,0.1,0.2",
           "--crossval: capacities, as fractions like --capacities.");
 ABSL_FLAG(std::string, crossval_gqa_train, "llama-3-8b",
@@ -109,9 +122,8 @@ ABSL_FLAG(bool, crossval_train_only, false,
           "--crossval: run the train part only (to develop a policy without seeing the test "
           "part).");
 ABSL_FLAG(bool, crossval_fixed_params, false,
-          "--crossval: use the --adaptive_* and --density_* flags instead of choosing from the "
-          "grids (for "
-          "development on the train part).");
+          "--crossval: use the --adaptive_*, --density_* and --conversation_* flags instead of "
+          "choosing from the grids (for development on the train part).");
 ABSL_FLAG(std::string, crossval_extra_traces, "",
           "--crossval: extra Mooncake-format traces for the test part, comma-separated.");
 ABSL_FLAG(double, regret_window_s, 300,
@@ -189,10 +201,16 @@ scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
 
   kvcm-bench --crossval [--csv=out.csv]
 
-runs lru, cost, adaptive, density and opt at 1-20 % over a train part and a held-out test
-part (bench/replay/crossval.h), chooses adaptive's and density's parameters on the train
-part only, and prints
-Markdown tables of hit rates and of the share of the lru->opt gap each policy closes.
+runs lru, cost, adaptive, density, conversation and opt at 1-20 % over a train part and a
+held-out test part (bench/replay/crossval.h), chooses the learning policies' parameters on
+the train half of the real trace only, and prints Markdown tables of hit rates and of the
+share of the lru->opt gap each policy closes.
+
+  kvcm-bench --explain [--explain_capacities=0.01,0.05,0.2] [--explain_half=first]
+
+replays lru and opt on the Mooncake trace and classes every page opt hits and lru misses
+(bench/replay/explain.h): by depth, earlier uses, time since last use, fan-out, and whether
+the request is the next turn of the page's last user.
 )";
 
 absl::StatusOr<std::vector<std::string>> SplitList(const std::string& flag,
@@ -365,9 +383,37 @@ int Main(int argc, char** argv) {
   base.density = DensityParams{
       .reuse_classes = static_cast<uint32_t>(absl::GetFlag(FLAGS_density_reuse_classes)),
       .lru_guard = absl::GetFlag(FLAGS_density_lru_guard)};
+  base.conversation = ConversationParams{.shift = absl::GetFlag(FLAGS_conversation_shift)};
   base.adaptive = AdaptiveParams{.initial_credit = absl::GetFlag(FLAGS_adaptive_initial_credit),
                                  .max_credit = absl::GetFlag(FLAGS_adaptive_max_credit),
                                  .step = absl::GetFlag(FLAGS_adaptive_step)};
+
+  if (absl::GetFlag(FLAGS_explain)) {
+    absl::StatusOr<Trace> trace = ReadMooncakeTrace(
+        MooncakeTracePath(), MooncakeReadOptions{.max_requests = smoke ? 600u : 0u});
+    if (!trace.ok()) return Fail(trace.status());
+    const std::string half = absl::GetFlag(FLAGS_explain_half);
+    if (!half.empty() && !trace->requests.empty()) {
+      if (half != "first" && half != "second") {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("--explain_half: \"", half, "\" is neither first nor second")));
+      }
+      const double mid =
+          (trace->requests.front().arrival_ms + trace->requests.back().arrival_ms) / 2;
+      std::erase_if(trace->requests, [&](const TraceRequest& r) {
+        return (r.arrival_ms < mid) != (half == "first");
+      });
+      trace->name = absl::StrCat("mooncake-", half == "first" ? "1st" : "2nd", "-half");
+    }
+    absl::StatusOr<std::vector<double>> caps =
+        ParseFractions(smoke ? "0.05" : absl::GetFlag(FLAGS_explain_capacities));
+    if (!caps.ok()) return Fail(caps.status());
+    ExplainOptions eo{.capacities = *caps, .base = base};
+    eo.base.spec = *spec;
+    eo.base.spec.page_size_tokens = trace->page_size_tokens;
+    if (absl::Status s = RunExplain(*trace, eo); !s.ok()) return Fail(s);
+    return 0;
+  }
 
   if (absl::GetFlag(FLAGS_crossval)) {
     CrossvalOptions cv{.mooncake_trace = MooncakeTracePath(),
@@ -380,6 +426,7 @@ int Main(int argc, char** argv) {
     if (absl::GetFlag(FLAGS_crossval_fixed_params)) {
       cv.only_params = base.adaptive;
       cv.only_density = base.density;
+      cv.only_conversation = base.conversation;
     }
     for (absl::string_view path :
          absl::StrSplit(absl::GetFlag(FLAGS_crossval_extra_traces), ',', absl::SkipWhitespace())) {

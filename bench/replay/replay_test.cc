@@ -29,7 +29,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr const char* kAllPolicies[] = {"lru", "lru-mha", "cost", "adaptive", "density", "opt"};
+constexpr const char* kAllPolicies[] = {"lru",     "lru-mha",      "cost", "adaptive",
+                                        "density", "conversation", "opt"};
 const HashKey kKey{1, 2};
 
 // A file under the test's temporary directory, named by the process so that concurrent

@@ -127,7 +127,7 @@ class ReplayRun {
     // decides which requests it serves; otherwise one over the whole trace.
     const bool local = options_.mode == ClusterMode::kLocal;
     const size_t num_indexes = local ? gpus : 1;
-    if (options_.policy == "opt") {
+    if (options_.policy == "opt" || options_.policy == "opt-whether") {
       std::vector<uint32_t> routes;
       if (local && RouteIsStatic(options_.route)) {
         routes.reserve(trace_.requests.size());
@@ -153,6 +153,7 @@ class ReplayRun {
       o.reuse_credit = options_.reuse_credit;
       o.adaptive = options_.adaptive;
       o.density = options_.density;
+      o.conversation = options_.conversation;
       o.clock = &clock_;
       // The replays measure eviction with tenants that trust each other: no default share
       // (docs/SECURITY.md), so the published numbers stay comparable.
@@ -296,6 +297,9 @@ class ReplayRun {
     result_.prompt_pages += r.pages.size();
     result_.hit_pages += hit;
     if (hit > 0) ++result_.requests_with_hit;
+    if (options_.record_request_hits) {
+      result_.request_hit_pages.push_back(static_cast<uint32_t>(hit));
+    }
 
     // Tokens to prefill: all but the hit pages (a block kept by PartialBlock::kKeepAsBlock
     // can make hit pages cover more than the prompt, hence the clamp).

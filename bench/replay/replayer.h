@@ -89,7 +89,11 @@ struct ReplayOptions {
   AdaptiveParams adaptive;
   // CacheIndexOptions::density, for the "density" policy.
   DensityParams density;
+  // CacheIndexOptions::conversation, for the "conversation" policy.
+  ConversationParams conversation;
 
+  // Whether to fill ReplayResult::request_hit_pages (kvcm-bench --explain).
+  bool record_request_hits = false;
   // Called after each request's Insert with the request index and every index of the
   // cluster (tests check budgets there). Optional.
   std::function<void(size_t request, std::span<CacheIndex* const> indexes)> after_request;
@@ -112,6 +116,8 @@ struct ReplayResult {
   uint64_t transferred_pages = 0;        // hits fetched from another GPU (global mode)
   uint64_t recomputed_remote_pages = 0;  // cached on another GPU but cheaper to recompute
   uint64_t failed_inserts = 0;           // Insert answered RESOURCE_EXHAUSTED
+  // Per request, in trace order, its hit pages; only with record_request_hits.
+  std::vector<uint32_t> request_hit_pages;
 
   // Summed over the cluster's indexes (IndexCounters).
   uint64_t inserted_page_locations = 0;

@@ -61,9 +61,10 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      policy_(*MakeEvictionPolicy(options_.policy,
-                                  PolicyContext{options_.next_use, options_.reuse_credit,
-                                                options_.adaptive, options_.density})),
+      policy_(*MakeEvictionPolicy(
+          options_.policy,
+          PolicyContext{options_.next_use, options_.reuse_credit, options_.adaptive,
+                        options_.density, options_.conversation})),
       leases_(options_.expired_pin_memory),
       history_(options_.regret_window) {
   // Quota evictions take a tenant's own candidates, in the policy's order.
@@ -671,17 +672,20 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
   if (in_tree < n) {
     RadixNode* leaf = ns.tree.AddChild(parent, pages.subspan(in_tree));
+    const double added_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
+    std::optional<EvictionPolicy::GhostHit> ghost_hit;
     if (std::optional<EvictionHistory::Run> ghost = history_.Take(pages[in_tree])) {
       // Back within the window: asked for again, on top of its earlier uses.
       leaf->hits = ghost->hits + 1;
-      policy_->OnGhostHit(*leaf,
-                          {.hits = ghost->hits,
-                           .last_access_s = ghost->last_access_s,
-                           .evicted_s = absl::ToDoubleSeconds(ghost->at - absl::UnixEpoch()),
-                           .pages = ghost->pages,
-                           .tag = ghost->policy_tag},
-                          absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+      ghost_hit = EvictionPolicy::GhostHit{
+          .hits = ghost->hits,
+          .last_access_s = ghost->last_access_s,
+          .evicted_s = absl::ToDoubleSeconds(ghost->at - absl::UnixEpoch()),
+          .pages = ghost->pages,
+          .tag = ghost->policy_tag};
+      policy_->OnGhostHit(*leaf, *ghost_hit, added_s);
     }
+    policy_->OnLeafAdded(*leaf, ghost_hit.has_value() ? &*ghost_hit : nullptr, added_s);
     AddReplica(leaf, pid, block_ids.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }

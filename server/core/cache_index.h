@@ -51,7 +51,7 @@ struct CacheIndexOptions {
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
   HashKey hash_secret;
   // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "adaptive",
-  // "density", "opt".
+  // "density", "conversation", "opt".
   std::string policy = "lru";
   // Next-use oracle for "opt" (simulator only). Not owned.
   const NextUseOracle* next_use = nullptr;
@@ -61,6 +61,8 @@ struct CacheIndexOptions {
   AdaptiveParams adaptive;
   // "density": its parameters (see DensityParams).
   DensityParams density;
+  // "conversation": its parameters (see ConversationParams).
+  ConversationParams conversation;
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;

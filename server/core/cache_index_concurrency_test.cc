@@ -128,7 +128,8 @@ TEST_P(PendingAccessTest, AppliedAccessesEvictInTheOrderOfDirectTouches) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, PendingAccessTest,
-                         ::testing::Values("lru", "lru-mha", "cost", "adaptive", "density"));
+                         ::testing::Values("lru", "lru-mha", "cost", "adaptive", "density",
+                                           "conversation"));
 
 // Many counting matches with no writer between them: the reader that fills the buffer
 // applies it, and nothing is lost.

@@ -125,6 +125,7 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
   }
   if (in_tree < n) {
     RadixNode* leaf = ns.tree.AddChild(parent, pages.subspan(in_tree));
+    policy_->OnLeafAdded(*leaf, nullptr, absl::ToDoubleSeconds(now - absl::UnixEpoch()));
     AddReplica(leaf, *pid, blocks.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }

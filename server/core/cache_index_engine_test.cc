@@ -155,7 +155,9 @@ TEST_F(CacheIndexEngineTest, RemovalKeepsOtherPoolsReplicas) {
   EXPECT_EQ(m->matched_pages, 3u);
   for (const MatchedSegment& seg : m->segments) {
     for (const MatchedReplica& r : m->Replicas(seg)) {
-      if (seg.first_page + seg.num_pages > 1) EXPECT_NE(*r.pool, vllm0_);  // page 0 stays
+      if (seg.first_page + seg.num_pages > 1) {
+        EXPECT_NE(*r.pool, vllm0_);  // page 0 stays
+      }
     }
   }
   EXPECT_EQ(PoolOf(gpu0_).pages, 3u);

@@ -588,7 +588,7 @@ TEST_F(CacheIndexTest, OptNeedsAnOracle) {
   EXPECT_EQ(CacheIndex::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
   options.policy = "belady";
   EXPECT_THAT(CacheIndex::Create(options).status().message(),
-              HasSubstr("lru, lru-mha, cost, adaptive, density, opt"));
+              HasSubstr("lru, lru-mha, cost, adaptive, density, conversation, opt, opt-whether"));
 }
 
 // Next uses set by the test, by first page.
@@ -1091,7 +1091,8 @@ TEST_F(CacheIndexTest, RandomMatchesReturnTheBlocksEachPoolHolds) {
 
 TEST_F(CacheIndexTest, RandomOperationsKeepAccountingConsistent) {
   static const HashOrderOracle oracle;
-  for (const char* policy : {"lru", "lru-mha", "cost", "adaptive", "density", "opt"}) {
+  for (const char* policy :
+       {"lru", "lru-mha", "cost", "adaptive", "density", "conversation", "opt"}) {
     SCOPED_TRACE(policy);
     Reset(CacheIndexOptions{.policy = policy, .next_use = &oracle});
     RunRandomOperations();

@@ -144,6 +144,24 @@ class OptPolicy final : public EvictionPolicy {
   const NextUseOracle* const oracle_;
 };
 
+// "opt-whether": knows whether a node will be used again, not when; least recently used
+// first within each of the two groups. What a perfect predictor of reuse could reach.
+class OptWhetherPolicy final : public EvictionPolicy {
+ public:
+  explicit OptWhetherPolicy(const NextUseOracle* oracle) : oracle_(oracle) {}
+  absl::string_view name() const override { return "opt-whether"; }
+  bool trims_nodes() const override { return true; }
+
+ protected:
+  double Score(const RadixNode& node) const override {
+    const bool again = oracle_->NextUse(node.pages.front()) != std::numeric_limits<uint64_t>::max();
+    return node.last_access_s + (again ? kReplicatedFirst : 0);
+  }
+
+ private:
+  const NextUseOracle* const oracle_;
+};
+
 }  // namespace
 
 AdaptivePolicy::AdaptivePolicy(const AdaptiveParams& params)
@@ -254,16 +272,26 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_
     }
     return MakeHitDensityPolicy(context.density);
   }
-  if (name == "opt") {
-    if (context.next_use == nullptr) {
+  if (name == "conversation") {
+    const double shift = context.conversation.shift;
+    if (!(std::isfinite(shift) && shift >= 0)) {
       return absl::InvalidArgumentError(
-          "policy \"opt\" is clairvoyant and needs a next-use oracle (simulator only)");
+          absl::StrCat("policy \"conversation\": shift must be finite and >= 0, not ", shift));
     }
+    return MakeConversationPolicy(context.conversation);
+  }
+  if (name == "opt" || name == "opt-whether") {
+    if (context.next_use == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy \"", name, "\" is clairvoyant and needs a next-use oracle (simulator only)"));
+    }
+    if (name == "opt-whether") return std::make_unique<OptWhetherPolicy>(context.next_use);
     return MakeOptPolicy(context.next_use);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("policy \"", name,
-                   "\" is unknown; known policies: lru, lru-mha, cost, adaptive, density, opt"));
+                   "\" is unknown; known policies: lru, lru-mha, cost, adaptive, density, "
+                   "conversation, opt, opt-whether"));
 }
 
 }  // namespace kvcm

@@ -67,6 +67,17 @@ struct DensityParams {
   bool lru_guard = true;
 };
 
+// Parameters of the "conversation" policy. Dimensionless: the shift is in units of the
+// workload's own measured time between a turn and the next. The default is the point
+// kvcm-bench --crossval chose on the bundled trace's first half (docs/EVICTION.md,
+// "Conversation turns").
+struct ConversationParams {
+  // Seconds of recency one unit of log-odds of a continuation is worth, in units of the
+  // typical (geometric mean) time to the next turn. 0 is least-recently-used. REQUIRES:
+  // finite, >= 0.
+  double shift = 2.0;
+};
+
 // What a policy may know besides the tree. Pointers may be null; not owned.
 struct PolicyContext {
   // Required by "opt".
@@ -77,6 +88,8 @@ struct PolicyContext {
   AdaptiveParams adaptive;
   // "density": its parameters.
   DensityParams density;
+  // "conversation": its parameters.
+  ConversationParams conversation;
 };
 
 struct EvictionCandidate {
@@ -142,6 +155,11 @@ class EvictionPolicy {
   // A run evicted within the regret window is inserted again at clock time `now_s` as
   // `leaf` (a ghost hit). For policies that learn.
   virtual void OnGhostHit(const RadixNode& /*leaf*/, const GhostHit& /*ghost*/, double /*now_s*/) {}
+
+  // Insert added `leaf` below `leaf->parent` at clock time `now_s`, after OnGhostHit when
+  // the run came back from the ghost history (`ghost` is then what it knew, else null), and
+  // before the path is touched. For policies that class nodes by how they were added.
+  virtual void OnLeafAdded(RadixNode& /*leaf*/, const GhostHit* /*ghost*/, double /*now_s*/) {}
 
   // Re-scores `node` after something its score depends on changed (a split, a replica
   // added or dropped), keeping its candidates in order.
@@ -282,13 +300,31 @@ std::unique_ptr<AdaptivePolicy> MakeAdaptivePolicy(const AdaptiveParams& params)
 // docs/EVICTION.md ("Hit density") has its evaluation.
 std::unique_ptr<EvictionPolicy> MakeHitDensityPolicy(const DensityParams& params);
 
+// "conversation": keeps the contexts whose conversation is likeliest to come back. A prompt
+// that extends a whole cached leaf (its match ended where a leaf ended) is the next turn of
+// that leaf's conversation; the leaf it adds is one turn deeper. Each added leaf is classed
+// by its turn depth (0-4+) and how many pages it added (power-of-two buckets), and the
+// policy learns online, per class, how often a leaf is continued (a match that covers a
+// whole leaf, or a ghost hit of an evicted one), and the typical time to that continuation
+// (a geometric running mean). The score is recency shifted by the learnt log-odds:
+//   priority = last_access_s + shift * typical_gap_s * logit(p_continued(class))
+// so a class twice as likely to continue is kept about shift * typical_gap longer. Counts
+// decay per event (about the last 2,048 leaves), so nothing is a time scale of one trace;
+// before the first continuation every class is equal and the order is least-recently-used.
+// A node keeps the score of its last touch. Replica-aware, trims nodes and demotes to the
+// HOST tier as "cost" does. Deterministic. docs/EVICTION.md ("Conversation turns") has the
+// analysis behind it and its evaluation.
+std::unique_ptr<EvictionPolicy> MakeConversationPolicy(const ConversationParams& params);
+
 // "opt": Belady's clairvoyant order for the simulator: the candidate whose first page is
-// needed furthest in the future goes first. REQUIRES: oracle != nullptr.
+// needed furthest in the future goes first. REQUIRES: oracle != nullptr. "opt-whether"
+// (by name only) knows whether a node will be used again but not when: least recently used
+// first among those that will not, then among those that will.
 std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle);
 
 // Policy by name: "lru", "lru-mha" (LRU; CacheIndex charges MHA-shaped bytes for it),
-// "cost", "adaptive", "density" or "opt" (needs context.next_use). INVALID_ARGUMENT naming the
-// known policies otherwise.
+// "cost", "adaptive", "density", "conversation", "opt" or "opt-whether" (both need
+// context.next_use). INVALID_ARGUMENT naming the known policies otherwise.
 absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(
     absl::string_view name, const PolicyContext& context = {});
 

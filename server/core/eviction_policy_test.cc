@@ -1,5 +1,7 @@
 #include "server/core/eviction_policy.h"
 
+#include <limits>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -255,6 +257,121 @@ TEST(EvictionPolicyTest, FactoryMakesDensityAndChecksItsParameters) {
   absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy("density", bad);
   EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(p.status().message(), ::testing::HasSubstr("reuse_classes"));
+}
+
+// Conversations in a DeepSeek-V3-priced tree for the conversation policy. Pool 0 holds the
+// candidates a test ranks; the teaching leaves live in pool 1.
+class ConversationPolicyTest : public ::testing::Test {
+ protected:
+  static constexpr PoolId kPool = 0;
+  static constexpr PoolId kTeachPool = 1;
+
+  ConversationPolicyTest() : tree_(nullptr) { tree_.set_page_cost(70272 * 16, 16); }
+
+  // A leaf of `pages` pages added below `parent` at `at_s` and inserted, as CacheIndex does:
+  // OnLeafAdded, then the touch of the insert.
+  RadixNode* Add(EvictionPolicy& p, RadixNode* parent, uint32_t pages, double at_s,
+                 PoolId pool = kTeachPool) {
+    std::vector<PageHash> run;
+    for (uint32_t i = 0; i < pages; ++i) run.push_back({next_id_, next_id_++});
+    RadixNode* n = tree_.AddChild(parent, run);
+    p.OnLeafAdded(*n, nullptr, at_s);
+    n->replicas.push_back(Replica{.pool = pool, .evictable = true});
+    p.Touch(n, stamp_++, at_s, Access::kInsert);
+    p.Add(n, pool);
+    return n;
+  }
+
+  // `n` one-page prompts that are never continued and `n` eight-page prompts whose next
+  // turn comes `gap_s` later, ending by `until_s`.
+  void Teach(EvictionPolicy& p, int n, double gap_s, double until_s) {
+    for (int i = 0; i < n; ++i) {
+      const double at = until_s - gap_s - (n - i) * 1e-3;
+      Add(p, tree_.root(), 1, at);
+      RadixNode* first = Add(p, tree_.root(), 8, at);
+      p.Touch(first, stamp_++, at + gap_s, Access::kMatch);  // the next turn's match
+      Add(p, first, 4, at + gap_s);
+    }
+  }
+
+  RadixTree tree_;
+  uint64_t next_id_ = 1;
+  uint64_t stamp_ = 1;
+};
+
+TEST_F(ConversationPolicyTest, WithNothingLearntEvictsLeastRecentlyUsedFirst) {
+  std::unique_ptr<EvictionPolicy> p = MakeConversationPolicy({});
+  RadixNode* old = Add(*p, tree_.root(), 8, 10, kPool);
+  RadixNode* young = Add(*p, tree_.root(), 1, 20, kPool);
+  EXPECT_EQ(p->Victim(kPool)->node, old);
+  p->Remove(old, kPool);
+  EXPECT_EQ(p->Victim(kPool)->node, young);
+}
+
+TEST_F(ConversationPolicyTest, KeepsTheContextLikelierToBeContinuedOverAFresherOne) {
+  std::unique_ptr<EvictionPolicy> p = MakeConversationPolicy({.shift = 1});
+  Teach(*p, 512, 100, 1000);
+  // At 1,000 s: a first turn of eight pages from 30 s ago (its class is continued) and a
+  // one-page prompt from 5 s ago (its class never is). LRU would evict the older one.
+  RadixNode* likely = Add(*p, tree_.root(), 8, 970, kPool);
+  RadixNode* unlikely = Add(*p, tree_.root(), 1, 995, kPool);
+  EXPECT_EQ(p->Victim(kPool)->node, unlikely);
+  EXPECT_LT(p->Priority(unlikely, kPool), p->Priority(likely, kPool));
+
+  // shift 0 is least-recently-used, whatever it learnt.
+  std::unique_ptr<EvictionPolicy> lru_like = MakeConversationPolicy({.shift = 0});
+  Teach(*lru_like, 512, 100, 1000);
+  RadixNode* older = Add(*lru_like, tree_.root(), 8, 970, kPool);
+  Add(*lru_like, tree_.root(), 1, 995, kPool);
+  EXPECT_EQ(lru_like->Victim(kPool)->node, older);
+}
+
+TEST_F(ConversationPolicyTest, APromptExtendingAWholeLeafIsItsNextTurn) {
+  std::unique_ptr<EvictionPolicy> p = MakeConversationPolicy({});
+  RadixNode* first = Add(*p, tree_.root(), 4, 1);
+  EXPECT_EQ(first->turn, 0);
+  RadixNode* second = Add(*p, first, 4, 2);
+  EXPECT_EQ(second->turn, 1);
+  RadixNode* third = Add(*p, second, 4, 3);
+  EXPECT_EQ(third->turn, 2);
+  // A second branch below a node that already has a child shares a prefix: a new
+  // conversation, not a next turn.
+  EXPECT_EQ(Add(*p, second, 4, 4)->turn, 0);
+  // An evicted turn-2 leaf asked for again with more pages: the next turn after it.
+  RadixNode* back = tree_.AddChild(tree_.root(), std::vector<PageHash>{{900, 900}, {901, 901}});
+  const uint8_t tag = p->OnGhostAdded(*third, 5);
+  const EvictionPolicy::GhostHit ghost{
+      .hits = 1, .last_access_s = 3, .evicted_s = 5, .pages = 1, .tag = tag};
+  p->OnLeafAdded(*back, &ghost, 6);
+  EXPECT_EQ(back->turn, 3);
+}
+
+TEST_F(ConversationPolicyTest, TwoPoliciesFedTheSameEventsRankAlike) {
+  std::unique_ptr<EvictionPolicy> a = MakeConversationPolicy({});
+  std::unique_ptr<EvictionPolicy> b = MakeConversationPolicy({});
+  Teach(*a, 64, 50, 500);
+  Teach(*b, 64, 50, 500);
+  RadixNode* x = Add(*a, tree_.root(), 8, 480, kPool);
+  RadixNode* y = Add(*b, tree_.root(), 8, 480, kPool);
+  EXPECT_DOUBLE_EQ(a->Priority(x, kPool), b->Priority(y, kPool));
+}
+
+TEST(EvictionPolicyTest, FactoryMakesConversationAndChecksItsShift) {
+  EXPECT_EQ((*MakeEvictionPolicy("conversation"))->name(), "conversation");
+  for (double bad :
+       {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    PolicyContext context;
+    context.conversation.shift = bad;
+    absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy("conversation", context);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(p.status().message(), ::testing::HasSubstr("shift"));
+  }
+}
+
+TEST(EvictionPolicyTest, OptWhetherNeedsTheOracle) {
+  absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy("opt-whether");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(), ::testing::HasSubstr("oracle"));
 }
 
 }  // namespace

@@ -141,6 +141,8 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->hits = node->hits;
   head->priority = node->priority;
   head->pin_count = node->pin_count;
+  head->turn = node->turn;
+  head->policy_class = node->policy_class;
   head->replicas.reserve(node->replicas.size());
   for (Replica& r : node->replicas) {
     Replica h;

@@ -107,6 +107,10 @@ struct RadixNode {
   double priority = 0;
   // Live pins on this node or any descendant (pins cover the whole path from the root).
   uint32_t pin_count = 0;
+  // State a policy keeps per node (in what would be padding): the "conversation" policy's
+  // turn depth and class of the prompt that added the node (EvictionPolicy::OnLeafAdded).
+  uint8_t turn = 0;
+  uint8_t policy_class = 0;
 
   bool is_root() const { return parent == nullptr; }
   uint32_t size() const { return static_cast<uint32_t>(pages.size()); }
