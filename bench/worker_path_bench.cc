@@ -333,10 +333,12 @@ int Run() {
   std::unique_ptr<ManagerServer> manager = OrDie(ManagerServer::Start(mo), "ManagerServer::Start");
 
   // Every block the run commits, and then some: the agent's pool never evicts.
+  // A request commits its new pages' blocks; a worker's first also its prefix's.
   const uint64_t requests_total = static_cast<uint64_t>(requests) +
                                   throughput_requests * worker_counts.size() +
-                                  warmup * (max_workers + 1);
-  const uint64_t blocks = requests_total * shape.prompt_pages + 64;
+                                  static_cast<uint64_t>(warmup) * max_workers;
+  const uint64_t blocks =
+      requests_total * shape.new_pages() + max_workers * shape.prompt_pages + 64;
   AgentOptions ao;
   ao.insecure = true;
   ao.agent_id = kAgentId;
