@@ -1,11 +1,16 @@
 #include "server/core/agent_inserter.h"
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
+#include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/clock.h"
@@ -20,6 +25,17 @@ using StreamId = AgentCommandBook::StreamId;
 constexpr uint32_t kPage = 4;  // tokens per page
 constexpr uint64_t kEpoch = 7;
 constexpr uint64_t kBlocks = 16;
+
+// Runs `f` on a thread of its own and says whether it returned within `timeout`. A call that
+// does not (blocked on a lock another thread holds) is left running: the test has failed.
+bool ReturnsWithin(std::function<void()> f, absl::Duration timeout = absl::Seconds(10)) {
+  auto returned = std::make_shared<absl::Notification>();
+  std::thread([f = std::move(f), returned] {
+    f();
+    returned->Notify();
+  }).detach();
+  return returned->WaitForNotificationWithTimeout(timeout);
+}
 
 class NullStream : public CommandStream {
  public:
@@ -273,6 +289,45 @@ TEST_F(AgentInserterTest, WhenTheIndexRefusesEveryNewlyCommittedBlockIsReleased)
   Ack(s3);
   ASSERT_TRUE(out.has_value());
   EXPECT_EQ(out->status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+// No lock of the index is held while an insert waits for its agent (no lock across a network
+// wait): with the commit sent and not acknowledged, other threads insert into another pool,
+// take and drop a pin (the index's writer lock) and read; and the completion, which runs on
+// the thread that delivers the ack, holds none either, so what it calls may use the index.
+TEST_F(AgentInserterTest, NoIndexLockIsHeldWhileTheAgentCommits) {
+  std::optional<absl::StatusOr<InsertResult>> pinnable;
+  Start({7}, {1}, &pinnable);
+  auto [s0, c0] = Next<CommitBlocksCommand>();
+  Ack(s0, absl::OkStatus(), {1});
+  ASSERT_TRUE(pinnable.has_value() && pinnable->ok());
+
+  const PoolKey no_agent{"no-agent", Tier::kGpu};
+  auto use_the_index = [&](int32_t page, BlockId block) {
+    EXPECT_TRUE(index_->Insert(ns_, Prompt({page}), no_agent, std::vector<BlockId>{block}).ok());
+    absl::StatusOr<MatchResult> m = index_->Match(ns_, Prompt({7}), {.pin = true});
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_NE(m->pin_id, 0u);
+    EXPECT_TRUE(index_->Release(ns_, m->pin_id).ok());
+    EXPECT_GE(index_->Stats().namespaces.size(), 1u);
+  };
+  std::optional<absl::StatusOr<InsertResult>> out;
+  bool index_free_in_completion = false;
+  inserter_->Insert(
+      InsertCommand{.ns = ns_, .pages = Prompt({1, 2}), .pool = gpu_, .block_ids = {3, 5}},
+      [&](absl::StatusOr<InsertResult> r) {
+        index_free_in_completion = ReturnsWithin([&] { use_the_index(21, 43); });
+        out = std::move(r);
+      });
+  auto [seq, commit] = Next<CommitBlocksCommand>();  // sent; the agent has not answered
+  EXPECT_TRUE(ReturnsWithin([&] { use_the_index(20, 42); }));
+  EXPECT_FALSE(out.has_value());
+
+  Ack(seq, absl::OkStatus(), {3, 5});
+  ASSERT_TRUE(out.has_value());
+  ASSERT_TRUE(out->ok()) << out->status();
+  EXPECT_TRUE(index_free_in_completion);
+  EXPECT_THAT(Indexed({1, 2}), ElementsAre(3, 5));
 }
 
 TEST_F(AgentInserterTest, AnIndexOnlyPoolGoesStraightToTheIndex) {
