@@ -209,7 +209,7 @@ TEST_F(ServiceRpcTest, RegisterInsertMatchRelease) {
   EXPECT_EQ(stats.pools(0).used_bytes(), 2 * reg.bytes_per_page());
   EXPECT_EQ(stats.pools(0).pinned_bytes(), 2 * reg.bytes_per_page());
   EXPECT_EQ(stats.active_pins(), 1u);
-  EXPECT_EQ(stats.policy(), "lru");
+  EXPECT_EQ(stats.policy(), ServerOptions{}.policy);  // the default
   EXPECT_EQ(stats.limits().max_tokens_per_request(), kMaxTokens);
   EXPECT_EQ(stats.limits().max_pages_per_request(), kMaxPages);
   EXPECT_EQ(stats.counters().matched_tokens(), 4 * kPageSize);
@@ -527,7 +527,8 @@ TEST_F(ServiceRpcMetricsTest, MetricsEndpointServesPoolUsage) {
               HasSubstr(absl::StrCat("kvcm_pool_used_bytes{agent=\"gpu-0\",tier=\"gpu\"} ",
                                      70'272 * kPageSize)));
   EXPECT_THAT(response, HasSubstr("kvcm_rpc_requests_total{code=\"OK\",rpc=\"Insert\"} 1"));
-  EXPECT_THAT(response, HasSubstr("kvcm_build_info{policy=\"lru\""));
+  EXPECT_THAT(response,
+              HasSubstr(absl::StrCat("kvcm_build_info{policy=\"", ServerOptions{}.policy, "\"")));
 }
 
 }  // namespace
