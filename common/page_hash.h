@@ -32,8 +32,9 @@ struct PageHash {
   friend auto operator<=>(const PageHash&, const PageHash&) = default;
   template <typename H>
   friend H AbslHashValue(H h, const PageHash& p) {
-    // The hash is already uniformly distributed; mixing lo is enough.
-    return H::combine(std::move(h), p.lo);
+    // Both words: a client that computes its own hashes could otherwise send pages that
+    // share their low word and pile them into one bucket of every map keyed by them.
+    return H::combine(std::move(h), p.lo, p.hi);
   }
   std::string ToHex() const;  // 32 hex digits, hi first.
 };

@@ -71,10 +71,10 @@ void PrefetchBlockIds(const RadixNode* node) {
 uint32_t RadixTree::Walk(std::span<const PageHash> pages, std::vector<PathStep>* path) {
   path->clear();
   if (pages.empty()) return 0;
-  if (auto it = ends_.find(pages.back()); it != ends_.end()) {
+  if (const EndTable::Entry* e = ends_.Find(pages.back()); e != nullptr) {
     // Climb from the node that ends the prompt; steps come out last first.
-    RadixNode* end = it->second.node;
-    __builtin_prefetch(it->second.parent);
+    RadixNode* end = e->node;
+    __builtin_prefetch(e->parent);
     size_t pos = pages.size();
     for (RadixNode* n = end; !n->is_root(); n = n->parent) {
       __builtin_prefetch(n->grandparent);
@@ -135,7 +135,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->grandparent = parent->parent;
   head->pages.assign(node->pages.begin(), node->pages.begin() + k);
   head->last_page = head->pages.back();
-  ends_[head->last_page] = End{head.get(), parent};
+  ends_.Set(head->last_page, head.get(), parent);
   head->last_access = node->last_access;
   head->last_access_s = node->last_access_s;
   head->hits = node->hits;
@@ -155,9 +155,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   }
   node->pages.erase(node->pages.begin(), node->pages.begin() + k);
   node->parent = head.get();
-  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second.node == node) {
-    it->second.parent = head.get();
-  }
+  ends_.SetParentIf(node->last_page, node, head.get());
   node->grandparent = parent;
   node->children.ForEach([&](RadixNode* child) { child->grandparent = head.get(); });
 
@@ -176,7 +174,7 @@ RadixNode* RadixTree::AddChild(RadixNode* parent, std::span<const PageHash> page
   child->grandparent = parent->parent;
   child->pages.assign(pages.begin(), pages.end());
   child->last_page = pages.back();
-  ends_[child->last_page] = End{child.get(), parent};
+  ends_.Set(child->last_page, child.get(), parent);
   RadixNode* ptr = child.get();
   parent->children.Insert(pages[0], std::move(child));
   ++nodes_;
@@ -189,9 +187,7 @@ void RadixTree::Remove(RadixNode* node) {
          node->pin_count == 0);
   pages_ -= node->size();
   --nodes_;
-  if (auto it = ends_.find(node->last_page); it != ends_.end() && it->second.node == node) {
-    ends_.erase(it);
-  }
+  ends_.EraseIf(node->last_page, node);
   node->parent->children.Extract(node->pages[0]);  // destroys it
 }
 
@@ -202,8 +198,8 @@ bool RadixTree::LinksConsistent() const {
     stack.pop_back();
     if (n->grandparent != (n->is_root() ? nullptr : n->parent->parent)) return false;
     // A node may lack its entry only where a broken chain gave two nodes one last page.
-    if (auto it = n->is_root() ? ends_.end() : ends_.find(n->last_page);
-        it != ends_.end() && it->second.node == n && it->second.parent != n->parent) {
+    if (const EndTable::Entry* e = n->is_root() ? nullptr : ends_.Find(n->last_page);
+        e != nullptr && e->node == n && e->parent != n->parent) {
       return false;
     }
     n->children.ForEach([&](RadixNode* child) { stack.push_back(child); });

@@ -22,6 +22,7 @@
 #include "absl/container/inlined_vector.h"
 #include "common/page_hash.h"
 #include "common/types.h"
+#include "server/core/end_table.h"
 
 namespace kvcm {
 
@@ -173,8 +174,8 @@ class RadixTree {
 
   // The node whose run ends with `page` (hashes are chained: at most one does), or null.
   RadixNode* NodeEndingWith(const PageHash& page) const {
-    auto it = ends_.find(page);
-    return it == ends_.end() ? nullptr : it->second.node;
+    const EndTable::Entry* e = ends_.Find(page);
+    return e == nullptr ? nullptr : e->node;
   }
 
   // Whether every node's grandparent and entry by its last page agree with the tree (the
@@ -198,11 +199,7 @@ class RadixTree {
   // matched by one lookup and a climb through the parents, instead of a map lookup per
   // level: the walk is bound by cache misses, about four per level. The entry names the
   // node's parent too, so that the climb loads the node and its parent at once.
-  struct End {
-    RadixNode* node;
-    RadixNode* parent;
-  };
-  absl::flat_hash_map<PageHash, End> ends_;
+  EndTable ends_;
 };
 
 }  // namespace kvcm
