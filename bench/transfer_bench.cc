@@ -3,18 +3,22 @@
 // (the data port of agents that do not run insecure; throw-away certificates from
 // scripts/make_test_certs.sh), beside raw loopback TCP moving the same bytes from one buffer
 // to another in the same run (a sender thread, a receiver, the same socket options). The
-// ratios are what the transport costs over the wire itself (the framing, the per-block copies
-// out of and into the pools, the pool checks) and what TLS costs over plaintext (the
-// handshake, one per pull, and AES-GCM both ways).
+// ratios are what the transport costs over the wire itself (the connection, the framing, the
+// pool checks and lock per piece, pools larger than the cache where raw TCP reuses one
+// block-sized buffer) and what TLS costs over plaintext (the handshake, one per pull, and
+// AES-GCM both ways). A line says whether kernel TLS would be available here.
 //
 //   kvcm_transfer_bench [--smoke] [--reps=N]
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/opensslconf.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -92,6 +96,33 @@ double RawLoopback(uint64_t bytes, uint64_t chunk) {
   close(fd);
   close(listener);
   return s;
+}
+
+// Whether this kernel offers kernel TLS (the "tls" upper-layer protocol on a connected TCP
+// socket) and OpenSSL was built for it. The data port does not use it (it encrypts in
+// OpenSSL, data_tls.h); the line says whether that choice could matter on this machine.
+std::string KernelTlsProbe() {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  listen(listener, 1);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const bool ulp = setsockopt(fd, SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0;
+  const std::string why = ulp ? "available" : absl::StrCat("unavailable (", strerror(errno), ")");
+  close(fd);
+  close(listener);
+#ifdef OPENSSL_NO_KTLS
+  const char* openssl = "without kTLS";
+#else
+  const char* openssl = "with kTLS";
+#endif
+  return absl::StrCat("kernel TLS: not used; the kernel's tls ULP ", why, ", ",
+                      OpenSSL_version(OPENSSL_VERSION), " built ", openssl);
 }
 
 // Agent `name`'s data-port TLS from certificates made in `dir`.
@@ -180,6 +211,7 @@ int Run(int argc, char** argv) {
 
   absl::PrintF("block %d bytes (DeepSeek-V3 bf16, %d layers), %d reps, median\n", block_bytes,
                spec.num_layers, reps);
+  absl::PrintF("%s\n", KernelTlsProbe());
   absl::PrintF("%-7s %11s %11s %11s %11s %11s %11s %9s %9s\n", "blocks", "plain", "tls", "raw tcp",
                "plain GB/s", "tls GB/s", "raw GB/s", "plain/raw", "tls/plain");
   for (uint64_t n : {uint64_t{1}, max_blocks}) {

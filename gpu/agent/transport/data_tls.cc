@@ -29,7 +29,9 @@ std::string TakeOpenSslError() {
 
 // Bytes buffered between the session and the socket, each way. A record carries at most
 // 16 KiB: unbuffered, a 4 MiB block would cost ~270 sends and twice as many receives, which
-// on loopback costs as much as the cipher.
+// on loopback costs as much as the cipher. Writes go through a buffering BIO; reads fill
+// the session's own read buffer (read-ahead), so received records are decrypted where they
+// landed, with no copy between two buffers first.
 constexpr int kSocketBufferBytes = 256 << 10;
 
 // A BIO over the socket that sends with MSG_NOSIGNAL (OpenSSL's socket BIO uses write(),
@@ -147,6 +149,10 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> LoadContext(const TlsOptions& tls) {
   // Every message of the data protocol has a known length, so a close without close_notify
   // cannot truncate one unnoticed; it reads as the peer closing, as in plaintext.
   SSL_CTX_set_options(ctx.get(), SSL_OP_IGNORE_UNEXPECTED_EOF | SSL_OP_NO_TICKET);
+  SSL_CTX_set_read_ahead(ctx.get(), 1);
+  // A write returns once a record is out (TlsSendNow counts what went; TlsSendAll loops).
+  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE);
+  SSL_CTX_set_default_read_buffer_len(ctx.get(), kSocketBufferBytes);
   return ctx;
 }
 
@@ -170,6 +176,36 @@ absl::Status TlsSendAll(ssl_st* ssl, const void* data, size_t n) {
     return absl::UnavailableError("send: peer closed the connection");
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> TlsSendNow(ssl_st* ssl, const void* data, size_t n) {
+  size_t sent = 0;
+  const int result = SSL_write_ex(ssl, data, n, &sent);
+  if (result > 0) return sent;
+  const int error = SSL_get_error(ssl, result);
+  if (error == SSL_ERROR_WANT_WRITE || error == SSL_ERROR_WANT_READ) {
+    ERR_clear_error();
+    return 0;
+  }
+  return SslFailure(ssl, result, "send");
+}
+
+absl::StatusOr<bool> TlsFlushNow(ssl_st* ssl) {
+  BIO* out = SSL_get_wbio(ssl);
+  if (BIO_flush(out) > 0) return true;
+  if (BIO_should_retry(out)) return false;
+  return absl::UnavailableError("send: peer closed the connection");
+}
+
+absl::StatusOr<size_t> TlsRecvNow(ssl_st* ssl, void* data, size_t n) {
+  size_t got = 0;
+  const int result = SSL_read_ex(ssl, data, n, &got);
+  if (result > 0) return got;
+  if (SSL_get_error(ssl, result) == SSL_ERROR_WANT_READ) {
+    ERR_clear_error();
+    return 0;
+  }
+  return SslFailure(ssl, result, "recv");
 }
 
 absl::Status TlsRecvAll(ssl_st* ssl, void* data, size_t n) {
@@ -251,10 +287,12 @@ absl::StatusOr<DataConn> DataTls::Handshake(int fd, bool server) {
   }
   BIO_set_data(socket, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
   BIO_set_init(socket, 1);
-  // The session owns the chain (SSL_free frees both); OpenSSL flushes it after each
-  // handshake flight and alert, TlsSendAll after each send.
+  // The session owns the write chain and the socket BIO it reads from directly (SSL_free
+  // frees both; the socket BIO holds a reference for each); OpenSSL flushes the chain after
+  // each handshake flight and alert, TlsSendAll after each send.
+  BIO_up_ref(socket);
   BIO* chain = BIO_push(buffered, socket);
-  SSL_set_bio(ssl, chain, chain);
+  SSL_set_bio(ssl, socket, chain);
   const int result = server ? SSL_accept(ssl) : SSL_connect(ssl);
   if (result != 1) {
     const long verify = SSL_get_verify_result(ssl);  // NOLINT(runtime/int)
