@@ -29,9 +29,9 @@ std::string TakeOpenSslError() {
 
 // Bytes buffered between the session and the socket, each way. A record carries at most
 // 16 KiB: unbuffered, a 4 MiB block would cost ~270 sends and twice as many receives, which
-// on loopback costs as much as the cipher. Writes go through a buffering BIO; reads fill
-// the session's own read buffer (read-ahead), so received records are decrypted where they
-// landed, with no copy between two buffers first.
+// on loopback costs as much as the cipher. (OpenSSL's read-ahead into a read buffer this
+// large instead of a buffering BIO saves a copy but measured slower: kvcm_transfer_bench,
+// docs/PERFORMANCE.md.)
 constexpr int kSocketBufferBytes = 256 << 10;
 
 // A BIO over the socket that sends with MSG_NOSIGNAL (OpenSSL's socket BIO uses write(),
@@ -149,10 +149,6 @@ absl::StatusOr<std::shared_ptr<SSL_CTX>> LoadContext(const TlsOptions& tls) {
   // Every message of the data protocol has a known length, so a close without close_notify
   // cannot truncate one unnoticed; it reads as the peer closing, as in plaintext.
   SSL_CTX_set_options(ctx.get(), SSL_OP_IGNORE_UNEXPECTED_EOF | SSL_OP_NO_TICKET);
-  SSL_CTX_set_read_ahead(ctx.get(), 1);
-  // A write returns once a record is out (TlsSendNow counts what went; TlsSendAll loops).
-  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE);
-  SSL_CTX_set_default_read_buffer_len(ctx.get(), kSocketBufferBytes);
   return ctx;
 }
 
@@ -180,7 +176,10 @@ absl::Status TlsSendAll(ssl_st* ssl, const void* data, size_t n) {
 
 absl::StatusOr<size_t> TlsSendNow(ssl_st* ssl, const void* data, size_t n) {
   size_t sent = 0;
+  // Partial: the write returns once a record is out, so the caller bounds its lock hold.
+  SSL_set_mode(ssl, SSL_MODE_ENABLE_PARTIAL_WRITE);
   const int result = SSL_write_ex(ssl, data, n, &sent);
+  SSL_clear_mode(ssl, SSL_MODE_ENABLE_PARTIAL_WRITE);
   if (result > 0) return sent;
   const int error = SSL_get_error(ssl, result);
   if (error == SSL_ERROR_WANT_WRITE || error == SSL_ERROR_WANT_READ) {
@@ -287,12 +286,10 @@ absl::StatusOr<DataConn> DataTls::Handshake(int fd, bool server) {
   }
   BIO_set_data(socket, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
   BIO_set_init(socket, 1);
-  // The session owns the write chain and the socket BIO it reads from directly (SSL_free
-  // frees both; the socket BIO holds a reference for each); OpenSSL flushes the chain after
-  // each handshake flight and alert, TlsSendAll after each send.
-  BIO_up_ref(socket);
+  // The session owns the chain (SSL_free frees both); OpenSSL flushes it after each
+  // handshake flight and alert, TlsSendAll and TlsFlushNow after each send.
   BIO* chain = BIO_push(buffered, socket);
-  SSL_set_bio(ssl, socket, chain);
+  SSL_set_bio(ssl, chain, chain);
   const int result = server ? SSL_accept(ssl) : SSL_connect(ssl);
   if (result != 1) {
     const long verify = SSL_get_verify_result(ssl);  // NOLINT(runtime/int)
