@@ -79,10 +79,12 @@ constexpr size_t kTlsPieceBytes = 256 << 10;
 
 // One piece of a block in place over TLS: the tag first (when `tag_sent` is false), then
 // records of block[done..] until the session has no room or kTlsPieceBytes went. Returns
-// the block's bytes taken; sets *tag_sent once the tag is.
+// the block's bytes taken; sets *tag_sent once the tag is, and *started once the session
+// holds any of it (the tag's record may wait there half-written, to be retried).
 absl::StatusOr<size_t> TlsSendPiece(ssl_st* ssl, const std::byte* block, uint64_t block_bytes,
-                                    uint64_t done, bool* tag_sent) {
+                                    uint64_t done, bool* tag_sent, bool* started) {
   if (!*tag_sent) {
+    *started = true;
     absl::StatusOr<size_t> r = TlsSendNow(ssl, &kTagBlock, 1);
     if (!r.ok() || *r == 0) return r;
     *tag_sent = true;
@@ -112,14 +114,15 @@ absl::Status SendCommittedBlockInPlace(DataConn& conn, const BlockPool& pool, Bl
   std::optional<NonBlocking> non_blocking;
   if (conn.ssl() != nullptr) non_blocking.emplace(conn.fd());
   bool tag_sent = false;
-  uint64_t done = 0;  // bytes of the block sent
+  bool started = false;  // the connection holds some of this block: no kTagError may follow
+  uint64_t done = 0;     // bytes of the block sent
   while (done < block_bytes) {
     size_t sent = 0;
     bool socket_failed = false;
     absl::Status s = pool.WithCommittedBlock(id, ns, page, field, [&](const std::byte* block) {
       absl::StatusOr<size_t> r;
       if (conn.ssl() != nullptr) {
-        r = TlsSendPiece(conn.ssl(), block, block_bytes, done, &tag_sent);
+        r = TlsSendPiece(conn.ssl(), block, block_bytes, done, &tag_sent, &started);
       } else {
         // The tag rides with the first piece: one segment, not a 1-byte one of its own.
         iovec iov[2];
@@ -128,7 +131,7 @@ absl::Status SendCommittedBlockInPlace(DataConn& conn, const BlockPool& pool, Bl
         iov[n++] = {const_cast<std::byte*>(block + done), block_bytes - done};
         r = SendNow(conn.fd(), iov, n);
         if (r.ok() && *r > 0 && !tag_sent) {
-          tag_sent = true;
+          tag_sent = started = true;
           --*r;
         }
       }
@@ -140,7 +143,7 @@ absl::Status SendCommittedBlockInPlace(DataConn& conn, const BlockPool& pool, Bl
       return absl::OkStatus();
     });
     if (!s.ok()) {
-      *answerable = !tag_sent && !socket_failed;
+      *answerable = !started && !socket_failed;
       return s;
     }
     if (sent == 0) {
