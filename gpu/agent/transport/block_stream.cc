@@ -116,7 +116,13 @@ absl::Status SendCommittedBlockInPlace(DataConn& conn, const BlockPool& pool, Bl
   bool tag_sent = false;
   bool started = false;  // the connection holds some of this block: no kTagError may follow
   uint64_t done = 0;     // bytes of the block sent
+  // After a short plaintext send the socket is full: wait for room before taking the lock
+  // again (a try would only find EAGAIN).
+  bool full = false;
   while (done < block_bytes) {
+    if (full) {
+      if (absl::Status w = WaitSocket(conn.fd(), /*writable=*/true, timeout); !w.ok()) return w;
+    }
     size_t sent = 0;
     bool socket_failed = false;
     absl::Status s = pool.WithCommittedBlock(id, ns, page, field, [&](const std::byte* block) {
@@ -146,10 +152,7 @@ absl::Status SendCommittedBlockInPlace(DataConn& conn, const BlockPool& pool, Bl
       *answerable = !started && !socket_failed;
       return s;
     }
-    if (sent == 0) {
-      if (absl::Status w = WaitSocket(conn.fd(), /*writable=*/true, timeout); !w.ok()) return w;
-      continue;
-    }
+    full = conn.ssl() == nullptr ? done + sent < block_bytes : sent == 0;
     done += sent;
   }
   // Over TLS the last records may wait in the session's write buffer.
@@ -169,7 +172,13 @@ absl::Status RecvBlockInPlace(DataConn& conn, BlockPool& pool, BlockId id, uint6
   std::optional<NonBlocking> non_blocking;
   if (conn.ssl() != nullptr) non_blocking.emplace(conn.fd());
   uint64_t done = 0;  // bytes of the block received
+  // After a short plaintext receive the socket is empty: wait for bytes before taking the
+  // lock again (a try would only find EAGAIN).
+  bool empty = false;
   while (done < block_bytes) {
+    if (empty) {
+      if (absl::Status w = WaitSocket(conn.fd(), /*writable=*/false, timeout); !w.ok()) return w;
+    }
     size_t got = 0;
     absl::Status s = pool.WithWritableBlock(
         id, owner_epoch, field,
@@ -184,10 +193,7 @@ absl::Status RecvBlockInPlace(DataConn& conn, BlockPool& pool, BlockId id, uint6
         },
         generation);
     if (!s.ok()) return s;
-    if (got == 0) {
-      if (absl::Status w = WaitSocket(conn.fd(), /*writable=*/false, timeout); !w.ok()) return w;
-      continue;
-    }
+    empty = conn.ssl() == nullptr ? done + got < block_bytes : got == 0;
     done += got;
   }
   return absl::OkStatus();
