@@ -1,5 +1,6 @@
 // The TCP transport's data port over mutual TLS (gpu/agent/transport/data_tls.h): pulls between two
-// agents holding certificates of the cluster CA copy bit for bit; a peer without such a
+// agents holding certificates of the cluster CA copy bit for bit, and so do large blocks
+// streamed in place through a session (block_stream.h); a peer without such a
 // certificate, or speaking plaintext, gets no block byte either way; a silent peer fails the
 // handshake at the io timeout; a certificate replaced on disk is used by new connections.
 #include "gpu/agent/transport/data_tls.h"
@@ -24,7 +25,9 @@
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/pool/agent_test_util.h"
+#include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
+#include "gpu/agent/transport/link_transfer.h"
 #include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
@@ -152,6 +155,130 @@ TEST_F(DataTlsTest, APullBetweenTwoAgentsOfTheCaCopiesBitForBit) {
   }
   // Again on a fresh connection: the context serves any number of handshakes.
   EXPECT_TRUE(PullAll(ta_->address()).ok());
+}
+
+// Blocks of 1 MiB moved in place over a TLS session on a loopback pair with small socket
+// buffers (block_stream.h): many records, many waits for room, each piece under the pool's
+// lock. They arrive bit for bit; a block freed mid-stream stops the stream, and the receiver
+// never sees it whole.
+class DataTlsInPlaceTest : public DataTlsTest {
+ protected:
+  void SetUp() override {
+    DataTlsTest::SetUp();
+    ModelSpec big = SmallGqa();
+    big.num_layers = 32;
+    big.head_dim = 128;
+    big.page_size_tokens = 16;
+    src_ = MakeHostPool(big, 2);
+    dst_ = MakeHostPool(big, 2);
+    big_bytes_ = src_->geometry().bytes_per_block();
+    ASSERT_EQ(big_bytes_, 1u << 20);
+    big_from_ = *src_->Allocate(2, kEpoch, &kNs);
+    std::vector<std::byte> bytes(2 * big_bytes_);
+    std::mt19937 rng(9);
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+    ASSERT_TRUE(src_->WriteBlocks(big_from_, kEpoch, bytes).ok());
+    const std::vector<CommitEntry> entries = {
+        {.block = big_from_[0], .page = Page(0), .parent = PageHash{}},
+        {.block = big_from_[1], .page = Page(1), .parent = Page(0)}};
+    ASSERT_TRUE(src_->Commit(kNs, kEpoch, entries, "block_ids").ok());
+    big_into_ = *dst_->Allocate(2, kEpoch, &kNs);
+
+    const int listener = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(listen(listener, 1), 0);
+    ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    sender_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    const int small = 16 << 10;
+    setsockopt(sender_fd_, SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+    ASSERT_EQ(connect(sender_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    receiver_fd_ = accept(listener, nullptr, nullptr);
+    close(listener);
+    setsockopt(receiver_fd_, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+    SetSocketOptions(sender_fd_, 5'000);
+    SetSocketOptions(receiver_fd_, 5'000);
+    std::shared_ptr<DataTls> a = Tls("agent-a"), b = Tls("agent-b");
+    absl::StatusOr<DataConn> server = absl::InternalError("no handshake");
+    std::thread accept_thread([&] { server = a->Accept(sender_fd_); });
+    absl::StatusOr<DataConn> client = b->Connect(receiver_fd_);
+    accept_thread.join();
+    ASSERT_TRUE(server.ok()) << server.status();
+    ASSERT_TRUE(client.ok()) << client.status();
+    out_.emplace(*std::move(server));
+    in_.emplace(*std::move(client));
+  }
+  void TearDown() override {
+    out_.reset();
+    in_.reset();
+    close(sender_fd_);
+    close(receiver_fd_);
+  }
+
+  std::vector<std::byte> BigBytes(BlockPool& pool, BlockId id) {
+    std::vector<std::byte> out(big_bytes_);
+    EXPECT_TRUE(pool.ReadBlock(id, kEpoch, 0, out).ok());
+    return out;
+  }
+
+  std::unique_ptr<BlockPool> src_, dst_;
+  uint64_t big_bytes_ = 0;
+  std::vector<BlockId> big_from_, big_into_;
+  int sender_fd_ = -1, receiver_fd_ = -1;
+  std::optional<DataConn> out_, in_;  // the server's end sends, the client's receives
+};
+
+TEST_F(DataTlsInPlaceTest, BlocksArriveBitForBit) {
+  absl::Status sent;
+  std::thread sender([&] {
+    for (int i = 0; i < 2 && sent.ok(); ++i) {
+      bool answerable = false;
+      sent = SendCommittedBlockInPlace(*out_, *src_, big_from_[i], kNs, Page(i), "block_ids",
+                                       absl::Seconds(5), &answerable);
+    }
+  });
+  for (int i = 0; i < 2; ++i) {
+    uint8_t tag = 0;
+    ASSERT_TRUE(RecvAll(*in_, &tag, 1).ok());
+    EXPECT_EQ(tag, kTagBlock);
+    absl::Status got =
+        RecvBlockInPlace(*in_, *dst_, big_into_[i], kEpoch, 0, "dst_blocks", absl::Seconds(5));
+    ASSERT_TRUE(got.ok()) << got;
+  }
+  sender.join();
+  EXPECT_TRUE(sent.ok()) << sent;
+  EXPECT_EQ(BigBytes(*dst_, big_into_[0]), BigBytes(*src_, big_from_[0]));
+  EXPECT_EQ(BigBytes(*dst_, big_into_[1]), BigBytes(*src_, big_from_[1]));
+  // The session is still usable in blocking mode after the in-place blocks.
+  const uint8_t done = kTagDone;
+  ASSERT_TRUE(SendAll(*in_, &done, 1).ok());
+  uint8_t back = 0;
+  ASSERT_TRUE(RecvAll(*out_, &back, 1).ok());
+  EXPECT_EQ(back, kTagDone);
+}
+
+TEST_F(DataTlsInPlaceTest, ABlockFreedMidStreamNeverArrivesWhole) {
+  absl::Status sent;
+  bool answerable = true;
+  std::thread sender([&] {
+    sent = SendCommittedBlockInPlace(*out_, *src_, big_from_[0], kNs, Page(0), "block_ids[0]",
+                                     absl::Seconds(5), &answerable);
+    shutdown(sender_fd_, SHUT_WR);  // the server closes the connection
+  });
+  pollfd p{.fd = receiver_fd_, .events = POLLIN, .revents = 0};
+  ASSERT_EQ(poll(&p, 1, 5000), 1);  // records are out: the sender waits for room, unlocked
+  ASSERT_TRUE(src_->FreeCommitted({&big_from_[0], 1}, kEpoch, "free").ok());
+  uint8_t tag = 0;
+  ASSERT_TRUE(RecvAll(*in_, &tag, 1).ok());
+  absl::Status got =
+      RecvBlockInPlace(*in_, *dst_, big_into_[0], kEpoch, 0, "dst_blocks[0]", absl::Seconds(5));
+  sender.join();
+  EXPECT_EQ(sent.code(), absl::StatusCode::kFailedPrecondition) << sent;
+  EXPECT_FALSE(answerable);
+  EXPECT_EQ(got.code(), absl::StatusCode::kUnavailable) << got;
 }
 
 // The data-port starvation over TLS: 16 peers that connect and send no TLS byte, and

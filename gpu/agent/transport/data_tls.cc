@@ -29,7 +29,9 @@ std::string TakeOpenSslError() {
 
 // Bytes buffered between the session and the socket, each way. A record carries at most
 // 16 KiB: unbuffered, a 4 MiB block would cost ~270 sends and twice as many receives, which
-// on loopback costs as much as the cipher.
+// on loopback costs as much as the cipher. (OpenSSL's read-ahead into a read buffer this
+// large instead of a buffering BIO saves a copy but measured slower: kvcm_transfer_bench,
+// docs/PERFORMANCE.md.)
 constexpr int kSocketBufferBytes = 256 << 10;
 
 // A BIO over the socket that sends with MSG_NOSIGNAL (OpenSSL's socket BIO uses write(),
@@ -172,6 +174,39 @@ absl::Status TlsSendAll(ssl_st* ssl, const void* data, size_t n) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> TlsSendNow(ssl_st* ssl, const void* data, size_t n) {
+  size_t sent = 0;
+  // Partial: the write returns once a record is out, so the caller bounds its lock hold.
+  SSL_set_mode(ssl, SSL_MODE_ENABLE_PARTIAL_WRITE);
+  const int result = SSL_write_ex(ssl, data, n, &sent);
+  SSL_clear_mode(ssl, SSL_MODE_ENABLE_PARTIAL_WRITE);
+  if (result > 0) return sent;
+  const int error = SSL_get_error(ssl, result);
+  if (error == SSL_ERROR_WANT_WRITE || error == SSL_ERROR_WANT_READ) {
+    ERR_clear_error();
+    return 0;
+  }
+  return SslFailure(ssl, result, "send");
+}
+
+absl::StatusOr<bool> TlsFlushNow(ssl_st* ssl) {
+  BIO* out = SSL_get_wbio(ssl);
+  if (BIO_flush(out) > 0) return true;
+  if (BIO_should_retry(out)) return false;
+  return absl::UnavailableError("send: peer closed the connection");
+}
+
+absl::StatusOr<size_t> TlsRecvNow(ssl_st* ssl, void* data, size_t n) {
+  size_t got = 0;
+  const int result = SSL_read_ex(ssl, data, n, &got);
+  if (result > 0) return got;
+  if (SSL_get_error(ssl, result) == SSL_ERROR_WANT_READ) {
+    ERR_clear_error();
+    return 0;
+  }
+  return SslFailure(ssl, result, "recv");
+}
+
 absl::Status TlsRecvAll(ssl_st* ssl, void* data, size_t n) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
@@ -252,7 +287,7 @@ absl::StatusOr<DataConn> DataTls::Handshake(int fd, bool server) {
   BIO_set_data(socket, reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
   BIO_set_init(socket, 1);
   // The session owns the chain (SSL_free frees both); OpenSSL flushes it after each
-  // handshake flight and alert, TlsSendAll after each send.
+  // handshake flight and alert, TlsSendAll and TlsFlushNow after each send.
   BIO* chain = BIO_push(buffered, socket);
   SSL_set_bio(ssl, chain, chain);
   const int result = server ? SSL_accept(ssl) : SSL_connect(ssl);

@@ -63,6 +63,19 @@ class DataTls {
 absl::Status TlsSendAll(ssl_st* ssl, const void* data, size_t n);
 absl::Status TlsRecvAll(ssl_st* ssl, void* data, size_t n);
 
+// Over a socket set non-blocking (O_NONBLOCK): the plaintext bytes, at most `n`, that the
+// session can return without waiting (0 when it needs more from the network: poll the
+// socket for reading, then call again). Errors as TlsRecvAll.
+absl::StatusOr<size_t> TlsRecvNow(ssl_st* ssl, void* data, size_t n);
+
+// Over a socket set non-blocking: the bytes of `data` (at most one record's) encrypted and
+// taken into the session's write buffer or the socket without waiting; 0 when there is no
+// room: poll the socket for writing, then call again with the same `data` and `n` (a record
+// may wait half-written). TlsFlushNow puts what is buffered on the wire: false when the
+// socket has no room yet (poll, call again). Errors as TlsSendAll.
+absl::StatusOr<size_t> TlsSendNow(ssl_st* ssl, const void* data, size_t n);
+absl::StatusOr<bool> TlsFlushNow(ssl_st* ssl);
+
 }  // namespace kvcm
 
 #endif  // KVCM_GPU_AGENT_TRANSPORT_DATA_TLS_H_

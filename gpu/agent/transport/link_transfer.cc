@@ -5,6 +5,7 @@
 
 #include "absl/base/internal/endian.h"
 #include "absl/strings/str_cat.h"
+#include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
 
 namespace kvcm {
@@ -61,7 +62,8 @@ absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, Blo
   *link_broken = false;
   const uint64_t block_bytes = spec.dst->geometry().bytes_per_block();
   const BlockLink::WaitCheck peer_open = [&conn] { return CheckPeerOpen(conn); };
-  std::vector<std::byte> socket_staging;
+  const bool in_place = CanRecvInPlace(*spec.dst);
+  std::vector<std::byte> socket_staging;  // when not in place
   bool used_link = false;
   size_t i = 0;
   while (i < spec.peer_blocks.size()) {
@@ -73,6 +75,17 @@ absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, Blo
       // A hostile or broken server may send code 0 here: not a result.
       if (absl::Status s = StatusOf(header); !s.ok()) return s;
       return absl::DataLossError(absl::StrCat("error tag at block ", i, " with an OK status"));
+    }
+    if (tag == kTagBlock && in_place) {
+      if (absl::Status s =
+              RecvBlockInPlace(conn, *spec.dst, spec.dst_blocks[i], spec.dst_owner_epoch,
+                               spec.dst_generations.empty() ? 0 : spec.dst_generations[i],
+                               absl::StrCat("dst_blocks[", i, "]"), timeout);
+          !s.ok()) {
+        return s;
+      }
+      ++i;
+      continue;
     }
     if (tag == kTagBlock) {
       socket_staging.resize(block_bytes);

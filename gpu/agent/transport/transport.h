@@ -9,10 +9,11 @@
 // sending other bytes. Nothing is committed by the transport: the caller commits the
 // destination blocks through the ledger once the pull succeeded, or frees them when it fails.
 //
-// Lock order: a transport takes a pool's lock only to copy one block in or out of its arena
-// (BlockPool::ReadCommittedBlock, WriteBlocks, or WithCommittedBlock / WithWritableBlock
-// into a link's staging buffer), one pool at a time, never across a network wait; its own
-// locks (the link cache's) are never held while it takes a pool's.
+// Lock order: a transport takes a pool's lock only to copy one block, or one piece of one,
+// in or out of its arena (BlockPool::ReadCommittedBlock, WriteBlocks, or WithCommittedBlock
+// / WithWritableBlock into a link's staging buffer or, for a piece, a non-blocking socket
+// call: block_stream.h), one pool at a time, never across a network wait; its own locks
+// (the link cache's) are never held while it takes a pool's.
 #ifndef KVCM_GPU_AGENT_TRANSPORT_TRANSPORT_H_
 #define KVCM_GPU_AGENT_TRANSPORT_TRANSPORT_H_
 

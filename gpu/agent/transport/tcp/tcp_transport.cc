@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/log.h"
+#include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
 #include "gpu/agent/transport/link_transfer.h"
 #include "kvcm/v1/agent.pb.h"
@@ -247,6 +248,21 @@ class TcpTransport final : public Transport {
     if (!SendFrame(conn, HeaderOf(check, block_bytes)).ok() || !check.ok()) return;
 
     const std::vector<PageHash> pages = DecodePageHashes(req.page_hashes());
+    if (CanSendInPlace(*pool)) {
+      for (int i = 0; i < req.block_ids_size(); ++i) {
+        bool answerable = false;
+        absl::Status sent =
+            SendCommittedBlockInPlace(conn, *pool, req.block_ids(i), *ns, pages[i],
+                                      absl::StrCat("block_ids[", i, "]"), io_timeout_, &answerable);
+        if (!sent.ok()) {
+          if (answerable && SendAll(conn, &kTagError, 1).ok()) {
+            (void)SendFrame(conn, HeaderOf(sent, block_bytes));
+          }
+          return;  // or the puller went away, or the block was freed mid-way: close
+        }
+      }
+      return;
+    }
     std::vector<std::byte> staging(block_bytes);
     for (int i = 0; i < req.block_ids_size(); ++i) {
       // The pool's lock is held for this copy only, never while the socket waits.
