@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/or_die.h"
 #include "common/authenticator.h"
 #include "common/model_spec.h"
 #include "common/program_flags.h"
@@ -38,22 +39,6 @@ namespace {
 constexpr uint64_t kOwner = 1;
 constexpr uint32_t kBatch = 64;
 constexpr uint64_t kSegmentBytes = 16 << 10;
-
-template <typename T>
-T OrDie(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return *std::move(v);
-}
-
-void CheckOk(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
 
 // GQA bf16, 16-token pages of 4 KV heads x 64 dims: 16 KiB per layer and page.
 ModelSpec Spec(uint32_t layers) {

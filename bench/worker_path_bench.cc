@@ -58,6 +58,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "bench/or_die.h"
 #include "bench/workload.h"
 #include "client/client.h"
 #include "common/credentials.h"
@@ -101,22 +102,6 @@ const PoolRef kIndexPool{"index-only-0", Tier::kGpu};
 enum Stage { kMatch, kAllocate, kWrite, kInsert, kRelease, kRequest, kStages };
 const char* const kStageNames[kStages] = {"match",  "allocate", "write",
                                           "insert", "release",  "request"};
-
-template <typename T>
-T OrDie(absl::StatusOr<T> v, const char* what) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return *std::move(v);
-}
-
-void CheckOk(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
 
 void Check(bool ok, const std::string& what) {
   if (!ok) {
