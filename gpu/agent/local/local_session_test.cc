@@ -552,7 +552,9 @@ TEST_F(LocalSessionTest, GarbageGetsAnErrorAndTheSessionSurvives) {
   std::vector<uint64_t> gens;
   const std::vector<BlockId> ids = Allocate(2, kAcmeNs, &gens);
   for (int round = 0; round < 2; ++round) {
-    if (round == 1) ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+    if (round == 1) {
+      ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+    }
     // Random bytes (a few parse as a LocalRequest; none may crash or wedge the agent).
     for (int i = 0; i < 300; ++i) {
       std::string junk(1 + rng() % 2000, '\0');
