@@ -185,11 +185,10 @@ std::vector<std::string> With(std::vector<std::string> a, const std::vector<std:
 TEST_F(KvcmctlProcessTest, OperatorWorkflowAgainstARealManager) {
   ASSERT_NO_FATAL_FAILURE(StartManager());
 
-  std::string out =
-      CtlOk(With({"register-model"},
-                 With(kNs, {"--attention=mla", "--num_layers=61", "--num_heads=128",
-                            "--kv_lora_rank=512", "--rope_dim=64", "--kv_dtype=bf16",
-                            "--page_size_tokens=64"})));
+  std::string out = CtlOk(
+      With({"register-model"},
+           With(kNs, {"--attention=mla", "--num_layers=61", "--num_heads=128", "--kv_lora_rank=512",
+                      "--rope_dim=64", "--kv_dtype=bf16", "--page_size_tokens=64"})));
   EXPECT_THAT(out, HasSubstr("(created)"));
   EXPECT_EQ(Field(out, "bytes_per_token"), 70'272u);
   EXPECT_EQ(Field(out, "bytes_per_page"), 70'272u * 64);
@@ -296,8 +295,8 @@ TEST_F(KvcmctlProcessTest, JsonOutputParsesBack) {
   EXPECT_EQ(JsonField(out, "created"), "true") << out;
   EXPECT_EQ(JsonField(out, "hash_key"), "") << "the namespace's secret is never printed: " << out;
   const std::vector<std::string> prompt = {"--random_tokens=300", "--seed=7"};
-  out = CtlOk(
-      With({"insert", "--json"}, With(kNs, With(prompt, {"--agent=a0", "--first_block=9"}))));
+  out =
+      CtlOk(With({"insert", "--json"}, With(kNs, With(prompt, {"--agent=a0", "--first_block=9"}))));
   ExpectOneJsonObject(out);
   EXPECT_EQ(JsonField(out, "new_pages"), "4") << out;
 
@@ -385,18 +384,17 @@ TEST_F(KvcmctlProcessTest, ReserveAndUnreserve) {
 TEST_F(KvcmctlProcessTest, ManagerAddressAndDeprecatedNames) {
   ASSERT_NO_FATAL_FAILURE(StartManager());
   const std::string address = absl::StrCat("127.0.0.1:", port_);
-  const std::vector<std::string> spec_new = {"--attention=gqa", "--num_layers=2",
-                                             "--num_heads=8",   "--num_kv_heads=2",
-                                             "--head_dim=4",    "--kv_dtype=fp8",
-                                             "--page_size_tokens=16"};
-  const std::vector<std::string> spec_old = {"--attention=gqa", "--layers=2",  "--heads=8",
+  const std::vector<std::string> spec_new = {
+      "--attention=gqa", "--num_layers=2", "--num_heads=8",        "--num_kv_heads=2",
+      "--head_dim=4",    "--kv_dtype=fp8", "--page_size_tokens=16"};
+  const std::vector<std::string> spec_old = {"--attention=gqa", "--layers=2",   "--heads=8",
                                              "--kv_heads=2",    "--head_dim=4", "--dtype=fp8",
                                              "--page_size=16"};
   EXPECT_THAT(CtlOk(With({"register-model"}, With(kNs, spec_new))), HasSubstr("(created)"));
   const std::string with_new = CtlOk(With({"register-model"}, With(kNs, spec_new)));
-  ProcessResult old = CtlEnv({}, With({"--addr=" + address, "--addr=" + address, "--insecure",
-                                       "register-model"},
-                                      With(kNs, spec_old)));
+  ProcessResult old =
+      CtlEnv({}, With({"--addr=" + address, "--addr=" + address, "--insecure", "register-model"},
+                      With(kNs, spec_old)));
   EXPECT_EQ(old.exit_code, 0) << old.Describe();
   EXPECT_EQ(old.out, with_new);
   for (const char* line : {"kvcmctl: --addr is deprecated; use --manager_address\n",
@@ -506,8 +504,8 @@ TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
     EXPECT_EQ(r.out, "");
   }
   // Plaintext against a TLS-less agent address that is not an agent: UNAVAILABLE, exit 1.
-  ProcessResult gone = Ctl({"--deadline_ms=300", "agent-stats",
-                            absl::StrCat("--agent_address=127.0.0.1:", FreePort())});
+  ProcessResult gone = Ctl(
+      {"--deadline_ms=300", "agent-stats", absl::StrCat("--agent_address=127.0.0.1:", FreePort())});
   EXPECT_EQ(gone.exit_code, 1) << gone.Describe();
   EXPECT_THAT(gone.err, HasSubstr("UNAVAILABLE"));
 
@@ -528,6 +526,45 @@ TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
   for (const char* id : {"gpu0", "gpu1"}) {
     std::remove(absl::StrCat(log_path_, ".", id).c_str());
   }
+}
+
+// Issue 33's repro with real processes: kvcmctl insert --agent (Allocate on the agent,
+// WriteBlocks, Insert: README's worker flow) of 3-page prompts into an agent of 10 blocks.
+// The fourth store used to answer RESOURCE_EXHAUSTED, and every later one; now each store
+// makes room by evicting, and the pool stays full and exact.
+TEST_F(KvcmctlProcessTest, InsertThroughAFullAgentEvicts) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  constexpr uint64_t kBlockBytes = 70'272 * 64;  // a DeepSeek-V3 page of 64 tokens
+  std::unique_ptr<Subprocess> agent = Subprocess::Start(
+      {KVCM_AGENT_PATH, "--insecure", "--agent_id=gpu0",
+       absl::StrCat("--manager_address=127.0.0.1:", port_), "--listen_address=127.0.0.1:0",
+       "--model=deepseek-v3", absl::StrCat("--capacity_bytes=", 10 * kBlockBytes),
+       "--heartbeat_interval_ms=100"},
+      log_path_ + ".gpu0");
+  ASSERT_NE(agent, nullptr);
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < give_up &&
+         !testing::Value(CtlOk({"stats"}), testing::ContainsRegex("gpu0 +[^ ]+ +gpu +alive"))) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  CtlOk(With({"register-model", "--preset=deepseek-v3"}, kNs));
+  for (int i = 0; i < 6; ++i) {
+    ProcessResult r =
+        Ctl(With({"insert", "--json", "--agent=gpu0"},
+                 With(kNs, {"--random_tokens=192", absl::StrCat("--seed=", 40 + i)})));
+    ASSERT_EQ(r.exit_code, 0) << "store " << i << ": " << r.Describe()
+                              << ReadFile(log_path_ + ".gpu0");
+    EXPECT_EQ(JsonField(r.out, "new_pages"), "3") << r.out;
+  }
+  // The latest prompt is cached; 18 pages went into 10 blocks.
+  const std::string out =
+      CtlOk(With({"match", "--json"}, With(kNs, {"--random_tokens=192", "--seed=45"})));
+  EXPECT_EQ(JsonField(out, "matched_pages"), "3") << out;
+  const std::string metrics = HttpGet(metrics_port_, "/metrics");
+  EXPECT_THAT(metrics, testing::ContainsRegex("kvcm_allocation_evicted_pages_total [1-9]"));
+  agent->Signal(SIGKILL);
+  agent->Finish(absl::Seconds(10));
+  std::remove((log_path_ + ".gpu0").c_str());
 }
 
 // 'models' prints the catalogue without a manager; 'register-model --preset' sends a
@@ -592,10 +629,9 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   port_ = FreePort();
   ProcessResult help = Ctl({"--help"});
   EXPECT_EQ(help.exit_code, 0) << help.Describe();
-  for (const char* command :
-       {"stats", "register-model", "match", "insert", "release", "evict", "watch", "models",
-        "reserve", "unreserve", "agent-stats", "lookup-agent", "route", "fetch", "renew",
-        "delete-namespace"}) {
+  for (const char* command : {"stats", "register-model", "match", "insert", "release", "evict",
+                              "watch", "models", "reserve", "unreserve", "agent-stats",
+                              "lookup-agent", "route", "fetch", "renew", "delete-namespace"}) {
     EXPECT_THAT(help.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
     ProcessResult sub = Ctl({command, "--help"});
     EXPECT_EQ(sub.exit_code, 0) << sub.Describe();
@@ -700,8 +736,7 @@ TEST_F(KvcmctlProcessTest, StatsOverMutualTlsAndWhatIsRefused) {
   ProcessResult plaintext = CtlWith({"--insecure", "--deadline_ms=1000"}, {"stats"});
   EXPECT_EQ(plaintext.exit_code, 1) << plaintext.Describe();
   EXPECT_THAT(plaintext.err, HasSubstr("UNAVAILABLE"));
-  EXPECT_THAT(plaintext.err,
-              HasSubstr("\nhint: the manager may require TLS: pass --tls_ca_file="));
+  EXPECT_THAT(plaintext.err, HasSubstr("\nhint: the manager may require TLS: pass --tls_ca_file="));
   // The old flag names work, each warned about once.
   const std::string old_ca = absl::StrCat("--ca=", certs.Path("ca.pem"));
   ProcessResult old_names = CtlWith({old_ca, absl::StrCat("--cert=", certs.Path("client.pem")),

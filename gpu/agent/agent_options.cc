@@ -122,6 +122,14 @@ absl::Status AgentOptions::Validate() const {
   if (tier != Tier::kGpu && tier != Tier::kHost && tier != Tier::kDisk) {
     return Invalid("tier", "must be gpu, host or disk");
   }
+  if (allocate_wait_ms > 600'000) {
+    return Invalid("allocate_wait_ms",
+                   absl::StrCat("must be in [0, 600000], got ", allocate_wait_ms));
+  }
+  if (allocation_ttl_ms != 0 && (allocation_ttl_ms < 1'000 || allocation_ttl_ms > 86'400'000)) {
+    return Invalid("allocation_ttl_ms",
+                   absl::StrCat("must be 0 or in [1000, 86400000], got ", allocation_ttl_ms));
+  }
   if (heartbeat_interval_ms < 1 || heartbeat_interval_ms > 600'000) {
     return Invalid("heartbeat_interval_ms",
                    absl::StrCat("must be in [1, 600000], got ", heartbeat_interval_ms));

@@ -72,6 +72,15 @@ struct AgentOptions {
   // Period of heartbeats (and of registration retries while the manager is unreachable).
   // 1..600000.
   uint32_t heartbeat_interval_ms = 1'000;
+  // A store into a full pool: how long a cache allocation (BlockAgent.Allocate with a
+  // namespace, in the agent's epoch) may wait while the manager evicts to make room
+  // (RoomMaker), ms; the call's own deadline may be shorter. 0: never wait (a short pool
+  // answers RESOURCE_EXHAUSTED at once, as before issue 33). 0..600000.
+  uint32_t allocate_wait_ms = 5'000;
+  // Cache blocks allocated but neither committed nor freed within this are freed (the
+  // worker died between Allocate and Insert); a late write to them answers ABORTED. Checked
+  // every heartbeat. 0: never. 0 or 1000..86400000.
+  uint32_t allocation_ttl_ms = 60'000;
   // Prometheus /metrics address "host:port"; empty disables it.
   std::string metrics_address;
   // Most blocks one WriteBlocks or ReadBlocks call may name. 1..65536. (WriteBlocks writes

@@ -73,6 +73,12 @@ ABSL_FLAG(uint64_t, host_capacity_bytes, kDefaults.host_capacity_bytes,
           "only).");
 ABSL_FLAG(uint32_t, heartbeat_interval_ms, kDefaults.heartbeat_interval_ms,
           "Period of heartbeats to the manager, in milliseconds.");
+ABSL_FLAG(uint32_t, allocate_wait_ms, kDefaults.allocate_wait_ms,
+          "How long an allocation for the cache may wait while the manager evicts to make room "
+          "in a full pool, ms (0: answer RESOURCE_EXHAUSTED at once).");
+ABSL_FLAG(uint32_t, allocation_ttl_ms, kDefaults.allocation_ttl_ms,
+          "Cache blocks allocated but neither committed nor freed within this are freed "
+          "(a worker died mid-store), ms; 0: never.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics address host:port; empty disables it.");
 ABSL_FLAG(uint32_t, max_blocks_per_call, kDefaults.max_blocks_per_call,
@@ -221,6 +227,8 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
   o.local_socket = absl::GetFlag(FLAGS_local_socket);
   o.local_max_sessions = absl::GetFlag(FLAGS_local_max_sessions);
+  o.allocate_wait_ms = absl::GetFlag(FLAGS_allocate_wait_ms);
+  o.allocation_ttl_ms = absl::GetFlag(FLAGS_allocation_ttl_ms);
   const char* token = kvcm::GetEnvWithDeprecated("kvcm-agent", "KVCM_TOKEN", "KVCM_AGENT_TOKEN");
   if (o.token_file.empty() && token != nullptr) {
     o.token = token;

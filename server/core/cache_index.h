@@ -292,6 +292,11 @@ struct IndexCounters {
   uint64_t pins_taken = 0;
   uint64_t pins_released = 0;
   uint64_t lease_expiries = 0;
+  // EvictForAllocation: agents' allocations it made room for, the page-locations it
+  // evicted (also in evicted_pages), and those it refused (RESOURCE_EXHAUSTED).
+  uint64_t allocation_room_calls = 0;
+  uint64_t allocation_evicted_pages = 0;
+  uint64_t allocation_room_refusals = 0;
 };
 
 // What one tenant holds, against CacheIndexOptions' quotas. Tenant "" holds the operators'
@@ -424,6 +429,25 @@ class CacheIndex {
   // NOT_FOUND for an unknown pool.
   // Returns the bytes evicted.
   absl::StatusOr<uint64_t> Reserve(const PoolKey& pool, uint64_t bytes, const std::string& tenant)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Room for an agent's allocation that its free blocks cannot serve (BlockAgent.Allocate;
+  // AgentControl.MakeRoom): evicts `shortfall_bytes` (whole nodes) from agent pool `pool` in
+  // policy order, with an Insert's guarantees (pinned pages and reservations stay, GPU
+  // victims are demoted to the agent's HOST pool when the policy demotes), and, when the
+  // allocation's `allocation_bytes` would take ns's tenant past tenant_max_bytes, that
+  // tenant's own pages too (MakeRoom). The victims' blocks reach the agent as FreeBlocks
+  // commands (kRemoved events). The tenant's stores in flight in the pool
+  // (`in_flight_bytes`, allocated and not committed, as the agent counts them) plus this
+  // allocation are a claim like a reservation: past its default_tenant_pool_share_pct of a
+  // pool other tenants use, RESOURCE_EXHAUSTED naming the option. RESOURCE_EXHAUSTED,
+  // nothing changed, too when pins or reservations leave less than the shortfall evictable
+  // (the message says which) or the tenant's quota cannot make room; NOT_FOUND for an
+  // unknown pool or namespace; FAILED_PRECONDITION for an engine's pool; INVALID_ARGUMENT
+  // for shortfall_bytes 0.
+  absl::StatusOr<EvictResult> EvictForAllocation(const PoolKey& pool, const NamespaceId& ns,
+                                                 uint64_t shortfall_bytes,
+                                                 uint64_t allocation_bytes,
+                                                 uint64_t in_flight_bytes = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Returns headroom `tenant` no longer needs. OUT_OF_RANGE, nothing changed, beyond what
   // that tenant holds reserved in `pool`.

@@ -370,6 +370,42 @@ absl::StatusOr<EvictResult> CacheIndex::EvictFromPool(const PoolKey& pool, uint6
   return EvictLocked(*id, bytes);
 }
 
+absl::StatusOr<EvictResult> CacheIndex::EvictForAllocation(const PoolKey& pool,
+                                                           const NamespaceId& ns_id,
+                                                           uint64_t shortfall_bytes,
+                                                           uint64_t allocation_bytes,
+                                                           uint64_t in_flight_bytes) {
+  if (shortfall_bytes == 0) return absl::InvalidArgumentError("shortfall must be > 0");
+  WriterLock lock(this);
+  ExpireLeasesLocked(clock_->Now());
+  absl::StatusOr<PoolId> id = FindPool(pool);
+  if (!id.ok()) return id.status();
+  if (absl::Status s = NotEnginePool(*id, pool, "evicted"); !s.ok()) return s;
+  absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
+  if (!ns.ok()) return ns.status();
+  if (absl::Status s = CheckShare(*(*ns)->tenant, *id, in_flight_bytes + allocation_bytes,
+                                  "its stores in flight and the allocation");
+      !s.ok()) {
+    ++counters_.allocation_room_refusals;
+    return s;
+  }
+  const uint64_t pages_before = counters_.evicted_pages;
+  const uint64_t demoted_before = counters_.demoted_pages;
+  absl::StatusOr<uint64_t> evicted =
+      MakeRoom(*(*ns)->tenant, std::max(allocation_bytes, shortfall_bytes), *id, pool,
+               shortfall_bytes, "the allocation");
+  if (!evicted.ok()) {
+    ++counters_.allocation_room_refusals;
+    return evicted.status();
+  }
+  EvictResult result{.evicted_bytes = *evicted,
+                     .evicted_pages = counters_.evicted_pages - pages_before,
+                     .demoted_pages = counters_.demoted_pages - demoted_before};
+  ++counters_.allocation_room_calls;
+  counters_.allocation_evicted_pages += result.evicted_pages;
+  return result;
+}
+
 absl::StatusOr<EvictResult> CacheIndex::EvictFromNamespace(const NamespaceId& ns_id,
                                                            uint64_t bytes) {
   if (bytes == 0) return absl::InvalidArgumentError("bytes must be > 0");

@@ -154,4 +154,8 @@ absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req) {
   return AuthorizeAgent(p, req.agent_id());
 }
 
+absl::Status Authorize(const Principal& p, const v1::MakeRoomRequest& req) {
+  return AuthorizeAgent(p, req.agent_id());
+}
+
 }  // namespace kvcm

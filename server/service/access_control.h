@@ -65,6 +65,7 @@ absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req);
 absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req);
 absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req);
 absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req);
+absl::Status Authorize(const Principal& p, const v1::MakeRoomRequest& req);
 // Streams of AgentControl (Commands, ReportInventory): the agent id of their messages.
 absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id);
 

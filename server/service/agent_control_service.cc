@@ -22,6 +22,12 @@ constexpr size_t kMaxAddressBytes = 256;
 // A BlockId is 32 bits and kPendingBlock is reserved.
 constexpr uint64_t kMaxBlocks = std::numeric_limits<BlockId>::max() - 1;
 
+uint64_t SaturatingMul(uint64_t a, uint64_t b) {
+  return b != 0 && a > std::numeric_limits<uint64_t>::max() / b
+             ? std::numeric_limits<uint64_t>::max()
+             : a * b;
+}
+
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
 }
@@ -309,6 +315,46 @@ grpc::ServerUnaryReactor* AgentControlService::LookupAgent(grpc::CallbackServerC
     // One answer for unknown, gone and port-less agents: the caller learns no more.
     return absl::NotFoundError(absl::StrCat("peer_agent_id \"", req->peer_agent_id(),
                                             "\" is not a live agent with a data port"));
+  });
+}
+
+grpc::ServerUnaryReactor* AgentControlService::MakeRoom(grpc::CallbackServerContext* ctx,
+                                                        const v1::MakeRoomRequest* req,
+                                                        v1::MakeRoomResponse* resp) {
+  return rpc_.Unary(ctx, Rpc::kMakeRoom, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
+    if (req->epoch() == 0) return Invalid("epoch", "must be >= 1");
+    if (req->blocks() == 0) return Invalid("blocks", "must be >= 1");
+    if (req->allocation_blocks() < req->blocks()) {
+      return Invalid("allocation_blocks", absl::StrCat("must be >= blocks (", req->blocks(),
+                                                       "), got ", req->allocation_blocks()));
+    }
+    KVCM_ASSIGN_OR_RETURN(
+        NamespaceId ns,
+        NamespaceFromProto(req->has_namespace_() ? &req->namespace_() : nullptr, "namespace"));
+    if (req->tier() != v1::TIER_GPU && req->tier() != v1::TIER_HOST &&
+        req->tier() != v1::TIER_DISK) {
+      return Invalid("tier", "must be the agent's pool tier (TIER_GPU, TIER_HOST or TIER_DISK)");
+    }
+    KVCM_RETURN_IF_ERROR(agents_->CheckLive(req->agent_id(), req->epoch()));
+    const PoolKey pool{.agent_id = req->agent_id(), .tier = TierFromProto(req->tier())};
+    std::optional<AgentPool> agent_pool = agents_->FindPool(pool);
+    if (!agent_pool.has_value()) {
+      return absl::NotFoundError(absl::StrCat("tier: agent ", req->agent_id(),
+                                              " registered no pool of tier ",
+                                              v1::Tier_Name(req->tier())));
+    }
+    const uint64_t block_bytes = agent_pool->bytes_per_block;
+    KVCM_ASSIGN_OR_RETURN(
+        EvictResult evicted,
+        index_->EvictForAllocation(pool, ns, uint64_t{req->blocks()} * block_bytes,
+                                   uint64_t{req->allocation_blocks()} * block_bytes,
+                                   SaturatingMul(req->tenant_allocated_blocks(), block_bytes)));
+    resp->set_evicted_pages(evicted.evicted_pages);
+    resp->set_evicted_bytes(evicted.evicted_bytes);
+    resp->set_demoted_pages(evicted.demoted_pages);
+    return absl::OkStatus();
   });
 }
 

@@ -5,10 +5,11 @@
 // refreshes the agent's liveness and usage; Commands streams move commands and acks in and out of
 // the AgentCommandBook (command_stream.h); NcclBootstrap checks both agents of an NCCL link
 // and hands the offer to the NcclBootstrapRelay, which the peer's Commands stream writes;
-// LookupAgent tells an agent where a live peer serves its blocks (its Fetch source). Handlers
-// are thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the body,
-// records the RPC metrics, logs failures at a bounded rate and finishes with the body's status
-// (same code and message), like CacheManagerService.
+// LookupAgent tells an agent where a live peer serves its blocks (its Fetch source); MakeRoom
+// evicts for an allocation the agent's free blocks cannot serve (CacheIndex::EvictForAllocation).
+// Handlers are thin: each is one call of RpcRunner::Unary (common/rpc_runner.h), which times the
+// body, records the RPC metrics, logs failures at a bounded rate and finishes with the body's
+// status (same code and message), like CacheManagerService.
 //
 // Thread-safe: gRPC calls the handlers concurrently; all shared state is in the
 // (thread-safe) CacheIndex, AgentRegistry and ServiceMetrics.
@@ -92,6 +93,9 @@ class AgentControlService final : public v1::AgentControl::CallbackService {
   grpc::ServerUnaryReactor* LookupAgent(grpc::CallbackServerContext* ctx,
                                         const v1::LookupAgentRequest* req,
                                         v1::LookupAgentResponse* resp) override;
+  grpc::ServerUnaryReactor* MakeRoom(grpc::CallbackServerContext* ctx,
+                                     const v1::MakeRoomRequest* req,
+                                     v1::MakeRoomResponse* resp) override;
 
   // Each Commands and ReportInventory stream holds one of `slots` for its life (null: no
   // cap). Call before the server starts.

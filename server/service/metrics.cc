@@ -85,6 +85,8 @@ absl::string_view RpcName(Rpc rpc) {
       return "NcclBootstrap";
     case Rpc::kLookupAgent:
       return "LookupAgent";
+    case Rpc::kMakeRoom:
+      return "MakeRoom";
   }
   return "unknown";
 }
@@ -195,6 +197,17 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     counter("kvcm_pages_demoted_total", "Pages evicted from a GPU pool into its agent's HOST pool.",
             c.demoted_pages);
     counter("kvcm_evicted_bytes_total", "Bytes freed by eviction.", c.evicted_bytes);
+    counter("kvcm_allocation_room_total",
+            "Agents' allocations the manager evicted to make room for (AgentControl.MakeRoom).",
+            c.allocation_room_calls);
+    counter("kvcm_allocation_evicted_pages_total",
+            "Page-locations evicted to make room for agents' allocations (allocation "
+            "pressure); also in kvcm_pages_evicted_total.",
+            c.allocation_evicted_pages);
+    counter("kvcm_allocation_room_refusals_total",
+            "MakeRoom calls refused (RESOURCE_EXHAUSTED): pins, reservations or a quota left "
+            "too little evictable.",
+            c.allocation_room_refusals);
     counter("kvcm_eviction_regret_pages_total",
             "Evicted pages requested again within the regret window.", c.eviction_regret_pages);
     counter("kvcm_pins_taken_total", "Pins taken by Match.", c.pins_taken);

@@ -52,8 +52,9 @@ enum class Rpc : int {
   kReportInventory,
   kNcclBootstrap,
   kLookupAgent,
+  kMakeRoom,
 };
-inline constexpr int kNumRpcs = 18;
+inline constexpr int kNumRpcs = 19;
 absl::string_view RpcName(Rpc rpc);
 
 // Outcome of one manager -> agent command, as the `result` label of

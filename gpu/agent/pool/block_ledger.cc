@@ -20,7 +20,8 @@ BlockLedger::BlockLedger(uint32_t num_blocks, uint64_t first_generation)
 absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint64_t owner_epoch,
                                                            const NamespaceId* ns,
                                                            std::vector<uint64_t>* generations,
-                                                           std::vector<BlockId>* scrub) {
+                                                           std::vector<BlockId>* scrub,
+                                                           int64_t now_unix_ms) {
   if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
   if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
   if (count > free_.size()) {
@@ -37,6 +38,7 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint6
     slots_[id] = Slot{.state = State::kAllocated,
                       .ns = ns_index,
                       .owner_epoch = owner_epoch,
+                      .allocated_unix_ms = now_unix_ms,
                       .generation = next_generation_++};
     if (generations != nullptr) generations->push_back(slots_[id].generation);
   }
@@ -262,6 +264,33 @@ uint64_t BlockLedger::FreeAllOwnedBy(uint64_t owner_epoch) {
   uint64_t freed = 0;
   for (BlockId id = 0; id < slots_.size(); ++id) {
     if (slots_[id].state == State::kFree || slots_[id].owner_epoch != owner_epoch) continue;
+    MakeFree(id);
+    ++freed;
+  }
+  return freed;
+}
+
+uint64_t BlockLedger::AllocatedToTenant(uint64_t owner_epoch, absl::string_view tenant) const {
+  uint64_t n = 0;
+  for (const Slot& slot : slots_) {
+    if (slot.state == State::kAllocated && slot.owner_epoch == owner_epoch &&
+        slot.ns != kNoNamespace && namespaces_[slot.ns].tenant == tenant) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+uint64_t BlockLedger::FreeAllocatedBefore(uint64_t owner_epoch, int64_t cutoff_unix_ms) {
+  if (owner_epoch == 0) return 0;
+  uint64_t freed = 0;
+  for (BlockId id = 0; id < slots_.size(); ++id) {
+    const Slot& slot = slots_[id];
+    if (slot.state != State::kAllocated || slot.owner_epoch != owner_epoch ||
+        slot.ns == kNoNamespace || slot.allocated_unix_ms == 0 ||
+        slot.allocated_unix_ms >= cutoff_unix_ms) {
+      continue;
+    }
     MakeFree(id);
     ++freed;
   }

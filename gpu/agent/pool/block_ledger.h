@@ -75,11 +75,13 @@ class BlockLedger {
   // to the fresh generation of each block, parallel to the ids. With `scrub`, it is set to
   // the blocks that may still hold another namespace's bytes (their last allocation was in
   // another namespace, or private while this one is not, or they were never allocated),
-  // which the caller must overwrite before anyone reads them.
+  // which the caller must overwrite before anyone reads them. `now_unix_ms` is recorded as
+  // the allocation's start (FreeAllocatedBefore).
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns,
                                                 std::vector<uint64_t>* generations = nullptr,
-                                                std::vector<BlockId>* scrub = nullptr);
+                                                std::vector<BlockId>* scrub = nullptr,
+                                                int64_t now_unix_ms = 0);
 
   // Allocated blocks back to free, by their owner. INVALID_ARGUMENT for an empty list,
   // owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
@@ -149,6 +151,14 @@ class BlockLedger {
   // Frees every block allocated to or committed by `owner_epoch`; returns how many.
   uint64_t FreeAllOwnedBy(uint64_t owner_epoch);
 
+  // Blocks allocated (not committed) to `owner_epoch` for a namespace of `tenant`.
+  uint64_t AllocatedToTenant(uint64_t owner_epoch, absl::string_view tenant) const;
+
+  // Frees the blocks allocated (not committed) to `owner_epoch` for a namespace before
+  // `cutoff_unix_ms`: stores whose worker died between Allocate and Insert. Their
+  // generations end, so a late writer's calls answer ABORTED. Returns how many.
+  uint64_t FreeAllocatedBefore(uint64_t owner_epoch, int64_t cutoff_unix_ms);
+
   // Calls fn for every committed block, in block order.
   void ForEachCommitted(absl::FunctionRef<void(const CommittedBlock&)> fn) const;
 
@@ -174,7 +184,8 @@ class BlockLedger {
     PageHash page;
     PageHash parent;
     int64_t committed_unix_ms = 0;
-    uint64_t generation = 0;  // of the allocation; 0 while free
+    int64_t allocated_unix_ms = 0;  // when the allocation started (0: not recorded)
+    uint64_t generation = 0;        // of the allocation; 0 while free
     // The namespace of the block's last allocation (kNoNamespace: private), kNever before
     // its first: kept while free, so that Allocate knows whose bytes the block holds.
     uint32_t last_ns = kNever;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 
 namespace kvcm {
@@ -30,11 +31,19 @@ BlockPool::BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backe
 
 absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch,
                                                          const NamespaceId* ns,
-                                                         std::vector<uint64_t>* generations) {
+                                                         std::vector<uint64_t>* generations,
+                                                         bool use_held) {
   absl::MutexLock lock(&mu_);
+  if (const uint32_t free = ledger_.free_blocks(); !use_held && held_ > 0 && count > 0 &&
+                                                   owner_epoch != 0 &&
+                                                   free - std::min(free, held_) < count) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "asked for ", count, " blocks, ", free, " of ", ledger_.num_blocks(), " are free and ",
+        std::min(free, held_), " of those are held for an allocation waiting for room"));
+  }
   std::vector<BlockId> scrub;
-  absl::StatusOr<std::vector<BlockId>> ids =
-      ledger_.Allocate(count, owner_epoch, ns, generations, &scrub);
+  absl::StatusOr<std::vector<BlockId>> ids = ledger_.Allocate(
+      count, owner_epoch, ns, generations, &scrub, absl::ToUnixMillis(absl::Now()));
   if (!ids.ok() || scrub.empty()) return ids;
   // Blocks that may hold another namespace's bytes are zeroed before anyone can read them
   // (same lock): a new allocation never sees another tenant's KV.
@@ -46,6 +55,28 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_
     }
   }
   return ids;
+}
+
+void BlockPool::SetHeld(uint32_t blocks) {
+  absl::MutexLock lock(&mu_);
+  held_ = blocks;
+}
+
+bool BlockPool::AwaitFree(uint32_t count, absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto enough = [this, count]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ledger_.free_blocks() >= count; };
+  return mu_.AwaitWithDeadline(absl::Condition(&enough), deadline);
+}
+
+uint64_t BlockPool::AllocatedToTenant(uint64_t owner_epoch, absl::string_view tenant) const {
+  absl::MutexLock lock(&mu_);
+  return ledger_.AllocatedToTenant(owner_epoch, tenant);
+}
+
+uint64_t BlockPool::FreeAllocatedBefore(uint64_t owner_epoch, absl::Time cutoff) {
+  absl::MutexLock lock(&mu_);
+  return ledger_.FreeAllocatedBefore(owner_epoch, absl::ToUnixMillis(cutoff));
 }
 
 absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch,
@@ -344,6 +375,7 @@ BlockPoolStats BlockPool::Stats() const {
   s.num_blocks = ledger_.num_blocks();
   s.free_blocks = ledger_.free_blocks();
   s.committed_blocks = ledger_.committed_blocks();
+  s.held_blocks = std::min(ledger_.free_blocks(), held_);
   s.bytes_per_block = bytes_per_block_;
   s.capacity_bytes = s.num_blocks * bytes_per_block_;
   s.used_bytes = (s.num_blocks - s.free_blocks) * bytes_per_block_;

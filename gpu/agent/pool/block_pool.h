@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/types.h"
 #include "gpu/agent/pool/block_ledger.h"
 #include "gpu/agent/pool/device_backend.h"
@@ -45,6 +46,7 @@ struct BlockPoolStats {
   uint64_t capacity_bytes = 0;    // num_blocks x bytes_per_block
   uint64_t used_bytes = 0;        // (num_blocks - free_blocks) x bytes_per_block
   uint64_t committed_blocks = 0;  // of the allocated ones, those committed to a page
+  uint64_t held_blocks = 0;       // of the free ones, those held for a waiting allocation
 };
 
 // The pages blocks must hold for a page-verified read: block ids[i] committed in `ns` to
@@ -65,14 +67,32 @@ class BlockPool {
 
   // `count` distinct free blocks, now owned by `owner_epoch` and, when `ns` is given, that
   // namespace (BlockLedger::Allocate). RESOURCE_EXHAUSTED (nothing allocated) when fewer
-  // than `count` are free.
+  // than `count` are free beyond those held for a waiting allocation (SetHeld); with
+  // `use_held` (the waiting allocation itself), held blocks count as free.
   // With `generations`, it is set to the allocation's generation of each block. A block
   // whose previous allocation was in another namespace (or that was never allocated) is
   // zeroed first, so no allocation reads another tenant's bytes.
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns = nullptr,
-                                                std::vector<uint64_t>* generations = nullptr)
+                                                std::vector<uint64_t>* generations = nullptr,
+                                                bool use_held = false) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Free blocks that only an Allocate with use_held may take: an allocation waiting for the
+  // manager to make room holds them, so that blocks its evictions free are not taken by an
+  // allocation that came later (RoomMaker). 0 releases them.
+  void SetHeld(uint32_t blocks) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Waits until at least `count` blocks are free (held ones included) or `deadline` passes;
+  // returns whether they are.
+  bool AwaitFree(uint32_t count, absl::Time deadline) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // BlockLedger::AllocatedToTenant under the pool's lock.
+  uint64_t AllocatedToTenant(uint64_t owner_epoch, absl::string_view tenant) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees the blocks allocated to `owner_epoch` for a namespace and not committed since
+  // before `cutoff` (BlockLedger::FreeAllocatedBefore); returns how many.
+  uint64_t FreeAllocatedBefore(uint64_t owner_epoch, absl::Time cutoff) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Returns allocated blocks to the free list (BlockLedger::Free): INVALID_ARGUMENT for an
   // empty list, owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
@@ -260,6 +280,7 @@ class BlockPool {
   const std::unique_ptr<DeviceBackend> backend_;
   mutable absl::Mutex mu_;
   BlockLedger ledger_ ABSL_GUARDED_BY(mu_);
+  uint32_t held_ ABSL_GUARDED_BY(mu_) = 0;  // SetHeld
   // bytes_per_block zero bytes, made at the first scrub (BlockPool::Allocate).
   std::vector<std::byte> zeros_ ABSL_GUARDED_BY(mu_);
 };

@@ -15,6 +15,7 @@
 #include "gpu/agent/control/command_loop.h"
 #include "gpu/agent/control/control_loop.h"
 #include "gpu/agent/control/peer_lookup.h"
+#include "gpu/agent/control/room_maker.h"
 #include "gpu/agent/local/local_socket_server.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/block_agent_service.h"
@@ -140,15 +141,33 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
     a->data_address_ = absl::StrCat(opts.advertise_host, ":", PortOf(a->data_address_));
   }
   a->manager_ = v1::CacheManager::NewStub(manager);
+  if (opts.allocate_wait_ms > 0) {
+    a->room_maker_ = std::make_unique<RoomMaker>(
+        a->pool_.get(), opts.tier, opts.agent_id, &a->epoch_,
+        [control = a->control_.get()](const v1::MakeRoomRequest& request,
+                                      absl::Time deadline) -> absl::StatusOr<v1::MakeRoomResponse> {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(absl::ToChronoTime(deadline));
+          v1::MakeRoomResponse response;
+          if (grpc::Status s = control->MakeRoom(&ctx, request, &response); !s.ok()) {
+            return FromGrpcStatus(s);
+          }
+          return response;
+        },
+        RoomMakerOptions{.allocate_wait_ms = opts.allocate_wait_ms},
+        a->metrics_->room_maker_observer());
+    a->room_maker_->Start();
+  }
   // A Fetch's source is an agent the manager knows: its address comes from there, within
   // the same bound as the Insert that follows the pull's.
   constexpr uint32_t kLookupTimeoutMs = 10'000;
   a->fetcher_ = std::make_unique<Fetcher>(
       opts.agent_id, opts.tier, a->pools(), &a->epoch_, a->transport_.get(),
       LookupAtManager(a->control_.get(), opts.agent_id, kLookupTimeoutMs), a->manager_.get(),
-      a->metrics_.get());
-  a->service_ = std::make_unique<BlockAgentService>(
-      &opts, a->pools(), &a->epoch_, a->metrics_.get(), a->fetcher_.get(), a->authenticator_.get());
+      a->metrics_.get(), a->room_maker_.get());
+  a->service_ = std::make_unique<BlockAgentService>(&opts, a->pools(), &a->epoch_,
+                                                    a->metrics_.get(), a->fetcher_.get(),
+                                                    a->authenticator_.get(), a->room_maker_.get());
   // Tokens are checked on a call's headers, before its request is read (TLS only; the
   // handlers check again either way).
   a->auth_processor_ =
@@ -228,9 +247,18 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->control_loop_ = std::make_unique<ControlLoop>(
       &opts, a->pools(), &a->epoch_, a->control_.get(), a->address_, a->data_address_, &a->specs_,
       a->metrics_.get(), [commands = a->command_loop_.get()] { commands->CancelStream(); },
-      [authenticator = a->authenticator_.get()] {
+      [authenticator = a->authenticator_.get(), pool = a->pool_.get(), epoch = &a->epoch_,
+       ttl_ms = opts.allocation_ttl_ms] {
         if (absl::Status s = authenticator->ReloadIfChanged(); !s.ok()) {
           LogError(absl::StrCat("tokens_file: ", s.message()));
+        }
+        if (ttl_ms == 0) return;
+        // Stores whose worker died between Allocate and Insert.
+        if (const uint64_t freed = pool->FreeAllocatedBefore(
+                epoch->current(), absl::Now() - absl::Milliseconds(ttl_ms));
+            freed > 0) {
+          LogWarning(absl::StrCat("freed ", freed, " blocks allocated over allocation_ttl_ms (",
+                                  ttl_ms, " ms) ago and never committed nor freed"));
         }
       });
   a->control_loop_->Start();
@@ -279,6 +307,9 @@ void Agent::Shutdown() {
   absl::MutexLock lock(&shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
+  // Allocations waiting for room end first (UNAVAILABLE), so the server's drain below
+  // does not wait for them.
+  if (room_maker_ != nullptr) room_maker_->Stop();
   if (command_loop_ != nullptr) command_loop_->Stop();
   if (control_loop_ != nullptr) control_loop_->Stop();
   if (server_ != nullptr) {

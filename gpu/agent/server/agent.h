@@ -42,6 +42,7 @@ class BlockAgentService;
 class CommandLoop;
 class ControlLoop;
 class LocalSocketServer;
+class RoomMaker;
 
 class Agent {
  public:
@@ -108,6 +109,8 @@ class Agent {
   std::shared_ptr<DataTls> data_tls_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<v1::CacheManager::Stub> manager_;
+  // Cache allocations a full pool cannot serve wait here while the manager makes room.
+  std::unique_ptr<RoomMaker> room_maker_;
   std::unique_ptr<Fetcher> fetcher_;
   // Who may call BlockAgent (open without tokens_file); re-read by the control loop.
   std::unique_ptr<Authenticator> authenticator_;

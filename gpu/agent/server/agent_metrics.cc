@@ -152,6 +152,54 @@ AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEp
                       .Name("kvcm_agent_local_bytes_total")
                       .Help("Bytes copied by the local data path, by direction (load, store).")
                       .Register(*registry_);
+  room_allocations_ =
+      &prometheus::BuildCounter()
+           .Name("kvcm_agent_room_allocations_total")
+           .Help(
+               "Allocations a full pool could not serve at once, served after the manager "
+               "evicted to make room (AgentControl.MakeRoom).")
+           .Register(*registry_)
+           .Add({});
+  room_evicted_pages_ = &prometheus::BuildCounter()
+                             .Name("kvcm_agent_room_evicted_pages_total")
+                             .Help(
+                                 "Pages the manager evicted to make room for this agent's "
+                                 "allocations (allocation pressure).")
+                             .Register(*registry_)
+                             .Add({});
+  // 0.5 ms .. ~8 s: a MakeRoom round trip plus the FreeBlocks commands, up to allocate_wait_ms.
+  room_wait_seconds_ = &prometheus::BuildHistogram()
+                            .Name("kvcm_agent_room_wait_seconds")
+                            .Help("Wait of allocations served after the manager made room.")
+                            .Register(*registry_)
+                            .Add({}, prometheus::Histogram::BucketBoundaries{
+                                         0.0005, 0.002, 0.008, 0.032, 0.128, 0.512, 2.048, 8.192});
+  prometheus::Family<prometheus::Counter>& failures =
+      prometheus::BuildCounter()
+          .Name("kvcm_agent_allocation_failures_total")
+          .Help(
+              "Allocations that failed for want of blocks, by reason: pinned (nothing "
+              "evictable: pins or reservations), quota, share (default_tenant_pool_share_pct), "
+              "manager_unavailable, free_timeout, "
+              "epoch, private (blocks not for the cache: never evicted for), other.")
+          .Register(*registry_);
+  for (int i = 0; i < kNumAllocationFailures; ++i) {
+    allocation_failures_[i] = &failures.Add(
+        {{"reason", std::string(AllocationFailureName(static_cast<AllocationFailure>(i)))}});
+  }
+}
+
+RoomMakerObserver AgentMetrics::room_maker_observer() {
+  return RoomMakerObserver{.on_room_made =
+                               [this](absl::Duration waited, uint64_t evicted_pages) {
+                                 room_allocations_->Increment();
+                                 room_evicted_pages_->Increment(static_cast<double>(evicted_pages));
+                                 room_wait_seconds_->Observe(absl::ToDoubleSeconds(waited));
+                               },
+                           .on_failure =
+                               [this](AllocationFailure reason) {
+                                 allocation_failures_[static_cast<int>(reason)]->Increment();
+                               }};
 }
 
 AgentMetrics::~AgentMetrics() = default;

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "common/rpc_metrics.h"
 #include "common/rpc_runner.h"
+#include "gpu/agent/control/room_maker.h"
 #include "gpu/agent/pool/agent_state.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
@@ -70,6 +71,12 @@ class AgentMetrics {
   // kvcm_agent_local_bytes_total{direction}.
   void RecordLocalCopy(absl::string_view direction, const absl::Status& status, uint64_t bytes);
 
+  // Stores into a full pool (RoomMaker): an allocation served after the manager made room
+  // counts in kvcm_agent_room_allocations_total, its wait in kvcm_agent_room_wait_seconds
+  // and the pages evicted for it in kvcm_agent_room_evicted_pages_total; a failed
+  // allocation in kvcm_agent_allocation_failures_total{reason} (AllocationFailureName).
+  RoomMakerObserver room_maker_observer();
+
   // Bandwidth of recent successful pulls, Gbit/s: a moving average with weight 1/8 per pull
   // (as TCP smooths its RTT), 0 before the first. Heartbeats report it for Route.
   double pull_gbps() const;
@@ -92,6 +99,10 @@ class AgentMetrics {
   prometheus::Family<prometheus::Counter>* local_sessions_ = nullptr;
   prometheus::Family<prometheus::Counter>* local_copies_ = nullptr;
   prometheus::Family<prometheus::Counter>* local_bytes_ = nullptr;
+  prometheus::Counter* room_allocations_ = nullptr;
+  prometheus::Counter* room_evicted_pages_ = nullptr;
+  prometheus::Histogram* room_wait_seconds_ = nullptr;
+  std::array<prometheus::Counter*, kNumAllocationFailures> allocation_failures_{};
   mutable absl::Mutex pull_mu_;
   double pull_gbps_ ABSL_GUARDED_BY(pull_mu_) = 0;
 };

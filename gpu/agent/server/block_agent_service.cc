@@ -27,12 +27,14 @@ const Authenticator* OpenAuthenticator() {
 
 BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools pools,
                                      const AgentEpoch* epoch, AgentMetrics* metrics,
-                                     Fetcher* fetcher, const Authenticator* authenticator)
+                                     Fetcher* fetcher, const Authenticator* authenticator,
+                                     RoomMaker* room_maker)
     : options_(*options),
       pools_(pools),
       epoch_(epoch),
       rpc_(metrics->rpcs()),
       fetcher_(fetcher),
+      room_maker_(room_maker),
       authenticator_(authenticator != nullptr ? authenticator : OpenAuthenticator()),
       streams_(options->max_streams_per_principal) {}
 
@@ -86,23 +88,47 @@ grpc::ServerUnaryReactor* BlockAgentService::Fetch(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
                                                       const v1::AllocateBlocksRequest* req,
                                                       v1::AllocateBlocksResponse* resp) {
-  return rpc_.Unary(ctx, AgentRpc::kAllocate, [&]() -> absl::Status {
-    KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
-                          authenticator_->Authenticate(*ctx));
-    KVCM_RETURN_IF_ERROR(AuthorizeAllocate(*caller, *req));
-    // With a namespace the blocks can be committed to its pages; without, they stay private.
-    std::optional<NamespaceId> ns;
-    if (req->has_namespace_()) {
-      KVCM_ASSIGN_OR_RETURN(ns, NamespaceFromProto(&req->namespace_(), "namespace"));
-    }
-    std::vector<uint64_t> generations;
-    KVCM_ASSIGN_OR_RETURN(
-        std::vector<BlockId> ids,
-        pools_.main->Allocate(req->count(), req->owner_epoch(), ns ? &*ns : nullptr, &generations));
-    resp->mutable_block_ids()->Add(ids.begin(), ids.end());
-    resp->mutable_block_generations()->Add(generations.begin(), generations.end());
-    return absl::OkStatus();
-  });
+  return rpc_.UnaryAsync(
+      ctx, AgentRpc::kAllocate, [&](std::function<void(const absl::Status&)> finish) {
+        absl::StatusOr<RoomMaker::Request> request = AllocateRequest(*ctx, *req);
+        if (!request.ok()) {
+          finish(request.status());
+          return;
+        }
+        auto done = [resp, finish](absl::StatusOr<RoomMaker::Allocation> r) {
+          if (r.ok()) {
+            resp->mutable_block_ids()->Add(r->block_ids.begin(), r->block_ids.end());
+            resp->mutable_block_generations()->Add(r->generations.begin(), r->generations.end());
+          }
+          finish(r.status());
+        };
+        if (room_maker_ != nullptr) {
+          room_maker_->Allocate(*std::move(request), std::move(done));
+          return;
+        }
+        RoomMaker::Allocation out;
+        absl::StatusOr<std::vector<BlockId>> ids =
+            pools_.main->Allocate(request->count, request->owner_epoch,
+                                  request->ns ? &*request->ns : nullptr, &out.generations);
+        if (!ids.ok()) return done(ids.status());
+        out.block_ids = *std::move(ids);
+        done(std::move(out));
+      });
+}
+
+absl::StatusOr<RoomMaker::Request> BlockAgentService::AllocateRequest(
+    const grpc::CallbackServerContext& ctx, const v1::AllocateBlocksRequest& req) const {
+  KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, authenticator_->Authenticate(ctx));
+  KVCM_RETURN_IF_ERROR(AuthorizeAllocate(*caller, req));
+  RoomMaker::Request request{.count = req.count(), .owner_epoch = req.owner_epoch()};
+  // With a namespace the blocks can be committed to its pages; without, they stay private.
+  if (req.has_namespace_()) {
+    KVCM_ASSIGN_OR_RETURN(request.ns, NamespaceFromProto(&req.namespace_(), "namespace"));
+  }
+  if (ctx.deadline() != std::chrono::system_clock::time_point::max()) {
+    request.deadline = absl::FromChrono(ctx.deadline());
+  }
+  return request;
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::Free(grpc::CallbackServerContext* ctx,

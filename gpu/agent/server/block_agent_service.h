@@ -1,5 +1,6 @@
 // BlockAgentService: the kvcm.v1.BlockAgent gRPC service over the agent's pools. Allocate,
-// Free, RunAttention and Stats are each one call of RpcRunner::Unary (common/rpc_runner.h),
+// Free, RunAttention and Stats are each one call of RpcRunner::Unary (Allocate of UnaryAsync: a
+// store into a full pool waits in the RoomMaker while the manager evicts) (common/rpc_runner.h),
 // which times the body, records the RPC metrics, logs failures at a bounded rate and finishes
 // with the body's status; WriteBlocks and ReadBlocks start the reactors of
 // block_stream_reactors.h, which record their outcome through the same runner. Every handler
@@ -19,6 +20,7 @@
 #include "common/authenticator.h"
 #include "common/rpc_runner.h"
 #include "gpu/agent/agent_options.h"
+#include "gpu/agent/control/room_maker.h"
 #include "gpu/agent/pool/agent_state.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/fetcher.h"
@@ -31,10 +33,12 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Fetch answers
   // UNIMPLEMENTED when `fetcher` is null (an agent without a transport). A null
-  // `authenticator` lets every caller do everything (as Authenticator::Open()).
+  // `authenticator` lets every caller do everything (as Authenticator::Open()). Allocate
+  // goes through `room_maker` (null: straight to the pool, a short pool answers
+  // RESOURCE_EXHAUSTED).
   BlockAgentService(const AgentOptions* options, AgentPools pools, const AgentEpoch* epoch,
                     AgentMetrics* metrics, Fetcher* fetcher = nullptr,
-                    const Authenticator* authenticator = nullptr);
+                    const Authenticator* authenticator = nullptr, RoomMaker* room_maker = nullptr);
 
   grpc::ServerUnaryReactor* Allocate(grpc::CallbackServerContext* ctx,
                                      const v1::AllocateBlocksRequest* req,
@@ -58,12 +62,16 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
   // The pool `tier` names: the main pool for TIER_UNSPECIFIED or its own tier, the host pool
   // for TIER_HOST; null when the agent has none.
   BlockPool* PoolOf(v1::Tier tier) const;
+  // The authenticated, authorized and converted Allocate request.
+  absl::StatusOr<RoomMaker::Request> AllocateRequest(const grpc::CallbackServerContext& ctx,
+                                                     const v1::AllocateBlocksRequest& req) const;
 
   const AgentOptions& options_;
   const AgentPools pools_;
   const AgentEpoch* const epoch_;
   RpcRunner<AgentRpc> rpc_;
   Fetcher* const fetcher_;
+  RoomMaker* const room_maker_;
   const Authenticator* const authenticator_;
   StreamLimiter streams_;
 };

@@ -32,7 +32,7 @@ struct Fetcher::Job {
 
 Fetcher::Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const AgentEpoch* epoch,
                  Transport* transport, PeerLookup lookup, v1::CacheManager::Stub* manager,
-                 AgentMetrics* metrics)
+                 AgentMetrics* metrics, RoomMaker* room_maker)
     : agent_id_(std::move(agent_id)),
       main_tier_(main_tier),
       pools_(pools),
@@ -40,7 +40,8 @@ Fetcher::Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const A
       transport_(transport),
       lookup_(std::move(lookup)),
       manager_(manager),
-      metrics_(metrics) {}
+      metrics_(metrics),
+      room_maker_(room_maker) {}
 
 void Fetcher::Fetch(const v1::FetchRequest& req, FetchDone done) {
   auto job = std::make_shared<Job>();
@@ -90,14 +91,32 @@ void Fetcher::OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> a
   if (!address.ok()) return done(address.status());
   const v1::FetchRequest& req = job->req;
   job->epoch = epoch_->current();
-  absl::StatusOr<std::vector<BlockId>> blocks = job->pool->Allocate(
-      static_cast<uint32_t>(req.source_block_ids_size()), job->epoch, &job->ns, &job->generations);
+  const auto count = static_cast<uint32_t>(req.source_block_ids_size());
+  if (job->pool == pools_.main && room_maker_ != nullptr) {
+    // A full pool makes room for the replica as for a worker's store.
+    room_maker_->Allocate({.count = count, .owner_epoch = job->epoch, .ns = job->ns},
+                          [this, job, address = *std::move(address), done = std::move(done)](
+                              absl::StatusOr<RoomMaker::Allocation> allocated) mutable {
+                            if (!allocated.ok()) return done(allocated.status());
+                            job->fetched = std::move(allocated->block_ids);
+                            job->generations = std::move(allocated->generations);
+                            OnAllocated(std::move(job), std::move(address), std::move(done));
+                          });
+    return;
+  }
+  absl::StatusOr<std::vector<BlockId>> blocks =
+      job->pool->Allocate(count, job->epoch, &job->ns, &job->generations);
   if (!blocks.ok()) return done(blocks.status());
   job->fetched = *std::move(blocks);
+  OnAllocated(std::move(job), *std::move(address), std::move(done));
+}
+
+void Fetcher::OnAllocated(std::shared_ptr<Job> job, std::string address, FetchDone done) {
+  const v1::FetchRequest& req = job->req;
 
   const size_t local = req.local_block_ids_size();
   const std::vector<PageHash> all = DecodePageHashes(req.prompt().page_hashes());
-  PullSpec spec{.peer_address = *std::move(address),
+  PullSpec spec{.peer_address = std::move(address),
                 .peer_tier = req.source_tier() == v1::TIER_UNSPECIFIED
                                  ? Tier::kGpu
                                  : TierFromProto(req.source_tier()),

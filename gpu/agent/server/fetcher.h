@@ -1,6 +1,7 @@
 // Fetcher: BlockAgent.Fetch's work — a new replica of a prompt's pages in this agent's pool,
 // pulled from another agent's pool. It looks the source agent's data address up at the
-// manager (PeerLookup), allocates blocks for the namespace, pulls the bytes through the
+// manager (PeerLookup), allocates blocks for the namespace (through the RoomMaker, so a
+// full pool evicts for the replica), pulls the bytes through the
 // Transport, then inserts the prompt into this pool at the manager, which
 // commits the blocks here (CommitBlocks) before indexing them. Blocks of a failed pull or
 // insert, and blocks of pages the pool already held, go back to the free list: a fetch
@@ -21,6 +22,7 @@
 #include "common/page_hash.h"
 #include "common/types.h"
 #include "gpu/agent/control/peer_lookup.h"
+#include "gpu/agent/control/room_maker.h"
 #include "gpu/agent/pool/agent_state.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/transport/transport.h"
@@ -43,7 +45,7 @@ class Fetcher {
   // `lookup` resolves FetchRequest.source_agent_id to the address the transport dials.
   Fetcher(std::string agent_id, Tier main_tier, AgentPools pools, const AgentEpoch* epoch,
           Transport* transport, PeerLookup lookup, v1::CacheManager::Stub* manager,
-          AgentMetrics* metrics);
+          AgentMetrics* metrics, RoomMaker* room_maker = nullptr);
 
   // Runs `req` (BlockAgent.Fetch); `done` runs exactly once, inline for a malformed request,
   // else on the lookup's or a transport thread. Errors as documented on BlockAgent.Fetch;
@@ -54,6 +56,8 @@ class Fetcher {
  private:
   struct Job;
   void OnResolved(std::shared_ptr<Job> job, absl::StatusOr<std::string> address, FetchDone done);
+  // The blocks are allocated (job->fetched): pulls into them from `address`.
+  void OnAllocated(std::shared_ptr<Job> job, std::string address, FetchDone done);
   void OnPulled(const Job& job, absl::StatusOr<TransferStats> pulled, FetchDone done);
   // Frees `ids` of their allocations `generations` (parallel), logging a failure.
   void FreeQuietly(BlockPool* pool, const std::vector<BlockId>& ids, uint64_t epoch,
@@ -67,6 +71,7 @@ class Fetcher {
   const PeerLookup lookup_;
   v1::CacheManager::Stub* const manager_;
   AgentMetrics* const metrics_;
+  RoomMaker* const room_maker_;
 };
 
 }  // namespace kvcm

@@ -1,0 +1,275 @@
+// A worker's store into a full agent pool (issue 33), end to end through an in-process
+// ManagerServer and Agent, the real client and BlockAgent stubs: the worker path
+// (Allocate -> WriteBlocks -> Insert) keeps storing after the pool fills, because the
+// agent's Allocate asks the manager to evict the shortfall (AgentControl.MakeRoom) and
+// waits for the FreeBlocks commands. Also as an adversary would try it: nothing evictable
+// (everything pinned) is RESOURCE_EXHAUSTED naming the pins and changes nothing; workers
+// racing for the last blocks never read another prompt's bytes, never double-free and
+// leak nothing; a worker that dies mid-store gets its blocks reaped.
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gpu/agent/server/agent.h"
+#include "gtest/gtest.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "server/service/manager_server.h"
+#include "tests/agent_test_util.h"
+#include "tests/cluster_test_util.h"
+
+namespace kvcm {
+namespace {
+
+using ::kvcm::testing::AllocateTo;
+using ::kvcm::testing::BlockAgentStub;
+using ::kvcm::testing::Bytes;
+using ::kvcm::testing::ConnectAndRegister;
+using ::kvcm::testing::Counts;
+using ::kvcm::testing::CountsOf;
+using ::kvcm::testing::FailedCommands;
+using ::kvcm::testing::FreeBlocksOf;
+using ::kvcm::testing::kBlockBytes;
+using ::kvcm::testing::MatchedBlocks;
+using ::kvcm::testing::MetricsHave;
+using ::kvcm::testing::ReadAll;
+using ::kvcm::testing::StartAgent;
+using ::kvcm::testing::StartManager;
+using ::kvcm::testing::Tokens;
+using ::kvcm::testing::WaitFor;
+using ::kvcm::testing::WriteAll;
+using ::testing::HasSubstr;
+
+constexpr uint32_t kPages = 3;  // pages per prompt
+
+// One worker store: Allocate -> WriteBlocks -> Insert, freeing the blocks when the insert
+// fails. Returns the first failing call's status.
+absl::Status Store(Client& client, v1::BlockAgent::Stub& agent, uint64_t epoch,
+                   const NamespaceId& ns, const std::vector<int32_t>& prompt,
+                   const std::string& bytes, const PoolRef& pool) {
+  std::vector<BlockId> ids;
+  std::vector<uint64_t> gens;
+  if (grpc::Status s = AllocateTo(agent, kPages, epoch, ns, &ids, &gens); !s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+  if (grpc::Status s = WriteAll(agent, ids, epoch, bytes, gens); !s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  }
+  absl::StatusOr<InsertReply> r = client.Insert(ns, prompt, pool, ids, {.agent_epoch = epoch});
+  if (!r.ok()) {
+    (void)testing::FreeAsWorker(agent, ids, epoch, gens);
+    return r.status();
+  }
+  return absl::OkStatus();
+}
+
+std::string AgentMetricsText(Agent& agent) { return agent.metrics().RenderText(); }
+
+class FullPoolTest : public ::testing::Test {
+ protected:
+  void SetUpCluster(uint64_t blocks) {
+    manager_ = StartManager();
+    agent_ = StartAgent(manager_->address(), blocks);
+    ASSERT_TRUE(WaitFor([&] { return agent_->registered(); }));
+    client_ = ConnectAndRegister(manager_->address(), ns_, agent_->pool().geometry().spec);
+    ASSERT_NE(client_, nullptr);
+    stub_ = BlockAgentStub(*agent_);
+  }
+  std::vector<int32_t> Prompt(int seed) const {
+    return Tokens(kPages, agent_->pool().geometry().spec.page_size_tokens, seed);
+  }
+
+  const NamespaceId ns_{"acme", "deepseek-v3"};
+  const PoolRef pool_{"gpu-3", Tier::kGpu};
+  std::unique_ptr<ManagerServer> manager_;
+  std::unique_ptr<Agent> agent_;
+  std::unique_ptr<Client> client_;
+  std::unique_ptr<v1::BlockAgent::Stub> stub_;
+};
+
+// The issue's repro: 3-page prompts into a 10-block pool. The fourth store used to fail
+// (and every later one); now each evicts exactly its shortfall by the manager's policy and
+// succeeds. Whatever the policy kept matches with its own bytes, the last prompt whole,
+// and the accounting is exact: committed blocks = indexed pages = stored - evicted.
+TEST_F(FullPoolTest, StoresIntoAFullPoolEvictTheShortfall) {
+  SetUpCluster(10);
+  constexpr int kPrompts = 8;
+  for (int i = 0; i < kPrompts; ++i) {
+    const absl::Status s = Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(i),
+                                 Bytes(kPages * kBlockBytes, i), pool_);
+    ASSERT_TRUE(s.ok()) << "store " << i << ": " << s;
+  }
+  uint64_t matched = 0;
+  for (int i = 0; i < kPrompts; ++i) {
+    const std::vector<BlockId> blocks = MatchedBlocks(*client_, ns_, Prompt(i));
+    if (i == kPrompts - 1) EXPECT_EQ(blocks.size(), kPages) << "the last store is cached";
+    if (blocks.empty()) continue;
+    matched += blocks.size();
+    absl::StatusOr<std::string> got = ReadAll(*stub_, blocks, agent_->epoch());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == Bytes(kPages * kBlockBytes, i).substr(0, blocks.size() * kBlockBytes))
+        << "prompt " << i << " has other bytes";
+  }
+  // Whole shortfalls only: the pool is full (0 or 1 block free: a node is the unit a
+  // policy that does not trim evicts).
+  EXPECT_GE(matched, 9u);
+  EXPECT_EQ(agent_->pool().Stats().committed_blocks, matched);
+  EXPECT_EQ(FreeBlocksOf(*stub_) + matched, 10u);
+  EXPECT_EQ(FailedCommands(*manager_), 0u);
+  const uint64_t evicted = kPrompts * kPages - matched;
+  EXPECT_TRUE(
+      MetricsHave(*manager_, absl::StrCat("kvcm_allocation_evicted_pages_total ", evicted)));
+  EXPECT_TRUE(MetricsHave(*manager_, "kvcm_allocation_room_refusals_total 0"));
+  const std::string agent_metrics = AgentMetricsText(*agent_);
+  EXPECT_THAT(agent_metrics,
+              HasSubstr(absl::StrCat("kvcm_agent_room_evicted_pages_total ", evicted)));
+  EXPECT_THAT(agent_metrics,
+              HasSubstr("kvcm_agent_allocation_failures_total{reason=\"pinned\"} 0"));
+}
+
+// Nothing evictable: every cached page pinned. The allocation is RESOURCE_EXHAUSTED with
+// the manager's reason (the pinned bytes) and nothing changes on either side; once the
+// pins go, the same allocation succeeds.
+TEST_F(FullPoolTest, AllPinnedIsResourceExhaustedNamingThePinsAndChangesNothing) {
+  SetUpCluster(10);
+  std::vector<PinnedPrefix> pins;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(i),
+                      Bytes(kPages * kBlockBytes, i), pool_)
+                    .ok());
+    absl::StatusOr<PinnedPrefix> pin = client_->MatchAndPin(ns_, Prompt(i));
+    ASSERT_TRUE(pin.ok()) << pin.status();
+    ASSERT_EQ(pin->match().matched_pages, kPages);
+    pins.push_back(*std::move(pin));
+  }
+  const Counts before = CountsOf(*client_, *stub_);
+  std::vector<BlockId> ids;
+  const grpc::Status refused = AllocateTo(*stub_, kPages, agent_->epoch(), ns_, &ids);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("asked for 3 blocks, 1 of 10 are free"));
+  EXPECT_THAT(refused.error_message(), HasSubstr("pinned"));
+  EXPECT_TRUE(ids.empty());
+  EXPECT_EQ(CountsOf(*client_, *stub_), before);
+  EXPECT_THAT(AgentMetricsText(*agent_),
+              HasSubstr("kvcm_agent_allocation_failures_total{reason=\"pinned\"} 1"));
+  EXPECT_TRUE(MetricsHave(*manager_, "kvcm_allocation_room_refusals_total 1"));
+
+  pins.clear();  // releases the pins
+  const grpc::Status after = AllocateTo(*stub_, kPages, agent_->epoch(), ns_, &ids);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  EXPECT_EQ(ids.size(), kPages);
+}
+
+// Blocks that are not the cache's (no namespace, or another owner epoch) never make the
+// manager evict: a short pool answers RESOURCE_EXHAUSTED at once.
+TEST_F(FullPoolTest, PrivateAllocationsNeverEvict) {
+  SetUpCluster(4);
+  ASSERT_TRUE(Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(1),
+                    Bytes(kPages * kBlockBytes, 1), pool_)
+                  .ok());
+  const Counts before = CountsOf(*client_, *stub_);
+  std::vector<BlockId> ids;
+  EXPECT_EQ(AllocateTo(*stub_, 2, /*owner_epoch=*/7, ns_, &ids).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(CountsOf(*client_, *stub_), before);
+  EXPECT_EQ(MatchedBlocks(*client_, ns_, Prompt(1)).size(), kPages);
+  EXPECT_THAT(AgentMetricsText(*agent_),
+              HasSubstr("kvcm_agent_allocation_failures_total{reason=\"private\"} 1"));
+}
+
+// Workers racing for the last blocks of a small pool, each loading (under a pin) what it
+// matched: every load reads exactly the bytes stored for its prompt, no command fails (no
+// double free), no store fails for want of room, and at the end the pool's blocks are the
+// index's pages plus free ones (nothing stranded, nothing leaked).
+TEST_F(FullPoolTest, RacingWorkersNeverReadOtherBytesAndLeakNothing) {
+  // Room for every worker's store in flight (3 blocks) and its pinned load (3) at once:
+  // what is allocated or pinned cannot be evicted.
+  SetUpCluster(26);
+  constexpr int kWorkers = 4;
+  constexpr int kStoresPerWorker = 6;
+  std::atomic<int> failed_stores{0};
+  std::atomic<int> wrong_bytes{0};
+  std::atomic<int> loads{0};
+  std::vector<std::thread> workers;
+  for (int w = 0; w < kWorkers; ++w) {
+    workers.emplace_back([&, w] {
+      std::unique_ptr<Client> client =
+          ConnectAndRegister(manager_->address(), ns_, agent_->pool().geometry().spec);
+      auto stub = BlockAgentStub(*agent_);
+      for (int i = 0; i < kStoresPerWorker; ++i) {
+        const int seed = 100 * w + i;
+        const absl::Status s = Store(*client, *stub, agent_->epoch(), ns_, Prompt(seed),
+                                     Bytes(kPages * kBlockBytes, seed), pool_);
+        if (!s.ok()) {
+          ADD_FAILURE() << "worker " << w << " store " << i << ": " << s;
+          ++failed_stores;
+          continue;
+        }
+        // Load an earlier prompt of this worker, as an engine would: match with a pin,
+        // read the blocks, release.
+        const int back = 100 * w + i / 2;
+        absl::StatusOr<PinnedPrefix> pin = client->MatchAndPin(ns_, Prompt(back));
+        if (!pin.ok() || pin->match().matched_pages != kPages) continue;  // evicted: a miss
+        const std::vector<BlockId>& blocks = pin->match().segments[0].replicas[0].block_ids;
+        absl::StatusOr<std::string> got = ReadAll(*stub, blocks, agent_->epoch());
+        ++loads;
+        if (!got.ok() || *got != Bytes(kPages * kBlockBytes, back)) ++wrong_bytes;
+      }
+    });
+  }
+  for (std::thread& t : workers) t.join();
+  EXPECT_EQ(failed_stores.load(), 0);
+  EXPECT_EQ(wrong_bytes.load(), 0) << "of " << loads.load() << " loads";
+  EXPECT_EQ(FailedCommands(*manager_), 0u);
+  absl::StatusOr<ManagerStats> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  uint64_t indexed = 0;
+  for (const auto& p : stats->pools) indexed += p.pages;
+  EXPECT_TRUE(WaitFor([&] {
+    return agent_->pool().Stats().committed_blocks == indexed &&
+           FreeBlocksOf(*stub_) + indexed == 26;
+  })) << "committed "
+      << agent_->pool().Stats().committed_blocks << " indexed " << indexed << " free "
+      << FreeBlocksOf(*stub_);
+  EXPECT_EQ(agent_->pool().Stats().held_blocks, 0u);
+}
+
+// A worker that dies between Allocate and Insert: its blocks come back after
+// allocation_ttl_ms, and a late write to them is ABORTED (its allocation ended).
+TEST(FullPoolTtlTest, AStoreAbandonedMidWayIsReaped) {
+  std::unique_ptr<ManagerServer> manager = StartManager();
+  AgentOptions o;
+  o.insecure = true;
+  o.agent_id = "gpu-3";
+  o.manager_address = manager->address();
+  o.use_device = false;
+  o.capacity_bytes = 4 * kBlockBytes;
+  o.heartbeat_interval_ms = 50;
+  o.allocation_ttl_ms = 1'000;
+  absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  ASSERT_TRUE(WaitFor([&] { return (*agent)->registered(); }));
+  auto stub = BlockAgentStub(**agent);
+  const NamespaceId ns{"acme", "deepseek-v3"};
+  std::vector<BlockId> ids;
+  std::vector<uint64_t> gens;
+  ASSERT_TRUE(AllocateTo(*stub, 3, (*agent)->epoch(), ns, &ids, &gens).ok());
+  // Blocks of another owner (a worker's private ones) are its own business: never reaped.
+  std::vector<BlockId> mine;
+  ASSERT_TRUE(testing::AllocateTo(*stub, 1, (*agent)->epoch() + 1, ns, &mine).ok());
+  EXPECT_EQ(FreeBlocksOf(*stub), 0u);
+  ASSERT_TRUE(WaitFor([&] { return FreeBlocksOf(*stub) == 3; }));
+  const grpc::Status late =
+      WriteAll(*stub, ids, (*agent)->epoch(), Bytes(3 * kBlockBytes, 1), gens);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED) << late.error_message();
+}
+
+}  // namespace
+}  // namespace kvcm
