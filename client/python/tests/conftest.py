@@ -236,6 +236,19 @@ def client(manager: Manager) -> Iterator[kvcm.Client]:
         yield c
 
 
+def scrape_metric(address: str, name: str) -> float:
+    """A Prometheus metric at http://address/metrics (a manager's or an agent's
+    --metrics_address), summed over its label sets; 0 when absent."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
+
+
 def prompt(n: int, seed: int = 7) -> List[int]:
     """n pseudo-random token ids."""
     rng = random.Random(seed)

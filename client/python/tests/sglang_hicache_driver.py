@@ -413,5 +413,87 @@ def mla_latent_pages(out: Dict[str, Any]) -> None:
     m.close()
 
 
+FULL_PROMPTS = 20  # 2 shared + 40 own pages into the small pool
+# Then earlier prompts again: the last two (kept whole), the oldest (their own pages
+# evicted), one twice (stored again by its first lookup's miss).
+FULL_SECOND_PASS = (19, 18, 0, 1, 5, 19, 2, 0)
+
+
+def full_pool_tokens(j: int) -> List[int]:
+    """One of two system pages (alternately), then 2 pages of prompt j's own."""
+    system = [((j % 2) * 7919 + i * 31 + 7) % 32000 for i in range(PAGE)]
+    return system + [(j * 104729 + i * 37 + 3) % 32000 for i in range(2 * PAGE)]
+
+
+@scenario
+def full_pool(out: Dict[str, Any]) -> None:
+    """Agent "small" holds CFG["small_pages"] pages, a fraction of what SGLang's backups
+    (HiCacheController._page_backup) store here: every backup completes, also long after
+    the pool filled (the agent's Allocate waits while the manager evicts by its policy).
+    Then SGLang's prefetch of earlier prompts (_storage_hit_query: batch_exists; then
+    _page_transfer: batch_get) hits exactly the leading pages the manager's index holds
+    (a probe Match of each key, asked here directly), with the bytes stored; a prompt
+    that missed is backed up again, evicting others."""
+    pool = mha_host_pool()
+    s = attach("small", pool, model=CFG["model"] + "-full")
+    c = controller(s, pool)
+    probe = kvcm.Client(CFG["manager"], insecure=True)
+    probe.register_model(s.ns, s.spec)
+    key = probe._require_key(s.ns).key
+    from kvcm.sglang.hicache import page_hash
+
+    def held(toks: List[int]) -> int:
+        """Leading pages of the prompt the manager's index has on agent small."""
+        n = 0
+        for k in get_storage_hash_str(toks, None, page_size=PAGE):
+            m = probe.match(s.ns, page_hashes=[page_hash(key, k)], requester_agent_id="small",
+                            probe=True)
+            if m.local_pages == 0:
+                break
+            n += 1
+        return n
+
+    # A system page's KV is the same in every prompt that starts with it.
+    system = {g: fill(pool, 1) for g in (0, 1)}
+    src: Dict[int, torch.Tensor] = {}
+    stored: List[int] = []
+    for j in range(FULL_PROMPTS):
+        src[j] = fill(pool, 3)
+        pool.set_from_flat_data_page(src[j][0], pool.get_data_page(system[j % 2][0],
+                                                                   flat=True))
+        before = s.counters["stored_pages"]
+        assert backup(c, src[j], full_pool_tokens(j)) == 3 * PAGE, (j, s.counters)
+        stored.append(s.counters["stored_pages"] - before)
+    out["stored_per_prompt"] = stored
+    out["held_after_first_pass"] = [held(full_pool_tokens(j)) for j in range(FULL_PROMPTS)]
+
+    # The pool is full; backing up the last prompt again, which it holds whole, allocates
+    # no block, so it evicts nothing.
+    from kvcm._proto.v1 import agent_pb2
+    assert s._agent.Stats(agent_pb2.BlockAgentStatsRequest()).free_blocks == 0
+    last = FULL_PROMPTS - 1
+    assert backup(c, src[last], full_pool_tokens(last)) == 3 * PAGE
+    assert [held(full_pool_tokens(j)) for j in range(FULL_PROMPTS)] == \
+        out["held_after_first_pass"]
+
+    hits: List[int] = []
+    for j in FULL_SECOND_PASS:
+        toks = full_pool_tokens(j)
+        want = held(toks)
+        hit, done, dst = prefetch(c, pool, toks)
+        assert (hit, done) == (want * PAGE, want), (j, hit, done, want, s.counters)
+        for i in range(done):
+            assert page_bytes(pool, dst, i) == page_bytes(pool, src[j], i), (j, i)
+        pool.free(dst)
+        hits.append(done)
+        if done < 3:  # SGLang computes the rest and backs the prompt up again
+            assert backup(c, src[j], toks) == 3 * PAGE, (j, s.counters)
+    out["second_pass_hits"] = hits
+    out["counters"] = s.counters
+    out["namespace"] = [s.ns.tenant, s.ns.model]
+    probe.close()
+    s.close()
+
+
 with open(sys.argv[2], "w") as f:
     json.dump(RESULTS, f, indent=1)

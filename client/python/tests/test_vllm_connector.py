@@ -6,7 +6,9 @@ gpu1's local socket: the agent copies into B's registered KV memory); both write
 the connector writes. Then every failure the connector must survive, each ending in a
 recompute with the same output: the pin lost and the blocks reused for other pages while B
 loads, B's agent killed while B loads, an engine restarted, a layout mismatch refused at
-start, and another tenant with the same prompt.
+start, and another tenant with the same prompt. Last, an engine whose agent's pool is a
+small fraction of its workload keeps storing after the pool fills (the agent has the
+manager evict), and each prompt hits what an index-only replay of its calls keeps.
 
 The connector runs in vLLM's environment ($KVCM_VLLM_PYTHON) and imports the kvcm package
 under test (this environment's, put on vLLM's PYTHONPATH alone: its stubs load with vLLM's
@@ -33,6 +35,7 @@ from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
+from conftest import scrape_metric as metric
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,7 +51,8 @@ def prompt(seed: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
 
 
-def start_agent(cluster: dict, agent_id: str) -> Process:
+def start_agent(cluster: dict, agent_id: str, capacity_bytes: int = 4 << 20,
+                extra: tuple[str, ...] = ()) -> Process:
     port = free_port()
     # The tiny Llama's layout: 2 layers, 4 heads, 2 KV heads of 64, bf16, vLLM's blocks.
     agent = Process([cluster["agent_bin"], "--insecure", f"--agent_id={agent_id}",
@@ -56,9 +60,9 @@ def start_agent(cluster: dict, agent_id: str) -> Process:
                      f"--listen_address=127.0.0.1:{port}", "--use_device=false",
                      "--model=", "--attention=gqa", "--num_layers=2", "--num_heads=4",
                      "--num_kv_heads=2", "--head_dim=64", "--kv_dtype=bf16",
-                     f"--page_size_tokens={BLOCK_SIZE}", "--capacity_bytes=4194304",
+                     f"--page_size_tokens={BLOCK_SIZE}", f"--capacity_bytes={capacity_bytes}",
                      "--heartbeat_interval_ms=200",
-                     f"--local_socket={cluster['workdir'] / (agent_id + '.sock')}"],
+                     f"--local_socket={cluster['workdir'] / (agent_id + '.sock')}", *extra],
                     cluster["workdir"] / f"{agent_id}.log")
     cluster["agents"][agent_id] = agent
     cluster["agent_address"][agent_id] = f"127.0.0.1:{port}"
@@ -77,6 +81,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     manager = ManagerProcess(manager_bin, workdir / "manager")
     cluster = {"workdir": workdir, "python": vllm_python, "pythonpath": str(pythonpath),
                "manager": manager, "model_dir": model_dir, "agent_bin": agent_bin,
+               "manager_bin": manager_bin,
                "agents": {}, "agent_address": {}, "engines": {}, "client": None}
     try:
         manager.start()
@@ -95,14 +100,16 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
 
 
 def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
-           gate: Path | None = None, local: bool = False) -> VllmEngine:
+           gate: Path | None = None, local: bool = False,
+           options: dict | None = None) -> VllmEngine:
     """A vLLM server; with `agent`, kvcm's connector on that agent (None: a plain engine),
-    moving bytes through the agent's local socket (`local`) or its gRPC port."""
+    moving bytes through the agent's local socket (`local`) or its gRPC port. `options`:
+    more kv_connector_extra_config."""
     args: tuple[str, ...] = ("--seed", "0", "--load-format", "safetensors")
     if agent is not None:
         extra = {"manager_address": cluster["manager"].address, "agent_id": agent,
                  "agent_address": cluster["agent_address"][agent], "tenant": tenant,
-                 "model": MODEL_NAME, "lease_ttl_ms": 1000}
+                 "model": MODEL_NAME, "lease_ttl_ms": 1000, **(options or {})}
         if gate is not None:
             extra["test_load_gate"] = str(gate)
         if local:
@@ -331,3 +338,185 @@ def test_two_tenants_with_the_same_prompt_never_share_kv(cluster, engines) -> No
     assert "KvcmConnector: loaded" not in e.log_path.read_text(errors="replace")
     # globex stored its own copy under its own namespace.
     wait_stored(cluster, "gpu0", p, e, tenant="globex")
+
+
+# ---- a kvcm pool much smaller than the workload --------------------------------------------
+
+FULL_POOL_AGENT = "small"
+FULL_POOL_BLOCKS = 12
+FULL_POOL_PROMPTS = 30  # 4 shared + 60 own blocks: the pool fills 5 times over
+# Then earlier prompts again: the last four (kept whole), older ones of one system part
+# (their own blocks evicted: the shared part hits), whose stores evict the other system
+# part, which prompt 1 then misses entirely.
+SECOND_PASS = (29, 28, 26, 27, 0, 2, 4, 6, 8, 1, 29)
+
+
+def full_pool_prompt(j: int) -> list[int]:
+    """One of two 2-block system parts (alternately), then 2 blocks of prompt j's own and
+    5 tokens."""
+    system = [((j % 2) * 7919 + i * 31 + 11) % 1000 for i in range(2 * BLOCK_SIZE)]
+    own = [(j * 104729 + i * 37 + 5) % 1000
+           for i in range((PROMPT_BLOCKS - 2) * BLOCK_SIZE + 5)]
+    return system + own
+
+
+# The manager's policy here is lru, not the default "conversation": conversation shifts
+# recency by the wall-clock gaps it learns between a context's returns (typical_gap_s), so
+# an index-only replay, which cannot run at the engine's pace, may rank two close leaves the
+# other way. lru ranks by the order of accesses alone, which the replay reproduces exactly.
+# (test_sglang_hicache.py's full-pool scenario runs under the default policy.)
+FULL_POOL_POLICY = "lru"
+
+
+@pytest.fixture(scope="module")
+def full_pool(cluster) -> Iterator[dict]:
+    """Its own manager (lru) and an agent whose pool holds FULL_POOL_BLOCKS blocks, both
+    exporting metrics, and an engine with the connector on that agent."""
+    workdir = cluster["workdir"] / "full-pool"
+    workdir.mkdir()
+    metrics = {"manager": f"127.0.0.1:{free_port()}", "agent": f"127.0.0.1:{free_port()}"}
+    manager = ManagerProcess(cluster["manager_bin"], workdir / "manager",
+                             flags=(f"--policy={FULL_POOL_POLICY}",
+                                    f"--metrics_address={metrics['manager']}"))
+    fp = dict(cluster, workdir=workdir, manager=manager, agents={}, agent_address={},
+              engines={}, client=None, metrics=metrics)
+    try:
+        manager.start()
+        fp["client"] = kvcm.Client(manager.address, insecure=True)
+        start_agent(fp, FULL_POOL_AGENT, capacity_bytes=FULL_POOL_BLOCKS * BLOCK_BYTES,
+                    extra=(f"--metrics_address={metrics['agent']}",))
+        # A pin that outlives any slow step and Routes and Inserts that never time out on a
+        # loaded machine: either would be a miss or a lost store the replay does not have.
+        fp["engine"] = engine(fp, "full", agent=FULL_POOL_AGENT,
+                              options={"lease_ttl_ms": 60_000, "request_deadline_ms": 10_000})
+        fp["engine"].start()
+        yield fp
+    finally:
+        for e in fp["engines"].values():
+            e.stop()
+        if fp["client"] is not None:
+            fp["client"].close()
+        for agent in fp["agents"].values():
+            agent.stop()
+        manager.stop()
+
+
+def replay_index_only(fp: dict, sequence: list[int]) -> dict:
+    """The connector's manager calls for `sequence`, in its order, on a fresh manager (same
+    policy) whose pool of the same capacity is index-only (no agent): per prompt a pinned
+    Match of its loadable pages (the connector's Route), an Insert of its whole pages when
+    some are missing (the connector's Allocate evicts the shortfall, its Insert commits;
+    here the Insert evicts the same shortfall), then the Release. Per-prompt hit pages,
+    pages evicted, and the pages each distinct prompt still has at the end."""
+    pool = next(p.pool for p in fp["client"].stats().pools
+                if p.pool.agent_id == FULL_POOL_AGENT)
+    spec = next(n.spec for n in fp["client"].stats().namespaces
+                if (n.namespace.tenant, n.namespace.model) == (TENANT, MODEL_NAME))
+    manager = ManagerProcess(fp["manager_bin"], fp["workdir"] / "replay",
+                             flags=(f"--policy={FULL_POOL_POLICY}",
+                                    f"--default_pool_capacity_bytes="
+                                    f"{FULL_POOL_BLOCKS * BLOCK_BYTES}"))
+    manager.start()
+    ns = (TENANT, MODEL_NAME)
+    out: dict = {"hits": [], "held": {}}
+    try:
+        with kvcm.Client(manager.address, insecure=True) as c:
+            c.register_model(ns, spec)
+            next_block = 0
+            for j in sequence:
+                p = full_pool_prompt(j)[:PROMPT_BLOCKS * BLOCK_SIZE]
+                m = c.match(ns, p, requester_agent_id=FULL_POOL_AGENT, pin=True,
+                            lease_ttl_ms=60_000)
+                out["hits"].append(m.local_pages)
+                if m.local_pages < PROMPT_BLOCKS:
+                    c.insert(ns, p, pool, range(next_block, next_block + PROMPT_BLOCKS))
+                    next_block += PROMPT_BLOCKS
+                if m.pin_id:
+                    c.release(ns, m.pin_id)
+            out["evicted_pages"] = c.stats().counters.evicted_pages
+            for j in set(sequence):
+                out["held"][j] = c.match(ns, full_pool_prompt(j),
+                                         requester_agent_id=FULL_POOL_AGENT,
+                                         probe=True).local_pages
+    finally:
+        manager.stop()
+    return out
+
+
+def test_stores_go_on_in_a_full_pool_and_hits_follow_the_policy(full_pool) -> None:
+    fp, e = full_pool, full_pool["engine"]
+    sequence = [*range(FULL_POOL_PROMPTS), *SECOND_PASS]
+    hits = []
+    start = time.monotonic()
+    for j in sequence:
+        p = full_pool_prompt(j)
+        # vLLM's own prefix cache would answer before kvcm: emptied, every hit is kvcm's.
+        e.reset_prefix_cache()
+        hits.append(cached_tokens_of(e.complete(p)) // BLOCK_SIZE)
+        # kv_both inserts in the background: the next request must see this one's pages,
+        # as the replay's does (and the last prompts' pages are in the index).
+        wait_stored(fp, FULL_POOL_AGENT, p, e)
+    print(f"{len(sequence)} requests in {time.monotonic() - start:.1f} s; hit blocks:", hits)
+
+    # The connector stored every prompt's missing blocks, after the pool filled too.
+    log = e.log_path.read_text(errors="replace")
+    for failure in ("store of", "background insert failed", "stores skipped", "match failed"):
+        assert failure not in log, e.log_tail()
+    stores = [line for line in log.splitlines() if "KvcmConnector: stored" in line]
+    assert len(stores) == sum(1 for h in hits if h < PROMPT_BLOCKS), e.log_tail()
+    stored_pages = sum(PROMPT_BLOCKS - h for h in hits)
+    assert stored_pages > 5 * FULL_POOL_BLOCKS
+
+    # Every stored page the pool no longer holds was evicted for the agent's allocations
+    # (lru evicts whole radix nodes, so the pool may end a page or two short of full), and
+    # the agent's free blocks are exactly those the index does not hold: none leaked.
+    m, a = fp["metrics"]["manager"], fp["metrics"]["agent"]
+    evicted = metric(m, "kvcm_allocation_evicted_pages_total")
+    stats = fp["client"].stats()
+    pool = next(p for p in stats.pools if p.pool.agent_id == FULL_POOL_AGENT)
+    agent = next(x for x in stats.agents if x.agent_id == FULL_POOL_AGENT)
+    print(f"stored {stored_pages} pages into {FULL_POOL_BLOCKS} blocks; evicted {evicted:.0f}; "
+          f"room made {metric(m, 'kvcm_allocation_room_total'):.0f} times; "
+          f"{pool.pages} pages held at the end")
+    assert FULL_POOL_BLOCKS - 2 <= pool.pages <= FULL_POOL_BLOCKS
+    assert evicted == stored_pages - pool.pages
+    assert agent.free_blocks == FULL_POOL_BLOCKS - pool.pages
+    assert metric(m, "kvcm_pages_evicted_total") == evicted
+    assert metric(m, "kvcm_allocation_room_total") > 0
+    assert metric(m, "kvcm_allocation_room_refusals_total") == 0
+    assert metric(a, "kvcm_agent_room_allocations_total") > 0
+    assert metric(a, "kvcm_agent_room_evicted_pages_total") == evicted
+    assert metric(a, "kvcm_agent_allocation_failures_total") == 0
+
+    # The engine hit, prompt by prompt, what an index-only replay of the same calls keeps.
+    replay = replay_index_only(fp, sequence)
+    print("replay's hit blocks:", replay["hits"])
+    assert hits == replay["hits"]
+    assert replay["evicted_pages"] == evicted
+    held = {j: local_pages(fp, FULL_POOL_AGENT, full_pool_prompt(j)) for j in set(sequence)}
+    assert held == replay["held"]
+    # The second pass hit what the policy kept and missed what it evicted; every hit was
+    # loaded from the agent.
+    second = hits[FULL_POOL_PROMPTS:]
+    assert PROMPT_BLOCKS in second and 0 in second and 2 in second, second
+    assert log.count("KvcmConnector: loaded") == sum(1 for h in hits if h > 0)
+
+    # A prompt vLLM's own cache holds (the last one) is not stored again: the copy would
+    # evict other prompts' pages from the full pool only to be freed as a duplicate.
+    before = {name: metric(m, name) for name in ("kvcm_allocation_room_total",
+                                                 "kvcm_pages_evicted_total")}
+    # (A store's Allocate, which is what evicts, is done before vLLM answers.)
+    assert cached_tokens_of(e.complete(full_pool_prompt(sequence[-1]))) == \
+        PROMPT_BLOCKS * BLOCK_SIZE
+    assert {name: metric(m, name) for name in before} == before
+    assert {j: local_pages(fp, FULL_POOL_AGENT, full_pool_prompt(j))
+            for j in set(sequence)} == held
+    # Those 3 blocks and one more that ends the prompt: only the new block is stored.
+    boundary = full_pool_prompt(sequence[-1])[:3 * BLOCK_SIZE] + [7] * BLOCK_SIZE
+    stored = log_count(e, "KvcmConnector: stored")
+    assert cached_tokens_of(e.complete(boundary)) == 3 * BLOCK_SIZE
+    wait_stored(fp, FULL_POOL_AGENT, boundary, e)
+    wait_for_log(e, "KvcmConnector: stored", stored + 1)
+    assert log_count(e, "stored 1 new pages") == 1, e.log_tail()
+    # lru frees whole radix nodes: the shortfall of 1 block may cost one 2-block node.
+    assert metric(m, "kvcm_pages_evicted_total") - before["kvcm_pages_evicted_total"] <= 2

@@ -14,9 +14,11 @@ page hash is SipHash128(key_ns, "kvcm/sglang/v1" || le32(len) || key): keyed by 
 namespace, so another tenant (or model, layout, TP shard: see namespace_of) never derives
 the same page, and domain-separated from kvcm's token pages. See docs/ENGINES.md.
 
-Store (set, batch_set, batch_set_v1): Allocate blocks on the local agent, WriteBlocks,
-Insert each page into the agent's pool (the manager commits the blocks through the agent's
-ledger); a page the pool already holds frees the new copy. Get: Match with pin and lease;
+Store (set, batch_set, batch_set_v1): pages the local pool holds already (a probe Match
+each) are not stored again; for the others Allocate blocks on the local agent (in a full
+pool the agent has the manager evict by its policy first), WriteBlocks, Insert each page
+into the agent's pool (the manager commits the blocks through the agent's ledger); a page
+another writer stored meanwhile frees the new copy. Get: Match with pin and lease;
 a local replica is read with ReadBlocks; a replica on another agent is first pulled into
 the local agent with BlockAgent.Fetch (pinned source), then pinned again and read locally.
 Every pin is released after its read. Exists: Match probe (changes nothing).
@@ -248,6 +250,24 @@ class KvcmHiCacheStorage(HiCacheStorage):
     # ---- store --------------------------------------------------------------------------
 
     def _store(self, keys: Sequence[str], pages: Sequence[bytes]) -> List[bool]:
+        """Stores the pages the local pool does not hold yet (a probe Match each): a block
+        allocated for a page already held would be freed as a duplicate, and in a full pool
+        its allocation would first have evicted another page."""
+        ok = [False] * len(keys)
+        new = []
+        for i, key in enumerate(keys):
+            match = self._match(self._hash(key), pin=False)
+            if match.matched_pages and any(r.pool == self._pool for r in match.pages[0]):
+                self._count("already_present_pages")
+                ok[i] = True
+            else:
+                new.append(i)
+        stored = self._store_new([keys[i] for i in new], [pages[i] for i in new])
+        for i, done in zip(new, stored):
+            ok[i] = done
+        return ok
+
+    def _store_new(self, keys: Sequence[str], pages: Sequence[bytes]) -> List[bool]:
         """Writes pages into new blocks of the local agent and inserts each under its key."""
         if not keys:
             return []

@@ -350,8 +350,18 @@ class KvcmConnector(KVConnectorBase_V1):
         loadable = (len(tokens) - 1) // self._block_size
         # kv_producer matches too, though it never loads: the pages its agent holds
         # already are not stored again.
-        if loadable == 0 or (self._loads() and loadable * self._block_size <= num_computed_tokens):
+        if loadable == 0:
             return 0, False
+        if self._loads() and loadable * self._block_size <= num_computed_tokens:
+            # vLLM's own cache holds every loadable page: nothing to load. Those pages were
+            # stored when they were computed; storing them again without the agent's blocks
+            # would allocate (in a full pool: evict other prompts' pages) only to free
+            # duplicates. Only a last page computed now (a prompt ending on a page
+            # boundary) is stored, after the match below names the blocks before it.
+            whole = len(tokens) // self._block_size
+            if whole == loadable or not self._stores():
+                state.stored_pages = whole
+                return 0, False
         try:
             hit = self._match(state, tokens[: loadable * self._block_size])
         except Exception as e:  # noqa: BLE001 - any failure: recompute
