@@ -126,6 +126,15 @@ ABSL_FLAG(bool, crossval_fixed_params, false,
           "choosing from the grids (for development on the train part).");
 ABSL_FLAG(std::string, crossval_extra_traces, "",
           "--crossval: extra Mooncake-format traces for the test part, comma-separated.");
+ABSL_FLAG(std::string, backing, "index",
+          "What backs each agent pool: index (the index alone; Insert evicts the shortfall), "
+          "agent (a real agent BlockLedger per GPU and HOST pool, in process, and the worker's "
+          "Allocate -> EvictForAllocation when short -> Commit -> Insert path; issue 33) or both "
+          "(each cell both ways, and a table of their token hit rates).");
+ABSL_FLAG(int32_t, agent_full_check_every, 1,
+          "--backing=agent: a full ledger-against-index check every this many requests (and "
+          "after the last; 0: after the last only); the others check counts and the request's "
+          "own blocks.");
 ABSL_FLAG(double, regret_window_s, 300,
           "An eviction is regretted when its page is asked for again within this many "
           "simulated seconds.");
@@ -199,6 +208,11 @@ looked up by Match + pages passed to Insert + pages evicted) / wall time inside 
 calls, as kvcm_core_bench counts them. A table on stdout; --json and --csv write files;
 scripts/plot_hit_rate.py draws the CSV (needs `pip install matplotlib`).
 
+With --backing=agent the pools are backed by the agent's real block ledger (in process) and
+each request stores its pages as a worker does: Allocate the blocks its GPU's pool lacks;
+when the agent is short, the manager's EvictForAllocation evicts the shortfall and the
+victims' blocks are freed; Commit; Insert. --backing=both runs every cell both ways.
+
   kvcm-bench --crossval [--csv=out.csv]
 
 runs lru, cost, adaptive, density, conversation and opt at 1-20 % over a train part and a
@@ -236,6 +250,18 @@ absl::StatusOr<std::vector<double>> ParseFractions(const std::string& text) {
     out.push_back(v);
   }
   return out;
+}
+
+// --backing: index, agent, or both (index first).
+absl::StatusOr<std::vector<PoolBacking>> BackingsFromFlag() {
+  const std::string name = absl::GetFlag(FLAGS_backing);
+  if (name == "both") return std::vector<PoolBacking>{PoolBacking::kIndexOnly, PoolBacking::kAgent};
+  absl::StatusOr<PoolBacking> backing = ParsePoolBacking(name);
+  if (!backing.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backing: \"", name, "\" is none of index, agent, both"));
+  }
+  return std::vector<PoolBacking>{*backing};
 }
 
 // The catalogue model --model in --kv_dtype; its page size is set per workload.
@@ -367,6 +393,12 @@ int Main(int argc, char** argv) {
     modes.push_back(*mode);
   }
   if (modes.empty()) modes.push_back(ClusterMode::kGlobal);
+  absl::StatusOr<std::vector<PoolBacking>> backings = BackingsFromFlag();
+  if (!backings.ok()) return Fail(backings.status());
+  const int32_t full_check_every = absl::GetFlag(FLAGS_agent_full_check_every);
+  if (full_check_every < 0) {
+    return Fail(absl::InvalidArgumentError("--agent_full_check_every must not be negative"));
+  }
 
   absl::StatusOr<std::vector<Trace>> traces = LoadWorkloads(smoke);
   if (!traces.ok()) return Fail(traces.status());
@@ -380,6 +412,7 @@ int Main(int argc, char** argv) {
   base.regret_window = absl::Seconds(absl::GetFlag(FLAGS_regret_window_s));
   base.reuse_credit = absl::Seconds(absl::GetFlag(FLAGS_reuse_credit_s));
   base.host_capacity_fraction = absl::GetFlag(FLAGS_host_capacity);
+  base.agent_full_check_every = static_cast<uint32_t>(full_check_every);
   base.density = DensityParams{
       .reuse_classes = static_cast<uint32_t>(absl::GetFlag(FLAGS_density_reuse_classes)),
       .lru_guard = absl::GetFlag(FLAGS_density_lru_guard)};
@@ -467,35 +500,41 @@ int Main(int argc, char** argv) {
   std::fflush(stdout);
 
   std::vector<ResultRow> rows;
-  ProgressBar progress(traces->size() * modes.size() * policies->size() * capacities->size());
+  ProgressBar progress(traces->size() * modes.size() * policies->size() * capacities->size() *
+                       backings->size());
   for (const Trace& trace : *traces) {
     for (ClusterMode mode : modes) {
       for (const std::string& policy : *policies) {
         for (double capacity : *capacities) {
-          ReplayOptions options = base;
-          options.spec = *spec;
-          options.spec.page_size_tokens = trace.page_size_tokens;
-          options.policy = policy;
-          options.capacity_fraction = capacity;
-          options.mode = mode;
-          const size_t run = rows.size();
-          const std::string label =
-              absl::StrCat(trace.name, " ", policy, " ", capacity, " ", ClusterModeName(mode));
-          options.progress = [&](size_t done, size_t total) {
-            progress.Update(run, label, done, total);
-          };
-          absl::StatusOr<ReplayResult> result = Replay(trace, options);
-          if (!result.ok()) {
-            return Fail(absl::Status(result.status().code(),
-                                     absl::StrCat(label, ": ", result.status().message())));
+          for (PoolBacking backing : *backings) {
+            ReplayOptions options = base;
+            options.spec = *spec;
+            options.spec.page_size_tokens = trace.page_size_tokens;
+            options.policy = policy;
+            options.capacity_fraction = capacity;
+            options.mode = mode;
+            options.backing = backing;
+            const size_t run = rows.size();
+            const std::string label =
+                absl::StrCat(trace.name, " ", policy, " ", capacity, " ", ClusterModeName(mode),
+                             " ", PoolBackingName(backing));
+            options.progress = [&](size_t done, size_t total) {
+              progress.Update(run, label, done, total);
+            };
+            absl::StatusOr<ReplayResult> result = Replay(trace, options);
+            if (!result.ok()) {
+              return Fail(absl::Status(result.status().code(),
+                                       absl::StrCat(label, ": ", result.status().message())));
+            }
+            rows.push_back(ResultRow{.workload = trace.name,
+                                     .policy = policy,
+                                     .capacity_fraction = capacity,
+                                     .mode = std::string(ClusterModeName(mode)),
+                                     .gpus = base.gpus,
+                                     .route = std::string(RoutePolicyName(*route)),
+                                     .backing = std::string(PoolBackingName(backing)),
+                                     .result = *result});
           }
-          rows.push_back(ResultRow{.workload = trace.name,
-                                   .policy = policy,
-                                   .capacity_fraction = capacity,
-                                   .mode = std::string(ClusterModeName(mode)),
-                                   .gpus = base.gpus,
-                                   .route = std::string(RoutePolicyName(*route)),
-                                   .result = *result});
         }
       }
     }
@@ -503,6 +542,7 @@ int Main(int argc, char** argv) {
   progress.Finish();
 
   std::fputs(FormatTable(rows).c_str(), stdout);
+  if (backings->size() == 2) std::fputs(FormatBackingComparison(rows).c_str(), stdout);
   const std::pair<std::string, std::string> config[] = {
       {"model", absl::GetFlag(FLAGS_model)},
       {"kv_dtype", absl::GetFlag(FLAGS_kv_dtype)},
@@ -515,6 +555,8 @@ int Main(int argc, char** argv) {
       {"mooncake_partial", absl::GetFlag(FLAGS_mooncake_partial)},
       {"request_rate", absl::StrCat(absl::GetFlag(FLAGS_request_rate))},
       {"seed", absl::StrCat(absl::GetFlag(FLAGS_seed))},
+      {"backing", absl::GetFlag(FLAGS_backing)},
+      {"agent_full_check_every", absl::StrCat(full_check_every)},
       {"smoke", smoke ? "true" : "false"},
       {"machine", MachineSummary()},
   };

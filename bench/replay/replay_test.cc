@@ -1,6 +1,7 @@
 // kvcm_replay_test: the replay simulator's readers, generators and oracle, and the
 // replay's correctness over the real CacheIndex: the Mooncake trace's published unbounded
-// hit rate, opt as an upper bound of every policy, and budgets that never exceed capacity.
+// hit rate, opt as an upper bound of every policy, budgets that never exceed capacity, and
+// the worker's path on agent ledgers (PoolBacking::kAgent) against the index-only replay.
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/service/server_options.h"
 
 namespace kvcm::bench {
 namespace {
@@ -588,6 +590,106 @@ TEST(ReplayTest, RejectsBadOptions) {
   options.route = RoutePolicy::kPrefillSaved;
   EXPECT_THAT(Replay(trace, options).status().message(), HasSubstr("global index"));
   EXPECT_FALSE(ParseClusterMode("mesh").ok());
+  options.route = RoutePolicy::kRoundRobin;
+  options.backing = PoolBacking::kAgent;
+  absl::StatusOr<ModelSpec> llama = FindModel("llama-3-8b");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  llama->page_size_tokens = 16;
+  options.extra_specs = {*llama};  // another block size than the pool's
+  EXPECT_THAT(Replay(trace, options).status().message(), HasSubstr("one size"));
+  EXPECT_FALSE(ParsePoolBacking("disk").ok());
+}
+
+// ---------------------------------------------------------------- agent-backed pools
+
+// Both ways, the same options but the backing; the agent's replay checks its ledgers
+// against the index in full after every request.
+struct BothWays {
+  ReplayResult index;
+  ReplayResult agent;
+};
+
+BothWays ReplayBothWays(const Trace& trace, ReplayOptions options) {
+  BothWays out;
+  options.backing = PoolBacking::kIndexOnly;
+  absl::StatusOr<ReplayResult> index = Replay(trace, options);
+  EXPECT_TRUE(index.ok()) << index.status();
+  options.backing = PoolBacking::kAgent;
+  options.agent_full_check_every = 1;
+  absl::StatusOr<ReplayResult> agent = Replay(trace, options);
+  EXPECT_TRUE(agent.ok()) << agent.status();
+  if (index.ok()) out.index = *index;
+  if (agent.ok()) out.agent = *agent;
+  return out;
+}
+
+// Issue 33: a worker's store (Allocate on its agent, EvictForAllocation when the agent is
+// short, Commit, Insert) keeps the hit rate of the index-only replay, whose Insert evicts, to
+// 0.1 point: on a generated multi-turn workload and the first 2,000 requests of the bundled
+// trace, for lru and the manager's default policy, at two capacities where pools fill up.
+TEST(AgentBackedReplayTest, HitRatesEqualTheIndexOnlyReplay) {
+  absl::StatusOr<Trace> mooncake = ReadMooncakeTrace(KVCM_MOONCAKE_TRACE, {.max_requests = 2000});
+  ASSERT_TRUE(mooncake.ok()) << mooncake.status();
+  const struct {
+    Trace trace;
+    std::vector<double> capacities;
+  } cases[] = {{SmallTraces()[2], {0.15, 0.3}}, {*mooncake, {0.02, 0.1}}};
+  for (const auto& c : cases) {
+    for (const std::string& policy : {std::string("lru"), ServerOptions{}.policy}) {
+      for (double capacity : c.capacities) {
+        SCOPED_TRACE(absl::StrCat(c.trace.name, " ", policy, " ", capacity));
+        ReplayOptions options;
+        options.spec = Spec(c.trace.page_size_tokens);
+        options.policy = policy;
+        options.capacity_fraction = capacity;
+        const BothWays r = ReplayBothWays(c.trace, options);
+        EXPECT_NEAR(r.agent.TokenHitRate(), r.index.TokenHitRate(), 0.001);
+        EXPECT_GT(r.agent.evicted_pages, 0u);
+        EXPECT_EQ(r.agent.failed_inserts, 0u);
+        EXPECT_EQ(r.index.failed_inserts, 0u);
+        // The pools really filled: agents were short, and the index made room for them.
+        EXPECT_GT(r.agent.short_allocations, 0u);
+        EXPECT_GT(r.agent.allocation_evicted_pages, 0u);
+        EXPECT_EQ(r.agent.allocation_room_refusals, 0u);
+        EXPECT_EQ(r.agent.agent_full_checks, c.trace.requests.size() + 1);
+        EXPECT_EQ(r.agent.lease_expiries, 0u);
+      }
+    }
+  }
+}
+
+// Two GPUs in both cluster modes (transfers in global mode), and a HOST tier the "cost"
+// policy demotes into: the ledgers stay in step with the index (the HOST ledger takes the
+// demoted copies, AssignBlocks records them), and the hit rate is the index-only replay's.
+// Every demotion here succeeds; one the agent cannot carry out (its HOST pool short) is
+// abandoned, which the index-only replay never does, and then the two may differ.
+TEST(AgentBackedReplayTest, GpusAndAHostTierKeepLedgersAndIndexInStep) {
+  const Trace trace = SmallTraces()[0];  // chat
+  for (ClusterMode mode : {ClusterMode::kGlobal, ClusterMode::kLocal}) {
+    for (const char* policy : {"lru", "cost"}) {
+      SCOPED_TRACE(absl::StrCat(ClusterModeName(mode), " ", policy));
+      ReplayOptions options;
+      options.spec = Spec(16);
+      options.policy = policy;
+      options.capacity_fraction = 0.2;
+      options.host_capacity_fraction = 0.3;
+      options.gpus = 2;
+      options.mode = mode;
+      const BothWays r = ReplayBothWays(trace, options);
+      EXPECT_NEAR(r.agent.TokenHitRate(), r.index.TokenHitRate(), 0.001);
+      EXPECT_GT(r.agent.short_allocations, 0u);
+      EXPECT_EQ(r.agent.failed_inserts, r.index.failed_inserts);
+      EXPECT_EQ(r.agent.agent_failed_demotions, 0u);
+      if (std::string(policy) == "cost") {
+        EXPECT_GT(r.agent.agent_demotions, 0u);
+      } else {
+        EXPECT_EQ(r.agent.agent_demotions, 0u);
+      }
+      if (mode == ClusterMode::kGlobal) {
+        EXPECT_GT(r.agent.transferred_pages, 0u);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "bench/replay/agent_backed_pool.h"
 #include "bench/replay/next_use_oracle.h"
 #include "bench/workload.h"
 #include "server/core/clock.h"
@@ -62,11 +63,18 @@ class ReplayRun {
     const size_t n = trace_.requests.size();
     for (size_t i = 0; i < n; ++i) {
       if (absl::Status s = Serve(i); !s.ok()) return s;
+      const uint32_t every = options_.agent_full_check_every;
+      if (absl::Status s = CheckAgents(every > 0 && (i + 1) % every == 0); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("after request ", i, ": ", s.message()));
+      }
       if (options_.after_request) options_.after_request(i, raw_indexes_);
       if (options_.progress && (i + 1) % 256 == 0) options_.progress(i + 1, n);
     }
     if (absl::Status s = CompleteUntil(std::numeric_limits<double>::infinity()); !s.ok()) {
       return s;
+    }
+    if (absl::Status s = CheckAgents(/*full=*/true); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("after the last request: ", s.message()));
     }
     if (options_.progress) options_.progress(n, n);
     for (CacheIndex* index : raw_indexes_) {
@@ -75,6 +83,16 @@ class ReplayRun {
       result_.evicted_pages += c.evicted_pages;
       result_.eviction_regret_pages += c.eviction_regret_pages;
       result_.lease_expiries += c.lease_expiries;
+      result_.allocation_evicted_pages += c.allocation_evicted_pages;
+      result_.allocation_room_refusals += c.allocation_room_refusals;
+    }
+    for (const std::unique_ptr<AgentBackedPools>& agents : agents_) {
+      const AgentPathCounters& c = agents->counters();
+      result_.short_allocations += c.short_allocations;
+      result_.agent_demotions += c.demotions;
+      result_.agent_failed_demotions += c.failed_demotions;
+      result_.agent_checks += c.checks;
+      result_.agent_full_checks += c.full_checks;
     }
     result_.page_ops += result_.evicted_pages;
     if (n > 0) result_.simulated_seconds = (last_finish_ms_ - trace_.requests[0].arrival_ms) / 1e3;
@@ -165,27 +183,45 @@ class ReplayRun {
             (*index)->RegisterModel(TenantNamespace(t), specs_[t]);
         if (!reg.ok()) return reg.status();
       }
+      std::unique_ptr<AgentBackedPools> agents;
+      if (options_.backing == PoolBacking::kAgent) {
+        agents = std::make_unique<AgentBackedPools>(index->get());
+      }
+      // An agent's pool of `bytes` has bytes / page bytes blocks, as many pages as the
+      // index lets it hold.
+      const auto add_pool = [&](const PoolKey& pool, uint64_t bytes) -> absl::Status {
+        if (absl::Status s = (*index)->SetPoolCapacity(pool, bytes); !s.ok()) return s;
+        if (agents == nullptr) return absl::OkStatus();
+        return agents->AddPool(pool, static_cast<uint32_t>(bytes / result_.bytes_per_page));
+      };
       for (uint32_t g = 0; g < gpus; ++g) {
         if (local && g != k) continue;
-        if (absl::Status s = (*index)->SetPoolCapacity(pools_[g], result_.capacity_bytes_per_gpu);
-            !s.ok()) {
+        if (absl::Status s = add_pool(pools_[g], result_.capacity_bytes_per_gpu); !s.ok()) {
           return s;
         }
         if (options_.host_capacity_fraction > 0) {
           const double host = options_.host_capacity_fraction / options_.capacity_fraction *
                               static_cast<double>(result_.capacity_bytes_per_gpu);
           const PoolKey host_pool{pools_[g].agent_id, Tier::kHost};
-          if (absl::Status s = (*index)->SetPoolCapacity(host_pool, static_cast<uint64_t>(host));
-              !s.ok()) {
+          if (absl::Status s = add_pool(host_pool, static_cast<uint64_t>(host)); !s.ok()) {
             return s;
           }
         }
       }
+      if (agents != nullptr) agents_.push_back(std::move(agents));
       raw_indexes_.push_back(index->get());
       indexes_.push_back(std::move(*index));
     }
     in_flight_.assign(gpus, 0);
     prefill_busy_until_ms_.assign(gpus, 0);
+    return absl::OkStatus();
+  }
+
+  // The agent ledgers against the indexes (PoolBacking::kAgent; nothing otherwise).
+  absl::Status CheckAgents(bool full) {
+    for (const std::unique_ptr<AgentBackedPools>& agents : agents_) {
+      if (absl::Status s = agents->Check(full); !s.ok()) return s;
+    }
     return absl::OkStatus();
   }
 
@@ -248,6 +284,29 @@ class ReplayRun {
     return static_cast<uint32_t>(Rank(i, r, probe).front().candidate);
   }
 
+  // Step 2: the prompt's pages into GPU `gpu`'s pool, after `match`.
+  absl::Status Store(uint32_t gpu, const NamespaceId& ns, std::span<const PageHash> pages,
+                     const MatchResult& match) {
+    if (options_.backing == PoolBacking::kAgent) {
+      AgentBackedPools& agents = *agents_[agents_.size() == 1 ? 0 : gpu];
+      absl::StatusOr<bool> stored =
+          Timed([&] { return agents.Store(ns, pages, pools_[gpu], match); });
+      if (!stored.ok()) return stored.status();
+      if (!*stored) ++result_.failed_inserts;
+      return absl::OkStatus();
+    }
+    CacheIndex* index = indexes_.size() == 1 ? indexes_[0].get() : indexes_[gpu].get();
+    std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(pages.size()));
+    absl::StatusOr<InsertResult> ins =
+        Timed([&] { return index->Insert(ns, pages, pools_[gpu], blocks); });
+    if (absl::IsResourceExhausted(ins.status())) {
+      ++result_.failed_inserts;
+    } else if (!ins.ok()) {
+      return ins.status();
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Serve(size_t i) {
     const TraceRequest& r = trace_.requests[i];
     if (absl::Status s = CompleteUntil(r.arrival_ms); !s.ok()) return s;
@@ -283,14 +342,7 @@ class ReplayRun {
       result_.transferred_pages += e.fetch_pages;
       result_.recomputed_remote_pages += m->matched_pages - e.cached_pages - e.fetch_pages;
       transfer_ms = e.transfer_ms;
-      std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(r.pages.size()));
-      absl::StatusOr<InsertResult> ins =
-          Timed([&] { return index->Insert(ns, r.pages, pools_[gpu], blocks); });
-      if (absl::IsResourceExhausted(ins.status())) {
-        ++result_.failed_inserts;
-      } else if (!ins.ok()) {
-        return ins.status();
-      }
+      if (absl::Status s = Store(gpu, ns, r.pages, *m); !s.ok()) return s;
       result_.page_ops += 2 * r.pages.size();  // looked up by Match + passed to Insert
     }
     ++result_.requests;
@@ -322,6 +374,9 @@ class ReplayRun {
   std::vector<std::unique_ptr<TraceNextUseOracle>> oracles_;
   std::vector<std::unique_ptr<CacheIndex>> indexes_;
   std::vector<CacheIndex*> raw_indexes_;
+  // PoolBacking::kAgent: one per index, in the same order; declared after indexes_ so that
+  // they stop listening before their index goes.
+  std::vector<std::unique_ptr<AgentBackedPools>> agents_;
   std::vector<PoolKey> pools_;
   std::vector<RouteCandidate> candidates_;  // one per GPU, as pools_
   std::vector<ModelSpec> specs_;            // by tenant: options_.spec, then extra_specs
@@ -349,6 +404,17 @@ absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name) {
       absl::StrCat("cluster mode \"", name, "\" is unknown; known: global, local"));
 }
 
+absl::string_view PoolBackingName(PoolBacking backing) {
+  return backing == PoolBacking::kIndexOnly ? "index" : "agent";
+}
+
+absl::StatusOr<PoolBacking> ParsePoolBacking(absl::string_view name) {
+  if (name == "index") return PoolBacking::kIndexOnly;
+  if (name == "agent") return PoolBacking::kAgent;
+  return absl::InvalidArgumentError(
+      absl::StrCat("pool backing \"", name, "\" is unknown; known: index, agent"));
+}
+
 absl::Status ReplayOptions::Validate() const {
   if (absl::Status s = spec.Validate(); !s.ok()) return s;
   const auto positive = [](double v) { return std::isfinite(v) && v > 0; };
@@ -366,6 +432,15 @@ absl::Status ReplayOptions::Validate() const {
     return absl::InvalidArgumentError("decode_ms_per_token must not be negative");
   }
   if (!positive(link_gbps)) return absl::InvalidArgumentError("link_gbps must be positive");
+  if (backing == PoolBacking::kAgent) {
+    for (const ModelSpec& extra : extra_specs) {
+      if (extra.BytesPerPage() != spec.BytesPerPage()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "backing agent: an extra spec has pages of ", extra.BytesPerPage(), " bytes, not ",
+            spec.BytesPerPage(), ": an agent pool's blocks have one size"));
+      }
+    }
+  }
   if (route == RoutePolicy::kPrefillSaved && mode == ClusterMode::kLocal && gpus > 1) {
     return absl::InvalidArgumentError(
         "route prefill-saved needs the global index (mode global): in local mode no GPU "

@@ -9,6 +9,8 @@
 //   2. Insert the prompt's whole pages into that GPU's pool (block ids from a per-pool
 //      counter). Pages already there are kept; pages held elsewhere become replicas here.
 //      RESOURCE_EXHAUSTED (the pool is too small or all pinned) counts as a failed insert.
+//      With PoolBacking::kAgent, the worker's Allocate -> write -> Insert on agent ledgers
+//      instead (ReplayOptions::backing).
 //   3. Hold the pin for the request's duration: prefill of the tokens not hit at
 //      prefill_tokens_per_s, plus any transfer, plus output_tokens * decode_ms_per_token.
 //   4. Release the pin when the request finishes. Completions are processed in time order
@@ -49,6 +51,12 @@ enum class ClusterMode : uint8_t { kGlobal, kLocal };
 
 absl::string_view ClusterModeName(ClusterMode mode);
 absl::StatusOr<ClusterMode> ParseClusterMode(absl::string_view name);  // "global", "local"
+
+// What holds each agent pool's pages (ReplayOptions::backing).
+enum class PoolBacking : uint8_t { kIndexOnly, kAgent };
+
+absl::string_view PoolBackingName(PoolBacking backing);
+absl::StatusOr<PoolBacking> ParsePoolBacking(absl::string_view name);  // "index", "agent"
 
 struct ReplayOptions {
   // Eviction policy of every CacheIndex (CacheIndexOptions::policy). "opt" gets a next-use
@@ -92,6 +100,22 @@ struct ReplayOptions {
   // CacheIndexOptions::conversation, for the "conversation" policy.
   ConversationParams conversation;
 
+  // kIndexOnly: the index alone; step 2 above (Insert with counter block ids) evicts the
+  // shortfall. kAgent: every GPU and HOST pool is backed by a real BlockLedger of
+  // capacity / bytes per page blocks, in process (bench/replay/agent_backed_pool.h), and
+  // step 2 is the worker's path (issue 33): Allocate blocks for the pages the pool lacks;
+  // when the agent is short, EvictForAllocation of the shortfall, whose evictions free the
+  // victims' blocks, then Allocate again; Commit on the ledger; Insert with newly_committed;
+  // free what the index did not keep. A refused EvictForAllocation or Insert is a failed
+  // insert. After every request, ledgers and index are checked against each other (an
+  // INTERNAL error ends the replay). REQUIRES for kAgent: every tenant's model has the same
+  // bytes per page (an agent pool's blocks have one size).
+  PoolBacking backing = PoolBacking::kIndexOnly;
+  // kAgent: every this many requests, and after the last, the check is a full one (every
+  // committed block is the index's block of its page: O(pages held), a probe Match per chain);
+  // the other requests check counts and their own blocks only. 0: after the last only.
+  uint32_t agent_full_check_every = 1;
+
   // Whether to fill ReplayResult::request_hit_pages (kvcm-bench --explain).
   bool record_request_hits = false;
   // Called after each request's Insert with the request index and every index of the
@@ -124,6 +148,18 @@ struct ReplayResult {
   uint64_t evicted_pages = 0;
   uint64_t eviction_regret_pages = 0;
   uint64_t lease_expiries = 0;  // 0 unless a request outlived its lease (a replay bug)
+
+  // PoolBacking::kAgent only (0 otherwise). Stores that found the agent short (the first
+  // Allocate failed), the page-locations EvictForAllocation evicted for them (also in
+  // evicted_pages) and its refusals (also in failed_inserts); HOST copies the agent made and
+  // those it could not (the index abandoned them); ledger checks, full ones included.
+  uint64_t short_allocations = 0;
+  uint64_t allocation_evicted_pages = 0;
+  uint64_t allocation_room_refusals = 0;
+  uint64_t agent_demotions = 0;
+  uint64_t agent_failed_demotions = 0;
+  uint64_t agent_checks = 0;
+  uint64_t agent_full_checks = 0;
 
   // Core work, as kvcm_core_bench counts it: per request the prompt's pages looked up by
   // Match + the pages passed to Insert, plus every page evicted. core_seconds is the wall

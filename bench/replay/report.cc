@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <functional>
 
@@ -31,6 +32,7 @@ const std::vector<Column>& Columns() {
       {"mode", false, [](const ResultRow& r) { return r.mode; }},
       {"gpus", true, [](const ResultRow& r) { return Num(uint64_t{r.gpus}); }},
       {"route", false, [](const ResultRow& r) { return r.route; }},
+      {"backing", false, [](const ResultRow& r) { return r.backing; }},
       {"requests", true, [](const ResultRow& r) { return Num(r.result.requests); }},
       {"prompt_tokens", true, [](const ResultRow& r) { return Num(r.result.prompt_tokens()); }},
       {"hit_tokens", true, [](const ResultRow& r) { return Num(r.result.hit_tokens()); }},
@@ -48,6 +50,17 @@ const std::vector<Column>& Columns() {
        [](const ResultRow& r) { return Num(r.result.eviction_regret_pages); }},
       {"failed_inserts", true, [](const ResultRow& r) { return Num(r.result.failed_inserts); }},
       {"lease_expiries", true, [](const ResultRow& r) { return Num(r.result.lease_expiries); }},
+      {"short_allocations", true,
+       [](const ResultRow& r) { return Num(r.result.short_allocations); }},
+      {"allocation_evicted_pages", true,
+       [](const ResultRow& r) { return Num(r.result.allocation_evicted_pages); }},
+      {"allocation_room_refusals", true,
+       [](const ResultRow& r) { return Num(r.result.allocation_room_refusals); }},
+      {"agent_demotions", true, [](const ResultRow& r) { return Num(r.result.agent_demotions); }},
+      {"agent_failed_demotions", true,
+       [](const ResultRow& r) { return Num(r.result.agent_failed_demotions); }},
+      {"agent_full_checks", true,
+       [](const ResultRow& r) { return Num(r.result.agent_full_checks); }},
       {"page_ops", true, [](const ResultRow& r) { return Num(r.result.page_ops); }},
       {"core_seconds", true, [](const ResultRow& r) { return Num(r.result.core_seconds); }},
       {"page_ops_per_s", true, [](const ResultRow& r) { return Num(r.result.PageOpsPerSecond()); }},
@@ -102,17 +115,62 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 }  // namespace
 
 std::string FormatTable(std::span<const ResultRow> rows) {
-  std::string out =
-      absl::StrFormat("%-16s %-8s %7s %-6s %4s %8s %8s %14s %10s %9s %8s %9s %9s\n", "workload",
-                      "policy", "cap", "mode", "gpus", "tok_hit%", "req_hit%", "saved_tokens",
-                      "evicted", "regret", "failed", "xfer_pg", "Mops/s");
+  std::string out = absl::StrFormat(
+      "%-16s %-8s %7s %-6s %4s %-7s %8s %8s %14s %10s %9s %8s %9s %9s\n", "workload", "policy",
+      "cap", "mode", "gpus", "backing", "tok_hit%", "req_hit%", "saved_tokens", "evicted", "regret",
+      "failed", "xfer_pg", "Mops/s");
   for (const ResultRow& row : rows) {
     const ReplayResult& r = row.result;
-    out += absl::StrFormat("%-16s %-8s %6.2f%% %-6s %4d %8.2f %8.2f %14d %10d %9d %8d %9d %9.2f\n",
-                           row.workload, row.policy, row.capacity_fraction * 100, row.mode,
-                           row.gpus, r.TokenHitRate() * 100, r.RequestHitRate() * 100,
-                           r.hit_tokens(), r.evicted_pages, r.eviction_regret_pages,
-                           r.failed_inserts, r.transferred_pages, r.PageOpsPerSecond() / 1e6);
+    out += absl::StrFormat(
+        "%-16s %-8s %6.2f%% %-6s %4d %-7s %8.2f %8.2f %14d %10d %9d %8d %9d %9.2f\n", row.workload,
+        row.policy, row.capacity_fraction * 100, row.mode, row.gpus, row.backing,
+        r.TokenHitRate() * 100, r.RequestHitRate() * 100, r.hit_tokens(), r.evicted_pages,
+        r.eviction_regret_pages, r.failed_inserts, r.transferred_pages, r.PageOpsPerSecond() / 1e6);
+  }
+  return out;
+}
+
+std::string FormatBackingComparison(std::span<const ResultRow> rows) {
+  struct Pair {
+    const ResultRow* index;
+    const ResultRow* agent;
+    double diff;  // points, agent - index
+  };
+  std::vector<Pair> pairs;
+  for (const ResultRow& a : rows) {
+    if (a.backing != "agent") continue;
+    for (const ResultRow& i : rows) {
+      if (i.backing == "index" && i.workload == a.workload && i.policy == a.policy &&
+          i.capacity_fraction == a.capacity_fraction && i.mode == a.mode) {
+        pairs.push_back({&i, &a, (a.result.TokenHitRate() - i.result.TokenHitRate()) * 100});
+        break;
+      }
+    }
+  }
+  std::string out = absl::StrFormat(
+      "\ntoken hit rate, index-only vs agent-backed pools (points; agent - index)\n"
+      "%-16s %-8s %7s %-6s %9s %9s %8s %10s %10s %8s %8s %9s\n",
+      "workload", "policy", "cap", "mode", "index%", "agent%", "diff", "idx_evict", "agt_evict",
+      "idx_fail", "agt_fail", "short_alc");
+  double worst = 0;
+  const Pair* worst_pair = nullptr;
+  for (const Pair& p : pairs) {
+    const ReplayResult& i = p.index->result;
+    const ReplayResult& a = p.agent->result;
+    out += absl::StrFormat("%-16s %-8s %6.2f%% %-6s %9.4f %9.4f %+8.4f %10d %10d %8d %8d %9d\n",
+                           p.agent->workload, p.agent->policy, p.agent->capacity_fraction * 100,
+                           p.agent->mode, i.TokenHitRate() * 100, a.TokenHitRate() * 100, p.diff,
+                           i.evicted_pages, a.evicted_pages, i.failed_inserts, a.failed_inserts,
+                           a.short_allocations);
+    if (worst_pair == nullptr || std::abs(p.diff) > worst) {
+      worst = std::abs(p.diff);
+      worst_pair = &p;
+    }
+  }
+  if (worst_pair != nullptr) {
+    out += absl::StrFormat("largest |difference|: %.4f points (%s %s %.2f%% %s)\n", worst,
+                           worst_pair->agent->workload, worst_pair->agent->policy,
+                           worst_pair->agent->capacity_fraction * 100, worst_pair->agent->mode);
   }
   return out;
 }

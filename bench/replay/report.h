@@ -23,11 +23,18 @@ struct ResultRow {
   std::string mode;  // "global" or "local"
   uint32_t gpus = 1;
   std::string route;
+  std::string backing = "index";  // PoolBackingName: "index" or "agent"
   ReplayResult result;
 };
 
 // Fixed-width table, one line per row, with a header.
 std::string FormatTable(std::span<const ResultRow> rows);
+
+// For rows run both ways (kvcm-bench --backing=both): one line per cell (workload, policy,
+// capacity, mode) that has an "index" and an "agent" row, with both token hit rates and their
+// difference in points (agent - index), both evicted pages and failed inserts, and the
+// agent's short allocations. The largest difference last.
+std::string FormatBackingComparison(std::span<const ResultRow> rows);
 
 // CSV with a header line; one line per row. Column names are those of the JSON fields.
 absl::Status WriteCsv(const std::string& path, std::span<const ResultRow> rows);
