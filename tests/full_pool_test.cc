@@ -167,6 +167,34 @@ TEST_F(FullPoolTest, AllPinnedIsResourceExhaustedNamingThePinsAndChangesNothing)
   EXPECT_EQ(ids.size(), kPages);
 }
 
+// One tenant cannot take a shared pool's every block and so evict every other tenant's
+// pages: its stores in flight count against its default share (50 %) like a reservation.
+TEST_F(FullPoolTest, AnotherTenantsStoresInFlightStopAtItsShare) {
+  SetUpCluster(10);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(i),
+                      Bytes(kPages * kBlockBytes, i), pool_)
+                    .ok());
+  }
+  const NamespaceId globex{"globex", "deepseek-v3"};
+  ASSERT_NE(ConnectAndRegister(manager_->address(), globex, agent_->pool().geometry().spec),
+            nullptr);
+  std::vector<BlockId> held;
+  ASSERT_TRUE(AllocateTo(*stub_, 4, agent_->epoch(), globex, &held).ok());  // 1 free + 3 evicted
+  const Counts before = CountsOf(*client_, *stub_);
+  const grpc::Status refused = AllocateTo(*stub_, 2, agent_->epoch(), globex, &held);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("default_tenant_pool_share_pct"));
+  EXPECT_EQ(held.size(), 4u);
+  EXPECT_EQ(CountsOf(*client_, *stub_), before);
+  EXPECT_THAT(AgentMetricsText(*agent_),
+              HasSubstr("kvcm_agent_allocation_failures_total{reason=\"share\"} 1"));
+  // acme's own stores still make room (its in-flight blocks are within its share).
+  EXPECT_TRUE(Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(9),
+                    Bytes(kPages * kBlockBytes, 9), pool_)
+                  .ok());
+}
+
 // Blocks that are not the cache's (no namespace, or another owner epoch) never make the
 // manager evict: a short pool answers RESOURCE_EXHAUSTED at once.
 TEST_F(FullPoolTest, PrivateAllocationsNeverEvict) {

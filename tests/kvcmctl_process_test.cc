@@ -567,6 +567,93 @@ TEST_F(KvcmctlProcessTest, InsertThroughAFullAgentEvicts) {
   std::remove((log_path_ + ".gpu0").c_str());
 }
 
+// A worker process killed mid-store (kvcmctl insert --agent stopped after its Allocate,
+// while it writes, then SIGKILLed): its blocks are allocated and never committed nor freed.
+// The agent frees them after --allocation_ttl_ms, so nothing leaks, and the pool serves
+// stores again.
+TEST_F(KvcmctlProcessTest, AWorkerKilledMidStoreLeaksNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartManager());
+  // A small MLA geometry (4 layers: 295 KB pages) so that the store is long enough to catch
+  // and the pool small.
+  const std::vector<std::string> geometry = {
+      "--attention=mla", "--num_layers=4",  "--num_heads=16",       "--kv_lora_rank=512",
+      "--rope_dim=64",   "--kv_dtype=bf16", "--page_size_tokens=64"};
+  constexpr uint64_t kBlocks = 1100;
+  constexpr uint64_t kPages = 1000;
+  constexpr uint64_t kBlockBytes = 1152 * 4 * 64;
+  std::vector<std::string> agent_argv = {KVCM_AGENT_PATH,
+                                         "--insecure",
+                                         "--agent_id=gpu0",
+                                         absl::StrCat("--manager_address=127.0.0.1:", port_),
+                                         "--listen_address=127.0.0.1:0",
+                                         "--model=",
+                                         absl::StrCat("--capacity_bytes=", kBlocks * kBlockBytes),
+                                         "--heartbeat_interval_ms=100",
+                                         "--allocation_ttl_ms=1000"};
+  agent_argv.insert(agent_argv.end(), geometry.begin(), geometry.end());
+  std::unique_ptr<Subprocess> agent = Subprocess::Start(agent_argv, log_path_ + ".gpu0");
+  ASSERT_NE(agent, nullptr);
+  auto free_blocks = [&] {
+    ProcessResult r = Ctl({"agent-stats", "--json", "--agent_id=gpu0"});
+    uint64_t n = 0;
+    return r.exit_code == 0 && absl::SimpleAtoi(JsonField(r.out, "free_blocks"), &n) ? n : 0;
+  };
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (absl::Now() < give_up && free_blocks() != kBlocks) absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_EQ(free_blocks(), kBlocks) << ReadFile(log_path_ + ".gpu0");
+  CtlOk(With({"register-model"}, With(kNs, geometry)));
+
+  // Kill the worker after a delay, several times over the ~0.1-0.5 s its store takes: it
+  // dies before its Allocate, while it writes, or after its Insert. Whichever, once the
+  // ttl has passed, every block is free or indexed; at least one try must catch it with
+  // its blocks allocated and not indexed (the case the ttl exists for).
+  int caught = 0;
+  for (int attempt = 0; attempt < 8 && caught < 2; ++attempt) {
+    const std::vector<std::string> prompt = {absl::StrCat("--random_tokens=", kPages * 64),
+                                             absl::StrCat("--seed=", 500 + attempt)};
+    std::unique_ptr<Subprocess> worker = Subprocess::Start(
+        With({KVCMCTL_PATH, "--insecure", absl::StrCat("--manager_address=127.0.0.1:", port_),
+              "insert", "--agent=gpu0"},
+             With(kNs, prompt)));
+    ASSERT_NE(worker, nullptr);
+    absl::SleepFor(absl::Milliseconds(40 + 40 * attempt));
+    worker->Signal(SIGKILL);
+    worker->Finish(absl::Seconds(10));
+    uint64_t matched = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(
+        JsonField(CtlOk(With({"match", "--json"}, With(kNs, prompt))), "matched_pages"), &matched));
+    const uint64_t free_now = free_blocks();
+    if (free_now + matched < kBlocks) ++caught;  // blocks allocated, not indexed
+    // Reaped within the ttl plus a heartbeat or two (an indexed store's blocks are the
+    // cache's and stay).
+    const absl::Time reaped_by = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < reaped_by && free_blocks() + matched != kBlocks) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    ASSERT_EQ(free_blocks() + matched, kBlocks)
+        << "attempt " << attempt << ": a dead worker's blocks leaked"
+        << ReadFile(log_path_ + ".gpu0");
+    // Start the next try empty.
+    if (matched > 0) {
+      CtlOk(With({"delete-namespace"}, kNs));
+      CtlOk(With({"register-model"}, With(kNs, geometry)));
+      const absl::Time freed_by = absl::Now() + absl::Seconds(10);
+      while (absl::Now() < freed_by && free_blocks() != kBlocks) {
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+    }
+  }
+  EXPECT_GT(caught, 0) << "no try killed the worker between its Allocate and its Insert";
+  EXPECT_THAT(ReadFile(log_path_ + ".gpu0"), HasSubstr("blocks allocated over allocation_ttl_ms"));
+  // And a store goes through again.
+  const std::string out = CtlOk(
+      With({"insert", "--json", "--agent=gpu0"}, With(kNs, {"--random_tokens=192", "--seed=3"})));
+  EXPECT_EQ(JsonField(out, "new_pages"), "3") << out;
+  agent->Signal(SIGKILL);
+  agent->Finish(absl::Seconds(10));
+  std::remove((log_path_ + ".gpu0").c_str());
+}
+
 // 'models' prints the catalogue without a manager; 'register-model --preset' sends a
 // catalogue spec, which the manager charges as the hand-computed bytes say.
 TEST_F(KvcmctlProcessTest, ModelCatalogueOfflineAndAsPreset) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -562,6 +563,45 @@ TEST_F(TenantAttackTest, LookupAgentIsForAgentsAsThemselves) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("peer_agent_id"));
   EXPECT_TRUE(resp.data_address().empty());
+  ExpectVictimUnchanged();
+}
+
+// MakeRoom (an agent's allocation into its full pool) answers only an agent, as itself: no
+// worker or other agent can make the manager evict a pool. Bad fields are INVALID_ARGUMENT
+// naming them, an agent nobody registered NOT_FOUND; nothing is evicted.
+TEST_F(TenantAttackTest, MakeRoomIsForAgentsAsThemselves) {
+  v1::MakeRoomRequest req;
+  req.set_agent_id("gpu-0");
+  req.set_epoch(1);
+  req.set_tier(v1::TIER_GPU);
+  req.set_blocks(1);
+  req.set_allocation_blocks(1);
+  req.mutable_namespace_()->set_tenant("acme");
+  req.mutable_namespace_()->set_model("deepseek-v3");
+  v1::MakeRoomResponse resp;
+  ExpectDenied(agent_stub_->MakeRoom(Ctx(kAcme).get(), req, &resp), "acme-vllm",
+               "act as agent \"gpu-0\"");
+  req.set_agent_id("gpu-1");
+  ExpectDenied(agent_stub_->MakeRoom(Ctx(kAgent0).get(), req, &resp), "gpu-0",
+               "act as agent \"gpu-1\"");
+  req.set_agent_id("gpu-0");
+  for (auto [field, bad] :
+       std::vector<std::pair<std::string, std::function<void(v1::MakeRoomRequest&)>>>{
+           {"epoch", [](v1::MakeRoomRequest& r) { r.set_epoch(0); }},
+           {"blocks", [](v1::MakeRoomRequest& r) { r.set_blocks(0); }},
+           {"allocation_blocks", [](v1::MakeRoomRequest& r) { r.set_allocation_blocks(0); }},
+           {"namespace", [](v1::MakeRoomRequest& r) { r.clear_namespace_(); }},
+           {"tier", [](v1::MakeRoomRequest& r) { r.set_tier(v1::TIER_UNSPECIFIED); }}}) {
+    v1::MakeRoomRequest broken = req;
+    bad(broken);
+    const grpc::Status s = agent_stub_->MakeRoom(Ctx(kAgent0).get(), broken, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << field << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+  }
+  const grpc::Status s = agent_stub_->MakeRoom(Ctx(kAgent0).get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_EQ(resp.evicted_pages(), 0u);
   ExpectVictimUnchanged();
 }
 
