@@ -10,7 +10,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <iostream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -297,6 +300,211 @@ TEST(FullPoolTtlTest, AStoreAbandonedMidWayIsReaped) {
   const grpc::Status late =
       WriteAll(*stub, ids, (*agent)->epoch(), Bytes(3 * kBlockBytes, 1), gens);
   EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED) << late.error_message();
+}
+
+// Randomized workers over a small full pool with a real manager (the BlockAgent fuzz, with
+// full pools): stores (Allocate -> WriteBlocks -> Insert), abandoned stores, frees, pinned
+// loads that check every byte, and malformed or private allocations, in a random order
+// with several stores and pins outstanding at once. After every step: what a load read is
+// the bytes stored for its prompt; a refused Allocate is RESOURCE_EXHAUSTED saying why (or
+// INVALID_ARGUMENT naming the field); no command failed (no double free); and the pool's
+// blocks are exactly free + outstanding allocations + committed, with committed == the
+// index's pages. At the end, after allocation_ttl_ms, nothing is stranded.
+// KVCM_FUZZ_SEED=<n> picks the seed, KVCM_FUZZ_STEPS=<n> the steps.
+TEST(FullPoolFuzzTest, RandomWorkersKeepTheLedgerAndTheIndexInStep) {
+  const char* seed_env = std::getenv("KVCM_FUZZ_SEED");
+  const char* steps_env = std::getenv("KVCM_FUZZ_STEPS");
+  const uint32_t seed = seed_env != nullptr
+                            ? static_cast<uint32_t>(std::atoi(seed_env))
+                            : static_cast<uint32_t>(absl::ToUnixMicros(absl::Now()));
+  const int steps = steps_env != nullptr ? std::atoi(steps_env) : 300;
+  std::cout << "KVCM_FUZZ_SEED=" << seed << " KVCM_FUZZ_STEPS=" << steps << "\n";
+  std::mt19937 rng(seed);
+
+  std::unique_ptr<ManagerServer> manager = StartManager();
+  constexpr uint32_t kPoolBlocks = 16;
+  AgentOptions o;
+  o.insecure = true;
+  o.agent_id = "gpu-3";
+  o.manager_address = manager->address();
+  o.use_device = false;
+  o.model = "";
+  o.spec = ModelSpec{.attention = AttentionKind::kMla,
+                     .num_layers = 1,
+                     .num_heads = 16,
+                     .kv_lora_rank = 512,
+                     .rope_dim = 64,
+                     .dtype = KvDtype::kBf16,
+                     .page_size_tokens = 16};
+  o.page_size_tokens = 16;
+  const uint64_t block_bytes = o.spec.BytesPerPage();
+  o.capacity_bytes = kPoolBlocks * block_bytes;
+  o.heartbeat_interval_ms = 50;
+  o.allocation_ttl_ms = 1'000;
+  absl::StatusOr<std::unique_ptr<Agent>> started = Agent::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Agent& agent = **started;
+  ASSERT_TRUE(WaitFor([&] { return agent.registered(); }));
+  const NamespaceId acme{"acme", "mla"};
+  const NamespaceId globex{"globex", "mla"};
+  std::unique_ptr<Client> client = ConnectAndRegister(manager->address(), acme, o.spec);
+  ASSERT_NE(client, nullptr);
+  ASSERT_NE(ConnectAndRegister(manager->address(), globex, o.spec), nullptr);
+  auto stub = BlockAgentStub(agent);
+  const uint64_t epoch = agent.epoch();
+  const PoolRef pool{"gpu-3", Tier::kGpu};
+
+  // Prompts: 12 per tenant, 1-3 pages, in families sharing a first page.
+  struct Prompt {
+    NamespaceId ns;
+    std::vector<int32_t> tokens;
+  };
+  std::vector<Prompt> prompts;
+  for (const NamespaceId& ns : {acme, globex}) {
+    for (int p = 0; p < 12; ++p) {
+      std::vector<int32_t> t = Tokens(1, 16, 1000 + p % 3);  // shared first page
+      const std::vector<int32_t> rest = Tokens(1 + p % 3, 16, 2000 + p);
+      t.insert(t.end(), rest.begin(), rest.end() - (p % 3 == 2 ? 16 : 0));
+      prompts.push_back({ns, t});
+    }
+  }
+  auto page_bytes = [&](const std::vector<int32_t>& tokens, size_t page) {
+    // A page's bytes depend on its tokens up to it (its prefix), so equal pages hold equal
+    // bytes whoever stored them.
+    int32_t h = 17;
+    for (size_t i = 0; i < (page + 1) * 16; ++i) h = h * 31 + tokens[i];
+    return Bytes(block_bytes, h);
+  };
+
+  struct Store {
+    size_t prompt = 0;
+    std::vector<BlockId> ids;
+    std::vector<uint64_t> gens;
+    absl::Time at;  // allocated; past the ttl the agent may have reaped it
+  };
+  const absl::Duration kMaybeReaped = absl::Milliseconds(900);
+  std::vector<Store> outstanding;  // allocated, not yet inserted or freed
+  uint64_t abandoned = 0;          // blocks of stores dropped without a Free
+  std::vector<PinnedPrefix> pins;
+  int stores = 0, loads = 0, refused = 0;
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE(absl::StrCat("seed ", seed, " step ", step));
+    int op = static_cast<int>(rng() % 10);
+    if (op <= 2 && outstanding.size() >= 3) op = 3;  // at most 3 stores in flight
+    if (op <= 2 || outstanding.empty()) {            // allocate for a store
+      Store st{.prompt = rng() % prompts.size(), .at = absl::Now()};
+      const Prompt& p = prompts[st.prompt];
+      const uint32_t pages = static_cast<uint32_t>(p.tokens.size() / 16);
+      const grpc::Status s = AllocateTo(*stub, pages, epoch, p.ns, &st.ids, &st.gens);
+      if (s.ok()) {
+        outstanding.push_back(std::move(st));
+      } else {
+        ++refused;
+        ASSERT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+        ASSERT_THAT(
+            s.error_message(),
+            ::testing::AnyOf(HasSubstr("evictable"), HasSubstr("default_tenant_pool_share_pct")));
+      }
+    } else if (op <= 5) {  // write and insert an outstanding store
+      std::swap(outstanding[rng() % outstanding.size()], outstanding.back());
+      Store st = std::move(outstanding.back());
+      outstanding.pop_back();
+      const Prompt& p = prompts[st.prompt];
+      std::string bytes;
+      for (size_t i = 0; i < st.ids.size(); ++i) bytes += page_bytes(p.tokens, i);
+      if (const grpc::Status w = WriteAll(*stub, st.ids, epoch, bytes, st.gens); !w.ok()) {
+        // Only a store older than the ttl may have lost its blocks.
+        ASSERT_EQ(w.error_code(), grpc::StatusCode::ABORTED) << w.error_message();
+        ASSERT_GT(absl::Now() - st.at, kMaybeReaped);
+        continue;
+      }
+      absl::StatusOr<InsertReply> r =
+          client->Insert(p.ns, p.tokens, pool, st.ids, {.agent_epoch = epoch});
+      if (!r.ok()) {
+        // A prefix page this store reused was evicted meanwhile: the blocks are ours.
+        ASSERT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+        ASSERT_TRUE(testing::FreeAsWorker(*stub, st.ids, epoch, st.gens).ok());
+      } else {
+        ++stores;
+        // Duplicates (pages the pool already held) come back to us: free them.
+        std::vector<BlockId> dup;
+        std::vector<uint64_t> dup_gens;
+        for (size_t i = 0; i < st.ids.size(); ++i) {
+          if (i < r->existing_block_ids.size() && r->existing_block_ids[i] != st.ids[i]) {
+            dup.push_back(st.ids[i]);
+            dup_gens.push_back(st.gens[i]);
+          }
+        }
+        if (!dup.empty()) ASSERT_TRUE(testing::FreeAsWorker(*stub, dup, epoch, dup_gens).ok());
+      }
+    } else if (op == 6) {  // a worker dies mid-store, or frees what it allocated
+      Store st = std::move(outstanding.back());
+      outstanding.pop_back();
+      if (rng() % 4 == 0) {  // dies: the ttl must reap its blocks
+        abandoned += st.ids.size();
+      } else if (const grpc::Status f = testing::FreeAsWorker(*stub, st.ids, epoch, st.gens);
+                 !f.ok()) {
+        ASSERT_EQ(f.error_code(), grpc::StatusCode::ABORTED) << f.error_message();
+        ASSERT_GT(absl::Now() - st.at, kMaybeReaped);
+      }
+    } else if (op == 7) {  // a pinned load of a prompt: every matched byte is its own
+      const Prompt& p = prompts[rng() % prompts.size()];
+      absl::StatusOr<PinnedPrefix> pin = client->MatchAndPin(p.ns, p.tokens);
+      if (!pin.ok()) {
+        ASSERT_EQ(pin.status().code(), absl::StatusCode::kResourceExhausted) << pin.status();
+      } else if (pin->match().matched_pages > 0) {
+        const MatchReply::Replica& rep = pin->match().segments[0].replicas[0];
+        absl::StatusOr<std::string> got = ReadAll(*stub, rep.block_ids, epoch);
+        ASSERT_TRUE(got.ok()) << got.status();
+        std::string want;
+        for (size_t i = 0; i < rep.block_ids.size(); ++i) want += page_bytes(p.tokens, i);
+        ASSERT_TRUE(*got == want) << "a pinned load read bytes of another page";
+        ++loads;
+        if (pins.size() < 3) pins.push_back(*std::move(pin));
+      }
+    } else if (op == 8) {
+      if (!pins.empty()) pins.erase(pins.begin());
+    } else {  // malformed or private allocations change nothing
+      std::vector<BlockId> ids;
+      const int kind = static_cast<int>(rng() % 3);
+      const grpc::Status s = kind == 0   ? AllocateTo(*stub, 0, epoch, acme, &ids)
+                             : kind == 1 ? AllocateTo(*stub, kPoolBlocks + 1, epoch, acme, &ids)
+                                         : AllocateTo(*stub, kPoolBlocks, epoch + 1, acme, &ids);
+      ASSERT_TRUE(kind == 2 ? s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                                  (s.ok() && testing::FreeAsWorker(*stub, ids, epoch + 1).ok())
+                            : !s.ok())
+          << kind << ": " << s.error_message();
+    }
+    // The pool: free + outstanding + abandoned (until reaped) + committed = every block;
+    // committed = the index's pages.
+    uint64_t in_flight = 0, maybe_reaped = abandoned;
+    const absl::Time now = absl::Now();
+    for (const Store& st : outstanding) {
+      (now - st.at < kMaybeReaped ? in_flight : maybe_reaped) += st.ids.size();
+    }
+    const BlockPoolStats ps = agent.pool().Stats();
+    ASSERT_LE(ps.free_blocks + in_flight + ps.committed_blocks, kPoolBlocks);
+    ASSERT_GE(ps.free_blocks + in_flight + maybe_reaped + ps.committed_blocks, kPoolBlocks);
+    absl::StatusOr<ManagerStats> stats = client->Stats();
+    ASSERT_TRUE(stats.ok());
+    uint64_t indexed = 0;
+    for (const ManagerStats::Pool& mp : stats->pools) indexed += mp.pages;
+    ASSERT_EQ(ps.committed_blocks, indexed);
+  }
+  EXPECT_EQ(FailedCommands(*manager), 0u);
+  // Everything let go: after the ttl only the cache's blocks are not free.
+  pins.clear();
+  for (const Store& st : outstanding) abandoned += st.ids.size();
+  outstanding.clear();
+  EXPECT_TRUE(WaitFor([&] {
+    const BlockPoolStats ps = agent.pool().Stats();
+    return ps.free_blocks + ps.committed_blocks == kPoolBlocks;
+  })) << "stranded blocks";
+  std::cout << stores << " stores, " << loads << " pinned loads, " << refused
+            << " refused allocations, " << abandoned << " blocks abandoned\n";
+  EXPECT_GT(stores, 0);
+  EXPECT_THAT(AgentMetricsText(agent),
+              ::testing::ContainsRegex("kvcm_agent_room_allocations_total [1-9]"));
 }
 
 }  // namespace
