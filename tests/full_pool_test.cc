@@ -137,6 +137,62 @@ TEST_F(FullPoolTest, StoresIntoAFullPoolEvictTheShortfall) {
               HasSubstr("kvcm_agent_allocation_failures_total{reason=\"pinned\"} 0"));
 }
 
+// With a HOST pool, the victims of a store into a full GPU pool move there before they
+// leave (the default policy demotes, as an Insert's eviction does): the evicted prompt
+// still matches, from HOST, with its own bytes, and both pools' ledgers equal the index.
+TEST_F(FullPoolTest, VictimsAreDemotedToTheHostPoolFirst) {
+  manager_ = StartManager();
+  agent_ = StartAgent(manager_->address(), /*blocks=*/6, /*host_blocks=*/6);
+  ASSERT_TRUE(WaitFor([&] { return agent_->registered(); }));
+  client_ = ConnectAndRegister(manager_->address(), ns_, agent_->pool().geometry().spec);
+  ASSERT_NE(client_, nullptr);
+  stub_ = BlockAgentStub(*agent_);
+  for (int i = 0; i < 3; ++i) {
+    const absl::Status s = Store(*client_, *stub_, agent_->epoch(), ns_, Prompt(i),
+                                 Bytes(kPages * kBlockBytes, i), pool_);
+    ASSERT_TRUE(s.ok()) << "store " << i << ": " << s;
+  }
+  // Some page of the first two prompts left the GPU pool for the HOST pool; once the agent
+  // acknowledged the demotion, its HOST blocks hold the page's bytes.
+  uint64_t host_pages = 0;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<BlockId> host_blocks;
+    ASSERT_TRUE(WaitFor([&] {
+      absl::StatusOr<MatchReply> m = client_->Match(ns_, Prompt(i), {.probe = true});
+      if (!m.ok()) return false;
+      host_blocks.clear();
+      for (const MatchReply::Segment& seg : m->segments) {
+        if (seg.first_page != host_blocks.size()) break;
+        bool found = false;
+        for (const MatchReply::Replica& r : seg.replicas) {
+          if (r.pool.tier != Tier::kHost) continue;
+          host_blocks.insert(host_blocks.end(), r.block_ids.begin(), r.block_ids.end());
+          found = true;
+        }
+        if (!found) break;
+      }
+      for (BlockId b : host_blocks) {
+        if (b == kPendingBlock) return false;
+      }
+      return true;
+    }));
+    if (host_blocks.empty()) continue;
+    host_pages += host_blocks.size();
+    absl::StatusOr<std::string> got = ReadAll(*stub_, host_blocks, agent_->epoch(), v1::TIER_HOST);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == Bytes(kPages * kBlockBytes, i).substr(0, host_blocks.size() * kBlockBytes))
+        << "prompt " << i << ": the HOST copy holds other bytes";
+  }
+  EXPECT_GE(host_pages, 3u) << "the store needed 3 blocks: 3 pages were demoted";
+  absl::StatusOr<ManagerStats> stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  for (const ManagerStats::Pool& p : stats->pools) {
+    BlockPool* pool = p.pool.tier == Tier::kHost ? agent_->host_pool() : &agent_->pool();
+    EXPECT_EQ(pool->Stats().committed_blocks, p.pages) << p.pool.ToString();
+  }
+  EXPECT_EQ(FailedCommands(*manager_), 0u);
+}
+
 // Nothing evictable: every cached page pinned. The allocation is RESOURCE_EXHAUSTED with
 // the manager's reason (the pinned bytes) and nothing changes on either side; once the
 // pins go, the same allocation succeeds.
