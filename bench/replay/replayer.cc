@@ -35,6 +35,55 @@ constexpr double kLeaseMarginMs = 1000;
 // time would let its lease lapse, which ReplayResult::lease_expiries shows.
 constexpr absl::Duration kMaxLease = absl::Hours(24);
 
+// An index-only pool's demotions, acknowledged at once: an agent answers a DemoteBlocks
+// with the HOST blocks it copied into, and until then the pages are pending (never evicted
+// by a later demotion, CacheIndex::EvictLocked). With no agent behind the pools, this
+// listener gives every demoted page a block of its own right after the call that demoted
+// it, as an agent that answers at once would.
+class InstantDemotions {
+ public:
+  // Becomes `index`'s event listener; `index` must outlive this object.
+  explicit InstantDemotions(CacheIndex* index) : index_(index) {
+    index_->SetEventListener([this](const CacheEvent& e) {
+      if (e.kind != CacheEvent::Kind::kStored || !e.demoted_from.has_value()) return;
+      Demotion d{.ns = e.ns,
+                 .pool = e.pool,
+                 .path = e.prefix,
+                 .first_page = static_cast<uint32_t>(e.prefix.size())};
+      d.path.insert(d.path.end(), e.pages.begin(), e.pages.end());
+      pending_.push_back(std::move(d));
+    });
+  }
+  ~InstantDemotions() { index_->SetEventListener(nullptr); }
+  InstantDemotions(const InstantDemotions&) = delete;
+  InstantDemotions& operator=(const InstantDemotions&) = delete;
+
+  // Assigns the demotions of the last call (outside the index's lock).
+  absl::Status Settle() {
+    std::vector<Demotion> pending;
+    pending.swap(pending_);
+    for (const Demotion& d : pending) {
+      std::vector<BlockId> blocks(d.path.size() - d.first_page);
+      for (BlockId& b : blocks) b = next_block_++ % kPendingBlock;
+      absl::StatusOr<std::vector<BlockId>> unassigned =
+          index_->AssignBlocks(d.ns, d.path, d.first_page, d.pool, blocks);
+      if (!unassigned.ok()) return unassigned.status();
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Demotion {
+    NamespaceId ns;
+    PoolKey pool;
+    std::vector<PageHash> path;
+    uint32_t first_page = 0;
+  };
+  CacheIndex* const index_;
+  std::vector<Demotion> pending_;
+  uint64_t next_block_ = 0;
+};
+
 // A request still running: its pin is released at finish_ms.
 struct Completion {
   double finish_ms;
@@ -186,6 +235,8 @@ class ReplayRun {
       std::unique_ptr<AgentBackedPools> agents;
       if (options_.backing == PoolBacking::kAgent) {
         agents = std::make_unique<AgentBackedPools>(index->get());
+      } else if (options_.host_capacity_fraction > 0) {
+        demotions_.push_back(std::make_unique<InstantDemotions>(index->get()));
       }
       // An agent's pool of `bytes` has bytes / page bytes blocks, as many pages as the
       // index lets it hold.
@@ -299,6 +350,9 @@ class ReplayRun {
     std::span<const BlockId> blocks = blocks_.Next(gpu, static_cast<uint32_t>(pages.size()));
     absl::StatusOr<InsertResult> ins =
         Timed([&] { return index->Insert(ns, pages, pools_[gpu], blocks); });
+    for (const std::unique_ptr<InstantDemotions>& d : demotions_) {
+      if (absl::Status s = d->Settle(); !s.ok()) return s;
+    }
     if (absl::IsResourceExhausted(ins.status())) {
       ++result_.failed_inserts;
     } else if (!ins.ok()) {
@@ -377,6 +431,8 @@ class ReplayRun {
   // PoolBacking::kAgent: one per index, in the same order; declared after indexes_ so that
   // they stop listening before their index goes.
   std::vector<std::unique_ptr<AgentBackedPools>> agents_;
+  // Index-only pools with a HOST tier: their demotions, acknowledged at once.
+  std::vector<std::unique_ptr<InstantDemotions>> demotions_;
   std::vector<PoolKey> pools_;
   std::vector<RouteCandidate> candidates_;  // one per GPU, as pools_
   std::vector<ModelSpec> specs_;            // by tenant: options_.spec, then extra_specs

@@ -741,9 +741,14 @@ class CacheIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts at least `bytes` from `pool` in policy order.
   // REQUIRES: budget_.evictable(pool) >= bytes.
+  // With `skip_pending`, replicas whose blocks are still kPendingBlock (a demotion the agent
+  // has not acknowledged) are passed over, so it may evict less: a demotion that evicted a
+  // page an earlier, unacknowledged demotion put in the HOST pool would find the agent's
+  // HOST pool short (the block that page is about to get is freed only after the earlier
+  // ack), fail, and leave pending pages indexed with no block.
   EvictResult EvictLocked(PoolId pool, uint64_t bytes,
-                          const Incoming& incoming = Incoming{nullptr, 0})
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          const Incoming& incoming = Incoming{nullptr, 0},
+                          bool skip_pending = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the pages of a match's miss that were evicted within the regret window: the run
   // that starts at the first missed page, if one was evicted, capped by the pages asked.
   // Marks the run counted under access_mu_, so matches sharing mu_ count it once.

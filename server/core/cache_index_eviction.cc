@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/cache_index.h"
 #include "server/core/cache_index_internal.h"
@@ -103,9 +104,10 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu, const Incoming& incom
   if (const uint64_t shortfall = budget_.Shortfall(*host, need); shortfall > 0) {
     PinPath(node);  // the path's host pages must stay while the host pool makes room
     const bool room = budget_.evictable(*host) >= shortfall;
-    if (room) EvictLocked(*host, shortfall);  // host victims leave: only GPU pools demote
+    // Host victims leave (only GPU pools demote); pending ones stay (EvictLocked).
+    if (room) EvictLocked(*host, shortfall, Incoming{nullptr, 0}, /*skip_pending=*/true);
     UnpinPath(node);
-    if (!room) return false;
+    if (!room || budget_.Shortfall(*host, need) > 0) return false;
   }
   // One event for the whole chain: the pages, the GPU blocks to copy them from, and the
   // path above them, so the agent's answer can be matched back to these replicas.
@@ -290,13 +292,24 @@ SweepResult CacheIndex::SweepRetired(size_t max_replicas) {
   return result;
 }
 
-EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming& incoming) {
+EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming& incoming,
+                                    bool skip_pending) {
   EvictResult result;
   const absl::Time now = clock_->Now();
+  std::vector<RadixNode*> passed_over;  // pending replicas, out of the candidates meanwhile
   while (result.evicted_bytes < bytes) {
     std::optional<EvictionCandidate> victim = policy_->Victim(pool);
     if (!victim.has_value()) break;
     RadixNode* node = victim->node;
+    if (skip_pending) {
+      Replica* replica = node->FindReplica(pool);
+      if (absl::c_linear_search(replica->block_ids, kPendingBlock)) {
+        policy_->Remove(node, pool);
+        replica->evictable = false;
+        passed_over.push_back(node);
+        continue;
+      }
+    }
     if (policy_->trims_nodes()) {
       // Evict only the tail pages still needed; the head stays cached (and matchable).
       const uint64_t page_bytes = node->tree->bytes_per_page();
@@ -313,6 +326,7 @@ EvictResult CacheIndex::EvictLocked(PoolId pool, uint64_t bytes, const Incoming&
     result.evicted_pages += node->size();
     result.evicted_bytes += EvictReplica(node, pool, now);
   }
+  for (RadixNode* node : passed_over) RefreshCandidate(node, *node->FindReplica(pool));
   return result;
 }
 

@@ -768,6 +768,31 @@ TEST_F(CacheIndexTest, DemotionNeedsRoomOrDropsThePage) {
   }
 }
 
+// A demotion never evicts a HOST page an earlier demotion placed and the agent has not
+// acknowledged yet (its blocks still pending): the agent's HOST pool would be short of the
+// block that page is about to get, the DemoteBlocks would fail, and pages would stay
+// indexed with no block. The GPU victim leaves instead; once acknowledged, the pending
+// pages are evictable again.
+TEST_F(CacheIndexTest, DemotionNeverEvictsPagesStillPendingInTheHostPool) {
+  Reset(CacheIndexOptions{.policy = "cost"});
+  const PoolKey host{"gpu-0", Tier::kHost};
+  ASSERT_TRUE(index_->SetPoolCapacity(gpu0_, 1 * bpp_).ok());
+  ASSERT_TRUE(index_->SetPoolCapacity(host, 1 * bpp_).ok());
+  MustInsert(Prompt({1}), gpu0_);
+  MustInsert(Prompt({2}), gpu0_);  // demotes [1] into the host pool: pending
+  MustInsert(Prompt({3}), gpu0_);  // [2] cannot take [1]'s place: it leaves
+  EXPECT_EQ(index_->Stats().counters.demoted_pages, 1u);
+  EXPECT_EQ(MustMatch(Prompt({2}), {.probe = true}).matched_pages, 0u);
+  const std::vector<PageHash> one = Prompt({1});
+  absl::StatusOr<std::vector<BlockId>> unassigned =
+      index_->AssignBlocks(ns_, one, 0, host, std::vector<BlockId>{7});
+  ASSERT_TRUE(unassigned.ok()) << unassigned.status();
+  EXPECT_TRUE(unassigned->empty()) << "the pending page was evicted before its ack";
+  MustInsert(Prompt({4}), gpu0_);  // demotes [3], evicting the acknowledged [1]
+  EXPECT_EQ(index_->Stats().counters.demoted_pages, 2u);
+  EXPECT_EQ(MustMatch(one, {.probe = true}).matched_pages, 0u);
+}
+
 TEST_F(CacheIndexTest, DemotionEventNamesTheSourceBlocksAndThePath) {
   Reset(CacheIndexOptions{.policy = "cost"});
   const PoolKey host{"gpu-0", Tier::kHost};
