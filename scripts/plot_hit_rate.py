@@ -46,6 +46,12 @@ def main():
         help="which hit rate to plot (default: token_hit_rate)",
     )
     parser.add_argument("--mode", choices=["global", "local"], help="plot only this mode")
+    parser.add_argument(
+        "--backing",
+        default="index",
+        choices=["index", "agent"],
+        help="rows of this pool backing (kvcm-bench --backing=both writes both; default: index)",
+    )
     args = parser.parse_args()
 
     try:
@@ -57,6 +63,10 @@ def main():
         sys.exit("matplotlib is missing: pip install matplotlib")
 
     rows = read_rows(args.csv)
+    # Files from before --backing have no such column: index-only pools.
+    rows = [r for r in rows if r.get("backing", "index") == args.backing]
+    if not rows:
+        sys.exit(f"{args.csv}: no rows of backing {args.backing}")
     if args.mode:
         rows = [r for r in rows if r["mode"] == args.mode]
         if not rows:
@@ -100,7 +110,10 @@ def main():
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(series) :]:
         ax.set_visible(False)
-    fig.suptitle(f"kvcm-bench: {args.metric.replace('_', ' ')} vs capacity, {'/'.join(gpus)} GPU(s)")
+    fig.suptitle(
+        f"kvcm-bench: {args.metric.replace('_', ' ')} vs capacity, {'/'.join(gpus)} GPU(s), "
+        f"{'agent-backed' if args.backing == 'agent' else 'index-only'} pools"
+    )
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
     print(f"wrote {args.output}")
