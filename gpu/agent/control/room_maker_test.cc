@@ -65,7 +65,7 @@ class RoomMakerTest : public ::testing::Test {
     };
   }
 
-  void StartMaker(RoomMaker::MakeRoomFn fn, uint32_t wait_ms = 2'000) {
+  void StartMaker(RoomMaker::MakeRoomFn fn, uint32_t wait_ms = 10'000) {
     maker_ = std::make_unique<RoomMaker>(
         pool_.get(), Tier::kGpu, "gpu-0", epoch_.get(), std::move(fn),
         RoomMakerOptions{.allocate_wait_ms = wait_ms},
