@@ -152,6 +152,43 @@ class ConnectorOptions:
         )
 
 
+def unsupported_reason(vllm_config: "VllmConfig") -> Optional[str]:
+    """Why this connector must not run with `vllm_config`, or None. Shapes it would get wrong
+    without an error are refused before anything is registered (never wrong bytes):
+    MLA models (their latent layout is not GQA's: the spec would be wrong), tensor or
+    pipeline parallelism (every rank's KV shard would share one namespace, so a rank could
+    load another's shard), and KV caches off the CPU (the connector copies through host
+    memory in the CPU backend's block layout only). Issue 34 supports them."""
+    mc = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if getattr(mc, "use_mla", False):
+        return ("KvcmConnector: MLA models (this one caches a latent of head size "
+                f"{mc.get_head_size()}) are not supported yet: their pages would be described "
+                "as GQA KV. Run without the connector")
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if tp > 1 or pp > 1:
+        return (f"KvcmConnector: tensor_parallel_size {tp} / pipeline_parallel_size {pp} is "
+                "not supported yet: every rank's KV shard would share one namespace and a rank "
+                "could load another rank's shard. Run with one rank per engine (data "
+                "parallelism with one agent per engine rank is fine)")
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    if device not in ("cpu", None):
+        return (f"KvcmConnector: a KV cache on device '{device}' is not supported yet: the "
+                "connector copies KV through host memory in vLLM's CPU block layout only")
+    return None
+
+
+def unsupported_kv_cache(kv_caches: List[Tuple[str, torch.Tensor]]) -> Optional[str]:
+    """Why the connector must not move these KV tensors, or None: only tensors in host
+    memory (a CUDA tensor's .numpy() would raise on every store, after three agent calls)."""
+    for name, t in kv_caches:
+        if t.device.type != "cpu":
+            return (f"KvcmConnector: KV layer {name} is on {t.device}: the connector copies KV "
+                    "through host memory in vLLM's CPU block layout only (not supported yet)")
+    return None
+
+
 def model_spec_of(vllm_config: "VllmConfig") -> kvcm.ModelSpec:
     """The namespace's model spec from vLLM's model and cache config (GQA/MHA only)."""
     mc = vllm_config.model_config
@@ -289,6 +326,9 @@ class KvcmConnector(KVConnectorBase_V1):
             served = served[0]
         self._opts = ConnectorOptions.from_extra(extra, str(served or "model"))
         self._block_size = vllm_config.cache_config.block_size
+        # Refused before any namespace is registered: a wrong spec would outlive this engine.
+        if (reason := unsupported_reason(vllm_config)) is not None:
+            raise ValueError(reason)
         self._spec = model_spec_of(vllm_config)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
         o = self._opts
@@ -487,6 +527,8 @@ class KvcmConnector(KVConnectorBase_V1):
             return (int(digits[0]) if digits else 0, name)
 
         self._kv_caches = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
+        if (reason := unsupported_kv_cache(self._kv_caches)) is not None:
+            raise ValueError(reason)
         per_block = self._agent_block_bytes = sum(t[0].numel() * t.element_size()
                                                   for _, t in self._kv_caches)
         expected = (self._spec.bytes_per_token_per_layer() * self._spec.num_layers
