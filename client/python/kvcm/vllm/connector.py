@@ -514,7 +514,11 @@ class KvcmConnector(KVConnectorBase_V1):
         if state is None or state.pin_id == 0:
             return
         try:
-            self._client.release(self._ns, state.pin_id)
+            # Bounded: this runs on vLLM's scheduler loop, and the lease ends the pin anyway
+            # (before, the client's 10 s default could stall the loop behind a stopped
+            # manager). Synchronous, so that the next request's eviction sees it released.
+            self._client.release(self._ns, state.pin_id,
+                                 deadline_ms=self._opts.request_deadline_ms)
         except Exception as e:  # noqa: BLE001 - the lease expires anyway
             logger.info("KvcmConnector: release of pin %d failed: %s", state.pin_id, e)
 
