@@ -2,8 +2,9 @@
 is registered (issue 34: never wrong bytes): an MLA model, tensor parallelism, a KV cache off
 the CPU. Checked against vLLM's own config objects (EngineArgs.create_engine_config, vLLM 0.32
 CPU build, $KVCM_VLLM_PYTHON) for a tiny Llama (TP 1 and 2) and a tiny DeepSeek-V2 (MLA) whose
-configs are written here, and a real torch tensor on the meta device. Skips without the vLLM
-environment unless KVCM_REQUIRE_VLLM=1.
+configs are written here, and a real torch tensor on the meta device. vLLM's default
+kv_load_failure_policy ("fail") gets a loud warning. Skips without the vLLM environment unless
+KVCM_REQUIRE_VLLM=1.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from kvcm.testing import tiny_llama
-from kvcm.vllm.connector import model_spec_of, unsupported_kv_cache, unsupported_reason
+from vllm.config import KVTransferConfig
+from kvcm.vllm.connector import (load_failure_warning, model_spec_of, unsupported_kv_cache,
+                                 unsupported_reason)
 
 work = Path(sys.argv[1])
 llama = tiny_llama.write(work / "llama")
@@ -49,6 +52,11 @@ out["tp2"], _ = reason(llama, tensor_parallel_size=2)
 out["mla"], _ = reason(mla)
 out["meta"] = unsupported_kv_cache([("layers.0", torch.empty(2, 3, device="meta"))])
 out["cpu"] = unsupported_kv_cache([("layers.0", torch.empty(2, 3))])
+def policy(**kw):
+    return load_failure_warning(KVTransferConfig(kv_connector="KvcmConnector",
+                                                 kv_role="kv_both", **kw))
+out["policy_default"] = policy()
+out["policy_recompute"] = policy(kv_load_failure_policy="recompute")
 print("RESULT " + json.dumps(out))
 """
 
@@ -69,3 +77,6 @@ def test_unsupported_shapes_are_refused_before_anything_is_registered(tmp_path) 
     assert "tensor_parallel_size 2" in got["tp2"] and "another rank's shard" in got["tp2"]
     assert "MLA models" in got["mla"] and "head size 576" in got["mla"]
     assert "is on meta" in got["meta"]
+    # vLLM's default kv_load_failure_policy ("fail") is warned about loudly at start.
+    assert got["policy_recompute"] is None
+    assert 'kv_load_failure_policy is "fail"' in got["policy_default"]

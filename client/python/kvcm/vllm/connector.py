@@ -179,6 +179,20 @@ def unsupported_reason(vllm_config: "VllmConfig") -> Optional[str]:
     return None
 
 
+def load_failure_warning(kv_transfer_config: Any) -> Optional[str]:
+    """A warning when vLLM would fail requests whose kvcm load fails (its default
+    kv_load_failure_policy "fail"): any agent fault (a restart, a lost pin, an evicted
+    block) then fails user requests instead of recomputing their prefix. None for
+    "recompute"."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy in ("recompute", None):
+        return None
+    return (f"KvcmConnector: kv_load_failure_policy is \"{policy}\": a failed kvcm load (an "
+            "agent restarted, a pin lost, a block evicted) fails the request instead of "
+            "recomputing its prefix. Set \"kv_load_failure_policy\": \"recompute\" in "
+            "--kv-transfer-config (README)")
+
+
 def unsupported_kv_cache(kv_caches: List[Tuple[str, torch.Tensor]]) -> Optional[str]:
     """Why the connector must not move these KV tensors, or None: only tensors in host
     memory (a CUDA tensor's .numpy() would raise on every store, after three agent calls)."""
@@ -330,6 +344,9 @@ class KvcmConnector(KVConnectorBase_V1):
         if (reason := unsupported_reason(vllm_config)) is not None:
             raise ValueError(reason)
         self._spec = model_spec_of(vllm_config)
+        if self._kv_transfer_config.is_kv_consumer and (
+                warning := load_failure_warning(self._kv_transfer_config)) is not None:
+            logger.warning("%s", warning)
         self._ns = kvcm.Namespace(self._opts.tenant, self._opts.model)
         o = self._opts
         self._client = kvcm.Client(o.manager_address, insecure=not o.tls_ca_file,
