@@ -180,7 +180,7 @@ class Worker {
   }
 
   // One request, timed by stage into `times` (nanoseconds). `expect_cached`: whether the
-  // prefix must be cached already (false for the worker's first).
+  // prefix must be cached already (false for the worker's first, and in a pool that fills).
   void Request(uint32_t n, bool expect_cached, int64_t times[kStages]) {
     const std::vector<int32_t> tokens = PromptTokens(shape_, id_, n);
     const auto t0 = SteadyClock::now();
@@ -196,8 +196,7 @@ class Worker {
       }
     }
     const auto t1 = SteadyClock::now();
-    if (expect_cached && !absl::GetFlag(FLAGS_pool_blocks)) {
-      // (A pool that fills may have evicted the prefix: the request then recomputes it.)
+    if (expect_cached) {
       Check(match.matched_pages == shape_.cached_pages && blocks.size() == shape_.cached_pages &&
                 match.pin_id != 0,
             absl::StrCat("worker ", id_, " request ", n, " matched ", match.matched_pages,
@@ -384,12 +383,15 @@ int Run() {
   for (uint32_t w = 0; w < max_workers; ++w) {
     workers.push_back(Worker::Create(w, shape, spec, manager->address(), *agent));
   }
+  // A pool that fills may evict a worker's prefix (the request then recomputes it): the
+  // prefix is checked cached only in a pool that holds everything.
+  const bool prefix_stays = absl::GetFlag(FLAGS_pool_blocks) == 0;
   // Each worker's prompt counter: every request is a prompt never seen before.
   std::vector<uint32_t> next(max_workers, 0);
   int64_t times[kStages];
   for (uint32_t w = 0; w < max_workers; ++w) {
     for (int i = 0; i < warmup; ++i) {
-      workers[w]->Request(next[w], /*expect_cached=*/i > 0, times);
+      workers[w]->Request(next[w], /*expect_cached=*/prefix_stays && i > 0, times);
       workers[w]->IndexOnlyInsert(next[w]++);
     }
   }
@@ -405,7 +407,7 @@ int Run() {
     const bool index_first = (i / block) % 2 == 1;
     const uint32_t n = next[0]++;
     if (index_first) index_only.Add(workers[0]->IndexOnlyInsert(n));
-    workers[0]->Request(n, true, times);
+    workers[0]->Request(n, prefix_stays, times);
     for (int s = 0; s < kStages; ++s) stage[s].Add(std::chrono::nanoseconds(times[s]));
     if (!index_first) index_only.Add(workers[0]->IndexOnlyInsert(n));
   }
@@ -452,7 +454,7 @@ int Run() {
     const double cpu_before = ProcessCpuSeconds();
     const double req_seconds = run_threads([&](uint32_t w) {
       int64_t t[kStages];
-      workers[w]->Request(next[w]++, true, t);
+      workers[w]->Request(next[w]++, prefix_stays, t);
       req[w].push_back(t[kRequest]);
       ins[w].push_back(t[kInsert]);
     });

@@ -62,17 +62,13 @@ void RoomMaker::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-size_t RoomMaker::waiting() const {
-  absl::MutexLock lock(&mu_);
-  return queue_.size();
-}
-
-absl::StatusOr<RoomMaker::Allocation> RoomMaker::TryAllocate(const Request& request,
+absl::StatusOr<RoomMaker::Allocation> RoomMaker::AllocateNow(BlockPool& pool,
+                                                             const Request& request,
                                                              bool use_held) {
   Allocation out;
   absl::StatusOr<std::vector<BlockId>> ids =
-      pool_->Allocate(request.count, request.owner_epoch, request.ns ? &*request.ns : nullptr,
-                      &out.generations, use_held);
+      pool.Allocate(request.count, request.owner_epoch, request.ns ? &*request.ns : nullptr,
+                    &out.generations, use_held);
   if (!ids.ok()) return ids.status();
   out.block_ids = *std::move(ids);
   return out;
@@ -84,7 +80,7 @@ void RoomMaker::Fail(const absl::Status& status, AllocationFailure reason, const
 }
 
 void RoomMaker::Allocate(Request request, Done done) {
-  absl::StatusOr<Allocation> now = TryAllocate(request, /*use_held=*/false);
+  absl::StatusOr<Allocation> now = AllocateNow(*pool_, request);
   if (now.ok() || !absl::IsResourceExhausted(now.status())) {
     done(std::move(now));
     return;
@@ -159,7 +155,7 @@ absl::StatusOr<RoomMaker::Allocation> RoomMaker::Serve(const Request& request,
   pool_->SetHeld(request.count);
   absl::Cleanup release_hold = [this] { pool_->SetHeld(0); };
   for (uint32_t round = 0; round < options_.max_rounds; ++round) {
-    absl::StatusOr<Allocation> allocated = TryAllocate(request, /*use_held=*/true);
+    absl::StatusOr<Allocation> allocated = AllocateNow(*pool_, request, /*use_held=*/true);
     if (allocated.ok() || !absl::IsResourceExhausted(allocated.status())) return allocated;
     if (request.owner_epoch != epoch_->current()) {
       *reason = AllocationFailure::kEpoch;

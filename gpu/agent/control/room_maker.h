@@ -108,8 +108,10 @@ class RoomMaker {
   // thread.
   void Allocate(Request request, Done done) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Allocations waiting for room now (not counting the one being served).
-  size_t waiting() const ABSL_LOCKS_EXCLUDED(mu_);
+  // BlockPool::Allocate of `request` now, nothing waited for: what Allocate does first, and
+  // all an agent without a RoomMaker does.
+  static absl::StatusOr<Allocation> AllocateNow(BlockPool& pool, const Request& request,
+                                                bool use_held = false);
 
  private:
   struct Waiter {
@@ -124,7 +126,6 @@ class RoomMaker {
                                    AllocationFailure* reason);
   // Waits until `count` blocks are free; false at `deadline` or when stopping.
   bool AwaitFree(uint32_t count, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<Allocation> TryAllocate(const Request& request, bool use_held);
   void Fail(const absl::Status& status, AllocationFailure reason, const Done& done);
 
   BlockPool* const pool_;

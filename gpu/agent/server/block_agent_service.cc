@@ -106,13 +106,7 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
           room_maker_->Allocate(*std::move(request), std::move(done));
           return;
         }
-        RoomMaker::Allocation out;
-        absl::StatusOr<std::vector<BlockId>> ids =
-            pools_.main->Allocate(request->count, request->owner_epoch,
-                                  request->ns ? &*request->ns : nullptr, &out.generations);
-        if (!ids.ok()) return done(ids.status());
-        out.block_ids = *std::move(ids);
-        done(std::move(out));
+        done(RoomMaker::AllocateNow(*pools_.main, *request));
       });
 }
 
