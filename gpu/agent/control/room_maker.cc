@@ -95,14 +95,20 @@ void RoomMaker::Allocate(Request request, Done done) {
          make_room_ ? AllocationFailure::kOther : AllocationFailure::kManagerUnavailable, done);
     return;
   }
+  bool stopping = false;
   {
     absl::MutexLock lock(&mu_);
-    if (!stopping_) {
+    stopping = stopping_;
+    if (!stopping && queue_.size() < options_.max_waiting) {
       queue_.push_back(Waiter{std::move(request), std::move(done)});
       return;
     }
   }
-  Fail(absl::UnavailableError("the agent is shutting down"), AllocationFailure::kOther, done);
+  Fail(stopping ? absl::UnavailableError("the agent is shutting down")
+                : absl::ResourceExhaustedError(
+                      absl::StrCat(now.status().message(), "; ", options_.max_waiting,
+                                   " allocations are already waiting for room: try again later")),
+       AllocationFailure::kOther, done);
 }
 
 void RoomMaker::Run() {

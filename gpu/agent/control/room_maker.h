@@ -70,6 +70,9 @@ struct RoomMakerOptions {
   // Rounds of MakeRoom one allocation may take (evictions it waited for, then found the
   // blocks gone to another pool user: only private allocations and demotions can).
   uint32_t max_rounds = 3;
+  // Most allocations waiting at once; one more is RESOURCE_EXHAUSTED at once, so callers
+  // flooding a full pool with allocations cannot grow the queue (or the wait) without bound.
+  uint32_t max_waiting = 256;
 };
 
 class RoomMaker {

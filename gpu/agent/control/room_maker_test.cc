@@ -65,10 +65,10 @@ class RoomMakerTest : public ::testing::Test {
     };
   }
 
-  void StartMaker(RoomMaker::MakeRoomFn fn, uint32_t wait_ms = 10'000) {
+  void StartMaker(RoomMaker::MakeRoomFn fn, uint32_t wait_ms = 10'000, uint32_t max_waiting = 256) {
     maker_ = std::make_unique<RoomMaker>(
         pool_.get(), Tier::kGpu, "gpu-0", epoch_.get(), std::move(fn),
-        RoomMakerOptions{.allocate_wait_ms = wait_ms},
+        RoomMakerOptions{.allocate_wait_ms = wait_ms, .max_waiting = max_waiting},
         RoomMakerObserver{
             .on_room_made = [this](absl::Duration, uint64_t pages) { room_pages_ += pages; },
             .on_failure = [this](AllocationFailure r) { failures_.push_back(r); }});
@@ -226,6 +226,32 @@ TEST_F(RoomMakerTest, PrivateBlocksNeverMakeTheManagerEvict) {
   EXPECT_EQ(AllocateNow(1, /*cache=*/false).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(asks_.empty());
   EXPECT_THAT(failures_, ::testing::ElementsAre(AllocationFailure::kPrivate));
+}
+
+// A flood of allocations into a full pool (a buggy or hostile worker) queues at most
+// max_waiting; the rest are refused at once, so the queue and its wait stay bounded.
+TEST_F(RoomMakerTest, TheWaitingQueueIsBounded) {
+  StartMaker(
+      [](const v1::MakeRoomRequest&, absl::Time) -> absl::StatusOr<v1::MakeRoomResponse> {
+        v1::MakeRoomResponse resp;
+        resp.set_evicted_pages(1);
+        return resp;  // nothing is ever freed: the one served waits out its deadline
+      },
+      /*wait_ms=*/10'000, /*max_waiting=*/2);
+  Fill(8);
+  std::atomic<int> refused{0}, unavailable{0};
+  auto count = [&](absl::StatusOr<RoomMaker::Allocation> r) {
+    if (absl::IsResourceExhausted(r.status())) ++refused;
+    if (absl::IsUnavailable(r.status())) ++unavailable;
+  };
+  maker_->Allocate({.count = 1, .owner_epoch = epoch_->current(), .ns = ns_}, count);
+  absl::SleepFor(absl::Milliseconds(100));  // being served
+  for (int i = 0; i < 10; ++i) {
+    maker_->Allocate({.count = 1, .owner_epoch = epoch_->current(), .ns = ns_}, count);
+  }
+  EXPECT_EQ(refused.load(), 8);  // 2 queued behind the one served
+  maker_->Stop();
+  EXPECT_EQ(unavailable.load(), 3);
 }
 
 TEST_F(RoomMakerTest, StopFailsWaitingAllocations) {
