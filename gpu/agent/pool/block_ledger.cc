@@ -271,6 +271,7 @@ uint64_t BlockLedger::FreeAllOwnedBy(uint64_t owner_epoch) {
 }
 
 uint64_t BlockLedger::AllocatedToTenant(uint64_t owner_epoch, absl::string_view tenant) const {
+  if (allocated_blocks() == 0) return 0;  // no scan of a pool with no store in flight
   uint64_t n = 0;
   for (const Slot& slot : slots_) {
     if (slot.state == State::kAllocated && slot.owner_epoch == owner_epoch &&
@@ -282,7 +283,8 @@ uint64_t BlockLedger::AllocatedToTenant(uint64_t owner_epoch, absl::string_view 
 }
 
 uint64_t BlockLedger::FreeAllocatedBefore(uint64_t owner_epoch, int64_t cutoff_unix_ms) {
-  if (owner_epoch == 0) return 0;
+  // Every heartbeat, under the pool's lock: no scan while no store is in flight.
+  if (owner_epoch == 0 || allocated_blocks() == 0) return 0;
   uint64_t freed = 0;
   for (BlockId id = 0; id < slots_.size(); ++id) {
     const Slot& slot = slots_[id];

@@ -173,6 +173,8 @@ class BlockLedger {
   uint32_t num_blocks() const { return static_cast<uint32_t>(slots_.size()); }
   uint32_t free_blocks() const { return static_cast<uint32_t>(free_.size()); }
   uint32_t committed_blocks() const { return committed_; }
+  // Allocated and not committed.
+  uint32_t allocated_blocks() const { return num_blocks() - free_blocks() - committed_; }
 
  private:
   static constexpr uint32_t kNoNamespace = 0xFFFFFFFF;
