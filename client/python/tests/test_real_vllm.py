@@ -49,6 +49,11 @@ def tokens(seed: int, blocks: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 1000 for i in range(blocks * BLOCK_SIZE + 5)]
 
 
+def whole_blocks(ids) -> int:
+    """Tokens in the prompt's whole blocks: what vLLM caches of it once it has run."""
+    return len(ids) // BLOCK_SIZE * BLOCK_SIZE
+
+
 def text(ids: list[int]) -> str:
     """The prompt as text the tiny Llama's tokenizer turns back into `ids`."""
     return " ".join(str(t) for t in ids)
@@ -141,12 +146,18 @@ class Story:
         self.probe = Probe(manager)
         self.sent: list[tuple[str, tuple[int, ...], str | None]] = []
 
-    def send(self, engine_id: str, ids: list[int], salt: str | None = None) -> int:
-        """Sends a prompt (max_tokens 1); the cached_tokens vLLM reports."""
+    def send(self, engine_id: str, ids: list[int], salt: str | None = None,
+             mirrored: bool = True) -> int:
+        """Sends a prompt (max_tokens 1); the cached_tokens vLLM reports. With `mirrored`
+        (the bridge and manager are up), returns once the manager holds the prompt's whole
+        blocks: vLLM caches all of them in the request's step and publishes them with it."""
         key = (engine_id, tuple(ids), salt)
         if key not in self.sent:
             self.sent.append(key)
-        return self.engines[engine_id].cached_tokens(ids, cache_salt=salt)
+        cached = self.engines[engine_id].cached_tokens(ids, cache_salt=salt)
+        if mirrored:
+            self.wait_held(engine_id, ids, whole_blocks(ids), salt)
+        return cached
 
     def snapshot(self) -> list[int]:
         return [self.probe.held_tokens(e, list(ids), salt) for e, ids, salt in self.sent]
@@ -164,10 +175,11 @@ class Story:
                 return
             time.sleep(0.1)
 
-    def wait_held(self, engine_id: str, ids: list[int], want: int) -> None:
+    def wait_held(self, engine_id: str, ids: list[int], want: int,
+                  salt: str | None = None) -> None:
         """Until the manager says engine_id holds `want` leading tokens of the prompt."""
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while (held := self.probe.held_tokens(engine_id, ids)) != want:
+        while (held := self.probe.held_tokens(engine_id, ids, salt)) != want:
             if time.monotonic() > deadline:
                 raise AssertionError(f"manager: {engine_id} holds {held} tokens of the "
                                      f"prompt, not {want}\n---- bridge log tail:\n"
@@ -188,6 +200,10 @@ class Story:
                 wrong.append(f"{engine_id} prompt {self.sent.index((engine_id, ids, salt))} "
                              f"({len(ids)} tokens) salt={salt}: "
                              f"manager {held} tokens, vLLM cached {cached}")
+            # The resend cached the prompt again, and may have evicted the next one's blocks:
+            # the next probe must see its events, which 0.3 s of calm alone does not promise
+            # on a loaded machine (CI once probed a prompt before its prefix's stores landed).
+            self.wait_held(engine_id, list(ids), whole_blocks(ids), salt)
         assert not wrong, (f"after {step}:\n  " + "\n  ".join(wrong)
                            + "\n---- bridge log tail:\n" + self.bridge.tail())
         return reported
@@ -250,15 +266,19 @@ def test_reset_prefix_cache(story):
     # vLLM publishes a step's events with the next step: AllBlocksCleared comes with the next
     # request (golden capture data/vllm-0.32.0). A request the checks do not look at flushes it.
     story.engines["vllm-0"].complete(tokens(99, 1))
+    story.wait_held("vllm-0", tokens(99, 1), BLOCK_SIZE)  # its batch carries the clear first
     story.check("reset_prefix_cache")
 
 
 def test_bridge_restart_replays(story):
     story.bridge.stop()
-    story.send("vllm-0", tokens(20, 2))
-    story.send("vllm-1", tokens(21, 3))
-    story.send("vllm-0", A, salt="alice")
+    story.send("vllm-0", tokens(20, 2), mirrored=False)
+    story.send("vllm-1", tokens(21, 3), mirrored=False)
+    story.send("vllm-0", A, salt="alice", mirrored=False)
     story.bridge.start()  # replays the engines' buffers from seq 0
+    # Synced once each engine's newest prompt is back (the old session's pages are gone).
+    story.wait_held("vllm-0", A, whole_blocks(A), salt="alice")
+    story.wait_held("vllm-1", tokens(21, 3), whole_blocks(tokens(21, 3)))
     story.check("a bridge restart")
 
 
