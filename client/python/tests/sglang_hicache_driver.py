@@ -87,13 +87,25 @@ def storage_config(agent: str, *, tenant: str = None, mla: bool = False,
         extra_config={"backend_name": "kvcm", "module_path": "kvcm.sglang.hicache",
                       "class_name": "KvcmHiCacheStorage",
                       "manager_address": CFG["manager"], "agent_id": agent,
-                      "agent_address": CFG["agents"][agent],
+                      "agent_address": CFG["agents"].get(agent, ""),
                       "tenant": tenant or CFG["tenant"], **extra})
 
 
-def attach(agent: str, pool: Any, **kw: Any) -> Any:
+def secure_config(agent: str, who: Any, **extra: Any) -> HiCacheStorageConfig:
+    """storage_config for an agent of the secured cluster (mutual TLS, tokens) with the
+    token file of `who` (None: no token_file)."""
+    sec = CFG["secure"]
+    tls = {k: sec[k] for k in ("tls_ca_file", "tls_cert_file", "tls_key_file")}
+    if who is not None:
+        tls["token_file"] = sec["tokens"][who]
+    return storage_config(agent, manager_address=sec["manager"],
+                          agent_address=sec["agents"][agent], **tls, **extra)
+
+
+def attach(agent: str, pool: Any, config: Any = None, **kw: Any) -> Any:
     """As HiCacheController.attach_storage_backend: the factory, then the host pool."""
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config(agent, **kw), pool)
+    backend = StorageBackendFactory.create_backend(
+        "dynamic", config or storage_config(agent, **kw), pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
     return backend
@@ -277,8 +289,7 @@ def failure_injector(out: Dict[str, Any]) -> None:
 
 
 def agent_used_bytes(backend: KvcmHiCacheStorage) -> int:
-    from kvcm._proto.v1 import agent_pb2
-    return backend._agent.Stats(agent_pb2.BlockAgentStatsRequest()).used_bytes
+    return backend.agent.stats().used_bytes
 
 
 @scenario
@@ -469,8 +480,7 @@ def full_pool(out: Dict[str, Any]) -> None:
 
     # The pool is full; backing up the last prompt again, which it holds whole, allocates
     # no block, so it evicts nothing.
-    from kvcm._proto.v1 import agent_pb2
-    assert s._agent.Stats(agent_pb2.BlockAgentStatsRequest()).free_blocks == 0
+    assert s.agent.stats().free_blocks == 0
     last = FULL_PROMPTS - 1
     assert backup(c, src[last], full_pool_tokens(last)) == 3 * PAGE
     assert [held(full_pool_tokens(j)) for j in range(FULL_PROMPTS)] == \
@@ -493,6 +503,65 @@ def full_pool(out: Dict[str, Any]) -> None:
     out["namespace"] = [s.ns.tenant, s.ns.model]
     probe.close()
     s.close()
+
+
+@scenario
+def tls_tokens_round_trip(out: Dict[str, Any]) -> None:
+    """The secured cluster (manager and agents sa, sb with mutual TLS and tokens), with the
+    extra config's tls_ca_file / tls_cert_file / tls_key_file / token_file (a worker of
+    tenant acme): SGLang's backup stores through agent sa, SGLang's prefetch on agent sb
+    fetches the pages from sa (agent to agent over mutual TLS) and reads them byte for
+    byte."""
+    os.environ.pop("KVCM_TOKEN", None)
+    pool_a, pool_b = mha_host_pool(), mha_host_pool()
+    a = attach("sa", pool_a, config=secure_config("sa", "acme"))
+    b = attach("sb", pool_b, config=secure_config("sb", "acme"))
+    n = 3
+    toks = tokens(21, n)
+    src = fill(pool_a, n)
+    assert backup(controller(a, pool_a), src, toks) == n * PAGE, a.counters
+    assert a.counters["stored_pages"] == n, a.counters
+    hit, done, dst = prefetch(controller(b, pool_b), pool_b, toks)
+    assert (hit, done) == (n * PAGE, n), (hit, done, b.counters)
+    for i in range(n):
+        assert page_bytes(pool_b, dst, i) == page_bytes(pool_a, src, i), f"page {i} differs"
+    assert b.counters["fetched_pages"] == n and b.counters["errors"] == 0, b.counters
+    out["namespace"] = [a.ns.tenant, a.ns.model]
+    out["counters_a"], out["counters_b"] = a.counters, b.counters
+    a.close()
+    b.close()
+
+
+@scenario
+def tls_tokens_refused(out: Dict[str, Any]) -> None:
+    """No token, an unknown token, and another tenant's worker token: SGLang's attach
+    (factory, then register_mem_pool_host) fails with an error naming the refusal, and
+    SGLang's backup through the unattached backend stores nothing: the agent's used bytes
+    and the index are unchanged."""
+    os.environ.pop("KVCM_TOKEN", None)
+    pool = mha_host_pool()
+    good = attach("sa", pool, config=secure_config("sa", "acme"))
+    used = good.agent.stats().used_bytes
+    toks = tokens(22, 2)
+    keys = get_storage_hash_str(toks, None, page_size=PAGE)
+    src = fill(pool, 2)
+    errors: Dict[str, str] = {}
+    for who in (None, "wrong", "globex"):
+        backend = StorageBackendFactory.create_backend("dynamic", secure_config("sa", who),
+                                                       pool)
+        try:
+            backend.register_mem_pool_host(pool)
+            raise AssertionError(f"attached with token {who}")
+        except ValueError as e:
+            errors[str(who)] = str(e)
+        assert backup(controller(backend, pool), src, toks) == 0
+        assert backend.counters["refused_unattached"] == 2, backend.counters
+        assert backend.counters["stored_pages"] == 0, backend.counters
+        backend.close()
+    assert good.agent.stats().used_bytes == used
+    assert good.batch_exists(keys) == 0
+    out["errors"] = errors
+    good.close()
 
 
 with open(sys.argv[2], "w") as f:

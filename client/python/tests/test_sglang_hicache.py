@@ -3,7 +3,8 @@ scripts/sglang_env.sh): SGLang's StorageBackendFactory builds it for `dynamic`, 
 KV pools and HiCacheController storage paths move pages through it, SGLang's page keys name
 them, and its failure injector wraps it; a real kvcm-manager and four kvcm-agents (host
 pools: "a" and "b" MHA, "mla" an MLA latent pool, "small" an MHA pool of SMALL_PAGES pages
-that the full-pool scenario overfills) hold the pages.
+that the full-pool scenario overfills) hold the pages; a second manager and two agents ("sa",
+"sb") serve mutual TLS and check bearer tokens, for the backend's TLS and token options.
 
 The scenarios run in SGLang's environment ($KVCM_SGLANG_PYTHON, which imports the kvcm package
 under test from a PYTHONPATH holding only it) as one process (sglang_hicache_driver.py; SGLang
@@ -13,8 +14,10 @@ Without $KVCM_SGLANG_PYTHON or the binaries the module skips, unless KVCM_REQUIR
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +27,7 @@ import pytest
 import kvcm
 from kvcm.testing.manager import ManagerProcess, free_port
 
-from conftest import Process, kvcm_pythonpath, wait_registered
+from conftest import REPO_ROOT, Process, kvcm_pythonpath, wait_registered
 from conftest import scrape_metric as metric
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,8 +59,9 @@ SMALL_PAGES = 8
 
 
 def agent_args(agent_bin: str, agent_id: str, manager: str, port: int, geometry: list,
-               capacity_bytes: int = 8 << 20, extra: tuple = ()) -> list:
-    return [agent_bin, "--insecure", f"--agent_id={agent_id}", f"--manager_address={manager}",
+               capacity_bytes: int = 8 << 20, extra: tuple = (), insecure: bool = True) -> list:
+    return [agent_bin, *(["--insecure"] if insecure else []), f"--agent_id={agent_id}",
+            f"--manager_address={manager}",
             f"--listen_address=127.0.0.1:{port}", "--use_device=false", "--tier=host",
             "--model=", *geometry, "--kv_dtype=bf16", f"--page_size_tokens={PAGE}",
             f"--capacity_bytes={capacity_bytes}", "--heartbeat_interval_ms=200", *extra]
@@ -65,6 +69,59 @@ def agent_args(agent_bin: str, agent_id: str, manager: str, port: int, geometry:
 
 def mha_page_bytes() -> int:
     return 2 * MHA["layers"] * MHA["heads"] * MHA["head_dim"] * PAGE * 2
+
+
+MHA_FLAGS = ["--attention=mha", f"--num_layers={MHA['layers']}", f"--num_heads={MHA['heads']}",
+             f"--num_kv_heads={MHA['heads']}", f"--head_dim={MHA['head_dim']}"]
+# The secured cluster's principals: token file name -> tokens-file grants ("wrong" is a token
+# nobody granted).
+SECURE_GRANTS = {"acme": "sglang-acme roles=worker tenant=acme",
+                 "globex": "sglang-globex roles=worker tenant=globex",
+                 "sa": "sa roles=agent agent=sa", "sb": "sb roles=agent agent=sb",
+                 "ops": "ops roles=admin"}
+
+
+def start_secure_cluster(workdir: Path, manager_bin: str, agent_bin: str, procs: list,
+                         managers: list) -> dict:
+    """A manager and agents sa, sb with mutual TLS (scripts/make_test_certs.sh) and a
+    tokens file; returns the driver's CFG["secure"] and an admin client."""
+    certs = workdir / "certs"
+    subprocess.run([str(REPO_ROOT / "scripts" / "make_test_certs.sh"), str(certs), "sa", "sb"],
+                   check=True, capture_output=True)
+    tokens = {who: secrets.token_hex(16) for who in [*SECURE_GRANTS, "wrong"]}
+    files = {}
+    for who, token in tokens.items():
+        files[who] = workdir / f"{who}.token"
+        files[who].write_text(token + "\n")
+    table = workdir / "secure-tokens"
+    table.write_text("".join(f"{hashlib.sha256(tokens[w].encode()).hexdigest()} {grant}\n"
+                             for w, grant in SECURE_GRANTS.items()))
+    manager = ManagerProcess(manager_bin, workdir / "secure-manager",
+                             tokens={tokens[w]: g for w, g in SECURE_GRANTS.items()},
+                             tls=(str(certs / "manager.pem"), str(certs / "manager.key"),
+                                  str(certs / "ca.pem")))
+    managers.append(manager)
+    manager.start()
+    agents, started = {}, {}
+    for agent_id in ("sa", "sb"):
+        port = free_port()
+        tls = (f"--tls_cert_file={certs / f'{agent_id}.pem'}",
+               f"--tls_key_file={certs / f'{agent_id}.key'}", f"--tls_ca_file={certs / 'ca.pem'}",
+               f"--token_file={files[agent_id]}", f"--tokens_file={table}")
+        started[agent_id] = Process(agent_args(agent_bin, agent_id, manager.address, port,
+                                               MHA_FLAGS, extra=tls, insecure=False),
+                                    workdir / f"agent-{agent_id}.log")
+        procs.append(started[agent_id])
+        agents[agent_id] = f"127.0.0.1:{port}"
+    tls_files = {"tls_ca_file": str(certs / "ca.pem"), "tls_cert_file": str(certs / "client.pem"),
+                 "tls_key_file": str(certs / "client.key")}
+    admin = kvcm.Client(manager.address, ca_file=tls_files["tls_ca_file"],
+                        cert_file=tls_files["tls_cert_file"], key_file=tls_files["tls_key_file"],
+                        token_file=str(files["ops"]))
+    wait_registered(admin, started)
+    return {"config": {"manager": manager.address, "agents": agents, **tls_files,
+                       "tokens": {w: str(f) for w, f in files.items()}},
+            "client": admin}
 
 
 
@@ -80,13 +137,12 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     manager = ManagerProcess(manager_bin, workdir / "manager",
                              flags=(f"--metrics_address={metrics['manager']}",))
     agents: dict = {}
-    procs = []
-    client = None
+    procs: list = []
+    managers = [manager]
+    client = secure = None
     try:
         manager.start()
-        mha = ["--attention=mha", f"--num_layers={MHA['layers']}",
-               f"--num_heads={MHA['heads']}", f"--num_kv_heads={MHA['heads']}",
-               f"--head_dim={MHA['head_dim']}"]
+        mha = MHA_FLAGS
         mla = ["--attention=mla", f"--num_layers={MLA['layers']}", "--num_heads=1",
                f"--kv_lora_rank={MLA['kv_lora_rank']}", f"--rope_dim={MLA['rope_dim']}"]
         started = {}
@@ -103,8 +159,10 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
             agents[agent_id] = f"127.0.0.1:{port}"
         client = kvcm.Client(manager.address, insecure=True)
         wait_registered(client, started)
+        secure = start_secure_cluster(workdir, manager_bin, agent_bin, procs, managers)
         config = {"manager": manager.address, "agents": agents, "tenant": TENANT,
-                  "model": MODEL, "page_size": PAGE, "mha": MHA, "mla": MLA}
+                  "model": MODEL, "page_size": PAGE, "mha": MHA, "mla": MLA,
+                  "secure": secure["config"]}
         (workdir / "config.json").write_text(json.dumps(config))
         env = dict(os.environ, PYTHONPATH=str(pythonpath))
         run = subprocess.run([sglang_python, str(HERE / "sglang_hicache_driver.py"),
@@ -114,13 +172,16 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
             pytest.fail(f"the SGLang driver failed ({run.returncode}):\n{run.stdout[-3000:]}\n"
                         f"{run.stderr[-6000:]}")
         results = json.loads((workdir / "results.json").read_text())
-        yield {"results": results, "client": client, "log": run.stderr, "metrics": metrics}
+        yield {"results": results, "client": client, "log": run.stderr, "metrics": metrics,
+               "secure_client": secure["client"]}
     finally:
-        if client is not None:
-            client.close()
+        for c in (client, secure and secure["client"]):
+            if c:
+                c.close()
         for p in procs:
             p.stop()
-        manager.stop()
+        for m in managers:
+            m.stop()
 
 
 def outcome(cluster: dict, name: str) -> dict:
@@ -224,8 +285,35 @@ def test_a_full_pool_keeps_storing_and_lookups_hit_what_it_kept(cluster) -> None
     assert namespace_stats(cluster, r["namespace"]).pages == pool.pages
 
 
+def test_mutual_tls_and_tokens_round_trip(cluster) -> None:
+    r = outcome(cluster, "tls_tokens_round_trip")
+    assert r["namespace"] == [TENANT, f"{MODEL}/sglang-page_first"]
+    assert r["counters_a"]["stored_pages"] == 3 and r["counters_a"]["errors"] == 0
+    assert r["counters_b"]["fetched_pages"] == 3 and r["counters_b"]["errors"] == 0
+    # Both secured agents hold the 3 pages: stored on sa, fetched into sb.
+    stats = cluster["secure_client"].stats()
+    assert {p.pool.agent_id: p.pages for p in stats.pools} == {"sa": 3, "sb": 3}
+
+
+def test_a_missing_unknown_or_foreign_token_is_refused_and_stores_nothing(cluster) -> None:
+    r = outcome(cluster, "tls_tokens_refused")
+    errors = r["errors"]
+    print("refusals:", json.dumps(errors, indent=1))
+    for who in ("None", "wrong"):
+        assert "refused this engine's credentials" in errors[who], errors[who]
+        assert "UNAUTHENTICATED" in errors[who] and "token_file" in errors[who], errors[who]
+    assert "(no token)" in errors["None"]
+    assert "wrong.token" in errors["wrong"]
+    assert "PERMISSION_DENIED" in errors["globex"] and "tenant acme" in errors["globex"]
+    # Nothing but the round trip's pages in the secured cluster; globex has no namespace.
+    stats = cluster["secure_client"].stats()
+    assert [(n.namespace.tenant, n.pages) for n in stats.namespaces] == [(TENANT, 3)]
+    assert sum(p.pages for p in stats.pools) == 6
+
+
 def test_every_pin_was_released(cluster) -> None:
     """Each get pins its page (Match pin=True) for the read and releases it after."""
     for name in cluster["results"]:
         outcome(cluster, name)
     assert cluster["client"].stats().active_pins == 0
+    assert cluster["secure_client"].stats().active_pins == 0

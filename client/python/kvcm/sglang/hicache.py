@@ -5,7 +5,8 @@ into its local kvcm-agent and gets back pages any agent holds, through the manag
     --hicache-storage-backend-extra-config '{"backend_name": "kvcm",
         "module_path": "kvcm.sglang.hicache", "class_name": "KvcmHiCacheStorage",
         "manager_address": "HOST:PORT", "agent_id": "host0", "agent_address": "HOST:PORT",
-        "tenant": "acme"}'
+        "tenant": "acme", "tls_ca_file": "ca.pem", "tls_cert_file": "client.pem",
+        "tls_key_file": "client.key", "token_file": "acme.token"}'
 
 Page identity: SGLang names a page by a string key, for its KV pool the SHA-256 chain of the
 prefix's tokens up to and including the page (seeded by the request's extra_key/cache_salt),
@@ -19,9 +20,17 @@ each) are not stored again; for the others Allocate blocks on the local agent (i
 pool the agent has the manager evict by its policy first), WriteBlocks, Insert each page
 into the agent's pool (the manager commits the blocks through the agent's ledger); a page
 another writer stored meanwhile frees the new copy. Get: Match with pin and lease;
-a local replica is read with ReadBlocks; a replica on another agent is first pulled into
-the local agent with BlockAgent.Fetch (pinned source), then pinned again and read locally.
-Every pin is released after its read. Exists: Match probe (changes nothing).
+a local replica is read with ReadBlocks (verified: the agent checks the block still holds
+the page); a replica on another agent is first pulled into the local agent with
+BlockAgent.Fetch (pinned source), then pinned again and read locally. Every pin is released
+after its read. Exists: Match probe (changes nothing). The agent calls and the store
+transaction are kvcm.agent.AgentSession's, shared with the vLLM connector.
+
+TLS and tokens as the vLLM connector's (README "TLS and tokens"): tls_ca_file verifies the
+manager and the agent, tls_cert_file + tls_key_file are the engine's client certificate
+(mutual TLS), token_file (else $KVCM_TOKEN) its bearer token; plaintext only without
+tls_ca_file. A manager or agent refusing the token fails the attach with a ValueError
+saying so: SGLang then runs without its L3, nothing stored.
 
 A page must have the namespace's bytes_per_page (its spec comes from SGLang's host pool:
 MHA/GQA heads, or MLA's latent + rope width); any other size is refused, counted in
@@ -36,7 +45,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-import grpc
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -49,7 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import kvcm
 from kvcm import hashing
-from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
+from kvcm.agent import AgentSession
 from kvcm.types import PENDING_BLOCK_ID
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,13 @@ class HiCacheOptions:
     # and the page is a miss / a store not made, rather than the request waiting out a
     # manager takeover under the client's default deadline (docs/OPERATIONS.md).
     request_deadline_ms: int = 500
+    # TLS to the manager and the agent (tls_ca_file; tls_cert_file + tls_key_file: mutual
+    # TLS) and the bearer token (token_file, else $KVCM_TOKEN); no tls_ca_file: plaintext.
+    # The same keys as the vLLM connector's.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    token_file: str = ""
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any], model_name: str) -> "HiCacheOptions":
@@ -102,6 +117,10 @@ class HiCacheOptions:
             lease_ttl_ms=int(extra.get("lease_ttl_ms", 30_000)),
             rpc_timeout_s=float(extra.get("rpc_timeout_s", 10.0)),
             request_deadline_ms=int(extra.get("request_deadline_ms", 500)),
+            tls_ca_file=str(extra.get("tls_ca_file") or ""),
+            tls_cert_file=str(extra.get("tls_cert_file") or ""),
+            tls_key_file=str(extra.get("tls_key_file") or ""),
+            token_file=str(extra.get("token_file") or ""),
         )
 
 
@@ -152,12 +171,15 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self._opts = HiCacheOptions.from_extra(dict(storage_config.extra_config or {}),
                                                storage_config.model_name or "")
         self._pool = kvcm.PoolRef(self._opts.agent_id, _TIERS[self._opts.tier])
-        self._client = kvcm.Client(self._opts.manager_address, insecure=True)
-        self._channel = grpc.insecure_channel(
-            self._opts.agent_address,
-            options=[("grpc.max_receive_message_length", 64 << 20),
-                     ("grpc.max_send_message_length", 64 << 20)])
-        self._agent = agent_pb2_grpc.BlockAgentStub(self._channel)
+        o = self._opts
+        self._client = kvcm.Client(o.manager_address, insecure=not o.tls_ca_file,
+                                   ca_file=o.tls_ca_file or None,
+                                   cert_file=o.tls_cert_file or None,
+                                   key_file=o.tls_key_file or None,
+                                   token_file=o.token_file or None)
+        # The local agent, with the client's TLS credentials and token.
+        self.agent = AgentSession.of_client(self._client, o.agent_address,
+                                            timeout_s=o.rpc_timeout_s)
         self._lock = threading.Lock()
         self._counters: Dict[str, int] = dict.fromkeys(
             ("stored_pages", "already_present_pages", "local_hits", "fetched_pages", "misses",
@@ -166,7 +188,6 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self.spec: Optional[kvcm.ModelSpec] = None
         self.bytes_per_page = 0
         self._ns_key = b""
-        self._max_blocks_per_call = 64
         self._epoch = 0  # the local agent's, 0 until asked
 
     # ---- setup --------------------------------------------------------------------------
@@ -185,28 +206,42 @@ class KvcmHiCacheStorage(HiCacheStorage):
         ns = namespace_of(self._opts, self._config, str(mem_pool_host.layout))
         try:
             self._client.register_model(ns, spec)
+        except (kvcm.Unauthenticated, kvcm.PermissionDenied) as e:
+            raise ValueError(self._refused("manager", self._opts.manager_address, ns, e)) from e
         except kvcm.KvcmError as e:
             raise ValueError(f"KvcmHiCacheStorage: namespace {ns} refuses SGLang's layout "
                              f"{spec}: {e}") from e
-        stats = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
-                                  timeout=self._opts.rpc_timeout_s)
+        try:
+            stats = self.agent.stats()
+        except (kvcm.Unauthenticated, kvcm.PermissionDenied) as e:
+            raise ValueError(self._refused("agent", self._opts.agent_address, ns, e)) from e
+        except kvcm.KvcmError as e:
+            raise ValueError(f"KvcmHiCacheStorage: agent {self._opts.agent_id} at "
+                             f"{self._opts.agent_address} cannot be asked its geometry: "
+                             f"{e}") from e
         if stats.geometry.bytes_per_block != page_bytes:
             raise ValueError(f"KvcmHiCacheStorage: agent {self._opts.agent_id}'s blocks are "
                              f"{stats.geometry.bytes_per_block} bytes, SGLang's pages "
                              f"{page_bytes}: start it with the model's geometry")
-        if stats.stream_limits.max_blocks_per_call:
-            self._max_blocks_per_call = stats.stream_limits.max_blocks_per_call
         self.ns, self.spec, self.bytes_per_page = ns, spec, page_bytes
         self._ns_key = self._client._require_key(ns).key
         logger.info("KvcmHiCacheStorage: namespace %s, %d bytes per page, agent %s at %s",
                     ns, page_bytes, self._opts.agent_id, self._opts.agent_address)
 
+    def _refused(self, who: str, address: str, ns: kvcm.Namespace, e: kvcm.KvcmError) -> str:
+        """Why the attach failed when the manager or the agent refused this engine's token."""
+        token = (f"token_file {self._opts.token_file}" if self._opts.token_file else
+                 "$KVCM_TOKEN" if self._client.options.token else "no token")
+        return (f"KvcmHiCacheStorage: the {who} at {address} refused this engine's credentials "
+                f"({token}) for namespace {ns}: {e}. Give token_file in "
+                "--hicache-storage-backend-extra-config (or $KVCM_TOKEN) with a worker token "
+                f"of tenant {ns.tenant} (README \"TLS and tokens\"); nothing is stored")
+
     def _agent_epoch(self) -> int:
         """The local agent's epoch, asked once and again after any failed call (a restarted
         agent has a new one, and none of the old blocks)."""
         if not self._epoch:
-            self._epoch = self._agent.Stats(agent_pb2.BlockAgentStatsRequest(),
-                                            timeout=self._opts.rpc_timeout_s).epoch
+            self._epoch = self.agent.epoch()
         return self._epoch
 
     def _failed(self, what: str, e: Exception) -> None:
@@ -268,65 +303,34 @@ class KvcmHiCacheStorage(HiCacheStorage):
         return ok
 
     def _store_new(self, keys: Sequence[str], pages: Sequence[bytes]) -> List[bool]:
-        """Writes pages into new blocks of the local agent and inserts each under its key."""
+        """Writes pages into new blocks of the local agent (one Allocate, WriteBlocks by the
+        agent's max_blocks_per_call) and inserts each as its own one-page prompt; a page
+        whose insert fails frees its block and is not stored."""
         if not keys:
             return []
         epoch = self._agent_epoch()
-        request = agent_pb2.AllocateBlocksRequest(count=len(keys), owner_epoch=epoch)
-        request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
-        allocated = self._agent.Allocate(request, timeout=self._opts.rpc_timeout_s)
-        blocks, generations = list(allocated.block_ids), list(allocated.block_generations)
-        to_free: List[int] = []
-        free_generations: List[int] = []
+        staged = self.agent.stage(self.ns, pages, epoch=epoch)
         ok = [False] * len(keys)
+        done = 0
         try:
-            step = self._max_blocks_per_call
-            for i in range(0, len(blocks), step):
-                ids, gens = blocks[i:i + step], generations[i:i + step]
-
-                def messages(ids=ids, gens=gens, chunk=pages[i:i + step]):
-                    yield agent_pb2.WriteBlocksRequest(header=agent_pb2.WriteBlocksHeader(
-                        block_ids=ids, owner_epoch=epoch, block_generations=gens))
-                    for data in chunk:
-                        yield agent_pb2.WriteBlocksRequest(data=data)
-
-                self._agent.WriteBlocks(messages(), timeout=self._opts.rpc_timeout_s)
-            for i, (key, block) in enumerate(zip(keys, blocks)):
+            for i, key in enumerate(keys):
+                h = self._hash(key)
+                done = i + 1  # a failing commit frees block i itself
                 try:
-                    result = self._client.insert(self.ns, page_hashes=[self._hash(key)],
-                                                 pool=self._pool, block_ids=[block],
-                                                 agent_epoch=epoch,
-                                                 deadline_ms=self._opts.request_deadline_ms)
-                except kvcm.KvcmError as e:
+                    stored = self.agent.commit(self._client, staged.part(i, i + 1), self._pool,
+                                               page_hashes=[h],
+                                               deadline_ms=self._opts.request_deadline_ms)
+                except kvcm.KvcmError as e:  # the page's block is freed
                     self._failed(f"insert of {key}", e)
-                    to_free.append(block)
-                    free_generations.append(generations[i])
                     continue
                 ok[i] = True
-                if result.already_present_pages and result.existing_block_ids[:1] != [block]:
-                    self._count("already_present_pages")
-                    to_free.append(block)
-                    free_generations.append(generations[i])
-                else:
-                    self._count("stored_pages")
-        except Exception:
-            # Blocks not inserted yet are still ours: free them (inserted ones are the cache's).
-            done = sum(1 for x in ok if x) + len(to_free)
-            to_free += blocks[done:]
-            free_generations += generations[done:]
+                self._count("already_present_pages" if stored.duplicate_pages else
+                            "stored_pages")
+        except BaseException:
+            # Blocks not inserted yet are still ours (inserted ones are the cache's).
+            self.agent.free_staged(staged.part(done, len(keys)))
             raise
-        finally:
-            if to_free:
-                self._free(to_free, free_generations, epoch)
         return ok
-
-    def _free(self, blocks: List[int], generations: List[int], epoch: int) -> None:
-        try:
-            self._agent.Free(agent_pb2.FreeBlocksRequest(
-                block_ids=blocks, owner_epoch=epoch, block_generations=generations),
-                timeout=self._opts.rpc_timeout_s)
-        except grpc.RpcError as e:
-            logger.info("KvcmHiCacheStorage: free of %d blocks failed: %s", len(blocks), e)
 
     def _set_pages(self, keys: Sequence[str], values: Sequence[Any]) -> List[bool]:
         """Stores every page or, when one has the wrong size or nothing is attached, none."""
@@ -338,7 +342,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         try:
             return self._store(keys, pages)  # type: ignore[arg-type]
-        except (grpc.RpcError, kvcm.KvcmError) as e:
+        except kvcm.KvcmError as e:
             self._failed(f"store of {len(keys)} pages", e)
             return [False] * len(keys)
 
@@ -363,11 +367,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
     def _read(self, block: int, tier: int, epoch: int, h: bytes) -> bytes:
         """The block's bytes, if it still holds page `h` (the agent checks under its lock:
         a pin whose lease ran out may have let the block go to another page)."""
-        request = agent_pb2.ReadBlocksRequest(block_ids=[block], owner_epoch=epoch, tier=tier,
-                                              page_hashes=h)
-        request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
-        return b"".join(r.data for r in self._agent.ReadBlocks(
-            request, timeout=self._opts.rpc_timeout_s))
+        return self.agent.read(self.ns, [block], epoch=epoch, tier=tier, page_hashes=[h])
 
     def _match(self, h: bytes, *, pin: bool) -> kvcm.MatchResult:
         return self._client.match(self.ns, page_hashes=[h], requester_agent_id=self._opts.agent_id,
@@ -423,13 +423,9 @@ class KvcmHiCacheStorage(HiCacheStorage):
             self._release(match.pin_id)
 
     def _fetch(self, h: bytes, source: kvcm.PageReplica) -> None:
-        request = agent_pb2.FetchRequest(source_tier=int(source.pool.tier),
-                                         source_block_ids=[source.block_id],
-                                         source_agent_id=source.pool.agent_id,
-                                         tier=int(self._pool.tier))
-        request.namespace.tenant, request.namespace.model = self.ns.tenant, self.ns.model
-        request.prompt.CopyFrom(self._client.hashed_prompt(self.ns, [h]))
-        self._agent.Fetch(request, timeout=self._opts.rpc_timeout_s)
+        self.agent.fetch(self._client, self.ns, [h], source_agent_id=source.pool.agent_id,
+                         source_tier=int(source.pool.tier), source_block_ids=[source.block_id],
+                         tier=int(self._pool.tier))
 
     def _get_into(self, key: str, target: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.ns is None:
@@ -440,7 +436,7 @@ class KvcmHiCacheStorage(HiCacheStorage):
             return None
         try:
             data = self._get_page(key)
-        except (grpc.RpcError, kvcm.KvcmError) as e:
+        except kvcm.KvcmError as e:
             self._failed(f"get of {key}", e)
             return None
         if data is None:
@@ -542,5 +538,5 @@ class KvcmHiCacheStorage(HiCacheStorage):
         return False
 
     def close(self) -> None:
-        self._channel.close()
+        self.agent.close()
         self._client.close()
