@@ -59,6 +59,18 @@ absl::Status ModelSpec::Validate() const {
   if (page_size_tokens < 1 || page_size_tokens > kMaxPageSizeTokens) {
     return OutOfRange("page_size_tokens", page_size_tokens, 1, kMaxPageSizeTokens);
   }
+  if (kv_layout.size() > kMaxKvLayoutBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spec.kv_layout must be at most ", kMaxKvLayoutBytes, " bytes, got ", kv_layout.size()));
+  }
+  for (size_t i = 0; i < kv_layout.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(kv_layout[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spec.kv_layout must be printable ASCII (0x20..0x7e); byte ", i, " is 0x",
+                       absl::Hex(c, absl::kZeroPad2)));
+    }
+  }
   if (attention == AttentionKind::kMla) {
     if (kv_lora_rank < 1 || kv_lora_rank > kMaxDim) {
       return OutOfRange("kv_lora_rank", kv_lora_rank, 1, kMaxDim);
@@ -134,11 +146,22 @@ uint64_t ModelSpec::MhaShapedBytesPerToken() const {
   return 2 * uint64_t{num_heads} * head_dim * elem * num_layers;
 }
 
+bool ModelSpec::CompatibleWith(const ModelSpec& other) const {
+  if (kv_layout.empty() || other.kv_layout.empty()) {
+    ModelSpec a = *this;
+    a.kv_layout = other.kv_layout;
+    return a == other;
+  }
+  return *this == other;
+}
+
 std::string ModelSpec::DebugString() const {
-  return absl::StrCat(AttentionName(attention), " layers=", num_layers, " heads=", num_heads,
-                      " kv_heads=", num_kv_heads, " head_dim=", head_dim,
-                      " kv_lora_rank=", kv_lora_rank, " rope_dim=", rope_dim,
-                      " dtype=", DtypeName(dtype), " page=", page_size_tokens);
+  std::string out = absl::StrCat(
+      AttentionName(attention), " layers=", num_layers, " heads=", num_heads,
+      " kv_heads=", num_kv_heads, " head_dim=", head_dim, " kv_lora_rank=", kv_lora_rank,
+      " rope_dim=", rope_dim, " dtype=", DtypeName(dtype), " page=", page_size_tokens);
+  if (!kv_layout.empty()) absl::StrAppend(&out, " kv_layout=\"", kv_layout, "\"");
+  return out;
 }
 
 }  // namespace kvcm

@@ -2,6 +2,7 @@
 #ifndef KVCM_COMMON_MODEL_SPEC_H_
 #define KVCM_COMMON_MODEL_SPEC_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -30,11 +31,23 @@ struct ModelSpec {
   uint32_t v_head_dim = 0;
   KvDtype dtype = KvDtype::kBf16;
   uint32_t page_size_tokens = kDefaultPageSizeTokens;
+  // Opaque descriptor of one page's byte layout as the engine writes it, e.g.
+  // "vllm-cpu/mla:[block,576]:bf16"; empty: not stated. At most kMaxKvLayoutBytes of
+  // printable ASCII. Takes no part in the byte accounting; see CompatibleWith().
+  std::string kv_layout;
 
+  static constexpr size_t kMaxKvLayoutBytes = 256;
+
+  // Every field equal, kv_layout included.
   friend bool operator==(const ModelSpec&, const ModelSpec&) = default;
 
-  // INVALID_ARGUMENT naming the offending field when the geometry is impossible.
+  // INVALID_ARGUMENT naming the offending field when the geometry is impossible or
+  // kv_layout is too long or not printable ASCII.
   absl::Status Validate() const;
+
+  // Whether pages of this spec and of `other` may share a namespace: every field but
+  // kv_layout equal, and the layouts equal or one of them empty (not stated).
+  bool CompatibleWith(const ModelSpec& other) const;
 
   // KV bytes of one token in one layer:
   //   MHA      2 * num_heads    * head_dim * elem   (+ scales for int8)

@@ -1,5 +1,7 @@
 #include "common/model_spec.h"
 
+#include <string>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -92,6 +94,37 @@ TEST(ModelSpecTest, RejectsImpossibleGeometryNamingTheField) {
   spec = DeepSeekV3();
   spec.attention = static_cast<AttentionKind>(9);
   EXPECT_THAT(spec.Validate().message(), HasSubstr("attention"));
+}
+
+TEST(ModelSpecTest, KvLayoutIsAtMost256PrintableBytes) {
+  ModelSpec spec = DeepSeekV3();
+  spec.kv_layout = std::string(ModelSpec::kMaxKvLayoutBytes, '~');
+  EXPECT_TRUE(spec.Validate().ok());
+  spec.kv_layout += " ";
+  EXPECT_EQ(spec.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(spec.Validate().message(), HasSubstr("spec.kv_layout must be at most 256 bytes"));
+  spec.kv_layout = "vllm-cpu [block, 576] bf16";
+  EXPECT_TRUE(spec.Validate().ok());
+  spec.kv_layout[8] = '\n';
+  EXPECT_THAT(spec.Validate().message(),
+              HasSubstr("spec.kv_layout must be printable ASCII (0x20..0x7e); byte 8 is 0x0a"));
+  EXPECT_EQ(spec.BytesPerPage(), DeepSeekV3().BytesPerPage()) << "a layout costs no bytes";
+}
+
+TEST(ModelSpecTest, AnEmptyLayoutIsCompatibleWithAnyOtherFieldsNot) {
+  ModelSpec cpu = DeepSeekV3();
+  cpu.kv_layout = "vllm-cpu/mla:[block,576]:bf16";
+  ModelSpec flash = cpu;
+  flash.kv_layout = "flash-mla:[block,576]:bf16";
+  EXPECT_TRUE(cpu.CompatibleWith(cpu));
+  EXPECT_TRUE(cpu.CompatibleWith(DeepSeekV3()));
+  EXPECT_TRUE(DeepSeekV3().CompatibleWith(cpu));
+  EXPECT_FALSE(cpu.CompatibleWith(flash));
+  EXPECT_FALSE(cpu == DeepSeekV3());
+  EXPECT_FALSE(cpu.CompatibleWith(DeepSeekV3(KvDtype::kFp8)));
+  EXPECT_FALSE(DeepSeekV3(KvDtype::kFp8).CompatibleWith(cpu));
+  EXPECT_THAT(cpu.DebugString(), HasSubstr("kv_layout=\"vllm-cpu/mla:[block,576]:bf16\""));
+  EXPECT_THAT(DeepSeekV3().DebugString(), ::testing::Not(HasSubstr("kv_layout")));
 }
 
 }  // namespace

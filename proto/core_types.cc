@@ -45,6 +45,7 @@ void ModelSpecToProto(const ModelSpec& spec, v1::ModelSpec* out) {
   out->set_v_head_dim(spec.v_head_dim);
   out->set_dtype(DtypeToProto(spec.dtype));
   out->set_page_size_tokens(spec.page_size_tokens);
+  out->set_kv_layout(spec.kv_layout);
 }
 
 absl::Status ValidateName(absl::string_view value, absl::string_view field,
@@ -83,6 +84,7 @@ ModelSpec ModelSpecFromTrustedProto(const v1::ModelSpec& spec) {
   out.v_head_dim = spec.v_head_dim();
   out.dtype = DtypeFromProto(spec.dtype());
   out.page_size_tokens = spec.page_size_tokens();
+  out.kv_layout = spec.kv_layout();
   return out;
 }
 

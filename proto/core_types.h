@@ -58,8 +58,9 @@ absl::Status ValidateName(absl::string_view value, absl::string_view field,
 // INVALID_ARGUMENT naming `field`.tenant / `field`.model.
 absl::StatusOr<NamespaceId> NamespaceFromProto(const v1::Namespace* ns, absl::string_view field);
 
-// Missing spec, unknown attention or dtype, or impossible geometry -> INVALID_ARGUMENT naming
-// `field` or `field`.<member>. page_size_tokens 0 becomes kDefaultPageSizeTokens.
+// Missing spec, unknown attention or dtype, impossible geometry, or a kv_layout too long or
+// not printable -> INVALID_ARGUMENT naming `field` or `field`.<member>. page_size_tokens 0
+// becomes kDefaultPageSizeTokens.
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::ModelSpec* spec,
                                              absl::string_view field = "spec");
 // Every field as it is, unchecked: for answers from a peer that validated them (a client

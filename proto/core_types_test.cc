@@ -84,5 +84,25 @@ TEST(CoreTypesTest, ModelSpecFromProtoRoundTripsAndNamesTheField) {
   EXPECT_THAT(std::string(spec.status().message()), HasSubstr("commit.spec.attention"));
 }
 
+TEST(CoreTypesTest, ModelSpecCarriesItsKvLayoutBothWays) {
+  ModelSpec with_layout = SmallGqa();
+  with_layout.kv_layout = "vllm-cpu:[kv_heads,block,2*head_dim]:bf16";
+  v1::ModelSpec proto;
+  ModelSpecToProto(with_layout, &proto);
+  EXPECT_EQ(proto.kv_layout(), with_layout.kv_layout);
+  absl::StatusOr<ModelSpec> spec = ModelSpecFromProto(&proto);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(*spec, with_layout);
+  EXPECT_EQ(ModelSpecFromTrustedProto(proto), with_layout);
+
+  proto.set_kv_layout(std::string(257, 'x'));
+  spec = ModelSpecFromProto(&proto);
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(spec.status().message()), StartsWith("spec.kv_layout"));
+  proto.set_kv_layout("a\tb");
+  spec = ModelSpecFromProto(&proto, "commit.spec");
+  EXPECT_THAT(std::string(spec.status().message()), StartsWith("commit.spec.kv_layout"));
+}
+
 }  // namespace
 }  // namespace kvcm

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "common/credentials.h"
+#include "gmock/gmock.h"
 #include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
@@ -257,6 +258,54 @@ TEST_F(AgentEpochTest, ManagerDownForLongerThanAHeartbeatIntervalStillRebuilds) 
   manager_ = StartManagerOn(port_);
   ASSERT_NE(manager_, nullptr);
   ExpectRebuiltFromTheAgent();
+}
+
+// A namespace's kv_layout lives where its pages do: the agent records the spec each
+// CommitBlocks carries and reports it in its inventory, so a restarted manager still knows
+// the layout the namespace took and refuses another.
+TEST_F(AgentEpochTest, ARestartedManagerKeepsTheNamespacesKvLayout) {
+  ModelSpec cpu = spec_;
+  cpu.kv_layout = "vllm-cpu:[kv_heads,block,2*head_dim]:bf16";
+  ModelSpec flash = spec_;
+  flash.kv_layout = "flash-attn:[2,block,heads,dim]:bf16";
+  absl::StatusOr<RegisterModelReply> adopted = client_->RegisterModel(ns_, cpu);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  ASSERT_EQ(adopted->spec, cpu) << "the namespace registered without a layout takes cpu's";
+  // A page committed since, so the agent holds the namespace's spec with its layout.
+  std::vector<int32_t> longer = tokens_;
+  longer.resize(longer.size() + spec_.page_size_tokens, 5);
+  std::vector<BlockId> blocks = cache_blocks_;
+  blocks.push_back(in_flight_[0]);
+  absl::StatusOr<InsertReply> ins =
+      client_->Insert(ns_, longer, PoolRef{kAgentId, Tier::kGpu}, blocks);
+  ASSERT_TRUE(ins.ok()) << ins.status();
+  ASSERT_EQ(ins->new_pages, 1u);
+
+  const uint64_t beats = AgentInfoOf(*manager_, kAgentId).heartbeats;
+  ASSERT_TRUE(WaitFor([&] { return AgentInfoOf(*manager_, kAgentId).heartbeats > beats; }));
+  manager_->Shutdown();
+  manager_.reset();
+  manager_ = StartManagerOn(port_);
+  ASSERT_NE(manager_, nullptr);
+  ASSERT_TRUE(manager_->index().Stats().namespaces.empty());
+  ASSERT_TRUE(WaitFor([&] { return MatchedBlocks() == cache_blocks_; }));
+
+  const std::vector<NamespaceStats> namespaces = manager_->index().Stats().namespaces;
+  ASSERT_EQ(namespaces.size(), 1u);
+  EXPECT_EQ(namespaces[0].spec, cpu);
+  EXPECT_EQ(namespaces[0].page_locations, kCacheBlocks + 1);
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect({.address = manager_->address(), .insecure = true});
+  ASSERT_TRUE(client.ok());
+  absl::StatusOr<RegisterModelReply> refused = (*client)->RegisterModel(ns_, flash);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(
+      std::string(refused.status().message()),
+      ::testing::AllOf(::testing::HasSubstr(cpu.kv_layout), ::testing::HasSubstr(flash.kv_layout)));
+  absl::StatusOr<RegisterModelReply> unstated = (*client)->RegisterModel(ns_, spec_);
+  ASSERT_TRUE(unstated.ok()) << unstated.status();
+  EXPECT_EQ(unstated->spec, cpu);
+  EXPECT_FALSE(unstated->created);
 }
 
 // A pin does not survive the restart: its holder gets NOT_FOUND and matches again.

@@ -73,7 +73,7 @@ class ServiceRpcTest : public ::testing::Test {
     return resp;
   }
 
-  grpc::Status TryRegister(v1::RegisterModelResponse* resp) {
+  grpc::Status TryRegister(v1::RegisterModelResponse* resp, const std::string& kv_layout = "") {
     v1::RegisterModelRequest req;
     *req.mutable_namespace_() = ns_;
     v1::ModelSpec* spec = req.mutable_spec();
@@ -84,6 +84,7 @@ class ServiceRpcTest : public ::testing::Test {
     spec->set_rope_dim(64);
     spec->set_dtype(v1::KV_DTYPE_BF16);
     spec->set_page_size_tokens(kPageSize);
+    spec->set_kv_layout(kv_layout);
     grpc::ClientContext ctx;
     return stub_->RegisterModel(&ctx, req, resp);
   }
@@ -365,6 +366,35 @@ TEST_F(ServiceRpcTest, ATenantCannotCreateNamespacesWithoutBound) {
   // Other tenants are not affected.
   ns_.set_tenant("other");
   EXPECT_TRUE(Register().created());
+}
+
+// Equal specs whose pages' bytes are laid out differently must not share a namespace; an
+// unstated layout (a router, kvcmctl) is compatible with any.
+TEST_F(ServiceRpcTest, RegisterModelKeepsOneKvLayoutPerNamespace) {
+  constexpr char kCpu[] = "vllm-cpu/mla:[block,576]:bf16";
+  constexpr char kFlash[] = "flash-mla:[block,576]:bf16";
+  v1::RegisterModelResponse resp;
+  ASSERT_TRUE(TryRegister(&resp).ok());
+  EXPECT_TRUE(resp.created());
+  EXPECT_EQ(resp.spec().kv_layout(), "");
+  ASSERT_TRUE(TryRegister(&resp, kCpu).ok());
+  EXPECT_FALSE(resp.created());
+  EXPECT_EQ(resp.spec().kv_layout(), kCpu) << "the namespace takes the first layout stated";
+  ASSERT_TRUE(TryRegister(&resp).ok());
+  EXPECT_EQ(resp.spec().kv_layout(), kCpu) << "an unstated layout gets the stored one";
+  ASSERT_EQ(Stats().namespaces(0).spec().kv_layout(), kCpu);
+
+  ExpectRejected("another layout", grpc::StatusCode::FAILED_PRECONDITION,
+                 absl::StrCat("namespace acme/deepseek-v3 is registered with kv_layout \"", kCpu,
+                              "\"; this spec has \"", kFlash, "\""),
+                 [&] { return TryRegister(&resp, kFlash); });
+  ExpectRejected("too long", grpc::StatusCode::INVALID_ARGUMENT, "spec.kv_layout",
+                 [&] { return TryRegister(&resp, std::string(257, 'x')); });
+  ExpectRejected("not printable", grpc::StatusCode::INVALID_ARGUMENT, "spec.kv_layout",
+                 [&] { return TryRegister(&resp, "vllm\x01 cpu"); });
+  ns_.set_model("fresh");
+  ExpectRejected("not ASCII", grpc::StatusCode::INVALID_ARGUMENT, "spec.kv_layout",
+                 [&] { return TryRegister(&resp, "caf\xc3\xa9"); });
 }
 
 TEST_F(ServiceRpcTest, WatchEventsStreamsStoredThenRemoved) {

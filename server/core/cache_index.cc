@@ -130,10 +130,22 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
   auto it = namespaces_.find(ns);
   if (it != namespaces_.end()) {
     Namespace& existing = *it->second;
-    if (!(existing.spec == spec)) {
+    if (!existing.spec.CompatibleWith(spec)) {
+      ModelSpec same_layout = spec;
+      same_layout.kv_layout = existing.spec.kv_layout;
+      if (existing.spec == same_layout) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("namespace ", ns.ToString(), " is registered with kv_layout \"",
+                         existing.spec.kv_layout, "\"; this spec has \"", spec.kv_layout, "\""));
+      }
       return absl::FailedPreconditionError(
           absl::StrCat("namespace ", ns.ToString(), " is registered with spec {",
                        existing.spec.DebugString(), "}, not {", spec.DebugString(), "}"));
+    }
+    // A namespace that stated no layout takes the first one stated, by a client or an
+    // agent's inventory (not a reader), and refuses any other from then on.
+    if (source != NamespaceSource::kReader && existing.spec.kv_layout.empty()) {
+      existing.spec.kv_layout = spec.kv_layout;
     }
     // A retention limit only tightens: whoever asks for less keeps less.
     if (source != NamespaceSource::kReader && max_page_age > absl::ZeroDuration() &&

@@ -359,9 +359,12 @@ class CacheIndex {
   // and its max_page_age changes nothing).
   enum class NamespaceSource : uint8_t { kClient, kInventory, kReader };
 
-  // Creates namespace `ns` or confirms it. FAILED_PRECONDITION when it exists with another
-  // spec; INVALID_ARGUMENT for a bad spec or name; RESOURCE_EXHAUSTED naming the limit when a
-  // client's new namespace would pass max_namespaces or max_namespaces_per_tenant.
+  // Creates namespace `ns` or confirms it. FAILED_PRECONDITION, nothing changed, when it
+  // exists with a spec that is not CompatibleWith `spec` (a kv_layout conflict names both
+  // layouts); INVALID_ARGUMENT for a bad spec or name; RESOURCE_EXHAUSTED naming the limit
+  // when a client's new namespace would pass max_namespaces or max_namespaces_per_tenant.
+  // A namespace stored without a kv_layout takes `spec`'s (unless `source` is kReader); the
+  // result's spec is the stored one, layout included, whatever `spec` stated.
   //
   // `max_page_age` is the namespace's retention limit (0: the manager's default; the
   // shorter of the two is in force). It only ever tightens: confirming a namespace with a

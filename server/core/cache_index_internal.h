@@ -73,7 +73,9 @@ struct CacheIndex::Namespace {
   }
 
   const NamespaceId id;
-  const ModelSpec spec;
+  // Fixed but for kv_layout, which may change once, from empty to the first layout
+  // RegisterModel states (under the exclusive lock).
+  ModelSpec spec;
   const HashKey key;
   const uint64_t bytes_per_page;
   RadixTree tree;

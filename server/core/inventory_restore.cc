@@ -78,7 +78,7 @@ absl::StatusOr<RestoreResult> RestoreInventory(CacheIndex& index, const PoolKey&
   if (registered.status().code() == absl::StatusCode::kInvalidArgument) {
     return registered.status();  // the max page age
   }
-  if (!registered.ok()) return refuse_all();  // another spec
+  if (!registered.ok()) return refuse_all();  // another spec or kv_layout
 
   // The pool's distinct pages; a second block of the same page is a duplicate.
   std::vector<Node> nodes;

@@ -8,10 +8,11 @@
 // can and returns the blocks the agent should free: pages whose chain does not reach a
 // prompt's first page within the pool (an orphan), a second block holding a page already
 // indexed in the pool (a duplicate), pages of a namespace whose spec conflicts with the
-// registered one or whose page size in bytes is not the pool's block size, pages the
-// pool has no room for, and pages already past their namespace's max page age (with the
-// pages below them in the pool). Rebuilt pages keep the commit times the agent recorded, so
-// their age goes on where it was.
+// registered one (CacheIndex::RegisterModel: a kv_layout too, so the rebuilt namespace
+// keeps the layout its pages were written in) or whose page size in bytes is not the pool's
+// block size, pages the pool has no room for, and pages already past their namespace's max
+// page age (with the pages below them in the pool). Rebuilt pages keep the commit times the
+// agent recorded, so their age goes on where it was.
 //
 // Thread-safe as CacheIndex is: it only calls CacheIndex's public methods.
 #ifndef KVCM_SERVER_CORE_INVENTORY_RESTORE_H_

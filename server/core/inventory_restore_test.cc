@@ -151,6 +151,53 @@ TEST_F(InventoryRestoreTest, ANamespaceThatCannotLiveInThePoolIsFreedWhole) {
   EXPECT_FALSE(index_->GetNamespace({"acme", "big"}).ok());
 }
 
+// A restarted manager learns a namespace's kv_layout from the agents that hold its pages
+// (whoever holds the KV is the truth) and goes on refusing another layout.
+TEST_F(InventoryRestoreTest, ARestoredNamespaceKeepsItsLayoutAndRefusesAnother) {
+  ModelSpec cpu = Mla();
+  cpu.kv_layout = "vllm-cpu/mla:[block,576]:bf16";
+  ModelSpec flash = Mla();
+  flash.kv_layout = "flash-mla:[block,576]:bf16";
+  absl::StatusOr<RestoreResult> r = Restore(Path({1, 2}, {1, 2}), cpu);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 2u);
+  EXPECT_EQ(index_->GetNamespace(kNs)->spec, cpu);
+
+  absl::StatusOr<RegisterModelResult> client = index_->RegisterModel(kNs, flash);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(client.status().message(), HasSubstr(flash.kv_layout));
+  EXPECT_THAT(client.status().message(), HasSubstr(cpu.kv_layout));
+  EXPECT_EQ(index_->RegisterModel(kNs, Mla())->spec, cpu) << "an unstated layout is compatible";
+
+  // Another agent's pages in another layout are freed; its pages without one are indexed.
+  const PoolKey other{"gpu-1", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(other, 100 * Mla().BytesPerPage()).ok());
+  absl::StatusOr<RestoreResult> refused =
+      RestoreInventory(*index_, other, Mla().BytesPerPage(),
+                       InventoryBatch{.ns = kNs, .spec = flash, .pages = Path({1, 3}, {7, 8})});
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->refused_pages, 2u);
+  EXPECT_THAT(refused->to_free, UnorderedElementsAre(7, 8));
+  absl::StatusOr<RestoreResult> unstated =
+      RestoreInventory(*index_, other, Mla().BytesPerPage(),
+                       InventoryBatch{.ns = kNs, .spec = Mla(), .pages = Path({1, 3}, {7, 8})});
+  ASSERT_TRUE(unstated.ok()) << unstated.status();
+  EXPECT_EQ(unstated->indexed_pages, 2u);
+  EXPECT_EQ(index_->GetNamespace(kNs)->spec, cpu);
+}
+
+// A client that states no layout may register before the agents are back; their
+// inventories then give the namespace the layout its pages were written in.
+TEST_F(InventoryRestoreTest, AnInventoryGivesItsLayoutToANamespaceRegisteredWithout) {
+  ASSERT_TRUE(index_->RegisterModel(kNs, Mla()).ok());
+  ModelSpec cpu = Mla();
+  cpu.kv_layout = "vllm-cpu/mla:[block,576]:bf16";
+  absl::StatusOr<RestoreResult> r = Restore(Path({1}, {1}), cpu);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->indexed_pages, 1u);
+  EXPECT_EQ(index_->GetNamespace(kNs)->spec, cpu);
+}
+
 TEST_F(InventoryRestoreTest, MalformedBatchIsRefusedAndChangesNothing) {
   struct Case {
     const char* name;

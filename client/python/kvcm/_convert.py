@@ -68,6 +68,7 @@ def spec_to_proto(spec: ModelSpec, out: common_pb.ModelSpec) -> None:
     out.page_size_tokens = spec.page_size_tokens
     out.qk_nope_head_dim = spec.qk_nope_head_dim
     out.v_head_dim = spec.v_head_dim
+    out.kv_layout = spec.kv_layout
 
 
 def namespace_from_proto(m: common_pb.Namespace) -> Namespace:
@@ -91,6 +92,7 @@ def spec_from_proto(m: common_pb.ModelSpec) -> ModelSpec:
         page_size_tokens=m.page_size_tokens,
         qk_nope_head_dim=m.qk_nope_head_dim,
         v_head_dim=m.v_head_dim,
+        kv_layout=m.kv_layout,
     )
 
 

@@ -122,6 +122,11 @@ class ModelSpec:
     page_size_tokens: int = DEFAULT_PAGE_SIZE_TOKENS
     qk_nope_head_dim: int = 0  # MLA only, for the MHA-shaped comparison
     v_head_dim: int = 0
+    # Opaque descriptor of one page's byte layout as the engine writes it, e.g.
+    # "vllm-cpu/mla:[block,576]:bf16" (at most 256 bytes of printable ASCII); "" states none.
+    # A namespace refuses a layout other than its own (FailedPrecondition); "" is compatible
+    # with any, and a namespace without one takes the first stated.
+    kv_layout: str = ""
 
     def with_(self, **changes: object) -> "ModelSpec":
         """A copy with some fields changed, e.g. spec.with_(dtype=KvDtype.FP8)."""
@@ -230,11 +235,11 @@ CATALOG: Dict[str, ModelSpec] = {
 
 @dataclass(frozen=True)
 class RegisterModelResult:
-    spec: ModelSpec  # as stored by the manager (page size defaulted)
+    spec: ModelSpec  # as stored by the manager (page size defaulted, its kv_layout)
     bytes_per_token: int
     bytes_per_page: int
     key_fingerprint: int  # of the namespace's hash key (the key stays inside the client)
-    created: bool  # False: the namespace already existed with this spec
+    created: bool  # False: the namespace already existed with this (a compatible) spec
     max_page_age_s: int  # retention in force; 0: none
 
 

@@ -46,6 +46,28 @@ def test_register_model_caches_the_key_and_reports_bytes(client: kvcm.Client) ->
     assert client.stats().namespace(NS).spec == kvcm.ModelSpec.deepseek_v3()
 
 
+def test_kv_layout_is_one_per_namespace(client: kvcm.Client) -> None:
+    cpu = kvcm.ModelSpec.deepseek_v3().with_(kv_layout="vllm-cpu/mla:[block,576]:bf16")
+    flash = cpu.with_(kv_layout="flash-mla:[block,576]:bf16")
+    # A namespace registered without a layout takes the first one stated.
+    assert register(client).spec.kv_layout == ""
+    adopted = client.register_model(NS, cpu)
+    assert not adopted.created and adopted.spec == cpu
+    # Another layout is refused naming both, and changes nothing.
+    with pytest.raises(kvcm.FailedPrecondition) as refused:
+        client.register_model(NS, flash)
+    assert f'kv_layout "{cpu.kv_layout}"; this spec has "{flash.kv_layout}"' in str(refused.value)
+    assert client.stats().namespace(NS).spec == cpu
+    # A caller that does not know the layout (a router, kvcmctl) is told the stored one.
+    assert register(client).spec == cpu
+    # A layout is at most 256 bytes of printable ASCII.
+    other = kvcm.Namespace("acme", "other")
+    for bad in ("x" * 257, "tab\there", "caf\u00e9"):
+        with pytest.raises(kvcm.InvalidArgument, match="spec.kv_layout"):
+            client.register_model(other, cpu.with_(kv_layout=bad))
+    assert client.register_model(other, cpu.with_(kv_layout="~" * 256)).created
+
+
 def test_catalogue_specs_cost_what_the_manager_says(client: kvcm.Client) -> None:
     for name in kvcm.CATALOG:
         for dtype in (kvcm.KvDtype.BF16, kvcm.KvDtype.FP8, kvcm.KvDtype.INT8):

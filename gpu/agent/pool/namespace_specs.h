@@ -26,7 +26,8 @@ class NamespaceSpecs {
   NamespaceSpecs& operator=(const NamespaceSpecs&) = delete;
 
   // Records `spec` as the spec of `ns` and `max_page_age_s` as its max page age (0: none),
-  // replacing earlier ones (the last commit wins; the manager only ever lowers an age).
+  // replacing earlier ones (the last commit wins; the manager only ever lowers an age),
+  // except that a spec without a kv_layout, otherwise equal, keeps the recorded layout.
   void Set(const NamespaceId& ns, const ModelSpec& spec, uint32_t max_page_age_s = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The spec recorded for `ns`; nullopt when none was.

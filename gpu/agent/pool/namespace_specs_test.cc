@@ -28,6 +28,30 @@ TEST(NamespaceSpecsTest, TheLastSetWins) {
   EXPECT_EQ(all.at(b), wide);
 }
 
+// The inventory reports the layout the pages were written in, even after a commit from a
+// manager that has not heard the layout again (empty: not stated); another layout, or
+// another geometry, replaces it as before.
+TEST(NamespaceSpecsTest, ACommitWithoutALayoutKeepsTheRecordedOne) {
+  NamespaceSpecs specs;
+  const NamespaceId ns{"t", "a"};
+  ModelSpec with_layout = SmallGqa();
+  with_layout.kv_layout = "vllm-cpu:[kv_heads,block,2*head_dim]:bf16";
+  specs.Set(ns, with_layout);
+  specs.Set(ns, SmallGqa(), 60);
+  EXPECT_THAT(specs.Get(ns), Optional(with_layout));
+  EXPECT_EQ(specs.MaxPageAgeS(ns), 60u);
+
+  ModelSpec other = with_layout;
+  other.kv_layout = "flash-attn:[2,block,heads,dim]:bf16";
+  specs.Set(ns, other);
+  EXPECT_THAT(specs.Get(ns), Optional(other));
+
+  ModelSpec wide = SmallGqa();
+  wide.num_layers = 4;
+  specs.Set(ns, wide);
+  EXPECT_THAT(specs.Get(ns), Optional(wide));
+}
+
 TEST(NamespaceSpecsTest, SetAndSnapshotMayRunConcurrently) {
   NamespaceSpecs specs;
   std::thread writer([&] {

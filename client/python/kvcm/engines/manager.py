@@ -82,6 +82,7 @@ class ManagerConnection:
         s.dtype = int(spec.dtype)  # type: ignore[assignment]
         s.page_size_tokens = spec.page_size_tokens
         s.qk_nope_head_dim, s.v_head_dim = spec.qk_nope_head_dim, spec.v_head_dim
+        s.kv_layout = spec.kv_layout
         resp = await self._stub.RegisterModel(req, timeout=self._timeout_s,
                                               metadata=self._metadata(token))
         return Registration(bytes(resp.hash_key), resp.scheme.version,
