@@ -47,7 +47,8 @@ class VllmEngine:
                  model_dir: str | os.PathLike | None = None, num_blocks: int | None = None,
                  topic: str = "kv", buffer_steps: int = 10_000, max_model_len: int = 512,
                  extra_args: tuple[str, ...] = (), start_timeout_s: float = 180.0,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, block_size: int = BLOCK_SIZE,
+                 block_bytes: int = BLOCK_BYTES):
         self.python = vllm_python(python)
         if not self.python:
             raise RuntimeError("no vLLM python: set $KVCM_VLLM_PYTHON (scripts/vllm_env.sh)")
@@ -55,8 +56,10 @@ class VllmEngine:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = Path(model_dir) if model_dir else tiny_llama.write(self.dir / "model")
         self.num_blocks, self.topic, self.buffer_steps = num_blocks, topic, buffer_steps
+        # Another model (kvcm.testing.tiny_deepseek) passes its own block size and bytes.
+        self.block_size, self.block_bytes = block_size, block_bytes
         if num_blocks is not None:  # vLLM refuses a cache that cannot hold one longest request
-            max_model_len = min(max_model_len, (num_blocks - 1) * BLOCK_SIZE)
+            max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
         self.max_model_len, self.extra_args = max_model_len, extra_args
         self.extra_env = dict(extra_env or {})  # e.g. PYTHONPATH for a KV connector module
         self.start_timeout_s = start_timeout_s
@@ -89,11 +92,11 @@ class VllmEngine:
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
                 "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager",
-                "--max-model-len", str(self.max_model_len), "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(self.kv_events_config())]
         if self.num_blocks is not None:
-            args += ["--kv-cache-memory-bytes", str(self.num_blocks * BLOCK_BYTES)]
+            args += ["--kv-cache-memory-bytes", str(self.num_blocks * self.block_bytes)]
         return args + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -191,6 +194,27 @@ class VllmEngine:
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return self.post("/v1/completions", body)
+
+    def stream(self, tokens: list[int], *, max_tokens: int, timeout_s: float = 120.0,
+               on_chunk: Any = None) -> list[tuple[float, str]]:
+        """/v1/completions streamed (greedy, ignoring EOS): (time.monotonic() on arrival,
+        text) of each chunk, in order. on_chunk(count) is called after each."""
+        body = {"model": MODEL_NAME, "prompt": tokens, "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True}
+        req = urllib.request.Request(self.url + "/v1/completions",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        chunks = []
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                choice = json.loads(line[len(b"data: "):])["choices"][0]
+                chunks.append((time.monotonic(), choice.get("text", "")))
+                if on_chunk is not None:
+                    on_chunk(len(chunks))
+        return chunks
 
     def cached_tokens(self, tokens: list[int], *, cache_salt: str | None = None) -> int:
         """Sends the prompt (max_tokens 1): the prompt tokens vLLM found in its prefix cache.
