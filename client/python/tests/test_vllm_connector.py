@@ -5,8 +5,8 @@ fetches the pages from gpu0 into gpu1 and loads them instead of recomputing (byt
 gpu1's local socket: the agent copies into B's registered KV memory); both write what an engine without
 the connector writes. Then every failure the connector must survive, each ending in a
 recompute with the same output: the pin lost and the blocks reused for other pages while B
-loads, B's agent killed while B loads, an engine restarted, a layout mismatch refused at
-start, and another tenant with the same prompt. Last, an engine whose agent's pool is a
+loads, B's agent killed while B loads, an engine restarted, a layout mismatch (model spec,
+or byte layout) refused at start, and another tenant with the same prompt. Last, an engine whose agent's pool is a
 small fraction of its workload keeps storing after the pool fills (the agent has the
 manager evict), and each prompt hits what an index-only replay of its calls keeps.
 
@@ -325,6 +325,29 @@ def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(clus
     # Both layouts named: vLLM's (the connector) and the namespace's (the manager).
     assert "KvcmConnector: namespace other/tiny-llama refuses vLLM's layout" in log
     assert "is registered with spec {gqa layers=2 heads=4 kv_heads=2 head_dim=128" in log
+
+
+def test_an_engine_of_another_byte_layout_refuses_to_start(cluster) -> None:
+    """Same model spec, another byte layout: the namespace holds pages a FlashInfer engine
+    wrote ([blocks, 2, tokens, heads, dim]: each token's K then V across heads), which
+    vLLM's CPU backend ([blocks, heads, tokens, K||V]) must never load. The CPU engine
+    refuses at start, both layouts named, and the namespace keeps its layout."""
+    spec = kvcm.ModelSpec(attention=kvcm.AttentionKind.GQA, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=64, page_size_tokens=BLOCK_SIZE)
+    flashinfer = "vllm/FLASHINFER:bf16:block[2,32,2,64]:stride[4096,128,64,1]"
+    registered = cluster["client"].register_model(("layout", MODEL_NAME),
+                                                  spec.with_(kv_layout=flashinfer))
+    assert registered.spec.kv_layout == flashinfer
+    e = engine(cluster, "other-layout", agent="gpu0", tenant="layout")
+    e.start_timeout_s = 120
+    with pytest.raises(RuntimeError):
+        e.start()
+    log = e.log_path.read_text(errors="replace")
+    assert "KvcmConnector: namespace layout/tiny-llama refuses vLLM's layout" in log
+    assert f'is registered with kv_layout "{flashinfer}"' in log
+    assert 'this spec has "vllm/CPU_ATTN:bf16:block[2,32,128]' in log, e.log_tail()
+    again = cluster["client"].register_model(("layout", MODEL_NAME), spec)
+    assert again.spec.kv_layout == flashinfer
 
 
 def test_two_tenants_with_the_same_prompt_never_share_kv(cluster, engines) -> None:

@@ -1,0 +1,452 @@
+"""The worker half of kvcm's vLLM connector (in each of vLLM's worker processes, one per
+rank): registers vLLM's KV tensors (the layout check, the namespace, the local region),
+loads the pages the scheduler half matched before the forward (fetching those other agents
+hold first), and stores the whole pages a step computed after it. Every agent call is
+bounded by agent_deadline_ms."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+
+import kvcm
+from kvcm.agent import AgentSession, local_writer
+from kvcm.errors import DeadlineExceeded, Unavailable
+from kvcm.vllm.config import (HOST_TIER, MAX_BLOCKS_PER_CALL, ConnectorOptions, Shard,
+                              block_views, logger, register, tensor_parallel_rank,
+                              unsupported_kv_cache)
+from kvcm.vllm.metadata import FetchRun, KvcmConnectorMetadata, LoadSpec, StoreSpec
+
+if TYPE_CHECKING:
+    from kvcm.agent_local import LocalRegion
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class _BlockBytes:
+    """vLLM blocks' bytes for AgentSession.write, gathered one block at a time as it sends
+    them (one run's bytes in memory at once)."""
+
+    def __init__(self, connector: "ConnectorWorker", vllm_blocks: List[int]):
+        self._connector, self._blocks = connector, vllm_blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self._connector._block_bytes(self._blocks[i])
+
+
+class _Inserter:
+    """One background thread that runs the manager Inserts of kv_both stores in order."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvcm-insert", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - a failed insert only costs a later hit
+                logger.warning("KvcmConnector: background insert failed: %s", e)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+def layer_tensors(layer: Any) -> List[Tuple[str, Optional[int], torch.Tensor]]:
+    """The KV tensors an attention layer reads: its kv_cache attribute, a tensor or a list
+    of them (one per virtual engine in some vLLM versions)."""
+    value = getattr(layer, "kv_cache", None)
+    if isinstance(value, torch.Tensor):
+        return [("kv_cache", None, value)]
+    if isinstance(value, (list, tuple)):
+        return [("kv_cache", i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)
+                and v.numel() > 0]
+    return []
+
+
+@dataclass
+class BoundView:
+    """A layer's view of one of the connector's KV tensors: `size`/`stride` elements from
+    `offset` elements past the tensor's start."""
+
+    layer: Any
+    attr: str
+    index: Optional[int]
+    tensor: torch.Tensor
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int
+
+
+def rebind(views: List[BoundView]) -> None:
+    """Points each layer's view at its tensor's current memory (after Tensor.set_)."""
+    for v in views:
+        view = torch.as_strided(v.tensor, v.size, v.stride, v.tensor.storage_offset() + v.offset)
+        if v.index is None:
+            setattr(v.layer, v.attr, view)
+        else:
+            getattr(v.layer, v.attr)[v.index] = view
+
+
+class ConnectorWorker:
+    """One per worker process (tensor-parallel rank); vLLM calls it from one thread."""
+
+    def __init__(self, opts: ConnectorOptions, client: kvcm.Client, spec: kvcm.ModelSpec,
+                 shards: List[Shard], vllm_config: "VllmConfig",
+                 kv_cache_config: "Optional[KVCacheConfig]", loads: bool):
+        self._opts, self._client, self._spec = opts, client, spec
+        self._vllm_config, self._kv_cache_config = vllm_config, kv_cache_config
+        self._block_size = vllm_config.cache_config.block_size
+        self._loads_kv = loads
+        self.rank = tensor_parallel_rank()
+        # The worker's own page set; MLA: every rank reads rank 0's, only rank 0 stores.
+        self._shard = self.rank if len(shards) > 1 else 0
+        self.stores_here = len(shards) > 1 or self.rank == 0
+        mine = shards[self._shard]
+        self._ns, self._agent_id = mine.namespace, mine.agent_id
+        self._agent_address, self._local_socket = mine.agent_address, mine.local_socket
+        self._token = client.options.token  # token_file's, else $KVCM_TOKEN's
+        self._kv_caches: List[Tuple[str, torch.Tensor]] = []
+        self._agent_block_bytes = 0  # one vLLM block of every layer (register_kv_caches)
+        self._load_errors: Set[int] = set()
+        self._agent: Optional[AgentSession] = None
+        self._agent_quiet_until = 0.0  # see _epoch
+        # Local agent blocks (main pool) of each running request's leading pages: what a
+        # later step's store names for the pages before its own.
+        self._agent_blocks: Dict[str, List[int]] = {}
+        self._inserter: Optional[_Inserter] = None
+        self._region: Optional["LocalRegion"] = None
+
+    def _loads(self) -> bool:
+        return self._loads_kv
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        # Layer order = model order (vLLM's names end ".layers.<i>.self_attn.attn").
+        def layer_index(name: str) -> Tuple[int, str]:
+            digits = [p for p in name.split(".") if p.isdigit()]
+            return (int(digits[0]) if digits else 0, name)
+
+        ordered = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
+        if (reason := unsupported_kv_cache(ordered)) is not None:
+            raise ValueError(reason)
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+        self._kv_caches, layout = block_views(ordered, num_blocks, self._backend_name(ordered))
+        per_block = self._agent_block_bytes = sum(t[0].numel() * t.element_size()
+                                                  for _, t in self._kv_caches)
+        expected = (self._spec.bytes_per_token_per_layer() * self._spec.num_layers
+                    * self._block_size)
+        logger.info("KvcmConnector: %d KV layers, layer 0 shape %s stride %s dtype %s; "
+                    "%d bytes per block (namespace spec: %d)", len(self._kv_caches),
+                    tuple(self._kv_caches[0][1].shape), self._kv_caches[0][1].stride(),
+                    self._kv_caches[0][1].dtype, per_block, expected)
+        if per_block != expected:
+            raise ValueError(f"KvcmConnector: vLLM's KV block is {per_block} bytes, namespace "
+                             f"{self._ns}'s spec {self._spec} makes {expected}")
+        self._spec = self._spec.with_(kv_layout=layout)
+        register(self._client, self._ns, self._spec)
+        if not self._local_socket:
+            return
+        if any(t is not original for (_, t), (_, original) in zip(self._kv_caches, ordered)):
+            logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: vLLM's "
+                           "KV tensors are split into kernel blocks")
+            return
+        self._register_region()
+
+    def _backend_name(self, kv_caches: List[Tuple[str, torch.Tensor]]) -> str:
+        """The attention backend of the first KV layer (part of the byte layout)."""
+        context = self._vllm_config.compilation_config.static_forward_context
+        layer = context.get(kv_caches[0][0]) if kv_caches else None
+        backend = getattr(layer, "attn_backend", None)
+        return backend.get_name() if backend is not None else "unknown"
+
+    def _register_region(self) -> None:
+        """Moves vLLM's KV tensors into one memfd region (each layer page-aligned) and
+        registers it with the agent: from now on the agent copies blocks into and out of
+        vLLM's cache itself. The tensors keep their identity (set_); a layer that bound its
+        own view of one (vLLM's MLA layers bind kv_cache.squeeze(1)) is re-bound to the same
+        view of the new memory. Then every tensor each attention layer reads must lie in the
+        region; if any does not (a view this code cannot follow), the tensors go back and
+        bytes travel over gRPC instead, with a warning: the agent would otherwise write
+        memory attention never reads."""
+        from kvcm.agent_local import LocalRegion
+
+        layers = [t for _, t in self._kv_caches]
+        for name, t in self._kv_caches:
+            if not t.is_contiguous():  # a block-outermost layout: layers interleave
+                logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: KV "
+                               "layer %s is not contiguous (stride %s)", name, t.stride())
+                return
+        bound = self._bound_views()
+        if isinstance(bound, str):
+            logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: %s", bound)
+            return
+        sizes = [t.numel() * t.element_size() for t in layers]
+        offsets, end = [], 0
+        for n in sizes:
+            offsets.append(end)
+            end += -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        segment = layers[0][0].numel() * layers[0].element_size()
+        region = LocalRegion(self._local_socket, region_bytes=end,
+                             segment_offsets=offsets, segment_bytes=segment,
+                             segment_stride=segment, num_engine_blocks=layers[0].shape[0],
+                             token=self._token)
+        originals = [t.view(t.shape) for t in layers]  # keep the old memory until checked
+        for t, offset in zip(layers, offsets):
+            moved = torch.frombuffer(region.buffer, dtype=t.dtype, count=t.numel(),
+                                     offset=offset).view(t.shape)
+            moved.copy_(t)
+            t.set_(moved)
+        rebind(bound)
+        base = layers[0].data_ptr() - offsets[0]
+        outside = [f"{name}.{attr}" for name, layer in self._attention_layers()
+                   for attr, _, v in layer_tensors(layer)
+                   if not base <= v.data_ptr() < base + end]
+        if outside:
+            for t, old in zip(layers, originals):
+                t.set_(old)
+            rebind(bound)
+            region.close()
+            logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: after "
+                           "the move, attention still reads memory outside the registered "
+                           "region (%s)", ", ".join(outside[:4]))
+            return
+        self._region = region
+        logger.info("KvcmConnector: vLLM's KV cache (%d bytes) is registered with the agent "
+                    "at %s; %d layer views re-bound", end, self._local_socket, len(bound))
+
+    def _attention_layers(self) -> List[Tuple[str, Any]]:
+        """The attention layers vLLM bound our KV tensors to (its forward context)."""
+        context = self._vllm_config.compilation_config.static_forward_context
+        return [(name, context[name]) for name, _ in self._kv_caches if name in context]
+
+    def _bound_views(self) -> Any:
+        """Every tensor an attention layer reads that is a view of one of our KV tensors but
+        not the tensor itself, as a BoundView; or a string: why the local path cannot be
+        used (a layer reads memory that is none of our tensors, or a view of another
+        dtype)."""
+        ours = [t for _, t in self._kv_caches]
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t) for t in ours]
+        views = []
+        for name, layer in self._attention_layers():
+            for attr, index, v in layer_tensors(layer):
+                if any(v is t for t in ours):
+                    continue
+                owner = next((t for lo, hi, t in spans if lo <= v.data_ptr() < hi), None)
+                if owner is None or v.dtype != owner.dtype:
+                    return (f"layer {name}'s {attr} is not a view of the KV tensor vLLM "
+                            "registered with the connector")
+                offset = (v.data_ptr() - owner.data_ptr()) // owner.element_size()
+                views.append(BoundView(layer, attr, index, owner, tuple(v.size()), v.stride(),
+                                       offset))
+        return views
+
+    def _session(self) -> AgentSession:
+        """This worker's agent (its rank's), with the client's TLS and token."""
+        if self._agent is None:
+            self._agent = AgentSession.of_client(self._client, self._agent_address,
+                                                 timeout_s=self._opts.agent_deadline_ms / 1e3)
+        return self._agent
+
+    def _epoch(self) -> int:
+        """The agent's epoch (asked once a step that moves blocks: a restarted agent has a
+        new one, and its old blocks are gone). An agent that missed a deadline is not asked
+        again for agent_deadline_ms: a silent agent costs one deadline per such window, not
+        one per step (each step's load and store would otherwise wait it out in turn)."""
+        if time.monotonic() < self._agent_quiet_until:
+            raise Unavailable("the agent missed a deadline less than "
+                                          f"{self._opts.agent_deadline_ms} ms ago")
+        try:
+            return self._session().epoch()
+        except (DeadlineExceeded, Unavailable):
+            self._agent_quiet_until = time.monotonic() + self._opts.agent_deadline_ms / 1e3
+            raise
+
+    def _block_bytes(self, vllm_block: int) -> bytes:
+        parts = [t[vllm_block].contiguous().view(torch.uint8).reshape(-1)
+                 for _, t in self._kv_caches]
+        return torch.cat(parts).numpy().tobytes()
+
+    def _fill_block(self, vllm_block: int, data: memoryview) -> None:
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for _, t in self._kv_caches:
+            dst = t[vllm_block]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(src[offset:offset + n].view(t.dtype).view(dst.shape))
+            offset += n
+
+    def start_load_kv(self, meta: KvcmConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        try:
+            epoch = self._epoch()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("KvcmConnector: agent unreachable, recomputing: %s", e)
+            for load in meta.loads:
+                self._load_errors.update(load.vllm_blocks)
+            return
+        for load in meta.loads:
+            try:
+                self._load(load, epoch)
+            except Exception as e:  # noqa: BLE001 - recompute those blocks
+                logger.warning("KvcmConnector: load of %s failed, recomputing %d blocks: %s",
+                               load.req_id, len(load.vllm_blocks), e)
+                self._load_errors.update(load.vllm_blocks)
+
+    def _load(self, load: LoadSpec, epoch: int) -> None:
+        shard = load.shards[self._shard]
+        blocks = list(shard.local_blocks)
+        fetched = 0
+        for run in shard.fetch:
+            blocks = self._fetch(load.req_id, shard.page_hashes, run, blocks)
+            fetched += len(run.source_blocks)
+        self._agent_blocks[load.req_id] = [b for b, tier in blocks if tier != HOST_TIER]
+        if self._opts.test_load_gate:
+            self._wait_for_gate(load.req_id)
+        end = load.first_page + len(load.vllm_blocks)
+        if len(blocks) < end:
+            raise RuntimeError(f"the agent holds {len(blocks)} of {end} pages")
+        block_bytes = self._agent_block_bytes
+        start = time.perf_counter()
+        page = load.first_page
+        while page < end:
+            # One ReadBlocks per run of pages in one tier, at most MAX_BLOCKS_PER_CALL.
+            tier = blocks[page][1]
+            stop = page
+            while stop < end and stop - page < MAX_BLOCKS_PER_CALL and blocks[stop][1] == tier:
+                stop += 1
+            # With the pages' hashes, the agent checks under its lock that each block still
+            # holds its page (a lost pin's block may hold another page by now).
+            agent_ids = [b for b, _ in blocks[page:stop]]
+            vllm_ids = load.vllm_blocks[page - load.first_page:stop - load.first_page]
+            if self._region is not None:
+                self._region.load(agent_ids, vllm_ids, owner_epoch=epoch, tier=tier,
+                                  namespace=self._ns,
+                                  page_hashes=b"".join(shard.page_hashes[page:stop]))
+                page = stop
+                continue
+            data = self._session().read(self._ns, agent_ids,
+                                        epoch=epoch, tier=tier,
+                                        page_hashes=shard.page_hashes[page:stop])
+            view = memoryview(data)
+            for j in range(stop - page):
+                vllm_block = load.vllm_blocks[page - load.first_page + j]
+                self._fill_block(vllm_block, view[j * block_bytes:(j + 1) * block_bytes])
+            page = stop
+        seconds = time.perf_counter() - start
+        logger.info("KvcmConnector: loaded %d blocks of %s (%d fetched from other agents): "
+                    "%d bytes in %.3f ms", len(load.vllm_blocks), load.req_id, fetched,
+                    len(load.vllm_blocks) * block_bytes, 1e3 * seconds)
+
+    def _wait_for_gate(self, req_id: str) -> None:
+        logger.info("KvcmConnector: %s waits for the test gate %s", req_id,
+                    self._opts.test_load_gate)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self._opts.test_load_gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def _fetch(self, req_id: str, page_hashes: List[bytes], run: FetchRun,
+               blocks: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+        """Pulls a run of pages into the local agent's main pool; the local blocks of every
+        page up to the run's end."""
+        if len(blocks) != run.first_page:
+            raise RuntimeError(f"fetch of pages from {run.first_page} after {len(blocks)} "
+                               "local pages")
+        end = run.first_page + len(run.source_blocks)
+        response = self._session().fetch(
+            self._client, self._ns, page_hashes[:end], source_agent_id=run.source_agent_id,
+            source_block_ids=run.source_blocks, source_tier=run.source_tier,
+            local_block_ids=[b for b, _ in blocks])
+        tier = blocks[0][1] if blocks else int(kvcm.Tier.UNSPECIFIED)
+        logger.info("KvcmConnector: fetched %d pages of %s from agent %s (%d bytes)",
+                    response.fetched_pages, req_id, run.source_agent_id, response.bytes)
+        return blocks + [(b, tier) for b in response.block_ids[run.first_page:end]]
+
+    def wait_for_save(self, meta: KvcmConnectorMetadata) -> None:
+        if not meta.stores or not self.stores_here:  # MLA: rank 0 stores for every rank
+            return
+        try:
+            epoch = self._epoch()
+        except Exception as e:  # noqa: BLE001 - a store that fails only costs a later hit
+            logger.warning("KvcmConnector: agent unreachable, %d stores skipped: %s",
+                           len(meta.stores), e)
+            return
+        for store in meta.stores:
+            try:
+                self._store(store, epoch)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("KvcmConnector: store of %s failed: %s", store.req_id, e)
+
+    def _store(self, store: StoreSpec, epoch: int) -> None:
+        """Copies the pages the agent lacks into new blocks now; inserts them at the manager
+        now (kv_producer) or in the background (kv_both)."""
+        known = self._agent_blocks.get(store.req_id) or []
+        if len(store.known_blocks[self._shard]) > len(known):
+            known = list(store.known_blocks[self._shard])
+        pages = len(store.vllm_blocks)
+        if len(known) >= pages:
+            return
+        new_vllm = store.vllm_blocks[len(known):]
+        start = time.perf_counter()
+        session = self._session()
+        if self._region is not None:  # the agent copies from vLLM's registered memory
+            staged = session.stage(self._ns, new_vllm, epoch=epoch,
+                                   writer=local_writer(self._region))
+        else:
+            staged = session.stage(self._ns, _BlockBytes(self, new_vllm), epoch=epoch)
+        logger.info("KvcmConnector: copied %d pages of %s to the agent: %d bytes in %.3f ms",
+                    len(staged), store.req_id, len(staged) * self._agent_block_bytes,
+                    1e3 * (time.perf_counter() - start))
+        known = list(known[:pages - len(new_vllm)])
+        self._agent_blocks[store.req_id] = known + staged.block_ids
+
+        def insert() -> None:
+            result = session.commit(self._client, staged, self._agent_id, store.tokens,
+                                    known_blocks=known,
+                                    deadline_ms=self._opts.request_deadline_ms)
+            logger.info("KvcmConnector: stored %d new pages of %s (%d already present)",
+                        result.stored_pages, store.req_id,
+                        len(known) + result.duplicate_pages)
+
+        if not self._loads():  # kv_producer: its answer means the KV is in kvcm
+            insert()
+        else:
+            if self._inserter is None:
+                self._inserter = _Inserter()
+            self._inserter.submit(insert)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
+                                                                 Optional[Set[str]]]:
+        for req_id in finished_req_ids:
+            self._agent_blocks.pop(req_id, None)
+        return None, None
+
+    def shutdown(self) -> None:
+        if self._inserter is not None:
+            self._inserter.close()
+        if self._region is not None:
+            self._region.close()
+        if self._agent is not None:
+            self._agent.close()
