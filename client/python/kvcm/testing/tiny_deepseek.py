@@ -8,7 +8,7 @@ qk_nope_head_dim 32, v_head_dim 32, and the latent widths of the real model (kv_
 token of one layer caches a 576-wide latent. first_k_dense_replace is past the last layer:
 no MoE layer is built. The tokenizer is kvcm.testing.tiny_llama's ("0".."999" are token ids
 0..999). Without weights, serve it with `--load-format dummy`; write_with_weights adds
-random real ones (tiny_deepseek_weights.py) so the text depends on the KV. Standard library
+random real ones (tiny_llama_weights.py) so the text depends on the KV. Standard library
 only.
 """
 
@@ -81,7 +81,7 @@ def write_with_weights(directory: str | Path, python: str, timeout_s: float = 30
     """write() plus random real weights, made by `python` (an environment with torch,
     transformers and safetensors, e.g. vLLM's)."""
     d = write(directory)
-    weights = Path(__file__).with_name("tiny_deepseek_weights.py")
+    weights = Path(__file__).with_name("tiny_llama_weights.py")
     subprocess.run([python, str(weights), str(d)], check=True, timeout=timeout_s)
     return d
 

@@ -1,6 +1,8 @@
-"""Random weights for kvcm.testing.tiny_llama's model directory, large enough that the text
-it writes depends on its context (vLLM's --load-format dummy gives a uniform next-token
-distribution whatever the KV). Runs in the vLLM environment (torch, transformers, safetensors):
+"""Random weights for a tiny model directory (kvcm.testing.tiny_llama's, or
+tiny_deepseek's: any architecture transformers knows from its config.json), large enough
+that the text it writes depends on its context (vLLM's --load-format dummy gives a uniform
+next-token distribution whatever the KV). Runs in the vLLM environment (torch,
+transformers, safetensors):
 
     python tiny_llama_weights.py MODEL_DIR        # writes MODEL_DIR/model.safetensors
 """
@@ -9,12 +11,12 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main(model_dir: str, seed: int = 0) -> None:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:  # norms stay 1
