@@ -140,9 +140,14 @@ TEST_F(RoomMakerTest, ALaterAllocationCannotTakeTheBlocksFreedForAWaitingOne) {
   auto record = [&](int who) {
     return [&, who](absl::StatusOr<RoomMaker::Allocation> r) {
       EXPECT_TRUE(r.ok()) << who << ": " << r.status();
-      absl::MutexLock lock(&mu);
-      order.push_back(who);
-      if (order.size() == 2) both.Notify();
+      bool last;
+      {
+        absl::MutexLock lock(&mu);
+        order.push_back(who);
+        last = order.size() == 2;
+      }
+      // Outside the lock: once notified, the test returns and destroys `mu`.
+      if (last) both.Notify();
     };
   };
   maker_->Allocate({.count = 4, .owner_epoch = epoch_->current(), .ns = ns_}, record(1));
