@@ -13,6 +13,7 @@ Runs in vLLM's environment ($KVCM_VLLM_PYTHON); skips without it unless KVCM_REQ
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -188,6 +189,18 @@ def test_an_engine_loads_latents_another_engine_stored(cluster, writer, reader,
     assert f"loaded {PROMPT_BLOCKS} blocks" in log
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until every thread of process `pid` shows the stopped state (T) after a SIGSTOP."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(") ", 1)[1][0]
+                  for t in os.listdir(f"/proc/{pid}/task")]
+        if all(st == "T" for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 def test_a_stalled_manager_does_not_stall_decoding(cluster) -> None:
     """The manager stops answering (SIGSTOP: connections open, no reply, the worst case)
     while engine A decodes one long request and admits another, whose Route meets the
@@ -214,6 +227,7 @@ def test_a_stalled_manager_does_not_stall_decoding(cluster) -> None:
     stopped = time.monotonic()
     manager.proc.send_signal(signal.SIGSTOP)
     try:
+        wait_stopped(manager.proc.pid)  # the stop can take a moment to land on every thread
         other = e["A"].complete(prompt(7), max_tokens=4)  # a Route into the silence
         admitted = time.monotonic()
         reader.join(120)
@@ -248,6 +262,7 @@ def test_a_stalled_agent_costs_one_bounded_recompute(cluster) -> None:
     failed = e["A"].log_path.read_text(errors="replace").count("recomputing")
     agent.send_signal(signal.SIGSTOP)
     try:
+        wait_stopped(agent.pid)
         start = time.monotonic()
         got = e["A"].complete(p, max_tokens=MAX_TOKENS)
         took = time.monotonic() - start
