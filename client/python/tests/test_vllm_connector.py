@@ -541,5 +541,12 @@ def test_stores_go_on_in_a_full_pool_and_hits_follow_the_policy(full_pool) -> No
     wait_stored(fp, FULL_POOL_AGENT, boundary, e)
     wait_for_log(e, "KvcmConnector: stored", stored + 1)
     assert log_count(e, "stored 1 new pages") == 1, e.log_tail()
+    # The same prompt with vLLM's own cache emptied: kvcm loads the 3 loadable blocks and
+    # vLLM recomputes the last, which the agent already holds: nothing is copied again.
+    e.reset_prefix_cache()
+    copied = log_count(e, "KvcmConnector: copied")
+    assert cached_tokens_of(e.complete(boundary)) == 3 * BLOCK_SIZE
+    time.sleep(0.5)
+    assert log_count(e, "KvcmConnector: copied") == copied, e.log_tail()
     # lru frees whole radix nodes: the shortfall of 1 block may cost one 2-block node.
     assert metric(m, "kvcm_pages_evicted_total") - before["kvcm_pages_evicted_total"] <= 2

@@ -110,6 +110,7 @@ class ConnectorScheduler:
         self._requests[request.request_id] = state
         # At least one prompt token is always computed (vLLM needs its logits).
         loadable = (len(tokens) - 1) // self._block_size
+        whole = len(tokens) // self._block_size
         # kv_producer matches too, though it never loads: the pages its agent holds
         # already are not stored again.
         if loadable == 0:
@@ -120,12 +121,14 @@ class ConnectorScheduler:
             # would allocate (in a full pool: evict other prompts' pages) only to free
             # duplicates. Only a last page computed now (a prompt ending on a page
             # boundary) is stored, after the match below names the blocks before it.
-            whole = len(tokens) // self._block_size
             if whole == loadable or not self._stores():
                 state.stored_pages = whole
                 return 0, False
         try:
-            hit = self._match(state, tokens[: loadable * self._block_size])
+            # Every whole page is matched, the last one too when the prompt ends on a page
+            # boundary: vLLM recomputes it, but the agent's block of it is named to the
+            # store, which then does not copy it again.
+            hit = self._match(state, tokens[: whole * self._block_size], loadable)
         except Exception as e:  # noqa: BLE001 - any failure: recompute
             logger.warning("KvcmConnector: match failed, recomputing: %s", e)
             hit = 0
@@ -133,17 +136,17 @@ class ConnectorScheduler:
             return 0, False
         return max(0, hit - num_computed_tokens), False
 
-    def _match(self, state: _Request, tokens: List[int]) -> int:
+    def _match(self, state: _Request, tokens: List[int], loadable: int) -> int:
         """Pins the prompt's cached pages in every shard for its agent; the tokens every
-        shard can load (the fewest)."""
+        shard can load (the fewest, at most `loadable` pages)."""
         for shard in self._shards:
-            state.shards.append(self._match_shard(shard, tokens))
+            state.shards.append(self._match_shard(shard, tokens, loadable))
         pages = min(m.pages() for m in state.shards)
         for m in state.shards:
             m.truncate(pages)
-        return pages * self._block_size
+        return min(pages, loadable) * self._block_size
 
-    def _match_shard(self, shard: Shard, tokens: List[int]) -> _ShardMatch:
+    def _match_shard(self, shard: Shard, tokens: List[int], loadable: int) -> _ShardMatch:
         hashes = self._client.hash_prompt(shard.namespace, tokens)
         route = self._client.route(
             shard.namespace, page_hashes=hashes, candidates=[shard.agent_id], pin=True,
@@ -163,10 +166,12 @@ class ConnectorScheduler:
             m.local_blocks.append((best.block_id, int(best.pool.tier)))
         # Fetch into the main pool only after leading pages that are all in it (Fetch names
         # the destination's blocks of the pages before the pulled ones).
-        if (self._opts.fetch and ranked is not None and ranked.fetch_pages > 0
+        # Pages past `loadable` are never loaded: none is fetched.
+        fetch = min(ranked.fetch_pages if ranked is not None else 0,
+                    loadable - len(m.local_blocks))
+        if (self._opts.fetch and fetch > 0
                 and all(tier != HOST_TIER for _, tier in m.local_blocks)):
-            m.fetch = _fetch_runs(match, shard.agent_id, len(m.local_blocks),
-                                  ranked.fetch_pages)
+            m.fetch = _fetch_runs(match, shard.agent_id, len(m.local_blocks), fetch)
         return m
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
