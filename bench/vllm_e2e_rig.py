@@ -66,10 +66,8 @@ class Model:
     def write(self, directory: Path, vllm_python: str) -> Path:
         if self.llama_overrides is None:
             return tiny_deepseek.write_with_weights(directory, vllm_python)
-        d = tiny_llama.write(directory, **self.llama_overrides)
-        weights = Path(tiny_llama.__file__).with_name("tiny_llama_weights.py")
-        subprocess.run([vllm_python, str(weights), str(d)], check=True, timeout=300)
-        return d
+        return tiny_llama.add_weights(tiny_llama.write(directory, **self.llama_overrides),
+                                      vllm_python)
 
 
 MLA = Model("tiny-deepseek", kvcm.ModelSpec(

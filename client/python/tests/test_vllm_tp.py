@@ -12,7 +12,6 @@ Runs in vLLM's environment ($KVCM_VLLM_PYTHON); skips without it unless KVCM_REQ
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Iterator
 
@@ -20,10 +19,10 @@ import pytest
 
 import kvcm
 from kvcm.testing import tiny_llama
-from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
-from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
+from conftest import vllm_test_path
+from connector_rig import ConnectorCluster
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,80 +51,49 @@ def shard(rank: int) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict]:
+def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
     python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
-    manager_bin = vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary")
-    agent_bin = vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary")
-    workdir = tmp_path_factory.mktemp("tp")
-    pythonpath = kvcm_pythonpath(workdir)
-    model_dir = tiny_llama.write_with_weights(workdir / "model", python)
-    manager = ManagerProcess(manager_bin, workdir / "manager")
-    c = {"workdir": workdir, "agents": {}, "address": {}, "engines": {}, "client": None}
+    c = ConnectorCluster(tmp_path_factory.mktemp("tp"),
+                         vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary"),
+                         vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary"), python)
+    model_dir = tiny_llama.write_with_weights(c.workdir / "model", python)
     try:
-        manager.start()
-        c["client"] = kvcm.Client(manager.address, insecure=True)
-        for agent_id in ("a0", "a1", "b0", "b1"):
-            port = free_port()
-            # One rank's shard: 4 heads and 2 KV heads split over 2 ranks.
-            c["agents"][agent_id] = Process(
-                [agent_bin, "--insecure", f"--agent_id={agent_id}",
-                 f"--manager_address={manager.address}", f"--listen_address=127.0.0.1:{port}",
-                 "--use_device=false", "--model=", "--attention=gqa", "--num_layers=2",
-                 f"--num_heads={4 // TP}", f"--num_kv_heads={2 // TP}", "--head_dim=64",
-                 "--kv_dtype=bf16", f"--page_size_tokens={BLOCK_SIZE}",
-                 f"--capacity_bytes={64 * SHARD_BLOCK_BYTES}", "--heartbeat_interval_ms=200",
-                 f"--local_socket={workdir / (agent_id + '.sock')}"],
-                workdir / f"{agent_id}.log")
-            c["address"][agent_id] = f"127.0.0.1:{port}"
-        wait_registered(c["client"], c["agents"])
+        c.start()
+        # One rank's shard: 4 heads and 2 KV heads split over 2 ranks.
+        c.start_agents(["a0", "a1", "b0", "b1"], [
+            "--attention=gqa", "--num_layers=2", f"--num_heads={4 // TP}",
+            f"--num_kv_heads={2 // TP}", "--head_dim=64", "--kv_dtype=bf16",
+            f"--page_size_tokens={BLOCK_SIZE}"], capacity_bytes=64 * SHARD_BLOCK_BYTES)
 
         def engine(name: str, agents: list[str] | None, local: bool = False) -> VllmEngine:
-            args: tuple[str, ...] = ("--seed", "0", "--load-format", "safetensors",
-                                     "--tensor-parallel-size", str(TP),
-                                     "--distributed-executor-backend", "mp")
+            extra = None
             if agents is not None:
-                extra = {"manager_address": manager.address, "agent_id": agents,
-                         "agent_address": [c["address"][a] for a in agents],
+                extra = {"agent_id": agents, "agent_address": [c.address[a] for a in agents],
                          "tenant": TENANT, "model": MODEL_NAME}
                 if local:
-                    extra["local_socket"] = [str(workdir / f"{a}.sock") for a in agents]
-                args += ("--kv-transfer-config", json.dumps({
-                    "kv_connector": "KvcmConnector",
-                    "kv_connector_module_path": "kvcm.vllm.connector",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": extra}))
-            e = VllmEngine(workdir / name, python=python, extra_args=args, model_dir=model_dir,
-                           start_timeout_s=400, extra_env={"PYTHONPATH": str(pythonpath)})
-            c["engines"][name] = e
-            return e
+                    extra["local_socket"] = [c.socket(a) for a in agents]
+            return c.engine(name, model_dir, extra,
+                            args=("--tensor-parallel-size", str(TP),
+                                  "--distributed-executor-backend", "mp"),
+                            start_timeout_s=400)
 
-        started = [engine("P", None), engine("A", ["a0", "a1"]),
-                   engine("B", ["b0", "b1"], local=True)]
-        for e in started:
-            e.launch()
-        for e in started:
-            e.wait_healthy()
+        c.start_engines([engine("P", None), engine("A", ["a0", "a1"]),
+                         engine("B", ["b0", "b1"], local=True)])
         yield c
     finally:
-        for e in c["engines"].values():
-            e.stop()
-        if c["client"] is not None:
-            c["client"].close()
-        for agent in c["agents"].values():
-            agent.stop()
-        manager.stop()
+        c.stop()
 
 
-def local_pages(c: dict, rank: int, agent: str, p: list[int]) -> int:
+def local_pages(c: ConnectorCluster, rank: int, agent: str, p: list[int]) -> int:
     try:
-        return c["client"].match(shard(rank), p, requester_agent_id=agent,
-                                 probe=True).local_pages
+        return c.client.match(shard(rank), p, requester_agent_id=agent,
+                              probe=True).local_pages
     except kvcm.KvcmError:  # the shard's namespace is not registered yet
         return 0
 
 
 def test_each_rank_loads_its_own_shard(cluster) -> None:
-    e = cluster["engines"]
+    e = cluster.engines
     p = prompt(1)
     want = e["P"].complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     control = e["P"].complete([(t + 1) % 1000 for t in p[:BLOCK_SIZE]] + p[BLOCK_SIZE:],
@@ -139,7 +107,7 @@ def test_each_rank_loads_its_own_shard(cluster) -> None:
         assert time.monotonic() < deadline, e["A"].log_tail()
         time.sleep(0.1)
     with pytest.raises(kvcm.KvcmError, match="not registered|NOT_FOUND|not found"):
-        cluster["client"].match((TENANT, MODEL_NAME), p, probe=True)  # no unsharded pages
+        cluster.client.match((TENANT, MODEL_NAME), p, probe=True)  # no unsharded pages
     assert local_pages(cluster, 0, "b0", p) == local_pages(cluster, 1, "b1", p) == 0
 
     got = e["B"].complete(p, max_tokens=MAX_TOKENS, logprobs=1)

@@ -15,7 +15,6 @@ only.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,10 +79,7 @@ def write(directory: str | Path) -> Path:
 def write_with_weights(directory: str | Path, python: str, timeout_s: float = 300) -> Path:
     """write() plus random real weights, made by `python` (an environment with torch,
     transformers and safetensors, e.g. vLLM's)."""
-    d = write(directory)
-    weights = Path(__file__).with_name("tiny_llama_weights.py")
-    subprocess.run([python, str(weights), str(d)], check=True, timeout=timeout_s)
-    return d
+    return tiny_llama.add_weights(write(directory), python, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,12 @@ def write_with_weights(directory: str | Path, python: str, timeout_s: float = 30
     """write() plus random real weights (tiny_llama_weights.py, run by `python`: an
     environment with torch, transformers and safetensors, e.g. vLLM's), so that the text
     the model writes depends on its KV (vLLM's dummy weights' does not)."""
-    d = write(directory)
+    return add_weights(write(directory), python, timeout_s)
+
+
+def add_weights(d: Path, python: str, timeout_s: float = 300) -> Path:
+    """Random real weights for the model directory `d` (any architecture transformers knows
+    from its config.json: tiny_llama_weights.py, run by `python`)."""
     weights = Path(__file__).with_name("tiny_llama_weights.py")
     subprocess.run([python, str(weights), str(d)], check=True, timeout=timeout_s)
     return d

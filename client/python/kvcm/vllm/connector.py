@@ -128,11 +128,7 @@ class KvcmConnector(KVConnectorBase_V1):
             # check (register_kv_caches).
             self._worker = ConnectorWorker(opts, self._client, spec, shards, vllm_config,
                                            kv_cache_config, bool(kv.is_kv_consumer))
-            w = self._worker
-            logger.info("KvcmConnector (WORKER, %s, rank %d): namespace %s, agent %s at %s, "
-                        "spec %s%s", kv.kv_role, w.rank, w._ns, w._agent_id,
-                        w._agent_address, spec,
-                        "" if w.stores_here else " (loads only: rank 0 stores the latents)")
+            logger.info("KvcmConnector (WORKER, %s): %s", kv.kv_role, self._worker)
 
     # ---- scheduler side -----------------------------------------------------------------
 

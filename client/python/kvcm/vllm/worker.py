@@ -135,6 +135,11 @@ class ConnectorWorker:
         self._inserter: Optional[_Inserter] = None
         self._region: Optional["LocalRegion"] = None
 
+    def __str__(self) -> str:
+        return (f"rank {self.rank}, namespace {self._ns}, agent {self._agent_id} at "
+                f"{self._agent_address}, spec {self._spec}"
+                + ("" if self.stores_here else " (loads only: rank 0 stores the latents)"))
+
     def _loads(self) -> bool:
         return self._loads_kv
 

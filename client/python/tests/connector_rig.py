@@ -1,0 +1,86 @@
+"""A kvcm-manager, kvcm-agents and real vLLM engines running kvcm's connector, for the
+connector tests (test_vllm_mla.py, test_vllm_tp.py): each agent listens on loopback with a
+--local_socket in the work directory and the geometry a test gives it; each engine gets
+kvcm's --kv-transfer-config (kv_both, kv_load_failure_policy recompute) with the
+kv_connector_extra_config a test gives it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kvcm
+from kvcm.testing.manager import ManagerProcess, free_port
+from kvcm.testing.vllm_engine import VllmEngine
+
+from conftest import Process, kvcm_pythonpath, wait_registered
+
+
+class ConnectorCluster:
+    def __init__(self, workdir: Path, manager_bin: str, agent_bin: str, vllm_python: str):
+        self.workdir, self.agent_bin, self.python = workdir, agent_bin, vllm_python
+        self.pythonpath = kvcm_pythonpath(workdir)
+        self.manager = ManagerProcess(manager_bin, workdir / "manager")
+        self.agents: dict[str, Process] = {}
+        self.address: dict[str, str] = {}
+        self.engines: dict[str, VllmEngine] = {}
+        self.client: kvcm.Client | None = None
+
+    def start(self) -> "ConnectorCluster":
+        self.manager.start()
+        self.client = kvcm.Client(self.manager.address, insecure=True)
+        return self
+
+    def socket(self, agent_id: str) -> str:
+        return str(self.workdir / f"{agent_id}.sock")
+
+    def start_agents(self, agent_ids: list[str], geometry: list[str],
+                     capacity_bytes: int) -> None:
+        """Agents sized by `geometry` (kvcm-agent's --attention, --num_layers, ... flags), as
+        a user sizes them for the engine; returns once the manager knows them all."""
+        for agent_id in agent_ids:
+            port = free_port()
+            self.agents[agent_id] = Process(
+                [self.agent_bin, "--insecure", f"--agent_id={agent_id}",
+                 f"--manager_address={self.manager.address}",
+                 f"--listen_address=127.0.0.1:{port}", "--use_device=false", "--model=",
+                 *geometry, f"--capacity_bytes={capacity_bytes}",
+                 "--heartbeat_interval_ms=200", f"--local_socket={self.socket(agent_id)}"],
+                self.workdir / f"{agent_id}.log")
+            self.address[agent_id] = f"127.0.0.1:{port}"
+        assert self.client is not None
+        wait_registered(self.client, {a: self.agents[a] for a in agent_ids})
+
+    def engine(self, name: str, model_dir: Path, extra: dict[str, Any] | None,
+               args: tuple[str, ...] = (), **engine_kwargs: Any) -> VllmEngine:
+        """A vLLM server with random real weights (`--seed 0`); with `extra`, kvcm's
+        connector configured by that kv_connector_extra_config (None: a plain engine)."""
+        args = ("--seed", "0", "--load-format", "safetensors", *args)
+        if extra is not None:
+            args += ("--kv-transfer-config", json.dumps({
+                "kv_connector": "KvcmConnector",
+                "kv_connector_module_path": "kvcm.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"manager_address": self.manager.address,
+                                              **extra}}))
+        e = VllmEngine(self.workdir / name, python=self.python, extra_args=args,
+                       model_dir=model_dir, extra_env={"PYTHONPATH": str(self.pythonpath)},
+                       **engine_kwargs)
+        self.engines[name] = e
+        return e
+
+    def start_engines(self, engines: list[VllmEngine]) -> None:
+        for e in engines:  # they load at once
+            e.launch()
+        for e in engines:
+            e.wait_healthy()
+
+    def stop(self) -> None:
+        for e in self.engines.values():
+            e.stop()
+        if self.client is not None:
+            self.client.close()
+        for agent in self.agents.values():
+            agent.stop()
+        self.manager.stop()
