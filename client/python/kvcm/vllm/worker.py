@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+# A kv_both store's Insert, run by the background inserter, ms.
+_BACKGROUND_INSERT_DEADLINE_MS = 5_000
+
+
 class _BlockBytes:
     """vLLM blocks' bytes for AgentSession.write, gathered one block at a time as it sends
     them (one run's bytes in memory at once)."""
@@ -423,15 +427,22 @@ class ConnectorWorker:
         known = list(known[:pages - len(new_vllm)])
         self._agent_blocks[store.req_id] = known + staged.block_ids
 
+        # kv_producer inserts in the step (its answer means the KV is in kvcm): bounded by
+        # request_deadline_ms. kv_both inserts off the engine's path, where a loaded manager
+        # may take longer without holding anything up (at 500 ms, inserts failed under CI's
+        # load and their pages were never cached).
+        background = self._loads()
+        deadline_ms = (max(self._opts.request_deadline_ms, _BACKGROUND_INSERT_DEADLINE_MS)
+                       if background else self._opts.request_deadline_ms)
+
         def insert() -> None:
             result = session.commit(self._client, staged, self._agent_id, store.tokens,
-                                    known_blocks=known,
-                                    deadline_ms=self._opts.request_deadline_ms)
+                                    known_blocks=known, deadline_ms=deadline_ms)
             logger.info("KvcmConnector: stored %d new pages of %s (%d already present)",
                         result.stored_pages, store.req_id,
                         len(known) + result.duplicate_pages)
 
-        if not self._loads():  # kv_producer: its answer means the KV is in kvcm
+        if not background:
             insert()
         else:
             if self._inserter is None:
