@@ -1,11 +1,7 @@
 #include "gpu/agent/local/local_session.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstring>
 #include <optional>
 #include <span>
 #include <utility>
@@ -16,6 +12,10 @@
 #include "common/status_macros.h"
 #include "gpu/agent/server/block_agent_access.h"
 #include "gpu/agent/server/block_stream_reactors.h"
+
+#ifdef KVCM_CUDA_ENABLED
+#include "gpu/agent/local/cuda_ipc_region.h"
+#endif
 
 namespace kvcm {
 namespace {
@@ -37,14 +37,45 @@ absl::string_view DirectionName(v1::LocalDirection d) {
   }
 }
 
+// Checks `ipc` against the layout (one 64-byte handle per segment) and opens it; without
+// CUDA in the build, FAILED_PRECONDITION saying so.
+absl::StatusOr<std::unique_ptr<EngineRegion>> OpenCudaIpc(const v1::CudaIpcRegion& ipc,
+                                                          std::span<const uint64_t> ends) {
+  if (ipc.pci_bus_id().empty()) {
+    return absl::InvalidArgumentError(
+        "cuda_ipc.pci_bus_id: required (the engine's device, as cudaDeviceGetPCIBusId writes it)");
+  }
+  if (static_cast<size_t>(ipc.segment_handles_size()) != ends.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc.segment_handles: ", ipc.segment_handles_size(), " handles for ",
+                     ends.size(), " segment_offsets (one handle per segment)"));
+  }
+  constexpr size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+  for (int s = 0; s < ipc.segment_handles_size(); ++s) {
+    if (ipc.segment_handles(s).size() != kHandleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_ipc.segment_handles[", s, "]: must be a cudaIpcMemHandle_t of ",
+                       kHandleBytes, " bytes, got ", ipc.segment_handles(s).size(),
+                       ipc.segment_handles(s).size() == kHandleBytes + 2
+                           ? " (torch's _share_cuda_ handle: strip its 2 leading bytes)"
+                           : ""));
+    }
+  }
+#ifdef KVCM_CUDA_ENABLED
+  static_assert(kHandleBytes == kCudaIpcHandleBytes);
+  return OpenCudaIpcRegion(ipc, ends);
+#else
+  return absl::FailedPreconditionError(
+      "cuda_ipc: this agent was built without CUDA (KVCM_ENABLE_CUDA=OFF); register a memfd");
+#endif
+}
+
 }  // namespace
 
 LocalSession::LocalSession(LocalSessionEnv env, std::string peer)
     : env_(env), peer_(std::move(peer)) {}
 
-LocalSession::~LocalSession() {
-  if (region_ != nullptr) munmap(region_, region_bytes_);
-}
+LocalSession::~LocalSession() = default;
 
 v1::LocalReply LocalSession::Handle(absl::string_view datagram, std::vector<int> fds,
                                     bool truncated) {
@@ -66,11 +97,7 @@ v1::LocalReply LocalSession::Handle(absl::string_view datagram, std::vector<int>
   v1::LocalReply reply;
   switch (req.request_case()) {
     case v1::LocalRequest::kHello: {
-      if (fds.size() != 1) {
-        return ReplyOf(absl::InvalidArgumentError(absl::StrCat(
-            "hello: must carry exactly one file descriptor (SCM_RIGHTS), got ", fds.size())));
-      }
-      const absl::Status s = Hello(req.hello(), fds[0], &reply);
+      const absl::Status s = Hello(req.hello(), fds, &reply);
       return ReplyOf(s, std::move(reply));
     }
     case v1::LocalRequest::kCopy: {
@@ -92,9 +119,22 @@ v1::LocalReply LocalSession::Handle(absl::string_view datagram, std::vector<int>
   }
 }
 
-absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply* reply) {
+absl::Status LocalSession::Hello(const v1::LocalHello& h, std::span<const int> fds,
+                                 v1::LocalReply* reply) {
   if (region_ != nullptr) {
     return absl::FailedPreconditionError("hello: this connection already registered a region");
+  }
+  // Exactly one kind of memory: a memfd or CUDA IPC handles.
+  const bool cuda = h.has_cuda_ipc();
+  if (cuda && !fds.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hello: carries both cuda_ipc and ", fds.size(),
+                     " file descriptors; send a memfd or cuda_ipc, not both"));
+  }
+  if (!cuda && fds.size() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hello: must carry exactly one file descriptor (SCM_RIGHTS) or cuda_ipc, got ",
+                     fds.size(), " file descriptors"));
   }
   // Who first: an unauthenticated peer learns nothing of the pool.
   std::shared_ptr<const Principal> principal;
@@ -127,6 +167,7 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply
         "num_engine_blocks must be in [1, ", kMaxEngineBlocks, "], got ", h.num_engine_blocks()));
   }
   // Offsets grow with the block (stride >= 0): the last engine block's segment ends last.
+  std::vector<uint64_t> ends(segments);
   for (int s = 0; s < segments; ++s) {
     const unsigned __int128 end =
         static_cast<unsigned __int128>(h.segment_offsets(s)) +
@@ -138,35 +179,15 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply
           " (offset ", h.segment_offsets(s), " + ", h.num_engine_blocks() - 1, " x segment_stride ",
           h.segment_stride(), ") ends past region_bytes ", region));
     }
+    ends[s] = static_cast<uint64_t>(end);
   }
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError("fd: not a regular file (send a memfd)");
+  std::unique_ptr<EngineRegion> mapped;
+  if (cuda) {
+    KVCM_ASSIGN_OR_RETURN(mapped, OpenCudaIpc(h.cuda_ipc(), ends));
+  } else {
+    KVCM_ASSIGN_OR_RETURN(mapped, MapMemfdRegion(fds[0], region));
   }
-  if (static_cast<uint64_t>(st.st_size) < region) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("region_bytes ", region, " exceed the fd's ", st.st_size, " bytes"));
-  }
-  // A file that could shrink would fault the agent (SIGBUS) on its next copy.
-  const int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    return absl::InvalidArgumentError(
-        "fd: must be sealed against shrinking (memfd_create with MFD_ALLOW_SEALING, then "
-        "fcntl F_ADD_SEALS F_SEAL_SHRINK)");
-  }
-  // MAP_POPULATE fills the page tables once here, not by a fault on every 4 KiB page of the
-  // first copy into each engine block (measured: a 16 MB load 4x slower without). Only over
-  // memory the engine has already allocated: populating a sparse file would allocate its
-  // holes, so an engine could make the agent allocate up to region_bytes (1 TiB).
-  const bool allocated = static_cast<uint64_t>(st.st_blocks) * 512 >= region;
-  void* map = mmap(nullptr, region, PROT_READ | PROT_WRITE,
-                   MAP_SHARED | (allocated ? MAP_POPULATE : 0), fd, 0);
-  if (map == MAP_FAILED) {
-    return absl::InternalError(
-        absl::StrCat("fd: mmap of ", region, " bytes failed: ", std::strerror(errno)));
-  }
-  region_ = static_cast<std::byte*>(map);
-  region_bytes_ = region;
+  region_ = std::move(mapped);
   principal_ = std::move(principal);
   segment_offsets_.assign(h.segment_offsets().begin(), h.segment_offsets().end());
   segment_bytes_ = h.segment_bytes();
@@ -174,7 +195,7 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, int fd, v1::LocalReply
   num_engine_blocks_ = h.num_engine_blocks();
   if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(true);
   LogInfo(absl::StrCat("local session of ", peer_, " (principal ", principal_->name,
-                       ") registered ", region, " bytes: ", num_engine_blocks_,
+                       ") registered ", region_->Describe(), ": ", num_engine_blocks_,
                        " engine blocks of ", segments, " segments x ", segment_bytes_, " bytes"));
   reply->set_epoch(env_.epoch != nullptr ? env_.epoch->current() : 0);
   reply->set_bytes_per_block(bytes_per_block);
@@ -244,18 +265,21 @@ absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
   KVCM_RETURN_IF_ERROR(pool->WithCheckedBlocks(
       ids, c.owner_epoch(), /*writable=*/!load, "block_ids", bound, check ? &*check : nullptr,
       [&](DeviceBackend& backend) -> absl::Status {
-        // The backend's copies: memcpy on a host pool, cudaMemcpy on a device pool.
-        for (int i = 0; i < n; ++i) {
+        // Every check has passed: only a failing copy (a device error) stops midway, and
+        // Finish waits for what was issued before the pool's lock is released.
+        absl::Status copied;
+        for (int i = 0; i < n && copied.ok(); ++i) {
           const uint64_t block = pool->BlockOffset(ids[i]);
           const uint64_t engine_block = c.engine_blocks(i);
-          for (size_t s = 0; s < segment_offsets_.size(); ++s) {
-            std::byte* const mine = region_ + segment_offsets_[s] + engine_block * segment_stride_;
+          for (size_t s = 0; s < segment_offsets_.size() && copied.ok(); ++s) {
+            const uint64_t mine = segment_offsets_[s] + engine_block * segment_stride_;
             const uint64_t theirs = block + s * segment_bytes_;
-            KVCM_RETURN_IF_ERROR(load ? backend.CopyOut(theirs, {mine, segment_bytes_})
-                                      : backend.CopyIn(theirs, {mine, segment_bytes_}));
+            copied = load ? region_->Load(backend, theirs, s, mine, segment_bytes_)
+                          : region_->Store(backend, theirs, s, mine, segment_bytes_);
           }
         }
-        return absl::OkStatus();
+        const absl::Status finished = region_->Finish();
+        return copied.ok() ? finished : copied;
       }));
   reply->set_blocks_copied(static_cast<uint32_t>(n));
   reply->set_bytes_copied(static_cast<uint64_t>(n) * bytes_per_block);

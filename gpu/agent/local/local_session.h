@@ -2,9 +2,10 @@
 // docs/AGENTS.md "Local data path"), without its socket: the state of the connection and the
 // answer to each request datagram.
 //
-// The engine registers its own KV memory (LocalHello, with the memfd that holds it); the
-// session maps that region read/write and copies whole blocks between the pool and the region
-// itself (LocalCopy): LOAD = pool -> region, STORE = region -> pool, one memcpy per segment.
+// The engine registers its own KV memory (LocalHello: the memfd that holds it, or the CUDA IPC
+// handles of its device memory); the session maps or opens that region (an EngineRegion) and
+// copies whole blocks between the pool and the region itself (LocalCopy): LOAD = pool ->
+// region, STORE = region -> pool, one memcpy (cudaMemcpyAsync) per segment.
 // The session's principal comes from the hello's token, authenticated as a BlockAgent call's;
 // a copy is authorized and checked exactly as ReadBlocks (LOAD) or WriteBlocks (STORE) for
 // that principal, and every check (generations, ownership, immutability of committed blocks,
@@ -18,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,7 @@
 #include "common/authenticator.h"
 #include "common/token_table.h"
 #include "gpu/agent/agent_options.h"
+#include "gpu/agent/local/engine_region.h"
 #include "gpu/agent/pool/agent_state.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "kvcm/v1/local.pb.h"
@@ -52,7 +55,7 @@ class LocalSession {
 
   // `peer` names the connection in logs (e.g. "uid 1000 pid 4242").
   LocalSession(LocalSessionEnv env, std::string peer);
-  ~LocalSession();  // unmaps the region
+  ~LocalSession();  // unmaps or closes the region
   LocalSession(const LocalSession&) = delete;
   LocalSession& operator=(const LocalSession&) = delete;
 
@@ -65,16 +68,16 @@ class LocalSession {
   bool registered() const { return region_ != nullptr; }
 
  private:
-  absl::Status Hello(const v1::LocalHello& hello, int fd, v1::LocalReply* reply);
+  absl::Status Hello(const v1::LocalHello& hello, std::span<const int> fds, v1::LocalReply* reply);
   absl::Status Copy(const v1::LocalCopy& copy, v1::LocalReply* reply);
 
   const LocalSessionEnv env_;
   const std::string peer_;
   std::shared_ptr<const Principal> principal_;
-  // The engine's region, mapped MAP_SHARED read/write; null before a hello.
-  std::byte* region_ = nullptr;
-  uint64_t region_bytes_ = 0;
-  // The layout (LocalHello): engine block b's segment s at segment_offsets_[s] + b x stride.
+  // The engine's memory; null before a hello.
+  std::unique_ptr<EngineRegion> region_;
+  // The layout (LocalHello): engine block b's segment s at segment_offsets_[s] + b x stride
+  // of segment s's memory.
   std::vector<uint64_t> segment_offsets_;
   uint64_t segment_bytes_ = 0;
   uint64_t segment_stride_ = 0;

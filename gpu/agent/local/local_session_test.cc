@@ -321,6 +321,90 @@ TEST_F(LocalSessionTest, HelloIsValidatedAndARefusedOneRegistersNothing) {
   EXPECT_EQ(RegionBytes(*other).find_first_not_of('\0'), std::string::npos);  // untouched
 }
 
+// A hello of GPU memory (cuda_ipc) is checked as a memfd's hello, plus its own fields; a
+// well-formed one is refused here with why (no CUDA in this build, no device, or, on a GPU
+// host, no device at the made-up bus id); nothing is registered and the connection can
+// still register a memfd. The handles are opened for real in cuda_ipc_region_test.cc.
+TEST_F(LocalSessionTest, CudaIpcHelloIsValidatedAndRefusedWithoutADeviceRegistersNothing) {
+  StartServer(false);
+  auto c = Connect();
+  const auto call = [&](const v1::LocalHello& h, std::span<const int> fds = {}) {
+    v1::LocalRequest req;
+    *req.mutable_hello() = h;
+    absl::StatusOr<v1::LocalReply> r = c->Call(req, fds);
+    return r.ok() ? LocalReplyStatus(*r) : r.status();
+  };
+  const auto cuda_hello = [] {
+    v1::LocalHello h = GoodHello();
+    v1::CudaIpcRegion* ipc = h.mutable_cuda_ipc();
+    ipc->set_pci_bus_id("0000:00:00.0");
+    ipc->add_segment_handles(std::string(64, '\x11'));
+    ipc->add_segment_handles(std::string(64, '\x22'));
+    return h;
+  };
+  struct Case {
+    const char* name;
+    void (*edit)(v1::LocalHello&);
+    const char* field;
+  };
+  const Case cases[] = {
+      {"short handle",
+       [](v1::LocalHello& h) {
+         h.mutable_cuda_ipc()->set_segment_handles(1, std::string(63, 'x'));
+       },
+       "cuda_ipc.segment_handles[1]: must be a cudaIpcMemHandle_t of 64 bytes, got 63"},
+      {"torch's versioned handle",
+       [](v1::LocalHello& h) {
+         h.mutable_cuda_ipc()->set_segment_handles(0, std::string(66, 'x'));
+       },
+       "strip its 2 leading bytes"},
+      {"one handle for two segments",
+       [](v1::LocalHello& h) { h.mutable_cuda_ipc()->mutable_segment_handles()->RemoveLast(); },
+       "cuda_ipc.segment_handles: 1 handles for 2 segment_offsets"},
+      {"no bus id", [](v1::LocalHello& h) { h.mutable_cuda_ipc()->clear_pci_bus_id(); },
+       "cuda_ipc.pci_bus_id"},
+      {"layout checked first", [](v1::LocalHello& h) { h.set_segment_bytes(256); },
+       "segment_bytes"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    v1::LocalHello h = cuda_hello();
+    k.edit(h);
+    const absl::Status s = call(h);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(k.field));
+  }
+  // Both a memfd and cuda_ipc.
+  auto region = Region();
+  const int fd = region->fd();
+  absl::Status s = call(cuda_hello(), {&fd, 1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not both"));
+
+  // Well formed: refused with the reason this agent cannot open it.
+  s = call(cuda_hello());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+#ifndef KVCM_CUDA_ENABLED
+  EXPECT_THAT(s.message(), HasSubstr("this agent was built without CUDA"));
+#else
+  if (absl::StatusOr<int> n = CudaDeviceCount(); !n.ok() || *n < 1) {
+    EXPECT_THAT(s.message(), HasSubstr("no CUDA device"));
+  } else {
+    EXPECT_THAT(s.message(), HasSubstr("cuda_ipc"));
+  }
+#endif
+  // Nothing registered: a copy still wants a hello, and a memfd hello is accepted.
+  std::vector<uint64_t> gens;
+  const std::vector<BlockId> ids = Allocate(1, kAcmeNs, &gens);
+  WritePool(ids[0], gens[0], 'q');
+  s = CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, ids, {0});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("hello"));
+  ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, ids, {1}).ok());
+  EXPECT_EQ(EngineBlock(*region, 1), std::string(1024, 'q'));
+}
+
 TEST_F(LocalSessionTest, StoreThenLoadRoundTripsBytesExactly) {
   StartServer(false);
   auto c = Connect();
