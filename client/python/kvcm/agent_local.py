@@ -15,8 +15,18 @@ the agent's pool.
     region.store(block_ids, engine_blocks, owner_epoch=epoch, generations=gens)
     region.load(block_ids, engine_blocks, owner_epoch=epoch, namespace=ns, page_hashes=pages)
 
-This module never imports torch. Errors raise the kvcm.KvcmError subclass of the reply's
-code, as every gRPC call of the client does. Not thread-safe: one caller at a time.
+A GPU engine registers its device memory instead (CUDA IPC; the agent must be built with
+CUDA and run on the engine's host): one CUDA IPC handle and offset per segment base, e.g.
+from each layer's KV tensor at engine block 0:
+
+    bus_id, segments = cuda_segments([kv[layer] for layer in range(layers)])
+    region = LocalRegion.cuda("/run/kvcm/agent.sock", segments, pci_bus_id=bus_id,
+                              segment_bytes=..., segment_stride=..., num_engine_blocks=...)
+    torch.cuda.current_stream().synchronize()   # the KV is written before a store
+    region.store(...)                           # loaded blocks are ready when load returns
+
+This module imports torch only in cuda_segments. Errors raise the kvcm.KvcmError subclass
+of the reply's code, as every gRPC call of the client does. Not thread-safe: one caller at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import fcntl
 import mmap
 import os
 import socket
-from typing import Optional, Sequence, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -37,6 +47,77 @@ _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 # Replies are small (a code, a message, a few numbers).
 _MAX_REPLY_BYTES = 64 << 10
+
+# sizeof(cudaIpcMemHandle_t).
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+class CudaSegment(NamedTuple):
+    """Where one segment of engine block 0 lives in a GPU engine's memory: the CUDA IPC
+    handle (64 bytes, cudaIpcGetMemHandle) of the allocation that holds it and its byte
+    offset from that allocation's base (not from the tensor's data_ptr: PyTorch's caching
+    allocator places tensors inside larger allocations)."""
+
+    handle: bytes
+    offset: int
+
+
+def cuda_ipc_handle(handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t in a handle torch's ``_share_cuda_`` returns: recent torch
+    releases put a version byte and a type byte before it (type ``c``: a cudaMalloc block).
+    A 64-byte handle is returned as it is. ValueError for an expandable segment's handle
+    (type ``e``, ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), which is not a CUDA
+    IPC handle."""
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return bytes(handle)
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return bytes(handle[2:])
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise ValueError(
+            "the tensor lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which CUDA IPC handles cannot export; allocate the KV "
+            "cache without expandable segments"
+        )
+    raise ValueError(f"not a CUDA IPC memory handle: {len(handle)} bytes")
+
+
+def cuda_segments(
+    tensors: Sequence[Any], pci_bus_id: Optional[str] = None
+) -> Tuple[str, List[CudaSegment]]:
+    """For torch CUDA tensors, one per segment, each starting at that segment of engine block
+    0 (e.g. each layer's KV tensor, or its K and V halves), on one device: that device's PCI
+    bus id (`pci_bus_id` when given, else torch's device properties) and each tensor's
+    CudaSegment. Imports torch.
+
+    torch's ``_share_cuda_`` marks each storage as shared with another process (torch's own
+    CUDA IPC bookkeeping). Keep the tensors, and so their memory, alive while the region is
+    registered: CUDA leaves freeing memory another process still has open undefined."""
+    import torch
+
+    if not tensors:
+        raise ValueError("cuda_segments: no tensors")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"cuda_segments: tensors must be on one CUDA device, got {devices}")
+    bus_id = pci_bus_id
+    if bus_id is None:
+        props = torch.cuda.get_device_properties(next(iter(devices)))
+        if not hasattr(props, "pci_bus_id"):
+            raise ValueError("this torch does not report the device's PCI bus id: pass pci_bus_id")
+        bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    segments = []
+    for t in tensors:
+        share = t.untyped_storage()._share_cuda_()
+        # (device, handle, storage_size_bytes, storage_offset_bytes, ...): the storage's
+        # offset from its allocation's base, to which the tensor's own offset adds.
+        handle, storage_offset_bytes = share[1], share[3]
+        segments.append(
+            CudaSegment(
+                cuda_ipc_handle(handle),
+                storage_offset_bytes + t.storage_offset() * t.element_size(),
+            )
+        )
+    return bus_id, segments
 
 
 class LocalRegion:
@@ -61,6 +142,7 @@ class LocalRegion:
         timeout_s: Optional[float] = 30.0,
     ) -> None:
         self._sock: Optional[socket.socket] = None
+        self._map: Optional[mmap.mmap] = None
         self._fd = os.memfd_create("kvcm-engine-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, region_bytes)
@@ -69,32 +151,83 @@ class LocalRegion:
             os.posix_fallocate(self._fd, 0, region_bytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             self._map = mmap.mmap(self._fd, region_bytes, mmap.MAP_SHARED)
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            self._sock.settimeout(timeout_s)
-            self._sock.connect(socket_path)
-            hello = local_pb2.LocalRequest()
-            h = hello.hello
-            h.token = token
-            h.region_bytes = region_bytes
-            h.segment_offsets.extend(segment_offsets)
-            h.segment_bytes = segment_bytes
-            h.segment_stride = segment_stride
-            h.num_engine_blocks = num_engine_blocks
-            reply = self._call(hello, fds=[self._fd])
+            hello = _hello(token, region_bytes, segment_offsets, segment_bytes, segment_stride,
+                           num_engine_blocks)
+            self._connect(socket_path, timeout_s, hello, [self._fd])
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def cuda(
+        cls,
+        socket_path: str,
+        segments: Sequence[CudaSegment],
+        *,
+        pci_bus_id: str,
+        segment_bytes: int,
+        segment_stride: int,
+        num_engine_blocks: int,
+        region_bytes: int = 0,
+        token: str = "",
+        timeout_s: Optional[float] = 30.0,
+    ) -> "LocalRegion":
+        """Registers a GPU engine's KV memory by CUDA IPC (cuda_segments makes the arguments
+        from torch tensors): engine block b's segment s lives at segments[s].offset + b *
+        segment_stride of the allocation segments[s].handle names, on the device at
+        `pci_bus_id` ("0000:3b:00.0"). `region_bytes` bounds every segment's end from its
+        allocation's base (0: the furthest end the layout reaches). The agent opens the
+        handles once and copies with cudaMemcpy; it refuses with kvcm.FailedPrecondition when
+        it was built without CUDA or has no device, kvcm.InvalidArgument naming the field for
+        a bad handle or layout. The region has no host buffer.
+
+        Ordering is the engine's: synchronize the stream that wrote the KV before a store,
+        and read loaded blocks only after load returns; a load that raises may have written
+        part of its engine blocks: treat them all as not loaded."""
+        self = cls.__new__(cls)
+        self._sock = None
+        self._map = None
+        self._fd = -1
+        offsets = [s.offset for s in segments]
+        if region_bytes == 0 and offsets:
+            region_bytes = max(offsets) + (num_engine_blocks - 1) * segment_stride + segment_bytes
+        hello = _hello(token, region_bytes, offsets, segment_bytes, segment_stride,
+                       num_engine_blocks)
+        hello.hello.cuda_ipc.pci_bus_id = pci_bus_id
+        hello.hello.cuda_ipc.segment_handles.extend(s.handle for s in segments)
+        try:
+            self._connect(socket_path, timeout_s, hello, [])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _connect(
+        self,
+        socket_path: str,
+        timeout_s: Optional[float],
+        hello: local_pb2.LocalRequest,
+        fds: Sequence[int],
+    ) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.settimeout(timeout_s)
+        self._sock.connect(socket_path)
+        reply = self._call(hello, fds=fds)
         self.epoch: int = reply.epoch
         self.bytes_per_block: int = reply.bytes_per_block
-        self.num_engine_blocks = num_engine_blocks
+        self.num_engine_blocks: int = hello.hello.num_engine_blocks
 
     @property
     def buffer(self) -> mmap.mmap:
         """The region, writable (torch.frombuffer(region.buffer, dtype=...) wraps it)."""
+        if self._map is None:
+            raise ValueError("a CUDA region has no host buffer")
         return self._map
 
     def fileno(self) -> int:
         """The memfd (the engine may map it again, e.g. with other flags)."""
+        if self._fd < 0:
+            raise ValueError("a CUDA region has no memfd")
         return self._fd
 
     def load(
@@ -145,7 +278,7 @@ class LocalRegion:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        m = getattr(self, "_map", None)
+        m = self._map
         if m is not None:
             try:
                 m.close()
@@ -201,4 +334,23 @@ class LocalRegion:
         return reply
 
 
-__all__ = ["LocalRegion"]
+def _hello(
+    token: str,
+    region_bytes: int,
+    segment_offsets: Sequence[int],
+    segment_bytes: int,
+    segment_stride: int,
+    num_engine_blocks: int,
+) -> local_pb2.LocalRequest:
+    req = local_pb2.LocalRequest()
+    h = req.hello
+    h.token = token
+    h.region_bytes = region_bytes
+    h.segment_offsets.extend(segment_offsets)
+    h.segment_bytes = segment_bytes
+    h.segment_stride = segment_stride
+    h.num_engine_blocks = num_engine_blocks
+    return req
+
+
+__all__ = ["CudaSegment", "LocalRegion", "cuda_ipc_handle", "cuda_segments"]

@@ -17,7 +17,7 @@ import pytest
 import kvcm
 from conftest import Process, binary, prompt
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
-from kvcm.agent_local import LocalRegion
+from kvcm.agent_local import CudaSegment, LocalRegion, cuda_ipc_handle, cuda_segments
 
 NS = kvcm.Namespace("acme", "deepseek-v3")
 ENGINE_BLOCKS = 6
@@ -195,3 +195,96 @@ def test_a_hello_must_carry_a_sealed_memfd(rig: Rig, tmp_path: Path) -> None:
     assert "sealed" in reply.message
     os.close(fd)
     sock.close()
+
+
+def test_cuda_ipc_handles_from_torch_are_unwrapped() -> None:
+    raw = bytes(range(64))
+    assert cuda_ipc_handle(raw) == raw
+    assert cuda_ipc_handle(b"\x03c" + raw) == raw  # torch 2.13: version 3, a cudaMalloc block
+    with pytest.raises(ValueError, match="expandable"):
+        cuda_ipc_handle(b"\x03e" + raw + bytes(40))
+    with pytest.raises(ValueError, match="10 bytes"):
+        cuda_ipc_handle(bytes(10))
+
+
+def test_a_cuda_hello_to_an_agent_without_cuda_is_refused_with_the_reason(rig: Rig) -> None:
+    """This agent (a CPU build, or no device) cannot open CUDA IPC handles: the hello is
+    FAILED_PRECONDITION saying why, registers nothing, and the connection can still register
+    a memfd. A handle of the wrong size is INVALID_ARGUMENT naming it."""
+    import fcntl
+    import socket
+
+    from kvcm._proto.v1 import local_pb2
+
+    seg = rig.bytes_per_block // rig.layers
+    segments = [CudaSegment(bytes(64), layer * ENGINE_BLOCKS * seg) for layer in range(rig.layers)]
+    kwargs = dict(
+        pci_bus_id="0000:00:00.0",
+        segment_bytes=seg,
+        segment_stride=seg,
+        num_engine_blocks=ENGINE_BLOCKS,
+    )
+    with pytest.raises(kvcm.FailedPrecondition, match="built without CUDA|no CUDA device"):
+        LocalRegion.cuda(rig.socket_path, segments, **kwargs)
+    bad = list(segments)
+    bad[1] = CudaSegment(bytes(66), bad[1].offset)
+    with pytest.raises(kvcm.InvalidArgument, match=r"cuda_ipc\.segment_handles\[1\]"):
+        LocalRegion.cuda(rig.socket_path, bad, **kwargs)
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(rig.socket_path)
+    req = local_pb2.LocalRequest()
+    h = req.hello
+    h.region_bytes = rig.bytes_per_block
+    h.segment_offsets.append(0)
+    h.segment_bytes = rig.bytes_per_block
+    h.num_engine_blocks = 1
+    h.cuda_ipc.pci_bus_id = "0000:00:00.0"
+    h.cuda_ipc.segment_handles.append(bytes(64))
+    sock.send(req.SerializeToString())
+    reply = local_pb2.LocalReply.FromString(sock.recv(65536))
+    assert reply.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], reply.message
+    # The same connection then registers a memfd.
+    h.ClearField("cuda_ipc")
+    fd = os.memfd_create("kv", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, rig.bytes_per_block)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    socket.send_fds(sock, [req.SerializeToString()], [fd])
+    reply = local_pb2.LocalReply.FromString(sock.recv(65536))
+    assert reply.code == 0, reply.message
+    assert reply.bytes_per_block == rig.bytes_per_block
+    os.close(fd)
+    sock.close()
+
+
+def test_a_gpu_engine_stores_and_loads_by_cuda_ipc(rig: Rig) -> None:
+    """Needs torch with a CUDA device and an agent built with CUDA on the same host: one
+    tensor per layer (as vLLM allocates), registered by CUDA IPC; blocks stored, loaded back
+    into other engine blocks and read over gRPC agree bit for bit."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    seg = rig.bytes_per_block // rig.layers
+    layers = [
+        torch.randint(0, 256, (ENGINE_BLOCKS, seg), dtype=torch.uint8, device="cuda")
+        for _ in range(rig.layers)
+    ]
+    torch.cuda.synchronize()  # the KV is written before the agent reads it
+    bus_id, segments = cuda_segments(layers)
+    ids, gens = rig.allocate(2)
+    with LocalRegion.cuda(
+        rig.socket_path,
+        segments,
+        pci_bus_id=bus_id,
+        segment_bytes=seg,
+        segment_stride=seg,
+        num_engine_blocks=ENGINE_BLOCKS,
+    ) as region:
+        assert region.bytes_per_block == rig.bytes_per_block
+        assert region.store(ids, [4, 1], owner_epoch=rig.epoch, generations=gens) == 2
+        want = [b"".join(bytes(t[b].cpu().tolist()) for t in layers) for b in (4, 1)]
+        assert rig.read_blocks(ids) == b"".join(want)
+        assert region.load(ids, [0, 5], owner_epoch=rig.epoch) == 2
+        for t in layers:
+            assert torch.equal(t[0], t[4]) and torch.equal(t[5], t[1])
