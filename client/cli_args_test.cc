@@ -191,6 +191,18 @@ TEST(CliInputsTest, ModelSpecFromPresetWithOverrides) {
   EXPECT_EQ(short_llama->page_size_tokens, 16u);
   EXPECT_EQ(short_llama->BytesPerToken(), 4'096u * 16);
 
+  // --kv_layout names a page's byte layout (the catalogue states none); a bad one fails
+  // the spec's validation, naming the field.
+  const char* kLayout = "--kv_layout=vllm/CPU_MLA:bf16:block[1,16,576]:order[1,2]";
+  absl::StatusOr<ModelSpec> laid_out = spec_from({"--preset=deepseek-v3", kLayout});
+  ASSERT_TRUE(laid_out.ok()) << laid_out.status();
+  EXPECT_EQ(laid_out->kv_layout, "vllm/CPU_MLA:bf16:block[1,16,576]:order[1,2]");
+  EXPECT_TRUE(laid_out->Validate().ok());
+  EXPECT_EQ(v3->kv_layout, "");
+  absl::StatusOr<ModelSpec> junk = spec_from({"--preset=deepseek-v3", "--kv_layout=bad\x01"});
+  ASSERT_TRUE(junk.ok());
+  EXPECT_THAT(junk->Validate().message(), HasSubstr("kv_layout"));
+
   // An MHA preset's kv_heads follow an overridden --heads.
   absl::StatusOr<ModelSpec> wide = spec_from({"--preset=llama-2-7b", "--heads=40"});
   ASSERT_TRUE(wide.ok()) << wide.status();
@@ -294,14 +306,14 @@ TEST(FlagSetTest, DeprecatedAliasSetsTheNewFlagAndWarnsOnce) {
 TEST(CliInputsTest, OldModelAndTlsFlagNamesStillWork) {
   FlagSet f;
   DefineModelSpec(f);
-  std::vector<absl::string_view> old_args = {"--attention=gqa", "--layers=2",  "--heads=8",
+  std::vector<absl::string_view> old_args = {"--attention=gqa", "--layers=2",   "--heads=8",
                                              "--kv_heads=2",    "--head_dim=4", "--dtype=fp8",
                                              "--page_size=16"};
   ASSERT_TRUE(f.ParseAll(old_args).ok());
   FlagSet g;
   DefineModelSpec(g);
   std::vector<absl::string_view> new_args = {
-      "--attention=gqa", "--num_layers=2", "--num_heads=8",      "--num_kv_heads=2",
+      "--attention=gqa", "--num_layers=2", "--num_heads=8",        "--num_kv_heads=2",
       "--head_dim=4",    "--kv_dtype=fp8", "--page_size_tokens=16"};
   ASSERT_TRUE(g.ParseAll(new_args).ok());
   ASSERT_TRUE(ModelSpecFrom(f).ok());
@@ -318,10 +330,9 @@ TEST(CliInputsTest, OldModelAndTlsFlagNamesStillWork) {
   EXPECT_EQ(security->tls.ca_file, "ca.pem");
   EXPECT_EQ(security->tls.cert_file, "c.pem");
   EXPECT_EQ(security->tls.key_file, "c.key");
-  EXPECT_THAT(tls.DeprecationWarnings(),
-              ElementsAre("--ca is deprecated; use --tls_ca_file",
-                          "--cert is deprecated; use --tls_cert_file",
-                          "--key is deprecated; use --tls_key_file"));
+  EXPECT_THAT(tls.DeprecationWarnings(), ElementsAre("--ca is deprecated; use --tls_ca_file",
+                                                     "--cert is deprecated; use --tls_cert_file",
+                                                     "--key is deprecated; use --tls_key_file"));
 }
 
 TEST(CheckHostPortTest, AcceptsHostPortAndSchemes) {

@@ -63,6 +63,10 @@ void DefineModelSpec(FlagSet& f) {
   f.AddUint("rope_dim", 0, "MLA decoupled RoPE width (DeepSeek-V3: 64)");
   f.AddString("kv_dtype", "bf16", "KV element type: bf16|fp16|fp8|int8");
   f.AddUint("page_size_tokens", kDefaultPageSizeTokens, "tokens per page");
+  f.AddString("kv_layout", "",
+              "byte layout of a page, as the engine's connector names it (e.g. "
+              "vllm/CPU_MLA:bf16:block[1,16,576]:order[1,2]); empty: not stated, compatible "
+              "with any");
   f.AddDeprecatedAlias("layers", "num_layers");
   f.AddDeprecatedAlias("heads", "num_heads");
   f.AddDeprecatedAlias("kv_heads", "num_kv_heads");
@@ -94,11 +98,13 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
     }
     spec.attention = *attention;
   }
-  const std::pair<const char*, uint32_t*> fields[] = {
-      {"num_layers", &spec.num_layers},     {"num_heads", &spec.num_heads},
-      {"num_kv_heads", &spec.num_kv_heads}, {"head_dim", &spec.head_dim},
-      {"kv_lora_rank", &spec.kv_lora_rank}, {"rope_dim", &spec.rope_dim},
-      {"page_size_tokens", &spec.page_size_tokens}};
+  const std::pair<const char*, uint32_t*> fields[] = {{"num_layers", &spec.num_layers},
+                                                      {"num_heads", &spec.num_heads},
+                                                      {"num_kv_heads", &spec.num_kv_heads},
+                                                      {"head_dim", &spec.head_dim},
+                                                      {"kv_lora_rank", &spec.kv_lora_rank},
+                                                      {"rope_dim", &spec.rope_dim},
+                                                      {"page_size_tokens", &spec.page_size_tokens}};
   for (const auto& [name, field] : fields) {
     if (preset && !f.IsSet(name)) {
       continue;
@@ -108,6 +114,9 @@ absl::StatusOr<ModelSpec> ModelSpecFrom(const FlagSet& f) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, ": too large"));
     }
     *field = static_cast<uint32_t>(value);
+  }
+  if (!preset || f.IsSet("kv_layout")) {
+    spec.kv_layout = f.GetString("kv_layout");
   }
   if (spec.attention == AttentionKind::kMha && !f.IsSet("num_kv_heads")) {
     spec.num_kv_heads = spec.num_heads;
