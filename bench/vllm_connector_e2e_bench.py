@@ -65,8 +65,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="before each repetition, wait at most this long for other vLLM "
                         "servers on the machine to be gone 10 s")
     p.add_argument("--workdir", default="")
+    p.add_argument("--phases", default="mla,peers,gqa,stores",
+                   help="comma-separated: mla (hit/miss/plain), peers (vLLM's connectors), "
+                        "gqa (GQA/MHA bytes and TTFT), stores (kv_both stores in the step "
+                        "vs in the background)")
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.phases = set(args.phases.split(","))
     if args.smoke:
         args.reps, args.lengths = 1, [100]
     return args
@@ -128,6 +133,20 @@ def peer_phase(bench: Bench, extra: dict) -> None:
             "mla-simple"].read_text(errors="replace"):
         extra["simple connector on MLA"] = ("serves, but logs 'Detected prefix caching "
                                             "disabled, disabling CPU offload'")
+
+
+def stores_phase(bench: Bench, extra: dict) -> None:
+    """A miss's TTFT with the step's stores copied in the step (background_stores false)
+    and on the connector's background thread (the default), in pairs on two engines of the
+    same model sharing one agent."""
+    inline = EngineSpec("mla-S", MLA, "kvcm", "mla1", {"background_stores": False})
+    bench.run_engines([B, inline])
+    for n in [n for n in PAIRED_LENGTHS + (2000,) if n <= max(bench.args.lengths)]:
+        diffs = bench.paired_misses(["mla-S", "mla-B"], n, PAIRS)
+        extra[f"MLA {n}: background stores - stores in the step, miss TTFT per pair "
+              f"({PAIRS} pairs), ms"] = (
+            f"median {1e3 * statistics.median(diffs):+.2f}, quartiles "
+            + ", ".join(f"{1e3 * q:+.2f}" for q in statistics.quantiles(diffs, n=4)))
 
 
 def gqa_phase(bench: Bench) -> None:
@@ -239,10 +258,14 @@ def main(argv: list[str]) -> int:
             bench.start_agent(agent, model, tokens * model.bytes_per_token + (64 << 20))
         bench.wait_agents()
         try:
-            mla_phase(bench, extra)
-            if not args.smoke:
+            if "mla" in args.phases:
+                mla_phase(bench, extra)
+            if not args.smoke and "peers" in args.phases:
                 peer_phase(bench, extra)
-            gqa_phase(bench)
+            if not args.smoke and "stores" in args.phases:
+                stores_phase(bench, extra)
+            if "gqa" in args.phases:
+                gqa_phase(bench)
         finally:  # what was measured, also when a phase failed
             bytes_table(bench)
             report(bench, extra)

@@ -98,6 +98,7 @@ class EngineSpec:
     model: Model
     connector: str | None
     agent: str = ""
+    options: dict = field(default_factory=dict)  # kvcm: more kv_connector_extra_config
 
 
 @dataclass
@@ -189,7 +190,7 @@ class Bench:
                         # the agent measured beats its prefill at this rate. The rate
                         # measured on small loopback pulls can be low enough that Route
                         # recomputes instead; a low prefill rate keeps every hit a fetch.
-                        "prefill_tokens_per_s": PREFILL_TOKENS_PER_S}}
+                        "prefill_tokens_per_s": PREFILL_TOKENS_PER_S, **spec.options}}
         if spec.connector == "example":
             path = self.dir / f"{spec.name}-store"
             path.mkdir(exist_ok=True)
@@ -390,8 +391,10 @@ class Bench:
             for name in names if i % 2 == 0 else names[::-1]:
                 spec, p = self.specs[name], self.prompt(length)
                 s = self.ttft(name, p)
-                self.results.add(f"{spec.model.name} {spec.connector or 'plain'} miss, paired",
-                                 length, s)
+                label = spec.connector or "plain"
+                if spec.options:
+                    label += " " + ",".join(f"{k}={v}" for k, v in spec.options.items())
+                self.results.add(f"{spec.model.name} {label} miss, paired", length, s)
                 ttft[name] = s.ttft_s
                 if spec.connector == "kvcm":
                     self.wait_stored(spec.agent, spec.model, p)

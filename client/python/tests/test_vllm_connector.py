@@ -304,11 +304,17 @@ def test_a_restarted_engine_loads_what_its_predecessor_stored(cluster, engines) 
     p = prompt(1)  # stored on gpu0 by A in the first test
     want = engines["P"].complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     engines["A"].stop()
-    restarted = engine(cluster, "A2", agent="gpu0").start()
+    # The restarted engine moves bytes through the host staging buffer a CUDA cache uses
+    # (layout.KvBlocks), so a real engine runs that path here too.
+    restarted = engine(cluster, "A2", agent="gpu0", options={"test_stage": True}).start()
     got = restarted.complete(p, max_tokens=MAX_TOKENS, logprobs=1)
     assert cached_tokens_of(got) == PROMPT_BLOCKS * BLOCK_SIZE, restarted.log_tail()
     assert text(got) == text(want)
-    assert "loaded 4 blocks" in restarted.log_path.read_text(errors="replace")
+    logprobs = [body["choices"][0]["logprobs"]["token_logprobs"] for body in (want, got)]
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-3)
+    log = restarted.log_path.read_text(errors="replace")
+    assert "loaded 4 blocks" in log
+    assert "staged through plain host memory" in log
 
 
 def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(cluster) -> None:
@@ -329,12 +335,12 @@ def test_an_engine_whose_layout_differs_from_the_namespace_refuses_to_start(clus
 
 def test_an_engine_of_another_byte_layout_refuses_to_start(cluster) -> None:
     """Same model spec, another byte layout: the namespace holds pages a FlashInfer engine
-    wrote ([blocks, 2, tokens, heads, dim]: each token's K then V across heads), which
-    vLLM's CPU backend ([blocks, heads, tokens, K||V]) must never load. The CPU engine
+    wrote in vLLM's LBNHC layout (a block's tokens outermost, then heads), which vLLM's CPU
+    backend (LBHNC: heads, then tokens) must never load. The CPU engine
     refuses at start, both layouts named, and the namespace keeps its layout."""
     spec = kvcm.ModelSpec(attention=kvcm.AttentionKind.GQA, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=64, page_size_tokens=BLOCK_SIZE)
-    flashinfer = "vllm/FLASHINFER:bf16:block[2,32,2,64]:stride[4096,128,64,1]"
+    flashinfer = "vllm/FLASHINFER:bf16:block[2,32,128]:order[1,0,2]"
     registered = cluster["client"].register_model(("layout", MODEL_NAME),
                                                   spec.with_(kv_layout=flashinfer))
     assert registered.spec.kv_layout == flashinfer

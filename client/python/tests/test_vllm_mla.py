@@ -199,9 +199,11 @@ def test_a_stalled_manager_does_not_stall_decoding(cluster) -> None:
         reader.join(120)
     finally:
         manager.proc.send_signal(signal.SIGCONT)
-    # One chunk per token; a special token the random weights pick prints as nothing.
+    # The tiny model's tokens print as " <id>" (a special token as nothing). vLLM streams a
+    # chunk per step, or several tokens in one when its frontend falls behind the engine,
+    # so tokens are counted as words, and gaps measured between chunks that carry any.
     chunks = [c for c in streamed["chunks"] if c[1]]
-    assert len(chunks) >= 390 and text(other)
+    assert sum(len(c[1].split()) for c in chunks) >= 390 and text(other)
     # The stream was decoding before the stall and still decoding once the new request's
     # Route had waited out its 500 ms (it may finish before the new request does).
     assert chunks[0][0] < stopped and chunks[-1][0] > stopped + 0.4

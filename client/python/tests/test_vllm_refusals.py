@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import kvcm_pythonpath, vllm_test_path
 
 SCRIPT = r"""
@@ -119,98 +120,149 @@ def test_unsupported_shapes_are_refused_before_anything_is_registered(tmp_path) 
 
 LAYOUTS = r"""
 import json
+import sys
 import torch
-from kvcm.vllm.connector import block_views
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        KVCacheTensor, MLAAttentionSpec,
+                                        compute_layout_strides)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+from kvcm.vllm.layout import KvBlocks, block_views
 
-B, N, H, D = 6, 16, 2, 64  # blocks, tokens per block, KV heads, head dim
+device = torch.device(sys.argv[1])
+B, L = 6, 2  # vLLM blocks, layers
 bf16 = torch.bfloat16
+SPECS = {"gqa": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=bf16),
+         "mla": MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf16)}
 
-def layers(make):
-    return [(f"model.layers.{i}.self_attn.attn", make()) for i in range(2)]
+def engine(spec, layout, kernel=None):
+    # vLLM's own allocation (get_kv_cache_config_from_groups' strides, the model runner's
+    # allocate_kv_cache): one buffer, every layer a [blocks, heads, tokens, content] view.
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    page = spec.page_size_bytes
+    interleaved = page * L if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, B, L, layout, fixed_strides=(None, interleaved, None, None, None))
+    config = KVCacheConfig(num_blocks=B, kv_cache_tensors=[KVCacheTensor(
+        size=page * B * L, layers=names, layer_stride=layer_stride, block_stride=block_stride)],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    kv = allocate_kv_cache(config, device, layout, [kernel] if kernel else None)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape).to(bf16))
+    return sorted(kv.items())
 
-def describe(kv, num_blocks=B, backend="X"):
+def expected(kv, layout, block, kernel=1):
+    # The oracle, from the layout's name alone: block b's elements in the order of the
+    # letters after L and B (H, N, C), kernel blocks first.
+    order = [" HNC".index(c) for c in layout.name if c in "HNC"]
+    parts = []
+    for _, t in kv:
+        t = t.unflatten(0, (B, kernel))[block]
+        parts.append(t.permute(0, *order).reshape(-1).view(torch.uint8))
+    return torch.cat(parts).cpu()
+
+out = {}
+for kind, spec in SPECS.items():
+    for layout in KVCacheLayout:
+        for stage in (False, True):
+            kv = engine(spec, layout)
+            views, name = block_views(kv, B, "X")
+            blocks = KvBlocks([v for _, v in views], stage=stage)
+            got = blocks.gather([3, 1]).cpu()
+            ok = (torch.equal(got[0], expected(kv, layout, 3))
+                  and torch.equal(got[1], expected(kv, layout, 1)))
+            # Into another engine of every layout: equal strings must mean equal KV.
+            moved = {}
+            for other in KVCacheLayout:
+                kv2 = engine(spec, other)
+                views2, name2 = block_views(kv2, B, "X")
+                if name2 != name:
+                    continue
+                KvBlocks([v for _, v in views2], stage=stage).scatter(
+                    [5, 0], got.numpy().tobytes())
+                moved[other.name] = all(
+                    torch.equal(a[3], b[5]) and torch.equal(a[1], b[0])
+                    for (_, a), (_, b) in zip(kv, kv2))
+            out[f"{kind}/{layout.name}/{int(stage)}"] = {
+                "layout": name, "gather": ok, "moved": moved,
+                "staged": blocks.staged}
+# Kernel blocks: a vLLM block of 16 tokens as two kernel blocks of 8.
+kv = engine(SPECS["gqa"], KVCacheLayout.LBHNC, kernel=8)
+views, name = block_views(kv, B, "X")
+got = KvBlocks([v for _, v in views]).gather([4]).cpu()
+out["kernel"] = {"layout": name, "shape": list(views[0][1].shape),
+                 "gather": torch.equal(got[0], expected(kv, KVCacheLayout.LBHNC, 4, 2))}
+# Refusals: dim 0 that is not vLLM's blocks, and layers laid out unlike each other.
+def refused(kv, num_blocks=B):
     try:
-        views, layout = block_views(kv, num_blocks, backend)
+        block_views(kv, num_blocks, "X")
     except ValueError as e:
-        return {"error": str(e)}
-    # Block 3's bytes as the views give them, against the bytes written there.
-    return {"layout": layout, "block": [list(v.shape) for _, v in views][0],
-            "raw": all(bool(torch.equal(v[3].reshape(-1), marks[name])) for name, v in views)}
-
-out, marks = {}, {}
-
-# vLLM's CPU backend: [blocks, KV heads, tokens, K||V], blocks contiguous.
-def cpu():
-    return torch.randn(B, H, N, 2 * D).to(bf16)
-kv = layers(cpu)
-for name, t in kv:
-    marks[name] = t[3].reshape(-1).clone()
-out["cpu"] = describe(kv, backend="CPU_ATTN")
-# The same logical [B, H, N, C] view over token-major memory (LBNHC: NHD inside a block).
-def nhd():
-    return torch.randn(B, N, H, 2 * D).to(bf16).permute(0, 2, 1, 3)
-kv = layers(nhd)
-for name, t in kv:
-    marks[name] = t.permute(0, 2, 1, 3)[3].reshape(-1).clone()  # memory order
-out["nhd"] = describe(kv, backend="CPU_ATTN")
-# FlashInfer: [blocks, 2 (K, V), tokens, heads, dim]: a block is one run.
-def flashinfer():
-    return torch.randn(B, 2, N, H, D).to(bf16)
-kv = layers(flashinfer)
-for name, t in kv:
-    marks[name] = t[3].reshape(-1).clone()
-out["flashinfer"] = describe(kv, backend="FLASHINFER")
-# FlashAttention: [2 (K, V), blocks, tokens, heads, dim]: K and V of a block apart.
-out["flash_attn"] = describe(layers(lambda: torch.randn(2, B, N, H, D).to(bf16)),
-                             backend="FLASH_ATTN")
-# Kernel blocks: each vLLM block of 16 tokens is two kernel blocks of 8.
-def kernel():
-    return torch.randn(2 * B, H, N // 2, 2 * D).to(bf16)
-kv = layers(kernel)
-for name, t in kv:
-    marks[name] = t.unflatten(0, (B, 2))[3].reshape(-1).clone()
-out["kernel"] = describe(kv, backend="CPU_ATTN")
-# Block-outermost (BLHNC): a block holds every layer's page; each layer's view strides over
-# the other layers' pages, but its own block is one run.
-raw = torch.randn(B, 2, H, N, 2 * D).to(bf16)
-kv = [(f"model.layers.{i}.self_attn.attn", raw[:, i]) for i in range(2)]
-for name, t in kv:
-    marks[name] = t[3].reshape(-1).clone()
-out["block_outermost"] = describe(kv, backend="CPU_ATTN")
-# MLA: [blocks, 1, tokens, 576].
-kv = layers(lambda: torch.randn(B, 1, N, 576).to(bf16))
-for name, t in kv:
-    marks[name] = t[3].reshape(-1).clone()
-out["mla"] = describe(kv, backend="CPU_MLA")
-# Layers that differ.
-out["mixed"] = describe([("model.layers.0.a", cpu()), ("model.layers.1.a", flashinfer())])
+        return str(e)
+odd = [(n, t[:5]) for n, t in engine(SPECS["gqa"], KVCacheLayout.LBHNC)]
+out["not_blocks"] = refused(odd)
+mixed = [engine(SPECS["gqa"], KVCacheLayout.LBHNC)[0], engine(SPECS["gqa"], KVCacheLayout.LBNHC)[1]]
+out["mixed"] = refused(mixed)
+# What the namespace records for each backend: the name is part of the layout.
+out["backend"] = block_views(engine(SPECS["mla"], KVCacheLayout.LBHNC), B, "CPU_MLA")[1]
 print("RESULT " + json.dumps(out))
 """
 
 
-def test_block_layouts_are_named_and_read_in_memory_order(tmp_path) -> None:
-    """block_views on CPU tensors allocated in the layouts of vLLM's backends: a block that
-    is one run of bytes is read in memory order and named by backend, dtype, shape and
-    strides (so two layouts never share a namespace); a block split apart is refused."""
+def _layouts(tmp_path, device: str) -> dict:
     python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
     env = dict(os.environ, PYTHONPATH=str(kvcm_pythonpath(tmp_path)))
-    run = subprocess.run([python, "-c", LAYOUTS], env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([python, "-c", LAYOUTS, device], env=env, capture_output=True,
+                         text=True, timeout=300)
     lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT "):])
-    assert got["cpu"] == {"layout": "vllm/CPU_ATTN:bf16:block[2,16,128]:stride[2048,128,1]",
-                          "block": [6, 2, 16, 128], "raw": True}
-    # NHD memory under the same logical shape: another layout, read in memory order.
-    assert got["nhd"]["layout"] == "vllm/CPU_ATTN:bf16:block[2,16,128]:stride[128,256,1]"
-    assert got["nhd"]["block"] == [6, 16, 2, 128] and got["nhd"]["raw"]
-    assert got["flashinfer"]["layout"].startswith("vllm/FLASHINFER:bf16:block[2,16,2,64]")
-    assert got["flashinfer"]["raw"]
-    assert "not vLLM's 6 blocks" in got["flash_attn"]["error"]
-    assert got["kernel"]["block"] == [6, 2, 2, 8, 128] and got["kernel"]["raw"]
-    assert got["block_outermost"]["raw"]
-    assert got["block_outermost"]["layout"] == got["cpu"]["layout"]  # same block bytes
-    assert got["mla"]["layout"] == "vllm/CPU_MLA:bf16:block[1,16,576]:stride[9216,576,1]"
-    assert "laid out unlike" in got["mixed"]["error"]
-    layouts = {got[k]["layout"] for k in ("cpu", "nhd", "flashinfer", "kernel", "mla")}
-    assert len(layouts) == 5
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check_layouts(got: dict) -> None:
+    for spec in ("gqa", "mla"):
+        for layout in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+            for stage in (0, 1):
+                case = got[f"{spec}/{layout}/{stage}"]
+                assert case["gather"], (spec, layout, stage)
+                assert case["moved"] and all(case["moved"].values()), (spec, layout, case)
+                assert case["staged"] == bool(stage) or got.get("device") == "cuda"
+    # Within a block, heads then tokens (LBHNC, LHBNC, BLHNC, BHLNC) is one layout
+    # whatever the strides across blocks and layers; tokens then heads (LBNHC, BLNHC) is
+    # another, and neither loads the other's pages.
+    hnc = {got[f"gqa/{l}/0"]["layout"] for l in ("LBHNC", "LHBNC", "BLHNC", "BHLNC")}
+    nhc = {got[f"gqa/{l}/0"]["layout"] for l in ("LBNHC", "BLNHC")}
+    assert hnc == {"vllm/X:bf16:block[2,16,128]:order[0,1,2]"}
+    assert nhc == {"vllm/X:bf16:block[2,16,128]:order[1,0,2]"}
+    assert set(got["gqa/LBHNC/0"]["moved"]) == {"LBHNC", "LHBNC", "BLHNC", "BHLNC"}
+    # MLA has one latent "head": every layout lists a block's bytes alike.
+    assert {got[f"mla/{l}/0"]["layout"] for l in ("LBHNC", "LBNHC", "BHLNC")} == {
+        "vllm/X:bf16:block[1,16,576]:order[1,2]"}
+    assert len(got["mla/LBNHC/0"]["moved"]) == 6
+    assert got["kernel"]["gather"] and got["kernel"]["shape"] == [6, 2, 2, 8, 128]
+    assert got["kernel"]["layout"] == "vllm/X:bf16:block[2,2,8,128]:order[0,1,2,3]"
+    assert "not vLLM's 6 blocks" in got["not_blocks"]
+    assert "laid out unlike" in got["mixed"]
+    assert got["backend"] == "vllm/CPU_MLA:bf16:block[1,16,576]:order[1,2]"
+
+
+def test_every_vllm_layout_moves_its_blocks_in_memory_order(tmp_path) -> None:
+    """vLLM's own KV allocation (allocate_kv_cache) in each of its six KVCacheLayouts, for a
+    GQA and an MLA spec, with and without kernel-block splitting, on CPU tensors: a block's
+    bytes are its elements in memory order (checked against an oracle built from the
+    layout's name), through the plain and the staged (pinned-host) path alike; a block
+    moved into an engine whose layout string is equal holds the same KV there, and the
+    strings differ exactly where the bytes would (so the namespace refuses the engine)."""
+    _check_layouts(_layouts(tmp_path, "cpu"))
+
+
+def test_every_vllm_layout_moves_its_blocks_on_a_gpu(tmp_path) -> None:
+    """The same on a CUDA device (staged through pinned host memory). Runs only where the
+    vLLM environment's torch sees a GPU: never in this project's CI so far."""
+    python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
+    probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.stdout.strip() != "True":
+        pytest.skip("no CUDA device visible to the vLLM environment's torch")
+    got = _layouts(tmp_path, "cuda")
+    got["device"] = "cuda"
+    _check_layouts(got)

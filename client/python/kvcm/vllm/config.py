@@ -1,7 +1,7 @@
 """What kvcm's vLLM connector reads from vLLM's configuration and KV tensors, before it
 moves a byte: kv_connector_extra_config (ConnectorOptions), the shapes it refuses
 (unsupported_reason, unsupported_kv_cache), the namespace spec (model_spec_of), the page
-sets of a tensor-parallel engine (shards_of) and the byte layout of a block (block_views).
+sets of a tensor-parallel engine (shards_of). The byte layout of a block is layout.py's.
 See docs/CONNECTOR.md."""
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ logger = init_logger("vllm.kvcm_connector")
 _DTYPES = {torch.bfloat16: kvcm.KvDtype.BF16, torch.float16: kvcm.KvDtype.FP16}
 MAX_BLOCKS_PER_CALL = 64  # the agent's default max_blocks_per_call
 HOST_TIER = int(kvcm.Tier.HOST)
+# Where vLLM's KV may live: host memory, or a CUDA device (staged through pinned memory).
+SUPPORTED_DEVICES = ("cpu", "cuda")
 # Deprecated kv_connector_extra_config keys -> their names (issue 26's vocabulary).
 EXTRA_CONFIG_ALIASES = {"ca_file": "tls_ca_file", "cert_file": "tls_cert_file",
                         "key_file": "tls_key_file", "manager": "manager_address",
@@ -69,6 +71,13 @@ class ConnectorOptions:
     # For failure tests only: before reading a load's blocks (after fetching them), wait
     # until this file exists (at most 60 s), so a test can break things mid-load.
     test_load_gate: str = ""
+    # kv_both: copy a step's stores to the agent on a background thread while vLLM samples
+    # and schedules, joined before the next forward (ConnectorWorker.wait_for_save). False:
+    # in the step, as kv_producer always does.
+    background_stores: bool = True
+    # For tests only: move a CPU cache's bytes through the host staging buffer a CUDA cache
+    # uses (layout.KvBlocks), so CPU engines run that path.
+    test_stage: bool = False
 
     @classmethod
     def from_extra(cls, extra: Dict[str, Any], served_model: str) -> "ConnectorOptions":
@@ -99,6 +108,8 @@ class ConnectorOptions:
             token_file=str(extra.get("token_file", "")),
             local_socket=_str_or_list(extra.get("local_socket", "")),
             test_load_gate=str(extra.get("test_load_gate", "")),
+            background_stores=bool(extra.get("background_stores", True)),
+            test_stage=bool(extra.get("test_stage", False)),
         )
 
 
@@ -144,7 +155,7 @@ def unsupported_reason(vllm_config: "VllmConfig") -> Optional[str]:
     """Why this connector must not run with `vllm_config`, or None. Shapes it would get wrong
     without an error are refused before anything is registered (never wrong bytes):
     pipeline or decode-context parallelism (a rank holds only some layers or some tokens of
-    a page), and KV caches off the CPU (the connector copies through host memory). MLA and
+    a page), and KV caches on devices other than the CPU and CUDA. MLA and
     tensor parallelism are handled: see shard_of."""
     parallel = vllm_config.parallel_config
     pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
@@ -154,9 +165,9 @@ def unsupported_reason(vllm_config: "VllmConfig") -> Optional[str]:
                 f"{dcp} is not supported: a rank would hold only some layers or tokens of a "
                 "page. Run with one pipeline stage (tensor and data parallelism are fine)")
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-    if device not in ("cpu", None):
-        return (f"KvcmConnector: a KV cache on device '{device}' is not supported yet: the "
-                "connector copies KV through host memory in vLLM's CPU block layout only")
+    if device not in SUPPORTED_DEVICES + (None,):
+        return (f"KvcmConnector: a KV cache on device '{device}' is not supported: the "
+                "connector copies KV between host memory and CPU or CUDA tensors only")
     return None
 
 
@@ -175,54 +186,18 @@ def load_failure_warning(kv_transfer_config: Any) -> Optional[str]:
 
 
 def unsupported_kv_cache(kv_caches: List[Tuple[str, torch.Tensor]]) -> Optional[str]:
-    """Why the connector must not move these KV tensors, or None: only tensors in host
-    memory (a CUDA tensor's .numpy() would raise on every store, after three agent calls)."""
+    """Why the connector must not move these KV tensors, or None: tensors in host memory or
+    on one CUDA device (staged through pinned host memory: layout.KvBlocks) only."""
+    devices = {t.device for _, t in kv_caches}
     for name, t in kv_caches:
-        if t.device.type != "cpu":
+        if t.device.type not in SUPPORTED_DEVICES:
             return (f"KvcmConnector: KV layer {name} is on {t.device}: the connector copies KV "
-                    "through host memory in vLLM's CPU block layout only (not supported yet)")
+                    "between host memory and CPU or CUDA tensors only (not supported)")
+    if len(devices) > 1:
+        return (f"KvcmConnector: KV layers on {len(devices)} devices "
+                f"({', '.join(sorted(str(d) for d in devices))}): one worker's KV must be on "
+                "one device")
     return None
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def block_views(kv_caches: List[Tuple[str, torch.Tensor]], num_blocks: int,
-                backend: str) -> Tuple[List[Tuple[str, torch.Tensor]], str]:
-    """Each layer's KV as a tensor whose dim 0 is vLLM's block (kernel blocks grouped) and
-    whose other dims are in memory order, so that view[b] is block b's bytes as they lie in
-    memory; and the namespace's kv_layout: the attention backend, dtype, and one block's
-    shape and strides as vLLM allocated them. Two engines share pages only under equal
-    layouts (a block packed per head is not one packed per token, nor NHD one in HND).
-    ValueError, naming the layer, for a layout whose block is not one contiguous run of
-    bytes in every layer (FlashAttention's [2, blocks, ...], with K and V of a block
-    apart), or whose layers differ."""
-    views = []
-    for name, t in kv_caches:
-        if num_blocks and t.shape[0] != num_blocks:
-            if t.dim() < 2 or t.shape[0] % num_blocks:
-                raise ValueError(f"KvcmConnector: KV layer {name} has shape {tuple(t.shape)}: "
-                                 f"its dim 0 is not vLLM's {num_blocks} blocks (K and V "
-                                 "apart, as FlashAttention's [2, blocks, ...]): not supported")
-            t = t.unflatten(0, (num_blocks, -1))  # kernel blocks of one vLLM block
-        order = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
-        physical = t if order == list(range(1, t.dim())) else t.permute(0, *order)
-        if not physical[0].is_contiguous():
-            raise ValueError(f"KvcmConnector: a block of KV layer {name} (shape "
-                             f"{tuple(t.shape)}, stride {t.stride()}) is not one contiguous "
-                             "run of bytes: not supported")
-        views.append((name, t, physical))
-    first = views[0][1]
-    for name, t, _ in views[1:]:
-        if (t.shape[1:], t.stride()[1:], t.dtype) != (first.shape[1:], first.stride()[1:],
-                                                       first.dtype):
-            raise ValueError(f"KvcmConnector: KV layer {name} is laid out unlike "
-                             f"{views[0][0]}: not supported")
-    dtype = _DTYPE_NAMES.get(first.dtype, str(first.dtype).replace("torch.", ""))
-    shape = ",".join(str(d) for d in first.shape[1:])
-    stride = ",".join(str(d) for d in first.stride()[1:])
-    layout = f"vllm/{backend}:{dtype}:block[{shape}]:stride[{stride}]"
-    return [(name, physical) for name, _, physical in views], layout
 
 
 def model_spec_of(vllm_config: "VllmConfig") -> kvcm.ModelSpec:

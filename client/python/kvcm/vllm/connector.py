@@ -28,8 +28,8 @@ the checks of ReadBlocks / WriteBlocks; vLLM never maps the agent's pool. Withou
 go over the agent's gRPC ReadBlocks / WriteBlocks.
 
 Block bytes: one agent block holds one vLLM block of every layer, layer after layer, each
-that layer's block as it lies in vLLM's memory (config.block_views); the namespace records
-that byte layout, so engines of different layouts never share pages. MLA (DeepSeek) caches
+that layer's block in memory order (layout.block_views); the namespace records that byte
+layout, so engines of different layouts never share pages. MLA (DeepSeek) caches
 one latent per token and layer, the same on every tensor-parallel rank: one page set,
 stored by rank 0. MHA/GQA at tensor parallelism N: one page set (namespace) per rank, so a
 rank only ever loads its own KV heads (config.shards_of).
@@ -63,7 +63,6 @@ from kvcm.vllm.config import (  # noqa: F401 - re-exported: the connector's publ
     EXTRA_CONFIG_ALIASES,
     ConnectorOptions,
     Shard,
-    block_views,
     load_failure_warning,
     logger,
     model_spec_of,
@@ -72,6 +71,7 @@ from kvcm.vllm.config import (  # noqa: F401 - re-exported: the connector's publ
     unsupported_kv_cache,
     unsupported_reason,
 )
+from kvcm.vllm.layout import block_views  # noqa: F401 - re-exported
 from kvcm.vllm.metadata import KvcmConnectorMetadata
 from kvcm.vllm.scheduler import ConnectorScheduler
 from kvcm.vllm.worker import ConnectorWorker

@@ -20,8 +20,8 @@ import kvcm
 from kvcm.agent import AgentSession, local_writer
 from kvcm.errors import DeadlineExceeded, Unavailable
 from kvcm.vllm.config import (HOST_TIER, MAX_BLOCKS_PER_CALL, ConnectorOptions, Shard,
-                              block_views, logger, register, tensor_parallel_rank,
-                              unsupported_kv_cache)
+                              logger, register, tensor_parallel_rank, unsupported_kv_cache)
+from kvcm.vllm.layout import BlockBytes, KvBlocks, block_views
 from kvcm.vllm.metadata import FetchRun, KvcmConnectorMetadata, LoadSpec, StoreSpec
 
 if TYPE_CHECKING:
@@ -34,40 +34,33 @@ if TYPE_CHECKING:
 _BACKGROUND_INSERT_DEADLINE_MS = 5_000
 
 
-class _BlockBytes:
-    """vLLM blocks' bytes for AgentSession.write, gathered one block at a time as it sends
-    them (one run's bytes in memory at once)."""
+class _Background:
+    """One thread that runs jobs in the order they were submitted; join() returns once every
+    job submitted so far has run. A job's exception is logged, never raised."""
 
-    def __init__(self, connector: "ConnectorWorker", vllm_blocks: List[int]):
-        self._connector, self._blocks = connector, vllm_blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __getitem__(self, i: int) -> bytes:
-        return self._connector._block_bytes(self._blocks[i])
-
-
-class _Inserter:
-    """One background thread that runs the manager Inserts of kv_both stores in order."""
-
-    def __init__(self) -> None:
+    def __init__(self, name: str, what: str) -> None:
+        self._what = what
         self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvcm-insert", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], None]) -> None:
         self._queue.put(work)
 
+    def join(self) -> None:
+        self._queue.join()  # every job is bounded by its agent or manager deadline
+
     def _run(self) -> None:
         while True:
             work = self._queue.get()
-            if work is None:
-                return
             try:
+                if work is None:
+                    return
                 work()
-            except Exception as e:  # noqa: BLE001 - a failed insert only costs a later hit
-                logger.warning("KvcmConnector: background insert failed: %s", e)
+            except Exception as e:  # noqa: BLE001 - a failed store only costs a later hit
+                logger.warning("KvcmConnector: background %s failed: %s", self._what, e)
+            finally:
+                self._queue.task_done()
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._queue.put(None)
@@ -130,13 +123,18 @@ class ConnectorWorker:
         self._token = client.options.token  # token_file's, else $KVCM_TOKEN's
         self._kv_caches: List[Tuple[str, torch.Tensor]] = []
         self._agent_block_bytes = 0  # one vLLM block of every layer (register_kv_caches)
+        self._blocks: Optional[KvBlocks] = None  # vLLM's blocks as bytes (register_kv_caches)
         self._load_errors: Set[int] = set()
         self._agent: Optional[AgentSession] = None
         self._agent_quiet_until = 0.0  # see _epoch
         # Local agent blocks (main pool) of each running request's leading pages: what a
         # later step's store names for the pages before its own.
         self._agent_blocks: Dict[str, List[int]] = {}
-        self._inserter: Optional[_Inserter] = None
+        # kv_both: the copies of a step's stores run here while vLLM samples and schedules,
+        # joined before the next step's forward can write a block (see wait_for_save); the
+        # manager Inserts run on the inserter, never joined.
+        self._copier: Optional[_Background] = None
+        self._inserter: Optional[_Background] = None
         self._region: Optional["LocalRegion"] = None
 
     def __str__(self) -> str:
@@ -171,7 +169,17 @@ class ConnectorWorker:
                              f"{self._ns}'s spec {self._spec} makes {expected}")
         self._spec = self._spec.with_(kv_layout=layout)
         register(self._client, self._ns, self._spec)
+        self._blocks = KvBlocks([t for _, t in self._kv_caches], stage=self._opts.test_stage)
+        if self._blocks.staged:
+            logger.info("KvcmConnector: KV on %s, staged through %s host memory on the gRPC "
+                        "path", self._blocks.device,
+                        "pinned" if self._blocks.device.type == "cuda" else "plain")
         if not self._local_socket:
+            return
+        if self._blocks.device.type != "cpu":
+            logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: vLLM's "
+                           "KV is on %s, and the local path maps host memory only",
+                           self._blocks.device)
             return
         if any(t is not original for (_, t), (_, original) in zip(self._kv_caches, ordered)):
             logger.warning("KvcmConnector: local_socket not used, bytes go over gRPC: vLLM's "
@@ -288,21 +296,11 @@ class ConnectorWorker:
             self._agent_quiet_until = time.monotonic() + self._opts.agent_deadline_ms / 1e3
             raise
 
-    def _block_bytes(self, vllm_block: int) -> bytes:
-        parts = [t[vllm_block].contiguous().view(torch.uint8).reshape(-1)
-                 for _, t in self._kv_caches]
-        return torch.cat(parts).numpy().tobytes()
-
-    def _fill_block(self, vllm_block: int, data: memoryview) -> None:
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        offset = 0
-        for _, t in self._kv_caches:
-            dst = t[vllm_block]
-            n = dst.numel() * dst.element_size()
-            dst.copy_(src[offset:offset + n].view(t.dtype).view(dst.shape))
-            offset += n
-
     def start_load_kv(self, meta: KvcmConnectorMetadata) -> None:
+        # Before this step's forward (or a load) writes any block: the last step's stores
+        # have read theirs, and a block they read may be another request's from now on.
+        if self._copier is not None:
+            self._copier.join()
         if not meta.loads:
             return
         try:
@@ -355,10 +353,7 @@ class ConnectorWorker:
             data = self._session().read(self._ns, agent_ids,
                                         epoch=epoch, tier=tier,
                                         page_hashes=shard.page_hashes[page:stop])
-            view = memoryview(data)
-            for j in range(stop - page):
-                vllm_block = load.vllm_blocks[page - load.first_page + j]
-                self._fill_block(vllm_block, view[j * block_bytes:(j + 1) * block_bytes])
+            self._blocks.scatter(vllm_ids, data)
             page = stop
         seconds = time.perf_counter() - start
         logger.info("KvcmConnector: loaded %d blocks of %s (%d fetched from other agents): "
@@ -390,15 +385,35 @@ class ConnectorWorker:
         return blocks + [(b, tier) for b in response.block_ids[run.first_page:end]]
 
     def wait_for_save(self, meta: KvcmConnectorMetadata) -> None:
+        """Stores the step's whole new pages. kv_both (background_stores): off the step's
+        critical path, on the copier thread, while vLLM samples, returns the step's outputs
+        and schedules the next; start_load_kv joins it before the next forward, the first
+        thing that may write a block these stores read (a finished request's blocks are
+        freed, and may be handed to another request, only by that next schedule). On CUDA
+        the copier first waits for an event recorded after this step's kernels.
+        kv_producer stores in the step: its answer must mean the KV is in kvcm."""
         if not meta.stores or not self.stores_here:  # MLA: rank 0 stores for every rank
             return
+        if not (self._loads() and self._opts.background_stores):
+            self._save(meta.stores, None)
+            return
+        ready = None
+        if self._blocks is not None and self._blocks.device.type == "cuda":
+            ready = torch.cuda.current_stream(self._blocks.device).record_event()
+        if self._copier is None:
+            self._copier = _Background("kvcm-store", "store")
+        self._copier.submit(lambda: self._save(meta.stores, ready))
+
+    def _save(self, stores: List[StoreSpec], ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
         try:
             epoch = self._epoch()
         except Exception as e:  # noqa: BLE001 - a store that fails only costs a later hit
             logger.warning("KvcmConnector: agent unreachable, %d stores skipped: %s",
-                           len(meta.stores), e)
+                           len(stores), e)
             return
-        for store in meta.stores:
+        for store in stores:
             try:
                 self._store(store, epoch)
             except Exception as e:  # noqa: BLE001
@@ -420,7 +435,7 @@ class ConnectorWorker:
             staged = session.stage(self._ns, new_vllm, epoch=epoch,
                                    writer=local_writer(self._region))
         else:
-            staged = session.stage(self._ns, _BlockBytes(self, new_vllm), epoch=epoch)
+            staged = session.stage(self._ns, BlockBytes(self._blocks, new_vllm), epoch=epoch)
         logger.info("KvcmConnector: copied %d pages of %s to the agent: %d bytes in %.3f ms",
                     len(staged), store.req_id, len(staged) * self._agent_block_bytes,
                     1e3 * (time.perf_counter() - start))
@@ -446,7 +461,7 @@ class ConnectorWorker:
             insert()
         else:
             if self._inserter is None:
-                self._inserter = _Inserter()
+                self._inserter = _Background("kvcm-insert", "insert")
             self._inserter.submit(insert)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
@@ -455,13 +470,22 @@ class ConnectorWorker:
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
                                                                  Optional[Set[str]]]:
-        for req_id in finished_req_ids:
-            self._agent_blocks.pop(req_id, None)
+        finished = set(finished_req_ids)  # vLLM's set, reused after this returns
+
+        def forget() -> None:
+            for req_id in finished:
+                self._agent_blocks.pop(req_id, None)
+
+        if self._copier is not None:  # after the request's last store, which sets them
+            self._copier.submit(forget)
+        else:
+            forget()
         return None, None
 
     def shutdown(self) -> None:
-        if self._inserter is not None:
-            self._inserter.close()
+        for background in (self._copier, self._inserter):
+            if background is not None:
+                background.close()
         if self._region is not None:
             self._region.close()
         if self._agent is not None:
