@@ -5,13 +5,16 @@ names the worker half's loads and stores; request_finished releases the pins."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import kvcm
 from kvcm.types import PENDING_BLOCK_ID
 from kvcm.vllm.config import HOST_TIER, ConnectorOptions, Shard, logger
 from kvcm.vllm.metadata import FetchRun, KvcmConnectorMetadata, LoadSpec, ShardLoad, StoreSpec
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -87,6 +90,24 @@ class ConnectorScheduler:
         self._block_size = block_size
         self._loads_kv, self._stores_kv = loads, stores
         self._requests: Dict[str, _Request] = {}
+        # Tensor parallelism (one page set per rank): the page sets' manager calls run at
+        # once, so a request waits for the slowest one, not for their sum.
+        self._pool = (ThreadPoolExecutor(len(shards), thread_name_prefix="kvcm-shard")
+                      if len(shards) > 1 else None)
+
+    def _each_shard(self, call: Callable[[int, Shard], T]) -> List[Any]:
+        """call(i, shard) for every page set, in shard order: its result, or the exception
+        it raised."""
+        if self._pool is None:
+            out: List[Any] = []
+            for i, shard in enumerate(self._shards):
+                try:
+                    out.append(call(i, shard))
+                except Exception as e:  # noqa: BLE001 - the caller decides
+                    out.append(e)
+            return out
+        futures = [self._pool.submit(call, i, shard) for i, shard in enumerate(self._shards)]
+        return [f.exception() or f.result() for f in futures]
 
     def _loads(self) -> bool:
         return self._loads_kv  # kv_consumer, kv_both
@@ -139,8 +160,12 @@ class ConnectorScheduler:
     def _match(self, state: _Request, tokens: List[int], loadable: int) -> int:
         """Pins the prompt's cached pages in every shard for its agent; the tokens every
         shard can load (the fewest, at most `loadable` pages)."""
-        for shard in self._shards:
-            state.shards.append(self._match_shard(shard, tokens, loadable))
+        results = self._each_shard(lambda _, shard: self._match_shard(shard, tokens, loadable))
+        # A failed page set keeps its place (no pin), so the others' pins are released.
+        state.shards = [r if isinstance(r, _ShardMatch) else _ShardMatch() for r in results]
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
         pages = min(m.pages() for m in state.shards)
         for m in state.shards:
             m.truncate(pages)
@@ -249,15 +274,19 @@ class ConnectorScheduler:
         state = self._requests.pop(req_id, None)
         if state is None:
             return
-        for shard, m in zip(self._shards, state.shards):
-            if m.pin_id == 0:
-                continue
-            try:
-                # Bounded: this runs on vLLM's scheduler loop, and the lease ends the pin
-                # anyway (before, the client's 10 s default could stall the loop behind a
-                # stopped manager). Synchronous, so that the next request's eviction sees it
-                # released.
-                self._client.release(shard.namespace, m.pin_id,
+        pins = [m.pin_id for m in state.shards]
+        pins += [0] * (len(self._shards) - len(pins))
+        if not any(pins):
+            return
+
+        # Bounded: this runs on vLLM's scheduler loop, and the lease ends the pin anyway
+        # (before, the client's 10 s default could stall the loop behind a stopped manager).
+        # Synchronous, so that the next request's eviction sees it released.
+        def release(i: int, shard: Shard) -> None:
+            if pins[i]:
+                self._client.release(shard.namespace, pins[i],
                                      deadline_ms=self._opts.request_deadline_ms)
-            except Exception as e:  # noqa: BLE001 - the lease expires anyway
-                logger.info("KvcmConnector: release of pin %d failed: %s", m.pin_id, e)
+
+        for pin, result in zip(pins, self._each_shard(release)):
+            if isinstance(result, Exception):  # the lease expires anyway
+                logger.info("KvcmConnector: release of pin %d failed: %s", pin, result)
