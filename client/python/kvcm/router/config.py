@@ -15,6 +15,9 @@
     token_file = "/etc/kvcm/router.token"  # or token = "..." (this file only, never a flag)
     register_token_file = ""         # a token that may RegisterModel, for the hash key
 
+    tokens_file = "/etc/kvcm/tokens"  # clients' bearer tokens (the manager's format); "": none
+    max_response_bytes = 16777216    # a non-streamed engine answer larger than this: 502
+
     [namespace]                      # the bridge's: same tenant, model, spec, page size
     tenant = "acme"
     model = "llama-3-8b"
@@ -157,6 +160,13 @@ class RouterConfig:
     # Engines that fail are avoided for engine_down_s, doubling per failure up to 30 s.
     engine_down_s: float = 2.0
     upstream_timeout_s: float = 600.0
+    # Clients' bearer tokens, in the manager's tokens-file format (kvcm.tokens); "": clients
+    # are not authenticated (a loopback listener only, or a trusted network).
+    tokens_file: str = ""
+    # The most of one engine answer the router holds in memory, bytes: a non-streamed answer
+    # (or an error body, or a P/D prefill answer) over it is cut with a 502 naming this.
+    # Streamed answers pass through chunk by chunk and are not capped in total.
+    max_response_bytes: int = 16 * 1024 * 1024
     log_level: str = "info"
 
     @property
@@ -232,6 +242,8 @@ class RouterConfig:
             raise ConfigError("hash_prefix_pages: must be > 0")
         if self.engine_down_s <= 0 or self.upstream_timeout_s <= 0:
             raise ConfigError("engine_down_s and upstream_timeout_s: must be > 0")
+        if not 1024 <= self.max_response_bytes <= 1 << 40:
+            raise ConfigError("max_response_bytes: must be in 1024..2^40")
 
 
 def _from_toml(data: Dict[str, Any], where: str = "config") -> RouterConfig:
@@ -288,7 +300,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--version", action=_cli.VersionAction)
     p.add_argument("--config", help="TOML file; flags override its settings")
     p.add_argument("--listen_address", help=f"HOST:PORT to serve on (default "
-                                            f"127.0.0.1:{LISTEN_PORT})")
+                                            f"127.0.0.1:{LISTEN_PORT}, loopback only; "
+                                            "0.0.0.0:PORT to serve other hosts)")
     p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--tokenizer", help="Hugging Face tokenizer name or path; 'words' or "
                                        "'bytes' for tests")
@@ -323,6 +336,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--hash_prefix_pages", type=int)
     p.add_argument("--engine_down_s", type=float)
     p.add_argument("--upstream_timeout_s", type=float)
+    p.add_argument("--tokens_file", help="clients' bearer tokens, the manager's tokens-file "
+                                         "format: clients must send one (default: none, "
+                                         "clients are not authenticated)")
+    p.add_argument("--max_response_bytes", type=int,
+                   help="the most of a non-streamed engine answer held, bytes (default "
+                        "16 MiB); a larger one is a 502")
     p.add_argument("--log_level", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -351,7 +370,7 @@ def load_config(argv: Optional[List[str]] = None, prog: str = PROG) -> RouterCon
                  "register_token_file",
                  "prefill_tokens_per_s", "route_deadline_ms", "imbalance_factor",
                  "imbalance_margin", "hash_prefix_pages", "engine_down_s",
-                 "upstream_timeout_s", "log_level"):
+                 "upstream_timeout_s", "tokens_file", "max_response_bytes", "log_level"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)

@@ -1,7 +1,7 @@
 """The router's Prometheus metrics, prefix `kvcm_router_`, on a registry of their own.
 
-Labels are bounded: engine (the configured ids), policy, reason, cause, code (HTTP status
-or a transport failure class), endpoint.
+Labels are bounded: engine (the configured ids), policy, reason, cause, code (HTTP status,
+a transport failure class, redirect or too-large), endpoint.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class RouterMetrics:
             "kvcm_router_pd_prefill_fallbacks",
             "P/D requests sent to a decode engine without their prefill, which failed "
             "(cause: HTTP status, or connect, timeout, disconnect)", ["cause"], registry=r)
+        self.client_refusals = Counter(
+            "kvcm_router_client_refusals",
+            "Client requests refused by the tokens file (reason: missing, malformed, "
+            "unknown: 401; role, tenant: 403)", ["reason"], registry=r)
         self.engine_up = Gauge(
             "kvcm_router_engine_up", "1 while the engine is not avoided after a failure",
             ["engine"], registry=r)

@@ -5,6 +5,9 @@ too) to the engine the policy picks; GET /v1/models merges the engines' lists; /
 Prometheus text; /health says which engines are avoided. Answers carry `x-kvcm-engine`
 (the engine id). An engine that does not answer (refused, reset, timed out) gives 502 / 504
 naming it and is avoided for a while; an engine's own HTTP errors pass through unchanged.
+Engines are not trusted: their redirects are never followed (a 3xx is a 502 naming it), and
+a non-streamed answer over `max_response_bytes` is cut with a 502 naming the limit. With
+`tokens_file`, clients must send a bearer token of the router's tenant (kvcm.router.auth).
 With prefill_engines / decode_engines (P/D), a request is first prefilled on a prefill engine
 (max_tokens 1), then passed unchanged to a decode engine (kvcm.router.pd).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import logging
 import sys
@@ -23,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcm import aio as kvcm_aio
+from kvcm.router.auth import ClientAuth
 from kvcm.router.config import ConfigError, RouterConfig, load_config
 from kvcm.router.core import Router, make_policy
 from kvcm.router.load import LoadTracker, Ticket
@@ -41,10 +46,44 @@ from kvcm.router.tokenizer import (
 log = logging.getLogger("kvcm.router")
 
 ENGINE_HEADER = "x-kvcm-engine"
+# Set on requests to engines from the client's token (tokens_file); dropped otherwise.
+TENANT_HEADER = "x-kvcm-tenant"
 # Request headers never forwarded (hop-by-hop, or recomputed by the client library).
 _DROP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
                  "te", "trailer", "upgrade", "proxy-authorization", "proxy-authenticate",
                  "accept-encoding"}
+# Where an SSE line may end: a longer unterminated tail is dropped, not kept growing.
+_SSE_MAX_LINE = 1 << 20
+# Endpoints a client needs no token for (probes and Prometheus, as the manager's health
+# service and /metrics).
+_OPEN_PATHS = {"/health", "/metrics"}
+
+
+class _TooLarge(Exception):
+    """An engine answer over max_response_bytes."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body, or _TooLarge once more than `cap` bytes came (the rest is not read)."""
+    declared = resp.content_length
+    if declared is not None and declared > cap:
+        raise _TooLarge()
+    parts, n = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        n += len(chunk)
+        if n > cap:
+            raise _TooLarge()
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def error_response(status: int, message: str, kind: str,
@@ -77,6 +116,8 @@ class _SseUsage:
         data = self._tail + chunk
         lines = data.split(b"\n")
         self._tail = lines.pop()
+        if len(self._tail) > _SSE_MAX_LINE:
+            self._tail = b""  # no usage line is this long: do not buffer it
         for line in lines:
             if line.startswith(b"data:") and b"cached_tokens" in line:
                 try:
@@ -106,7 +147,9 @@ class RouterServer:
         # P/D: `router` chooses the decode engine, `prefill_router` the prefill engine.
         self.router: Optional[Router] = None
         self.prefill_router: Optional[Router] = None
-        self.app = web.Application()
+        self.auth = (ClientAuth(cfg.tokens_file, cfg.namespace.tenant)
+                     if cfg.tokens_file else None)
+        self.app = web.Application(middlewares=[self._authenticate])
         self.app.add_routes([
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
@@ -116,6 +159,23 @@ class RouterServer:
         ])
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With a tokens file: the bearer token first, before the body is read."""
+        if self.auth is None or request.path in _OPEN_PATHS:
+            return await handler(request)
+        principal, tenant, refusal = self.auth.check(request.headers.get("Authorization"))
+        if refusal is not None:
+            self.metrics.client_refusals.labels(refusal.reason).inc()
+            resp = error_response(refusal.status, refusal.message,
+                                  "authentication_error" if refusal.status == 401
+                                  else "permission_error")
+            if refusal.status == 401:
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="kvcm-router"'
+            return resp
+        request["kvcm_principal"], request["kvcm_tenant"] = principal, tenant
+        return await handler(request)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -161,6 +221,10 @@ class RouterServer:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=c.upstream_timeout_s, sock_connect=5.0),
             auto_decompress=False)
+        host, _ = c.listen_host_port
+        if self.auth is None and not is_loopback_host(host):
+            log.warning("*** kvcm-router listens on %s without tokens_file: anyone who "
+                        "reaches it may send requests ***", c.listen_address)
         log.info("kvcm-router on http://%s: policy %s, %s", c.listen_address, c.policy,
                  "; ".join(f"{what} " + ", ".join(f"{e.id}={e.url}" for e in engines)
                            for what, engines in (("engines", c.engines),
@@ -205,6 +269,13 @@ class RouterServer:
             message = str(e) if isinstance(e, TokenizerError) else f"body: not JSON: {e}"
             return error_response(400, message, "invalid_request_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
+        # The tenant is the token's: a client's own claim never reaches an engine. The
+        # client's token is the router's business, not the engine's.
+        headers = {k: v for k, v in headers.items() if k.lower() != TENANT_HEADER}
+        if self.auth is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            if request.get("kvcm_tenant"):
+                headers[TENANT_HEADER] = request["kvcm_tenant"]
         # P/D: a prompt without a whole block before its last token has nothing to hand over.
         if self.prefill_router is not None and cacheable_tokens(
                 len(routing.tokens), self.cfg.namespace.block_size) > 0:
@@ -215,6 +286,12 @@ class RouterServer:
         engine = self.engines[ticket.engine_id]
         try:
             return await self._forward(request, engine.url + path, raw, headers, ticket)
+        except _TooLarge:
+            self.router.failed(ticket, "too-large", engine_down=False)
+            return error_response(
+                502, f"engine {engine.id} ({engine.url}) answered more than "
+                f"max_response_bytes = {self.cfg.max_response_bytes} bytes; the answer was "
+                "cut", "upstream_too_large", engine.id)
         except asyncio.TimeoutError:
             down = self.router.failed(ticket, "timeout", engine_down=True)
             return error_response(
@@ -249,9 +326,14 @@ class RouterServer:
         cause = ""
         try:
             async with self._session.post(engine.url + path, json=prefill_body(body, chat),
-                                          headers=headers) as up:
-                data = await up.read()
-                if up.status < 400:
+                                          headers=headers, allow_redirects=False) as up:
+                data = await read_capped(up, self.cfg.max_response_bytes)
+                if 300 <= up.status < 400:
+                    cause = "redirect"
+                    self.prefill_router.failed(ticket, cause, engine_down=False)
+                    log.warning("prefill engine %s: HTTP %d redirect, not followed",
+                                engine.id, up.status)
+                elif up.status < 400:
                     cached = None
                     try:
                         cached = cached_tokens_of(json.loads(data).get("usage"))
@@ -259,10 +341,16 @@ class RouterServer:
                         pass
                     self.prefill_router.finish(ticket, cached)
                     return agent_of(self.cfg.engine_agents, engine.id)
-                cause = str(up.status)
-                self.prefill_router.failed(ticket, cause, engine_down=False)
-                log.warning("prefill engine %s: HTTP %d: %s", engine.id, up.status,
-                            data[:200].decode(errors="replace"))
+                else:
+                    cause = str(up.status)
+                    self.prefill_router.failed(ticket, cause, engine_down=False)
+                    log.warning("prefill engine %s: HTTP %d: %s", engine.id, up.status,
+                                data[:200].decode(errors="replace"))
+        except _TooLarge:
+            cause = "too-large"
+            self.prefill_router.failed(ticket, cause, engine_down=False)
+            log.warning("prefill engine %s: answer over max_response_bytes = %d, cut",
+                        engine.id, self.cfg.max_response_bytes)
         except asyncio.TimeoutError:
             cause = "timeout"
             self.prefill_router.failed(ticket, cause, engine_down=True)
@@ -281,16 +369,23 @@ class RouterServer:
                        headers: Dict[str, str], ticket: Ticket) -> web.StreamResponse:
         assert self.router is not None and self._session is not None
         engine_id = ticket.engine_id
-        async with self._session.post(url, data=raw, headers=headers) as up:
+        async with self._session.post(url, data=raw, headers=headers,
+                                      allow_redirects=False) as up:
             content_type = up.headers.get("Content-Type", "application/json")
+            if 300 <= up.status < 400:
+                # Never followed: the engine does not choose where the router's requests go.
+                self.router.failed(ticket, "redirect", engine_down=False)
+                return error_response(
+                    502, f"engine {engine_id} answered HTTP {up.status} (a redirect), which "
+                    "the router does not follow", "upstream_redirect", engine_id)
             if up.status >= 400:
-                data = await up.read()
+                data = await read_capped(up, self.cfg.max_response_bytes)
                 self.router.failed(ticket, str(up.status), engine_down=False)
                 return web.Response(body=data, status=up.status,
                                     headers={"Content-Type": content_type,
                                              ENGINE_HEADER: engine_id})
             if not content_type.startswith("text/event-stream"):
-                data = await up.read()
+                data = await read_capped(up, self.cfg.max_response_bytes)
                 cached = None
                 try:
                     cached = cached_tokens_of(json.loads(data).get("usage"))
@@ -338,14 +433,16 @@ class RouterServer:
             engine = self.engines[engine_id]
             try:
                 async with self._session.get(engine.url + "/v1/models",
-                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                             timeout=aiohttp.ClientTimeout(total=5),
+                                             allow_redirects=False) as r:
                     if r.status != 200:
                         errors.append(f"{engine_id}: HTTP {r.status}")
                         continue
-                    for model in (await r.json()).get("data", []):
+                    listed = json.loads(await read_capped(r, self.cfg.max_response_bytes))
+                    for model in (listed.get("data", []) if isinstance(listed, dict) else []):
                         if isinstance(model, dict) and "id" in model:
                             merged.setdefault(model["id"], model)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, _TooLarge) as e:
                 errors.append(f"{engine_id}: {type(e).__name__}")
         if not merged and errors:
             return error_response(502, "no engine listed its models: " + "; ".join(errors),
