@@ -26,7 +26,7 @@ block_size = 16
 
 [[engine]]
 id = "vllm-1"
-endpoint = "tcp://*:6000"
+endpoint = "tcp://127.0.0.1:6000"
 endpoint_mode = "bind"
 token_env = "VLLM1_TOKEN"
 data_parallel_rank = 1
@@ -99,3 +99,47 @@ def test_no_token_on_the_command_line():
 def test_main_reports_config_errors(capsys):
     assert main(["--insecure"]) == 2
     assert "no engine" in capsys.readouterr().err
+
+
+BIND = ["--insecure", "--tenant", "a", "--model", "m", "--preset", "llama-3-8b"]
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:6000", "tcp://0.0.0.0:6000",
+                                      "tcp://10.0.0.5:6000", "tcp://[::]:6000"])
+def test_bind_beyond_loopback_needs_curve(endpoint):
+    with pytest.raises(ConfigError, match="bind a loopback address .* or give "
+                                          "curve_secret_key_file"):
+        from_args(BIND + ["--engine", f"id=e,endpoint={endpoint},endpoint_mode=bind"])
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:6000", "tcp://[::1]:6000",
+                                      "tcp://localhost:6000", "ipc:///tmp/kvcm-e.sock"])
+def test_bind_on_loopback_needs_no_curve(endpoint):
+    cfg, _ = from_args(BIND + ["--engine", f"id=e,endpoint={endpoint},endpoint_mode=bind"])
+    assert not cfg.engines[0].curve and cfg.max_frame_bytes == 16 << 20
+
+
+def test_curve_keys_are_checked_at_start(tmp_path):
+    import zmq.auth
+
+    keys, pubs = tmp_path / "keys", tmp_path / "publishers"
+    keys.mkdir()
+    pubs.mkdir()
+    public, secret = zmq.auth.create_certificates(str(keys), "bridge")
+    engine = "id=e,endpoint=tcp://*:6000,endpoint_mode=bind,curve_secret_key_file={},"\
+             "curve_publisher_keys_dir=" + str(pubs)
+    with pytest.raises(ConfigError, match="holds no \\*.key certificate"):
+        from_args(BIND + ["--engine", engine.format(secret)])
+    zmq.auth.create_certificates(str(pubs), "vllm-0")
+    with pytest.raises(ConfigError, match="holds no secret key"):
+        from_args(BIND + ["--engine", engine.format(public)])
+    cfg, _ = from_args(BIND + ["--engine", engine.format(secret), "--max_frame_bytes", "65536"])
+    assert cfg.engines[0].curve and cfg.max_frame_bytes == 65536
+    with pytest.raises(ConfigError, match="needs both"):
+        from_args(BIND + ["--engine", f"id=e,endpoint=tcp://*:6000,endpoint_mode=bind,"
+                                      f"curve_secret_key_file={secret}"])
+    with pytest.raises(ConfigError, match="CURVE keys are for endpoint_mode"):
+        from_args(BIND + ["--engine", f"id=e,endpoint=tcp://h:6000,curve_secret_key_file="
+                                      f"{secret},curve_publisher_keys_dir={pubs}"])
+    with pytest.raises(ConfigError, match="max_frame_bytes"):
+        from_args(BIND + ["--engine", engine.format(secret), "--max_frame_bytes", "10"])

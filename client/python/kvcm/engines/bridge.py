@@ -7,11 +7,19 @@ reconnects) feeding an
 `EventStream` that applies batches to an `EngineMirror`, and the publish side sending the
 mirror's changes through a `PublishSession` (PublishEngineEvents). docs/ENGINES.md has the
 whole story; `kvcm-bridge --help` the flags.
+
+In bind mode the engine's publisher is one ZMQ connection: the first whose live batch the
+engine's own replay endpoint (which the bridge dials) returns byte for byte, or without a
+replay endpoint the first to deliver one. Until then, and from any other connection, live
+batches are refused and counted (`foreign_batches`), so their sequence numbers and
+AllBlocksCleared change nothing (the mirror follows the replay's probes meanwhile). CURVE
+(per engine) admits only publishers with a listed key. docs/SECURITY.md, "kvcm-bridge".
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import signal
 import sys
@@ -22,6 +30,7 @@ from dataclasses import asdict
 import grpc
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from kvcm._options import tls_mismatch_hint
@@ -86,6 +95,14 @@ class EngineBridge:
         self._poller = zmq.asyncio.Poller()
         self._sub_disconnected = False
         self._auth_failing = False
+        # Bind mode: the source fd (ZMQ_SRCFD) of the publisher connection taken as the
+        # engine's; None until one delivers a batch, and again once it closes.
+        self._publisher_fd: int | None = None
+        # Bind mode with a replay endpoint: connections not yet confirmed, fd -> {seq:
+        # digest of the payload} of their last live batches, until a replay matches one.
+        self._candidates: dict[int, dict[int, bytes]] = {}
+        self._peers: dict[int, tuple[str, str]] = {}  # fd -> (peer address, CURVE key)
+        self.foreign_batches = 0     # bind mode: batches of another publisher connection
 
     # ---- StreamSink -------------------------------------------------------------------
 
@@ -116,6 +133,7 @@ class EngineBridge:
         self._dealer = self._ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
         self._dealer.setsockopt(zmq.RCVHWM, 0)  # take a whole replay as fast as it comes
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
         self._dealer.connect(self.engine.replay_endpoint)
         self._poller.register(self._dealer, zmq.POLLIN)
         self._dealer.send_multipart(replay_request(start_seq))
@@ -309,7 +327,17 @@ class EngineBridge:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, e.topic.encode())
+        if e.curve:  # before bind: the mechanism is the listener's
+            public, secret = e.curve_keys()
+            sub.setsockopt(zmq.ZAP_DOMAIN, e.id.encode())
+            sub.setsockopt(zmq.CURVE_SERVER, 1)
+            sub.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sub.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._publisher_fd = None
+        self._candidates.clear()
+        self._peers.clear()
         monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if e.endpoint_mode == "bind":
@@ -318,8 +346,9 @@ class EngineBridge:
             sub.connect(e.endpoint)
         self._poller.register(sub, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
-        log.info("engine %s: %s %s, replay %s", self.id,
+        log.info("engine %s: %s %s%s, replay %s", self.id,
                  "bound" if e.endpoint_mode == "bind" else "connected to", e.endpoint,
+                 " (CURVE)" if e.curve else "",
                  e.replay_endpoint or "(none: gaps resync from the next batch)")
         self.stream.start(time.monotonic())
         next_metrics = 0.0
@@ -353,12 +382,19 @@ class EngineBridge:
                 return
             if time.monotonic() - now > _SLICE_S:
                 return  # the next poll comes back at once
-            frames = await sub.recv_multipart()
+            parts = await sub.recv_multipart(copy=False)
+            frames = [p.bytes for p in parts]
             try:
                 seq, payload = parse_live(frames)
             except FrameError as e:
+                if self.engine.endpoint_mode == "bind" and not self._from_publisher(
+                        parts[0], -1, b""):
+                    continue
                 self._warn_frame(str(e))
                 self.stream.counters.bad_payloads += 1
+                continue
+            if self.engine.endpoint_mode == "bind" and not self._from_publisher(
+                    parts[0], seq, payload):
                 continue
             self.stream.on_live(seq, payload, now)
 
@@ -382,7 +418,59 @@ class EngineBridge:
             if r.seq is None:
                 self.stream.on_replay_end(now)
             else:
+                if self._candidates:
+                    self._confirm(r.seq, r.payload)
                 self.stream.on_replay(r.seq, r.payload, now)
+
+    def _from_publisher(self, frame: zmq.Frame, seq: int, payload: bytes) -> bool:
+        """Bind mode: whether a message came over the engine's publisher connection. With a
+        replay endpoint, a connection becomes it once the replay confirms one of its batches
+        (_confirm); without, the first connection to deliver a batch does."""
+        fd = frame.get(zmq.SRCFD)
+        if fd == self._publisher_fd:
+            return True
+        if self._publisher_fd is None:
+            if not self.engine.replay_endpoint:
+                self._take_publisher(fd, frame)
+                return True
+            if seq >= 0 and (fd in self._candidates or len(self._candidates) < 16):
+                seen = self._candidates.setdefault(fd, {})
+                seen[seq] = hashlib.blake2b(payload, digest_size=16).digest()
+                if len(seen) > 64:
+                    del seen[min(seen)]
+                self._peers[fd] = (_frame_property(frame, "Peer-Address"),
+                                   _frame_property(frame, "User-Id"))
+        self.foreign_batches += 1
+        if self.foreign_batches <= 5 or self.foreign_batches % 1000 == 0:
+            log.warning("engine %s: a live batch from publisher connection fd %d (from %s) "
+                        "refused: %s (%d refused so far)", self.id, fd,
+                        _frame_property(frame, "Peer-Address") or "?",
+                        f"the engine publishes over fd {self._publisher_fd}"
+                        if self._publisher_fd is not None else
+                        "no replay has confirmed it as the engine's yet",
+                        self.foreign_batches)
+        return False
+
+    def _take_publisher(self, fd: int, frame: zmq.Frame | None) -> None:
+        self._publisher_fd = fd
+        if frame is not None:
+            who, key = (_frame_property(frame, "Peer-Address"),
+                        _frame_property(frame, "User-Id"))
+        else:
+            who, key = self._peers.get(fd, ("", ""))
+        self._candidates.clear()
+        self._peers.clear()
+        log.info("engine %s: publisher connection taken (fd %d, from %s%s)", self.id, fd,
+                 who or "?", f", CURVE key {key}" if key else "")
+
+    def _confirm(self, seq: int, payload: bytes) -> None:
+        """A replayed batch (the engine's own word): the candidate connection that sent the
+        same batch live is the engine's publisher."""
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        for fd, seen in self._candidates.items():
+            if seen.get(seq) == digest:
+                self._take_publisher(fd, None)
+                return
 
     def _warn_frame(self, message: str) -> None:
         """Logs the first few malformed messages, then one in a thousand."""
@@ -392,8 +480,14 @@ class EngineBridge:
 
     async def _drain_monitor(self, monitor: zmq.asyncio.Socket, now: float) -> None:
         while _readable(monitor):
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            message = parse_monitor_message(await monitor.recv_multipart())
+            event = message["event"]
             if event == zmq.EVENT_DISCONNECTED:
+                if self.engine.endpoint_mode == "bind":
+                    if message["value"] != self._publisher_fd:
+                        self._candidates.pop(message["value"], None)
+                        continue  # not the engine's publisher: nothing to resync
+                    self._publisher_fd = None
                 self._sub_disconnected = True
             elif self._sub_disconnected:
                 self._sub_disconnected = False
@@ -408,6 +502,7 @@ class EngineBridge:
             "stream": asdict(self.stream.counters),
             "session": asdict(self.session.counters),
             "ignored_batches": self.ignored_batches,
+            "foreign_batches": self.foreign_batches,
             "failures": self.failures,
             "bad_frames": self.bad_frames,
             "outbox_pages": self.session.outbox_pages,
@@ -430,6 +525,13 @@ class EngineBridge:
         return snap
 
 
+def _frame_property(frame: zmq.Frame, name: str) -> str:
+    try:
+        return frame.get(name)  # type: ignore[return-value]
+    except zmq.ZMQError:
+        return ""
+
+
 def _readable(sock: zmq.asyncio.Socket) -> bool:
     return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)  # type: ignore[arg-type]
 
@@ -448,6 +550,14 @@ class Bridge:
         cfg.validate()
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
+        self.auth: AsyncioAuthenticator | None = None
+        curve = [e for e in cfg.engines if e.curve]
+        if curve:  # one ZAP handler for the context; each engine is a domain of its own
+            self.auth = AsyncioAuthenticator(self.ctx, log=logging.getLogger(
+                "kvcm.engines.bridge.zap"))
+            self.auth.start()
+            for e in curve:
+                self.auth.configure_curve(domain=e.id, location=e.curve_publisher_keys_dir)
         self.manager = ManagerConnection(cfg.manager_address, insecure=cfg.insecure,
                                          ca_file=cfg.tls_ca_file, cert_file=cfg.tls_cert_file,
                                          key_file=cfg.tls_key_file, deadline_ms=cfg.deadline_ms)
@@ -458,6 +568,8 @@ class Bridge:
             await asyncio.gather(*(e.run(stop) for e in self.engines))
         finally:
             await self.manager.close()
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.destroy(linger=0)
 
 

@@ -27,6 +27,11 @@ otherwise. So: vLLM given `tcp://*:5557` -> endpoint = "tcp://<engine host>:5557
 vLLM always binds its replay (ROUTER) endpoint; the bridge connects to it. SGLang's
 publisher (`--kv-events-config`) decides bind/connect the same way (docs/ENGINES.md, "SGLang").
 
+Bind mode listens for publishers: only on loopback (or ipc://) unless the engine has CURVE
+keys (curve_secret_key_file, curve_publisher_keys_dir), and it takes batches from one
+publisher connection at a time (docs/SECURITY.md, "kvcm-bridge"). Every frame is capped at
+max_frame_bytes (ZMQ drops a larger one, and its connection, before allocating it).
+
 Settings and flags before issue 26's vocabulary still work and warn once: manager,
 ca_file / cert_file / key_file, metrics_port (with metrics_address a bare host), dtype,
 page_size.
@@ -130,6 +135,16 @@ class EngineConfig:
     # Overrides of [namespace] for this engine.
     tenant: str = ""
     model: str = ""
+    # Bind mode over CURVE: the bridge's certificate (a ZMQ secret certificate file, as
+    # zmq.auth.create_certificates writes: "NAME.key_secret") and a directory of the
+    # publishers' public certificates ("*.key"); only those publishers may connect. Without
+    # them a bind endpoint must be loopback or ipc://.
+    curve_secret_key_file: str = ""
+    curve_publisher_keys_dir: str = ""
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_secret_key_file)
 
     def validate(self) -> None:
         where = f"engine {self.id!r}"
@@ -153,8 +168,48 @@ class EngineConfig:
                               "the engine's host (vLLM binds it; the bridge connects)")
         if self.block_size <= 0:
             raise ConfigError(f"{where}: block_size must be > 0")
+        if bool(self.curve_secret_key_file) != bool(self.curve_publisher_keys_dir):
+            raise ConfigError(f"{where}: CURVE needs both curve_secret_key_file and "
+                              "curve_publisher_keys_dir")
+        if self.curve and self.endpoint_mode != "bind":
+            raise ConfigError(f"{where}: CURVE keys are for endpoint_mode \"bind\" (in "
+                              "connect mode the bridge chooses whom it connects to)")
+        if self.endpoint_mode == "bind" and not self.curve and not is_local_endpoint(
+                self.endpoint):
+            raise ConfigError(
+                f"{where}: endpoint {self.endpoint!r} in bind mode would take KV events from "
+                "any host that reaches it: bind a loopback address (tcp://127.0.0.1:PORT) "
+                "or ipc://, or give curve_secret_key_file and curve_publisher_keys_dir "
+                "(docs/SECURITY.md, \"kvcm-bridge\")")
+        if self.curve:
+            self.curve_keys()
         if sum(bool(x) for x in (self.token_file, self.token_env, self.token)) > 1:
             raise ConfigError(f"{where}: give one of token_file, token_env, token")
+
+    def curve_keys(self) -> tuple[bytes, bytes]:
+        """(public, secret) of curve_secret_key_file; ConfigError naming what is wrong."""
+        import zmq.auth
+
+        where = f"engine {self.id!r}"
+        try:
+            public, secret = zmq.auth.load_certificate(self.curve_secret_key_file)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}: curve_secret_key_file {self.curve_secret_key_file!r}: "
+                              f"{e}") from None
+        if not secret:
+            raise ConfigError(f"{where}: curve_secret_key_file {self.curve_secret_key_file!r} "
+                              "holds no secret key (give the .key_secret file)")
+        try:
+            publishers = [n for n in os.listdir(self.curve_publisher_keys_dir)
+                          if n.endswith(".key")]
+        except OSError as e:
+            raise ConfigError(f"{where}: curve_publisher_keys_dir "
+                              f"{self.curve_publisher_keys_dir!r}: {e.strerror}") from None
+        if not publishers:
+            raise ConfigError(f"{where}: curve_publisher_keys_dir "
+                              f"{self.curve_publisher_keys_dir!r} holds no *.key certificate: "
+                              "no publisher could connect")
+        return public, secret
 
     def resolve_token(self) -> str:
         """The engine's token ("" for none, e.g. a manager without a tokens file)."""
@@ -188,6 +243,9 @@ class BridgeConfig:
     probe_interval_s: float = 2.0
     replay_timeout_s: float = 3.0
     deadline_ms: int = 5_000              # per manager call
+    # The largest ZMQ frame taken from an engine (ZMQ_MAXMSGSIZE), bytes: a larger one is
+    # dropped with its connection before it is allocated. vLLM's batches are far smaller.
+    max_frame_bytes: int = 16 * 1024 * 1024
     namespace: NamespaceConfig = field(default_factory=NamespaceConfig)
     engines: list[EngineConfig] = field(default_factory=list)
 
@@ -223,6 +281,24 @@ class BridgeConfig:
             raise ConfigError("ttl_ms must be in 1000..600000")
         if self.engine_timeout_s <= self.probe_interval_s:
             raise ConfigError("engine_timeout_s must exceed probe_interval_s")
+        if not 4096 <= self.max_frame_bytes <= 1 << 31:
+            raise ConfigError("max_frame_bytes must be in 4096..2^31")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint is reachable from this host only: ipc://, inproc://, or tcp://
+    on a loopback address (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _fill(obj: Any, table: dict[str, Any], where: str) -> None:
@@ -314,6 +390,9 @@ def arg_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--engine_timeout_s", type=float)
     p.add_argument("--probe_interval_s", type=float)
     p.add_argument("--replay_timeout_s", type=float)
+    p.add_argument("--max_frame_bytes", type=int,
+                   help="largest ZMQ frame taken from an engine, bytes (default 16 MiB); a "
+                        "larger one is dropped with its connection")
     p.add_argument("--tenant")
     p.add_argument("--model")
     p.add_argument("--preset", help="catalogue model for the namespace's spec")
@@ -323,7 +402,8 @@ def arg_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE,...",
                    help="an engine: id, kind (vllm or sglang), endpoint, endpoint_mode, "
                         "replay_endpoint, topic, token_file, token_env, data_parallel_rank, "
-                        "block_size, kv_group, lora_by_name, require_extra_keys")
+                        "block_size, kv_group, lora_by_name, require_extra_keys, "
+                        "curve_secret_key_file, curve_publisher_keys_dir")
     p.add_argument("--log_level", default="INFO")
     return p
 
@@ -337,7 +417,8 @@ def from_args(argv: list[str] | None = None,
     cfg = load(args.config)
     for name in ("manager_address", "insecure", "tls_ca_file", "tls_cert_file",
                  "tls_key_file", "register_token_file", "metrics_address", "ttl_ms",
-                 "engine_timeout_s", "probe_interval_s", "replay_timeout_s"):
+                 "engine_timeout_s", "probe_interval_s", "replay_timeout_s",
+                 "max_frame_bytes"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)

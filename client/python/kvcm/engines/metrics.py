@@ -37,6 +37,8 @@ _COUNTERS = [
     ("stale_batches", "Live batches ahead of everything the engine holds, dropped",
      ("stream", "stale_batches")),
     ("ignored_batches", "Batches of another data-parallel rank", ("ignored_batches",)),
+    ("foreign_batches", "Bind mode: batches from a publisher connection other than the "
+     "engine's, refused", ("foreign_batches",)),
     ("loop_failures", "Bridge loops restarted after an unexpected error", ("failures",)),
     ("blocks_stored", "Blocks stored by the engine's events", ("mirror", "blocks_stored")),
     ("blocks_removed", "Blocks removed by the engine's events", ("mirror", "blocks_removed")),

@@ -156,8 +156,8 @@ class BridgeRig:
         pub_port, replay_port = free_port(), free_port()
         if mode == "connect":  # vLLM binds the wildcard; the bridge connects to its host
             self.vllm_ep, bridge_ep = f"tcp://*:{pub_port}", f"tcp://127.0.0.1:{pub_port}"
-        else:                  # vLLM connects to the bridge's host; the bridge binds
-            self.vllm_ep, bridge_ep = f"tcp://127.0.0.1:{pub_port}", f"tcp://*:{pub_port}"
+        else:                  # vLLM connects to the bridge's host; the bridge binds it
+            self.vllm_ep = bridge_ep = f"tcp://127.0.0.1:{pub_port}"
         self.replay_ep = f"tcp://*:{replay_port}" if replay else None
         self.form, self.buffer_steps, self.num_blocks = form, buffer_steps, num_blocks
         self.pub = self.new_publisher()

@@ -249,8 +249,11 @@ class FakeVllmPublisher:
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
                  data_parallel_rank: int = 0, form: str = "map",
-                 replay_form: str | None = None, release: str | None = None):
-        """`release` (a vLLM version) sets form and replay_form as that release's."""
+                 replay_form: str | None = None, release: str | None = None,
+                 curve: tuple[bytes, bytes, bytes] | None = None):
+        """`release` (a vLLM version) sets form and replay_form as that release's. `curve`:
+        (server public, own public, own secret) key, to publish to a bridge over CURVE
+        (vLLM itself has no such setting)."""
         self.array_fields: tuple[int, int] | None = None
         if release is not None:
             wire = wire_for_release(release)
@@ -277,6 +280,9 @@ class FakeVllmPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._pub.curve_serverkey, self._pub.curve_publickey, \
+                self._pub.curve_secretkey = curve
         assert self.endpoint is not None
         if publisher_binds(self.endpoint):
             self._pub.bind(self.endpoint)
