@@ -2,8 +2,11 @@
 
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/model_catalog.h"
 #include "common/security_options.h"
 #include "gpu/agent/transport/registry.h"
@@ -76,6 +79,31 @@ absl::Status ValidateSecurity(const AgentOptions& o) {
 }
 
 }  // namespace
+
+absl::StatusOr<LocalPrincipalUids> ParseLocalPrincipalUids(absl::string_view text) {
+  LocalPrincipalUids out;
+  for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    entry = absl::StripAsciiWhitespace(entry);
+    const size_t eq = entry.find('=');
+    if (eq == absl::string_view::npos || eq == 0 || eq + 1 == entry.size()) {
+      return Invalid("local_principal_uids",
+                     absl::StrCat("entry \"", entry, "\" is not principal=uid[:uid...]"));
+    }
+    std::vector<uint32_t>& uids = out[entry.substr(0, eq)];
+    if (!uids.empty()) {
+      return Invalid("local_principal_uids",
+                     absl::StrCat("principal ", entry.substr(0, eq), " is listed twice"));
+    }
+    for (absl::string_view u : absl::StrSplit(entry.substr(eq + 1), ':')) {
+      uint32_t uid = 0;
+      if (!absl::SimpleAtoi(u, &uid)) {
+        return Invalid("local_principal_uids", absl::StrCat("\"", u, "\" is not a uid"));
+      }
+      uids.push_back(uid);
+    }
+  }
+  return out;
+}
 
 absl::StatusOr<PoolGeometry> AgentOptions::Geometry() const {
   ModelSpec resolved = spec;
@@ -161,6 +189,22 @@ absl::Status AgentOptions::Validate() const {
   if (local_max_sessions < 1 || local_max_sessions > 4096) {
     return Invalid("local_max_sessions",
                    absl::StrCat("must be in [1, 4096], got ", local_max_sessions));
+  }
+  if (local_max_sessions_per_uid < 1 || local_max_sessions_per_uid > 4096) {
+    return Invalid("local_max_sessions_per_uid",
+                   absl::StrCat("must be in [1, 4096], got ", local_max_sessions_per_uid));
+  }
+  if (local_hello_timeout_ms < 1 || local_hello_timeout_ms > 600'000) {
+    return Invalid("local_hello_timeout_ms",
+                   absl::StrCat("must be in [1, 600000], got ", local_hello_timeout_ms));
+  }
+  if (local_copy_chunk_bytes < 1 || local_copy_chunk_bytes > (1ull << 40)) {
+    return Invalid("local_copy_chunk_bytes",
+                   absl::StrCat("must be in [1, 2^40], got ", local_copy_chunk_bytes));
+  }
+  if (absl::StatusOr<LocalPrincipalUids> bound = ParseLocalPrincipalUids(local_principal_uids);
+      !bound.ok()) {
+    return bound.status();
   }
   if (host_capacity_bytes > 0) {
     if (tier != Tier::kGpu) return Invalid("host_capacity_bytes", "is only for tier gpu");

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -16,6 +18,12 @@
 #include "gpu/agent/pool/pool_geometry.h"
 
 namespace kvcm {
+
+// local_principal_uids parsed: principal name -> the peer uids it may be used from.
+using LocalPrincipalUids = absl::flat_hash_map<std::string, std::vector<uint32_t>>;
+
+// INVALID_ARGUMENT naming local_principal_uids for a malformed list (format on the option).
+absl::StatusOr<LocalPrincipalUids> ParseLocalPrincipalUids(absl::string_view text);
 
 struct AgentOptions {
   // Id of this agent, also its pool's agent_id at the manager. 1..128 bytes of
@@ -154,7 +162,8 @@ struct AgentOptions {
   uint32_t data_request_timeout_ms = 2'000;
 
   // The local data path (local_socket_server.h, docs/AGENTS.md "Local data path"): a Unix
-  // SOCK_SEQPACKET socket at this path (mode 0600; a stale one is replaced) where engines on
+  // SOCK_SEQPACKET socket at this path (mode 0600, or 0660 with local_socket_group; a stale
+  // one is replaced) where engines on
   // this host register their KV memory and have the agent copy blocks between it and the
   // pool, with the checks of ReadBlocks / WriteBlocks. Empty (the default): off. At most
   // 107 bytes (sun_path).
@@ -162,6 +171,31 @@ struct AgentOptions {
   // Sessions the local socket serves at once (one thread each); one more connection is
   // closed as it is accepted. 1..4096.
   uint32_t local_max_sessions = 64;
+  // Who may connect (docs/SECURITY.md "The local data path"): a peer is admitted by its
+  // SO_PEERCRED credentials when its uid is in local_allowed_uids or its (primary) gid in
+  // local_allowed_gids; both empty (the default): the agent's own effective uid only. Any
+  // other peer's connection is closed as it is accepted.
+  std::vector<uint32_t> local_allowed_uids;
+  std::vector<uint32_t> local_allowed_gids;
+  // Group of the socket file (a name or a number): set, the file is mode 0660 in that group
+  // (engines of other uids must be in it to connect); empty (the default): mode 0600.
+  std::string local_socket_group;
+  // Connections one peer uid may hold at once (sessions, and connections awaiting their
+  // hello), so that no uid takes all local_max_sessions. 1..4096.
+  uint32_t local_max_sessions_per_uid = 16;
+  // A connection whose hello has not registered a region within this is closed (ms).
+  // 1..600000.
+  uint32_t local_hello_timeout_ms = 2'000;
+  // Tokens bound to peer uids: "principal=uid[:uid...][,principal=uid...]" (a principal's
+  // name in the tokens file). A hello (and every copy) with a listed principal's token is
+  // PERMISSION_DENIED from any other uid; unlisted principals may be used from any admitted
+  // uid. Empty (the default): none bound.
+  std::string local_principal_uids;
+  // Most bytes a LocalCopy copies per critical section of the pool's lock (whole segments,
+  // at least one): what bounds how long a copy holds the lock (ReadBlocks holds it per
+  // read_chunk_bytes). A value over a call's bytes copies each call in one section.
+  // 1..2^40.
+  uint64_t local_copy_chunk_bytes = 1ull << 20;
 
   // The BlockAgent port's connection limits as common/server_limits.h takes them.
   ServerLimitsOptions Limits() const;

@@ -68,6 +68,33 @@ TEST(AgentOptionsTest, LocalSocketOptionsAreValidated) {
   AgentOptions path = o;
   path.local_socket = "/" + std::string(107, 'a');  // 108 bytes: no room for sun_path's NUL
   EXPECT_THAT(path.Validate().message(), HasSubstr("local_socket"));
+  // Issue 35's limits: safe defaults, each validated by name.
+  EXPECT_TRUE(o.local_allowed_uids.empty() && o.local_allowed_gids.empty());  // own uid only
+  EXPECT_TRUE(o.local_socket_group.empty());                                  // mode 0600
+  EXPECT_EQ(o.local_max_sessions_per_uid, 16u);
+  EXPECT_EQ(o.local_hello_timeout_ms, 2000u);
+  EXPECT_EQ(o.local_copy_chunk_bytes, 1u << 20);
+  AgentOptions bad = o;
+  bad.local_max_sessions_per_uid = 0;
+  EXPECT_THAT(bad.Validate().message(), HasSubstr("local_max_sessions_per_uid"));
+  bad = o;
+  bad.local_hello_timeout_ms = 0;
+  EXPECT_THAT(bad.Validate().message(), HasSubstr("local_hello_timeout_ms"));
+  bad = o;
+  bad.local_copy_chunk_bytes = 0;
+  EXPECT_THAT(bad.Validate().message(), HasSubstr("local_copy_chunk_bytes"));
+  for (const char* text : {"acme", "acme=", "=1000", "acme=x", "acme=1,acme=2"}) {
+    bad = o;
+    bad.local_principal_uids = text;
+    EXPECT_THAT(bad.Validate().message(), HasSubstr("local_principal_uids")) << text;
+  }
+  absl::StatusOr<LocalPrincipalUids> bound =
+      ParseLocalPrincipalUids("acme-vllm=1001:1002, globex-vllm=1003");
+  ASSERT_TRUE(bound.ok()) << bound.status();
+  EXPECT_EQ(bound->size(), 2u);
+  EXPECT_EQ(bound->at("acme-vllm"), (std::vector<uint32_t>{1001, 1002}));
+  EXPECT_EQ(bound->at("globex-vllm"), (std::vector<uint32_t>{1003}));
+  EXPECT_TRUE(ParseLocalPrincipalUids("")->empty());
 }
 
 TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {

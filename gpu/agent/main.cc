@@ -10,11 +10,13 @@
 // shut the agent down cleanly (exit status 0).
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -22,6 +24,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/enum_names.h"
 #include "common/log.h"
@@ -145,11 +148,28 @@ ABSL_FLAG(uint32_t, data_max_connections, kDefaults.data_max_connections,
 ABSL_FLAG(uint32_t, data_max_connections_per_peer, kDefaults.data_max_connections_per_peer,
           "Connections the data port serves at once from one IP address.");
 ABSL_FLAG(std::string, local_socket, kDefaults.local_socket,
-          "Unix socket (SOCK_SEQPACKET, mode 0600) of the local data path, where engines on "
-          "this host register their KV memory and the agent copies blocks into and out of it; "
-          "empty: off.");
+          "Unix socket (SOCK_SEQPACKET, mode 0600; 0660 with --local_socket_group) of the local "
+          "data path, where engines on this host register their KV memory and the agent copies "
+          "blocks into and out of it; empty: off.");
 ABSL_FLAG(uint32_t, local_max_sessions, kDefaults.local_max_sessions,
           "Sessions the local socket serves at once; one more connection is closed.");
+ABSL_FLAG(std::vector<std::string>, local_allowed_uids, {},
+          "Peer uids (SO_PEERCRED) admitted on the local socket, comma-separated; with "
+          "--local_allowed_gids empty too: the agent's own uid only.");
+ABSL_FLAG(std::vector<std::string>, local_allowed_gids, {},
+          "Peer primary gids (SO_PEERCRED) admitted on the local socket, comma-separated.");
+ABSL_FLAG(std::string, local_socket_group, kDefaults.local_socket_group,
+          "Group (name or number) of the local socket file, which is then mode 0660; empty: "
+          "mode 0600.");
+ABSL_FLAG(uint32_t, local_max_sessions_per_uid, kDefaults.local_max_sessions_per_uid,
+          "Connections one peer uid may hold on the local socket at once.");
+ABSL_FLAG(uint32_t, local_hello_timeout_ms, kDefaults.local_hello_timeout_ms,
+          "A local connection whose hello has not registered a region within this is closed (ms).");
+ABSL_FLAG(std::string, local_principal_uids, kDefaults.local_principal_uids,
+          "Tokens bound to peer uids on the local socket: principal=uid[:uid...],... (a listed "
+          "principal's token is refused from other uids).");
+ABSL_FLAG(uint64_t, local_copy_chunk_bytes, kDefaults.local_copy_chunk_bytes,
+          "Most bytes a local LOAD or STORE copies per hold of the pool's lock.");
 ABSL_FLAG(uint32_t, data_request_timeout_ms, kDefaults.data_request_timeout_ms,
           "A data connection must finish its TLS handshake and send its request within this (ms).");
 
@@ -165,6 +185,17 @@ template <typename E>
 E OrFail(absl::StatusOr<E> value) {
   if (!value.ok()) Fail(value.status().message());
   return *value;
+}
+
+// Numeric ids (uids, gids) of a list flag, or exits naming the flag.
+std::vector<uint32_t> Ids(const std::vector<std::string>& values, absl::string_view flag) {
+  std::vector<uint32_t> ids;
+  for (const std::string& v : values) {
+    uint32_t id = 0;
+    if (!absl::SimpleAtoi(v, &id)) Fail(absl::StrCat(flag, ": \"", v, "\" is not a number"));
+    ids.push_back(id);
+  }
+  return ids;
 }
 
 kvcm::AgentOptions OptionsFromFlags() {
@@ -227,6 +258,13 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
   o.local_socket = absl::GetFlag(FLAGS_local_socket);
   o.local_max_sessions = absl::GetFlag(FLAGS_local_max_sessions);
+  o.local_allowed_uids = Ids(absl::GetFlag(FLAGS_local_allowed_uids), "--local_allowed_uids");
+  o.local_allowed_gids = Ids(absl::GetFlag(FLAGS_local_allowed_gids), "--local_allowed_gids");
+  o.local_socket_group = absl::GetFlag(FLAGS_local_socket_group);
+  o.local_max_sessions_per_uid = absl::GetFlag(FLAGS_local_max_sessions_per_uid);
+  o.local_hello_timeout_ms = absl::GetFlag(FLAGS_local_hello_timeout_ms);
+  o.local_principal_uids = absl::GetFlag(FLAGS_local_principal_uids);
+  o.local_copy_chunk_bytes = absl::GetFlag(FLAGS_local_copy_chunk_bytes);
   o.allocate_wait_ms = absl::GetFlag(FLAGS_allocate_wait_ms);
   o.allocation_ttl_ms = absl::GetFlag(FLAGS_allocation_ttl_ms);
   const char* token = kvcm::GetEnvWithDeprecated("kvcm-agent", "KVCM_TOKEN", "KVCM_AGENT_TOKEN");
@@ -239,6 +277,14 @@ kvcm::AgentOptions OptionsFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Not dumpable, before anything is read or mapped: /proc/<pid>/mem, ptrace and the
+  // /proc/<pid>/fd of this process then need CAP_SYS_PTRACE, even for a process of the same
+  // uid (an engine on the local socket), and no core dump holds the pool
+  // (docs/SECURITY.md "The local data path").
+  if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+    std::perror("kvcm-agent: prctl(PR_SET_DUMPABLE, 0)");
+    return 1;
+  }
   kvcm::SetLogProgramName("kvcm-agent");
   kvcm::ParseProgramFlags(
       argc, argv,

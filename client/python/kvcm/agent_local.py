@@ -125,8 +125,10 @@ class LocalRegion:
 
     Engine block b's segment s lives at byte segment_offsets[s] + b * segment_stride of the
     region; an agent block is its segments end to end (len(segment_offsets) x segment_bytes
-    must be the agent's bytes_per_block). The memfd is sealed against shrinking, which the
-    agent requires. `buffer` is the region (a writable mmap: torch.frombuffer wraps it).
+    must be the agent's bytes_per_block). The memfd is allocated and sealed against
+    shrinking, which the agent requires; the agent then seals it with F_SEAL_FUTURE_WRITE, so
+    holes cannot be punched in it, nor new writable mappings made. `buffer` is the region (a
+    writable mmap made before the hello: torch.frombuffer wraps it).
     """
 
     def __init__(
@@ -146,8 +148,8 @@ class LocalRegion:
         self._fd = os.memfd_create("kvcm-engine-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self._fd, region_bytes)
-            # Allocated now (it is the engine's KV memory): the agent maps an allocated region
-            # with its page tables filled (a sparse one page by page, on first copy).
+            # Allocated now (it is the engine's KV memory), as the agent requires: it refuses a
+            # region with holes, which its copies would allocate on the agent's account.
             os.posix_fallocate(self._fd, 0, region_bytes)
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
             self._map = mmap.mmap(self._fd, region_bytes, mmap.MAP_SHARED)
@@ -225,7 +227,8 @@ class LocalRegion:
         return self._map
 
     def fileno(self) -> int:
-        """The memfd (the engine may map it again, e.g. with other flags)."""
+        """The memfd (the engine may map it again, read-only: the agent sealed it with
+        F_SEAL_FUTURE_WRITE at the hello)."""
         if self._fd < 0:
             raise ValueError("a CUDA region has no memfd")
         return self._fd

@@ -249,6 +249,7 @@ def test_a_cuda_hello_to_an_agent_without_cuda_is_refused_with_the_reason(rig: R
     h.ClearField("cuda_ipc")
     fd = os.memfd_create("kv", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, rig.bytes_per_block)
+    os.posix_fallocate(fd, 0, rig.bytes_per_block)  # the agent refuses holes
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     socket.send_fds(sock, [req.SerializeToString()], [fd])
     reply = local_pb2.LocalReply.FromString(sock.recv(65536))

@@ -1,6 +1,7 @@
 // EngineRegion: the engine's KV memory as a LocalSession copies to and from it, behind one
 // interface so the session's checks are written once (proto/kvcm/v1/local.proto LocalHello):
-//   MapMemfdRegion     host memory: a sealed memfd the session maps MAP_SHARED; memcpy.
+//   MapMemfdRegion     host memory: an allocated, sealed memfd the session maps MAP_SHARED;
+//                      memcpy.
 //   OpenCudaIpcRegion  device memory of a GPU engine (cuda_ipc_region.h, CUDA builds only):
 //                      one opened CUDA IPC allocation per segment; cudaMemcpyAsync.
 // Segment s of the engine's memory is a byte range from its own base (the region's start,
@@ -45,9 +46,12 @@ class EngineRegion {
 };
 
 // Maps the first `region_bytes` of `fd` read/write (MAP_SHARED): INVALID_ARGUMENT naming
-// "fd" for a descriptor that is not a regular file or not sealed against shrinking (a file
-// that shrinks would fault the agent with SIGBUS on a copy), "region_bytes" when the file is
-// smaller; INTERNAL when mmap fails. The caller keeps `fd` (the mapping does not need it).
+// "fd" for a descriptor that is not a regular file, not sealed against shrinking (a file
+// that shrinks would fault the agent with SIGBUS on a copy) or with a hole in
+// [0, region_bytes) (the agent's copies would allocate it, charged to the agent), "region_bytes"
+// when the file is smaller; INTERNAL when mmap fails. On success the file is sealed with
+// F_SEAL_FUTURE_WRITE, so no hole can appear later (punching one is EPERM; mappings made
+// before keep working). The caller keeps `fd` (the mapping does not need it).
 absl::StatusOr<std::unique_ptr<EngineRegion>> MapMemfdRegion(int fd, uint64_t region_bytes);
 
 }  // namespace kvcm

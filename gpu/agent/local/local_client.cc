@@ -21,12 +21,14 @@ absl::Status Errno(absl::StatusCode code, absl::string_view what) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MemfdRegion>> MemfdRegion::Create(uint64_t bytes, bool seal) {
+absl::StatusOr<std::unique_ptr<MemfdRegion>> MemfdRegion::Create(uint64_t bytes, bool seal,
+                                                                 bool allocate) {
   const int fd = memfd_create("kvcm-engine-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Errno(absl::StatusCode::kInternal, "memfd_create");
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      (allocate && fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0) ||
       (seal && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0)) {
-    const absl::Status s = Errno(absl::StatusCode::kInternal, "memfd: size or seal");
+    const absl::Status s = Errno(absl::StatusCode::kInternal, "memfd: size, allocation or seal");
     close(fd);
     return s;
   }

@@ -19,13 +19,15 @@
 
 namespace kvcm {
 
-// `bytes` of shared memory: a memfd (sealed against shrinking, as a hello requires) mapped
-// read/write. Owns the fd and the mapping.
+// `bytes` of shared memory: a memfd (allocated and sealed against shrinking, as a hello
+// requires) mapped read/write. Owns the fd and the mapping.
 class MemfdRegion {
  public:
-  // INTERNAL when the memfd cannot be made, sized, sealed or mapped. With `seal` false the
-  // memfd is left unsealed (for tests of the agent's refusal).
-  static absl::StatusOr<std::unique_ptr<MemfdRegion>> Create(uint64_t bytes, bool seal = true);
+  // INTERNAL when the memfd cannot be made, sized, allocated, sealed or mapped. With `seal`
+  // false the memfd is left unsealed, with `allocate` false sparse (for tests of the agent's
+  // refusals).
+  static absl::StatusOr<std::unique_ptr<MemfdRegion>> Create(uint64_t bytes, bool seal = true,
+                                                             bool allocate = true);
   ~MemfdRegion();
   MemfdRegion(const MemfdRegion&) = delete;
   MemfdRegion& operator=(const MemfdRegion&) = delete;

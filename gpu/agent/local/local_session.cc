@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <optional>
 #include <span>
 #include <utility>
@@ -72,8 +73,8 @@ absl::StatusOr<std::unique_ptr<EngineRegion>> OpenCudaIpc(const v1::CudaIpcRegio
 
 }  // namespace
 
-LocalSession::LocalSession(LocalSessionEnv env, std::string peer)
-    : env_(env), peer_(std::move(peer)) {}
+LocalSession::LocalSession(LocalSessionEnv env, std::string peer, uint32_t peer_uid)
+    : env_(env), peer_(std::move(peer)), peer_uid_(peer_uid) {}
 
 LocalSession::~LocalSession() = default;
 
@@ -109,9 +110,15 @@ v1::LocalReply LocalSession::Handle(absl::string_view datagram, std::vector<int>
       }
       if (env_.metrics != nullptr) {
         env_.metrics->RecordLocalCopy(DirectionName(req.copy().direction()), s,
-                                      s.ok() ? reply.bytes_copied() : 0);
+                                      reply.bytes_copied());
       }
-      if (!s.ok()) reply.Clear();
+      if (!s.ok()) {  // only how far a copy stopped midway got
+        const uint32_t blocks = reply.blocks_copied();
+        const uint64_t bytes = reply.bytes_copied();
+        reply.Clear();
+        reply.set_blocks_copied(blocks);
+        reply.set_bytes_copied(bytes);
+      }
       return ReplyOf(s, std::move(reply));
     }
     default:
@@ -138,13 +145,7 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, std::span<const int> f
   }
   // Who first: an unauthenticated peer learns nothing of the pool.
   std::shared_ptr<const Principal> principal;
-  if (h.token().empty()) {
-    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(nullptr));
-  } else {
-    const std::string value = absl::StrCat("Bearer ", h.token());
-    const absl::string_view view(value);
-    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(&view));
-  }
+  KVCM_ASSIGN_OR_RETURN(principal, Authenticate(h.token()));
   const uint64_t bytes_per_block = env_.pools.main->geometry().bytes_per_block();
   const uint64_t region = h.region_bytes();
   if (region < 1 || region > kMaxRegionBytes) {
@@ -189,11 +190,12 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, std::span<const int> f
   }
   region_ = std::move(mapped);
   principal_ = std::move(principal);
+  token_ = h.token();
   segment_offsets_.assign(h.segment_offsets().begin(), h.segment_offsets().end());
   segment_bytes_ = h.segment_bytes();
   segment_stride_ = h.segment_stride();
   num_engine_blocks_ = h.num_engine_blocks();
-  if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(true);
+  if (env_.metrics != nullptr) env_.metrics->RecordLocalSession("opened");
   LogInfo(absl::StrCat("local session of ", peer_, " (principal ", principal_->name,
                        ") registered ", region_->Describe(), ": ", num_engine_blocks_,
                        " engine blocks of ", segments, " segments x ", segment_bytes_, " bytes"));
@@ -202,10 +204,44 @@ absl::Status LocalSession::Hello(const v1::LocalHello& h, std::span<const int> f
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<const Principal>> LocalSession::Authenticate(
+    const std::string& token) const {
+  std::shared_ptr<const Principal> principal;
+  if (token.empty()) {
+    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(nullptr));
+  } else {
+    const std::string value = absl::StrCat("Bearer ", token);
+    const absl::string_view view(value);
+    KVCM_ASSIGN_OR_RETURN(principal, env_.authenticator->AuthenticateValue(&view));
+  }
+  if (env_.principal_uids != nullptr) {
+    const auto it = env_.principal_uids->find(principal->name);
+    if (it != env_.principal_uids->end() &&
+        std::find(it->second.begin(), it->second.end(), peer_uid_) == it->second.end()) {
+      return absl::PermissionDeniedError(absl::StrCat("principal ", principal->name,
+                                                      " may not be used from uid ", peer_uid_,
+                                                      " (local_principal_uids)"));
+    }
+  }
+  return principal;
+}
+
 absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
   if (region_ == nullptr) {
     return absl::FailedPreconditionError("copy: no region yet (send a hello first)");
   }
+  // The token is checked again on every copy: a token revoked (or rebound) since the hello
+  // ends the session here, before anything is read.
+  absl::StatusOr<std::shared_ptr<const Principal>> now = Authenticate(token_);
+  if (!now.ok()) {
+    ended_ = true;
+    LogWarning(absl::StrCat("local session of ", peer_, " (principal ", principal_->name,
+                            ") closed: ", now.status().message()));
+    if (env_.metrics != nullptr) env_.metrics->RecordLocalSession("revoked");
+    return absl::Status(now.status().code(),
+                        absl::StrCat(now.status().message(), "; the session is closed"));
+  }
+  principal_ = *std::move(now);
   const bool load = c.direction() == v1::LOCAL_DIRECTION_LOAD;
   if (!load && c.direction() != v1::LOCAL_DIRECTION_STORE) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -262,25 +298,52 @@ absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
   const std::optional<PageCheck> check =
       pages.has_value() ? std::optional<PageCheck>(pages->view()) : std::nullopt;
   const uint64_t bytes_per_block = pool->geometry().bytes_per_block();
-  KVCM_RETURN_IF_ERROR(pool->WithCheckedBlocks(
-      ids, c.owner_epoch(), /*writable=*/!load, "block_ids", bound, check ? &*check : nullptr,
-      [&](DeviceBackend& backend) -> absl::Status {
-        // Every check has passed: only a failing copy (a device error) stops midway, and
-        // Finish waits for what was issued before the pool's lock is released.
-        absl::Status copied;
-        for (int i = 0; i < n && copied.ok(); ++i) {
-          const uint64_t block = pool->BlockOffset(ids[i]);
-          const uint64_t engine_block = c.engine_blocks(i);
-          for (size_t s = 0; s < segment_offsets_.size() && copied.ok(); ++s) {
-            const uint64_t mine = segment_offsets_[s] + engine_block * segment_stride_;
-            const uint64_t theirs = block + s * segment_bytes_;
-            copied = load ? region_->Load(backend, theirs, s, mine, segment_bytes_)
-                          : region_->Store(backend, theirs, s, mine, segment_bytes_);
+  // Every check of every block first, all at once: a refusal known now moves no byte.
+  KVCM_RETURN_IF_ERROR(pool->WithCheckedBlocks(ids, c.owner_epoch(), /*writable=*/!load,
+                                               "block_ids", bound, check ? &*check : nullptr,
+                                               [](DeviceBackend&) { return absl::OkStatus(); }));
+  // Then the copies, chunk by chunk: segments in order (block i's, then block i + 1's), at
+  // most local_copy_chunk_bytes of them (at least one) per critical section of the pool's
+  // lock, each checking again, under that lock, the blocks whose segments it copies.
+  const size_t segments = segment_offsets_.size();
+  const uint64_t per_chunk = std::max<uint64_t>(1, options.local_copy_chunk_bytes / segment_bytes_);
+  const uint64_t total = static_cast<uint64_t>(n) * segments;
+  for (uint64_t first = 0; first < total;) {
+    const uint64_t end = std::min(total, first + per_chunk);
+    const size_t lo = first / segments;
+    const size_t hi = (end - 1) / segments + 1;  // blocks [lo, hi) have segments in the chunk
+    const std::span<const uint64_t> chunk_bound =
+        bound.empty() ? std::span<const uint64_t>()
+                      : std::span<const uint64_t>(bound).subspan(lo, hi - lo);
+    std::optional<PageCheck> chunk_check;
+    if (check) chunk_check = PageCheck{.ns = check->ns, .pages = check->pages.subspan(lo, hi - lo)};
+    const absl::Status s = pool->WithCheckedBlocks(
+        ids.subspan(lo, hi - lo), c.owner_epoch(), /*writable=*/!load, "block_ids", chunk_bound,
+        chunk_check ? &*chunk_check : nullptr, [&](DeviceBackend& backend) -> absl::Status {
+          // Only a failing copy (a device error) stops midway, and Finish waits for what
+          // was issued before the pool's lock is released.
+          absl::Status copied;
+          for (uint64_t k = first; k < end && copied.ok(); ++k) {
+            const size_t i = k / segments;
+            const size_t seg = k % segments;
+            const uint64_t mine = segment_offsets_[seg] + c.engine_blocks(i) * segment_stride_;
+            const uint64_t theirs = pool->BlockOffset(ids[i]) + seg * segment_bytes_;
+            copied = load ? region_->Load(backend, theirs, seg, mine, segment_bytes_)
+                          : region_->Store(backend, theirs, seg, mine, segment_bytes_);
           }
-        }
-        const absl::Status finished = region_->Finish();
-        return copied.ok() ? finished : copied;
-      }));
+          const absl::Status finished = region_->Finish();
+          return copied.ok() ? finished : copied;
+        });
+    if (!s.ok()) {
+      // Blocks [0, lo) are whole; a block freed, reallocated or recommitted since the first
+      // check (or a device error) stops the rest.
+      reply->set_blocks_copied(static_cast<uint32_t>(lo));
+      reply->set_bytes_copied(static_cast<uint64_t>(lo) * bytes_per_block);
+      return absl::Status(
+          s.code(), absl::StrCat(s.message(), " (after ", lo, " of ", n, " blocks were copied)"));
+    }
+    first = end;
+  }
   reply->set_blocks_copied(static_cast<uint32_t>(n));
   reply->set_bytes_copied(static_cast<uint64_t>(n) * bytes_per_block);
   return absl::OkStatus();

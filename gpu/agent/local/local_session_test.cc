@@ -3,6 +3,7 @@
 // authorization a session inherits, page-verified reads (LocalCopy LOAD and ReadBlocks),
 // garbage datagrams and the session limit.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -89,8 +90,10 @@ class LocalSessionTest : public ::testing::Test {
     rmdir(dir_.c_str());
   }
 
-  // Serves the pool with a tokens file (acme and evil workers) when `tokens`, else open.
-  void StartServer(bool tokens, uint32_t max_sessions = 64) {
+  // Serves the pool with a tokens file (acme and evil workers) when `tokens`, else open;
+  // `socket` but its path as given.
+  void StartServer(bool tokens, LocalSocketOptions socket = {}) {
+    socket.path = path_;
     if (tokens) {
       tokens_path_ = dir_ + "/tokens";
       std::FILE* f = std::fopen(tokens_path_.c_str(), "w");
@@ -106,13 +109,12 @@ class LocalSessionTest : public ::testing::Test {
     } else {
       authenticator_ = Authenticator::Open();
     }
-    absl::StatusOr<std::unique_ptr<LocalSocketServer>> s =
-        LocalSocketServer::Start({.path = path_, .max_sessions = max_sessions},
-                                 LocalSessionEnv{.options = &options_,
-                                                 .pools = AgentPools{.main = pool_.get()},
-                                                 .epoch = &epoch_,
-                                                 .authenticator = authenticator_.get(),
-                                                 .metrics = &metrics_});
+    absl::StatusOr<std::unique_ptr<LocalSocketServer>> s = LocalSocketServer::Start(
+        std::move(socket), LocalSessionEnv{.options = &options_,
+                                           .pools = AgentPools{.main = pool_.get()},
+                                           .epoch = &epoch_,
+                                           .authenticator = authenticator_.get(),
+                                           .metrics = &metrics_});
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
   }
@@ -677,34 +679,233 @@ TEST_F(LocalSessionTest, GarbageGetsAnErrorAndTheSessionSurvives) {
   EXPECT_EQ(EngineBlock(*region, 3), std::string(1024, 'q'));
 }
 
-TEST_F(LocalSessionTest, ASparseRegionIsMappedWithoutAllocatingItsHoles) {
+// A region with holes would make the agent's copies allocate them (shared memory charged to
+// the agent): a hello whose region has one is refused, changing nothing (no seal added, no
+// page allocated); an accepted region is sealed so that no hole can be punched afterwards.
+TEST_F(LocalSessionTest, ARegionWithHolesIsRefusedAndNoneCanBePunchedAfterTheHello) {
   StartServer(false);
   auto c = Connect();
-  // 1 GiB the engine never touched: the agent's mapping must not allocate it.
+  const auto allocated = [](const MemfdRegion& r) {
+    struct stat st {};
+    EXPECT_EQ(fstat(r.fd(), &st), 0);
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  };
+  // 1 GiB the engine never touched (the sparse memfd).
   constexpr uint64_t kSparse = uint64_t{1} << 30;
-  auto region = Region(kSparse);
-  ASSERT_NE(region, nullptr);
-  v1::LocalHello h = GoodHello();
-  h.set_region_bytes(kSparse);
-  ASSERT_TRUE(Hello(*c, *region, h).ok());
-  struct stat st {};
-  ASSERT_EQ(fstat(region->fd(), &st), 0);
-  EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, uint64_t{16} << 20);
-  // Copies still work (and allocate only what they write).
+  auto sparse = MemfdRegion::Create(kSparse, /*seal=*/true, /*allocate=*/false);
+  ASSERT_TRUE(sparse.ok()) << sparse.status();
+  v1::LocalHello big = GoodHello();
+  big.set_region_bytes(kSparse);
+  absl::Status s = Hello(*c, **sparse, big);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("allocate"));
+  EXPECT_EQ(allocated(**sparse), 0u);
+  EXPECT_EQ(fcntl((*sparse)->fd(), F_GET_SEALS) & F_SEAL_FUTURE_WRITE, 0);
+  // Allocated but for one page in the middle (st_blocks alone would not see it: the file is
+  // larger than the region).
+  auto holed = Region(kRegion + 4096);
+  ASSERT_EQ(fallocate(holed->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  s = Hello(*c, *holed, GoodHello());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("1 of the region's 1 pages are not allocated"));
+  EXPECT_EQ(fcntl(holed->fd(), F_GET_SEALS) & F_SEAL_FUTURE_WRITE, 0);
+  // Nothing registered.
   std::vector<uint64_t> gens;
   const std::vector<BlockId> ids = Allocate(1, kAcmeNs, &gens);
+  s = CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, ids, {1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+
+  // An allocated region registers and is sealed: the engine can no longer punch holes
+  // (fallocate, madvise MADV_REMOVE) nor map it writable anew; its own mapping still works.
+  auto region = Region();
+  ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+  EXPECT_NE(fcntl(region->fd(), F_GET_SEALS) & F_SEAL_FUTURE_WRITE, 0);
+  EXPECT_NE(fallocate(region->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(madvise(region->data(), 4096, MADV_REMOVE), 0);
+  EXPECT_EQ(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, region->fd(), 0), MAP_FAILED);
+  EXPECT_EQ(allocated(*region), kRegion);
+  region->data()[0] = std::byte{1};
   WritePool(ids[0], gens[0], 'z');
-  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, {ids[0]}, {1}).ok());
+  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, ids, {1}).ok());
   EXPECT_EQ(EngineBlock(*region, 1), std::string(1024, 'z'));
+  EXPECT_EQ(allocated(*region), kRegion);
+}
+
+// A connection that registers no region within hello_timeout_ms is closed, however much
+// else it sends; one that does stays.
+TEST_F(LocalSessionTest, AConnectionWithoutAHelloInTimeIsClosed) {
+  StartServer(false, {.max_sessions = 2, .hello_timeout_ms = 300});
+  auto silent = Connect();
+  auto chatty = Connect();
+  const absl::Time start = absl::Now();
+  // Garbage keeps getting replies until the deadline, then the connection is gone.
+  absl::Status last;
+  while (absl::Now() - start < absl::Seconds(3)) {
+    absl::StatusOr<v1::LocalReply> r = chatty->CallRaw("junk");
+    if (!r.ok()) {
+      last = r.status();
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(last.code(), absl::StatusCode::kUnavailable) << last;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  char byte;
+  EXPECT_EQ(recv(silent->fd(), &byte, 1, 0), 0);  // hung up by the agent
+  EXPECT_THAT(metrics_.RenderText(), HasSubstr("result=\"hello_timeout\"} 2"));
+  // Their slots are free again; a session that registered in time outlives the deadline.
+  for (int i = 0; i < 200 && server_->active_sessions() > 0; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  auto c = Connect();
+  auto region = Region();
+  ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  std::vector<uint64_t> gens;
+  const std::vector<BlockId> ids = Allocate(1, kAcmeNs, &gens);
+  WritePool(ids[0], gens[0], 'h');
+  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, ids, {0}).ok());
+  EXPECT_EQ(EngineBlock(*region, 0), std::string(1024, 'h'));
+}
+
+// Peers are admitted by SO_PEERCRED: by default the agent's own uid; with a list, a listed
+// uid or gid. One uid holds at most max_sessions_per_uid connections.
+TEST_F(LocalSessionTest, PeersAreAdmittedByCredentialsAndCappedPerUid) {
+  const uint32_t me = geteuid();
+  const uint32_t other = me + 4242;
+  // Not listed: closed as accepted, counted.
+  StartServer(false, {.allowed_uids = {other}});
+  {
+    auto c = Connect();
+    auto region = Region();
+    EXPECT_EQ(Hello(*c, *region, GoodHello()).code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(server_->refused(), 1u);
+    EXPECT_THAT(metrics_.RenderText(), HasSubstr("result=\"not_allowed\"} 1"));
+    EXPECT_EQ(fcntl(region->fd(), F_GET_SEALS) & F_SEAL_FUTURE_WRITE, 0);  // never seen
+  }
+  server_.reset();
+  // Admitted by its gid.
+  StartServer(false, {.allowed_uids = {other}, .allowed_gids = {static_cast<uint32_t>(getegid())}});
+  {
+    auto c = Connect();
+    EXPECT_TRUE(Hello(*c, *Region(), GoodHello()).ok());
+  }
+  server_.reset();
+  // By its uid, at most 2 at once.
+  StartServer(false, {.max_sessions = 64, .max_sessions_per_uid = 2, .allowed_uids = {other, me}});
+  auto a = Connect();
+  auto b = Connect();
+  ASSERT_TRUE(Hello(*a, *Region(), GoodHello()).ok());
+  auto third = Connect();  // b has no hello yet: it counts all the same
+  EXPECT_EQ(Hello(*third, *Region(), GoodHello()).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(server_->refused(), 1u);
+  EXPECT_THAT(metrics_.RenderText(), HasSubstr("result=\"uid_limit\"} 1"));
+  ASSERT_TRUE(Hello(*b, *Region(), GoodHello()).ok());
+  a.reset();
+  for (int i = 0; i < 200 && server_->active_sessions() > 1; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  auto fourth = Connect();
+  EXPECT_TRUE(Hello(*fourth, *Region(), GoodHello()).ok());
+}
+
+TEST_F(LocalSessionTest, ASocketGroupMakesTheSocketGroupReadable) {
+  StartServer(false, {.socket_group = std::to_string(getegid())});
+  struct stat st {};
+  ASSERT_EQ(stat(path_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_EQ(st.st_gid, getegid());
+  server_.reset();
+  absl::StatusOr<std::unique_ptr<LocalSocketServer>> s =
+      LocalSocketServer::Start({.path = path_, .socket_group = "no-such-group-kvcm"},
+                               LocalSessionEnv{.options = &options_,
+                                               .pools = AgentPools{.main = pool_.get()},
+                                               .authenticator = authenticator_.get()});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+}
+
+// A session whose token was revoked (the tokens file reloaded without it) is refused its
+// next copy, UNAUTHENTICATED, and closed; nothing moves.
+TEST_F(LocalSessionTest, ARevokedTokensSessionIsRefusedAndClosed) {
+  StartServer(true);
+  auto acme = Connect();
+  auto evil = Connect();
+  auto region = Region();
+  auto evil_region = Region();
+  Fill(*region, 3);
+  ASSERT_TRUE(Hello(*acme, *region, GoodHello(kAcme)).ok());
+  ASSERT_TRUE(Hello(*evil, *evil_region, GoodHello(kEvil)).ok());
+  std::vector<uint64_t> gens;
+  const std::vector<BlockId> ids = Allocate(1, kAcmeNs, &gens);
+  WritePool(ids[0], gens[0], 'a');
+  ASSERT_TRUE(CopyStatus(*acme, v1::LOCAL_DIRECTION_LOAD, ids, {0}).ok());
+  // acme's token revoked: the file rewritten without it (another size), then reloaded.
+  {
+    std::FILE* f = std::fopen(tokens_path_.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(absl::StrCat(Sha256Hex(kEvil), " evil-vllm roles=worker tenant=evil\n").c_str(), f);
+    std::fclose(f);
+  }
+  ASSERT_TRUE(authenticator_->ReloadIfChanged().ok());
+  const std::string before = RegionBytes(*region);
+  WritePool(ids[0], gens[0], 'b');
+  absl::StatusOr<v1::LocalReply> r = Copy(*acme, v1::LOCAL_DIRECTION_LOAD, ids, {1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->code(), static_cast<uint32_t>(absl::StatusCode::kUnauthenticated));
+  EXPECT_THAT(r->message(), HasSubstr("session is closed"));
+  EXPECT_EQ(r->blocks_copied(), 0u);
+  EXPECT_EQ(RegionBytes(*region), before);
+  // A STORE is refused the same way (the connection is closed now).
+  r = Copy(*acme, v1::LOCAL_DIRECTION_STORE, ids, {1}, gens);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_EQ(PoolBlock(ids[0]), std::string(1024, 'b'));
+  EXPECT_THAT(metrics_.RenderText(), HasSubstr("result=\"revoked\"} 1"));
+  // A token still in the file keeps its session.
+  EXPECT_EQ(CopyStatus(*evil, v1::LOCAL_DIRECTION_LOAD, ids, {0}).code(),
+            absl::StatusCode::kPermissionDenied);  // acme's block, as before
+}
+
+// A principal bound to uids (local_principal_uids) is refused from any other.
+TEST_F(LocalSessionTest, ATokenBoundToOtherUidsIsRefused) {
+  StartServer(true, {.principal_uids = {{"acme-vllm", {geteuid() + 1}},
+                                        {"evil-vllm", {geteuid() + 1, geteuid()}}}});
+  auto c = Connect();
+  auto region = Region();
+  const absl::Status s = Hello(*c, *region, GoodHello(kAcme));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(s.message(), HasSubstr("local_principal_uids"));
+  EXPECT_EQ(fcntl(region->fd(), F_GET_SEALS) & F_SEAL_FUTURE_WRITE, 0);  // nothing mapped
+  EXPECT_TRUE(Hello(*c, *region, GoodHello(kEvil)).ok());
+}
+
+// Copies in chunks of one segment (the smallest) move exactly the bytes of one call.
+TEST_F(LocalSessionTest, ChunkedCopiesMoveTheSameBytes) {
+  options_.local_copy_chunk_bytes = 1;  // one segment per hold of the lock
+  StartServer(false);
+  auto c = Connect();
+  auto region = Region();
+  Fill(*region, 9);
+  ASSERT_TRUE(Hello(*c, *region, GoodHello()).ok());
+  std::vector<uint64_t> gens;
+  const std::vector<BlockId> ids = Allocate(3, kAcmeNs, &gens);
+  absl::StatusOr<v1::LocalReply> r = Copy(*c, v1::LOCAL_DIRECTION_STORE, ids, {2, 0, 3}, gens);
+  ASSERT_TRUE(r.ok() && r->code() == 0) << (r.ok() ? r->message() : r.status().ToString());
+  EXPECT_EQ(r->blocks_copied(), 3u);
+  EXPECT_EQ(PoolBlock(ids[0]), EngineBlock(*region, 2));
+  EXPECT_EQ(PoolBlock(ids[1]), EngineBlock(*region, 0));
+  EXPECT_EQ(PoolBlock(ids[2]), EngineBlock(*region, 3));
+  const std::string b2 = EngineBlock(*region, 2), b3 = EngineBlock(*region, 3);
+  ASSERT_TRUE(CopyStatus(*c, v1::LOCAL_DIRECTION_LOAD, {ids[0], ids[2]}, {3, 1}).ok());
+  EXPECT_EQ(EngineBlock(*region, 3), b2);
+  EXPECT_EQ(EngineBlock(*region, 1), b3);
 }
 
 TEST_F(LocalSessionTest, ConnectionsOverTheLimitAreClosed) {
-  StartServer(false, /*max_sessions=*/2);
+  StartServer(false, {.max_sessions = 2});
   auto a = Connect();
   auto b = Connect();
   auto region = Region();
   ASSERT_TRUE(Hello(*a, *region, GoodHello()).ok());  // both accepted and served
-  ASSERT_TRUE(Hello(*b, *region, GoodHello()).ok());
+  ASSERT_TRUE(Hello(*b, *Region(), GoodHello()).ok());
   auto third = Connect();
   absl::StatusOr<v1::LocalReply> r = third->Call(v1::LocalRequest());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
@@ -715,7 +916,19 @@ TEST_F(LocalSessionTest, ConnectionsOverTheLimitAreClosed) {
   for (int i = 0; i < 200 && server_->active_sessions() > 1; ++i)
     absl::SleepFor(absl::Milliseconds(5));
   auto fourth = Connect();
-  EXPECT_TRUE(Hello(*fourth, *region, GoodHello()).ok());
+  EXPECT_TRUE(Hello(*fourth, *Region(), GoodHello()).ok());
+  // A memfd registers once: the first hello sealed it, so another session cannot map it.
+  auto fifth_region = Region();
+  const absl::Status s = Hello(*fourth, *region, GoodHello());
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;  // fourth has a region
+  b.reset();
+  for (int i = 0; i < 200 && server_->active_sessions() > 1; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  auto fifth = Connect();
+  const absl::Status again = Hello(*fifth, *region, GoodHello());
+  EXPECT_EQ(again.code(), absl::StatusCode::kInvalidArgument) << again;
+  EXPECT_THAT(again.message(), HasSubstr("register a new memfd"));
+  EXPECT_TRUE(Hello(*fifth, *fifth_region, GoodHello()).ok());
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "gpu/agent/local/local_socket_server.h"
 
 #include <errno.h>
+#include <grp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -9,11 +10,19 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/log.h"
+#include "common/status_macros.h"
 
 namespace kvcm {
 namespace {
@@ -26,15 +35,38 @@ absl::Status Errno(absl::string_view what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-// Waits until `fd` is readable or `wake_fd` is (Stop): true for `fd`.
-bool WaitReadable(int fd, int wake_fd) {
+enum class Wait { kReadable, kStopped, kTimedOut };
+
+// Waits until `fd` is readable, `wake_fd` is (Stop) or `deadline` passed (InfiniteFuture: never).
+Wait WaitReadable(int fd, int wake_fd, absl::Time deadline = absl::InfiniteFuture()) {
   for (;;) {
+    int timeout_ms = -1;
+    if (deadline != absl::InfiniteFuture()) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return Wait::kTimedOut;
+      timeout_ms = static_cast<int>(
+          absl::ToInt64Milliseconds(left + absl::Milliseconds(1) - absl::Nanoseconds(1)));
+    }
     pollfd p[2] = {{.fd = fd, .events = POLLIN}, {.fd = wake_fd, .events = POLLIN}};
-    const int n = poll(p, 2, -1);
+    const int n = poll(p, 2, timeout_ms);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 || (p[1].revents & POLLIN) != 0) return false;
-    if (p[0].revents != 0) return true;
+    if (n < 0 || (p[1].revents & POLLIN) != 0) return Wait::kStopped;
+    if (p[0].revents != 0) return Wait::kReadable;
   }
+}
+
+// The gid of group `name` (a name or a number).
+absl::StatusOr<gid_t> GroupId(const std::string& name) {
+  uint32_t number = 0;
+  if (absl::SimpleAtoi(name, &number)) return static_cast<gid_t>(number);
+  group g{};
+  group* found = nullptr;
+  std::vector<char> buf(16384);
+  if (getgrnam_r(name.c_str(), &g, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("local_socket_group: no group named \"", name, "\""));
+  }
+  return found->gr_gid;
 }
 
 }  // namespace
@@ -48,9 +80,16 @@ absl::StatusOr<std::unique_ptr<LocalSocketServer>> LocalSocketServer::Start(
                                                    sizeof(addr.sun_path) - 1, " bytes, got ",
                                                    options.path.size()));
   }
-  if (options.max_sessions < 1) {
-    return absl::InvalidArgumentError("local_max_sessions must be >= 1");
+  if (options.max_sessions < 1 || options.max_sessions_per_uid < 1 ||
+      options.hello_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        "local_max_sessions, local_max_sessions_per_uid and local_hello_timeout_ms must be >= 1");
   }
+  std::optional<gid_t> group;
+  if (!options.socket_group.empty()) {
+    KVCM_ASSIGN_OR_RETURN(group, GroupId(options.socket_group));
+  }
+  const mode_t mode = group.has_value() ? 0660 : 0600;
   std::memcpy(addr.sun_path, options.path.data(), options.path.size());
   // A previous agent's socket is replaced; nothing else is ever deleted.
   struct stat st {};
@@ -64,14 +103,15 @@ absl::StatusOr<std::unique_ptr<LocalSocketServer>> LocalSocketServer::Start(
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("local_socket: socket");
   // Mode 0600 from the moment the file exists (the socket inode's mode, less the umask, is
-  // what bind gives the file), and again after, whatever the umask.
+  // what bind gives the file), and `mode` in `group` after, whatever the umask.
   fchmod(fd, 0600);
   if (bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     const absl::Status s = Errno(absl::StrCat("local_socket: bind ", options.path));
     close(fd);
     return s;
   }
-  if (chmod(options.path.c_str(), 0600) != 0 || listen(fd, 64) != 0) {
+  if ((group.has_value() && chown(options.path.c_str(), static_cast<uid_t>(-1), *group) != 0) ||
+      chmod(options.path.c_str(), mode) != 0 || listen(fd, 64) != 0) {
     const absl::Status s = Errno(absl::StrCat("local_socket: listen ", options.path));
     close(fd);
     unlink(options.path.c_str());
@@ -87,14 +127,28 @@ absl::StatusOr<std::unique_ptr<LocalSocketServer>> LocalSocketServer::Start(
   std::unique_ptr<LocalSocketServer> server(
       new LocalSocketServer(std::move(options), env, fd, wake));
   server->acceptor_ = std::thread([s = server.get()] { s->AcceptLoop(); });
-  LogInfo(absl::StrCat("local data path on ", server->path(), " (at most ",
-                       server->options_.max_sessions, " sessions)"));
+  const LocalSocketOptions& o = server->options_;
+  LogInfo(absl::StrCat(
+      "local data path on ", server->path(), " (mode ", absl::StrFormat("%04o", mode),
+      group.has_value() ? absl::StrCat(", group ", *group) : std::string(), "; admits ",
+      o.allowed_uids.empty() && o.allowed_gids.empty()
+          ? absl::StrCat("uid ", geteuid(), " only")
+          : absl::StrCat("uids [", absl::StrJoin(o.allowed_uids, ","), "] gids [",
+                         absl::StrJoin(o.allowed_gids, ","), "]"),
+      "; at most ", o.max_sessions, " sessions, ", o.max_sessions_per_uid,
+      " per uid; hello within ", o.hello_timeout_ms, " ms)"));
   return server;
 }
 
 LocalSocketServer::LocalSocketServer(LocalSocketOptions options, LocalSessionEnv env, int listen_fd,
                                      int wake_fd)
-    : options_(std::move(options)), env_(env), listen_fd_(listen_fd), wake_fd_(wake_fd) {}
+    : options_(std::move(options)),
+      env_([&] {
+        env.principal_uids = options_.principal_uids.empty() ? nullptr : &options_.principal_uids;
+        return env;
+      }()),
+      listen_fd_(listen_fd),
+      wake_fd_(wake_fd) {}
 
 LocalSocketServer::~LocalSocketServer() {
   Stop();
@@ -143,8 +197,23 @@ void LocalSocketServer::Reap() {
   }
 }
 
+bool LocalSocketServer::Admitted(uint32_t uid, uint32_t gid) const {
+  if (options_.allowed_uids.empty() && options_.allowed_gids.empty()) return uid == geteuid();
+  return absl::c_linear_search(options_.allowed_uids, uid) ||
+         absl::c_linear_search(options_.allowed_gids, gid);
+}
+
+void LocalSocketServer::Refuse(int fd, absl::string_view result, const std::string& peer,
+                               absl::string_view why) {
+  // Counted and logged before the close: a peer that sees the hang-up sees them too.
+  refused_.fetch_add(1, std::memory_order_relaxed);
+  if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(result);
+  LogWarning(absl::StrCat("local_socket: closed the connection of ", peer, ": ", why));
+  close(fd);
+}
+
 void LocalSocketServer::AcceptLoop() {
-  while (WaitReadable(listen_fd_, wake_fd_)) {
+  while (WaitReadable(listen_fd_, wake_fd_) == Wait::kReadable) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE) {
@@ -155,22 +224,34 @@ void LocalSocketServer::AcceptLoop() {
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
-    const std::string peer = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0
-                                 ? absl::StrCat("uid ", cred.uid, " pid ", cred.pid)
-                                 : std::string("an unknown peer");
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      Refuse(fd, "not_allowed", "an unknown peer", "no SO_PEERCRED credentials");
+      continue;
+    }
+    const std::string peer = absl::StrCat("uid ", cred.uid, " gid ", cred.gid, " pid ", cred.pid);
+    if (!Admitted(cred.uid, cred.gid)) {
+      Refuse(fd, "not_allowed", peer,
+             "neither its uid nor its gid is admitted (local_allowed_uids, local_allowed_gids)");
+      continue;
+    }
     absl::MutexLock lock(&mu_);
     Reap();
     if (stopped_ || connections_.size() >= options_.max_sessions) {
-      // Counted before the close: a peer that sees the hang-up sees the count too.
-      refused_.fetch_add(1, std::memory_order_relaxed);
-      if (env_.metrics != nullptr) env_.metrics->RecordLocalSession(false);
-      close(fd);
-      LogWarning(absl::StrCat("local_socket: closed the connection of ", peer, ": ",
-                              options_.max_sessions, " sessions (local_max_sessions) are open"));
+      Refuse(fd, "refused", peer,
+             absl::StrCat(options_.max_sessions, " sessions (local_max_sessions) are open"));
+      continue;
+    }
+    const size_t of_uid = absl::c_count_if(
+        connections_, [&](const std::unique_ptr<Connection>& c) { return c->uid == cred.uid; });
+    if (of_uid >= options_.max_sessions_per_uid) {
+      Refuse(fd, "uid_limit", peer,
+             absl::StrCat(of_uid, " connections of uid ", cred.uid,
+                          " are open (local_max_sessions_per_uid)"));
       continue;
     }
     auto conn = std::make_unique<Connection>();
     conn->fd = fd;
+    conn->uid = cred.uid;
     Connection* c = conn.get();
     connections_.push_back(std::move(conn));
     c->thread = std::thread([this, c, peer] { Serve(c, peer); });
@@ -178,11 +259,23 @@ void LocalSocketServer::AcceptLoop() {
 }
 
 void LocalSocketServer::Serve(Connection* conn, std::string peer) {
-  LocalSession session(env_, std::move(peer));
+  LocalSession session(env_, peer, conn->uid);
+  // Until a hello registers a region, the connection lives at most hello_timeout_ms.
+  const absl::Time hello_deadline = absl::Now() + absl::Milliseconds(options_.hello_timeout_ms);
   // Untouched pages of the buffer cost nothing: requests are small.
   const std::unique_ptr<char[]> buf(new char[LocalSession::kMaxRequestBytes]);
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)];
-  while (WaitReadable(conn->fd, wake_fd_)) {
+  for (;;) {
+    const Wait w = WaitReadable(conn->fd, wake_fd_,
+                                session.registered() ? absl::InfiniteFuture() : hello_deadline);
+    if (w == Wait::kTimedOut) {
+      if (env_.metrics != nullptr) env_.metrics->RecordLocalSession("hello_timeout");
+      LogWarning(absl::StrCat("local_socket: closed the connection of ", peer,
+                              ": no region registered within ", options_.hello_timeout_ms,
+                              " ms (local_hello_timeout_ms)"));
+      break;
+    }
+    if (w != Wait::kReadable) break;
     iovec iov{.iov_base = buf.get(), .iov_len = LocalSession::kMaxRequestBytes};
     msghdr msg{};
     msg.msg_iov = &iov;
@@ -218,7 +311,8 @@ void LocalSocketServer::Serve(Connection* conn, std::string peer) {
                              (msg.msg_flags & MSG_TRUNC) != 0);
     }
     const std::string out = reply.SerializeAsString();
-    if (send(conn->fd, out.data(), out.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(out.size())) {
+    if (send(conn->fd, out.data(), out.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(out.size()) ||
+        session.ended()) {
       break;
     }
   }

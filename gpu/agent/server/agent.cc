@@ -195,14 +195,22 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   a->address_ = absl::StrCat(
       opts.advertise_host.empty() ? HostOf(opts.listen_address) : opts.advertise_host, ":", port);
   if (!opts.local_socket.empty()) {
-    KVCM_ASSIGN_OR_RETURN(a->local_,
-                          LocalSocketServer::Start(
-                              {.path = opts.local_socket, .max_sessions = opts.local_max_sessions},
-                              LocalSessionEnv{.options = &opts,
-                                              .pools = a->pools(),
-                                              .epoch = &a->epoch_,
-                                              .authenticator = a->authenticator_.get(),
-                                              .metrics = a->metrics_.get()}));
+    KVCM_ASSIGN_OR_RETURN(LocalPrincipalUids principal_uids,
+                          ParseLocalPrincipalUids(opts.local_principal_uids));
+    KVCM_ASSIGN_OR_RETURN(a->local_, LocalSocketServer::Start(
+                                         {.path = opts.local_socket,
+                                          .max_sessions = opts.local_max_sessions,
+                                          .max_sessions_per_uid = opts.local_max_sessions_per_uid,
+                                          .allowed_uids = opts.local_allowed_uids,
+                                          .allowed_gids = opts.local_allowed_gids,
+                                          .socket_group = opts.local_socket_group,
+                                          .hello_timeout_ms = opts.local_hello_timeout_ms,
+                                          .principal_uids = std::move(principal_uids)},
+                                         LocalSessionEnv{.options = &opts,
+                                                         .pools = a->pools(),
+                                                         .epoch = &a->epoch_,
+                                                         .authenticator = a->authenticator_.get(),
+                                                         .metrics = a->metrics_.get()}));
   }
 
   if (!opts.metrics_address.empty()) {

@@ -142,7 +142,11 @@ AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEp
                          .Name("kvcm_agent_local_sessions_total")
                          .Help(
                              "Local data path sessions by result: opened (a hello registered a "
-                             "region) or refused (a connection over local_max_sessions).")
+                             "region), refused (a connection over local_max_sessions), "
+                             "uid_limit (over local_max_sessions_per_uid), not_allowed (a peer "
+                             "not admitted), hello_timeout (no region registered within "
+                             "local_hello_timeout_ms), revoked (a session's token no longer "
+                             "valid).")
                          .Register(*registry_);
   local_copies_ = &prometheus::BuildCounter()
                        .Name("kvcm_agent_local_copies_total")
@@ -221,8 +225,8 @@ void AgentMetrics::RecordTransfer(const absl::Status& status, uint64_t bytes,
   transfer_failures_->Add({{"reason", absl::StatusCodeToString(status.code())}}).Increment();
 }
 
-void AgentMetrics::RecordLocalSession(bool opened) {
-  local_sessions_->Add({{"result", opened ? "opened" : "refused"}}).Increment();
+void AgentMetrics::RecordLocalSession(absl::string_view result) {
+  local_sessions_->Add({{"result", std::string(result)}}).Increment();
 }
 
 void AgentMetrics::RecordLocalCopy(absl::string_view direction, const absl::Status& status,

@@ -62,10 +62,12 @@ class AgentMetrics {
   // A successful pull also moves pull_gbps().
   void RecordTransfer(const absl::Status& status, uint64_t bytes, absl::Duration elapsed);
 
-  // The local data path (local_socket_server.h): a session whose hello registered a region
-  // (`opened`), or a connection closed as it was accepted, over local_max_sessions:
-  // kvcm_agent_local_sessions_total{result="opened"|"refused"}.
-  void RecordLocalSession(bool opened);
+  // The local data path (local_socket_server.h): kvcm_agent_local_sessions_total{result}, for
+  // a session whose hello registered a region ("opened"), a connection closed as it was
+  // accepted ("refused": over local_max_sessions; "uid_limit"; "not_allowed"), one closed
+  // without a hello in time ("hello_timeout") and a session whose token was revoked
+  // ("revoked").
+  void RecordLocalSession(absl::string_view result);
   // One LocalCopy in `direction` ("load" / "store") ended with `status`, having copied
   // `bytes`: kvcm_agent_local_copies_total{direction,code} and
   // kvcm_agent_local_bytes_total{direction}.
