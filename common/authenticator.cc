@@ -6,9 +6,11 @@
 #include <map>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/agent_identity.h"
 
 namespace kvcm {
 namespace {
@@ -54,36 +56,39 @@ absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::Authenticate(
   return AuthenticateValue(&value);
 }
 
-std::shared_ptr<const Principal> Authenticator::AgentFromCertificate(
+absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::AgentFromCertificate(
     const grpc::AuthContext* peer) const {
   // Certificate properties exist only for a peer whose certificate the TLS handshake
-  // verified against the CA (servers that require and verify client certificates).
+  // verified against the CA (servers that require and verify client certificates). The
+  // certificate itself is read: gRPC's subjectAltName property mixes DNS, URI, email and IP
+  // names, of which only DNS names identify an agent.
   if (agent_identity_dns_suffix_.empty() || peer == nullptr || !peer->IsPeerAuthenticated()) {
     return nullptr;
   }
-  for (const char* property : {GRPC_PEER_DNS_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
-    for (const grpc::string_ref& san : peer->FindPropertyValues(property)) {
-      std::optional<std::string> name = AgentNameFromDnsSan(
-          absl::string_view(san.data(), san.size()), agent_identity_dns_suffix_);
-      if (!name.has_value()) continue;
-      auto p = std::make_shared<Principal>();
-      p->name = absl::StrCat("certificate ", *name, agent_identity_dns_suffix_);
-      p->roles = static_cast<uint8_t>(Role::kAgent);
-      p->agent_id = *std::move(name);
-      p->agent_gpu_ids = true;
-      return p;
-    }
+  const std::vector<grpc::string_ref> pems =
+      peer->FindPropertyValues(GRPC_X509_PEM_CERT_PROPERTY_NAME);
+  if (pems.size() != 1) return nullptr;
+  absl::StatusOr<std::optional<std::string>> name = AgentNameOfCertificate(
+      absl::string_view(pems[0].data(), pems[0].size()), agent_identity_dns_suffix_);
+  if (!name.ok()) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("no bearer token, and ", name.status().message()));
   }
-  return nullptr;
+  if (!name->has_value()) return nullptr;
+  auto p = std::make_shared<Principal>();
+  p->name = absl::StrCat("certificate ", **name, agent_identity_dns_suffix_);
+  p->roles = static_cast<uint8_t>(Role::kAgent);
+  p->agent_id = **std::move(name);
+  p->agent_gpu_ids = true;
+  return p;
 }
 
 absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::AuthenticateValue(
     const absl::string_view* authorization, const grpc::AuthContext* peer) const {
   if (open()) return OpenPrincipal();
   if (authorization == nullptr) {
-    if (std::shared_ptr<const Principal> agent = AgentFromCertificate(peer); agent != nullptr) {
-      return agent;
-    }
+    absl::StatusOr<std::shared_ptr<const Principal>> agent = AgentFromCertificate(peer);
+    if (!agent.ok() || *agent != nullptr) return agent;
     return absl::UnauthenticatedError(
         "no bearer token: send metadata \"authorization: Bearer <token>\" (kvcmctl --token_file "
         "or KVCM_TOKEN)");

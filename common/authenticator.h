@@ -7,10 +7,11 @@
 //
 // Agents may instead be identified by their certificate (docs/SECURITY.md, "Agent
 // identity"): with an agent identity suffix, a call that sends no bearer token, over mutual
-// TLS whose client certificate verified, is the agent principal N when the certificate's
-// first DNS subjectAltName of the form N + suffix names one DNS label N
-// (AgentNameFromDnsSan); that principal may act as agent N and N-gpu<K>. A bearer token,
-// when sent, decides alone.
+// TLS whose client certificate verified, is the agent principal N when the certificate's DNS
+// subjectAltNames under the suffix name the one agent N (common/agent_identity.h: never the
+// common name or a URI, email or IP name; a certificate naming two agents is none and is
+// UNAUTHENTICATED); that principal may act as agent N and N-gpu<K>. A bearer token, when
+// sent, decides alone.
 //
 // Thread-safe.
 #ifndef KVCM_COMMON_AUTHENTICATOR_H_
@@ -63,8 +64,10 @@ class Authenticator {
   explicit Authenticator(std::string path, std::string agent_identity_dns_suffix = "")
       : path_(std::move(path)), agent_identity_dns_suffix_(std::move(agent_identity_dns_suffix)) {}
 
-  // The agent principal `peer`'s verified certificate names, or null.
-  std::shared_ptr<const Principal> AgentFromCertificate(const grpc::AuthContext* peer) const;
+  // The agent principal `peer`'s verified certificate names (AgentNameOfCertificate), or
+  // null; UNAUTHENTICATED for a certificate naming several agents.
+  absl::StatusOr<std::shared_ptr<const Principal>> AgentFromCertificate(
+      const grpc::AuthContext* peer) const;
 
   const std::string path_;
   const std::string agent_identity_dns_suffix_;

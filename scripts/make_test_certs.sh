@@ -6,8 +6,11 @@
 #   ca.pem ca.key                   the trusted CA
 #   manager.pem manager.key         server certificate of kvcm-manager
 #   <agent_id>.pem <agent_id>.key   one per agent: its servers, and its client certificate;
-#                                   an argument ID@DNS adds DNS to ID's subjectAltNames (an
-#                                   agent named by its certificate, docs/SECURITY.md)
+#                                   an argument ID@NAME[,NAME...] adds each NAME to ID's
+#                                   subjectAltNames: a DNS name (an agent named by its
+#                                   certificate, docs/SECURITY.md), or one typed as openssl
+#                                   writes it (URI:..., email:..., DNS:...). The subject's
+#                                   common name is the ID.
 #   client.pem client.key           a worker's / kvcmctl's client certificate
 #   untrusted-ca.pem untrusted-ca.key, untrusted.pem untrusted.key
 #                                   a second CA nobody trusts, and a certificate it signed
@@ -72,9 +75,17 @@ make_ca untrusted-ca "kvcm untrusted test CA"
 make_leaf manager kvcm-manager ca server
 for a in "${agents[@]}"; do
   if [[ $a == *@* ]]; then
-    # A section of its own: the server one plus the extra DNS name.
-    printf '[%s]\nbasicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature\nextendedKeyUsage = serverAuth, clientAuth\nsubjectAltName = DNS:localhost, IP:127.0.0.1, DNS:%s\n' \
-      "ext_${a%%@*}" "${a#*@}" >>openssl.cnf
+    # A section of its own: the server one plus the extra names.
+    sans=""
+    IFS=',' read -ra names <<<"${a#*@}"
+    for n in "${names[@]}"; do
+      case $n in
+        DNS:* | URI:* | email:* | IP:*) sans+=", $n" ;;
+        *) sans+=", DNS:$n" ;;
+      esac
+    done
+    printf '[%s]\nbasicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature\nextendedKeyUsage = serverAuth, clientAuth\nsubjectAltName = DNS:localhost, IP:127.0.0.1%s\n' \
+      "ext_${a%%@*}" "$sans" >>openssl.cnf
     make_leaf "${a%%@*}" "${a%%@*}" ca "ext_${a%%@*}"
   else
     make_leaf "$a" "$a" ca server

@@ -93,6 +93,9 @@ ABSL_FLAG(uint32_t, shutdown_grace_ms, kDefaults.shutdown_grace_ms,
           "How long shutdown waits for in-flight calls, in milliseconds.");
 ABSL_FLAG(uint32_t, agent_heartbeat_timeout_ms, kDefaults.agent_heartbeat_timeout_ms,
           "An agent silent for longer than this is reported gone, in milliseconds.");
+ABSL_FLAG(uint32_t, max_agent_epoch_ahead_s, kDefaults.max_agent_epoch_ahead_s,
+          "How far ahead of this manager's clock an agent's Register epoch (its start time in "
+          "microseconds) may be, in seconds; a later one is refused OUT_OF_RANGE. 1..86400.");
 ABSL_FLAG(uint32_t, engine_session_ttl_ms, kDefaults.engine_session_ttl_ms,
           "An engine session (PublishEngineEvents) silent for longer than this, in milliseconds, "
           "ends with its pools emptied (unless it asked for its own ttl).");

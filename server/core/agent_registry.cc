@@ -14,17 +14,29 @@ absl::Status StaleEpoch(absl::string_view agent_id, uint64_t epoch, uint64_t kno
 
 }  // namespace
 
-AgentRegistry::AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout)
-    : clock_(clock), heartbeat_timeout_(heartbeat_timeout) {}
+AgentRegistry::AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout,
+                             absl::Duration max_epoch_ahead)
+    : clock_(clock), heartbeat_timeout_(heartbeat_timeout), max_epoch_ahead_(max_epoch_ahead) {}
 
 absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegister(const AgentRegistration& reg) const {
+  const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);
   auto it = agents_.find(reg.agent_id);
-  return CheckRegisterLocked(reg, it == agents_.end() ? nullptr : &it->second);
+  return CheckRegisterLocked(reg, it == agents_.end() ? nullptr : &it->second, now);
 }
 
 absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegisterLocked(const AgentRegistration& reg,
-                                                                   const Entry* e) const {
+                                                                   const Entry* e,
+                                                                   absl::Time now) const {
+  const int64_t limit_us = absl::ToUnixMicros(now + max_epoch_ahead_);
+  if (limit_us < 0 || reg.epoch > static_cast<uint64_t>(limit_us)) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "epoch ", reg.epoch, " of agent ", reg.agent_id, " is more than ",
+        absl::FormatDuration(max_epoch_ahead_), " ahead of the manager's clock (",
+        absl::ToUnixMicros(now),
+        " us since the Unix epoch): an epoch is the agent's start time in microseconds since "
+        "the Unix epoch; check the clocks of both hosts"));
+  }
   if (e == nullptr) return RegisterOutcome{.new_epoch = true};
   if (e->registration.epoch > reg.epoch) {
     return StaleEpoch(reg.agent_id, reg.epoch, e->registration.epoch);
@@ -37,8 +49,11 @@ absl::StatusOr<RegisterOutcome> AgentRegistry::Register(const AgentRegistration&
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = agents_.try_emplace(reg.agent_id);
   Entry& e = it->second;
-  absl::StatusOr<RegisterOutcome> outcome = CheckRegisterLocked(reg, inserted ? nullptr : &e);
-  if (!outcome.ok()) return outcome;
+  absl::StatusOr<RegisterOutcome> outcome = CheckRegisterLocked(reg, inserted ? nullptr : &e, now);
+  if (!outcome.ok()) {
+    if (inserted) agents_.erase(it);
+    return outcome;
+  }
   if (outcome->new_epoch) {
     e.usage = AgentUsage{};
     e.heartbeats = 0;

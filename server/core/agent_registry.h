@@ -9,6 +9,12 @@
 // NOT_FOUND, and it registers again (with the same epoch, if it kept its blocks: it then
 // reports its inventory, as it does to a restarted manager).
 //
+// An epoch is the agent's start time in microseconds since the Unix epoch
+// (gpu/agent/pool/agent_state.h), so one more than `max_epoch_ahead` ahead of the clock is
+// refused (OUT_OF_RANGE): no caller, a bug or an impostor, can register an epoch that the
+// real agent's restarts do not pass once that much time has gone by. The bound needs no
+// history, so a restarted manager applies it just the same.
+//
 // Thread-safe: every method locks mu_.
 #ifndef KVCM_SERVER_CORE_AGENT_REGISTRY_H_
 #define KVCM_SERVER_CORE_AGENT_REGISTRY_H_
@@ -88,8 +94,13 @@ struct AgentCounts {
 
 class AgentRegistry {
  public:
-  // `clock` is not owned and must outlive the registry. REQUIRES: heartbeat_timeout > 0.
-  AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout);
+  // How far ahead of the clock an epoch may be unless the caller says otherwise.
+  static constexpr absl::Duration kDefaultMaxEpochAhead = absl::Minutes(5);
+
+  // `clock` (wall time: epochs are compared with it) is not owned and must outlive the
+  // registry. REQUIRES: heartbeat_timeout > 0, max_epoch_ahead >= 0.
+  AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout,
+                absl::Duration max_epoch_ahead = kDefaultMaxEpochAhead);
   AgentRegistry(const AgentRegistry&) = delete;
   AgentRegistry& operator=(const AgentRegistry&) = delete;
 
@@ -105,8 +116,9 @@ class AgentRegistry {
   // Records (or refreshes) `reg` and counts as a heartbeat of zero usage when the epoch is
   // new to the registry: a first registration, a larger epoch, or the same epoch after
   // TakeGone dropped it (the index holds nothing of the agent then). ABORTED (nothing
-  // changed) when a higher epoch is registered. REQUIRES: reg.epoch >= 1 and a valid agent
-  // id (the service validates).
+  // changed) when a higher epoch is registered; OUT_OF_RANGE naming `epoch` (nothing
+  // changed) when reg.epoch is more than max_epoch_ahead past the clock. REQUIRES:
+  // reg.epoch >= 1 and a valid agent id (the service validates).
   absl::StatusOr<RegisterOutcome> Register(const AgentRegistration& reg) ABSL_LOCKS_EXCLUDED(mu_);
 
   // NOT_FOUND for an unknown agent or one TakeGone dropped; ABORTED when `epoch` is not the
@@ -138,9 +150,9 @@ class AgentRegistry {
     bool dropped = false;  // by TakeGone; only a larger epoch revives it
   };
 
-  // `e`: the agent's entry, null when unknown.
-  absl::StatusOr<RegisterOutcome> CheckRegisterLocked(const AgentRegistration& reg,
-                                                      const Entry* e) const
+  // `e`: the agent's entry, null when unknown; `now`: the clock's time.
+  absl::StatusOr<RegisterOutcome> CheckRegisterLocked(const AgentRegistration& reg, const Entry* e,
+                                                      absl::Time now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckLiveLocked(absl::string_view agent_id, uint64_t epoch) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -151,6 +163,7 @@ class AgentRegistry {
 
   const Clock* const clock_;
   const absl::Duration heartbeat_timeout_;
+  const absl::Duration max_epoch_ahead_;
   mutable absl::Mutex mu_;
   absl::btree_map<std::string, Entry> agents_ ABSL_GUARDED_BY(mu_);
   uint64_t heartbeats_total_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,5 +1,10 @@
 #include "server/core/agent_registry.h"
 
+#include <cstdint>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/clock.h"
 
@@ -147,6 +152,60 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   ASSERT_TRUE(back.ok());
   EXPECT_FALSE(back->new_epoch);
   EXPECT_TRUE(registry.Register(Reg("a", 4))->new_epoch);
+}
+
+// An epoch is a start time in microseconds since the Unix epoch: one too far ahead of the
+// clock would lock the agent id's real process out (its restarts could never pass it).
+TEST(AgentRegistryTest, AnEpochFarAheadOfTheClockIsOutOfRangeAndChangesNothing) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Seconds(10), absl::Minutes(5));
+  const uint64_t now_us = static_cast<uint64_t>(absl::ToUnixMicros(clock.Now()));
+  const uint64_t limit_us = now_us + 300'000'000;
+  ASSERT_TRUE(registry.Register(Reg("a", now_us)).ok());
+  ASSERT_TRUE(registry.Heartbeat("a", now_us, {.used_bytes = 4096}).ok());
+
+  for (uint64_t ahead : {limit_us + 1, std::numeric_limits<uint64_t>::max()}) {
+    for (const char* id : {"a", "b"}) {
+      AgentRegistration impostor = Reg(id, ahead);
+      impostor.block_agent_address = "evil:1";
+      absl::Status s = registry.CheckRegister(impostor).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+      s = registry.Register(impostor).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+      EXPECT_THAT(std::string(s.message()),
+                  ::testing::StartsWith(absl::StrCat("epoch ", ahead, " of agent ", id)));
+      EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("5m ahead"));
+    }
+  }
+  // Nothing changed: "a" keeps its epoch, address and usage; "b" was never added.
+  std::vector<AgentInfo> agents = registry.Snapshot();
+  ASSERT_EQ(agents.size(), 1u);
+  EXPECT_EQ(agents[0].registration.epoch, now_us);
+  EXPECT_EQ(agents[0].registration.block_agent_address, "");
+  EXPECT_EQ(agents[0].usage.used_bytes, 4096u);
+  EXPECT_EQ(agents[0].heartbeats, 1u);
+  EXPECT_TRUE(registry.Heartbeat("a", now_us, {}).ok());
+
+  // A restarted agent (a later start time) registers; the bound itself is allowed.
+  clock.Advance(absl::Seconds(30));
+  EXPECT_TRUE(registry.Register(Reg("a", now_us + 30'000'000))->new_epoch);
+  EXPECT_TRUE(registry.Register(Reg("a", limit_us + 30'000'000))->new_epoch);
+  // Time makes a refused epoch acceptable: skew only delays, it never locks out.
+  EXPECT_EQ(registry.Register(Reg("b", limit_us + 60'000'000)).status().code(),
+            absl::StatusCode::kOutOfRange);
+  clock.Advance(absl::Seconds(30));
+  EXPECT_TRUE(registry.Register(Reg("b", limit_us + 60'000'000)).ok());
+}
+
+// A restarted manager has no history; the bound needs none, and an agent's epoch (its start,
+// in the past) registers again as it was.
+TEST(AgentRegistryTest, AFreshRegistryTakesAnAgentsOldEpoch) {
+  FakeClock clock;
+  const uint64_t started_us =
+      static_cast<uint64_t>(absl::ToUnixMicros(clock.Now() - absl::Hours(24 * 30)));
+  AgentRegistry restarted(&clock, absl::Seconds(10));
+  EXPECT_TRUE(restarted.Register(Reg("a", started_us))->new_epoch);
+  EXPECT_TRUE(restarted.Heartbeat("a", started_us, {}).ok());
 }
 
 }  // namespace

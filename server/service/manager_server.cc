@@ -96,7 +96,8 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
   EventHub* hub = s->hub_.get();
   s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
-                                               absl::Milliseconds(opts.agent_heartbeat_timeout_ms));
+                                               absl::Milliseconds(opts.agent_heartbeat_timeout_ms),
+                                               absl::Seconds(opts.max_agent_epoch_ahead_s));
   s->engines_ = std::make_unique<EngineSessions>(s->index_.get(), RealClock::Get(),
                                                  absl::Milliseconds(opts.engine_session_ttl_ms));
   s->metrics_ =

@@ -50,6 +50,7 @@ const std::vector<Field>& Fields() {
       {"max_event_queue", &ServerOptions::max_event_queue},
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
+      {"max_agent_epoch_ahead_s", &ServerOptions::max_agent_epoch_ahead_s},
       {"engine_session_ttl_ms", &ServerOptions::engine_session_ttl_ms},
       {"max_namespaces", &ServerOptions::max_namespaces},
       {"max_namespaces_per_tenant", &ServerOptions::max_namespaces_per_tenant},
@@ -236,6 +237,10 @@ absl::Status ServerOptions::Validate() const {
   }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
+  if (max_agent_epoch_ahead_s < 1 || max_agent_epoch_ahead_s > 86'400) {
+    return Invalid("max_agent_epoch_ahead_s",
+                   absl::StrCat("must be in [1, 86400], got ", max_agent_epoch_ahead_s));
+  }
   if (engine_session_ttl_ms < 1 || engine_session_ttl_ms > 600'000) {
     return Invalid("engine_session_ttl_ms", "must be in 1..600000");
   }

@@ -74,6 +74,11 @@ struct ServerOptions {
   // An agent with no Register/Heartbeat for longer than this is reported gone (Stats,
   // kvcm_agents{state="gone"}). >= 1.
   uint32_t agent_heartbeat_timeout_ms = 10'000;
+  // How far ahead of the manager's clock an agent's Register epoch (its start time in
+  // microseconds since the Unix epoch) may be; a later one is OUT_OF_RANGE naming `epoch`,
+  // so no caller can pick an epoch the real agent never exceeds (docs/SECURITY.md). Covers
+  // clock skew between hosts. 1..86400.
+  uint32_t max_agent_epoch_ahead_s = 300;
   // An engine session (PublishEngineEvents) with no request for longer than this, when it
   // asked for no ttl of its own, ends and its pools are emptied. 1..600000.
   uint32_t engine_session_ttl_ms = 30'000;

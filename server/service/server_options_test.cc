@@ -32,6 +32,20 @@ TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
   EXPECT_EQ(options.max_tokens_per_request, 1u << 20);
   EXPECT_EQ(options.max_pages_per_request, 65536u);
   EXPECT_EQ(options.max_message_bytes, 16u << 20);
+  EXPECT_EQ(options.max_agent_epoch_ahead_s, 300u);
+}
+
+TEST(ServerOptionsTest, TheEpochBoundIsASecondToADay) {
+  ServerOptions options;
+  options.insecure = true;
+  for (uint32_t bad : {0u, 86'401u}) {
+    options.max_agent_epoch_ahead_s = bad;
+    ExpectInvalid(options.Validate(), "max_agent_epoch_ahead_s must be in [1, 86400]");
+  }
+  for (uint32_t good : {1u, 86'400u}) {
+    options.max_agent_epoch_ahead_s = good;
+    EXPECT_TRUE(options.Validate().ok()) << options.Validate();
+  }
 }
 
 // Valid high-availability options on top of `o`.
@@ -267,7 +281,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 57u);
+  EXPECT_EQ(names.size(), 58u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
