@@ -105,6 +105,11 @@ absl::StatusOr<std::shared_ptr<const Principal>> Authenticator::AuthenticateValu
   return p;
 }
 
+size_t Authenticator::TenantCount() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return table_ == nullptr ? 0 : table_->tenant_count();
+}
+
 absl::Status Authenticator::ReloadIfChanged() {
   if (open()) return absl::OkStatus();
   struct stat st {};

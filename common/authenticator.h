@@ -58,6 +58,8 @@ class Authenticator {
   absl::Status ReloadIfChanged() ABSL_LOCKS_EXCLUDED(mu_);
 
   bool open() const { return path_.empty(); }
+  // The tenants the tokens file's workers and engines belong to (0 when open).
+  size_t TenantCount() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& path() const { return path_; }
 
  private:

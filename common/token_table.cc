@@ -242,6 +242,7 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
     if ((!p->router_tenants.empty() || p->probes_any_tenant) && !p->Has(Role::kRouter)) {
       return bad("tenants= is for role router");
     }
+    if (!p->tenant.empty()) table.tenants_.insert(p->tenant);
     table.by_hash_.emplace(std::move(digest), std::move(p));
   }
   if (table.by_hash_.empty()) {

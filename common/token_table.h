@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -122,10 +123,13 @@ class TokenTable {
   std::shared_ptr<const Principal> Find(absl::string_view token) const;
 
   size_t size() const { return by_hash_.size(); }
+  // The tenants its workers and engines belong to (router and admin principals name none).
+  size_t tenant_count() const { return tenants_.size(); }
 
  private:
   // Key: the raw 32-byte digest.
   absl::flat_hash_map<std::string, std::shared_ptr<const Principal>> by_hash_;
+  absl::flat_hash_set<std::string> tenants_;
 };
 
 }  // namespace kvcm

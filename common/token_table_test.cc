@@ -37,6 +37,7 @@ TEST(TokenTableTest, FindsThePrincipalOfEachToken) {
       "tokens");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_EQ(t->size(), 2u);
+  EXPECT_EQ(t->tenant_count(), 2u) << "acme and edge; a router's tenants= names none";
   std::shared_ptr<const Principal> a = t->Find("token-a-0123456789");
   ASSERT_NE(a, nullptr);
   EXPECT_EQ(a->name, "acme");

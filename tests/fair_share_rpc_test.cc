@@ -249,6 +249,24 @@ TEST_F(FairShareRpcTest, ATenantCannotReserveMostOfAPoolAnotherUses) {
   EXPECT_EQ(AcmeCached(1, 4), 4u);
 }
 
+TEST_F(FairShareRpcTest, TheFirstTenantInAPoolGetsItsShareNotThePool) {
+  // Issue 35: alone in a pool, globex reserved 90% of it, and acme, arriving next, found
+  // the rest. The tokens file names two tenants, so the share holds from the first byte.
+  ASSERT_TRUE(Insert(kAdminToken, "globex", 1, 1).ok());  // the pool holds only globex's page
+  const v1::StatsResponse before = Stats();
+  const uint64_t most = kPoolPages * kBytesPerPage * 90 / 100;
+  grpc::Status s = Reserve(kGlobexToken, most);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("default_tenant_pool_share_pct: tenant globex"));
+  EXPECT_THAT(s.error_message(), HasSubstr("2 tenants are configured"));
+  EXPECT_TRUE(MessageDifferencer::Equals(before, Stats())) << "a refused Reserve changed state";
+
+  ASSERT_TRUE(Reserve(kGlobexToken, kPoolPages / 2 * kBytesPerPage).ok());
+  EXPECT_EQ(Reserve(kGlobexToken, 1).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  s = Reserve(kAcmeToken, kPoolPages / 2 * kBytesPerPage);
+  EXPECT_TRUE(s.ok()) << "the next tenant's half is still there: " << s.error_message();
+}
+
 TEST_F(FairShareRpcTest, ATenantsPinsStopAtTheSameShare) {
   ASSERT_TRUE(Insert(kAdminToken, "acme", 1, 2).ok());
   ASSERT_TRUE(Insert(kGlobexToken, "globex", 7, 12).ok());  // globex's 12 of 16 pages

@@ -353,6 +353,12 @@ class CacheIndex {
   // Replaces the event listener (null to stop). Safe to call at any time.
   void SetEventListener(CacheEventListener listener) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The tenants the deployment knows (the tokens file's, as the service reloads it). With
+  // two or more, default_tenant_pool_share_pct limits every tenant in every pool from its
+  // first byte; with fewer (no tokens file, or one tenant) only once another tenant uses
+  // the pool. Safe to call at any time.
+  void SetConfiguredTenants(size_t count) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Who asks for a namespace: a client (within max_namespaces and max_namespaces_per_tenant),
   // the rebuild from agents' inventories (never refused for a count), or a reader that may
   // only confirm an existing namespace and learn its key (a router: NOT_FOUND when absent,
@@ -644,7 +650,8 @@ class CacheIndex {
   uint64_t ShareCap(PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   uint64_t ShareClaim(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Whether another tenant holds pages or a reservation in live pool `pool` (the operators'
-  // reservations do not count): only then does the share limit `tenant` there.
+  // reservations do not count), or more than one tenant is configured
+  // (SetConfiguredTenants): only then does the share limit `tenant` there.
   bool SharedWithOthers(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // OK when `adding` more bytes of reservation or pins keep `tenant` within its share of
   // `pool`; else RESOURCE_EXHAUSTED naming default_tenant_pool_share_pct, for `what`.
@@ -798,6 +805,7 @@ class CacheIndex {
   // earlier hit counts.
   EvictionHistory history_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
+  size_t configured_tenants_ ABSL_GUARDED_BY(mu_) = 0;
   // Retired pools (DropPool) with replicas left in the tree, oldest first.
   std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);
   // Namespaces with a retention limit (they keep an expiry queue), and the one SweepExpired

@@ -139,7 +139,15 @@ uint64_t CacheIndex::ShareClaim(const Tenant& tenant, PoolId pool) const {
   return claim;
 }
 
+void CacheIndex::SetConfiguredTenants(size_t count) {
+  WriterLock lock(this);
+  configured_tenants_ = count;
+}
+
 bool CacheIndex::SharedWithOthers(const Tenant& tenant, PoolId pool) const {
+  // Known tenants that have not arrived yet are owed their share from the first byte: the
+  // first tenant must not take a pool the next one then finds full of its reservations.
+  if (configured_tenants_ > 1) return true;
   // The pool's used and reserved bytes, less the tenant's own and the operators'
   // reservations: what is left is other tenants' pages and reservations.
   // (The counts agree, CheckTenantAccounting says; the sum is compared, not subtracted, so
@@ -171,8 +179,10 @@ absl::Status CacheIndex::CheckShare(const Tenant& tenant, PoolId pool, uint64_t 
       options_.default_tenant_pool_share_pct, "% (", cap, " bytes) of pool ",
       budget_.key(pool).ToString(), " and holds ", claim, " (", reserved, " reserved, ",
       claim - reserved, " pinned); ", what, " would add ", adding,
-      " while other tenants use the pool (nothing changed; an operator may set tenant quotas "
-      "instead)"));
+      configured_tenants_ > 1
+          ? absl::StrCat(" while ", configured_tenants_, " tenants are configured")
+          : std::string(" while other tenants use the pool"),
+      " (nothing changed; an operator may set tenant quotas instead)"));
 }
 
 EvictResult CacheIndex::EvictTenantLocked(Tenant& tenant, uint64_t bytes) {

@@ -554,6 +554,34 @@ TEST_F(CacheIndexQuotaTest, AClaimMadeAloneIsKeptButCannotGrowOnceThePoolIsShare
   ExpectConsistent();
 }
 
+TEST_F(CacheIndexQuotaTest, WithTenantsConfiguredTheShareHoldsFromTheFirstByte) {
+  // Issue 35: alone in a pool, globex reserved 90% of it and the next tenant found it
+  // taken. With two tenants configured (the tokens file's), the share holds at once.
+  Reset({});
+  index_->SetConfiguredTenants(2);
+  const PoolKey pool{"gpu-2", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(pool, 10 * bpp_).ok());
+  const Snapshot before = Snap();
+  absl::StatusOr<uint64_t> most = index_->Reserve(pool, 9 * bpp_, "globex");
+  EXPECT_EQ(most.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(most.status().message(), HasSubstr("default_tenant_pool_share_pct: tenant globex"));
+  EXPECT_THAT(most.status().message(), HasSubstr("2 tenants are configured"));
+  EXPECT_EQ(Snap(), before) << "nothing changed";
+  // Pins count too: globex may not pin past its half of a pool nobody else uses.
+  MustInsert(b_, {1, 2, 3, 4, 5, 6}, pool);
+  EXPECT_EQ(Pin(b_, {1, 2, 3, 4, 5, 6}).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(index_->Reserve(pool, 5 * bpp_, "globex").ok());  // its share, no more
+  EXPECT_EQ(index_->Reserve(pool, 1, "globex").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(index_->Reserve(pool, 5 * bpp_, "acme").ok()) << "the next tenant's half is there";
+  // One tenant configured (or none: no tokens file): a pool it has to itself is its own.
+  index_->SetConfiguredTenants(1);
+  const PoolKey own{"gpu-3", Tier::kGpu};
+  ASSERT_TRUE(index_->SetPoolCapacity(own, 10 * bpp_).ok());
+  EXPECT_TRUE(index_->Reserve(own, 9 * bpp_, "globex").ok());
+  ExpectConsistent();
+}
+
 TEST_F(CacheIndexQuotaTest, QuotasOrAHundredPercentReplaceTheDefaultShare) {
   for (const CacheIndexOptions& options :
        {CacheIndexOptions{.tenant_max_bytes = 100 * bpp_},

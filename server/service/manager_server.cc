@@ -92,6 +92,9 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
     KVCM_ASSIGN_OR_RETURN(s->authenticator_, Authenticator::FromFile(
                                                  opts.tokens_file, opts.agent_identity_dns_suffix));
   }
+  // The tenants the tokens file names are owed their fair share of every pool from its
+  // first byte (CacheIndex::SetConfiguredTenants), and again after each reload.
+  s->index_->SetConfiguredTenants(s->authenticator_->TenantCount());
 
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
   EventHub* hub = s->hub_.get();
@@ -213,6 +216,7 @@ void ManagerServer::SweepLeases() {
   const absl::Duration interval = absl::Milliseconds(options_.lease_sweep_interval_ms);
   while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) {
     if (absl::Status s = authenticator_->ReloadIfChanged(); !s.ok()) LogError(s.message());
+    index_->SetConfiguredTenants(authenticator_->TenantCount());
     index_->ExpireLeases();
     DropGoneAgents();
     for (const EngineSessionInfo& e : engines_->ExpireIdle()) {
