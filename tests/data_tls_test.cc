@@ -31,6 +31,7 @@
 #include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
+#include "tests/connection_flood.h"
 #include "tests/test_certs.h"
 
 namespace kvcm {
@@ -282,8 +283,8 @@ TEST_F(DataTlsInPlaceTest, ABlockFreedMidStreamNeverArrivesWhole) {
 }
 
 // The issue's data-port starvation over TLS: 16 peers that connect and send no TLS byte, and
-// one that drips a ClientHello a byte at a time, hold no slot a pull needs; the request
-// deadline (data_request_timeout_ms, 2 s) closes all of them mid-handshake.
+// one that drips a ClientHello a byte at a time, hold no slot a pull needs; the handshake
+// deadline (data_handshake_timeout_ms, 1 s) closes all of them mid-handshake.
 TEST_F(DataTlsTest, SilentAndDrippingHandshakesHoldNoSlotAPullNeeds) {
   StartA("agent-a");
   StartB("agent-b");
@@ -330,6 +331,97 @@ TEST_F(DataTlsTest, SilentAndDrippingHandshakesHoldNoSlotAPullNeeds) {
   drip.join();
   for (int fd : idle) close(fd);
   close(dripper);
+}
+
+// Whether the server closed `fd` within `timeout` (what it sent first is dropped).
+bool ServerClosedWithin(int fd, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  char buf[512];
+  while (absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 20) <= 0) continue;
+    const ssize_t got = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return true;
+  }
+  return false;
+}
+
+// Issue 35's data-port flood over mutual TLS: 80 TCP connections from 10 loopback addresses
+// that never send a TLS byte, reopened as the agent closes them. Before, they held all 64
+// served slots and every pull failed UNAVAILABLE for as long as the flood lasted. Now a
+// connection takes a slot only once its handshake completed; until then it waits in the
+// handshake budget (64 in all, 8 an address), where a puller's first connection displaces
+// the oldest pending one of the heaviest address. Every pull copies bit for bit.
+TEST_F(DataTlsTest, PullsGetThroughAFloodOfConnectionsThatNeverHandshake) {
+  auto counters = std::make_shared<DataPortCounters>();
+  ta_ = *MakeTcpTransport({.tls = Tls("agent-a"), .counters = counters},
+                          AgentPools{.main = a_.get()}, Tier::kGpu);
+  StartB("agent-b");
+  std::vector<std::string> sources;
+  for (int i = 0; i < 10; ++i) sources.push_back(absl::StrCat("127.0.0.", 10 + i));
+  kvcm::testing::ConnectionFlood flood(*ParseAddress(ta_->address(), "address"), sources, 8);
+  // Through one handshake deadline: the flood's first connections have been closed and
+  // reopened, and the budget is full of its second ones.
+  const absl::Time flood_start = absl::Now();
+  while (counters->handshake_timeouts.load() == 0 &&
+         absl::Now() - flood_start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_GT(counters->handshake_timeouts.load(), 0u);
+  absl::SleepFor(absl::Milliseconds(100));
+  for (int round = 0; round < 3; ++round) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<BlockId>> into = PullAll(ta_->address());
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(into.ok()) << "round " << round << ": " << into.status();
+    EXPECT_LT(took, absl::Seconds(3)) << "round " << round;
+    for (size_t i = 0; i < from_.size(); ++i) {
+      EXPECT_EQ(Bytes(*b_, (*into)[i]), Bytes(*a_, from_[i])) << "round " << round;
+    }
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+  EXPECT_GE(flood.opened(), 100u) << "the flood was not reopening";
+  EXPECT_GT(counters->refused_max_handshakes.load(), 0u) << "the budget was never full";
+  EXPECT_GE(counters->handshakes_evicted.load(), 1u);
+  EXPECT_EQ(counters->served.load(), 3u) << "only the pulls completed a handshake";
+  EXPECT_EQ(counters->refused_max_connections.load(), 0u);
+}
+
+// Completed handshakes take the served slots (max_connections) and pending ones do not:
+// silent connections beside a TLS session holding the only slot change nothing, and a second
+// session that completes its handshake is closed for want of a slot until the first is gone.
+TEST_F(DataTlsTest, OnlyCompletedHandshakesTakeServedSlots) {
+  auto counters = std::make_shared<DataPortCounters>();
+  ta_ = *MakeTcpTransport({.max_connections = 1,
+                           .request_timeout_ms = 1'500,
+                           .tls = Tls("agent-a"),
+                           .counters = counters},
+                          AgentPools{.main = a_.get()}, Tier::kGpu);
+  StartB("agent-b");
+  std::vector<int> silent;
+  for (int i = 0; i < 3; ++i) silent.push_back(ConnectTo(ta_->address()));
+  std::shared_ptr<DataTls> tls = Tls("agent-b");
+  const int first_fd = ConnectTo(ta_->address());
+  absl::StatusOr<DataConn> first = tls->Connect(first_fd);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::SleepFor(absl::Milliseconds(100));  // the server's side of the handshake is done
+  EXPECT_EQ(counters->served.load(), 1u);
+  const int second_fd = ConnectTo(ta_->address());
+  absl::StatusOr<DataConn> second = tls->Connect(second_fd);
+  EXPECT_TRUE(ServerClosedWithin(second_fd, absl::Milliseconds(500)));
+  EXPECT_EQ(counters->refused_max_connections.load(), 1u);
+  EXPECT_FALSE(ServerClosedWithin(first_fd, absl::Milliseconds(50)));
+  // The first session sends no request: the request deadline closes it, and the slot is free.
+  EXPECT_TRUE(ServerClosedWithin(first_fd, absl::Seconds(3)));
+  absl::SleepFor(absl::Milliseconds(50));
+  absl::StatusOr<std::vector<BlockId>> into = PullAll(ta_->address());
+  ASSERT_TRUE(into.ok()) << into.status();
+  EXPECT_EQ(Bytes(*b_, (*into)[0]), Bytes(*a_, from_[0]));
+  for (int fd : silent) close(fd);
+  second = absl::CancelledError("closed");
+  close(second_fd);
+  first = absl::CancelledError("closed");
+  close(first_fd);
 }
 
 TEST_F(DataTlsTest, APeerWithoutACertificateOfTheCaIsRefusedBothWays) {

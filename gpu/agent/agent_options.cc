@@ -140,6 +140,9 @@ absl::Status AgentOptions::Validate() const {
           TcpTransportOptions{.listen_address = data_listen_address,
                               .max_connections = data_max_connections,
                               .max_connections_per_peer = data_max_connections_per_peer,
+                              .max_handshakes = data_max_handshakes,
+                              .max_handshakes_per_peer = data_max_handshakes_per_peer,
+                              .handshake_timeout_ms = data_handshake_timeout_ms,
                               .request_timeout_ms = data_request_timeout_ms}
               .Validate();
       !s.ok()) {

@@ -153,12 +153,16 @@ struct AgentOptions {
   uint32_t grpc_max_connections = ServerLimitsOptions{}.max_connections;
   uint32_t grpc_max_connections_per_peer = ServerLimitsOptions{}.max_connections_per_peer;
   uint32_t grpc_fd_reserve = ServerLimitsOptions{}.fd_reserve;
-  // Connection limits of the data port (TcpTransportOptions, tcp_transport.h): connections
-  // served at once in all and per peer IP address (one more is closed as it is accepted,
-  // never queued), and how long a connection may take to finish its TLS handshake and send
-  // its request before it is closed. >= 1 each.
+  // Connection limits of the data port (TcpTransportOptions, data_port.h): connections
+  // served at once in all and per peer IP address, counted once their handshake completed
+  // (one more is then closed, never queued); connections still in their handshake, in all
+  // and per address, and how long that may take (handshake_budget.h); and how long a
+  // connection may take to finish its TLS handshake and send its request. >= 1 each.
   uint32_t data_max_connections = 64;
   uint32_t data_max_connections_per_peer = 8;
+  uint32_t data_max_handshakes = 64;
+  uint32_t data_max_handshakes_per_peer = 8;
+  uint32_t data_handshake_timeout_ms = 1'000;
   uint32_t data_request_timeout_ms = 2'000;
 
   // The local data path (local_socket_server.h, docs/AGENTS.md "Local data path"): a Unix

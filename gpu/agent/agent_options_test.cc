@@ -111,6 +111,9 @@ TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
       {[](AgentOptions& o) { o.data_max_connections_per_peer = 0; },
        "data_max_connections_per_peer"},
       {[](AgentOptions& o) { o.data_request_timeout_ms = 0; }, "data_request_timeout_ms"},
+      {[](AgentOptions& o) { o.data_max_handshakes = 0; }, "data_max_handshakes"},
+      {[](AgentOptions& o) { o.data_max_handshakes_per_peer = 0; }, "data_max_handshakes_per_peer"},
+      {[](AgentOptions& o) { o.data_handshake_timeout_ms = 0; }, "data_handshake_timeout_ms"},
   };
   for (const Case& c : cases) {
     AgentOptions o;

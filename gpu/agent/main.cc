@@ -144,9 +144,19 @@ ABSL_FLAG(uint32_t, grpc_max_connections_per_peer, kDefaults.grpc_max_connection
 ABSL_FLAG(uint32_t, grpc_fd_reserve, kDefaults.grpc_fd_reserve,
           "File descriptors kept free for everything but accepted BlockAgent connections.");
 ABSL_FLAG(uint32_t, data_max_connections, kDefaults.data_max_connections,
-          "Connections the data port serves at once; one more is closed as it is accepted.");
+          "Connections the data port serves at once, counted once their handshake completed; "
+          "one more is then closed.");
 ABSL_FLAG(uint32_t, data_max_connections_per_peer, kDefaults.data_max_connections_per_peer,
           "Connections the data port serves at once from one IP address.");
+ABSL_FLAG(uint32_t, data_max_handshakes, kDefaults.data_max_handshakes,
+          "Data connections still in their handshake (TLS; plaintext: the request) at once, "
+          "apart from the served ones; when full, a connection from a lighter address takes "
+          "the place of the oldest one of the address holding the most.");
+ABSL_FLAG(uint32_t, data_max_handshakes_per_peer, kDefaults.data_max_handshakes_per_peer,
+          "Data connections in their handshake at once from one IP address; one more is "
+          "closed as it is accepted.");
+ABSL_FLAG(uint32_t, data_handshake_timeout_ms, kDefaults.data_handshake_timeout_ms,
+          "A data connection whose handshake has not completed within this is closed (ms).");
 ABSL_FLAG(std::string, local_socket, kDefaults.local_socket,
           "Unix socket (SOCK_SEQPACKET, mode 0600; 0660 with --local_socket_group) of the local "
           "data path, where engines on this host register their KV memory and the agent copies "
@@ -255,6 +265,9 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.grpc_fd_reserve = absl::GetFlag(FLAGS_grpc_fd_reserve);
   o.data_max_connections = absl::GetFlag(FLAGS_data_max_connections);
   o.data_max_connections_per_peer = absl::GetFlag(FLAGS_data_max_connections_per_peer);
+  o.data_max_handshakes = absl::GetFlag(FLAGS_data_max_handshakes);
+  o.data_max_handshakes_per_peer = absl::GetFlag(FLAGS_data_max_handshakes_per_peer);
+  o.data_handshake_timeout_ms = absl::GetFlag(FLAGS_data_handshake_timeout_ms);
   o.data_request_timeout_ms = absl::GetFlag(FLAGS_data_request_timeout_ms);
   o.local_socket = absl::GetFlag(FLAGS_local_socket);
   o.local_max_sessions = absl::GetFlag(FLAGS_local_max_sessions);

@@ -280,8 +280,12 @@ absl::StatusOr<std::unique_ptr<Transport>> Agent::CreateTransport() {
                                  .io_timeout_ms = opts.transfer_io_timeout_ms,
                                  .max_connections = opts.data_max_connections,
                                  .max_connections_per_peer = opts.data_max_connections_per_peer,
+                                 .max_handshakes = opts.data_max_handshakes,
+                                 .max_handshakes_per_peer = opts.data_max_handshakes_per_peer,
+                                 .handshake_timeout_ms = opts.data_handshake_timeout_ms,
                                  .request_timeout_ms = opts.data_request_timeout_ms,
-                                 .tls = data_tls_};
+                                 .tls = data_tls_,
+                                 .counters = metrics_->data_port_counters()};
   KVCM_ASSIGN_OR_RETURN(const TransportEntry* transport, FindTransport(opts.transport));
   return transport->create(TransportContext{
       .options = &opts,

@@ -35,8 +35,12 @@ absl::string_view RpcName(AgentRpc rpc) {
 // Pool usage at scrape time. Thread-safe: reads the (thread-safe) pools and epoch.
 class AgentMetrics::PoolCollector final : public prometheus::Collectable {
  public:
-  PoolCollector(std::string agent_id, AgentPools pools, const AgentEpoch* epoch)
-      : agent_id_(std::move(agent_id)), pools_(pools), epoch_(epoch) {}
+  PoolCollector(std::string agent_id, AgentPools pools, const AgentEpoch* epoch,
+                std::shared_ptr<const DataPortCounters> data_port)
+      : agent_id_(std::move(agent_id)),
+        pools_(pools),
+        epoch_(epoch),
+        data_port_(std::move(data_port)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     const BlockPoolStats s = pools_.main->Stats();
@@ -96,6 +100,24 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
             {{"grpc_max_connections", guard.refused_total_cap},
              {"grpc_max_connections_per_peer", guard.refused_peer_cap},
              {"out_of_fds", guard.shed_fd_exhausted}});
+    // The data port's handshake budget and slots (tcp_transport.h, handshake_budget.h).
+    const DataPortCounters& d = *data_port_;
+    counter("kvcm_agent_data_connections_accepted_total", "TCP connections the data port accepted.",
+            {{"", d.accepted.load()}});
+    counter("kvcm_agent_data_connections_served_total",
+            "Data connections that completed their handshake and took a served slot.",
+            {{"", d.served.load()}});
+    counter("kvcm_agent_data_connections_closed_total",
+            "Data connections closed before they took a served slot, by reason: the option "
+            "that refused them as accepted or after their handshake, handshake_evicted "
+            "(displaced by a newer one), handshake_timeout, handshake_failed.",
+            {{"data_max_handshakes", d.refused_max_handshakes.load()},
+             {"data_max_handshakes_per_peer", d.refused_max_handshakes_per_peer.load()},
+             {"handshake_evicted", d.handshakes_evicted.load()},
+             {"handshake_timeout", d.handshake_timeouts.load()},
+             {"handshake_failed", d.handshakes_failed.load()},
+             {"data_max_connections", d.refused_max_connections.load()},
+             {"data_max_connections_per_peer", d.refused_max_connections_per_peer.load()}});
     counter("kvcm_agent_grpc_log_lines_suppressed_total",
             "gRPC log lines dropped over the 20-a-second limit.", {{"", SuppressedGrpcLogLines()}});
     if (pools_.host != nullptr) {
@@ -112,11 +134,14 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
   const std::string agent_id_;
   const AgentPools pools_;
   const AgentEpoch* const epoch_;
+  const std::shared_ptr<const DataPortCounters> data_port_;
 };
 
 AgentMetrics::AgentMetrics(std::string agent_id, AgentPools pools, const AgentEpoch* epoch)
     : registry_(std::make_shared<prometheus::Registry>()),
-      pool_collector_(std::make_shared<PoolCollector>(std::move(agent_id), pools, epoch)),
+      data_port_(std::make_shared<DataPortCounters>()),
+      pool_collector_(
+          std::make_shared<PoolCollector>(std::move(agent_id), pools, epoch, data_port_)),
       rpcs_(std::make_unique<AgentRpcRecorder>(
           *registry_, "kvcm_agent_rpc", "BlockAgent", [](AgentRpc rpc) {
             return rpc == AgentRpc::kWriteBlocks || rpc == AgentRpc::kReadBlocks;

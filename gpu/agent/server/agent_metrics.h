@@ -21,6 +21,7 @@
 #include "common/rpc_runner.h"
 #include "gpu/agent/control/room_maker.h"
 #include "gpu/agent/pool/agent_state.h"
+#include "gpu/agent/transport/data_port_counters.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -79,6 +80,12 @@ class AgentMetrics {
   // allocation in kvcm_agent_allocation_failures_total{reason} (AllocationFailureName).
   RoomMakerObserver room_maker_observer();
 
+  // Where the data port counts what it did with accepted connections
+  // (TcpTransportOptions::counters), exported at scrape time as
+  // kvcm_agent_data_connections_accepted_total, kvcm_agent_data_connections_served_total and
+  // kvcm_agent_data_connections_closed_total{reason}.
+  std::shared_ptr<DataPortCounters> data_port_counters() const { return data_port_; }
+
   // Bandwidth of recent successful pulls, Gbit/s: a moving average with weight 1/8 per pull
   // (as TCP smooths its RTT), 0 before the first. Heartbeats report it for Route.
   double pull_gbps() const;
@@ -93,6 +100,7 @@ class AgentMetrics {
   class PoolCollector;
 
   std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<DataPortCounters> data_port_;
   std::shared_ptr<PoolCollector> pool_collector_;
   std::unique_ptr<AgentRpcRecorder> rpcs_;
   prometheus::Counter* transfer_bytes_ = nullptr;

@@ -38,6 +38,28 @@ TEST(AgentMetricsTest, PoolBlocksAndEpoch) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_grpc_log_lines_suppressed_total", labels)));
 }
 
+TEST(AgentMetricsTest, DataPortConnectionsByReason) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
+  AgentEpoch epoch;
+  AgentMetrics metrics("gpu-0", AgentPools{.main = pool.get()}, &epoch);
+  DataPortCounters& d = *metrics.data_port_counters();
+  d.accepted += 9;
+  d.served += 2;
+  d.handshakes_evicted += 3;
+  d.refused_max_handshakes += 4;
+  const std::string text = metrics.RenderText();
+  const std::string labels =
+      absl::StrCat("{agent=\"gpu-0\",backend=\"", pool->backend().name(), "\"");
+  EXPECT_THAT(text,
+              HasSubstr(absl::StrCat("kvcm_agent_data_connections_accepted_total", labels, "} 9")));
+  EXPECT_THAT(text,
+              HasSubstr(absl::StrCat("kvcm_agent_data_connections_served_total", labels, "} 2")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_data_connections_closed_total", labels,
+                                           ",reason=\"handshake_evicted\"} 3")));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("kvcm_agent_data_connections_closed_total", labels,
+                                           ",reason=\"data_max_handshakes\"} 4")));
+}
+
 TEST(AgentMetricsTest, TransfersBySuccessAndFailureReason) {
   std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
   AgentEpoch epoch;

@@ -24,6 +24,7 @@
 #include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
 #include "gpu/agent/transport/link_transfer.h"
+#include "gpu/agent/transport/tcp/handshake_budget.h"
 #include "kvcm/v1/agent.pb.h"
 #include "proto/core_types.h"
 
@@ -42,7 +43,10 @@ class TcpTransport final : public Transport {
         listen_fd_(listen_fd),
         address_(std::move(address)),
         links_(std::move(links)),
-        io_timeout_(absl::Milliseconds(options_.io_timeout_ms)) {
+        io_timeout_(absl::Milliseconds(options_.io_timeout_ms)),
+        counters_(options_.counters != nullptr ? options_.counters
+                                               : std::make_shared<DataPortCounters>()),
+        handshakes_(options_.max_handshakes, options_.max_handshakes_per_peer) {
     acceptor_ = std::thread([this] { AcceptLoop(); });
     watchdog_ = std::thread([this] { WatchRequests(); });
   }
@@ -128,14 +132,18 @@ class TcpTransport final : public Transport {
     request_deadlines_.erase(fd);
   }
 
-  // Shuts down served connections whose request has not arrived by their deadline (the
-  // serving thread then fails its handshake or read, and frees the slot).
+  // Shuts down connections whose handshake or request has not arrived by its deadline (the
+  // serving thread then fails its handshake or read, and frees what it held).
   void WatchRequests() {
     constexpr absl::Duration kTick = absl::Milliseconds(50);
     absl::MutexLock lock(&mu_);
     while (!stopping_) {
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), kTick);
       const absl::Time now = absl::Now();
+      for (int fd : handshakes_.TakeExpired(now)) {
+        counters_->handshake_timeouts.fetch_add(1, std::memory_order_relaxed);
+        shutdown(fd, SHUT_RDWR);
+      }
       for (auto it = request_deadlines_.begin(); it != request_deadlines_.end();) {
         if (it->second <= now) {
           shutdown(it->first, SHUT_RDWR);
@@ -147,44 +155,89 @@ class TcpTransport final : public Transport {
     }
   }
 
-  // A connection from `peer` over max_connections or max_connections_per_peer is closed at
-  // once; any other is counted and served on a new thread.
+  // A connection from `peer` is pending until its handshake completes (HandshakeBudget):
+  // closed at once when the budget refuses it, served on a new thread otherwise.
   void Admit(int fd, const sockaddr_in& peer) {
     const uint32_t ip = peer.sin_addr.s_addr;
+    counters_->accepted.fetch_add(1, std::memory_order_relaxed);
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
         close(fd);
         return;
       }
-      auto it = per_peer_.find(ip);
-      const uint32_t from_peer = it == per_peer_.end() ? 0 : it->second;
-      const char* cap = serving_ >= options_.max_connections ? "max_connections"
-                        : from_peer >= options_.max_connections_per_peer
-                            ? "max_connections_per_peer"
-                            : nullptr;
-      if (cap != nullptr) {
+      const absl::Time now = absl::Now();
+      const HandshakeBudget::Admission admission =
+          handshakes_.Admit(fd, ip, now + absl::Milliseconds(options_.handshake_timeout_ms));
+      if (admission.verdict != HandshakeBudget::Verdict::kAdmitted) {
         close(fd);
-        char host[INET_ADDRSTRLEN] = "?";
-        inet_ntop(AF_INET, &peer.sin_addr, host, sizeof(host));
-        refusals_.Log(LogSeverity::kWarning,
-                      absl::StrCat("data port: closed a connection from ", host, " at once: data_",
-                                   cap, " reached"));
+        const bool per_peer = admission.verdict == HandshakeBudget::Verdict::kRefusedPerPeer;
+        (per_peer ? counters_->refused_max_handshakes_per_peer : counters_->refused_max_handshakes)
+            .fetch_add(1, std::memory_order_relaxed);
+        LogRefusal(peer.sin_addr, per_peer ? "max_handshakes_per_peer" : "max_handshakes");
         return;
       }
-      ++serving_;
-      ++per_peer_[ip];
+      if (admission.evicted >= 0) {
+        counters_->handshakes_evicted.fetch_add(1, std::memory_order_relaxed);
+        shutdown(admission.evicted, SHUT_RDWR);  // its thread fails the handshake and closes it
+      }
       open_fds_.insert(fd);
-      request_deadlines_[fd] = absl::Now() + absl::Milliseconds(options_.request_timeout_ms);
+      request_deadlines_[fd] = now + absl::Milliseconds(options_.request_timeout_ms);
     }
     Spawn([this, fd, ip] {
       SetSocketOptions(fd, options_.io_timeout_ms);
-      ServeConnection(fd);
+      const bool served = ServeConnection(fd);
+      {
+        // Before the fd is closed: the budget and the watchdog must not name a reused one.
+        absl::MutexLock lock(&mu_);
+        (void)handshakes_.Remove(fd);
+        if (served) {
+          --serving_;
+          if (--per_peer_[ip] == 0) per_peer_.erase(ip);
+        }
+      }
       Untrack(fd);
-      absl::MutexLock lock(&mu_);
-      --serving_;
-      if (--per_peer_[ip] == 0) per_peer_.erase(ip);
     });
+  }
+
+  void LogRefusal(in_addr address, absl::string_view cap) {
+    char host[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &address, host, sizeof(host));
+    refusals_.Log(LogSeverity::kWarning, absl::StrCat("data port: closed a connection from ", host,
+                                                      " at once: data_", cap, " reached"));
+  }
+
+  // Pending connection `fd` from `ip` completed its handshake: it leaves the handshake
+  // budget and takes a served slot. False when it has none (closed over max_connections or
+  // max_connections_per_peer) or was displaced or timed out meanwhile.
+  bool TakeSlot(int fd, uint32_t ip) {
+    absl::MutexLock lock(&mu_);
+    if (!handshakes_.Remove(fd)) return false;
+    auto it = per_peer_.find(ip);
+    const uint32_t from_peer = it == per_peer_.end() ? 0 : it->second;
+    const bool over_total = serving_ >= options_.max_connections;
+    if (over_total || from_peer >= options_.max_connections_per_peer) {
+      (over_total ? counters_->refused_max_connections
+                  : counters_->refused_max_connections_per_peer)
+          .fetch_add(1, std::memory_order_relaxed);
+      in_addr address{};
+      address.s_addr = ip;
+      LogRefusal(address, over_total ? "max_connections" : "max_connections_per_peer");
+      return false;
+    }
+    ++serving_;
+    ++per_peer_[ip];
+    counters_->served.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  // Whether `fd` is still pending; its handshake then failed by itself, and it leaves the
+  // budget now (not when its thread ends).
+  bool HandshakeFailed(int fd) {
+    absl::MutexLock lock(&mu_);
+    if (!handshakes_.Remove(fd)) return false;
+    counters_->handshakes_failed.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
 
   void AcceptLoop() {
@@ -215,28 +268,39 @@ class TcpTransport final : public Transport {
     return accepted ? options_.tls->Accept(fd) : options_.tls->Connect(fd);
   }
 
-  // One accepted connection: refused when its TLS handshake fails, served otherwise.
-  void ServeConnection(int fd) {
+  // One accepted connection: its handshake (TLS: the handshake; plaintext: the request
+  // frame) while pending, then, with a slot, the pull. True when it took a slot.
+  bool ServeConnection(int fd) {
     sockaddr_in peer{};  // named in the log; asked before a refused peer can hang up
     socklen_t len = sizeof(peer);
     (void)getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len);
+    const uint32_t ip = peer.sin_addr.s_addr;
     absl::StatusOr<DataConn> conn = Open(fd, /*accepted=*/true);
     if (!conn.ok()) {
-      char host[INET_ADDRSTRLEN] = "?";
-      inet_ntop(AF_INET, &peer.sin_addr, host, sizeof(host));
-      refusals_.Log(LogSeverity::kWarning,
-                    absl::StrCat("data port: refused a connection from ", host, ":",
-                                 ntohs(peer.sin_port), ": ", conn.status().ToString()));
-      return;
+      if (HandshakeFailed(fd)) {  // not one displaced or timed out by the data port itself
+        char host[INET_ADDRSTRLEN] = "?";
+        inet_ntop(AF_INET, &peer.sin_addr, host, sizeof(host));
+        refusals_.Log(LogSeverity::kWarning,
+                      absl::StrCat("data port: refused a connection from ", host, ":",
+                                   ntohs(peer.sin_port), ": ", conn.status().ToString()));
+      }
+      return false;
     }
-    Serve(*conn);
+    const bool tls = conn->ssl() != nullptr;
+    if (tls && !TakeSlot(fd, ip)) return false;
+    v1::PullBlocksRequest req;
+    if (!RecvFrame(*conn, &req).ok()) {
+      if (!tls) (void)HandshakeFailed(fd);
+      return tls;
+    }
+    RequestArrived(fd);
+    if (!tls && !TakeSlot(fd, ip)) return false;
+    Serve(*conn, req);
+    return true;
   }
 
   // One served pull: the request, the header, then every block or an error.
-  void Serve(DataConn& conn) {
-    v1::PullBlocksRequest req;
-    if (!RecvFrame(conn, &req).ok()) return;
-    RequestArrived(conn.fd());
+  void Serve(DataConn& conn, const v1::PullBlocksRequest& req) {
     BlockPool* pool = pools_.ForWireTier(main_tier_, req.tier());
     const uint64_t block_bytes = pool != nullptr ? pool->geometry().bytes_per_block() : 0;
     const absl::StatusOr<NamespaceId> ns = CheckPullRequest(req, pool);
@@ -420,15 +484,18 @@ class TcpTransport final : public Transport {
   const std::string address_;
   const std::optional<LinkPort> links_;
   const absl::Duration io_timeout_;
+  const std::shared_ptr<DataPortCounters> counters_;
   std::thread acceptor_;
   std::thread watchdog_;
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Accepted connections whose handshake has not completed.
+  HandshakeBudget handshakes_ ABSL_GUARDED_BY(mu_);
+  // Connections past their handshake, in all and by peer IPv4 address (network order).
   uint32_t serving_ ABSL_GUARDED_BY(mu_) = 0;
-  // Served connections by peer IPv4 address (network order).
   absl::flat_hash_map<uint32_t, uint32_t> per_peer_ ABSL_GUARDED_BY(mu_);
-  // Served connections whose request has not arrived yet: fd -> when it is closed.
+  // Accepted connections whose request has not arrived yet: fd -> when it is closed.
   absl::flat_hash_map<int, absl::Time> request_deadlines_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int> open_fds_ ABSL_GUARDED_BY(mu_);
   // Refused handshakes: a scanner or a misconfigured peer must not flood the log.
@@ -462,6 +529,13 @@ absl::Status TcpTransportOptions::Validate() const {
   if (max_connections < 1) return absl::InvalidArgumentError("max_connections must be >= 1");
   if (max_connections_per_peer < 1) {
     return absl::InvalidArgumentError("max_connections_per_peer must be >= 1");
+  }
+  if (max_handshakes < 1) return absl::InvalidArgumentError("max_handshakes must be >= 1");
+  if (max_handshakes_per_peer < 1) {
+    return absl::InvalidArgumentError("max_handshakes_per_peer must be >= 1");
+  }
+  if (handshake_timeout_ms < 1) {
+    return absl::InvalidArgumentError("handshake_timeout_ms must be >= 1");
   }
   if (request_timeout_ms < 1) {
     return absl::InvalidArgumentError("request_timeout_ms must be >= 1");

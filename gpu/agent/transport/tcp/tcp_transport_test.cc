@@ -13,16 +13,19 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/internal/endian.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/transport/data_socket.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.pb.h"
+#include "tests/connection_flood.h"
 
 namespace kvcm {
 namespace {
@@ -309,8 +312,8 @@ bool ClosedWithin(int fd, absl::Duration timeout) {
 
 // The issue's data-port attack: 16 idle connections took every slot and delayed a pull from
 // 51 ms to 9.8 s; one byte every 5 s held them. Now a pull is served at once beside them,
-// the ones over the per-peer cap are closed as they arrive, and every silent or dripping
-// connection is closed at the request deadline.
+// the ones over the per-address handshake cap are closed as they arrive, and every silent or
+// dripping connection is closed at the handshake deadline.
 TEST_F(TcpTransportTest, IdleAndDrippingPeersHoldNoSlotAPullNeeds) {
   const std::vector<BlockId> from = CommitInA(4);
   std::vector<int> idle;
@@ -318,7 +321,7 @@ TEST_F(TcpTransportTest, IdleAndDrippingPeersHoldNoSlotAPullNeeds) {
     idle.push_back(ConnectFrom(i < 8 ? "127.0.0.2" : "127.0.0.3", ta_->address()));
     ASSERT_GE(idle.back(), 0);
   }
-  // Over data_max_connections_per_peer (8) from 127.0.0.2: closed at once, not queued.
+  // Over data_max_handshakes_per_peer (8) from 127.0.0.2: closed at once, not queued.
   const int over_cap = ConnectFrom("127.0.0.2", ta_->address());
   ASSERT_GE(over_cap, 0);
   EXPECT_TRUE(ClosedWithin(over_cap, absl::Milliseconds(500)));
@@ -345,7 +348,7 @@ TEST_F(TcpTransportTest, IdleAndDrippingPeersHoldNoSlotAPullNeeds) {
   EXPECT_LT(took, absl::Milliseconds(500)) << "the pull waited behind idle connections";
   for (size_t i = 0; i < from.size(); ++i) EXPECT_EQ(Bytes(*b_, into[i]), Bytes(*a_, from[i]));
 
-  // The request deadline (2 s by default) closes the silent ones and the dripper.
+  // The handshake deadline (1 s by default) closes the silent ones and the dripper.
   for (int fd : idle) EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(3)));
   EXPECT_TRUE(ClosedWithin(dripper, absl::Seconds(3)));
   EXPECT_LT(absl::Now() - start, absl::Seconds(4));
@@ -355,28 +358,90 @@ TEST_F(TcpTransportTest, IdleAndDrippingPeersHoldNoSlotAPullNeeds) {
   close(dripper);
 }
 
-TEST(TcpTransportLimitsTest, ConnectionsOverTheTotalCapAreClosedAtOnceAndRoomReturns) {
+TEST(TcpTransportLimitsTest, HandshakesOverTheCapsAreClosedAtOnceOrDisplaceTheOldest) {
   std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), kBlocks);
+  auto counters = std::make_shared<DataPortCounters>();
   absl::StatusOr<std::unique_ptr<Transport>> t =
-      MakeTcpTransport({.max_connections = 3, .request_timeout_ms = 300},
+      MakeTcpTransport({.max_handshakes = 3,
+                        .max_handshakes_per_peer = 3,
+                        .handshake_timeout_ms = 300,
+                        .counters = counters},
                        AgentPools{.main = pool.get()}, Tier::kGpu);
   ASSERT_TRUE(t.ok()) << t.status();
   std::vector<int> held;
-  for (int i = 0; i < 3; ++i) held.push_back(ConnectFrom("127.0.0.1", (*t)->address()));
-  absl::SleepFor(absl::Milliseconds(50));  // accepted and counted
-  const int fourth = ConnectFrom("127.0.0.5", (*t)->address());
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(ConnectFrom("127.0.0.1", (*t)->address()));
+    absl::SleepFor(absl::Milliseconds(20));  // accepted and counted, in this order
+  }
+  // A fourth from the same address: over max_handshakes_per_peer, closed, not queued.
+  const int fourth = ConnectFrom("127.0.0.1", (*t)->address());
   ASSERT_GE(fourth, 0);
   const absl::Time start = absl::Now();
   EXPECT_TRUE(ClosedWithin(fourth, absl::Milliseconds(200)));
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(200)) << "queued rather than closed";
   close(fourth);
-  // The held ones time out at the request deadline; then there is room again.
-  for (int fd : held) EXPECT_TRUE(ClosedWithin(fd, absl::Seconds(2)));
-  for (int fd : held) close(fd);
-  absl::SleepFor(absl::Milliseconds(50));
+  // One from another address: the budget is full, so it takes the oldest one's place.
   const int fifth = ConnectFrom("127.0.0.5", (*t)->address());
-  EXPECT_FALSE(ClosedWithin(fifth, absl::Milliseconds(150)));
+  EXPECT_TRUE(ClosedWithin(held[0], absl::Milliseconds(200)));
+  EXPECT_FALSE(ClosedWithin(fifth, absl::Milliseconds(100)));
+  EXPECT_EQ(counters->refused_max_handshakes_per_peer.load(), 1u);
+  EXPECT_EQ(counters->handshakes_evicted.load(), 1u);
+  // The others time out at the handshake deadline; then there is room again.
+  for (size_t i = 1; i < held.size(); ++i) EXPECT_TRUE(ClosedWithin(held[i], absl::Seconds(2)));
+  EXPECT_TRUE(ClosedWithin(fifth, absl::Seconds(2)));
+  EXPECT_EQ(counters->handshake_timeouts.load(), 3u);
+  for (int fd : held) close(fd);
   close(fifth);
+  absl::SleepFor(absl::Milliseconds(50));
+  const int sixth = ConnectFrom("127.0.0.1", (*t)->address());
+  EXPECT_FALSE(ClosedWithin(sixth, absl::Milliseconds(150)));
+  close(sixth);
+  EXPECT_EQ(counters->accepted.load(), 6u);
+  EXPECT_EQ(counters->served.load(), 0u);
+}
+
+// Issue 35's data-port flood (plaintext): 80 TCP connections from 10 loopback addresses
+// that never send a byte, reopened as the agent closes them. Before, they held all 64 served
+// slots and every pull failed UNAVAILABLE for as long as the flood lasted. Now they wait in
+// the handshake budget (64 in all, 8 an address) apart from the slots, a puller's first
+// connection displaces the oldest pending one of the heaviest address, and every pull copies
+// bit for bit.
+TEST_F(TcpTransportTest, PullsGetThroughAFloodOfConnectionsThatNeverSendARequest) {
+  auto counters = std::make_shared<DataPortCounters>();
+  absl::StatusOr<std::unique_ptr<Transport>> ta =
+      MakeTcpTransport({.counters = counters}, AgentPools{.main = a_.get()}, Tier::kGpu);
+  ASSERT_TRUE(ta.ok()) << ta.status();
+  ta_ = *std::move(ta);
+  const std::vector<BlockId> from = CommitInA(4);
+  std::vector<std::string> sources;
+  for (int i = 0; i < 10; ++i) sources.push_back(absl::StrCat("127.0.0.", 10 + i));
+  testing::ConnectionFlood flood(*ParseAddress(ta_->address(), "address"), sources, 8);
+  // Through one handshake deadline: the flood's first connections have been closed and
+  // reopened, and the budget is full of its second ones.
+  const absl::Time flood_start = absl::Now();
+  while (counters->handshake_timeouts.load() == 0 &&
+         absl::Now() - flood_start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_GT(counters->handshake_timeouts.load(), 0u);
+  absl::SleepFor(absl::Milliseconds(100));
+  for (int round = 0; round < 3; ++round) {
+    const std::vector<BlockId> into = *b_->Allocate(4, kEpoch, &kNs);
+    Outcome out;
+    const absl::Time start = absl::Now();
+    tb_->Pull(Spec(from, 0, into), out.Done());
+    absl::StatusOr<TransferStats> r = out.Wait();
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(r.ok()) << "round " << round << ": " << r.status();
+    EXPECT_LT(took, absl::Seconds(3)) << "round " << round;
+    for (size_t i = 0; i < from.size(); ++i) EXPECT_EQ(Bytes(*b_, into[i]), Bytes(*a_, from[i]));
+    absl::SleepFor(absl::Milliseconds(300));
+  }
+  EXPECT_GE(flood.opened(), 100u) << "the flood was not reopening";
+  EXPECT_GT(counters->refused_max_handshakes.load(), 0u) << "the budget was never full";
+  EXPECT_GE(counters->handshakes_evicted.load(), 1u);
+  EXPECT_EQ(counters->served.load(), 3u) << "only the pulls completed a handshake";
+  EXPECT_EQ(counters->refused_max_connections.load(), 0u);
 }
 
 TEST(TcpTransportLimitsTest, OptionsNameTheBadField) {
@@ -386,6 +451,12 @@ TEST(TcpTransportLimitsTest, OptionsNameTheBadField) {
               HasSubstr("max_connections_per_peer"));
   EXPECT_THAT(TcpTransportOptions{.request_timeout_ms = 0}.Validate().message(),
               HasSubstr("request_timeout_ms"));
+  EXPECT_THAT(TcpTransportOptions{.max_handshakes = 0}.Validate().message(),
+              HasSubstr("max_handshakes"));
+  EXPECT_THAT(TcpTransportOptions{.max_handshakes_per_peer = 0}.Validate().message(),
+              HasSubstr("max_handshakes_per_peer"));
+  EXPECT_THAT(TcpTransportOptions{.handshake_timeout_ms = 0}.Validate().message(),
+              HasSubstr("handshake_timeout_ms"));
 }
 
 }  // namespace
