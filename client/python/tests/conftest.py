@@ -104,6 +104,14 @@ def wait_registered(client: "kvcm.Client", agents: Dict[str, "Process"],
         time.sleep(0.1)
 
 
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A size field of /proc/<pid>/status (VmRSS, VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 class Process:
     """A child process whose output goes to a log file; stopped by stop() or kill()."""
 

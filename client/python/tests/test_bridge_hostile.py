@@ -31,7 +31,7 @@ pytest.importorskip("msgspec")
 import zmq  # noqa: E402
 import zmq.auth  # noqa: E402
 
-from conftest import binary, free_port  # noqa: E402
+from conftest import binary, free_port, proc_status_bytes  # noqa: E402
 from kvcm import hashing  # noqa: E402
 from kvcm.engines.pagehash import hash_request  # noqa: E402
 from kvcm.testing.bridge_rig import RealManagerView  # noqa: E402
@@ -98,10 +98,8 @@ block_size = {BS}
         return 0.0
 
     def status(self, field: str) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError(field)
+        """A /proc/<pid>/status size (VmRSS, VmHWM) in bytes."""
+        return proc_status_bytes(self.proc.pid, field)
 
     def stop(self) -> None:
         self.proc.terminate()

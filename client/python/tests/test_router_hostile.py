@@ -31,7 +31,7 @@ pytest.importorskip("prometheus_client")
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, proc_status_bytes  # noqa: E402
 from router_rig import Served  # noqa: E402
 from kvcm.router.config import load_config  # noqa: E402
 
@@ -142,10 +142,7 @@ class RouterProcess:
 
     def status(self, field: str) -> int:
         """A /proc/<pid>/status size (VmRSS, VmHWM) in bytes."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError(field)
+        return proc_status_bytes(self.proc.pid, field)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvcm import _cli
+from kvcm._net import is_loopback_host
 from kvcm._options import default_manager_address, validate_address
 from kvcm.engines import kinds
 from kvcm.types import CATALOG, AttentionKind, KvDtype, ModelSpec
@@ -288,17 +289,9 @@ class BridgeConfig:
 def is_local_endpoint(endpoint: str) -> bool:
     """Whether a ZMQ endpoint is reachable from this host only: ipc://, inproc://, or tcp://
     on a loopback address (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
     if endpoint.startswith(("ipc://", "inproc://")):
         return True
-    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(endpoint.removeprefix("tcp://").rpartition(":")[0])
 
 
 def _fill(obj: Any, table: dict[str, Any], where: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import logging
 import sys
@@ -27,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvcm import aio as kvcm_aio
+from kvcm._net import is_loopback_host
 from kvcm.router.auth import ClientAuth
 from kvcm.router.config import ConfigError, RouterConfig, load_config
 from kvcm.router.core import Router, make_policy
@@ -75,15 +75,6 @@ async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
             raise _TooLarge()
         parts.append(chunk)
     return b"".join(parts)
-
-
-def is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def error_response(status: int, message: str, kind: str,
