@@ -11,10 +11,35 @@ from pathlib import Path
 from typing import Any
 
 import kvcm
+from kvcm.testing import tiny_deepseek
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import VllmEngine
 
 from conftest import Process, kvcm_pythonpath, wait_registered
+
+
+# kvcm-agent's flags for the tiny DeepSeek's MLA geometry, as a user sizes an agent for it
+# (the whole latent: it is not split across tensor-parallel ranks).
+MLA_AGENT_FLAGS = [
+    "--attention=mla", f"--num_layers={tiny_deepseek.NUM_LAYERS}", "--num_heads=4",
+    f"--kv_lora_rank={tiny_deepseek.KV_LORA_RANK}", f"--rope_dim={tiny_deepseek.ROPE_DIM}",
+    "--kv_dtype=bf16", f"--page_size_tokens={tiny_deepseek.BLOCK_SIZE}"]
+# kvcm's MLA formula for it: (kv_lora_rank + rope_dim) x bf16 per token and layer.
+MLA_BLOCK_BYTES = ((tiny_deepseek.KV_LORA_RANK + tiny_deepseek.ROPE_DIM) * 2
+                   * tiny_deepseek.NUM_LAYERS * tiny_deepseek.BLOCK_SIZE)
+
+
+def prompt(seed: int, blocks: int, block: int) -> list[int]:
+    """`blocks` whole blocks plus 5 tokens (vLLM always computes the last one)."""
+    return [(seed * 7919 + i * 31) % 1000 for i in range(blocks * block + 5)]
+
+
+def text(body: dict) -> str:
+    return body["choices"][0]["text"]
+
+
+def logprobs(body: dict) -> list[float]:
+    return body["choices"][0]["logprobs"]["token_logprobs"]
 
 
 class ConnectorCluster:
@@ -51,6 +76,15 @@ class ConnectorCluster:
             self.address[agent_id] = f"127.0.0.1:{port}"
         assert self.client is not None
         wait_registered(self.client, {a: self.agents[a] for a in agent_ids})
+
+    def rank_agents(self, agents: list[str], local: bool = False) -> dict[str, Any]:
+        """kv_connector_extra_config naming one agent per tensor-parallel rank, in rank
+        order (README's way), with their local sockets when `local`."""
+        extra: dict[str, Any] = {"agent_id": agents,
+                                 "agent_address": [self.address[a] for a in agents]}
+        if local:
+            extra["local_socket"] = [self.socket(a) for a in agents]
+        return extra
 
     def engine(self, name: str, model_dir: Path, extra: dict[str, Any] | None,
                args: tuple[str, ...] = (), **engine_kwargs: Any) -> VllmEngine:

@@ -26,7 +26,9 @@ from kvcm.testing import tiny_deepseek
 from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
 
 from conftest import vllm_test_path
-from connector_rig import ConnectorCluster
+from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
+                           text)
+from connector_rig import prompt as rig_prompt
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,23 +38,12 @@ BLOCK = tiny_deepseek.BLOCK_SIZE
 PROMPT_BLOCKS = 4
 MAX_TOKENS = 8
 AGENT_DEADLINE_MS = 2000  # each agent call in vLLM's model step (the default is 5000)
-# kvcm's MLA formula: (kv_lora_rank + rope_dim) x bf16 per token and layer.
-BYTES_PER_TOKEN = (tiny_deepseek.KV_LORA_RANK + tiny_deepseek.ROPE_DIM) * 2 \
-    * tiny_deepseek.NUM_LAYERS
-BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK
+BLOCK_BYTES = MLA_BLOCK_BYTES  # kvcm's MLA formula
+BYTES_PER_TOKEN = BLOCK_BYTES // BLOCK
 
 
 def prompt(seed: int) -> list[int]:
-    """PROMPT_BLOCKS whole blocks plus 5 tokens (vLLM always computes the last one)."""
-    return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK + 5)]
-
-
-def text(body: dict) -> str:
-    return body["choices"][0]["text"]
-
-
-def logprobs(body: dict) -> list[float]:
-    return body["choices"][0]["logprobs"]["token_logprobs"]
+    return rig_prompt(seed, PROMPT_BLOCKS, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +55,7 @@ def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
     model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", python)
     try:
         c.start()
-        # The tiny DeepSeek's MLA geometry, as a user sizes an agent for it.
-        c.start_agents(["gpu0", "gpu1"], [
-            "--attention=mla", f"--num_layers={tiny_deepseek.NUM_LAYERS}", "--num_heads=4",
-            f"--kv_lora_rank={tiny_deepseek.KV_LORA_RANK}",
-            f"--rope_dim={tiny_deepseek.ROPE_DIM}", "--kv_dtype=bf16",
-            f"--page_size_tokens={BLOCK}"], capacity_bytes=64 * BLOCK_BYTES)
+        c.start_agents(["gpu0", "gpu1"], MLA_AGENT_FLAGS, capacity_bytes=64 * BLOCK_BYTES)
 
         def engine(name: str, agent: str | None, local: bool = False) -> VllmEngine:
             extra = None

@@ -23,7 +23,9 @@ from kvcm.testing import tiny_deepseek
 from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
 
 from conftest import vllm_test_path
-from connector_rig import ConnectorCluster
+from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
+                           text)
+from connector_rig import prompt as rig_prompt
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -33,21 +35,11 @@ TP = 2
 BLOCK = tiny_deepseek.BLOCK_SIZE
 PROMPT_BLOCKS = 4
 MAX_TOKENS = 8
-# kvcm's MLA formula: (kv_lora_rank + rope_dim) x bf16 per token and layer, on every rank.
-BLOCK_BYTES = (tiny_deepseek.KV_LORA_RANK + tiny_deepseek.ROPE_DIM) * 2 \
-    * tiny_deepseek.NUM_LAYERS * BLOCK
+BLOCK_BYTES = MLA_BLOCK_BYTES
 
 
 def prompt(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK + 5)]
-
-
-def text(body: dict) -> str:
-    return body["choices"][0]["text"]
-
-
-def logprobs(body: dict) -> list[float]:
-    return body["choices"][0]["logprobs"]["token_logprobs"]
+    return rig_prompt(seed, PROMPT_BLOCKS, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +51,13 @@ def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
     model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", python)
     try:
         c.start()
-        # The whole latent on every agent: MLA is not split across ranks.
-        c.start_agents(["a0", "a1", "b0", "b1"], [
-            "--attention=mla", f"--num_layers={tiny_deepseek.NUM_LAYERS}", "--num_heads=4",
-            f"--kv_lora_rank={tiny_deepseek.KV_LORA_RANK}",
-            f"--rope_dim={tiny_deepseek.ROPE_DIM}", "--kv_dtype=bf16",
-            f"--page_size_tokens={BLOCK}"], capacity_bytes=64 * BLOCK_BYTES)
+        c.start_agents(["a0", "a1", "b0", "b1"], MLA_AGENT_FLAGS,
+                       capacity_bytes=64 * BLOCK_BYTES)
 
         def engine(name: str, agents: list[str] | None, local: bool = False) -> VllmEngine:
             extra = None
             if agents is not None:
-                extra = {"agent_id": agents, "agent_address": [c.address[a] for a in agents],
-                         "tenant": TENANT, "model": MODEL}
-                if local:
-                    extra["local_socket"] = [c.socket(a) for a in agents]
+                extra = {**c.rank_agents(agents, local), "tenant": TENANT, "model": MODEL}
             return c.engine(name, model_dir, extra,
                             args=("--tensor-parallel-size", str(TP),
                                   "--distributed-executor-backend", "mp"),

@@ -22,7 +22,8 @@ from kvcm.testing import tiny_llama
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 from conftest import vllm_test_path
-from connector_rig import ConnectorCluster
+from connector_rig import ConnectorCluster, logprobs, text
+from connector_rig import prompt as rig_prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,15 +36,7 @@ SHARD_BLOCK_BYTES = 2 * 2 * 1 * 64 * 2 * BLOCK_SIZE
 
 
 def prompt(seed: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 1000 for i in range(PROMPT_BLOCKS * BLOCK_SIZE + 5)]
-
-
-def text(body: dict) -> str:
-    return body["choices"][0]["text"]
-
-
-def logprobs(body: dict) -> list[float]:
-    return body["choices"][0]["logprobs"]["token_logprobs"]
+    return rig_prompt(seed, PROMPT_BLOCKS, BLOCK_SIZE)
 
 
 def shard(rank: int) -> tuple[str, str]:
@@ -68,10 +61,7 @@ def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
         def engine(name: str, agents: list[str] | None, local: bool = False) -> VllmEngine:
             extra = None
             if agents is not None:
-                extra = {"agent_id": agents, "agent_address": [c.address[a] for a in agents],
-                         "tenant": TENANT, "model": MODEL_NAME}
-                if local:
-                    extra["local_socket"] = [c.socket(a) for a in agents]
+                extra = {**c.rank_agents(agents, local), "tenant": TENANT, "model": MODEL_NAME}
             return c.engine(name, model_dir, extra,
                             args=("--tensor-parallel-size", str(TP),
                                   "--distributed-executor-backend", "mp"),
