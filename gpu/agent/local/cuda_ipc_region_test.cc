@@ -220,7 +220,7 @@ class CudaIpcRegionTest : public ::testing::TestWithParam<bool> {
                                                           .pools = AgentPools{.main = pool_.get()},
                                                           .epoch = &epoch_,
                                                           .authenticator = authenticator_.get()},
-                                          "test engine");
+                                          "test engine", getuid());
   }
 
   // Segment 0 in allocation A at kOffsetA, segment 1 in B at kOffsetB.
