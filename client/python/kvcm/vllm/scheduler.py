@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import kvcm
 from kvcm.types import PENDING_BLOCK_ID
 from kvcm.vllm.config import HOST_TIER, ConnectorOptions, Shard, logger
 from kvcm.vllm.metadata import FetchRun, KvcmConnectorMetadata, LoadSpec, ShardLoad, StoreSpec
-
-T = TypeVar("T")
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -95,19 +93,17 @@ class ConnectorScheduler:
         self._pool = (ThreadPoolExecutor(len(shards), thread_name_prefix="kvcm-shard")
                       if len(shards) > 1 else None)
 
-    def _each_shard(self, call: Callable[[int, Shard], T]) -> List[Any]:
+    def _each_shard(self, call: Callable[[int, Shard], Any]) -> List[Any]:
         """call(i, shard) for every page set, in shard order: its result, or the exception
         it raised."""
-        if self._pool is None:
-            out: List[Any] = []
-            for i, shard in enumerate(self._shards):
-                try:
-                    out.append(call(i, shard))
-                except Exception as e:  # noqa: BLE001 - the caller decides
-                    out.append(e)
-            return out
-        futures = [self._pool.submit(call, i, shard) for i, shard in enumerate(self._shards)]
-        return [f.exception() or f.result() for f in futures]
+        def outcome(item: Tuple[int, Shard]) -> Any:
+            try:
+                return call(*item)
+            except Exception as e:  # noqa: BLE001 - the caller decides
+                return e
+
+        items = list(enumerate(self._shards))
+        return list(self._pool.map(outcome, items)) if self._pool else [outcome(x) for x in items]
 
     def _loads(self) -> bool:
         return self._loads_kv  # kv_consumer, kv_both

@@ -122,8 +122,8 @@ class ConnectorWorker:
         self._agent_address, self._local_socket = mine.agent_address, mine.local_socket
         self._token = client.options.token  # token_file's, else $KVCM_TOKEN's
         self._kv_caches: List[Tuple[str, torch.Tensor]] = []
-        self._agent_block_bytes = 0  # one vLLM block of every layer (register_kv_caches)
-        self._blocks: Optional[KvBlocks] = None  # vLLM's blocks as bytes (register_kv_caches)
+        # vLLM's blocks as bytes (register_kv_caches); block_bytes is one agent block.
+        self._blocks: Optional[KvBlocks] = None
         self._load_errors: Set[int] = set()
         self._agent: Optional[AgentSession] = None
         self._agent_quiet_until = 0.0  # see _epoch
@@ -156,8 +156,8 @@ class ConnectorWorker:
             raise ValueError(reason)
         num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         self._kv_caches, layout = block_views(ordered, num_blocks, self._backend_name(ordered))
-        per_block = self._agent_block_bytes = sum(t[0].numel() * t.element_size()
-                                                  for _, t in self._kv_caches)
+        self._blocks = KvBlocks([t for _, t in self._kv_caches], stage=self._opts.test_stage)
+        per_block = self._blocks.block_bytes
         expected = (self._spec.bytes_per_token_per_layer() * self._spec.num_layers
                     * self._block_size)
         logger.info("KvcmConnector: %d KV layers, layer 0 shape %s stride %s dtype %s; "
@@ -169,7 +169,7 @@ class ConnectorWorker:
                              f"{self._ns}'s spec {self._spec} makes {expected}")
         self._spec = self._spec.with_(kv_layout=layout)
         register(self._client, self._ns, self._spec)
-        self._blocks = KvBlocks([t for _, t in self._kv_caches], stage=self._opts.test_stage)
+        self._connect()
         if self._blocks.staged:
             logger.info("KvcmConnector: KV on %s, staged through %s host memory on the gRPC "
                         "path", self._blocks.device,
@@ -186,6 +186,17 @@ class ConnectorWorker:
                            "KV tensors are split into kernel blocks")
             return
         self._register_region()
+
+    def _connect(self) -> None:
+        """Connects to the agent now, at start, with a start-up deadline: the step's calls
+        then find the channel ready instead of paying its connect within agent_deadline_ms
+        (a first store on a loaded host was skipped when the connect alone took longer). An
+        agent not up yet only costs a warning: the steps retry."""
+        try:
+            self._session().stats(timeout_s=max(30.0, self._opts.agent_deadline_ms / 1e3))
+        except Exception as e:  # noqa: BLE001 - the engine starts without the agent
+            logger.warning("KvcmConnector: agent %s at %s not reachable at start: %s",
+                           self._agent_id, self._agent_address, e)
 
     def _backend_name(self, kv_caches: List[Tuple[str, torch.Tensor]]) -> str:
         """The attention backend of the first KV layer (part of the byte layout)."""
@@ -331,7 +342,7 @@ class ConnectorWorker:
         end = load.first_page + len(load.vllm_blocks)
         if len(blocks) < end:
             raise RuntimeError(f"the agent holds {len(blocks)} of {end} pages")
-        block_bytes = self._agent_block_bytes
+        block_bytes = self._blocks.block_bytes
         start = time.perf_counter()
         page = load.first_page
         while page < end:
@@ -437,7 +448,7 @@ class ConnectorWorker:
         else:
             staged = session.stage(self._ns, BlockBytes(self._blocks, new_vllm), epoch=epoch)
         logger.info("KvcmConnector: copied %d pages of %s to the agent: %d bytes in %.3f ms",
-                    len(staged), store.req_id, len(staged) * self._agent_block_bytes,
+                    len(staged), store.req_id, len(staged) * self._blocks.block_bytes,
                     1e3 * (time.perf_counter() - start))
         known = list(known[:pages - len(new_vllm)])
         self._agent_blocks[store.req_id] = known + staged.block_ids
@@ -470,6 +481,8 @@ class ConnectorWorker:
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]],
                                                                  Optional[Set[str]]]:
+        if not finished_req_ids:
+            return None, None
         finished = set(finished_req_ids)  # vLLM's set, reused after this returns
 
         def forget() -> None:
