@@ -104,14 +104,6 @@ def wait_registered(client: "kvcm.Client", agents: Dict[str, "Process"],
         time.sleep(0.1)
 
 
-def proc_status_bytes(pid: int, field: str) -> int:
-    """A size field of /proc/<pid>/status (VmRSS, VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
 class Process:
     """A child process whose output goes to a log file; stopped by stop() or kill()."""
 
@@ -137,6 +129,13 @@ class Process:
             f"{self.args[0]} did not log {text!r} (exit {self.proc.poll()}):\n"
             + self.log.read_text(errors="replace")
         )
+
+    def status(self, field: str) -> int:
+        """A size field of /proc/<pid>/status (VmRSS, VmHWM), in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"no {field} in /proc/{self.proc.pid}/status")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s."""

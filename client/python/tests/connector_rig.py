@@ -15,7 +15,7 @@ from kvcm.testing import tiny_deepseek
 from kvcm.testing.manager import ManagerProcess, free_port
 from kvcm.testing.vllm_engine import VllmEngine
 
-from conftest import Process, kvcm_pythonpath, wait_registered
+from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
 
 # kvcm-agent's flags for the tiny DeepSeek's MLA geometry, as a user sizes an agent for it
@@ -51,6 +51,15 @@ class ConnectorCluster:
         self.address: dict[str, str] = {}
         self.engines: dict[str, VllmEngine] = {}
         self.client: kvcm.Client | None = None
+
+    @classmethod
+    def from_env(cls, workdir: Path) -> "ConnectorCluster":
+        """A cluster of this build's binaries and vLLM environment ($KVCM_MANAGER_BIN,
+        $KVCM_AGENT_BIN, $KVCM_VLLM_PYTHON): the test skips without them, unless
+        KVCM_REQUIRE_VLLM=1."""
+        return cls(workdir, vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary"),
+                   vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary"),
+                   vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python"))
 
     def start(self) -> "ConnectorCluster":
         self.manager.start()

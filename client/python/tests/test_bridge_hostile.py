@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import subprocess
 import sys
 import time
 import urllib.request
@@ -31,7 +30,7 @@ pytest.importorskip("msgspec")
 import zmq  # noqa: E402
 import zmq.auth  # noqa: E402
 
-from conftest import binary, free_port, proc_status_bytes  # noqa: E402
+from conftest import Process, binary, free_port  # noqa: E402
 from kvcm import hashing  # noqa: E402
 from kvcm.engines.pagehash import hash_request  # noqa: E402
 from kvcm.testing.bridge_rig import RealManagerView  # noqa: E402
@@ -51,7 +50,7 @@ def prompt(seed: int, n: int = 5 * BS + 3) -> list[int]:
     return [(seed * 7919 + i * 31) % 32000 for i in range(n)]
 
 
-class BridgeProcess:
+class BridgeProcess(Process):
     def __init__(self, tmp: Path, manager: str, endpoint: str, replay: str,
                  extra_engine: str = "") -> None:
         self.metrics_port = free_port()
@@ -79,11 +78,8 @@ token = "{ENGINE}"
 block_size = {BS}
 {extra_engine}
 """)
-        self.log = tmp / "bridge.log"
-        self._log_f = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcm.engines.bridge", "--config", str(self.config)],
-            stdout=self._log_f, stderr=subprocess.STDOUT)
+        super().__init__([sys.executable, "-m", "kvcm.engines.bridge", "--config",
+                          str(self.config)], tmp / "bridge.log")
 
     def metric(self, name: str) -> float:
         try:
@@ -96,19 +92,6 @@ block_size = {BS}
             if line.startswith(f"kvcm_vllm_bridge_{name}{{") and f'engine="{ENGINE_ID}"' in line:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
-
-    def status(self, field: str) -> int:
-        """A /proc/<pid>/status size (VmRSS, VmHWM) in bytes."""
-        return proc_status_bytes(self.proc.pid, field)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_f.close()
 
 
 @pytest.fixture

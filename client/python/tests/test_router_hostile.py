@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ pytest.importorskip("prometheus_client")
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from conftest import free_port, proc_status_bytes  # noqa: E402
+from conftest import Process, free_port  # noqa: E402
 from router_rig import Served  # noqa: E402
 from kvcm.router.config import load_config  # noqa: E402
 
@@ -107,7 +106,7 @@ class HostileEngine:
             "usage": {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41}})
 
 
-class RouterProcess:
+class RouterProcess(Process):
     def __init__(self, tmp: Path, engines: List[Tuple[str, str]], *, pd: bool = False,
                  extra: Optional[List[str]] = None, listen_host: str = "127.0.0.1") -> None:
         self.port = free_port()
@@ -121,10 +120,7 @@ class RouterProcess:
         else:
             for i, u in engines:
                 args += ["--engine", f"{i}={u}"]
-        self.log = tmp / f"router-{self.port}.log"
-        self._log_f = open(self.log, "wb")
-        self.proc = subprocess.Popen(args + (extra or []), stdout=self._log_f,
-                                     stderr=subprocess.STDOUT)
+        super().__init__(args + (extra or []), tmp / f"router-{self.port}.log")
 
     async def wait_ready(self, http: aiohttp.ClientSession) -> None:
         end = time.monotonic() + 30
@@ -139,19 +135,6 @@ class RouterProcess:
                 pass
             await asyncio.sleep(0.1)
         raise AssertionError(f"router did not start: {self.log.read_text()}")
-
-    def status(self, field: str) -> int:
-        """A /proc/<pid>/status size (VmRSS, VmHWM) in bytes."""
-        return proc_status_bytes(self.proc.pid, field)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_f.close()
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: Dict[str, Any],

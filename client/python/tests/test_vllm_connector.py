@@ -109,7 +109,12 @@ def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
     if agent is not None:
         extra = {"manager_address": cluster["manager"].address, "agent_id": agent,
                  "agent_address": cluster["agent_address"][agent], "tenant": tenant,
-                 "model": MODEL_NAME, "lease_ttl_ms": 1000, **(options or {})}
+                 "model": MODEL_NAME, "lease_ttl_ms": 1000,
+                 # Route fetches when a page's pull at the link rate the agents measured
+                 # beats its prefill at this rate; pulls measured while engines start on a
+                 # loaded host can look slow enough that Route recomputes instead, and the
+                 # tests that expect a fetch then see none. A low rate keeps hits fetches.
+                 "prefill_tokens_per_s": 10.0, **(options or {})}
         if gate is not None:
             extra["test_load_gate"] = str(gate)
         if local:

@@ -25,7 +25,6 @@ from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
 from kvcm.testing import tiny_deepseek
 from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
 
-from conftest import vllm_test_path
 from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
                            text)
 from connector_rig import prompt as rig_prompt
@@ -48,11 +47,8 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
-    python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
-    c = ConnectorCluster(tmp_path_factory.mktemp("mla"),
-                         vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary"),
-                         vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary"), python)
-    model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", python)
+    c = ConnectorCluster.from_env(tmp_path_factory.mktemp("mla"))
+    model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", c.python)
     try:
         c.start()
         c.start_agents(["gpu0", "gpu1"], MLA_AGENT_FLAGS, capacity_bytes=64 * BLOCK_BYTES)

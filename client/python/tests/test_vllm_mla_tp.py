@@ -22,7 +22,6 @@ import pytest
 from kvcm.testing import tiny_deepseek
 from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
 
-from conftest import vllm_test_path
 from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
                            text)
 from connector_rig import prompt as rig_prompt
@@ -44,11 +43,8 @@ def prompt(seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
-    python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
-    c = ConnectorCluster(tmp_path_factory.mktemp("mla-tp"),
-                         vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary"),
-                         vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary"), python)
-    model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", python)
+    c = ConnectorCluster.from_env(tmp_path_factory.mktemp("mla-tp"))
+    model_dir = tiny_deepseek.write_with_weights(c.workdir / "model", c.python)
     try:
         c.start()
         c.start_agents(["a0", "a1", "b0", "b1"], MLA_AGENT_FLAGS,

@@ -21,7 +21,6 @@ import kvcm
 from kvcm.testing import tiny_llama
 from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
-from conftest import vllm_test_path
 from connector_rig import ConnectorCluster, logprobs, text
 from connector_rig import prompt as rig_prompt
 
@@ -45,11 +44,8 @@ def shard(rank: int) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
-    python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
-    c = ConnectorCluster(tmp_path_factory.mktemp("tp"),
-                         vllm_test_path("KVCM_MANAGER_BIN", "the kvcm-manager binary"),
-                         vllm_test_path("KVCM_AGENT_BIN", "the kvcm-agent binary"), python)
-    model_dir = tiny_llama.write_with_weights(c.workdir / "model", python)
+    c = ConnectorCluster.from_env(tmp_path_factory.mktemp("tp"))
+    model_dir = tiny_llama.write_with_weights(c.workdir / "model", c.python)
     try:
         c.start()
         # One rank's shard: 4 heads and 2 KV heads split over 2 ranks.
