@@ -19,6 +19,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
 namespace kvcm::testing {
 
 class ConnectionFlood {
@@ -35,6 +39,25 @@ class ConnectionFlood {
   }
   ConnectionFlood(const ConnectionFlood&) = delete;
   ConnectionFlood& operator=(const ConnectionFlood&) = delete;
+
+  // `count` loopback source addresses, 127.0.0.10 upward.
+  static std::vector<std::string> LoopbackSources(int count) {
+    std::vector<std::string> sources;
+    for (int i = 0; i < count; ++i) sources.push_back(absl::StrCat("127.0.0.", 10 + i));
+    return sources;
+  }
+
+  // Polls `done` every 20 ms for at most `limit`; whether it became true (e.g. the port
+  // timed out the flood's first handshakes, so the budget holds its reopened ones).
+  template <typename Done>
+  static bool WaitFor(Done done, absl::Duration limit = absl::Seconds(10)) {
+    const absl::Time end = absl::Now() + limit;
+    while (!done()) {
+      if (absl::Now() >= end) return false;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return true;
+  }
 
   // Connections opened so far, first ones and reopened ones.
   uint64_t opened() const { return opened_.load(); }

@@ -357,16 +357,11 @@ TEST_F(DataTlsTest, PullsGetThroughAFloodOfConnectionsThatNeverHandshake) {
   ta_ = *MakeTcpTransport({.tls = Tls("agent-a"), .counters = counters},
                           AgentPools{.main = a_.get()}, Tier::kGpu);
   StartB("agent-b");
-  std::vector<std::string> sources;
-  for (int i = 0; i < 10; ++i) sources.push_back(absl::StrCat("127.0.0.", 10 + i));
-  kvcm::testing::ConnectionFlood flood(*ParseAddress(ta_->address(), "address"), sources, 8);
+  kvcm::testing::ConnectionFlood flood(*ParseAddress(ta_->address(), "address"),
+                                       kvcm::testing::ConnectionFlood::LoopbackSources(10), 8);
   // Through one handshake deadline: the flood's first connections have been closed and
   // reopened, and the budget is full of its second ones.
-  const absl::Time flood_start = absl::Now();
-  while (counters->handshake_timeouts.load() == 0 &&
-         absl::Now() - flood_start < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  kvcm::testing::ConnectionFlood::WaitFor([&] { return counters->handshake_timeouts.load() > 0; });
   ASSERT_GT(counters->handshake_timeouts.load(), 0u);
   absl::SleepFor(absl::Milliseconds(100));
   for (int round = 0; round < 3; ++round) {
