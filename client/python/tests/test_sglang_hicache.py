@@ -253,7 +253,8 @@ def test_a_full_pool_keeps_storing_and_lookups_hit_what_it_kept(cluster) -> None
     r = outcome(cluster, "full_pool")
     stored = r["stored_per_prompt"]
     print("pages stored per backup:", stored, "| held after them:", r["held_after_first_pass"],
-          "| second pass hits:", r["second_pass_hits"], "| counters:", r["counters"])
+          "| second pass hits:", r["second_pass_hits"], "| counters:", r["counters"],
+          "| held changed by backing up a held prompt again:", r["held_changed"])
     # Backups went on storing new pages (each prompt's own two at least) long after the
     # pool filled, and never stored a page the pool held (already_present_pages).
     assert all(n >= 2 for n in stored), stored
