@@ -170,8 +170,8 @@ def test_a_stalled_manager_does_not_stall_decoding(cluster) -> None:
     decoding = threading.Event()
 
     def decode() -> None:
-        streamed["chunks"] = e["A"].stream(
-            prompt(6), max_tokens=STALLED_STREAM_TOKENS, on_chunk=lambda n: n >= 3 and decoding.set())
+        streamed["chunks"] = e["A"].stream(prompt(6), max_tokens=STALLED_STREAM_TOKENS,
+                                           on_chunk=lambda n: n >= 3 and decoding.set())
 
     reader = threading.Thread(target=decode)
     reader.start()
