@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "client/tls_hint.h"
@@ -35,6 +37,7 @@ absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const ChannelFactory& channels
     }
   }
   out.epoch_ = stats.epoch();
+  out.bytes_per_block_ = stats.geometry().bytes_per_block();
   v1::AllocateBlocksRequest req;
   req.set_count(count);
   req.set_owner_epoch(out.epoch_);
@@ -47,6 +50,38 @@ absl::StatusOr<AgentBlocks> AgentBlocks::Allocate(const ChannelFactory& channels
   out.ids_.assign(resp.block_ids().begin(), resp.block_ids().end());
   out.generations_.assign(resp.block_generations().begin(), resp.block_generations().end());
   return out;
+}
+
+absl::Status AgentBlocks::Fill(std::byte byte) {
+  constexpr size_t kBlocksPerStream = 16;
+  constexpr size_t kChunkBytes = 1 << 20;  // below every agent's max_message_bytes
+  if (bytes_per_block_ == 0) return absl::FailedPreconditionError("no block size known");
+  const std::string chunk(kChunkBytes, static_cast<char>(byte));
+  for (size_t first = 0; first < ids_.size(); first += kBlocksPerStream) {
+    const size_t n = std::min(kBlocksPerStream, ids_.size() - first);
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx);
+    v1::WriteBlocksResponse resp;
+    std::unique_ptr<grpc::ClientWriter<v1::WriteBlocksRequest>> w = stub_->WriteBlocks(&ctx, &resp);
+    v1::WriteBlocksRequest msg;
+    v1::WriteBlocksHeader* header = msg.mutable_header();
+    header->mutable_block_ids()->Add(ids_.begin() + first, ids_.begin() + first + n);
+    header->set_owner_epoch(epoch_);
+    if (generations_.size() == ids_.size()) {
+      header->mutable_block_generations()->Add(generations_.begin() + first,
+                                               generations_.begin() + first + n);
+    }
+    bool open = w->Write(msg);
+    for (uint64_t left = n * bytes_per_block_; open && left > 0;) {
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(left, kChunkBytes));
+      msg.set_data(chunk.data(), take);
+      open = w->Write(msg);
+      left -= take;
+    }
+    w->WritesDone();
+    if (absl::Status s = FromGrpcStatus(w->Finish()); !s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status AgentBlocks::Free(std::span<const BlockId> ids) {

@@ -32,6 +32,11 @@ class AgentBlocks {
                                               const std::string& address, const NamespaceId& ns,
                                               uint32_t count);
 
+  // Writes every block of the allocation whole with `byte` (WriteBlocks streams of at most
+  // 16 blocks): the agent commits a block only once all its bytes were written, and
+  // kvcmctl has no KV of its own to write. The agent's errors as they are.
+  absl::Status Fill(std::byte byte);
+
   // Frees `ids` (blocks of this allocation the manager did not index), naming the
   // generations Allocate returned (a worker's Free needs them); best effort.
   // INVALID_ARGUMENT for an id this allocation does not hold.
@@ -45,6 +50,7 @@ class AgentBlocks {
  private:
   std::shared_ptr<v1::BlockAgent::Stub> stub_;
   uint64_t epoch_ = 0;
+  uint64_t bytes_per_block_ = 0;
   std::vector<BlockId> ids_;
   std::vector<uint64_t> generations_;
 };

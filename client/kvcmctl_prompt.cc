@@ -233,6 +233,11 @@ int InsertThroughAgent(const Invocation& in, const NamespaceId& ns, std::span<co
   if (!blocks.ok()) {
     return in.Failed(blocks.status());
   }
+  // A worker writes its KV before the insert; kvcmctl has none, so its blocks hold zeros.
+  if (absl::Status s = blocks->Fill(std::byte{0}); !s.ok()) {
+    (void)blocks->Free(blocks->ids());
+    return in.Failed(s);
+  }
   v1::InsertResponse reply;
   absl::StatusOr<InsertReply> r =
       in.client->Insert(ns, tokens, pool, blocks->ids(),

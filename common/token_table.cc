@@ -87,6 +87,10 @@ bool Principal::IsAgent(absl::string_view id) const {
          (any_agent || agent_id == id || (agent_gpu_ids && IsGpuAgentIdOf(id, agent_id)));
 }
 
+std::string AllocatorName(const Principal& p) {
+  return p.worker_of_any_tenant ? std::string() : p.name;
+}
+
 bool IsGpuAgentIdOf(absl::string_view id, absl::string_view name) {
   if (name.empty() || !absl::ConsumePrefix(&id, name) || !absl::ConsumePrefix(&id, "-gpu")) {
     return false;

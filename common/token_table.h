@@ -43,6 +43,14 @@
 
 namespace kvcm {
 
+struct Principal;
+
+// The name a block's allocation records as its allocator, and a commit as its inserter
+// (BlockLedger: only the allocator may commit a block): the principal's name, or empty for
+// the open, dev-mode caller (without a tokens file every caller is that one principal, so
+// there is nothing to tell apart).
+std::string AllocatorName(const Principal& p);
+
 enum class Role : uint8_t {
   kWorker = 1 << 0,
   kRouter = 1 << 1,

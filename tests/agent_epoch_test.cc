@@ -26,6 +26,7 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/block_agent_calls.h"
 
 namespace kvcm {
 namespace {
@@ -84,19 +85,10 @@ grpc::Status Read(v1::BlockAgent::Stub& agent, const std::vector<BlockId>& ids,
   return reader->Finish();
 }
 
-// BlockAgent.Allocate of `count` blocks of the agent's epoch for namespace `ns`.
+// `count` blocks of the agent's epoch for namespace `ns`, written (ready to insert).
 std::vector<BlockId> AllocateFor(v1::BlockAgent::Stub& agent, uint32_t count, uint64_t epoch,
                                  const NamespaceId& ns) {
-  v1::AllocateBlocksRequest req;
-  req.set_count(count);
-  req.set_owner_epoch(epoch);
-  req.mutable_namespace_()->set_tenant(ns.tenant);
-  req.mutable_namespace_()->set_model(ns.model);
-  v1::AllocateBlocksResponse resp;
-  grpc::ClientContext ctx;
-  const grpc::Status status = agent.Allocate(&ctx, req, &resp);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return {resp.block_ids().begin(), resp.block_ids().end()};
+  return ::kvcm::testing::AllocateIn(agent, count, epoch, ns);
 }
 
 // A manager, an agent registered with it, a prompt of kCacheBlocks pages cached in the

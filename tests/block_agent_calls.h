@@ -42,12 +42,21 @@ inline grpc::Status AllocateTo(v1::BlockAgent::Stub& agent, uint32_t count, uint
   return status;
 }
 
-// The same, where a failed call is a test failure (EXPECT) and returns no blocks.
+// Writes blocks `ids` whole with zeros (the agent's Stats give the block size): what a
+// worker's blocks are after it wrote its KV, ready to insert (the agent commits a block
+// only once all its bytes were written). A failed call is a test failure (EXPECT).
+inline void WriteZeros(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
+                       uint64_t owner_epoch, std::span<const uint64_t> generations = {});
+
+// AllocateTo, then WriteZeros: blocks ready to insert. A failed call is a test failure
+// (EXPECT) and returns no blocks.
 inline std::vector<BlockId> AllocateIn(v1::BlockAgent::Stub& agent, uint32_t count,
                                        uint64_t owner_epoch, const NamespaceId& ns) {
   std::vector<BlockId> ids;
-  const grpc::Status status = AllocateTo(agent, count, owner_epoch, ns, &ids);
+  std::vector<uint64_t> generations;
+  const grpc::Status status = AllocateTo(agent, count, owner_epoch, ns, &ids, &generations);
   EXPECT_TRUE(status.ok()) << status.error_message();
+  if (status.ok()) WriteZeros(agent, ids, owner_epoch, generations);
   return ids;
 }
 
@@ -84,6 +93,17 @@ inline grpc::Status WriteAll(v1::BlockAgent::Stub& agent, std::span<const BlockI
   }
   writer->WritesDone();
   return writer->Finish();
+}
+
+inline void WriteZeros(v1::BlockAgent::Stub& agent, std::span<const BlockId> ids,
+                       uint64_t owner_epoch, std::span<const uint64_t> generations) {
+  v1::BlockAgentStatsResponse stats;
+  grpc::ClientContext ctx;
+  const grpc::Status got = agent.Stats(&ctx, v1::BlockAgentStatsRequest(), &stats);
+  ASSERT_TRUE(got.ok()) << got.error_message();
+  const std::string zeros(ids.size() * stats.geometry().bytes_per_block(), '\0');
+  const grpc::Status wrote = WriteAll(agent, ids, owner_epoch, zeros, generations);
+  EXPECT_TRUE(wrote.ok()) << wrote.error_message();
 }
 
 // BlockAgent.ReadBlocks of `ids` (of `generations`, optional) from the pool of `tier`.

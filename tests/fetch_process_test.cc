@@ -56,15 +56,8 @@ class FetchProcessTest : public ::testing::Test {
     tokens_.resize(kPages * page_size_);
     for (size_t i = 0; i < tokens_.size(); ++i) tokens_[i] = static_cast<int32_t>(i * 31 + 7);
     a_stub_ = cluster_->Stub("gpu-a");
-    v1::AllocateBlocksRequest alloc;
-    alloc.set_count(kPages);
-    alloc.set_owner_epoch(cluster_->agent("gpu-a").epoch);
-    alloc.mutable_namespace_()->set_tenant(kNs.tenant);
-    alloc.mutable_namespace_()->set_model(kNs.model);
-    v1::AllocateBlocksResponse blocks;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(a_stub_->Allocate(&ctx, alloc, &blocks).ok());
-    a_blocks_.assign(blocks.block_ids().begin(), blocks.block_ids().end());
+    a_blocks_ = testing::AllocateIn(*a_stub_, kPages, cluster_->agent("gpu-a").epoch, kNs);
+    ASSERT_EQ(a_blocks_.size(), kPages);
     ASSERT_TRUE(client_->Insert(kNs, tokens_, PoolRef{"gpu-a", Tier::kGpu}, a_blocks_).ok());
   }
 

@@ -30,6 +30,7 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/block_agent_calls.h"
 
 namespace kvcm {
 namespace {
@@ -146,7 +147,12 @@ class InsertFuzzer {
     v1::AllocateBlocksResponse resp;
     grpc::ClientContext ctx;
     if (ba_->Allocate(&ctx, req, &resp).ok()) {
-      for (BlockId b : resp.block_ids()) mine_[tenant].push_back(b);
+      const std::vector<BlockId> ids(resp.block_ids().begin(), resp.block_ids().end());
+      const std::vector<uint64_t> gens(resp.block_generations().begin(),
+                                       resp.block_generations().end());
+      // Mostly written whole, as a worker's; now and then not, which no commit may take.
+      if (Pick(4) != 0) testing::WriteZeros(*ba_, ids, agent_->epoch(), gens);
+      for (BlockId b : ids) mine_[tenant].push_back(b);
     }
   }
 

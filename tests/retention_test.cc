@@ -25,6 +25,7 @@
 #include "server/core/clock.h"
 #include "server/service/manager_server.h"
 #include "tests/agent_test_util.h"
+#include "tests/block_agent_calls.h"
 
 namespace kvcm {
 namespace {
@@ -132,15 +133,8 @@ class RetentionTest : public ::testing::Test {
 
   // Allocates `pages` blocks of the agent for ns_ and inserts the prompt of `seed` in them.
   void InsertPrompt(uint32_t pages, int32_t seed) {
-    v1::AllocateBlocksRequest req;
-    req.set_count(pages);
-    req.set_owner_epoch(epoch_);
-    req.mutable_namespace_()->set_tenant(ns_.tenant);
-    req.mutable_namespace_()->set_model(ns_.model);
-    v1::AllocateBlocksResponse resp;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(ba_->Allocate(&ctx, req, &resp).ok());
-    const std::vector<BlockId> blocks(resp.block_ids().begin(), resp.block_ids().end());
+    const std::vector<BlockId> blocks = ::kvcm::testing::AllocateIn(*ba_, pages, epoch_, ns_);
+    ASSERT_EQ(blocks.size(), pages);
     std::unique_ptr<Client> client = Connect();
     ASSERT_NE(client, nullptr);
     absl::StatusOr<InsertReply> ins =

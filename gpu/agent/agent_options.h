@@ -89,6 +89,10 @@ struct AgentOptions {
   // worker died between Allocate and Insert); a late write to them answers ABORTED. Checked
   // every heartbeat. 0: never. 0 or 1000..86400000.
   uint32_t allocation_ttl_ms = 60'000;
+  // Take a keyed digest of every block's bytes when it is committed and check it at every
+  // read of the block (ReadBlocks, a local LOAD, a peer's pull): DATA_LOSS, nothing served,
+  // for bytes changed since (BlockPool). Costs a hash of each block at commit and per read.
+  bool verify_block_digests = false;
   // Prometheus /metrics address "host:port"; empty disables it.
   std::string metrics_address;
   // Most blocks one WriteBlocks or ReadBlocks call may name. 1..65536. (WriteBlocks writes

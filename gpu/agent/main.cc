@@ -82,6 +82,10 @@ ABSL_FLAG(uint32_t, allocate_wait_ms, kDefaults.allocate_wait_ms,
 ABSL_FLAG(uint32_t, allocation_ttl_ms, kDefaults.allocation_ttl_ms,
           "Cache blocks allocated but neither committed nor freed within this are freed "
           "(a worker died mid-store), ms; 0: never.");
+ABSL_FLAG(bool, verify_block_digests, kDefaults.verify_block_digests,
+          "Digest every block's bytes at its commit and check the digest at every read "
+          "(ReadBlocks, local LOAD, a peer's pull): a block whose bytes changed since is not "
+          "served (DATA_LOSS). Costs one hash of the block per commit and per read.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics address host:port; empty disables it.");
 ABSL_FLAG(uint32_t, max_blocks_per_call, kDefaults.max_blocks_per_call,
@@ -280,6 +284,7 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.local_copy_chunk_bytes = absl::GetFlag(FLAGS_local_copy_chunk_bytes);
   o.allocate_wait_ms = absl::GetFlag(FLAGS_allocate_wait_ms);
   o.allocation_ttl_ms = absl::GetFlag(FLAGS_allocation_ttl_ms);
+  o.verify_block_digests = absl::GetFlag(FLAGS_verify_block_digests);
   const char* token = kvcm::GetEnvWithDeprecated("kvcm-agent", "KVCM_TOKEN", "KVCM_AGENT_TOKEN");
   if (o.token_file.empty() && token != nullptr) {
     o.token = token;

@@ -44,6 +44,8 @@ struct CommitBlocksCommand {
   // The namespace's own retention limit (0: the manager's default), kept by the agent for
   // its inventory, so that a restarted manager has it before the worker registers again.
   uint32_t max_page_age_s = 0;
+  // The inserting principal (AllocatorName); the agent commits only blocks it allocated.
+  std::string committer;
 };
 
 // Committed blocks back to allocated: the index did not take their pages.

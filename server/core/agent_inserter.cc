@@ -90,7 +90,8 @@ void AgentInserter::Insert(InsertCommand insert, InsertDone done) {
       .block_ids = insert.block_ids,
       .pages = insert.pages,
       .committed_unix_ms = absl::ToUnixMillis(pending->committed_at),
-      .max_page_age_s = static_cast<uint32_t>(absl::ToInt64Seconds(ns->registered_max_page_age))};
+      .max_page_age_s = static_cast<uint32_t>(absl::ToInt64Seconds(ns->registered_max_page_age)),
+      .committer = insert.committer};
   pending->insert = std::move(insert);
   // `done` is moved into the completion only once the command is queued: a refused Enqueue
   // never runs the completion, and `done` must still be called here.

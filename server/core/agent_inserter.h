@@ -41,6 +41,8 @@ struct InsertCommand {
   bool create_pool = true;
   // The agent epoch the blocks were allocated in; 0 when the caller does not say.
   uint64_t agent_epoch = 0;
+  // Who inserts (AllocatorName of the caller): the agent commits only blocks it allocated.
+  std::string committer;
 };
 
 using InsertDone = std::function<void(absl::StatusOr<InsertResult> result)>;

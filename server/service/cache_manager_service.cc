@@ -207,6 +207,7 @@ grpc::ServerUnaryReactor* CacheManagerService::Insert(grpc::CallbackServerContex
     }
     InsertCommand command = ToInsertCommand(*std::move(call));
     command.create_pool = (*caller)->Has(Role::kAdmin);
+    command.committer = AllocatorName(**caller);
     // Into an agent's pool the answer comes once the agent has committed the blocks.
     inserter_->Insert(std::move(command), [resp, finish](absl::StatusOr<InsertResult> result) {
       if (result.ok()) InsertResultToProto(*result, resp);

@@ -525,6 +525,7 @@ void AgentCommandToProto(const AgentCommand& command, uint64_t manager_incarnati
                                                            demote->source_block_ids.end());
   } else if (const auto* commit = std::get_if<CommitBlocksCommand>(&command.body)) {
     v1::CommitBlocks* c = out->mutable_commit();
+    c->set_committer(commit->committer);
     c->set_tier(TierToProto(commit->tier));
     c->mutable_namespace_()->set_tenant(commit->ns.tenant);
     c->mutable_namespace_()->set_model(commit->ns.model);

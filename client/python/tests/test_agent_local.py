@@ -149,7 +149,7 @@ def test_refusals_copy_nothing(rig: Rig) -> None:
             region.store(freed, [0], owner_epoch=rig.epoch, generations=freed_gens)
         with pytest.raises(kvcm.InvalidArgument, match="engine_blocks"):
             region.load(ids[:1], [ENGINE_BLOCKS], owner_epoch=rig.epoch)
-        assert region.store(ids[:1], [0], owner_epoch=rig.epoch, generations=gens[:1]) == 1
+        assert region.store(ids, [0, 1], owner_epoch=rig.epoch, generations=gens) == 2
 
         # Committed through the manager: immutable, and readable only as the pages it holds.
         tokens = prompt(64 * 2)

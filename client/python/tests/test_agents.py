@@ -29,10 +29,20 @@ class Agent:
         return self.stub.Stats(agent_pb2.BlockAgentStatsRequest(), timeout=5).epoch
 
     def allocate(self, count: int, ns: kvcm.Namespace) -> Tuple[List[int], int]:
-        epoch = self.epoch()
-        request = agent_pb2.AllocateBlocksRequest(count=count, owner_epoch=epoch)
+        """`count` blocks for `ns`, written whole (zeros), as a worker's are before its
+        insert: the agent commits only blocks whose every byte was written."""
+        stats = self.stub.Stats(agent_pb2.BlockAgentStatsRequest(), timeout=5)
+        request = agent_pb2.AllocateBlocksRequest(count=count, owner_epoch=stats.epoch)
         request.namespace.tenant, request.namespace.model = ns.tenant, ns.model
-        return list(self.stub.Allocate(request, timeout=5).block_ids), epoch
+        allocated = self.stub.Allocate(request, timeout=5)
+        ids = list(allocated.block_ids)
+        header = agent_pb2.WriteBlocksHeader(block_ids=ids, owner_epoch=stats.epoch,
+                                             block_generations=allocated.block_generations)
+        total, chunk = len(ids) * stats.geometry.bytes_per_block, 1 << 20
+        self.stub.WriteBlocks(iter([agent_pb2.WriteBlocksRequest(header=header)] +
+                                   [agent_pb2.WriteBlocksRequest(data=bytes(min(chunk, total - at)))
+                                    for at in range(0, total, chunk)]), timeout=30)
+        return ids, stats.epoch
 
     def free_blocks(self) -> int:
         return self.stub.Stats(agent_pb2.BlockAgentStatsRequest(), timeout=5).free_blocks

@@ -145,7 +145,9 @@ absl::StatusOr<std::vector<BlockId>> CommandExecutor::Commit(const v1::CommitBlo
   const int64_t committed_unix_ms =
       commit.committed_unix_ms() > 0 ? commit.committed_unix_ms() : absl::ToUnixMillis(absl::Now());
   // "block_ids": the manager forwards the message to the worker whose Insert named them.
-  return pool->Commit(ns, epoch_, entries, "block_ids", committed_unix_ms);
+  return pool->Commit(
+      ns, epoch_, entries, "block_ids", committed_unix_ms,
+      {.committer = commit.committer(), .block_bytes = pool->geometry().bytes_per_block()});
 }
 
 absl::Status CommandExecutor::Release(const v1::ReleaseBlocks& release) {

@@ -68,7 +68,7 @@ absl::StatusOr<RoomMaker::Allocation> RoomMaker::AllocateNow(BlockPool& pool,
   Allocation out;
   absl::StatusOr<std::vector<BlockId>> ids =
       pool.Allocate(request.count, request.owner_epoch, request.ns ? &*request.ns : nullptr,
-                    &out.generations, use_held);
+                    &out.generations, use_held, request.allocator);
   if (!ids.ok()) return ids.status();
   out.block_ids = *std::move(ids);
   return out;

@@ -85,6 +85,8 @@ class RoomMaker {
     uint32_t count = 0;
     uint64_t owner_epoch = 0;
     std::optional<NamespaceId> ns;
+    // The principal that alone may commit the blocks (BlockLedger); empty: none named.
+    std::string allocator;
     // The caller's deadline (InfiniteFuture: none); capped by allocate_wait_ms.
     absl::Time deadline = absl::InfiniteFuture();
   };

@@ -317,9 +317,16 @@ absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
                       : std::span<const uint64_t>(bound).subspan(lo, hi - lo);
     std::optional<PageCheck> chunk_check;
     if (check) chunk_check = PageCheck{.ns = check->ns, .pages = check->pages.subspan(lo, hi - lo)};
+    // A STORE records the bytes each block of the chunk receives (its segments in it).
+    std::vector<uint64_t> written;
+    if (!load) {
+      written.assign(hi - lo, 0);
+      for (uint64_t k = first; k < end; ++k) written[k / segments - lo] += segment_bytes_;
+    }
     const absl::Status s = pool->WithCheckedBlocks(
         ids.subspan(lo, hi - lo), c.owner_epoch(), /*writable=*/!load, "block_ids", chunk_bound,
-        chunk_check ? &*chunk_check : nullptr, [&](DeviceBackend& backend) -> absl::Status {
+        chunk_check ? &*chunk_check : nullptr,
+        [&](DeviceBackend& backend) -> absl::Status {
           // Only a failing copy (a device error) stops midway, and Finish waits for what
           // was issued before the pool's lock is released.
           absl::Status copied;
@@ -333,7 +340,8 @@ absl::Status LocalSession::Copy(const v1::LocalCopy& c, v1::LocalReply* reply) {
           }
           const absl::Status finished = region_->Finish();
           return copied.ok() ? finished : copied;
-        });
+        },
+        written);
     if (!s.ok()) {
       // Blocks [0, lo) are whole; a block freed, reallocated or recommitted since the first
       // check (or a device error) stops the rest.

@@ -139,9 +139,9 @@ TEST(BlockGenerationTest, StaleWritesAndFreesTouchNothingOfTheNextAllocation) {
   EXPECT_EQ(r.pool
                 ->WithWritableBlock(
                     0, kEpoch, "dst_blocks[0]",
-                    [&](std::byte*) {
+                    [&](std::byte*) -> absl::StatusOr<uint64_t> {
                       ran = true;
-                      return absl::OkStatus();
+                      return 0;
                     },
                     r.old[0])
                 .code(),

@@ -17,11 +17,9 @@ BlockLedger::BlockLedger(uint32_t num_blocks, uint64_t first_generation)
   for (BlockId id = 0; id < num_blocks; ++id) free_.push_back(id);
 }
 
-absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint64_t owner_epoch,
-                                                           const NamespaceId* ns,
-                                                           std::vector<uint64_t>* generations,
-                                                           std::vector<BlockId>* scrub,
-                                                           int64_t now_unix_ms) {
+absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(
+    uint32_t count, uint64_t owner_epoch, const NamespaceId* ns, std::vector<uint64_t>* generations,
+    std::vector<BlockId>* scrub, int64_t now_unix_ms, absl::string_view allocator) {
   if (count == 0) return absl::InvalidArgumentError("count must be >= 1");
   if (owner_epoch == 0) return absl::InvalidArgumentError("owner_epoch must be >= 1");
   if (count > free_.size()) {
@@ -29,6 +27,12 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint6
                                                      " of ", slots_.size(), " are free"));
   }
   const uint32_t ns_index = ns != nullptr ? Intern(*ns) : kNoNamespace;
+  uint32_t principal = kNoPrincipal;
+  if (!allocator.empty()) {
+    auto [it, inserted] = principal_index_.try_emplace(allocator, principals_.size());
+    if (inserted) principals_.emplace_back(allocator);
+    principal = it->second;
+  }
   std::vector<BlockId> out(free_.begin(), free_.begin() + count);
   free_.erase(free_.begin(), free_.begin() + count);
   if (generations != nullptr) generations->clear();
@@ -39,7 +43,8 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Allocate(uint32_t count, uint6
                       .ns = ns_index,
                       .owner_epoch = owner_epoch,
                       .allocated_unix_ms = now_unix_ms,
-                      .generation = next_generation_++};
+                      .generation = next_generation_++,
+                      .allocator = principal};
     if (generations != nullptr) generations->push_back(slots_[id].generation);
   }
   return out;
@@ -102,7 +107,8 @@ absl::Status BlockLedger::Free(std::span<const BlockId> ids, uint64_t owner_epoc
 absl::StatusOr<std::vector<BlockId>> BlockLedger::Commit(const NamespaceId& ns, uint64_t epoch,
                                                          std::span<const CommitEntry> entries,
                                                          absl::string_view field,
-                                                         int64_t committed_unix_ms) {
+                                                         int64_t committed_unix_ms,
+                                                         const CommitChecks& checks) {
   std::vector<BlockId> ids;
   ids.reserve(entries.size());
   for (const CommitEntry& e : entries) ids.push_back(e.block);
@@ -142,6 +148,17 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Commit(const NamespaceId& ns, 
       }
       continue;  // the same commit again
     }
+    if (!checks.committer.empty() && slot.allocator != kNoPrincipal &&
+        principals_[slot.allocator] != checks.committer) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          where, " was allocated by principal \"", principals_[slot.allocator], "\", not by \"",
+          checks.committer, "\", whose insert names it: only a block's allocator may commit it"));
+    }
+    if (checks.block_bytes > 0 && slot.written < checks.block_bytes) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(where, " has ", slot.written, " of its ", checks.block_bytes,
+                       " bytes written: a block is committed only once every byte is written"));
+    }
     fresh.push_back(e.block);
   }
   for (const CommitEntry& e : entries) {
@@ -154,6 +171,12 @@ absl::StatusOr<std::vector<BlockId>> BlockLedger::Commit(const NamespaceId& ns, 
     ++committed_;
   }
   return fresh;
+}
+
+void BlockLedger::AddWritten(BlockId id, uint64_t bytes) {
+  Slot& slot = slots_[id];
+  if (slot.state != State::kAllocated) return;
+  slot.written = bytes > UINT64_MAX - slot.written ? UINT64_MAX : slot.written + bytes;
 }
 
 absl::Status BlockLedger::CommitCopy(BlockId target, const CommittedBlock& source) {
@@ -192,6 +215,7 @@ absl::Status BlockLedger::Release(std::span<const BlockId> ids, uint64_t epoch,
     slot.state = State::kAllocated;
     slot.page = slot.parent = PageHash{};
     slot.committed_unix_ms = 0;
+    slot.digest = 0;
     --committed_;
   }
   return absl::OkStatus();

@@ -21,6 +21,12 @@
 // owner, whatever order free blocks are reused in. The free list is FIFO (a freed block is
 // reused last), which only makes stale ids rarer; correctness does not depend on it.
 //
+// Within a tenant (docs/SECURITY.md, "Within a tenant"): an allocation records the
+// principal that asked for it, and the bytes written into it since; a commit that names its
+// principal (CommitChecks) is refused for a block another principal allocated, or one not
+// yet written whole. A committed block may also keep a digest of its bytes (BlockPool
+// checks it at every read when digests are on).
+//
 // Every mutation is all or nothing, and every error names the field it is about. Not
 // thread-safe: BlockPool guards its ledger with its own mutex.
 #ifndef KVCM_GPU_AGENT_POOL_BLOCK_LEDGER_H_
@@ -29,6 +35,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -46,6 +53,16 @@ struct CommitEntry {
   BlockId block = 0;
   PageHash page;
   PageHash parent;
+};
+
+// What a commit from outside the agent (the manager's CommitBlocks) must also hold.
+struct CommitChecks {
+  // The principal whose Insert asked for the commit (its token's name); empty: not checked.
+  // A block whose allocation recorded another (non-empty) principal is PERMISSION_DENIED.
+  absl::string_view committer;
+  // The pool's block size; 0: not checked. A block with fewer bytes written since its
+  // allocation is FAILED_PRECONDITION.
+  uint64_t block_bytes = 0;
 };
 
 // One committed block, as inventories report it.
@@ -76,12 +93,14 @@ class BlockLedger {
   // the blocks that may still hold another namespace's bytes (their last allocation was in
   // another namespace, or private while this one is not, or they were never allocated),
   // which the caller must overwrite before anyone reads them. `now_unix_ms` is recorded as
-  // the allocation's start (FreeAllocatedBefore).
+  // the allocation's start (FreeAllocatedBefore), and `allocator` (empty: none named) as the
+  // principal that alone may commit the blocks (CommitChecks::committer).
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns,
                                                 std::vector<uint64_t>* generations = nullptr,
                                                 std::vector<BlockId>* scrub = nullptr,
-                                                int64_t now_unix_ms = 0);
+                                                int64_t now_unix_ms = 0,
+                                                absl::string_view allocator = {});
 
   // Allocated blocks back to free, by their owner. INVALID_ARGUMENT for an empty list,
   // owner_epoch 0 or an id listed twice; OUT_OF_RANGE for an id past the pool;
@@ -99,11 +118,26 @@ class BlockLedger {
   // past the pool or kPendingBlock; FAILED_PRECONDITION for a block that is free, allocated
   // to another namespace or owner epoch, or committed to another page. The newly committed
   // blocks record `committed_unix_ms` as their commit time (a repeated commit keeps its
-  // first time).
+  // first time). With `checks`, a block to commit newly must also have been allocated by
+  // checks.committer, when both name a principal (PERMISSION_DENIED otherwise), and have
+  // checks.block_bytes written (FAILED_PRECONDITION otherwise).
   absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
                                               std::span<const CommitEntry> entries,
                                               absl::string_view field,
-                                              int64_t committed_unix_ms = 0);
+                                              int64_t committed_unix_ms = 0,
+                                              const CommitChecks& checks = {});
+
+  // Counts `bytes` more written into allocated block `id` (saturating). A range written
+  // twice counts twice: the count stops a commit that races its writes, or names blocks its
+  // committer never wrote, not an allocator committing its own half-written block (it
+  // could as well write anything). REQUIRES: id < num_blocks; no-op unless allocated.
+  void AddWritten(BlockId id, uint64_t bytes);
+  uint64_t written(BlockId id) const { return slots_[id].written; }
+
+  // The digest of committed block `id`'s bytes, taken at its commit (BlockPool, digests
+  // on); 0 when none was taken. Set only on a committed block; a free clears it.
+  void set_digest(BlockId id, uint64_t digest) { slots_[id].digest = digest; }
+  uint64_t digest(BlockId id) const { return slots_[id].digest; }
 
   // Commits allocated block `target` (any namespace) to the page `source` holds, in
   // source's namespace, with source's commit time (a copy is as old as its data):
@@ -179,6 +213,7 @@ class BlockLedger {
  private:
   static constexpr uint32_t kNoNamespace = 0xFFFFFFFF;
   static constexpr uint32_t kNever = 0xFFFFFFFE;
+  static constexpr uint32_t kNoPrincipal = 0xFFFFFFFF;
   struct Slot {
     State state = State::kFree;
     uint32_t ns = kNoNamespace;  // index into namespaces_
@@ -191,6 +226,9 @@ class BlockLedger {
     // The namespace of the block's last allocation (kNoNamespace: private), kNever before
     // its first: kept while free, so that Allocate knows whose bytes the block holds.
     uint32_t last_ns = kNever;
+    uint32_t allocator = kNoPrincipal;  // index into principals_
+    uint64_t written = 0;               // bytes written since the allocation (AddWritten)
+    uint64_t digest = 0;                // of a committed block's bytes; 0: none
   };
 
   // INVALID_ARGUMENT / OUT_OF_RANGE checks shared by every list-taking call.
@@ -212,6 +250,10 @@ class BlockLedger {
   // ever seen, not per block).
   std::deque<NamespaceId> namespaces_;  // a deque: CommittedBlock::ns points into it
   absl::flat_hash_map<NamespaceId, uint32_t> namespace_index_;
+  // Principals that allocated blocks, by index; never shrinks (one per principal name, and
+  // names come from the tokens file).
+  std::vector<std::string> principals_;
+  absl::flat_hash_map<std::string, uint32_t> principal_index_;
 };
 
 }  // namespace kvcm

@@ -123,6 +123,54 @@ TEST(BlockLedgerTest, CommitRefusesEveryBlockItMustNotTakeAndChangesNothing) {
   (void)no_ns;
 }
 
+TEST(BlockLedgerTest, OnlyTheAllocatorCommitsAndOnlyABlockWrittenWhole) {
+  constexpr uint64_t kBlockBytes = 100;
+  BlockLedger l(8);
+  const std::vector<BlockId> alice = *l.Allocate(2, kEpoch, &kAcme, nullptr, nullptr, 0, "alice");
+  const std::vector<BlockId> unnamed = *l.Allocate(1, kEpoch, &kAcme);
+  for (BlockId id : alice) l.AddWritten(id, kBlockBytes);
+  l.AddWritten(unnamed[0], kBlockBytes);
+  const Snapshot before = Snap(l);
+
+  // Another principal of the same tenant names alice's blocks: refused, nothing committed.
+  absl::StatusOr<std::vector<BlockId>> bob =
+      l.Commit(kAcme, kEpoch, Chain(alice), "block_ids", 0,
+               {.committer = "bob", .block_bytes = kBlockBytes});
+  EXPECT_EQ(bob.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(bob.status().message(), HasSubstr("block_ids[0]: block 0 was allocated by "
+                                                "principal \"alice\", not by \"bob\""));
+  EXPECT_EQ(Snap(l), before);
+
+  // A block written short (or not at all) is not committed, by its allocator either.
+  const std::vector<BlockId> half = *l.Allocate(1, kEpoch, &kAcme, nullptr, nullptr, 0, "alice");
+  l.AddWritten(half[0], kBlockBytes / 2);
+  const Snapshot with_half = Snap(l);
+  absl::StatusOr<std::vector<BlockId>> short_write =
+      l.Commit(kAcme, kEpoch, Chain(half, 10), "block_ids", 0,
+               {.committer = "alice", .block_bytes = kBlockBytes});
+  EXPECT_EQ(short_write.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(short_write.status().message(), HasSubstr("block 3 has 50 of its 100 bytes written"));
+  EXPECT_EQ(Snap(l), with_half);
+  l.AddWritten(half[0], kBlockBytes / 2);
+  EXPECT_TRUE(l.Commit(kAcme, kEpoch, Chain(half, 10), "block_ids", 0,
+                       {.committer = "alice", .block_bytes = kBlockBytes})
+                  .ok());
+
+  // The allocator commits its own; an unnamed allocation (the open caller, or the agent's
+  // own for a Fetch) and an unnamed committer check no principal.
+  EXPECT_TRUE(l.Commit(kAcme, kEpoch, Chain(alice), "block_ids", 0,
+                       {.committer = "alice", .block_bytes = kBlockBytes})
+                  .ok());
+  EXPECT_TRUE(l.Commit(kAcme, kEpoch, Chain(unnamed, 20), "block_ids", 0,
+                       {.committer = "bob", .block_bytes = kBlockBytes})
+                  .ok());
+
+  // A freed block forgets its allocator and its bytes: the next allocation starts at 0.
+  ASSERT_TRUE(l.FreeCommitted(half, kEpoch, "b").ok());
+  const std::vector<BlockId> again = *l.Allocate(5, kEpoch, &kAcme, nullptr, nullptr, 0, "bob");
+  for (BlockId id : again) EXPECT_EQ(l.written(id), 0u) << id;
+}
+
 TEST(BlockLedgerTest, CommittedBlocksBelongToTheCache) {
   BlockLedger l(4);
   std::vector<BlockId> ids = *l.Allocate(2, kEpoch, &kAcme);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/page_hash_core.h"
 #include "common/status_macros.h"
 
 namespace kvcm {
@@ -32,7 +33,8 @@ BlockPool::BlockPool(PoolGeometry geometry, std::unique_ptr<DeviceBackend> backe
 absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_t owner_epoch,
                                                          const NamespaceId* ns,
                                                          std::vector<uint64_t>* generations,
-                                                         bool use_held) {
+                                                         bool use_held,
+                                                         absl::string_view allocator) {
   absl::MutexLock lock(&mu_);
   if (const uint32_t free = ledger_.free_blocks(); !use_held && held_ > 0 && count > 0 &&
                                                    owner_epoch != 0 &&
@@ -43,7 +45,7 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_
   }
   std::vector<BlockId> scrub;
   absl::StatusOr<std::vector<BlockId>> ids = ledger_.Allocate(
-      count, owner_epoch, ns, generations, &scrub, absl::ToUnixMillis(absl::Now()));
+      count, owner_epoch, ns, generations, &scrub, absl::ToUnixMillis(absl::Now()), allocator);
   if (!ids.ok() || scrub.empty()) return ids;
   // Blocks that may hold another namespace's bytes are zeroed before anyone can read them
   // (same lock): a new allocation never sees another tenant's KV.
@@ -55,6 +57,42 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::Allocate(uint32_t count, uint64_
     }
   }
   return ids;
+}
+
+void BlockPool::EnableDigests(uint64_t k0, uint64_t k1) {
+  absl::MutexLock lock(&mu_);
+  digests_ = true;
+  digest_key_[0] = k0;
+  digest_key_[1] = k1;
+}
+
+absl::StatusOr<uint64_t> BlockPool::DigestOf(BlockId id) const {
+  const std::byte* bytes = backend_->base() + BlockOffset(id);
+  if (backend_->is_device()) {
+    digest_staging_.resize(bytes_per_block_);
+    KVCM_RETURN_IF_ERROR(backend_->CopyOut(BlockOffset(id), digest_staging_));
+    bytes = digest_staging_.data();
+  }
+  const uint64_t d =
+      page_hash_core::SipHash128(digest_key_[0], digest_key_[1],
+                                 {reinterpret_cast<const char*>(bytes), bytes_per_block_})
+          .lo;
+  return d == 0 ? 1 : d;  // 0 means "no digest"
+}
+
+absl::Status BlockPool::VerifyDigests(std::span<const BlockId> ids, absl::string_view field) const {
+  if (!digests_) return absl::OkStatus();
+  for (const BlockId id : ids) {
+    if (id >= ledger_.num_blocks() || ledger_.digest(id) == 0) continue;
+    KVCM_ASSIGN_OR_RETURN(const uint64_t now, DigestOf(id));
+    if (now != ledger_.digest(id)) {
+      ++digest_mismatches_;
+      return absl::DataLossError(absl::StrCat(
+          field, ": block ", id,
+          "'s bytes changed since its commit (its digest no longer matches): not served"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void BlockPool::SetHeld(uint32_t blocks) {
@@ -88,9 +126,18 @@ absl::Status BlockPool::Free(std::span<const BlockId> ids, uint64_t owner_epoch,
 absl::StatusOr<std::vector<BlockId>> BlockPool::Commit(const NamespaceId& ns, uint64_t epoch,
                                                        std::span<const CommitEntry> entries,
                                                        absl::string_view field,
-                                                       int64_t committed_unix_ms) {
+                                                       int64_t committed_unix_ms,
+                                                       const CommitChecks& checks) {
   absl::MutexLock lock(&mu_);
-  return ledger_.Commit(ns, epoch, entries, field, committed_unix_ms);
+  absl::StatusOr<std::vector<BlockId>> fresh =
+      ledger_.Commit(ns, epoch, entries, field, committed_unix_ms, checks);
+  if (!fresh.ok() || !digests_) return fresh;
+  for (const BlockId id : *fresh) {
+    absl::StatusOr<uint64_t> digest = DigestOf(id);
+    // A device error leaves the block without a digest (reads then check nothing).
+    if (digest.ok()) ledger_.set_digest(id, *digest);
+  }
+  return fresh;
 }
 
 absl::Status BlockPool::Release(std::span<const BlockId> ids, uint64_t epoch,
@@ -157,6 +204,7 @@ absl::Status BlockPool::WriteBlocks(std::span<const BlockId> ids, uint64_t owner
         !s.ok()) {
       return s;
     }
+    ledger_.AddWritten(ids[i], bytes_per_block_);
   }
   return absl::OkStatus();
 }
@@ -196,6 +244,10 @@ absl::Status BlockPool::ForEachPiece(
   for (uint64_t done = 0; done < n;) {
     const uint64_t pos = offset + done;
     const uint64_t in_block = pos % bytes_per_block_;
+    // A read checks each block's digest once, at the piece that starts the block.
+    if (!writable && in_block == 0) {
+      KVCM_RETURN_IF_ERROR(VerifyDigests({&ids[pos / bytes_per_block_], 1}, field));
+    }
     const uint64_t take = std::min<uint64_t>(bytes_per_block_ - in_block, n - done);
     KVCM_RETURN_IF_ERROR(fn(BlockOffset(ids[pos / bytes_per_block_]) + in_block, done, take));
     done += take;
@@ -207,10 +259,14 @@ absl::Status BlockPool::WriteRange(std::span<const BlockId> ids,
                                    std::span<const uint64_t> generations, uint64_t owner_epoch,
                                    uint64_t offset, std::span<const std::byte> bytes,
                                    absl::string_view field) {
-  return ForEachPiece(ids, generations, owner_epoch, offset, bytes.size(), /*writable=*/true, field,
-                      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
-                        return backend_->CopyIn(arena_offset, bytes.subspan(done, take));
-                      });
+  return ForEachPiece(
+      ids, generations, owner_epoch, offset, bytes.size(), /*writable=*/true, field,
+      [&](uint64_t arena_offset, uint64_t done, uint64_t take) {
+        mu_.AssertHeld();  // ForEachPiece calls fn under mu_
+        KVCM_RETURN_IF_ERROR(backend_->CopyIn(arena_offset, bytes.subspan(done, take)));
+        ledger_.AddWritten(static_cast<BlockId>(arena_offset / bytes_per_block_), take);
+        return absl::OkStatus();
+      });
 }
 
 absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
@@ -228,16 +284,23 @@ absl::Status BlockPool::ReadRange(std::span<const BlockId> ids,
 absl::Status BlockPool::WithCheckedBlocks(
     std::span<const BlockId> ids, uint64_t owner_epoch, bool writable, absl::string_view field,
     std::span<const uint64_t> generations, const PageCheck* pages,
-    absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn) {
+    absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn, std::span<const uint64_t> written) {
   if (pages != nullptr && (writable || pages->ns == nullptr)) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": a page check needs a namespace and applies to reads only"));
+  }
+  if (!written.empty() && (!writable || written.size() != ids.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": written bytes go with a write, one count per block"));
   }
   absl::MutexLock lock(&mu_);
   KVCM_RETURN_IF_ERROR(ledger_.Check(ids, owner_epoch, writable, field, generations));
   if (pages != nullptr)
     KVCM_RETURN_IF_ERROR(ledger_.CheckPages(ids, *pages->ns, pages->pages, field));
-  return fn(*backend_);
+  if (!writable) KVCM_RETURN_IF_ERROR(VerifyDigests(ids, field));
+  KVCM_RETURN_IF_ERROR(fn(*backend_));
+  for (size_t i = 0; i < written.size(); ++i) ledger_.AddWritten(ids[i], written[i]);
+  return absl::OkStatus();
 }
 
 absl::Status BlockPool::ReadBlock(BlockId id, uint64_t owner_epoch, uint64_t offset_in_block,
@@ -277,12 +340,13 @@ absl::Status BlockPool::WithCommittedBlock(
         absl::StrCat(field, ": block ", id,
                      " no longer holds page the pull expects (evicted or reused)"));
   }
+  KVCM_RETURN_IF_ERROR(VerifyDigests({&id, 1}, field));
   return fn(backend_->base() + BlockOffset(id));
 }
 
-absl::Status BlockPool::WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
-                                          absl::FunctionRef<absl::Status(std::byte* block)> fn,
-                                          uint64_t generation) {
+absl::Status BlockPool::WithWritableBlock(
+    BlockId id, uint64_t owner_epoch, absl::string_view field,
+    absl::FunctionRef<absl::StatusOr<uint64_t>(std::byte* block)> fn, uint64_t generation) {
   absl::MutexLock lock(&mu_);
   const std::span<const uint64_t> gens =
       generation == 0 ? std::span<const uint64_t>() : std::span<const uint64_t>(&generation, 1);
@@ -290,7 +354,9 @@ absl::Status BlockPool::WithWritableBlock(BlockId id, uint64_t owner_epoch, absl
       !s.ok()) {
     return s;
   }
-  return fn(backend_->base() + BlockOffset(id));
+  KVCM_ASSIGN_OR_RETURN(const uint64_t wrote, fn(backend_->base() + BlockOffset(id)));
+  ledger_.AddWritten(id, wrote);
+  return absl::OkStatus();
 }
 
 absl::Status BlockPool::WithOwnedArena(std::span<const BlockId> ids, uint64_t owner_epoch,
@@ -359,7 +425,9 @@ absl::Status BlockPool::CopyBlocksTo(std::span<const BlockId> ids, BlockPool& ds
   // checked allocated to owner_epoch, the sources' owner, above.
   for (size_t i = 0; i < ids.size(); ++i) {
     const CommittedBlock src = ledger_.Committed(ids[i]);
-    if (src.ns != nullptr) (void)dst.ledger_.CommitCopy(dst_ids[i], src);
+    if (src.ns == nullptr) continue;
+    (void)dst.ledger_.CommitCopy(dst_ids[i], src);
+    if (dst.digests_) dst.ledger_.set_digest(dst_ids[i], ledger_.digest(ids[i]));
   }
   return absl::OkStatus();
 }
@@ -376,6 +444,7 @@ BlockPoolStats BlockPool::Stats() const {
   s.free_blocks = ledger_.free_blocks();
   s.committed_blocks = ledger_.committed_blocks();
   s.held_blocks = std::min(ledger_.free_blocks(), held_);
+  s.digest_mismatches = digest_mismatches_;
   s.bytes_per_block = bytes_per_block_;
   s.capacity_bytes = s.num_blocks * bytes_per_block_;
   s.used_bytes = (s.num_blocks - s.free_blocks) * bytes_per_block_;

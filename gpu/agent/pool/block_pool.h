@@ -14,6 +14,12 @@
 // (BlockLedger::CheckGenerations: ABORTED otherwise), in the same critical section as what
 // it does, so an id kept past its Free never reaches the block's next allocation.
 //
+// Within a tenant (BlockLedger): every write records its bytes against the block's
+// allocation, so a commit can require the block written whole and by its allocator
+// (CommitChecks). With digests on (EnableDigests, the agent's --verify_block_digests), a
+// commit also takes a keyed digest of each new block's bytes, and every read of a committed
+// block checks it first: DATA_LOSS, nothing copied, for a block whose bytes changed since.
+//
 // Thread-safe: every method locks mu_; the arena is touched only by WriteBlocks, ReadBlock
 // and the callbacks of WithOwnedArena / WithOwnedHostArena, all under mu_ and all over
 // owned blocks.
@@ -43,10 +49,11 @@ struct BlockPoolStats {
   uint64_t num_blocks = 0;
   uint64_t free_blocks = 0;
   uint64_t bytes_per_block = 0;
-  uint64_t capacity_bytes = 0;    // num_blocks x bytes_per_block
-  uint64_t used_bytes = 0;        // (num_blocks - free_blocks) x bytes_per_block
-  uint64_t committed_blocks = 0;  // of the allocated ones, those committed to a page
-  uint64_t held_blocks = 0;       // of the free ones, those held for a waiting allocation
+  uint64_t capacity_bytes = 0;     // num_blocks x bytes_per_block
+  uint64_t used_bytes = 0;         // (num_blocks - free_blocks) x bytes_per_block
+  uint64_t committed_blocks = 0;   // of the allocated ones, those committed to a page
+  uint64_t held_blocks = 0;        // of the free ones, those held for a waiting allocation
+  uint64_t digest_mismatches = 0;  // reads refused: a committed block's bytes had changed
 };
 
 // The pages blocks must hold for a page-verified read: block ids[i] committed in `ns` to
@@ -72,10 +79,17 @@ class BlockPool {
   // With `generations`, it is set to the allocation's generation of each block. A block
   // whose previous allocation was in another namespace (or that was never allocated) is
   // zeroed first, so no allocation reads another tenant's bytes.
+  // `allocator` names the principal that alone may commit the blocks (BlockLedger).
   absl::StatusOr<std::vector<BlockId>> Allocate(uint32_t count, uint64_t owner_epoch,
                                                 const NamespaceId* ns = nullptr,
                                                 std::vector<uint64_t>* generations = nullptr,
-                                                bool use_held = false) ABSL_LOCKS_EXCLUDED(mu_);
+                                                bool use_held = false,
+                                                absl::string_view allocator = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Digests on, keyed by (k0, k1): see the class comment. Call before the pool is shared;
+  // give every pool of one agent the same key, so a demoted copy keeps its digest.
+  void EnableDigests(uint64_t k0, uint64_t k1) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Free blocks that only an Allocate with use_held may take: an allocation waiting for the
   // manager to make room holds them, so that blocks its evictions free are not taken by an
@@ -101,11 +115,13 @@ class BlockPool {
   absl::Status Free(std::span<const BlockId> ids, uint64_t owner_epoch,
                     std::span<const uint64_t> generations = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The ledger's Commit, Release and FreeCommitted, under the pool's lock.
+  // The ledger's Commit, Release and FreeCommitted, under the pool's lock; a commit also
+  // takes the new blocks' digests when digests are on.
   absl::StatusOr<std::vector<BlockId>> Commit(const NamespaceId& ns, uint64_t epoch,
                                               std::span<const CommitEntry> entries,
                                               absl::string_view field,
-                                              int64_t committed_unix_ms = 0)
+                                              int64_t committed_unix_ms = 0,
+                                              const CommitChecks& checks = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Release(std::span<const BlockId> ids, uint64_t epoch, absl::string_view field)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -176,11 +192,13 @@ class BlockPool {
   // between blocks of `ids` and memory outside the pool (the local data path): `fn` must
   // touch only blocks of `ids` (at BlockOffset), finish its copies (device work
   // synchronised) before returning, and not call back into the pool. Errors name `field`.
+  // `written` (writable only; empty or parallel to `ids`): the bytes `fn` writes into each
+  // block, recorded when it returns OK. A read checks committed blocks' digests first.
   absl::Status WithCheckedBlocks(std::span<const BlockId> ids, uint64_t owner_epoch, bool writable,
                                  absl::string_view field, std::span<const uint64_t> generations,
                                  const PageCheck* pages,
-                                 absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                 absl::FunctionRef<absl::Status(DeviceBackend& backend)> fn,
+                                 std::span<const uint64_t> written = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Copies dst.size() bytes of block `id`, from byte `offset_in_block`, into `dst`. Errors
   // as CheckOwned for the one id (field "block_ids"); OUT_OF_RANGE when the range leaves
@@ -209,9 +227,10 @@ class BlockPool {
   // Runs `fn` on the start of block `id` in the arena while holding mu_, if the block is
   // allocated to `owner_epoch` and not committed (writable, as WriteBlocks checks; errors
   // name `field`) and, when `generation` is not 0, still in that allocation. For copies from
-  // a transfer's staging buffer into a pulled block; `fn` as for WithCommittedBlock.
+  // a transfer's staging buffer into a pulled block; `fn` as for WithCommittedBlock, and
+  // returns how many bytes it wrote (recorded against the allocation).
   absl::Status WithWritableBlock(BlockId id, uint64_t owner_epoch, absl::string_view field,
-                                 absl::FunctionRef<absl::Status(std::byte* block)> fn,
+                                 absl::FunctionRef<absl::StatusOr<uint64_t>(std::byte* block)> fn,
                                  uint64_t generation = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checks `ids` as CheckOwned (errors name `field`), then runs `fn` on the arena
@@ -274,6 +293,12 @@ class BlockPool {
       const PageCheck* pages = nullptr) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Span(size_t num_ids, uint64_t offset, uint64_t n, absl::string_view field,
                     size_t* first, size_t* last) const;
+  // The keyed digest of block `id`'s bytes now (never 0). REQUIRES: digests on.
+  absl::StatusOr<uint64_t> DigestOf(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK unless a block of `ids` is committed with a digest its bytes no longer match
+  // (DATA_LOSS naming `field`, counted). No-op with digests off.
+  absl::Status VerifyDigests(std::span<const BlockId> ids, absl::string_view field) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PoolGeometry geometry_;
   const uint64_t bytes_per_block_;
@@ -283,6 +308,11 @@ class BlockPool {
   uint32_t held_ ABSL_GUARDED_BY(mu_) = 0;  // SetHeld
   // bytes_per_block zero bytes, made at the first scrub (BlockPool::Allocate).
   std::vector<std::byte> zeros_ ABSL_GUARDED_BY(mu_);
+  bool digests_ ABSL_GUARDED_BY(mu_) = false;  // EnableDigests
+  uint64_t digest_key_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+  // A device block's bytes, copied out to be digested.
+  mutable std::vector<std::byte> digest_staging_ ABSL_GUARDED_BY(mu_);
+  mutable uint64_t digest_mismatches_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvcm

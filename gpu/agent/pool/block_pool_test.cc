@@ -230,6 +230,80 @@ TEST(BlockPoolTest, WriteBlocksIsAllOrNothingAndReadBlockChecksOwnership) {
   EXPECT_EQ(one[0], bytes[bpb - 1]);
 }
 
+// Every write path counts the bytes it writes against the allocation (a commit from the
+// manager requires the whole block), and only the allocator's commit is taken.
+TEST(BlockPoolTest, EveryWritePathCountsItsBytesForTheCommitCheck) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 8);
+  const uint64_t bpb = pool->geometry().bytes_per_block();
+  const NamespaceId ns{"acme", "m"};
+  const CommitChecks checks{.committer = "alice", .block_bytes = bpb};
+  absl::StatusOr<std::vector<BlockId>> ids = pool->Allocate(4, 7, &ns, nullptr, false, "alice");
+  ASSERT_TRUE(ids.ok());
+  const std::vector<std::byte> bytes = Pattern(2 * bpb, 5);
+  // WriteBlocks: whole blocks.
+  ASSERT_TRUE(pool->WriteBlocks({&(*ids)[0], 1}, 7, std::span(bytes).first(bpb)).ok());
+  // WriteRange: two halves of block 1, as a WriteBlocks stream's chunks.
+  ASSERT_TRUE(
+      pool->WriteRange({&(*ids)[1], 1}, {}, 7, 0, std::span(bytes).first(bpb / 2), "c").ok());
+  // WithCheckedBlocks (the local path's STORE): the bytes its callback says it wrote.
+  const uint64_t whole[] = {bpb};
+  ASSERT_TRUE(pool->WithCheckedBlocks(
+                      {&(*ids)[2], 1}, 7, true, "b", {}, nullptr,
+                      [](DeviceBackend&) { return absl::OkStatus(); }, whole)
+                  .ok());
+  // WithWritableBlock (a pull's receive): what its callback returns.
+  ASSERT_TRUE(pool->WithWritableBlock((*ids)[3], 7, "d",
+                                      [&](std::byte*) -> absl::StatusOr<uint64_t> { return bpb; })
+                  .ok());
+
+  auto commit = [&](BlockId id, uint64_t page, const CommitChecks& c) {
+    const CommitEntry e{.block = id, .page = PageHash{.lo = page, .hi = 1}};
+    return pool->Commit(ns, 7, {&e, 1}, "block_ids", 0, c).status();
+  };
+  EXPECT_EQ(commit((*ids)[1], 2, checks).code(), absl::StatusCode::kFailedPrecondition)
+      << "half of block 1 is written";
+  ASSERT_TRUE(
+      pool->WriteRange({&(*ids)[1], 1}, {}, 7, bpb / 2, std::span(bytes).first(bpb - bpb / 2), "c")
+          .ok());
+  EXPECT_EQ(commit((*ids)[0], 1, {.committer = "bob", .block_bytes = bpb}).code(),
+            absl::StatusCode::kPermissionDenied);
+  for (uint64_t i = 0; i < 4; ++i) EXPECT_TRUE(commit((*ids)[i], i + 1, checks).ok()) << i;
+}
+
+// With digests on, a committed block whose bytes change is refused at every read path.
+TEST(BlockPoolTest, DigestsCatchBytesChangedSinceTheCommitAtEveryRead) {
+  std::unique_ptr<BlockPool> pool = MakeHostPool(SmallGqa(), 4);
+  pool->EnableDigests(1, 2);
+  const uint64_t bpb = pool->geometry().bytes_per_block();
+  const NamespaceId ns{"acme", "m"};
+  absl::StatusOr<std::vector<BlockId>> ids = pool->Allocate(2, 7, &ns);
+  ASSERT_TRUE(ids.ok());
+  ASSERT_TRUE(pool->WriteBlocks(*ids, 7, Pattern(2 * bpb, 9)).ok());
+  const PageHash pages[] = {{.lo = 1, .hi = 1}, {.lo = 2, .hi = 1}};
+  const CommitEntry entries[] = {{.block = (*ids)[0], .page = pages[0]},
+                                 {.block = (*ids)[1], .page = pages[1], .parent = pages[0]}};
+  ASSERT_TRUE(pool->Commit(ns, 7, entries, "block_ids").ok());
+  std::vector<std::byte> out(bpb);
+  const PageCheck check{.ns = &ns, .pages = pages};
+  ASSERT_TRUE(pool->ReadRange(*ids, {}, 7, 0, out, "r", &check).ok()) << "unchanged bytes read";
+  ASSERT_TRUE(pool->ReadCommittedBlock((*ids)[1], ns, pages[1], out, "p").ok());
+
+  // Something that is not a write of the pool's (a stray device write, a bit flip) changes
+  // one byte of block 1.
+  pool->backend().base()[pool->BlockOffset((*ids)[1]) + bpb / 3] ^= std::byte{1};
+  EXPECT_EQ(pool->ReadRange(*ids, {}, 7, bpb, out, "r", &check).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(pool->ReadCommittedBlock((*ids)[1], ns, pages[1], out, "p").code(),
+            absl::StatusCode::kDataLoss);
+  const absl::Status local = pool->WithCheckedBlocks(
+      *ids, 7, false, "block_ids", {}, &check, [](DeviceBackend&) { return absl::OkStatus(); });
+  EXPECT_EQ(local.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(local.message(), HasSubstr("block_ids: block 1's bytes changed since its commit"));
+  EXPECT_EQ(pool->Stats().digest_mismatches, 3u);
+  // Block 0 still reads.
+  EXPECT_TRUE(pool->ReadRange(*ids, {}, 7, 0, std::span(out).first(bpb), "r", &check).ok());
+}
+
 // Host memory that claims to be device memory, as a CUDA backend would.
 class FakeDeviceBackend final : public DeviceBackend {
  public:
@@ -498,9 +572,9 @@ TEST(BlockPoolTest, WithCommittedBlockAndWithWritableBlockHandOutOneCheckedBlock
   EXPECT_EQ(seen, nullptr);
 
   // Writable: allocated to the owner and not committed.
-  auto write = [&](std::byte* block) {
+  auto write = [&](std::byte* block) -> absl::StatusOr<uint64_t> {
     seen = block;
-    return absl::OkStatus();
+    return 0;
   };
   EXPECT_TRUE(pool->WithWritableBlock(writable, 3, "d", write).ok());
   EXPECT_EQ(seen, pool->backend().base() + pool->BlockOffset(writable));

@@ -10,6 +10,7 @@
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
+#include "common/secure_random.h"
 #include "common/server_limits.h"
 #include "common/status_macros.h"
 #include "gpu/agent/control/command_loop.h"
@@ -122,6 +123,13 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
     KVCM_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> host_backend,
                           CreateHostPoolBackend(*a->pool_, host_geometry.pool_bytes()));
     KVCM_ASSIGN_OR_RETURN(a->host_pool_, BlockPool::Create(host_geometry, std::move(host_backend)));
+  }
+  if (opts.verify_block_digests) {
+    // One secret key for both pools (a demoted copy keeps its digest), unknown outside.
+    SecureRandom random;
+    const uint64_t k0 = random.Next64(), k1 = random.Next64();
+    a->pool_->EnableDigests(k0, k1);
+    if (a->host_pool_ != nullptr) a->host_pool_->EnableDigests(k0, k1);
   }
   a->metrics_ = std::make_unique<AgentMetrics>(opts.agent_id, a->pools(), &a->epoch_);
 

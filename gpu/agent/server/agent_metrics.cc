@@ -91,6 +91,12 @@ class AgentMetrics::PoolCollector final : public prometheus::Collectable {
       }
       out.push_back(std::move(f));
     };
+    uint64_t mismatches = s.digest_mismatches;
+    if (pools_.host != nullptr) mismatches += pools_.host->Stats().digest_mismatches;
+    counter("kvcm_agent_digest_mismatches_total",
+            "Reads refused because a committed block's bytes no longer matched the digest "
+            "taken at its commit (--verify_block_digests).",
+            {{"", mismatches}});
     const AcceptGuardCounters guard = GetAcceptGuardCounters();
     counter("kvcm_agent_grpc_connections_accepted_total",
             "TCP connections the BlockAgent port accepted.", {{"", guard.accepted}});

@@ -114,7 +114,8 @@ absl::StatusOr<RoomMaker::Request> BlockAgentService::AllocateRequest(
     const grpc::CallbackServerContext& ctx, const v1::AllocateBlocksRequest& req) const {
   KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, authenticator_->Authenticate(ctx));
   KVCM_RETURN_IF_ERROR(AuthorizeAllocate(*caller, req));
-  RoomMaker::Request request{.count = req.count(), .owner_epoch = req.owner_epoch()};
+  RoomMaker::Request request{
+      .count = req.count(), .owner_epoch = req.owner_epoch(), .allocator = AllocatorName(*caller)};
   // With a namespace the blocks can be committed to its pages; without, they stay private.
   if (req.has_namespace_()) {
     KVCM_ASSIGN_OR_RETURN(request.ns, NamespaceFromProto(&req.namespace_(), "namespace"));

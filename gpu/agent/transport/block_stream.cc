@@ -182,14 +182,14 @@ absl::Status RecvBlockInPlace(DataConn& conn, BlockPool& pool, BlockId id, uint6
     size_t got = 0;
     absl::Status s = pool.WithWritableBlock(
         id, owner_epoch, field,
-        [&](std::byte* block) {
+        [&](std::byte* block) -> absl::StatusOr<uint64_t> {
           // TLS: the records already read (or readable now) decrypted into the block.
           absl::StatusOr<size_t> r = conn.ssl() != nullptr
                                          ? TlsRecvNow(conn.ssl(), block + done, block_bytes - done)
                                          : RecvNow(conn.fd(), block + done, block_bytes - done);
           if (!r.ok()) return r.status();
           got = *r;
-          return absl::OkStatus();
+          return got;
         },
         generation);
     if (!s.ok()) return s;

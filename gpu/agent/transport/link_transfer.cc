@@ -5,6 +5,7 @@
 
 #include "absl/base/internal/endian.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
 
@@ -121,7 +122,10 @@ absl::StatusOr<uint64_t> ReceiveBlocks(DataConn& conn, const PullSpec& spec, Blo
       // The pool's lock is held for this block's copy out of staging only.
       absl::Status s = spec.dst->WithWritableBlock(
           spec.dst_blocks[i], spec.dst_owner_epoch, absl::StrCat("dst_blocks[", i, "]"),
-          [&](std::byte* block) { return link->StageOut(j * block_bytes, block, block_bytes); },
+          [&](std::byte* block) -> absl::StatusOr<uint64_t> {
+            KVCM_RETURN_IF_ERROR(link->StageOut(j * block_bytes, block, block_bytes));
+            return block_bytes;
+          },
           spec.dst_generations.empty() ? 0 : spec.dst_generations[i]);
       if (!s.ok()) return s;
     }
