@@ -45,6 +45,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/replay/trace.h"
+#include "bench/smoke_flag.h"
 #include "bench/workload.h"
 #include "common/program_flags.h"
 #include "server/core/cache_index.h"
@@ -417,16 +418,15 @@ int Main(int argc, char** argv) {
   HandleHelpAndVersion(argc, argv, "kvcm_core_bench", "");
   // As kvcm-manager does: Debian's Abseil otherwise runs its deadlock detector on every lock.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  std::vector<char*> rest;
+  const bool smoke = bench::TakeSmokeFlag(argc, argv, &rest);
   std::vector<char*> args;
-  bool smoke = std::getenv("KVCM_BENCH_SMOKE") != nullptr;
-  for (int i = 0; i < argc; ++i) {
-    absl::string_view arg(argv[i]);
-    if (arg == "--smoke") {
-      smoke = true;
-    } else if (absl::ConsumePrefix(&arg, "--trace=")) {
+  for (char* a : rest) {
+    absl::string_view arg(a);
+    if (absl::ConsumePrefix(&arg, "--trace=")) {
       g_trace_path = std::string(arg);
     } else {
-      args.push_back(argv[i]);
+      args.push_back(a);
     }
   }
   if (smoke) g_scale = SmokeScale();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "bench/smoke_flag.h"
 #include "benchmark/benchmark.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
@@ -110,15 +111,8 @@ void BM_Memcpy(benchmark::State& state, ModelSpec spec, uint32_t per_command) {
 
 int Main(int argc, char** argv) {
   HandleHelpAndVersion(argc, argv, "kvcm_demote_bench", "");
-  bool smoke = std::getenv("KVCM_BENCH_SMOKE") != nullptr;
   std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      smoke = true;
-    } else {
-      args.push_back(argv[i]);
-    }
-  }
+  const bool smoke = bench::TakeSmokeFlag(argc, argv, &args);
   static char min_time[] = "--benchmark_min_time=0.01";
   if (smoke) args.push_back(min_time);
   int n = static_cast<int>(args.size());

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/or_die.h"
+#include "bench/smoke_flag.h"
 #include "common/authenticator.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
@@ -204,15 +205,7 @@ int main(int argc, char** argv) {
   kvcm::HandleHelpAndVersion(
       argc, argv, "kvcm_local_lock_bench",
       "kvcm_local_lock_bench [--smoke]: a victim's ReadBlocks latency beside local LOADs");
-  bool smoke = std::getenv("KVCM_BENCH_SMOKE") != nullptr;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      smoke = true;
-    } else {
-      std::fprintf(stderr, "usage: %s [--smoke]\n", argv[0]);
-      return 2;
-    }
-  }
+  const bool smoke = kvcm::bench::SmokeFlagOnly(argc, argv, "kvcm_local_lock_bench [--smoke]");
   kvcm::ModelSpec spec;
   if (smoke) {
     spec.attention = kvcm::AttentionKind::kGqa;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "bench/smoke_flag.h"
 #include "benchmark/benchmark.h"
 #include "common/program_flags.h"
 #include "gpu/kernels/mla_decode_cpu.h"
@@ -76,15 +77,8 @@ void BM_Memcpy(benchmark::State& state, Shape shape, LatentDtype dtype) {
 
 int Main(int argc, char** argv) {
   HandleHelpAndVersion(argc, argv, "kvcm_mla_decode_bench", "");
-  bool smoke = getenv("KVCM_BENCH_SMOKE") != nullptr;
   std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    if (strcmp(argv[i], "--smoke") == 0) {
-      smoke = true;
-    } else {
-      args.push_back(argv[i]);
-    }
-  }
+  const bool smoke = bench::TakeSmokeFlag(argc, argv, &args);
   static char min_time[] = "--benchmark_min_time=0.01";
   if (smoke) args.push_back(min_time);
   int n = static_cast<int>(args.size());

@@ -18,6 +18,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "bench/smoke_flag.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
 #include "server/core/cache_index.h"
@@ -97,16 +98,19 @@ int Run(int argc, char** argv) {
                        "its index from an agent's inventory, beside Insert");
   Shape shape;
   int reps = 3;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      shape = Shape{.groups = 20, .prefix_pages = 8, .per_group = 4, .suffix_pages = 8};
-      reps = 1;
-    } else if (std::strncmp(argv[i], "--reps=", 7) == 0 && absl::SimpleAtoi(argv[i] + 7, &reps) &&
-               reps > 0) {
+  std::vector<char*> args;
+  const bool smoke = bench::TakeSmokeFlag(argc, argv, &args);
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (std::strncmp(args[i], "--reps=", 7) == 0 && absl::SimpleAtoi(args[i] + 7, &reps) &&
+        reps > 0) {
     } else {
       std::fprintf(stderr, "usage: %s [--smoke] [--reps=N]\n", argv[0]);
       return 2;
     }
+  }
+  if (smoke) {
+    shape = Shape{.groups = 20, .prefix_pages = 8, .per_group = 4, .suffix_pages = 8};
+    reps = 1;
   }
   const ModelSpec spec = *FindModel("deepseek-v3", KvDtype::kBf16);
   const Workload w = Make(shape, spec);

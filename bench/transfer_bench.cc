@@ -37,6 +37,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
+#include "bench/smoke_flag.h"
 #include "common/model_catalog.h"
 #include "common/program_flags.h"
 #include "gpu/agent/pool/block_pool.h"
@@ -178,13 +179,12 @@ int Run(int argc, char** argv) {
   HandleHelpAndVersion(argc, argv, "kvcm_transfer_bench",
                        "kvcm_transfer_bench [--smoke] [--reps=N]: whole blocks pulled between host "
                        "pools over TCP, plaintext and mutual TLS");
-  bool smoke = false;
+  std::vector<char*> args;
+  const bool smoke = bench::TakeSmokeFlag(argc, argv, &args);
   int reps = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--smoke") == 0) {
-      smoke = true;
-    } else if (std::strncmp(argv[i], "--reps=", 7) == 0 && absl::SimpleAtoi(argv[i] + 7, &reps) &&
-               reps > 0) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (std::strncmp(args[i], "--reps=", 7) == 0 && absl::SimpleAtoi(args[i] + 7, &reps) &&
+        reps > 0) {
     } else {
       std::fprintf(stderr, "usage: %s [--smoke] [--reps=N]\n", argv[0]);
       return 2;
