@@ -48,16 +48,6 @@ absl::Status FileError(absl::string_view field, const std::string& path, absl::s
   return absl::InvalidArgumentError(absl::StrCat(field, " \"", path, "\": ", why));
 }
 
-// The oldest error of this thread's OpenSSL queue, and the queue emptied.
-std::string TakeOpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "no details";
-  char text[256];
-  ERR_error_string_n(code, text, sizeof(text));
-  return text;
-}
-
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, absl::string_view field) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return FileError(field, path, absl::StrCat("cannot open: ", std::strerror(errno)));
@@ -99,6 +89,15 @@ absl::StatusOr<std::vector<X509Ptr>> ReadCertificates(const std::string& path,
 }
 
 }  // namespace
+
+std::string TakeOpenSslError() {
+  const unsigned long code = ERR_get_error();
+  ERR_clear_error();
+  if (code == 0) return "no details";
+  char text[256];
+  ERR_error_string_n(code, text, sizeof(text));
+  return text;
+}
 
 absl::Status TlsOptions::ValidateForServer() const {
   if (insecure) {

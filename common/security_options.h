@@ -56,6 +56,10 @@ inline constexpr absl::string_view kBearerPrefix = "Bearer ";
 // character), i.e. a valid HTTP/2 header value after "Bearer ".
 absl::Status ValidateBearerToken(absl::string_view token);
 
+// The oldest error of this thread's OpenSSL queue as text ("no details" when it is empty),
+// and the queue emptied.
+std::string TakeOpenSslError();
+
 // Reads a bearer token file: its content with surrounding whitespace (a trailing newline) removed.
 // INVALID_ARGUMENT naming `field` and the path when it cannot be read or holds no valid
 // token.

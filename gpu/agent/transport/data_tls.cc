@@ -17,16 +17,6 @@
 namespace kvcm {
 namespace {
 
-// The oldest error of this thread's OpenSSL queue, and the queue emptied.
-std::string TakeOpenSslError() {
-  const unsigned long code = ERR_get_error();
-  ERR_clear_error();
-  if (code == 0) return "no details";
-  char text[256];
-  ERR_error_string_n(code, text, sizeof(text));
-  return text;
-}
-
 // Bytes buffered between the session and the socket, each way. A record carries at most
 // 16 KiB: unbuffered, a 4 MiB block would cost ~270 sends and twice as many receives, which
 // on loopback costs as much as the cipher. (OpenSSL's read-ahead into a read buffer this
