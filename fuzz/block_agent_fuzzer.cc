@@ -1,11 +1,14 @@
-// BlockAgent request handling on the agent: Allocate, Free, RunAttention and Stats as
-// BlockAgentService's handler bodies do them, ReadBlocks through the checks and the chunk
-// reads its reactor makes, WriteBlocks message sequences (header, data chunks, half-close)
-// through the WriteBlocksStage its reactor uses, and Fetch through the real Fetcher up to
-// the pull (a transport that checks the pull it is given and refuses it), against an
-// AgentWorld. Records as in fuzz_input.h.
+// BlockAgent request handling on the agent: Allocate and Free through BlockAgentService's own
+// handler bodies (AllocateRequestOf, FreeBlocksAs: authorization, generations, the ledger), as
+// one of three callers chosen per call (the open dev-mode caller, and two workers of tenant
+// acme); RunAttention and Stats as the service's handler bodies do them, ReadBlocks through the
+// checks and the chunk reads its reactor makes, WriteBlocks message sequences (header, data chunks,
+// half-close) through the WriteBlocksStage its reactor uses, and Fetch through the real Fetcher up
+// to the pull (a transport that checks the pull it is given and refuses it), against an AgentWorld.
+// Records as in fuzz_input.h.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,6 +20,7 @@
 #include "gpu/agent/control/agent_proto.h"
 #include "gpu/agent/pool/pool_attention.h"
 #include "gpu/agent/server/agent_metrics.h"
+#include "gpu/agent/server/block_agent_service.h"
 #include "gpu/agent/server/block_stream_reactors.h"
 #include "gpu/agent/server/fetcher.h"
 #include "proto/core_types.h"
@@ -39,8 +43,19 @@ class RefusingTransport final : public Transport {
   }
 };
 
+std::shared_ptr<const Principal> Worker(std::string name) {
+  auto p = std::make_shared<Principal>();
+  p->name = std::move(name);
+  p->roles = static_cast<uint8_t>(Role::kWorker);
+  p->tenant = "acme";
+  return p;
+}
+
 struct Session {
   AgentWorld world;
+  // The caller of a call: callers[body size % 3].
+  const std::shared_ptr<const Principal> callers[3] = {OpenPrincipal(), Worker("acme-a"),
+                                                       Worker("acme-b")};
   AgentMetrics metrics{world.options.agent_id, world.pools, &world.epoch};
   RefusingTransport transport;
   Fetcher fetcher{world.options.agent_id, world.options.tier, world.pools, &world.epoch, &transport,
@@ -94,27 +109,21 @@ struct Session {
     return absl::OkStatus();
   }
 
+  const Principal& Caller(std::string_view body) const { return *callers[body.size() % 3]; }
+
   absl::Status Run(Call call, std::string_view body) {
     switch (call) {
       case kAllocate: {
         v1::AllocateBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        std::optional<NamespaceId> ns;
-        if (req.has_namespace_()) {
-          absl::StatusOr<NamespaceId> n = NamespaceFromProto(&req.namespace_(), "namespace");
-          if (!n.ok()) return n.status();
-          ns = *n;
-        }
-        return world.pools.main->Allocate(req.count(), req.owner_epoch(), ns ? &*ns : nullptr)
-            .status();
+        absl::StatusOr<RoomMaker::Request> request = AllocateRequestOf(Caller(body), req);
+        if (!request.ok()) return request.status();
+        return RoomMaker::AllocateNow(*world.pools.main, *request).status();
       }
       case kFree: {
         v1::FreeBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        if (req.block_ids_size() > (1 << 20)) return absl::InvalidArgumentError("too many");
-        return world.pools.main->Free(
-            std::span<const BlockId>(req.block_ids().data(), req.block_ids_size()),
-            req.owner_epoch());
+        return FreeBlocksAs(Caller(body), *world.pools.main, req);
       }
       case kWriteMessage: {
         v1::WriteBlocksRequest msg;

@@ -110,16 +110,36 @@ grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContex
       });
 }
 
-absl::StatusOr<RoomMaker::Request> BlockAgentService::AllocateRequest(
-    const grpc::CallbackServerContext& ctx, const v1::AllocateBlocksRequest& req) const {
-  KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, authenticator_->Authenticate(ctx));
-  KVCM_RETURN_IF_ERROR(AuthorizeAllocate(*caller, req));
+absl::StatusOr<RoomMaker::Request> AllocateRequestOf(const Principal& caller,
+                                                     const v1::AllocateBlocksRequest& req) {
+  KVCM_RETURN_IF_ERROR(AuthorizeAllocate(caller, req));
   RoomMaker::Request request{
-      .count = req.count(), .owner_epoch = req.owner_epoch(), .allocator = AllocatorName(*caller)};
+      .count = req.count(), .owner_epoch = req.owner_epoch(), .allocator = AllocatorName(caller)};
   // With a namespace the blocks can be committed to its pages; without, they stay private.
   if (req.has_namespace_()) {
     KVCM_ASSIGN_OR_RETURN(request.ns, NamespaceFromProto(&req.namespace_(), "namespace"));
   }
+  return request;
+}
+
+absl::Status FreeBlocksAs(const Principal& caller, BlockPool& pool,
+                          const v1::FreeBlocksRequest& req) {
+  if (req.block_ids_size() > kMaxIdsPerRequest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
+  }
+  const std::span<const BlockId> ids(req.block_ids().data(), req.block_ids_size());
+  const std::span<const uint64_t> gens(req.block_generations().data(),
+                                       req.block_generations_size());
+  KVCM_RETURN_IF_ERROR(RequireGenerations(caller, ids.size(), gens, "block_generations"));
+  KVCM_RETURN_IF_ERROR(AuthorizeBlocks(caller, &pool, ids, "free blocks", gens));
+  return pool.Free(ids, req.owner_epoch(), gens);
+}
+
+absl::StatusOr<RoomMaker::Request> BlockAgentService::AllocateRequest(
+    const grpc::CallbackServerContext& ctx, const v1::AllocateBlocksRequest& req) const {
+  KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller, authenticator_->Authenticate(ctx));
+  KVCM_ASSIGN_OR_RETURN(RoomMaker::Request request, AllocateRequestOf(*caller, req));
   if (ctx.deadline() != std::chrono::system_clock::time_point::max()) {
     request.deadline = absl::FromChrono(ctx.deadline());
   }
@@ -132,16 +152,7 @@ grpc::ServerUnaryReactor* BlockAgentService::Free(grpc::CallbackServerContext* c
   return rpc_.Unary(ctx, AgentRpc::kFree, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
                           authenticator_->Authenticate(*ctx));
-    if (req->block_ids_size() > kMaxIdsPerRequest) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("block_ids must list at most ", kMaxIdsPerRequest, " ids"));
-    }
-    const std::span<const BlockId> ids(req->block_ids().data(), req->block_ids_size());
-    const std::span<const uint64_t> gens(req->block_generations().data(),
-                                         req->block_generations_size());
-    KVCM_RETURN_IF_ERROR(RequireGenerations(*caller, ids.size(), gens, "block_generations"));
-    KVCM_RETURN_IF_ERROR(AuthorizeBlocks(*caller, pools_.main, ids, "free blocks", gens));
-    return pools_.main->Free(ids, req->owner_epoch(), gens);
+    return FreeBlocksAs(*caller, *pools_.main, *req);
   });
 }
 

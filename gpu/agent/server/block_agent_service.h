@@ -29,6 +29,17 @@
 
 namespace kvcm {
 
+// The bodies of BlockAgentService's Allocate and Free for an authenticated caller, shared with
+// the BlockAgent fuzzer (fuzz/block_agent_fuzzer.cc) so that it fuzzes these and no copy.
+// AllocateRequestOf: authorized (AuthorizeAllocate) and converted, with the caller as the
+// blocks' allocator; the caller's deadline is the RPC's, set by the service.
+absl::StatusOr<RoomMaker::Request> AllocateRequestOf(const Principal& caller,
+                                                     const v1::AllocateBlocksRequest& req);
+// FreeBlocksAs: the id count bounded, generations required of workers (RequireGenerations),
+// every block authorized (AuthorizeBlocks), then BlockPool::Free of the main pool.
+absl::Status FreeBlocksAs(const Principal& caller, BlockPool& pool,
+                          const v1::FreeBlocksRequest& req);
+
 class BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Fetch answers
