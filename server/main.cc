@@ -35,6 +35,7 @@
 #include "common/log.h"
 #include "common/program_flags.h"
 #include "common/server_limits.h"
+#include "server/core/policies/registry.h"
 #include "server/ha/etcd_client.h"
 #include "server/ha/leader_election.h"
 #include "server/service/manager_server.h"
@@ -51,13 +52,8 @@ ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
           "gRPC address host:port (port 0 picks a free one) or unix:path.");
 ABSL_FLAG(std::string, metrics_address, kDefaults.metrics_address,
           "Prometheus /metrics address host:port; empty disables the exporter.");
-ABSL_FLAG(
-    std::string, policy, kDefaults.policy,
-    "Eviction policy: lru (SGLang RadixCache order), lru-mha (byte-blind baseline: MHA-shaped "
-    "bytes), cost (reuse x recompute cost per byte, replica-aware), adaptive (cost with a "
-    "reuse credit learnt online), density (hit density learnt online per tenant and age, "
-    "with an LRU guard), conversation (recency shifted by the learnt odds that a context's "
-    "conversation continues; the default); docs/EVICTION.md.");
+ABSL_FLAG(std::string, policy, kDefaults.policy,
+          absl::StrCat("Eviction policy: ", kvcm::PolicyHelp(), "; docs/EVICTION.md."));
 ABSL_FLAG(uint64_t, default_pool_capacity_bytes, kDefaults.default_pool_capacity_bytes,
           "Capacity given to a pool the first time an Insert names it, in bytes.");
 ABSL_FLAG(uint32_t, default_lease_ttl_ms, kDefaults.default_lease_ttl_ms,

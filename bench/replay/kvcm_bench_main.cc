@@ -30,6 +30,7 @@
 #include "common/model_catalog.h"
 #include "common/model_spec.h"
 #include "common/program_flags.h"
+#include "server/core/policies/registry.h"
 
 ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
           "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp "
@@ -57,7 +58,9 @@ ABSL_FLAG(std::string, model, "deepseek-v3",
           "bytes per page the pools are charged.");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "KV element type: bf16, fp16, fp8 or int8.");
 
-ABSL_FLAG(std::string, policies, "lru,lru-mha,cost,opt", "Eviction policies, comma-separated.");
+ABSL_FLAG(std::string, policies, "lru,lru-mha,cost,opt",
+          absl::StrCat("Eviction policies, comma-separated, of: ",
+                       kvcm::PolicyNames(/*with_clairvoyant=*/true), "."));
 ABSL_FLAG(std::string, capacities, "0.01,0.05,0.2,1.0",
           "Total cache capacity as fractions of the workload's distinct pages x bytes per page "
           "(real MLA bytes, for every policy), comma-separated.");

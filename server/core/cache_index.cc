@@ -7,13 +7,16 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/cache_index_internal.h"
+#include "server/core/policies/registry.h"
 
 namespace kvcm {
 
+PolicyContext CacheIndexOptions::policy_context() const {
+  return PolicyContext{next_use, reuse_credit, adaptive, density, conversation};
+}
+
 absl::Status CacheIndexOptions::Validate() const {
-  if (auto p = MakeEvictionPolicy(policy, PolicyContext{next_use, reuse_credit, adaptive, density});
-      !p.ok())
-    return p.status();
+  if (auto p = MakeEvictionPolicy(policy, policy_context()); !p.ok()) return p.status();
   if (default_lease_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("default_lease_ttl must be positive");
   }
@@ -61,10 +64,7 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
-      policy_(*MakeEvictionPolicy(
-          options_.policy,
-          PolicyContext{options_.next_use, options_.reuse_credit, options_.adaptive,
-                        options_.density, options_.conversation})),
+      policy_(*MakeEvictionPolicy(options_.policy, options_.policy_context())),
       leases_(options_.expired_pin_memory),
       history_(options_.regret_window) {
   // Quota evictions take a tenant's own candidates, in the policy's order.

@@ -50,8 +50,7 @@ struct CacheIndexOptions {
   // Secret every namespace's hash key is derived from. Keep it stable across restarts, or
   // clients' cached hash keys go stale (they get FAILED_PRECONDITION and re-register).
   HashKey hash_secret;
-  // Eviction policy by name (see MakeEvictionPolicy): "lru", "lru-mha", "cost", "adaptive",
-  // "density", "conversation", "opt".
+  // Eviction policy by name: a row of server/core/policies/registry.cc.
   std::string policy = "lru";
   // Next-use oracle for "opt" (simulator only). Not owned.
   const NextUseOracle* next_use = nullptr;
@@ -113,6 +112,8 @@ struct CacheIndexOptions {
   // Time source; RealClock::Get() when null. Not owned.
   Clock* clock = nullptr;
 
+  // What the policy is made over (next_use and each policy's parameters above).
+  PolicyContext policy_context() const;
   absl::Status Validate() const;
 };
 

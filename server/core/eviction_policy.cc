@@ -249,49 +249,12 @@ std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle) {
   return std::make_unique<OptPolicy>(oracle);
 }
 
-absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(absl::string_view name,
-                                                                   const PolicyContext& context) {
-  if (name == "lru") return MakeLruPolicy();
-  if (name == "lru-mha") return std::make_unique<LruPolicy>("lru-mha");
-  if (name == "cost") return MakeCostAwarePolicy(context.reuse_credit);
-  if (name == "adaptive") {
-    const AdaptiveParams& p = context.adaptive;
-    if (!(p.min_credit >= 0 && p.min_credit <= p.max_credit && p.step > 0 &&
-          std::isfinite(p.max_credit) && std::isfinite(p.step) &&
-          std::isfinite(p.initial_credit))) {
-      return absl::InvalidArgumentError(
-          "policy \"adaptive\": needs 0 <= min_credit <= max_credit and step > 0, all finite");
-    }
-    return MakeAdaptivePolicy(p);
-  }
-  if (name == "density") {
-    const uint32_t classes = context.density.reuse_classes;
-    if (classes != 1 && classes != 2 && classes != 4) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("policy \"density\": reuse_classes must be 1, 2 or 4, not ", classes));
-    }
-    return MakeHitDensityPolicy(context.density);
-  }
-  if (name == "conversation") {
-    const double shift = context.conversation.shift;
-    if (!(std::isfinite(shift) && shift >= 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("policy \"conversation\": shift must be finite and >= 0, not ", shift));
-    }
-    return MakeConversationPolicy(context.conversation);
-  }
-  if (name == "opt" || name == "opt-whether") {
-    if (context.next_use == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy \"", name, "\" is clairvoyant and needs a next-use oracle (simulator only)"));
-    }
-    if (name == "opt-whether") return std::make_unique<OptWhetherPolicy>(context.next_use);
-    return MakeOptPolicy(context.next_use);
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("policy \"", name,
-                   "\" is unknown; known policies: lru, lru-mha, cost, adaptive, density, "
-                   "conversation, opt, opt-whether"));
+std::unique_ptr<EvictionPolicy> MakeLruMhaPolicy() {
+  return std::make_unique<LruPolicy>("lru-mha");
+}
+
+std::unique_ptr<EvictionPolicy> MakeOptWhetherPolicy(const NextUseOracle* oracle) {
+  return std::make_unique<OptWhetherPolicy>(oracle);
 }
 
 }  // namespace kvcm

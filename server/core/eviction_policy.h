@@ -317,16 +317,17 @@ std::unique_ptr<EvictionPolicy> MakeHitDensityPolicy(const DensityParams& params
 std::unique_ptr<EvictionPolicy> MakeConversationPolicy(const ConversationParams& params);
 
 // "opt": Belady's clairvoyant order for the simulator: the candidate whose first page is
-// needed furthest in the future goes first. REQUIRES: oracle != nullptr. "opt-whether"
-// (by name only) knows whether a node will be used again but not when: least recently used
-// first among those that will not, then among those that will.
+// needed furthest in the future goes first. REQUIRES: oracle != nullptr.
 std::unique_ptr<EvictionPolicy> MakeOptPolicy(const NextUseOracle* oracle);
 
-// Policy by name: "lru", "lru-mha" (LRU; CacheIndex charges MHA-shaped bytes for it),
-// "cost", "adaptive", "density", "conversation", "opt" or "opt-whether" (both need
-// context.next_use). INVALID_ARGUMENT naming the known policies otherwise.
-absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakeEvictionPolicy(
-    absl::string_view name, const PolicyContext& context = {});
+// "lru-mha": LRU, for which CacheIndex charges MHA-shaped bytes (the byte-blind baseline).
+std::unique_ptr<EvictionPolicy> MakeLruMhaPolicy();
+
+// "opt-whether": knows whether a node will be used again but not when: least recently used
+// first among those that will not, then among those that will. REQUIRES: oracle != nullptr.
+std::unique_ptr<EvictionPolicy> MakeOptWhetherPolicy(const NextUseOracle* oracle);
+
+// Policies by name: server/core/policies/registry.h.
 
 }  // namespace kvcm
 

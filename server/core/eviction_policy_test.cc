@@ -2,8 +2,11 @@
 
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/cache_index.h"
+#include "server/core/policies/registry.h"
 
 namespace kvcm {
 namespace {
@@ -35,6 +38,30 @@ TEST(EvictionPolicyTest, FactoryKnowsLruAndNamesTheKnownOnes) {
   absl::StatusOr<std::unique_ptr<EvictionPolicy>> bad = MakeEvictionPolicy("fifo");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), ::testing::HasSubstr("lru"));
+}
+
+// Every row of the table makes the policy it names; the clairvoyant rows need an oracle;
+// a bad parameter is refused by its own row, at CacheIndexOptions::Validate too.
+TEST(EvictionPolicyTest, EveryRowOfTheTableMakesItsPolicy) {
+  for (const PolicyEntry& row : PolicyTable()) {
+    absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy(row.name);
+    if (row.clairvoyant) {
+      EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << row.name;
+      EXPECT_THAT(p.status().message(), ::testing::HasSubstr("clairvoyant")) << row.name;
+      EXPECT_THAT(PolicyHelp(), ::testing::Not(::testing::HasSubstr(std::string(row.name) + " (")));
+    } else {
+      ASSERT_TRUE(p.ok()) << row.name << ": " << p.status();
+      EXPECT_EQ((*p)->name(), row.name);
+      EXPECT_THAT(PolicyHelp(), ::testing::HasSubstr(absl::StrCat(row.name, " (", row.help)));
+    }
+    EXPECT_EQ(FindPolicy(row.name), &row);
+    EXPECT_THAT(PolicyNames(true), ::testing::HasSubstr(row.name));
+  }
+  CacheIndexOptions bad_shift;
+  bad_shift.policy = "conversation";
+  bad_shift.conversation.shift = -1;
+  EXPECT_EQ(bad_shift.Validate().code(), absl::StatusCode::kInvalidArgument)
+      << "the conversation policy's own parameters are validated (they once were not)";
 }
 
 // Nodes of a DeepSeek-V3-priced tree for the adaptive policy, each an unpinned leaf of

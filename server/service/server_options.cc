@@ -15,7 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/core/eviction_policy.h"
+#include "server/core/policies/registry.h"
 
 namespace kvcm {
 namespace {
@@ -212,8 +212,10 @@ absl::Status ServerOptions::Validate() const {
     return Invalid("metrics_address",
                    absl::StrCat("must be host:port or empty, got \"", metrics_address, "\""));
   }
-  if (absl::StatusOr<std::unique_ptr<EvictionPolicy>> p = MakeEvictionPolicy(policy); !p.ok()) {
-    return Invalid("policy", absl::StrCat("\"", policy, "\" is unknown: ", p.status().message()));
+  if (const PolicyEntry* p = FindPolicy(policy); p == nullptr || p->clairvoyant) {
+    return Invalid("policy", absl::StrCat("\"", policy, "\" is ",
+                                          p == nullptr ? "unknown" : "clairvoyant (simulator only)",
+                                          "; the manager's policies: ", PolicyNames(false)));
   }
   if (max_lease_ttl_ms < 1) return Invalid("max_lease_ttl_ms", "must be >= 1");
   if (default_lease_ttl_ms < 1 || default_lease_ttl_ms > max_lease_ttl_ms) {

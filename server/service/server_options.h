@@ -25,7 +25,7 @@ struct ServerOptions {
   std::string listen_address = "127.0.0.1:50051";
   // Prometheus exporter address, "host:port"; /metrics is served there. Empty disables it.
   std::string metrics_address = "127.0.0.1:9464";
-  // Eviction policy by name (see kvcm::MakeEvictionPolicy). "conversation" is never below
+  // Eviction policy by name (a row of server/core/policies/registry.cc). "conversation" is never below
   // "lru" on the held-out half of the bundled trace (docs/EVICTION.md).
   std::string policy = "conversation";
   // Capacity of a pool the first time an Insert names it. 0 makes Insert into an unknown

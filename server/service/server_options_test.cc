@@ -84,6 +84,7 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.metrics_address = "9464x"; }, "metrics_address"},
       {[](ServerOptions& o) { o.metrics_address = "host:-1"; }, "metrics_address"},
       {[](ServerOptions& o) { o.policy = "fifo"; }, "policy"},
+      {[](ServerOptions& o) { o.policy = "opt"; }, "policy"},  // clairvoyant: simulator only
       {[](ServerOptions& o) { o.max_lease_ttl_ms = 0; }, "max_lease_ttl_ms"},
       {[](ServerOptions& o) { o.default_lease_ttl_ms = 0; }, "default_lease_ttl_ms"},
       {[](ServerOptions& o) { o.default_lease_ttl_ms = o.max_lease_ttl_ms + 1; },
