@@ -94,18 +94,7 @@ int main(int argc, char** argv) {
   kvcm::HandleHelpAndVersion(argc, argv, "kvcm_block_digest_bench",
                              "kvcm_block_digest_bench [--smoke]: what block digests cost");
   const bool smoke = kvcm::bench::SmokeFlagOnly(argc, argv, "kvcm_block_digest_bench [--smoke]");
-  kvcm::ModelSpec spec;
-  if (smoke) {
-    spec.attention = kvcm::AttentionKind::kGqa;
-    spec.num_layers = 2;
-    spec.num_heads = 8;
-    spec.num_kv_heads = 4;
-    spec.head_dim = 64;
-    spec.dtype = kvcm::KvDtype::kBf16;
-    spec.page_size_tokens = 16;
-  } else {
-    spec = kvcm::bench::OrDie(kvcm::FindModel("deepseek-v3"), "deepseek-v3");
-  }
+  const kvcm::ModelSpec spec = kvcm::bench::DeepSeekV3OrSmokeSpec(smoke);
   std::printf("kvcm_block_digest_bench%s\n", smoke ? " --smoke" : "");
   kvcm::bench::Run(spec, smoke ? 4 : 64, smoke ? 2 : 5);
   return 0;

@@ -206,18 +206,7 @@ int main(int argc, char** argv) {
       argc, argv, "kvcm_local_lock_bench",
       "kvcm_local_lock_bench [--smoke]: a victim's ReadBlocks latency beside local LOADs");
   const bool smoke = kvcm::bench::SmokeFlagOnly(argc, argv, "kvcm_local_lock_bench [--smoke]");
-  kvcm::ModelSpec spec;
-  if (smoke) {
-    spec.attention = kvcm::AttentionKind::kGqa;
-    spec.num_layers = 2;
-    spec.num_heads = 8;
-    spec.num_kv_heads = 4;
-    spec.head_dim = 64;
-    spec.dtype = kvcm::KvDtype::kBf16;
-    spec.page_size_tokens = 16;
-  } else {
-    spec = kvcm::bench::OrDie(kvcm::FindModel("deepseek-v3"), "deepseek-v3");
-  }
+  const kvcm::ModelSpec spec = kvcm::bench::DeepSeekV3OrSmokeSpec(smoke);
   std::printf("kvcm_local_lock_bench%s\n", smoke ? " --smoke" : "");
   kvcm::bench::Run(spec, smoke ? 20 : 300);
   return 0;

@@ -9,6 +9,9 @@
 #include <cstring>
 #include <vector>
 
+#include "bench/or_die.h"
+#include "common/model_catalog.h"
+
 namespace kvcm::bench {
 
 // Whether smoke mode is on; `rest` gets argv without any --smoke (argv[0] first), for the
@@ -35,6 +38,21 @@ inline bool SmokeFlagOnly(int argc, char** argv, const char* usage) {
     std::exit(2);
   }
   return smoke;
+}
+
+// The blocks a pool bench runs on: deepseek-v3's (bf16, 64-token pages: 4.3 MiB), or in
+// smoke mode a 2-layer GQA model's (16-token pages: 32 KiB).
+inline ModelSpec DeepSeekV3OrSmokeSpec(bool smoke) {
+  if (!smoke) return OrDie(FindModel("deepseek-v3"), "deepseek-v3");
+  ModelSpec spec;
+  spec.attention = AttentionKind::kGqa;
+  spec.num_layers = 2;
+  spec.num_heads = 8;
+  spec.num_kv_heads = 4;
+  spec.head_dim = 64;
+  spec.dtype = KvDtype::kBf16;
+  spec.page_size_tokens = 16;
+  return spec;
 }
 
 }  // namespace kvcm::bench
