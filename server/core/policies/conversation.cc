@@ -6,15 +6,14 @@
 #include <memory>
 
 #include "server/core/eviction_policy.h"
-#include "server/core/eviction_policy_internal.h"
+#include "server/core/policies/policy_internal.h"
 
 namespace kvcm {
 namespace {
 
+// A node another pool also holds goes first, as in "cost".
+using policy_internal::kReplicatedFirst;
 using policy_internal::WorthPerByte;
-
-// A node another pool also holds goes first, as in "cost" (eviction_policy.cc).
-constexpr double kReplicatedFirst = 1e12;
 
 // Classes: turn depth 0, 1, 2, 3, 4+ times pages added in power-of-two buckets 1, 2-3, 4-7,
 // ..., 128+.

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "server/core/eviction_policy.h"
-#include "server/core/eviction_policy_internal.h"
+#include "server/core/policies/policy_internal.h"
 
 namespace kvcm {
 namespace {
