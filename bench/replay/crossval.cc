@@ -58,6 +58,9 @@ GeneratorOptions Shape(int shape, uint64_t seed, bool smoke) {
       g.multi_turn = {.conversations = 150, .turns = 6, .system_prompts = 2};
       g.shared_prefix = {.groups = 48, .prompts_per_group = 20, .system_tokens = 1536};
       g.random.id_range = 50000;
+      g.agent = {.sessions = 150, .concurrent = 24, .steps = 8, .system_prompts = 3};
+      g.rag = {.documents = 600, .zipf_s = 0.8};
+      g.scan = {.hot_prompts = 300, .zipf_s = 1.0, .scan_every = 80};
       break;
     case 2:
       g.chat = {.requests = 1500, .system_prompts = 10, .message_tokens = 100};
@@ -65,6 +68,23 @@ GeneratorOptions Shape(int shape, uint64_t seed, bool smoke) {
       g.multi_turn = {.conversations = 200, .turns = 8, .turn_tokens = 60, .system_prompts = 4};
       g.shared_prefix = {.groups = 32, .prompts_per_group = 32, .system_tokens = 1024};
       g.random.prompt_tokens = 200;
+      g.agent = {.sessions = 100,
+                 .concurrent = 8,
+                 .steps = 14,
+                 .system_tokens = 2500,
+                 .result_tokens = 200,
+                 .system_prompts = 1};
+      g.rag = {.requests = 2000,
+               .documents = 1000,
+               .document_tokens = 512,
+               .docs_per_request = 4,
+               .zipf_s = 1.1};
+      g.scan = {.hot_prompts = 400,
+                .hot_prefix_tokens = 1024,
+                .zipf_s = 0.7,
+                .scan_every = 50,
+                .scan_length = 20,
+                .scan_tokens = 2048};
       g.arrival.request_rate_per_s = 8;
       break;
     case 3:
@@ -76,6 +96,25 @@ GeneratorOptions Shape(int shape, uint64_t seed, bool smoke) {
                       .turn_tokens = 30,
                       .system_prompts = 3};
       g.shared_prefix = {.groups = 96, .prompts_per_group = 10, .system_tokens = 3072};
+      g.agent = {.sessions = 80,
+                 .concurrent = 32,
+                 .steps = 6,
+                 .task_tokens = 300,
+                 .call_tokens = 80,
+                 .result_tokens = 600,
+                 .system_prompts = 4};
+      g.rag = {.documents = 200,
+               .docs_per_request = 5,
+               .zipf_s = 0.6,
+               .system_tokens = 600,
+               .question_tokens = 80};
+      g.scan = {.requests = 1500,
+                .hot_prompts = 100,
+                .hot_body_tokens = 512,
+                .zipf_s = 1.2,
+                .scan_every = 200,
+                .scan_length = 100,
+                .scan_tokens = 512};
       g.arrival.request_rate_per_s = 2;
       break;
     default:

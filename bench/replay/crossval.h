@@ -1,9 +1,9 @@
 // kvcm-bench --crossval: an evaluation of eviction policies that cannot overfit.
 //
-// Workloads come in two parts. "train": the first time half of the Mooncake trace, the five
-// generators with seeds 1-2 and their default or first variant shapes, and one two-model
-// mix. "test": the second time half of the Mooncake trace, the five generators with seeds
-// 3-4 and other shapes, two other mixes (another Llama), and any extra Mooncake-format
+// Workloads come in two parts. "train": the first time half of the Mooncake trace, every
+// generator (kGeneratorNames) with seeds 1-2 and its default or first variant shape, and one
+// two-model mix. "test": the second time half of the Mooncake trace, every generator with
+// seeds 3-4 and other shapes, two other mixes (another Llama), and any extra Mooncake-format
 // traces given. The parameters of the learning policies ("adaptive", "density",
 // "conversation") are chosen, each from a fixed grid, on the real trace's train half alone
 // (fewest cells below lru, then the largest mean share of the lru->opt gap closed):

@@ -22,6 +22,14 @@ enum class Stream : uint64_t {
   kRandom = 4,
   kArrival = 5,
   kShuffle = 6,
+  kTask = 7,
+  kToolCall = 8,
+  kToolResult = 9,
+  kResultLength = 10,
+  kSchedule = 11,
+  kDocument = 12,
+  kPopularity = 13,
+  kScan = 14,
 };
 
 // Seed of segment `index` of `stream`: well mixed, so nearby indices are unrelated.
@@ -54,6 +62,31 @@ void SetArrivals(const ArrivalOptions& arrival, std::vector<TokenRequest>& reque
 TokenRequest Request(std::vector<int32_t> tokens, uint32_t output_tokens) {
   return TokenRequest{.arrival_ms = 0, .tokens = std::move(tokens), .output_tokens = output_tokens};
 }
+
+// Uniform in [0, 1): 53 random bits.
+double Uniform(uint64_t& state) { return static_cast<double>(SplitMix64(state) >> 11) * 0x1.0p-53; }
+
+// Zipf(s) over ranks 0..n-1 (n 0 is taken as 1): rank r with probability ~ (r + 1)^-s.
+class ZipfSampler {
+ public:
+  ZipfSampler(uint32_t n, double s) {
+    cdf_.reserve(std::max(n, 1u));
+    double total = 0;
+    for (uint32_t r = 0; r < std::max(n, 1u); ++r) {
+      total += std::pow(r + 1.0, -s);
+      cdf_.push_back(total);
+    }
+  }
+
+  uint32_t Draw(uint64_t& state) const {
+    const double u = Uniform(state) * cdf_.back();
+    const size_t r = std::upper_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin();
+    return static_cast<uint32_t>(std::min(r, cdf_.size() - 1));
+  }
+
+ private:
+  std::vector<double> cdf_;  // cumulative weights of ranks 0..r
+};
 
 }  // namespace
 
@@ -149,6 +182,112 @@ std::vector<TokenRequest> GenerateSharedPrefix(const SharedPrefixOptions& o,
   return requests;
 }
 
+std::vector<TokenRequest> GenerateAgent(const AgentOptions& o, const ArrivalOptions& arrival) {
+  if (o.sessions == 0 || o.steps == 0) return {};
+  // Each session's full context after its last step, and ends[s][k]: the length of step k + 1's
+  // prompt, a prefix of it.
+  const uint32_t min_result = o.result_tokens / 2;
+  const uint32_t max_result = o.result_tokens + o.result_tokens / 2;
+  std::vector<std::vector<int32_t>> contexts(o.sessions);
+  std::vector<std::vector<size_t>> ends(o.sessions);
+  for (uint32_t s = 0; s < o.sessions; ++s) {
+    std::vector<int32_t>& context = contexts[s];
+    AppendTokens(arrival.seed, Stream::kSystem, s % std::max(o.system_prompts, 1u), o.system_tokens,
+                 kVocab, context);
+    AppendTokens(arrival.seed, Stream::kTask, s, o.task_tokens, kVocab, context);
+    ends[s].push_back(context.size());
+    for (uint32_t k = 0; k + 1 < o.steps; ++k) {
+      const uint64_t step = uint64_t{s} * o.steps + k;
+      AppendTokens(arrival.seed, Stream::kToolCall, step, o.call_tokens, kVocab, context);
+      uint64_t length = SegmentSeed(arrival.seed, Stream::kResultLength, step);
+      const uint32_t result_tokens =
+          min_result + static_cast<uint32_t>(SplitMix64(length) % (max_result - min_result + 1));
+      AppendTokens(arrival.seed, Stream::kToolResult, step, result_tokens, kVocab, context);
+      ends[s].push_back(context.size());
+    }
+  }
+  // Live sessions; each request advances one of them, chosen uniformly.
+  std::vector<uint32_t> live;
+  uint32_t next_session = std::min(std::max(o.concurrent, 1u), o.sessions);
+  for (uint32_t s = 0; s < next_session; ++s) live.push_back(s);
+  std::vector<uint32_t> next_step(o.sessions, 0);
+  std::vector<TokenRequest> requests;
+  requests.reserve(size_t{o.sessions} * o.steps);
+  uint64_t state = SegmentSeed(arrival.seed, Stream::kSchedule, 0);
+  while (!live.empty()) {
+    const size_t i = SplitMix64(state) % live.size();
+    const uint32_t s = live[i];
+    const size_t n = ends[s][next_step[s]++];
+    requests.push_back(Request(std::vector<int32_t>(contexts[s].begin(), contexts[s].begin() + n),
+                               o.output_tokens));
+    if (next_step[s] < o.steps) continue;
+    if (next_session < o.sessions) {
+      live[i] = next_session++;
+    } else {
+      live[i] = live.back();
+      live.pop_back();
+    }
+  }
+  SetArrivals(arrival, requests);
+  return requests;
+}
+
+std::vector<TokenRequest> GenerateRag(const RagOptions& o, const ArrivalOptions& arrival) {
+  const ZipfSampler popularity(o.documents, o.zipf_s);
+  const uint32_t docs_per_request = std::min(o.docs_per_request, std::max(o.documents, 1u));
+  std::vector<TokenRequest> requests;
+  requests.reserve(o.requests);
+  std::vector<uint32_t> docs;
+  for (uint32_t i = 0; i < o.requests; ++i) {
+    // Distinct documents in the order drawn: a repeat is drawn again.
+    uint64_t state = SegmentSeed(arrival.seed, Stream::kPopularity, i);
+    docs.clear();
+    while (docs.size() < docs_per_request) {
+      const uint32_t d = popularity.Draw(state);
+      if (std::find(docs.begin(), docs.end(), d) == docs.end()) docs.push_back(d);
+    }
+    std::vector<int32_t> tokens;
+    tokens.reserve(o.system_tokens + size_t{docs_per_request} * o.document_tokens +
+                   o.question_tokens);
+    AppendTokens(arrival.seed, Stream::kSystem, 0, o.system_tokens, kVocab, tokens);
+    for (uint32_t d : docs) {
+      AppendTokens(arrival.seed, Stream::kDocument, d, o.document_tokens, kVocab, tokens);
+    }
+    AppendTokens(arrival.seed, Stream::kMessage, i, o.question_tokens, kVocab, tokens);
+    requests.push_back(Request(std::move(tokens), o.output_tokens));
+  }
+  SetArrivals(arrival, requests);
+  return requests;
+}
+
+std::vector<TokenRequest> GenerateScan(const ScanOptions& o, const ArrivalOptions& arrival) {
+  const uint32_t hot_prompts = std::max(o.hot_prompts, 1u);
+  std::vector<std::vector<int32_t>> hot(hot_prompts);
+  for (uint32_t p = 0; p < hot_prompts; ++p) {
+    hot[p].reserve(o.hot_prefix_tokens + o.hot_body_tokens);
+    AppendTokens(arrival.seed, Stream::kSystem, p % std::max(o.hot_prefixes, 1u),
+                 o.hot_prefix_tokens, kVocab, hot[p]);
+    AppendTokens(arrival.seed, Stream::kMessage, p, o.hot_body_tokens, kVocab, hot[p]);
+  }
+  const ZipfSampler popularity(hot_prompts, o.zipf_s);
+  uint64_t state = SegmentSeed(arrival.seed, Stream::kPopularity, 0);
+  uint64_t scans = 0;
+  std::vector<TokenRequest> requests;
+  for (uint32_t i = 0; i < o.requests; ++i) {
+    if (o.scan_every > 0 && i > 0 && i % o.scan_every == 0) {
+      for (uint32_t b = 0; b < o.scan_length; ++b) {
+        std::vector<int32_t> tokens;
+        tokens.reserve(o.scan_tokens);
+        AppendTokens(arrival.seed, Stream::kScan, scans++, o.scan_tokens, kVocab, tokens);
+        requests.push_back(Request(std::move(tokens), o.output_tokens));
+      }
+    }
+    requests.push_back(Request(hot[popularity.Draw(state)], o.output_tokens));
+  }
+  SetArrivals(arrival, requests);
+  return requests;
+}
+
 absl::StatusOr<std::vector<TokenRequest>> GenerateByName(absl::string_view name,
                                                          const GeneratorOptions& options) {
   if (name == "chat") return GenerateChat(options.chat, options.arrival);
@@ -156,6 +295,9 @@ absl::StatusOr<std::vector<TokenRequest>> GenerateByName(absl::string_view name,
   if (name == "multi-turn") return GenerateMultiTurn(options.multi_turn, options.arrival);
   if (name == "random") return GenerateRandom(options.random, options.arrival);
   if (name == "gsp") return GenerateSharedPrefix(options.shared_prefix, options.arrival);
+  if (name == "agent") return GenerateAgent(options.agent, options.arrival);
+  if (name == "rag") return GenerateRag(options.rag, options.arrival);
+  if (name == "scan") return GenerateScan(options.scan, options.arrival);
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown workload \"", name, "\"; known: ", absl::StrJoin(kGeneratorNames, ", ")));
 }

@@ -1,8 +1,10 @@
 // Synthetic token-level workloads for kvcm-bench (ARCHITECTURE.md section 11), with the
 // section's figures as defaults.
 //
-// The four of the MLA-aware RadixAttention proposal (chat, few-shot, multi-turn, random) and
-// SGLang's generated-shared-prefix benchmark. Token ids are drawn uniformly from DeepSeek-V3's
+// The four of the MLA-aware RadixAttention proposal (chat, few-shot, multi-turn, random),
+// SGLang's generated-shared-prefix benchmark, and three shapes those lack: agent loops whose
+// contexts grow by tool results, retrieval with Zipf-popular documents, and a hot working set
+// disturbed by scans of one-time prompts. Token ids are drawn uniformly from DeepSeek-V3's
 // vocabulary from per-purpose seeded streams, so two independently generated segments
 // never share a page by accident, while a segment meant to be shared (a system prompt, the
 // few-shot examples, an earlier turn) is repeated token for token.
@@ -81,6 +83,59 @@ struct SharedPrefixOptions {
   uint32_t output_tokens = 256;
 };
 
+// Tool/agent loops: `sessions` sessions of `steps` steps. Step k (1-based) resends the whole
+// context: the system/tool-schema prompt of the session's app (`system_prompts` apps,
+// round-robin over sessions), the session's unique task, then for each of steps 1..k-1 its
+// tool call and tool result. Result lengths are uniform in [result_tokens / 2,
+// 3 * result_tokens / 2], drawn per step. `concurrent` sessions are live at a time; each
+// request is the next step of a live session chosen uniformly at random, so sessions
+// progress at different paces; when one finishes, the next session starts.
+struct AgentOptions {
+  uint32_t sessions = 120;
+  uint32_t concurrent = 16;
+  uint32_t steps = 10;
+  uint32_t system_tokens = 1500;
+  uint32_t task_tokens = 100;
+  uint32_t call_tokens = 40;
+  uint32_t result_tokens = 300;  // mean of a step's tool result
+  uint32_t system_prompts = 2;
+  uint32_t output_tokens = 128;
+};
+
+// Retrieval-augmented generation: each of `requests` requests is the shared instruction
+// prompt, `docs_per_request` distinct documents of a corpus of `documents`, drawn by
+// Zipf(`zipf_s`) popularity and kept in the order drawn (the retriever's ranking), then a
+// unique question. Only the first document always follows a shared prefix; a later one can
+// hit only behind the same documents as before.
+struct RagOptions {
+  uint32_t requests = 1500;
+  uint32_t documents = 400;
+  uint32_t document_tokens = 256;
+  uint32_t docs_per_request = 3;  // at most `documents`
+  double zipf_s = 1.0;            // popularity of the document of rank r ~ r^-zipf_s
+  uint32_t system_tokens = 200;
+  uint32_t question_tokens = 40;
+  uint32_t output_tokens = 128;
+};
+
+// A hot working set disturbed by scans: `requests` requests for `hot_prompts` prompts, drawn
+// by Zipf(`zipf_s`) popularity, each prompt one of `hot_prefixes` shared prefixes
+// (round-robin over prompts) followed by its own body. Before every `scan_every`-th hot request
+// (0: never) a burst of `scan_length` one-time prompts of `scan_tokens` unique tokens
+// arrives; they are never sent again and share no page with any other request.
+struct ScanOptions {
+  uint32_t requests = 2000;  // hot requests; the scans come on top
+  uint32_t hot_prompts = 200;
+  uint32_t hot_prefixes = 4;
+  uint32_t hot_prefix_tokens = 512;
+  uint32_t hot_body_tokens = 256;
+  double zipf_s = 0.9;  // popularity of the prompt of rank r ~ r^-zipf_s
+  uint32_t scan_every = 100;
+  uint32_t scan_length = 40;
+  uint32_t scan_tokens = 1024;
+  uint32_t output_tokens = 128;
+};
+
 std::vector<TokenRequest> GenerateChat(const ChatOptions& options, const ArrivalOptions& arrival);
 std::vector<TokenRequest> GenerateFewShot(const FewShotOptions& options,
                                           const ArrivalOptions& arrival);
@@ -90,6 +145,9 @@ std::vector<TokenRequest> GenerateRandom(const RandomOptions& options,
                                          const ArrivalOptions& arrival);
 std::vector<TokenRequest> GenerateSharedPrefix(const SharedPrefixOptions& options,
                                                const ArrivalOptions& arrival);
+std::vector<TokenRequest> GenerateAgent(const AgentOptions& options, const ArrivalOptions& arrival);
+std::vector<TokenRequest> GenerateRag(const RagOptions& options, const ArrivalOptions& arrival);
+std::vector<TokenRequest> GenerateScan(const ScanOptions& options, const ArrivalOptions& arrival);
 
 // Every generator's options, for choosing one by name.
 struct GeneratorOptions {
@@ -98,6 +156,9 @@ struct GeneratorOptions {
   MultiTurnOptions multi_turn;
   RandomOptions random;
   SharedPrefixOptions shared_prefix;
+  AgentOptions agent;
+  RagOptions rag;
+  ScanOptions scan;
   ArrivalOptions arrival;
 
   // Few enough requests of every generator for a smoke run (CI) to take moments.
@@ -108,12 +169,20 @@ struct GeneratorOptions {
     random.prompts = 60;
     shared_prefix.groups = 4;
     shared_prefix.prompts_per_group = 8;
+    agent.sessions = 12;
+    agent.concurrent = 4;
+    rag.requests = 60;
+    rag.documents = 40;
+    scan.requests = 60;
+    scan.hot_prompts = 20;
+    scan.scan_every = 20;
+    scan.scan_length = 5;
   }
 };
 
 // Names GenerateByName accepts, in their canonical order.
 inline constexpr absl::string_view kGeneratorNames[] = {"chat", "few-shot", "multi-turn", "random",
-                                                        "gsp"};
+                                                        "gsp",  "agent",    "rag",        "scan"};
 
 // The workload called `name` (one of kGeneratorNames); INVALID_ARGUMENT otherwise.
 absl::StatusOr<std::vector<TokenRequest>> GenerateByName(absl::string_view name,

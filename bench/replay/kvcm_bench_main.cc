@@ -32,9 +32,9 @@
 #include "common/program_flags.h"
 #include "server/core/policies/registry.h"
 
-ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,mooncake",
-          "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp "
-          "(generated), mooncake (--mooncake_trace).");
+ABSL_FLAG(std::string, workloads, "chat,few-shot,multi-turn,random,gsp,agent,rag,scan,mooncake",
+          "Workloads to replay, comma-separated: chat, few-shot, multi-turn, random, gsp, agent, "
+          "rag, scan (generated), mooncake (--mooncake_trace).");
 ABSL_FLAG(std::string, mooncake_trace, "",
           "Mooncake JSON-lines trace for the mooncake workload (512-token blocks); default: "
           "tests/data/mooncake_conversation_trace.jsonl of the source tree kvcm-bench was "
@@ -145,7 +145,7 @@ ABSL_FLAG(double, regret_window_s, 300,
 ABSL_FLAG(double, request_rate, 4, "Generated workloads: Poisson arrival rate (requests/s).");
 ABSL_FLAG(int64_t, seed, 1, "Generated workloads: seed of token ids, arrivals and shuffles.");
 ABSL_FLAG(int32_t, output_tokens, 128,
-          "Output tokens per request of chat, few-shot, multi-turn and random.");
+          "Output tokens per request of chat, few-shot, multi-turn, random, agent, rag and scan.");
 ABSL_FLAG(int32_t, chat_requests, 1000, "chat: requests.");
 ABSL_FLAG(int32_t, chat_system_prompts, 3, "chat: system prompts, used round-robin.");
 ABSL_FLAG(int32_t, chat_system_tokens, 200, "chat: tokens per system prompt.");
@@ -167,6 +167,51 @@ ABSL_FLAG(int32_t, gsp_prompts_per_group, 16, "gsp: prompts per group.");
 ABSL_FLAG(int32_t, gsp_system_tokens, 2048, "gsp: tokens per system prompt.");
 ABSL_FLAG(int32_t, gsp_question_tokens, 128, "gsp: tokens per question.");
 ABSL_FLAG(int32_t, gsp_output_tokens, 256, "gsp: output tokens per request.");
+ABSL_FLAG(int32_t, agent_sessions, kvcm::bench::AgentOptions{}.sessions, "agent: sessions.");
+ABSL_FLAG(int32_t, agent_concurrent, kvcm::bench::AgentOptions{}.concurrent,
+          "agent: sessions live at a time; each request advances one chosen at random.");
+ABSL_FLAG(int32_t, agent_steps, kvcm::bench::AgentOptions{}.steps, "agent: steps per session.");
+ABSL_FLAG(int32_t, agent_system_tokens, kvcm::bench::AgentOptions{}.system_tokens,
+          "agent: tokens of an app's system/tool-schema prompt.");
+ABSL_FLAG(int32_t, agent_task_tokens, kvcm::bench::AgentOptions{}.task_tokens,
+          "agent: tokens of each session's unique task.");
+ABSL_FLAG(int32_t, agent_call_tokens, kvcm::bench::AgentOptions{}.call_tokens,
+          "agent: tokens of each step's tool call.");
+ABSL_FLAG(int32_t, agent_result_tokens, kvcm::bench::AgentOptions{}.result_tokens,
+          "agent: mean tokens of a tool result (uniform in [1/2, 3/2] of it).");
+ABSL_FLAG(int32_t, agent_system_prompts, kvcm::bench::AgentOptions{}.system_prompts,
+          "agent: apps (distinct system prompts), round-robin over sessions.");
+ABSL_FLAG(int32_t, rag_requests, kvcm::bench::RagOptions{}.requests, "rag: requests.");
+ABSL_FLAG(int32_t, rag_documents, kvcm::bench::RagOptions{}.documents,
+          "rag: documents in the corpus.");
+ABSL_FLAG(int32_t, rag_document_tokens, kvcm::bench::RagOptions{}.document_tokens,
+          "rag: tokens per document.");
+ABSL_FLAG(int32_t, rag_docs_per_request, kvcm::bench::RagOptions{}.docs_per_request,
+          "rag: distinct documents retrieved per request.");
+ABSL_FLAG(double, rag_zipf_s, kvcm::bench::RagOptions{}.zipf_s,
+          "rag: Zipf exponent of document popularity.");
+ABSL_FLAG(int32_t, rag_system_tokens, kvcm::bench::RagOptions{}.system_tokens,
+          "rag: tokens of the shared instruction prompt.");
+ABSL_FLAG(int32_t, rag_question_tokens, kvcm::bench::RagOptions{}.question_tokens,
+          "rag: tokens of each unique question.");
+ABSL_FLAG(int32_t, scan_requests, kvcm::bench::ScanOptions{}.requests,
+          "scan: hot requests (the scans come on top).");
+ABSL_FLAG(int32_t, scan_hot_prompts, kvcm::bench::ScanOptions{}.hot_prompts,
+          "scan: distinct hot prompts.");
+ABSL_FLAG(int32_t, scan_hot_prefixes, kvcm::bench::ScanOptions{}.hot_prefixes,
+          "scan: shared prefixes of the hot prompts, round-robin over them.");
+ABSL_FLAG(int32_t, scan_hot_prefix_tokens, kvcm::bench::ScanOptions{}.hot_prefix_tokens,
+          "scan: tokens per shared prefix.");
+ABSL_FLAG(int32_t, scan_hot_body_tokens, kvcm::bench::ScanOptions{}.hot_body_tokens,
+          "scan: tokens of each hot prompt's own body.");
+ABSL_FLAG(double, scan_zipf_s, kvcm::bench::ScanOptions{}.zipf_s,
+          "scan: Zipf exponent of hot prompt popularity.");
+ABSL_FLAG(int32_t, scan_every, kvcm::bench::ScanOptions{}.scan_every,
+          "scan: a scan burst before every this many hot requests (0: none).");
+ABSL_FLAG(int32_t, scan_length, kvcm::bench::ScanOptions{}.scan_length,
+          "scan: one-time prompts per burst.");
+ABSL_FLAG(int32_t, scan_tokens, kvcm::bench::ScanOptions{}.scan_tokens,
+          "scan: tokens per one-time prompt.");
 
 ABSL_FLAG(std::string, json, "", "Write the results as JSON to this path.");
 ABSL_FLAG(std::string, csv, "", "Write the results as CSV to this path.");
@@ -201,7 +246,7 @@ beats recomputing it, and then counts as a hit.
 
 Inputs: Mooncake JSON lines ({"timestamp", "input_length", "output_length", "hash_ids"}; one
 id per 512-token block; the partial last block is never cached) and token-level JSON lines
-({"timestamp": ms, "tokens": [...], "output_length": n}), plus five generators (ARCHITECTURE
+({"timestamp": ms, "tokens": [...], "output_length": n}), plus eight generators (ARCHITECTURE
 section 11). Generated and token workloads use --page_size (default 16) tokens per page.
 
 Output per (workload, policy, capacity, mode): token hit rate (hit tokens / whole-page prompt
@@ -305,6 +350,33 @@ GeneratorOptions GeneratorsFromFlags(bool smoke) {
       .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_system_tokens)),
       .question_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_question_tokens)),
       .output_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_gsp_output_tokens))};
+  g.agent = {.sessions = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_sessions)),
+             .concurrent = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_concurrent)),
+             .steps = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_steps)),
+             .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_system_tokens)),
+             .task_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_task_tokens)),
+             .call_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_call_tokens)),
+             .result_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_result_tokens)),
+             .system_prompts = static_cast<uint32_t>(absl::GetFlag(FLAGS_agent_system_prompts)),
+             .output_tokens = out};
+  g.rag = {.requests = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_requests)),
+           .documents = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_documents)),
+           .document_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_document_tokens)),
+           .docs_per_request = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_docs_per_request)),
+           .zipf_s = absl::GetFlag(FLAGS_rag_zipf_s),
+           .system_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_system_tokens)),
+           .question_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_rag_question_tokens)),
+           .output_tokens = out};
+  g.scan = {.requests = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_requests)),
+            .hot_prompts = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_hot_prompts)),
+            .hot_prefixes = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_hot_prefixes)),
+            .hot_prefix_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_hot_prefix_tokens)),
+            .hot_body_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_hot_body_tokens)),
+            .zipf_s = absl::GetFlag(FLAGS_scan_zipf_s),
+            .scan_every = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_every)),
+            .scan_length = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_length)),
+            .scan_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_scan_tokens)),
+            .output_tokens = out};
   if (smoke) g.ShrinkForSmoke();
   return g;
 }

@@ -9,10 +9,14 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <ostream>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "bench/replay/generators.h"
@@ -253,6 +257,234 @@ TEST(GeneratorsTest, PoissonArrivalsHaveTheRequestedRate) {
   const double mean_gap_ms = r.back().arrival_ms / (r.size() - 1);
   EXPECT_NEAR(mean_gap_ms, 100, 3);  // 1 / rate, within ~4 standard errors
   EXPECT_FALSE(GenerateByName("nope", {}).ok());
+}
+
+// Tokens [from, from + n) of `r`, as a key.
+std::vector<int32_t> Slice(const TokenRequest& r, size_t from, size_t n) {
+  return std::vector<int32_t>(r.tokens.begin() + from, r.tokens.begin() + from + n);
+}
+
+bool StartsWith(const TokenRequest& r, const TokenRequest& prefix) {
+  return r.tokens.size() >= prefix.tokens.size() &&
+         std::equal(prefix.tokens.begin(), prefix.tokens.end(), r.tokens.begin());
+}
+
+TEST(GeneratorsTest, AgentStepsExtendTheirSessionsContext) {
+  const AgentOptions o{.sessions = 20,
+                       .concurrent = 5,
+                       .steps = 6,
+                       .system_tokens = 64,
+                       .task_tokens = 16,
+                       .call_tokens = 8,
+                       .result_tokens = 32,
+                       .system_prompts = 2,
+                       .output_tokens = 7};
+  const std::vector<TokenRequest> r = GenerateAgent(o, {.seed = 5});
+  ASSERT_EQ(r.size(), 20u * 6);
+  // A session is known by its task, which follows the system prompt.
+  std::map<std::vector<int32_t>, std::vector<size_t>> by_task;
+  for (size_t i = 0; i < r.size(); ++i) {
+    ASSERT_GE(r[i].tokens.size(), 80u);
+    EXPECT_EQ(r[i].output_tokens, 7u);
+    by_task[Slice(r[i], 64, 16)].push_back(i);
+  }
+  ASSERT_EQ(by_task.size(), 20u);
+  const Trace t = HashTokenTrace("agent", r, kKey, 16);
+  std::map<std::vector<int32_t>, int> sessions_per_app;
+  absl::flat_hash_set<size_t> increments;
+  std::vector<std::pair<size_t, size_t>> spans;  // first and last request of each session
+  for (const auto& [task, steps] : by_task) {
+    ASSERT_EQ(steps.size(), 6u);
+    EXPECT_EQ(r[steps[0]].tokens.size(), 80u);  // step 1: system prompt and task
+    for (size_t k = 1; k < steps.size(); ++k) {
+      const TokenRequest& prev = r[steps[k - 1]];
+      const TokenRequest& cur = r[steps[k]];
+      ASSERT_TRUE(StartsWith(cur, prev)) << "step " << k + 1;
+      const size_t added = cur.tokens.size() - prev.tokens.size();
+      EXPECT_GE(added, 8u + 16);  // a call and a result of 16..48 tokens
+      EXPECT_LE(added, 8u + 48);
+      increments.insert(added);
+    }
+    ++sessions_per_app[Slice(r[steps[0]], 0, 64)];
+    spans.emplace_back(steps.front(), steps.back());
+  }
+  EXPECT_GT(increments.size(), 5u);  // result lengths vary
+  // Two apps of 10 sessions; requests of different apps share no page.
+  ASSERT_EQ(sessions_per_app.size(), 2u);
+  for (const auto& [system, n] : sessions_per_app) EXPECT_EQ(n, 10);
+  for (size_t i = 1; i < r.size(); ++i) {
+    const bool same_app = Slice(r[0], 0, 64) == Slice(r[i], 0, 64);
+    if (same_app) {
+      EXPECT_GE(CommonPages(t, 0, i), 4u);  // the 64-token system prompt
+    } else {
+      EXPECT_EQ(CommonPages(t, 0, i), 0u);
+    }
+  }
+  // Interleaved: never more than 5 sessions live, usually 5; some finish before others that
+  // started earlier.
+  std::sort(spans.begin(), spans.end());
+  size_t max_live = 0;
+  for (size_t i = 0; i < r.size(); ++i) {
+    size_t live = 0;
+    for (const auto& [first, last] : spans) live += first <= i && i <= last;
+    max_live = std::max(max_live, live);
+  }
+  EXPECT_EQ(max_live, 5u);
+  bool overtaken = false;
+  for (size_t a = 0; a + 1 < spans.size(); ++a) overtaken |= spans[a + 1].second < spans[a].second;
+  EXPECT_TRUE(overtaken);
+}
+
+TEST(GeneratorsTest, RagRequestsShareTheInstructionAndPopularDocuments) {
+  const RagOptions o{.requests = 600,
+                     .documents = 50,
+                     .document_tokens = 32,
+                     .docs_per_request = 3,
+                     .zipf_s = 1.0,
+                     .system_tokens = 48,
+                     .question_tokens = 16};
+  const std::vector<TokenRequest> r = GenerateRag(o, {.seed = 5});
+  ASSERT_EQ(r.size(), 600u);
+  const Trace t = HashTokenTrace("rag", r, kKey, 16);
+  std::map<std::vector<int32_t>, int> requests_per_doc;
+  std::set<std::vector<int32_t>> questions;
+  for (size_t i = 0; i < r.size(); ++i) {
+    ASSERT_EQ(r[i].tokens.size(), 48u + 3 * 32 + 16);
+    EXPECT_EQ(Slice(r[i], 0, 48), Slice(r[0], 0, 48));
+    std::set<std::vector<int32_t>> docs;
+    for (size_t d = 0; d < 3; ++d) docs.insert(Slice(r[i], 48 + 32 * d, 32));
+    EXPECT_EQ(docs.size(), 3u) << "request " << i;
+    for (const std::vector<int32_t>& doc : docs) ++requests_per_doc[doc];
+    questions.insert(Slice(r[i], 48 + 96, 16));
+    // The instruction's 3 pages are shared; with the same first document, its 2 too.
+    if (i > 0 && Slice(r[i], 48, 32) == Slice(r[0], 48, 32)) {
+      EXPECT_GE(CommonPages(t, 0, i), 5u) << "request " << i;
+    } else if (i > 0) {
+      EXPECT_EQ(CommonPages(t, 0, i), 3u) << "request " << i;
+    }
+  }
+  EXPECT_EQ(questions.size(), 600u);
+  EXPECT_LE(requests_per_doc.size(), 50u);
+  std::vector<int> counts;
+  for (const auto& [doc, n] : requests_per_doc) counts.push_back(n);
+  std::sort(counts.rbegin(), counts.rend());
+  // Zipf(1) over 50: the top document is in about half the requests, the median one in a
+  // few percent.
+  EXPECT_GT(counts.front(), 200);
+  EXPECT_GT(counts.front(), 4 * counts[counts.size() / 2]);
+}
+
+TEST(GeneratorsTest, ScanPromptsAreNeverReusedAndHotPromptsRepeat) {
+  const ScanOptions o{.requests = 400,
+                      .hot_prompts = 30,
+                      .hot_prefixes = 3,
+                      .hot_prefix_tokens = 64,
+                      .hot_body_tokens = 32,
+                      .zipf_s = 0.9,
+                      .scan_every = 50,
+                      .scan_length = 10,
+                      .scan_tokens = 80};
+  const std::vector<TokenRequest> r = GenerateScan(o, {.seed = 5});
+  ASSERT_EQ(r.size(), 400u + 7 * 10);  // a burst before hot requests 50, 100, ..., 350
+  const Trace t = HashTokenTrace("scan", r, kKey, 16);
+  absl::flat_hash_map<PageHash, int> uses;
+  for (const TraceRequest& req : t.requests) {
+    for (const PageHash& p : req.pages) ++uses[p];
+  }
+  std::map<std::vector<int32_t>, int> hot;
+  std::set<std::vector<int32_t>> prefixes;
+  for (size_t i = 0; i < r.size(); ++i) {
+    // Position within a cycle of 50 hot requests and 10 scans (the first cycle has no scans).
+    const bool scan = i >= 50 && (i - 50) % 60 < 10;
+    ASSERT_EQ(r[i].tokens.size(), scan ? 80u : 96u) << "request " << i;
+    if (scan) {
+      for (const PageHash& p : t.requests[i].pages) EXPECT_EQ(uses[p], 1) << "request " << i;
+    } else {
+      ++hot[r[i].tokens];
+      prefixes.insert(Slice(r[i], 0, 64));
+    }
+  }
+  EXPECT_LE(hot.size(), 30u);
+  EXPECT_EQ(prefixes.size(), 3u);
+  int most = 0;
+  for (const auto& [tokens, n] : hot) most = std::max(most, n);
+  EXPECT_GT(most, 40);  // Zipf(0.9) over 30: about a fifth of the hot requests
+}
+
+// Every generator is a function of its seed: equal for one seed, different for another,
+// with non-decreasing arrivals.
+TEST(GeneratorsTest, DeterministicForASeedAndDifferentForAnother) {
+  GeneratorOptions a;
+  a.ShrinkForSmoke();
+  GeneratorOptions b = a;
+  b.arrival.seed = a.arrival.seed + 1;
+  for (absl::string_view name : kGeneratorNames) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<std::vector<TokenRequest>> first = GenerateByName(name, a);
+    absl::StatusOr<std::vector<TokenRequest>> again = GenerateByName(name, a);
+    absl::StatusOr<std::vector<TokenRequest>> other = GenerateByName(name, b);
+    ASSERT_TRUE(first.ok() && again.ok() && other.ok());
+    ASSERT_FALSE(first->empty());
+    ASSERT_EQ(first->size(), again->size());
+    bool tokens_differ = first->size() != other->size();
+    for (size_t i = 0; i < first->size(); ++i) {
+      EXPECT_EQ((*first)[i].tokens, (*again)[i].tokens);
+      EXPECT_EQ((*first)[i].arrival_ms, (*again)[i].arrival_ms);
+      EXPECT_EQ((*first)[i].output_tokens, (*again)[i].output_tokens);
+      if (i > 0) {
+        EXPECT_GE((*first)[i].arrival_ms, (*first)[i - 1].arrival_ms);
+      }
+      if (i < other->size()) tokens_differ |= (*first)[i].tokens != (*other)[i].tokens;
+    }
+    EXPECT_TRUE(tokens_differ);
+  }
+}
+
+// Belady's order bounds lru on the three newer shapes too, where every prompt fits beside
+// the pinned ones (no failed inserts; with them, neither bounds the other).
+TEST(GeneratorsTest, OptHitsAtLeastAsMuchAsLruOnAgentRagAndScan) {
+  const ArrivalOptions arrival{.seed = 3};
+  const Trace traces[] = {
+      HashTokenTrace("agent",
+                     GenerateAgent({.sessions = 40,
+                                    .concurrent = 8,
+                                    .steps = 6,
+                                    .system_tokens = 256,
+                                    .task_tokens = 32,
+                                    .call_tokens = 16,
+                                    .result_tokens = 64},
+                                   arrival),
+                     kKey, 16),
+      HashTokenTrace(
+          "rag", GenerateRag({.requests = 300, .documents = 60, .document_tokens = 64}, arrival),
+          kKey, 16),
+      HashTokenTrace("scan",
+                     GenerateScan({.requests = 400,
+                                   .hot_prompts = 40,
+                                   .hot_prefix_tokens = 128,
+                                   .hot_body_tokens = 64,
+                                   .scan_every = 50,
+                                   .scan_length = 10,
+                                   .scan_tokens = 256},
+                                  arrival),
+                     kKey, 16)};
+  for (const Trace& trace : traces) {
+    for (double capacity : {0.2, 0.5}) {
+      SCOPED_TRACE(absl::StrCat(trace.name, " capacity ", capacity));
+      ReplayOptions options;
+      options.spec = Spec(16);
+      options.capacity_fraction = capacity;
+      options.policy = "opt";
+      absl::StatusOr<ReplayResult> opt = Replay(trace, options);
+      ASSERT_TRUE(opt.ok()) << opt.status();
+      options.policy = "lru";
+      absl::StatusOr<ReplayResult> lru = Replay(trace, options);
+      ASSERT_TRUE(lru.ok()) << lru.status();
+      EXPECT_EQ(opt->failed_inserts, 0u);
+      EXPECT_EQ(lru->failed_inserts, 0u);
+      EXPECT_GE(opt->hit_pages, lru->hit_pages);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- oracle
