@@ -12,7 +12,14 @@
 namespace kvcm {
 
 PolicyContext CacheIndexOptions::policy_context() const {
-  return PolicyContext{next_use, reuse_credit, adaptive, density, conversation};
+  return PolicyContext{.next_use = next_use,
+                       .reuse_credit = reuse_credit,
+                       .adaptive = adaptive,
+                       .density = density,
+                       .conversation = conversation,
+                       .select = select,
+                       .clock = clock,
+                       .regret_window = regret_window};
 }
 
 absl::Status CacheIndexOptions::Validate() const {
@@ -343,6 +350,9 @@ size_t CacheIndex::RecordAccess(RadixNode* node, uint32_t end_page, absl::Time a
 }
 
 void CacheIndex::ApplyAccessesLocked() {
+  // A policy changes its order only here, with every reader out ("select" moving to another
+  // candidate).
+  policy_->Settle();
   // No reader holds mu_, so none appends meanwhile; access_mu_ is taken for the analysis.
   absl::MutexLock lock(&access_mu_);
   if (pending_.empty()) return;
@@ -379,6 +389,57 @@ void CacheIndex::ApplyAccessesLocked() {
 
 void CacheIndex::FlushAccesses() { WriterLock lock(this); }
 
+// A prompt for a policy that observes them (EvictionPolicy::OnPrompt), set under the index's
+// lock and reported by the destructor, after the lock (declared later) is released: select's
+// miniature simulations never lengthen a section of the index.
+class CacheIndex::PromptObserver {
+ public:
+  explicit PromptObserver(const CacheIndex* index)
+      : index_(index), wanted_(index->policy_->observes_prompts()) {}
+  ~PromptObserver() {
+    if (!ns_.has_value()) return;
+    index_->policy_->OnPrompt(PromptEvent{.ns = *ns_,
+                                          .spec = spec_,
+                                          .bytes_per_page = bytes_per_page_,
+                                          .pool = pool_,
+                                          .pool_capacity_bytes = capacity_,
+                                          .pages = pages_,
+                                          .lookup = lookup_});
+  }
+  PromptObserver(const PromptObserver&) = delete;
+  PromptObserver& operator=(const PromptObserver&) = delete;
+
+  bool wanted() const { return wanted_; }
+
+  // A lookup by, or a store into, GPU pool `pool` (other pools are not observed).
+  void Set(const Namespace& ns, std::span<const PageHash> pages, PoolId pool, bool lookup)
+      ABSL_SHARED_LOCKS_REQUIRED(index_->mu_) {
+    const ByteBudget& budget = index_->budget_;
+    if (!wanted_ || budget.retired(pool) || budget.engine(pool) ||
+        budget.key(pool).tier != Tier::kGpu) {
+      return;
+    }
+    ns_ = ns.id;
+    spec_ = ns.spec;
+    bytes_per_page_ = ns.bytes_per_page;
+    pool_ = pool;
+    capacity_ = budget.capacity(pool);
+    pages_ = pages;
+    lookup_ = lookup;
+  }
+
+ private:
+  const CacheIndex* const index_;
+  const bool wanted_;
+  std::optional<NamespaceId> ns_;  // unset: nothing to report
+  ModelSpec spec_;
+  uint64_t bytes_per_page_ = 0;
+  PoolId pool_ = 0;
+  uint64_t capacity_ = 0;
+  std::span<const PageHash> pages_;  // the caller's, alive until it returns
+  bool lookup_ = false;
+};
+
 absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
                                               std::span<const PageHash> pages,
                                               const MatchOptions& options) {
@@ -392,6 +453,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
     ttl = *t;
   }
 
+  PromptObserver observer(this);  // before the lock: it reports once the lock is released
   // Only a pinning match changes the tree at once; every other match shares the lock, and a
   // counting one records its recency update for the next exclusive section.
   const bool exclusive = options.pin;
@@ -489,6 +551,12 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   }
 
   if (!options.probe) {
+    if (observer.wanted() && !options.requester_agent_id.empty()) {
+      if (std::optional<PoolId> gpu =
+              budget_.Find(PoolKey{options.requester_agent_id, Tier::kGpu})) {
+        observer.Set(ns, pages, *gpu, /*lookup=*/true);
+      }
+    }
     if (exclusive) {
       // Split a partly matched last node so that stamps and pins cover exactly the match.
       if (!path.empty() && path.back().matched < path.back().node->size()) {
@@ -577,6 +645,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     return absl::InvalidArgumentError("newly_committed must have one entry per page");
   }
 
+  PromptObserver observer(this);  // before the lock: it reports once the lock is released
   WriterLock lock(this);
   const absl::Time now = clock_->Now();
   ExpireLeasesLocked(now);
@@ -710,6 +779,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   result.new_pages = n - in_tree;
   counters_.inserted_pages += n - in_pool;
   if (in_pool < n) Emit(CacheEvent::Kind::kStored, ns, pid, pages.subspan(in_pool));
+  observer.Set(ns, pages, pid, /*lookup=*/false);
   return result;
 }
 
@@ -811,6 +881,7 @@ IndexStats CacheIndex::Stats() const {
   stats.counters.eviction_regret_pages = match_counters_.eviction_regret_pages.load(kRelaxed);
   stats.active_pins = leases_.size();
   stats.policy = std::string(policy_->name());
+  stats.selection = policy_->selection();
   return stats;
 }
 

@@ -62,6 +62,8 @@ struct CacheIndexOptions {
   DensityParams density;
   // "conversation": its parameters (see ConversationParams).
   ConversationParams conversation;
+  // "select": its parameters (see SelectParams).
+  SelectParams select;
   // Capacity given to a pool the first time an Insert names it. 0 refuses unknown pools
   // (NOT_FOUND) so that only RegisterPool creates them.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;
@@ -329,6 +331,8 @@ struct IndexStats {
   IndexCounters counters;
   uint64_t active_pins = 0;
   std::string policy;
+  // "select" only: its choice, its candidates' miniature hit rates, its sample.
+  std::optional<SelectionStats> selection;
 };
 
 struct RegisterModelResult {
@@ -615,6 +619,8 @@ class CacheIndex {
   void ApplyAccessesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(access_mu_);
   // Takes mu_ exclusively to apply the pending accesses.
   void FlushAccesses() ABSL_LOCKS_EXCLUDED(mu_, access_mu_);
+  // Reports a prompt to a policy that observes them once the lock is released.
+  class PromptObserver;
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a pool no Insert or SetPoolCapacity created.

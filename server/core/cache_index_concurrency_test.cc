@@ -1,5 +1,6 @@
 // CacheIndex's reader/writer split: matches that do not pin share the lock and record their
 // recency updates, which the next exclusive call applies (cache_index.h).
+#include <algorithm>
 #include <atomic>
 #include <numeric>
 #include <random>
@@ -9,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "server/core/cache_index.h"
+#include "server/core/policies/registry.h"
 #include "server/core/router.h"
 
 namespace kvcm {
@@ -127,9 +129,21 @@ TEST_P(PendingAccessTest, AppliedAccessesEvictInTheOrderOfDirectTouches) {
   EXPECT_TRUE(deferred.index->CheckTenantAccounting().ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, PendingAccessTest,
-                         ::testing::Values("lru", "lru-mha", "cost", "adaptive", "density",
-                                           "conversation"));
+// Every policy the manager serves (select without a requester: it evicts as lru).
+std::vector<std::string> ServedPolicies() {
+  std::vector<std::string> names;
+  for (const PolicyEntry& row : PolicyTable()) {
+    if (!row.clairvoyant) names.emplace_back(row.name);
+  }
+  return names;
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, PendingAccessTest, ::testing::ValuesIn(ServedPolicies()),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 // Many counting matches with no writer between them: the reader that fills the buffer
 // applies it, and nothing is lost.

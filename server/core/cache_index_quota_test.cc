@@ -620,7 +620,7 @@ TEST_F(CacheIndexQuotaTest, BadOptionsAreInvalidArgument) {
 // Two tenants, tight quotas, a few thousand random calls under every policy: the counters
 // always equal what the tree holds, and no tenant ever holds more than its quota.
 TEST_F(CacheIndexQuotaTest, RandomOperationsKeepTenantCountersConsistent) {
-  for (const char* policy : {"lru", "cost", "adaptive", "density", "conversation"}) {
+  for (const char* policy : {"lru", "cost", "adaptive", "density", "conversation", "select"}) {
     SCOPED_TRACE(policy);
     Reset({.policy = policy,
            .tenant_max_bytes = 12 * bpp_,

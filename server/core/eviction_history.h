@@ -29,7 +29,7 @@ class EvictionHistory {
     // The node's hit count when it went, and the clock time of its last access.
     uint32_t hits = 0;
     double last_access_s = 0;
-    uint8_t policy_tag = 0;  // EvictionPolicy::OnGhostAdded's answer
+    uint64_t policy_tag = 0;  // EvictionPolicy::OnGhostAdded's answer
     // Its regret was counted already (see the class comment).
     mutable bool regretted = false;
   };

@@ -1,5 +1,7 @@
 #include "server/core/eviction_policy.h"
 
+#include <algorithm>
+
 namespace kvcm {
 
 void EvictionPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Access access) {
@@ -50,6 +52,19 @@ void EvictionPolicy::RemoveFromGroup(RadixNode* node, PoolId pool) {
   if (it == by_group_.end()) return;
   it->second.erase({node->priority, node->last_access, node, pool});
   if (it->second.empty()) by_group_.erase(it);
+}
+
+std::vector<RadixNode*> EvictionPolicy::TakeCandidates() {
+  std::vector<RadixNode*> nodes;
+  for (absl::btree_set<Key>& set : by_pool_) {
+    for (const Key& key : set) nodes.push_back(std::get<2>(key));
+    set.clear();
+  }
+  by_group_.clear();
+  // A node that is a candidate of several pools is listed once.
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  return nodes;
 }
 
 absl::btree_set<EvictionPolicy::Key>& EvictionPolicy::SetOf(PoolId pool) {

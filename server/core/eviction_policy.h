@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/model_spec.h"
 #include "common/types.h"
 #include "server/core/radix_tree.h"
 
@@ -78,6 +81,28 @@ struct ConversationParams {
   double shift = 2.0;
 };
 
+class Clock;
+
+// Parameters of the "select" policy (server/core/policies/select.h). None is a scale of a
+// workload: the window and the sample follow each pool's own capacity.
+struct SelectParams {
+  // Most pages one candidate's miniature cache of one pool may hold. Each pool's sample rate
+  // is the largest power of two (at most 1) that keeps the pool's capacity, scaled by it,
+  // within this. REQUIRES: >= 64.
+  uint32_t shadow_pages = 4096;
+  // Hysteresis, in points of token hit rate: the choice moves to another candidate only when
+  // its miniature caches hit more than this above the current one's over the window.
+  // REQUIRES: finite, >= 0.
+  double margin_points = 0.25;
+  // Half-life of the window, in the pools' capacities of pages looked up: the counts are
+  // decayed so that what happened this many cache-fulls of lookups ago weighs half. The
+  // choice moves at most once per half-life. REQUIRES: finite, > 0.
+  double window_capacities = 4;
+  // Key of the hash that picks the sampled pages; 0: a random one per process, so that no
+  // client can aim pages at the sample. The simulator sets one, to be reproducible.
+  uint64_t sample_key = 0;
+};
+
 // What a policy may know besides the tree. Pointers may be null; not owned.
 struct PolicyContext {
   // Required by "opt".
@@ -90,6 +115,11 @@ struct PolicyContext {
   DensityParams density;
   // "conversation": its parameters.
   ConversationParams conversation;
+  // "select": its parameters, and what its miniature caches (CacheIndex instances) need of
+  // the index they shadow: the clock and the regret window.
+  SelectParams select;
+  Clock* clock = nullptr;
+  absl::Duration regret_window = absl::Minutes(5);
 };
 
 struct EvictionCandidate {
@@ -99,6 +129,38 @@ struct EvictionCandidate {
 
 // How a node was reached, for policies that count reuse.
 enum class Access : uint8_t { kMatch, kInsert };
+
+// A prompt the index served (EvictionPolicy::OnPrompt): a counting Match by the agent that
+// owns GPU pool `pool` (lookup), or an Insert into `pool` (store).
+struct PromptEvent {
+  const NamespaceId& ns;
+  const ModelSpec& spec;    // the namespace's
+  uint64_t bytes_per_page;  // what the index charges for one of its pages
+  PoolId pool;
+  uint64_t pool_capacity_bytes;
+  std::span<const PageHash> pages;
+  bool lookup;
+};
+
+// What "select" knows of its choice (EvictionPolicy::selection, CacheIndex::Stats).
+struct SelectionStats {
+  struct Candidate {
+    std::string name;
+    // Token hit rate of its miniature caches over the window (decayed), 0..1.
+    double hit_rate = 0;
+  };
+  std::string active;  // the candidate whose order the index evicts in
+  std::vector<Candidate> candidates;
+  uint64_t switches = 0;
+  // Pages the prompts looked up and stored that fell in the sample, since the start.
+  uint64_t sampled_lookup_pages = 0;
+  uint64_t sampled_store_pages = 0;
+  // Page-locations all miniature caches hold now, and the pools they shadow.
+  uint64_t shadow_pages = 0;
+  uint32_t pools = 0;
+  // Smallest sample rate of a pool (1: every page), 0 before the first prompt.
+  double min_sample_rate = 0;
+};
 
 class EvictionPolicy {
  public:
@@ -115,23 +177,40 @@ class EvictionPolicy {
   // agent has one (CacheIndex::EvictLocked).
   virtual bool demotes_to_host() const { return false; }
 
+  // The operations below keep the candidates in order. They are virtual so that "select"
+  // can hand them to the candidate it has chosen (server/core/policies/select.h).
+
   // (node, pool) became a candidate / stopped being one.
-  void Add(RadixNode* node, PoolId pool) {
+  virtual void Add(RadixNode* node, PoolId pool) {
     SetOf(pool).insert(KeyOf(node));
     if (track_groups_) AddToGroup(node, pool);
   }
-  void Remove(RadixNode* node, PoolId pool) {
+  virtual void Remove(RadixNode* node, PoolId pool) {
     SetOf(pool).erase(KeyOf(node));
     if (track_groups_) RemoveFromGroup(node, pool);
   }
 
   // Also orders the candidates of each group of trees, across their pools (GroupVictim).
   // REQUIRES: no candidate added yet.
-  void TrackGroups() { track_groups_ = true; }
+  virtual void TrackGroups() { track_groups_ = true; }
 
   // `node` was on a matched or inserted path at logical time `stamp` (increasing), clock
   // time `now_s` (seconds). Updates its recency and hit count and re-scores it.
-  void Touch(RadixNode* node, uint64_t stamp, double now_s, Access access);
+  virtual void Touch(RadixNode* node, uint64_t stamp, double now_s, Access access);
+
+  // Whether the policy wants OnPrompt. OnPrompt runs without the index's lock, from several
+  // threads at once, concurrently with the other calls: the policy guards what it changes
+  // there itself and reads nothing of the tree.
+  virtual bool observes_prompts() const { return false; }
+  // A prompt the index served (see PromptEvent), reported once the index's lock is
+  // released. For policies that simulate the workload ("select").
+  virtual void OnPrompt(const PromptEvent& /*prompt*/) {}
+  // Called with the index's lock held exclusively, at the start of every exclusive section:
+  // a policy changes its order here ("select" moving to another candidate), never in
+  // OnPrompt.
+  virtual void Settle() {}
+  // What "select" knows of its choice; nullopt for every other policy.
+  virtual std::optional<SelectionStats> selection() const { return std::nullopt; }
 
  protected:
   // Called by Touch before it updates `node` (so node.last_access_s is the previous access).
@@ -142,7 +221,8 @@ class EvictionPolicy {
   // `node` is leaving the index by eviction (its last replica goes) and is remembered for
   // the regret window (a ghost); its hits and last_access_s are still set. For policies
   // that learn; what it returns comes back as GhostHit::tag if the run is inserted again.
-  virtual uint8_t OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) { return 0; }
+  // Policies other than "select" answer within 8 bits (select packs its candidates' tags).
+  virtual uint64_t OnGhostAdded(const RadixNode& /*node*/, double /*now_s*/) { return 0; }
 
   // What the ghost history knew of a run that is inserted again.
   struct GhostHit {
@@ -150,7 +230,7 @@ class EvictionPolicy {
     double last_access_s;  // clock time of its last access before it went
     double evicted_s;      // clock time it was evicted
     uint32_t pages;        // its length then
-    uint8_t tag;           // what OnGhostAdded returned for it
+    uint64_t tag;          // what OnGhostAdded returned for it
   };
   // A run evicted within the regret window is inserted again at clock time `now_s` as
   // `leaf` (a ghost hit). For policies that learn.
@@ -163,7 +243,7 @@ class EvictionPolicy {
 
   // Re-scores `node` after something its score depends on changed (a split, a replica
   // added or dropped), keeping its candidates in order.
-  void Rescore(RadixNode* node);
+  virtual void Rescore(RadixNode* node);
 
   // The candidate of `pool` to evict next, or nullopt when there is none. The first in
   // score order unless a policy knows better.
@@ -171,13 +251,19 @@ class EvictionPolicy {
 
   // The candidate of group `group`'s trees to evict next, in any pool (retired ones
   // included), in Priority order; nullopt when there is none. REQUIRES: TrackGroups().
-  std::optional<EvictionCandidate> GroupVictim(uint32_t group) const;
+  virtual std::optional<EvictionCandidate> GroupVictim(uint32_t group) const;
 
   // Rank of a candidate across pools (lower is evicted first); used when evicting from a
   // namespace rather than a pool.
-  double Priority(const RadixNode* node, PoolId /*pool*/) const { return node->priority; }
+  virtual double Priority(const RadixNode* node, PoolId /*pool*/) const { return node->priority; }
 
  protected:
+  // "select" drives its candidates' learning hooks and moves their candidates.
+  friend class SelectingPolicy;
+
+  // Every candidate node, once each, and the policy left with none (its learnt state stays).
+  std::vector<RadixNode*> TakeCandidates();
+
   // The node's sort key now. Called after last_access and hits are updated.
   virtual double Score(const RadixNode& node) const = 0;
 
@@ -246,7 +332,7 @@ class AdaptivePolicy final : public EvictionPolicy {
   absl::string_view name() const override { return "adaptive"; }
   bool trims_nodes() const override { return true; }
   bool demotes_to_host() const override { return true; }
-  uint8_t OnGhostAdded(const RadixNode& node, double now_s) override;
+  uint64_t OnGhostAdded(const RadixNode& node, double now_s) override;
   void OnGhostHit(const RadixNode& leaf, const GhostHit& ghost, double now_s) override;
 
   // The credit now, in mean reuse intervals, and the mean reuse interval (seconds; 0

@@ -25,9 +25,10 @@ struct ServerOptions {
   std::string listen_address = "127.0.0.1:50051";
   // Prometheus exporter address, "host:port"; /metrics is served there. Empty disables it.
   std::string metrics_address = "127.0.0.1:9464";
-  // Eviction policy by name (a row of server/core/policies/registry.cc). "conversation" is never below
-  // "lru" on the held-out half of the bundled trace (docs/EVICTION.md).
-  std::string policy = "conversation";
+  // Eviction policy by name (a row of server/core/policies/registry.cc). "select" evicts in the
+  // order of whichever candidate its miniature simulations find best on the workload served
+  // (docs/EVICTION.md, "Selection by miniature simulation").
+  std::string policy = "select";
   // Capacity of a pool the first time an Insert names it. 0 makes Insert into an unknown
   // pool NOT_FOUND.
   uint64_t default_pool_capacity_bytes = 64ULL << 30;

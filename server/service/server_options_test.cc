@@ -28,7 +28,7 @@ TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
   EXPECT_TRUE(options.Validate().ok()) << options.Validate();
   EXPECT_EQ(options.listen_address, "127.0.0.1:50051");
   EXPECT_EQ(options.metrics_address, "127.0.0.1:9464");
-  EXPECT_EQ(options.policy, "conversation");
+  EXPECT_EQ(options.policy, "select");
   EXPECT_EQ(options.max_tokens_per_request, 1u << 20);
   EXPECT_EQ(options.max_pages_per_request, 65536u);
   EXPECT_EQ(options.max_message_bytes, 16u << 20);
@@ -244,7 +244,7 @@ TEST(ServerOptionsTest, ToCacheIndexOptions) {
   EXPECT_EQ(ServerOptions().max_engine_pages_per_tenant,
             CacheIndexOptions().max_engine_pages_per_tenant);
   EXPECT_EQ(ServerOptions().default_max_page_age_s, 0u) << "no retention limit by default";
-  EXPECT_EQ(index->policy, "conversation");
+  EXPECT_EQ(index->policy, "select");
   EXPECT_TRUE(index->Validate().ok());
 
   // An empty secret draws a fresh random one each time.

@@ -359,7 +359,7 @@ def test_insert_takes_the_tenants_reservation(client: kvcm.Client) -> None:
 def test_stats_limits_and_tenants(client: kvcm.Client) -> None:
     register(client)
     stats = client.stats()
-    assert stats.policy == "conversation"  # the manager's default
+    assert stats.policy == "select"  # the manager's default
     assert stats.limits.max_tokens_per_request > 0 and stats.limits.default_lease_ttl_ms > 0
     assert [t.tenant for t in stats.tenants] == ["acme"] and stats.tenants[0].namespaces == 1
     ns = stats.namespace(("acme", "deepseek-v3"))

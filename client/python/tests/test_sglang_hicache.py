@@ -259,8 +259,9 @@ def test_a_full_pool_keeps_storing_and_lookups_hit_what_it_kept(cluster) -> None
     # pool filled, and never stored a page the pool held (already_present_pages).
     assert all(n >= 2 for n in stored), stored
     assert r["counters"]["stored_pages"] > 4 * SMALL_PAGES and r["counters"]["errors"] == 0
-    # Which pages the manager's default policy (conversation: recency shifted by odds and
-    # gaps it learns in wall-clock time) keeps is not pinned down here; each lookup was
+    # Which pages the manager's default policy (select: the order of whichever candidate its
+    # miniature simulations find best, some of which learn in wall-clock time) keeps is not
+    # pinned down here; each lookup was
     # checked against the index in SGLang's process. The last prompt is whole, and the pool
     # cannot hold every prompt of the second pass: lookups both hit and missed.
     held = r["held_after_first_pass"]

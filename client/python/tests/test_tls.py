@@ -104,7 +104,7 @@ def test_missing_or_unknown_token_is_unauthenticated(secured, monkeypatch) -> No
             stranger.stats()
     monkeypatch.setenv("KVCM_TOKEN", tokens["ops"].read_text().strip())
     with tls_client(manager, certs) as from_env:
-        assert from_env.stats().policy == "conversation"  # the manager's default
+        assert from_env.stats().policy == "select"  # the manager's default
 
 
 @pytest.mark.asyncio

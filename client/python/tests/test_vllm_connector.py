@@ -394,10 +394,10 @@ def full_pool_prompt(j: int) -> list[int]:
     return system + own
 
 
-# The manager's policy here is lru, not the default "conversation": conversation shifts
-# recency by the wall-clock gaps it learns between a context's returns (typical_gap_s), so
-# an index-only replay, which cannot run at the engine's pace, may rank two close leaves the
-# other way. lru ranks by the order of accesses alone, which the replay reproduces exactly.
+# The manager's policy here is lru, not the default "select": select may choose
+# "conversation", which shifts recency by the wall-clock gaps it learns between a context's
+# returns (typical_gap_s), so an index-only replay, which cannot run at the engine's pace,
+# may rank two close leaves the other way. lru ranks by the order of accesses alone, which the replay reproduces exactly.
 # (test_sglang_hicache.py's full-pool scenario runs under the default policy.)
 FULL_POOL_POLICY = "lru"
 

@@ -55,7 +55,7 @@ void AdaptivePolicy::OnTouch(const RadixNode& node, double now_s, Access access)
   }
 }
 
-uint8_t AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
+uint64_t AdaptivePolicy::OnGhostAdded(const RadixNode& node, double now_s) {
   const double age = std::max(0.0, now_s - node.last_access_s);
   if (CountedReuses(node) > 0) {
     if (age_samples_ > 0 && age > eviction_age_s_) {

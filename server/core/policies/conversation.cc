@@ -77,7 +77,7 @@ class ConversationPolicy final : public EvictionPolicy {
     RecomputeLogOdds();
   }
 
-  uint8_t OnGhostAdded(const RadixNode& node, double /*now_s*/) override {
+  uint64_t OnGhostAdded(const RadixNode& node, double /*now_s*/) override {
     return static_cast<uint8_t>(node.policy_class + 1);
   }
 

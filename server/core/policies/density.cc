@@ -60,7 +60,7 @@ class HitDensityPolicy final : public EvictionPolicy {
   bool trims_nodes() const override { return true; }
   bool demotes_to_host() const override { return true; }
 
-  uint8_t OnGhostAdded(const RadixNode& node, double now_s) override {
+  uint64_t OnGhostAdded(const RadixNode& node, double now_s) override {
     Observe(now_s);
     const uint8_t tag = last_choice_;
     last_choice_ = kNoExpert;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/core/policies/select.h"
 
 namespace kvcm {
 namespace {
@@ -45,6 +46,12 @@ Made Conversation(const PolicyContext& context) {
   return MakeConversationPolicy(context.conversation);
 }
 
+Made Select(const PolicyContext& context) {
+  absl::StatusOr<std::unique_ptr<SelectingPolicy>> p = SelectingPolicy::Create(context);
+  if (!p.ok()) return p.status();
+  return std::unique_ptr<EvictionPolicy>(*std::move(p));
+}
+
 absl::Status NeedsOracle(const PolicyContext& context, absl::string_view name) {
   if (context.next_use != nullptr) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -61,15 +68,21 @@ Made OptWhether(const PolicyContext& context) {
   return MakeOptWhetherPolicy(context.next_use);
 }
 
+// "select" simulates the candidates in this order; lru, first, is its choice until it
+// knows better.
 constexpr PolicyEntry kPolicies[] = {
-    {"lru", "SGLang RadixCache order", false, &Lru},
+    {"select",
+     "evicts in the order of the candidate whose miniature simulations hit most lately; the "
+     "default",
+     false, &Select},
+    {"lru", "SGLang RadixCache order", false, &Lru, true},
     {"lru-mha", "byte-blind baseline: MHA-shaped bytes", false, &LruMha},
-    {"cost", "reuse x recompute cost per byte, replica-aware", false, &Cost},
-    {"adaptive", "cost with a reuse credit learnt online", false, &Adaptive},
-    {"density", "hit density learnt online per tenant and age, with an LRU guard", false, &Density},
-    {"conversation",
-     "recency shifted by the learnt odds that a context's conversation continues; the default",
-     false, &Conversation},
+    {"cost", "reuse x recompute cost per byte, replica-aware", false, &Cost, true},
+    {"adaptive", "cost with a reuse credit learnt online", false, &Adaptive, true},
+    {"density", "hit density learnt online per tenant and age, with an LRU guard", false, &Density,
+     true},
+    {"conversation", "recency shifted by the learnt odds that a context's conversation continues",
+     false, &Conversation, true},
     {"opt", "Belady's clairvoyant order: the simulator's bound", true, &Opt},
     {"opt-whether", "knows whether a node is used again, not when (simulator only)", true,
      &OptWhether},

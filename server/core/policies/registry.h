@@ -3,7 +3,7 @@
 // need a next-use oracle), and its factory, which validates the row's parameters in
 // PolicyContext. The manager's --policy help and validation, MakeEvictionPolicy and
 // kvcm-bench's lists take their names from here: a new policy adds a row (registry.cc) and
-// its own file.
+// its own file. "select" (select.h) takes its candidates from the rows marked so.
 #ifndef KVCM_SERVER_CORE_POLICIES_REGISTRY_H_
 #define KVCM_SERVER_CORE_POLICIES_REGISTRY_H_
 
@@ -23,6 +23,8 @@ struct PolicyEntry {
   bool clairvoyant = false;
   // INVALID_ARGUMENT naming the policy and the parameter for a bad PolicyContext.
   absl::StatusOr<std::unique_ptr<EvictionPolicy>> (*make)(const PolicyContext& context) = nullptr;
+  // One of the policies "select" chooses between.
+  bool candidate = false;
 };
 
 // Every policy, in the order help and errors list them.
