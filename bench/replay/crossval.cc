@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "bench/replay/generators.h"
 #include "bench/replay/report.h"
+#include "server/core/policies/registry.h"
 
 namespace kvcm::bench {
 namespace {
@@ -326,6 +327,49 @@ absl::StatusOr<std::vector<CrossvalWorkload>> BuildCrossvalWorkloads(
   return out;
 }
 
+// select's margin to the best candidate and to lru in every cell, and the worst of each.
+void PrintSelectAgainstBest(const std::vector<CrossvalWorkload>& workloads,
+                            const std::vector<double>& caps,
+                            const std::vector<std::vector<Cell>>& cells) {
+  std::printf(
+      "\n## select against the best candidate of each cell (points of token hit rate)\n\n"
+      "Each cell: select - best candidate (which one) / select - lru.\n\n");
+  std::vector<std::string> header;
+  for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
+  std::printf("| part | workload | %s |\n|---|---|%s\n", absl::StrJoin(header, " | ").c_str(),
+              absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
+  double worst_best = 1e300, worst_lru = 1e300, sum_best = 0;
+  int n = 0;
+  for (size_t w = 0; w < workloads.size(); ++w) {
+    std::vector<std::string> out;
+    for (size_t c = 0; c < caps.size(); ++c) {
+      const Cell& cell = cells[w][c];
+      std::string best_name = "lru";
+      for (const PolicyEntry& row : PolicyTable()) {
+        if (!row.candidate) continue;
+        const std::string name(row.name);
+        if (cell.hit.contains(name) && cell.hit.at(name) > cell.hit.at(best_name)) {
+          best_name = name;
+        }
+      }
+      const double to_best = cell.hit.at("select") - cell.hit.at(best_name);
+      const double to_lru = cell.hit.at("select") - cell.lru;
+      worst_best = std::min(worst_best, to_best);
+      worst_lru = std::min(worst_lru, to_lru);
+      sum_best += to_best;
+      ++n;
+      out.push_back(absl::StrFormat("%+.2f (%s) / %+.2f%s", to_best, best_name, to_lru,
+                                    to_lru < -0.5 ? " **below lru - 0.5**" : ""));
+    }
+    std::printf("| %s | %s | %s |\n", workloads[w].train ? "train" : "test",
+                workloads[w].name.c_str(), absl::StrJoin(out, " | ").c_str());
+  }
+  std::printf(
+      "\nselect - best candidate: worst %+.2f, mean %+.2f points; select - lru: worst %+.2f "
+      "points (%d cells)\n",
+      worst_best, n > 0 ? sum_best / n : 0, worst_lru, n);
+}
+
 absl::Status RunCrossval(const CrossvalOptions& options) {
   absl::StatusOr<std::vector<CrossvalWorkload>> workloads = BuildCrossvalWorkloads(options);
   if (!workloads.ok()) return workloads.status();
@@ -380,6 +424,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
   if (options.only_conversation.has_value()) {
     conversation_grid = {{.conversation = *options.only_conversation}};
   }
+  std::map<std::string, Tuning> chosen;  // each learning policy's chosen point
   for (const auto& [policy, grid] :
        {std::pair{"adaptive", &adaptive_grid}, std::pair{"density", &density_grid},
         std::pair{"conversation", &conversation_grid}}) {
@@ -393,6 +438,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
     absl::StatusOr<size_t> best =
         ChooseOnTrain(eval, *workloads, caps, cells, policy, *grid, names);
     if (!best.ok()) return best.status();
+    chosen[policy] = (*grid)[*best];
     for (size_t w = 0; w < workloads->size(); ++w) {
       for (size_t c = 0; c < caps.size(); ++c) {
         absl::StatusOr<double> hit = eval.Run((*workloads)[w], policy, caps[c], (*grid)[*best]);
@@ -402,8 +448,20 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
     }
   }
 
+  // select over the candidates as chosen: nothing of its own is tuned.
+  const Tuning for_select{.adaptive = chosen["adaptive"].adaptive,
+                          .density = chosen["density"].density,
+                          .conversation = chosen["conversation"].conversation};
+  for (size_t w = 0; w < workloads->size(); ++w) {
+    for (size_t c = 0; c < caps.size(); ++c) {
+      absl::StatusOr<double> hit = eval.Run((*workloads)[w], "select", caps[c], for_select);
+      if (!hit.ok()) return hit.status();
+      cells[w][c].hit["select"] = *hit;
+    }
+  }
+
   // Per workload: hit rates, then the gap closed; "(below lru)" flags a cell.
-  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "conversation", "opt"};
+  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "conversation", "select", "opt"};
   std::vector<std::string> header;
   for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
   std::printf("\n## Token hit rate (%%) and share of the lru->opt gap closed\n\n");
@@ -444,7 +502,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
       absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
   for (const auto& [train, real] : {std::pair{true, true}, std::pair{false, true},
                                     std::pair{true, false}, std::pair{false, false}}) {
-    for (const char* policy : {"cost", "adaptive", "density", "conversation"}) {
+    for (const char* policy : {"cost", "adaptive", "density", "conversation", "select"}) {
       const auto it = by_cap.find({train, real, policy});
       if (it == by_cap.end()) continue;
       const std::vector<Score>& scores = it->second;
@@ -461,6 +519,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
                   100 * all.mean(), all.below);
     }
   }
+  PrintSelectAgainstBest(*workloads, caps, cells);
   if (!options.csv.empty()) return WriteCsv(options.csv, eval.rows());
   return absl::OkStatus();
 }

@@ -92,6 +92,15 @@ ABSL_FLAG(bool, density_lru_guard, kvcm::DensityParams{}.lru_guard,
 ABSL_FLAG(double, conversation_shift, kvcm::ConversationParams{}.shift,
           "conversation policy: recency one unit of log-odds of a continuation is worth, in "
           "typical times to the next turn (ConversationParams).");
+ABSL_FLAG(uint32_t, select_shadow_pages, kvcm::SelectParams{}.shadow_pages,
+          "select policy: most pages of one candidate's miniature cache of one pool; sets each "
+          "pool's sample rate (SelectParams).");
+ABSL_FLAG(double, select_margin_points, kvcm::SelectParams{}.margin_points,
+          "select policy: hysteresis, points of token hit rate a candidate's miniature caches "
+          "must gain over the current choice's to move to it (SelectParams).");
+ABSL_FLAG(double, select_window_capacities, kvcm::SelectParams{}.window_capacities,
+          "select policy: half-life of its window, in pool capacities of pages looked up "
+          "(SelectParams).");
 ABSL_FLAG(double, adaptive_initial_credit, kvcm::AdaptiveParams{}.initial_credit,
           "adaptive policy: credit of one reuse at start, in mean reuse intervals "
           "(AdaptiveParams).");
@@ -492,6 +501,9 @@ int Main(int argc, char** argv) {
       .reuse_classes = static_cast<uint32_t>(absl::GetFlag(FLAGS_density_reuse_classes)),
       .lru_guard = absl::GetFlag(FLAGS_density_lru_guard)};
   base.conversation = ConversationParams{.shift = absl::GetFlag(FLAGS_conversation_shift)};
+  base.select.shadow_pages = absl::GetFlag(FLAGS_select_shadow_pages);
+  base.select.margin_points = absl::GetFlag(FLAGS_select_margin_points);
+  base.select.window_capacities = absl::GetFlag(FLAGS_select_window_capacities);
   base.adaptive = AdaptiveParams{.initial_credit = absl::GetFlag(FLAGS_adaptive_initial_credit),
                                  .max_credit = absl::GetFlag(FLAGS_adaptive_max_credit),
                                  .step = absl::GetFlag(FLAGS_adaptive_step)};

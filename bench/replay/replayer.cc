@@ -127,7 +127,15 @@ class ReplayRun {
     }
     if (options_.progress) options_.progress(n, n);
     for (CacheIndex* index : raw_indexes_) {
-      const IndexCounters c = index->Stats().counters;
+      const IndexStats stats = index->Stats();
+      const IndexCounters& c = stats.counters;
+      for (const PoolStats& p : stats.pools) result_.index_pages += p.pages;
+      if (stats.selection.has_value()) {
+        result_.select_switches += stats.selection->switches;
+        result_.select_shadow_pages += stats.selection->shadow_pages;
+        absl::StrAppend(&result_.select_choice, result_.select_choice.empty() ? "" : "+",
+                        stats.selection->active);
+      }
       result_.inserted_page_locations += c.inserted_pages;
       result_.evicted_pages += c.evicted_pages;
       result_.eviction_regret_pages += c.eviction_regret_pages;
@@ -221,6 +229,7 @@ class ReplayRun {
       o.adaptive = options_.adaptive;
       o.density = options_.density;
       o.conversation = options_.conversation;
+      o.select = options_.select;
       o.clock = &clock_;
       // The replays measure eviction with tenants that trust each other: no default share
       // (docs/SECURITY.md), so the published numbers stay comparable.

@@ -99,6 +99,9 @@ struct ReplayOptions {
   DensityParams density;
   // CacheIndexOptions::conversation, for the "conversation" policy.
   ConversationParams conversation;
+  // CacheIndexOptions::select, for the "select" policy; a fixed sample key, so that a
+  // replay is reproducible.
+  SelectParams select{.sample_key = 0x6b76636d};
 
   // kIndexOnly: the index alone; step 2 above (Insert with counter block ids) evicts the
   // shortfall. kAgent: every GPU and HOST pool is backed by a real BlockLedger of
@@ -160,6 +163,13 @@ struct ReplayResult {
   uint64_t agent_failed_demotions = 0;
   uint64_t agent_checks = 0;
   uint64_t agent_full_checks = 0;
+
+  // "select" only: its moves, summed over the cluster's indexes, and the choice of each at
+  // the end ("+"-joined); shadow page-locations at the end against the index's own.
+  uint64_t select_switches = 0;
+  std::string select_choice;
+  uint64_t select_shadow_pages = 0;
+  uint64_t index_pages = 0;
 
   // Core work, as kvcm_core_bench counts it: per request the prompt's pages looked up by
   // Match + the pages passed to Insert, plus every page evicted. core_seconds is the wall

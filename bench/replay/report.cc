@@ -50,6 +50,10 @@ const std::vector<Column>& Columns() {
        [](const ResultRow& r) { return Num(r.result.eviction_regret_pages); }},
       {"failed_inserts", true, [](const ResultRow& r) { return Num(r.result.failed_inserts); }},
       {"lease_expiries", true, [](const ResultRow& r) { return Num(r.result.lease_expiries); }},
+      {"select_switches", true, [](const ResultRow& r) { return Num(r.result.select_switches); }},
+      {"select_choice", false, [](const ResultRow& r) { return r.result.select_choice; }},
+      {"select_shadow_pages", true,
+       [](const ResultRow& r) { return Num(r.result.select_shadow_pages); }},
       {"short_allocations", true,
        [](const ResultRow& r) { return Num(r.result.short_allocations); }},
       {"allocation_evicted_pages", true,
@@ -116,16 +120,19 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 
 std::string FormatTable(std::span<const ResultRow> rows) {
   std::string out = absl::StrFormat(
-      "%-16s %-8s %7s %-6s %4s %-7s %8s %8s %14s %10s %9s %8s %9s %9s\n", "workload", "policy",
+      "%-16s %-8s %7s %-6s %4s %-7s %8s %8s %14s %10s %9s %8s %9s %9s %s\n", "workload", "policy",
       "cap", "mode", "gpus", "backing", "tok_hit%", "req_hit%", "saved_tokens", "evicted", "regret",
-      "failed", "xfer_pg", "Mops/s");
+      "failed", "xfer_pg", "Mops/s", "choice");
   for (const ResultRow& row : rows) {
     const ReplayResult& r = row.result;
     out += absl::StrFormat(
-        "%-16s %-8s %6.2f%% %-6s %4d %-7s %8.2f %8.2f %14d %10d %9d %8d %9d %9.2f\n", row.workload,
-        row.policy, row.capacity_fraction * 100, row.mode, row.gpus, row.backing,
+        "%-16s %-8s %6.2f%% %-6s %4d %-7s %8.2f %8.2f %14d %10d %9d %8d %9d %9.2f %s\n",
+        row.workload, row.policy, row.capacity_fraction * 100, row.mode, row.gpus, row.backing,
         r.TokenHitRate() * 100, r.RequestHitRate() * 100, r.hit_tokens(), r.evicted_pages,
-        r.eviction_regret_pages, r.failed_inserts, r.transferred_pages, r.PageOpsPerSecond() / 1e6);
+        r.eviction_regret_pages, r.failed_inserts, r.transferred_pages, r.PageOpsPerSecond() / 1e6,
+        r.select_choice.empty()
+            ? ""
+            : absl::StrCat(r.select_choice, " after ", r.select_switches, " moves"));
   }
   return out;
 }

@@ -140,6 +140,7 @@ RadixNode* RadixTree::Split(RadixNode* node, uint32_t k) {
   head->last_access_s = node->last_access_s;
   head->hits = node->hits;
   head->priority = node->priority;
+  head->score_epoch = node->score_epoch;
   head->pin_count = node->pin_count;
   head->turn = node->turn;
   head->policy_class = node->policy_class;

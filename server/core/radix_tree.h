@@ -112,6 +112,9 @@ struct RadixNode {
   // turn depth and class of the prompt that added the node (EvictionPolicy::OnLeafAdded).
   uint8_t turn = 0;
   uint8_t policy_class = 0;
+  // "select": which of its choices (a count of its moves) last wrote `priority`. A node
+  // that was no candidate when the choice moved keeps the old choice's score until then.
+  uint16_t score_epoch = 0;
 
   bool is_root() const { return parent == nullptr; }
   uint32_t size() const { return static_cast<uint32_t>(pages.size()); }

@@ -93,6 +93,16 @@ void SelectingPolicy::TrackGroups() {
   for (Candidate& c : candidates_) c.live->TrackGroups();
 }
 
+void SelectingPolicy::Add(RadixNode* node, PoolId pool) {
+  if (node->score_epoch != epoch_) {
+    // Scored by an earlier choice, and a candidate of no pool since the move (the move
+    // re-scored every candidate): its score is re-computed before it enters a set.
+    node->priority = active().Score(*node);
+    node->score_epoch = epoch_;
+  }
+  active().Add(node, pool);
+}
+
 void SelectingPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Access access) {
   if (node->last_access == stamp) return;
   // The others learn from the access first, as Touch lets the chosen one (before the node's
@@ -101,6 +111,7 @@ void SelectingPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Acces
     if (i != active_) candidates_[i].live->OnTouch(*node, now_s, access);
   }
   active().Touch(node, stamp, now_s, access);
+  node->score_epoch = epoch_;
 }
 
 uint64_t SelectingPolicy::OnGhostAdded(const RadixNode& node, double now_s) {
@@ -227,7 +238,8 @@ void SelectingPolicy::Settle() {
   // The new choice orders every candidate the old one held, by its own scores.
   std::vector<RadixNode*> nodes = active().TakeCandidates();
   active_ = next;
-  for (RadixNode* node : nodes) active().Rescore(node);
+  ++epoch_;
+  for (RadixNode* node : nodes) Rescore(node);
 }
 
 std::optional<SelectionStats> SelectingPolicy::selection() const {

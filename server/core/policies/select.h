@@ -71,11 +71,14 @@ class SelectingPolicy final : public EvictionPolicy {
   bool trims_nodes() const override { return active().trims_nodes(); }
   bool demotes_to_host() const override { return active().demotes_to_host(); }
 
-  void Add(RadixNode* node, PoolId pool) override { active().Add(node, pool); }
+  void Add(RadixNode* node, PoolId pool) override;
   void Remove(RadixNode* node, PoolId pool) override { active().Remove(node, pool); }
   void TrackGroups() override;
   void Touch(RadixNode* node, uint64_t stamp, double now_s, Access access) override;
-  void Rescore(RadixNode* node) override { active().Rescore(node); }
+  void Rescore(RadixNode* node) override {
+    active().Rescore(node);
+    node->score_epoch = epoch_;
+  }
   std::optional<EvictionCandidate> Victim(PoolId pool) const override {
     return active().Victim(pool);
   }
@@ -83,7 +86,7 @@ class SelectingPolicy final : public EvictionPolicy {
     return active().GroupVictim(group);
   }
   double Priority(const RadixNode* node, PoolId pool) const override {
-    return active().Priority(node, pool);
+    return node->score_epoch == epoch_ ? active().Priority(node, pool) : active().Score(*node);
   }
 
   // Each candidate's tag in its own byte (at most kMaxCandidates).
@@ -133,6 +136,7 @@ class SelectingPolicy final : public EvictionPolicy {
   std::vector<Candidate> candidates_;
   // Changed by Settle only (the index's exclusive lock); read under the index's lock.
   size_t active_ = 0;
+  uint16_t epoch_ = 0;  // moves so far (wrapping): RadixNode::score_epoch of a fresh score
   std::atomic<size_t> pending_{0};  // what Decide chose; Settle applies it
 
   mutable absl::Mutex mu_;
