@@ -143,6 +143,7 @@ struct Tuning {
   AdaptiveParams adaptive;
   DensityParams density;
   ConversationParams conversation;
+  SelectParams select = ReplayOptions{}.select;
 };
 
 std::string AdaptiveName(const AdaptiveParams& p) {
@@ -170,6 +171,7 @@ class Evaluation {
     o.adaptive = tuning.adaptive;
     o.density = tuning.density;
     o.conversation = tuning.conversation;
+    o.select = tuning.select;
     absl::StatusOr<ReplayResult> r = Replay(w.trace, o);
     if (!r.ok()) {
       return absl::Status(r.status().code(), absl::StrCat(w.name, " ", policy, " ", capacity, ": ",
@@ -448,13 +450,36 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
     }
   }
 
-  // select over the candidates as chosen: nothing of its own is tuned.
-  const Tuning for_select{.adaptive = chosen["adaptive"].adaptive,
-                          .density = chosen["density"].density,
-                          .conversation = chosen["conversation"].conversation};
+  // select over the candidates as chosen, its own window and margin chosen the same way
+  // (its shadow_pages is a bound on memory, not tuned).
+  std::vector<Tuning> select_grid;
+  for (double window : {0.5, 1.0, 2.0, 4.0}) {
+    for (double margin : {0.25, 0.5, 1.0}) {
+      Tuning t{.adaptive = chosen["adaptive"].adaptive,
+               .density = chosen["density"].density,
+               .conversation = chosen["conversation"].conversation};
+      t.select.window_capacities = window;
+      t.select.margin_points = margin;
+      select_grid.push_back(t);
+    }
+  }
+  if (options.smoke) select_grid.resize(2);
+  if (options.only_select.has_value()) {
+    select_grid.resize(1);
+    select_grid[0].select = *options.only_select;
+  }
+  std::vector<std::string> select_names;
+  for (const Tuning& t : select_grid) {
+    select_names.push_back(absl::StrFormat("window %.2g capacities, margin %.2g points",
+                                           t.select.window_capacities, t.select.margin_points));
+  }
+  absl::StatusOr<size_t> select_best =
+      ChooseOnTrain(eval, *workloads, caps, cells, "select", select_grid, select_names);
+  if (!select_best.ok()) return select_best.status();
   for (size_t w = 0; w < workloads->size(); ++w) {
     for (size_t c = 0; c < caps.size(); ++c) {
-      absl::StatusOr<double> hit = eval.Run((*workloads)[w], "select", caps[c], for_select);
+      absl::StatusOr<double> hit =
+          eval.Run((*workloads)[w], "select", caps[c], select_grid[*select_best]);
       if (!hit.ok()) return hit.status();
       cells[w][c].hit["select"] = *hit;
     }

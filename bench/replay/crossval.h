@@ -54,6 +54,7 @@ struct CrossvalOptions {
   std::optional<AdaptiveParams> only_params;
   std::optional<DensityParams> only_density;            // the same for "density"
   std::optional<ConversationParams> only_conversation;  // the same for "conversation"
+  std::optional<SelectParams> only_select;              // the same for "select"
   std::string csv;                                      // if set, every run as CSV
 };
 

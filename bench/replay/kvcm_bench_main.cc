@@ -547,6 +547,7 @@ int Main(int argc, char** argv) {
       cv.only_params = base.adaptive;
       cv.only_density = base.density;
       cv.only_conversation = base.conversation;
+      cv.only_select = base.select;
     }
     for (absl::string_view path :
          absl::StrSplit(absl::GetFlag(FLAGS_crossval_extra_traces), ',', absl::SkipWhitespace())) {

@@ -93,10 +93,12 @@ struct SelectParams {
   // Hysteresis, in points of token hit rate: the choice moves to another candidate only when
   // its miniature caches hit more than this above the current one's over the window.
   // REQUIRES: finite, >= 0.
-  double margin_points = 0.25;
+  double margin_points = 1;
   // Half-life of the window, in the pools' capacities of pages looked up: the counts are
   // decayed so that what happened this many cache-fulls of lookups ago weighs half. The
   // choice moves at most once per half-life. REQUIRES: finite, > 0.
+  // Both defaults are the point kvcm-bench --crossval chose on the bundled trace's first
+  // half (docs/EVICTION.md, "Selection by miniature simulation").
   double window_capacities = 4;
   // Key of the hash that picks the sampled pages; 0: a random one per process, so that no
   // client can aim pages at the sample. The simulator sets one, to be reproducible.
