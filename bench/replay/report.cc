@@ -52,6 +52,7 @@ const std::vector<Column>& Columns() {
       {"lease_expiries", true, [](const ResultRow& r) { return Num(r.result.lease_expiries); }},
       {"select_switches", true, [](const ResultRow& r) { return Num(r.result.select_switches); }},
       {"select_choice", false, [](const ResultRow& r) { return r.result.select_choice; }},
+      {"index_pages", true, [](const ResultRow& r) { return Num(r.result.index_pages); }},
       {"select_shadow_pages", true,
        [](const ResultRow& r) { return Num(r.result.select_shadow_pages); }},
       {"short_allocations", true,
