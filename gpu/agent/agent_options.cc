@@ -108,6 +108,17 @@ absl::StatusOr<LocalPrincipalUids> ParseLocalPrincipalUids(absl::string_view tex
 absl::StatusOr<PoolGeometry> AgentOptions::Geometry() const {
   ModelSpec resolved = spec;
   if (!model.empty()) {
+    // The preset replaces the explicit geometry; both given is a mistake (the agent once ran
+    // DeepSeek-V3 geometry silently for `--num_layers=32 ...` without `--model=`).
+    if (spec.num_layers != 0 || spec.num_heads != 0 || spec.num_kv_heads != 0 ||
+        spec.head_dim != 0 || spec.kv_lora_rank != 0 || spec.rope_dim != 0) {
+      return Invalid("model",
+                     absl::StrCat("preset \"", model,
+                                  "\" and explicit geometry (--num_layers, --num_heads, "
+                                  "--num_kv_heads, --head_dim, --kv_lora_rank, --rope_dim) were "
+                                  "both given; pass --model= (empty) to use the explicit "
+                                  "geometry, or drop those flags to use the preset"));
+    }
     absl::StatusOr<ModelSpec> preset = FindModel(model, dtype);
     if (!preset.ok()) return Invalid("model", preset.status().message());
     resolved = *preset;

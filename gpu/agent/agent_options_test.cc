@@ -30,6 +30,33 @@ TEST(AgentOptionsTest, TransportsAreFoundByTheirRegisteredNameOnly) {
   EXPECT_THAT(o.Validate().message(), HasSubstr("transport must be one of tcp, nccl"));
 }
 
+// A preset and explicit geometry together are refused, naming both; either alone works.
+TEST(AgentOptionsTest, APresetAndExplicitGeometryAreNotMixed) {
+  AgentOptions o;
+  o.agent_id = "a";
+  o.spec.num_layers = 32;
+  o.spec.num_heads = 32;
+  o.spec.num_kv_heads = 8;
+  o.spec.head_dim = 128;
+  o.spec.attention = AttentionKind::kGqa;
+  const absl::StatusOr<PoolGeometry> mixed = o.Geometry();
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(mixed.status().message(), HasSubstr("model"));
+  EXPECT_THAT(mixed.status().message(), HasSubstr("--model= (empty)"));
+  EXPECT_FALSE(o.Validate().ok());
+
+  o.model.clear();  // the explicit geometry alone
+  o.spec.page_size_tokens = o.page_size_tokens;
+  o.spec.dtype = o.dtype;
+  absl::StatusOr<PoolGeometry> explicit_only = o.Geometry();
+  ASSERT_TRUE(explicit_only.ok()) << explicit_only.status();
+  EXPECT_EQ(explicit_only->spec.num_layers, 32u);
+
+  AgentOptions preset_only;  // the preset alone
+  ASSERT_TRUE(preset_only.Geometry().ok());
+  EXPECT_EQ(preset_only.Geometry()->spec.kv_lora_rank, 512u);
+}
+
 TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   AgentOptions o;
   o.insecure = true;

@@ -59,7 +59,7 @@ ABSL_FLAG(bool, use_device, kDefaults.use_device,
 ABSL_FLAG(std::string, tier, "gpu", "Tier the pool is registered as: gpu, host or disk.");
 ABSL_FLAG(std::string, model, kDefaults.model,
           "Model preset from the catalogue (e.g. deepseek-v3, llama-3-70b); empty uses the "
-          "explicit geometry flags.");
+          "explicit geometry flags (--num_layers ...), which a preset refuses.");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "KV element type: bf16, fp16, fp8 or int8.");
 ABSL_FLAG(uint32_t, page_size_tokens, kDefaults.page_size_tokens, "Tokens per page (block).");
 ABSL_FLAG(std::string, attention, "mla", "Explicit geometry: mha, mqa, gqa or mla.");
