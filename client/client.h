@@ -314,9 +314,26 @@ struct ManagerStats {
     uint64_t pages = 0;  // page-locations in its pools
   };
   std::vector<Engine> engines;  // engine_id order
+  // Eviction policy "select"'s choice (PolicySelection in cache_manager.proto). Its hit rates
+  // are those of miniature caches fed a sample of the pages, not the real pools'.
+  struct Selection {
+    struct Candidate {
+      std::string name;
+      double shadow_hit_rate = 0;  // 0..1, over a decaying window
+    };
+    std::string active;                 // the candidate the index evicts in the order of
+    std::vector<Candidate> candidates;  // the policy table's order
+    uint64_t switches = 0;              // moves of the choice since the manager started
+    uint64_t sampled_lookup_pages = 0;  // GPU pools' looked-up pages in the sample
+    uint64_t sampled_store_pages = 0;   // GPU pools' stored pages in the sample
+    uint64_t shadow_pages = 0;          // page-locations all miniature caches hold
+    uint32_t pools = 0;                 // GPU pools simulated
+    double min_sample_rate = 0;         // 1: every page; 0 before the first prompt
+  };
   Counters counters;
   uint64_t active_pins = 0;
   std::string policy;
+  std::optional<Selection> selection;  // set only for policy "select"
   Limits limits;
 };
 

@@ -51,6 +51,22 @@ void PrintStats(absl::string_view address, const ManagerStats& stats) {
       l.max_tokens_per_request, l.max_pages_per_request, l.max_lease_ttl_ms,
       l.default_lease_ttl_ms);
 
+  if (stats.selection.has_value()) {
+    // Hit rates of the miniature caches (a sample of the pages), not of the real pools.
+    const ManagerStats::Selection& sel = *stats.selection;
+    absl::PrintF("\nPOLICY CHOICE (%s)\n", stats.policy);
+    absl::PrintF(
+        "choice=%s moves=%d sampled_lookup_pages=%d sampled_store_pages=%d shadow_pages=%d "
+        "pools=%d min_sample_rate=%g\n",
+        sel.active, sel.switches, sel.sampled_lookup_pages, sel.sampled_store_pages,
+        sel.shadow_pages, sel.pools, sel.min_sample_rate);
+    absl::PrintF("%-16s %6s %15s\n", "CANDIDATE", "CHOSEN", "SHADOW_HIT_RATE");
+    for (const ManagerStats::Selection::Candidate& c : sel.candidates) {
+      absl::PrintF("%-16s %6s %15.4f\n", c.name, c.name == sel.active ? "*" : "",
+                   c.shadow_hit_rate);
+    }
+  }
+
   absl::PrintF("\nPOOLS (%d)\n", stats.pools.size());
   absl::PrintF("%-24s %-5s %12s %12s %12s %10s %7s\n", "AGENT", "TIER", "CAPACITY", "USED",
                "PINNED", "PAGES", "USED%");

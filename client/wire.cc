@@ -130,6 +130,20 @@ ManagerStats FromProto(const v1::StatsResponse& response) {
   out.counters.expired_pages = c.expired_pages();
   out.active_pins = response.active_pins();
   out.policy = response.policy();
+  if (response.has_selection()) {
+    const v1::PolicySelection& s = response.selection();
+    ManagerStats::Selection& sel = out.selection.emplace();
+    sel.active = s.active();
+    for (const v1::PolicySelection::Candidate& candidate : s.candidates()) {
+      sel.candidates.push_back({candidate.name(), candidate.shadow_hit_rate()});
+    }
+    sel.switches = s.switches();
+    sel.sampled_lookup_pages = s.sampled_lookup_pages();
+    sel.sampled_store_pages = s.sampled_store_pages();
+    sel.shadow_pages = s.shadow_pages();
+    sel.pools = s.pools();
+    sel.min_sample_rate = s.min_sample_rate();
+  }
   const v1::Limits& l = response.limits();
   out.limits = ManagerStats::Limits{l.max_tokens_per_request(), l.max_pages_per_request(),
                                     l.max_lease_ttl_ms(), l.default_lease_ttl_ms()};

@@ -10,7 +10,8 @@
 # deploy/grafana (and a rate > 0 for every counter it rates, except the few named --still).
 #   tests/prometheus_scrape_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT [DEPLOY_DIR] [GRAFANA_DIR]
 # The managers are two, electing a leader on a real etcd (the leader is driven, the standby
-# only scraped). Without prometheus or etcd it skips (exit 77), unless
+# only scraped), and a third on its own with the default policy, "select", whose choice the
+# dashboards show (the leader runs "cost", which demotes). Without prometheus or etcd it skips (exit 77), unless
 # KVCM_REQUIRE_PROMETHEUS=1 / KVCM_REQUIRE_ETCD=1 (scripts/test.sh).
 set -euo pipefail
 manager_bin=$1 ctl_bin=$2 agent_bin=$3
@@ -60,6 +61,7 @@ wait_for() {
 dump_logs() {
   echo "--- manager.log" >&2; tail -20 "$work/manager.log" >&2 || true
   echo "--- standby.log" >&2; tail -20 "$work/standby.log" >&2 || true
+  echo "--- select.log" >&2; tail -20 "$work/select.log" >&2 || true
   for log in "$work"/gpu-*.log; do echo "--- $(basename "$log")" >&2; tail -20 "$log" >&2; done
   echo "--- prometheus.log" >&2; tail -20 "$work/prometheus.log" >&2 || true
 }
@@ -96,6 +98,14 @@ standby_metrics_port=$(free_port)
 pids+=($!)
 wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$standby_metrics_port/metrics" ||
   { echo "the standby's metrics never answered" >&2; dump_logs; exit 1; }
+# The third: index-only pools of 100 MB (22 pages here), small enough to be simulated whole.
+select_port=$(free_port) select_metrics_port=$(free_port)
+"$manager_bin" --insecure --listen_address=127.0.0.1:$select_port \
+  --metrics_address=127.0.0.1:$select_metrics_port --default_pool_capacity_bytes=100000000 \
+  > "$work/select.log" 2>&1 &
+pids+=($!)
+wait_for 30 curl -sf -o /dev/null "http://127.0.0.1:$select_metrics_port/metrics" ||
+  { echo "the select manager's metrics never answered" >&2; dump_logs; exit 1; }
 
 # gpu-0 and gpu-1; gpu-1 has a HOST pool, so that evicting from its GPU pool demotes.
 declare -A agent_pid agent_metrics_port
@@ -126,7 +136,7 @@ rule_files:
 scrape_configs:
   - job_name: kvcm-manager
     static_configs:
-      - targets: ["127.0.0.1:$metrics_port", "127.0.0.1:$standby_metrics_port"]
+      - targets: ["127.0.0.1:$metrics_port", "127.0.0.1:$standby_metrics_port", "127.0.0.1:$select_metrics_port"]
   - job_name: kvcm-agent
     static_configs:
       - targets: ["127.0.0.1:${agent_metrics_port[gpu-0]}", "127.0.0.1:${agent_metrics_port[gpu-1]}"]
@@ -161,7 +171,7 @@ not_found
 # Every target scraped once before the load, with the namespaces' series and the NOT_FOUND
 # series already there: rate() needs two different samples of a series, so a counter must
 # have a sample from before it moved.
-wait_for 30 has_series 'count(up == 1) == 4 and on() count(kvcm_namespace_requested_tokens_total) == 3 and on() count(kvcm_rpc_requests_total{code="NOT_FOUND"}) == 1' ||
+wait_for 30 has_series 'count(up == 1) == 5 and on() count(kvcm_namespace_requested_tokens_total) == 3 and on() count(kvcm_rpc_requests_total{code="NOT_FOUND"}) == 1' ||
   { echo "prometheus never scraped all four targets" >&2
     for q in 'up' 'count(kvcm_namespace_requested_tokens_total)' 'kvcm_rpc_requests_total{code="NOT_FOUND"}'; do
       curl -s --get "http://127.0.0.1:$prom_port/api/v1/query" --data-urlencode "query=$q" >&2; echo >&2
@@ -188,6 +198,20 @@ run insert "${short[@]}" --random_tokens=300 --seed=5 --agent=gpu-1  # expires i
 # Asking again for evicted pages within the regret window is regret.
 run match "${acme[@]}" --random_tokens=300 --seed=9
 run match "${acme[@]}" --random_tokens=300 --seed=13
+# The select manager serves two prompts twice as a worker would (a match by the pool's
+# agent, then an insert; the first match comes before the insert that makes the pool): its
+# miniature caches miss, then hit.
+select_run() {
+  "$ctl_bin" --insecure --manager_address=127.0.0.1:$select_port "$@" > "$work/ctl.out" 2>&1 ||
+    { cat "$work/ctl.out" >&2; return 1; }
+}
+select_run register-model "${acme[@]}" "${geometry[@]}"
+for round in 1 2; do
+  for seed in 21 22; do
+    select_run match "${acme[@]}" --random_tokens=300 --seed=$seed --agent=gpu-9
+    select_run insert "${acme[@]}" --random_tokens=300 --seed=$seed --agent=gpu-9
+  done
+done
 # A pull from an agent that died fails (UNAVAILABLE), and the manager then declares it gone
 # and drops its pages.
 run insert "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-0
@@ -230,6 +254,12 @@ queries=(
   'kvcm_agent_rpc_requests_total{job="kvcm-agent"}'
   'kvcm_transfer_seconds_count{job="kvcm-agent"} > 0'
   'kvcm_transfer_failures_total{job="kvcm-agent", reason="UNAVAILABLE"} > 0'
+  'kvcm_policy_choice{job="kvcm-manager", candidate="lru"} == 1'
+  'count(kvcm_policy_choice{job="kvcm-manager"}) == 5'
+  'kvcm_policy_shadow_hit_ratio{job="kvcm-manager", candidate="lru"} > 0'
+  'kvcm_policy_sampled_pages_total{job="kvcm-manager", kind="lookup"} > 0'
+  'kvcm_policy_shadow_pages{job="kvcm-manager"} > 0'
+  'kvcm_policy_min_sample_rate{job="kvcm-manager"} == 1'
 )
 status=0
 for q in "${queries[@]}"; do
@@ -261,7 +291,8 @@ python3 "$(dirname "$0")/dashboard_queries.py" --prometheus="http://127.0.0.1:$p
   --still=kvcm_watch_overflows_total='no WatchEvents subscriber here' \
   --still=kvcm_agent_room_allocations_total='no store into a full pool here (full_pool_test)' \
   --still=kvcm_allocation_evicted_pages_total='no store into a full pool here (full_pool_test)' \
-  --still=kvcm_agent_allocation_failures_total='no store fails here (full_pool_test)' || status=1
+  --still=kvcm_agent_allocation_failures_total='no store fails here (full_pool_test)' \
+  --still=kvcm_policy_moves_total='no move in a run this short (select_test moves it)' || status=1
 
 if [ "$status" != 0 ]; then dump_logs; fi
 exit "$status"

@@ -288,9 +288,20 @@ TEST_F(TenantAttackTest, StatsShowOnlyTheCallersOwnTenants) {
   }
   EXPECT_EQ(evil_view.namespaces_size(), 1);
   EXPECT_EQ(evil_view.counters().matched_pages(), 0u) << "manager-wide counters are admin-only";
+  // The default policy's choice, but not the other tenants' prompts it was made from.
+  ASSERT_TRUE(evil_view.has_selection());
+  EXPECT_EQ(evil_view.selection().active(), "lru");
+  EXPECT_EQ(evil_view.selection().candidates_size(), 5);
+  EXPECT_EQ(evil_view.selection().pools(), 0u);
+  EXPECT_EQ(evil_view.selection().min_sample_rate(), 0);
+  for (const v1::PolicySelection::Candidate& c : evil_view.selection().candidates()) {
+    EXPECT_EQ(c.shadow_hit_rate(), 0) << c.name();
+  }
   v1::StatsResponse admin_view = AdminStats();
   EXPECT_EQ(admin_view.namespaces_size(), 2);
   EXPECT_GT(admin_view.counters().inserted_pages(), 0u);
+  EXPECT_EQ(admin_view.selection().pools(), 1u);  // pool-a, sampled at some rate
+  EXPECT_GT(admin_view.selection().min_sample_rate(), 0);
   ExpectVictimUnchanged();
 }
 

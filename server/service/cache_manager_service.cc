@@ -301,6 +301,14 @@ grpc::ServerUnaryReactor* CacheManagerService::Stats(grpc::CallbackServerContext
       std::erase_if(stats.tenants,
                     [&](const TenantStats& t) { return !caller->MayProbe(t.tenant); });
       stats.counters = IndexCounters{};
+      if (stats.selection.has_value()) {
+        // The choice is the manager's; the hit rates and samples it was made from are not.
+        SelectionStats visible{.active = stats.selection->active};
+        for (const SelectionStats::Candidate& c : stats.selection->candidates) {
+          visible.candidates.push_back({.name = c.name});
+        }
+        stats.selection = std::move(visible);
+      }
     }
     StatsToProto(stats, limits_, resp);
     if (agents_ != nullptr) AgentsToProto(agents_->Snapshot(), resp);

@@ -273,6 +273,8 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
               e.refused_sequence);
     }
 
+    if (stats.selection.has_value()) AddSelection(*stats.selection, &out);
+
     MetricFamily build =
         Family("kvcm_build_info", "Version and eviction policy; always 1.", kGauge);
     AddSample(&build, {{"policy", stats.policy}, {"version", std::string(KvcmVersion())}}, 1.0);
@@ -357,6 +359,43 @@ class ServiceMetrics::IndexCollector final : public prometheus::Collectable {
     out->push_back(Scalar("kvcm_tenant_max_pinned_bytes",
                           "Quota on each tenant's pinned bytes (0: unlimited).", kGauge,
                           static_cast<double>(stats.tenant_max_pinned_bytes)));
+  }
+
+  // Policy "select"'s choice: one series per candidate policy (a fixed table, so bounded).
+  static void AddSelection(const SelectionStats& sel, std::vector<MetricFamily>* out) {
+    constexpr MetricType kGauge = MetricType::Gauge;
+    constexpr MetricType kCounter = MetricType::Counter;
+    MetricFamily choice = Family(
+        "kvcm_policy_choice",
+        "1 for the candidate policy \"select\" evicts in the order of, 0 for the others.", kGauge);
+    MetricFamily hit = Family("kvcm_policy_shadow_hit_ratio",
+                              "Hit ratio of a candidate's miniature caches (a sample of the "
+                              "pages, simulated), over a decaying window; not the real pools'.",
+                              kGauge);
+    for (const SelectionStats::Candidate& c : sel.candidates) {
+      std::vector<ClientMetric::Label> labels = {{"candidate", c.name}};
+      AddSample(&choice, labels, c.name == sel.active ? 1.0 : 0.0);
+      AddSample(&hit, labels, c.hit_rate);
+    }
+    out->push_back(std::move(choice));
+    out->push_back(std::move(hit));
+    out->push_back(Scalar("kvcm_policy_moves_total",
+                          "Times \"select\" moved its choice to another candidate.", kCounter,
+                          static_cast<double>(sel.switches)));
+    out->push_back(Scalar("kvcm_policy_shadow_pages",
+                          "Page-locations all candidates' miniature caches hold.", kGauge,
+                          static_cast<double>(sel.shadow_pages)));
+    MetricFamily sampled = Family("kvcm_policy_sampled_pages_total",
+                                  "Pages of GPU pools' lookups and stores that fell in "
+                                  "\"select\"'s sample (its miniature caches saw them).",
+                                  kCounter);
+    AddSample(&sampled, {{"kind", "lookup"}}, static_cast<double>(sel.sampled_lookup_pages));
+    AddSample(&sampled, {{"kind", "store"}}, static_cast<double>(sel.sampled_store_pages));
+    out->push_back(std::move(sampled));
+    out->push_back(Scalar("kvcm_policy_min_sample_rate",
+                          "Smallest share of a GPU pool's pages \"select\" simulates (1: all); "
+                          "0 before the first prompt.",
+                          kGauge, sel.min_sample_rate));
   }
 
   // One series per registered agent (agents are a cluster's nodes, so bounded), and the

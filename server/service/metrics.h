@@ -2,9 +2,9 @@
 //
 // ServiceMetrics owns a prometheus::Registry with the RPC metrics, plus a Collectable that
 // snapshots CacheIndex::Stats() at scrape time (pool bytes, namespace and tenant sizes, the
-// index's counters, hit ratio, build info) and the AgentRegistry (agents alive/suspect/gone,
-// each agent's heartbeat age and epoch). It never creates an HTTP exposer: ManagerServer does,
-// and registers collectables() with it. Thread-safe.
+// index's counters, hit ratio, policy "select"'s choice, build info) and the AgentRegistry
+// (agents alive/suspect/gone, each agent's heartbeat age and epoch). It never creates an HTTP
+// exposer: ManagerServer does, and registers collectables() with it. Thread-safe.
 #ifndef KVCM_SERVER_SERVICE_METRICS_H_
 #define KVCM_SERVER_SERVICE_METRICS_H_
 

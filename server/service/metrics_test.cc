@@ -3,8 +3,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <span>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -16,6 +19,27 @@ namespace kvcm {
 namespace {
 
 using ::testing::HasSubstr;
+
+// What `promtool check metrics` says of an exposition: "" when it passes (or when promtool
+// is not installed: scripts/install-deps.sh installs it).
+std::string PromtoolFindings(const std::string& text) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) return "";
+  const std::string path = ::testing::TempDir() + "/kvcm_metrics.prom";
+  {
+    std::ofstream out(path);
+    out << text;
+  }
+  const std::string command = "promtool check metrics < " + path + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return "popen failed";
+  std::string output;
+  char buf[512];
+  while (size_t n = fread(buf, 1, sizeof(buf), pipe)) output.append(buf, n);
+  const int status = pclose(pipe);
+  std::remove(path.c_str());
+  if (status != 0 && output.empty()) return absl::StrCat("promtool exited with ", status);
+  return output;
+}
 
 class MetricsTest : public ::testing::Test {
  protected:
@@ -165,6 +189,80 @@ TEST_F(MetricsTest, NamespaceSeriesAreBoundedWhateverClientsRegister) {
   EXPECT_THAT(text, HasSubstr("kvcm_tenant_stored_bytes{tenant=\"_other\"} 0"));
 }
 
+// The samples of one metric family in the exposition: labels (as written) -> value.
+std::map<std::string, double> Samples(const std::string& text, const std::string& name) {
+  std::map<std::string, double> out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name, 0) != 0) continue;
+    const std::string rest = line.substr(name.size());
+    if (rest.empty() || (rest[0] != '{' && rest[0] != ' ')) continue;  // a longer name
+    const size_t space = rest.rfind(' ');
+    out[rest.substr(0, space)] = std::stod(rest.substr(space + 1));
+  }
+  return out;
+}
+
+// Policy "select": its choice, each candidate's miniature hit ratio and its sample, after
+// prompts served as a worker would (a Match by the GPU pool's agent, then an Insert).
+TEST_F(MetricsTest, SelectsChoiceAndItsMiniatureCaches) {
+  CacheIndexOptions options;
+  options.hash_secret = HashKey{1, 2};
+  options.clock = &clock_;
+  options.policy = "select";
+  std::unique_ptr<CacheIndex> index = *CacheIndex::Create(options);
+  ModelSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 1;
+  spec.kv_lora_rank = 128;
+  spec.rope_dim = 64;
+  spec.page_size_tokens = 4;
+  ASSERT_TRUE(index->RegisterModel(ns_, spec).ok());
+  const PoolKey gpu{"gpu-0", Tier::kGpu};
+  ASSERT_TRUE(index->SetPoolCapacity(gpu, 64 * 1536).ok());
+  BlockId next_block = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (int32_t prompt = 0; prompt < 4; ++prompt) {
+      const std::vector<PageHash> pages =
+          *index->HashTokens(ns_, std::vector<int32_t>(12, 100 + prompt));
+      ASSERT_TRUE(index->Match(ns_, pages, {.requester_agent_id = gpu.agent_id}).ok());
+      std::vector<BlockId> blocks(pages.size());
+      for (BlockId& b : blocks) b = next_block++;
+      ASSERT_TRUE(index->Insert(ns_, pages, gpu, blocks).ok());
+    }
+  }
+  ServiceMetrics metrics(index.get(), &hub_);
+  const std::string text = metrics.RenderText();
+
+  const std::map<std::string, double> choice = Samples(text, "kvcm_policy_choice");
+  EXPECT_THAT(choice, ::testing::ElementsAre(::testing::Pair("{candidate=\"adaptive\"}", 0),
+                                             ::testing::Pair("{candidate=\"conversation\"}", 0),
+                                             ::testing::Pair("{candidate=\"cost\"}", 0),
+                                             ::testing::Pair("{candidate=\"density\"}", 0),
+                                             ::testing::Pair("{candidate=\"lru\"}", 1)))
+      << "exactly one candidate is chosen, lru until a window of lookups has passed";
+  const std::map<std::string, double> hit = Samples(text, "kvcm_policy_shadow_hit_ratio");
+  ASSERT_EQ(hit.size(), 5u);
+  for (const auto& [labels, ratio] : hit) {
+    // 12 of 36 looked-up pages missed (the first round): every miniature cache, large
+    // enough for all 4 prompts, held the other 24.
+    EXPECT_GT(ratio, 0.5) << labels;
+    EXPECT_LE(ratio, 1.0) << labels;
+  }
+  EXPECT_THAT(text, HasSubstr("# TYPE kvcm_policy_moves_total counter\nkvcm_policy_moves_total 0"));
+  EXPECT_THAT(text, HasSubstr("kvcm_policy_sampled_pages_total{kind=\"lookup\"} 36\n"));
+  EXPECT_THAT(text, HasSubstr("kvcm_policy_sampled_pages_total{kind=\"store\"} 36\n"));
+  // A 64-page pool is simulated whole: 12 distinct pages in each of the 5 miniature caches.
+  EXPECT_THAT(text, HasSubstr("kvcm_policy_shadow_pages 60\n"));
+  EXPECT_THAT(text, HasSubstr("kvcm_policy_min_sample_rate 1\n"));
+  EXPECT_THAT(text, HasSubstr("kvcm_build_info{policy=\"select\""));
+  EXPECT_EQ(PromtoolFindings(text), "");
+
+  // Another policy has no choice to report.
+  EXPECT_THAT(ServiceMetrics(index_.get(), &hub_).RenderText(),
+              ::testing::Not(HasSubstr("kvcm_policy_")));
+}
+
 TEST_F(MetricsTest, RpcCountersByCode) {
   ServiceMetrics metrics(index_.get(), &hub_);
   metrics.RecordRpc(Rpc::kMatch, absl::StatusCode::kOk, absl::Microseconds(30));
@@ -196,21 +294,7 @@ TEST_F(MetricsTest, PassesPromtoolCheckMetrics) {
   ASSERT_TRUE(agents.Register(reg).ok());
   ServiceMetrics metrics(index_.get(), &hub_, &agents);
   metrics.RecordRpc(Rpc::kStats, absl::StatusCode::kNotFound, absl::Milliseconds(1));
-  const std::string path = ::testing::TempDir() + "/kvcm_metrics.prom";
-  {
-    std::ofstream out(path);
-    out << metrics.RenderText();
-  }
-  const std::string command = "promtool check metrics < " + path + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buf[512];
-  while (size_t n = fread(buf, 1, sizeof(buf), pipe)) output.append(buf, n);
-  const int status = pclose(pipe);
-  EXPECT_EQ(status, 0) << output;
-  EXPECT_EQ(output, "") << "promtool lint findings";
-  std::remove(path.c_str());
+  EXPECT_EQ(PromtoolFindings(metrics.RenderText()), "");
 }
 
 }  // namespace

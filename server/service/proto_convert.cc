@@ -481,6 +481,22 @@ void StatsToProto(const IndexStats& stats, const RequestLimits& limits, v1::Stat
   pc->set_eviction_regret_pages(c.eviction_regret_pages);
   out->set_active_pins(stats.active_pins);
   out->set_policy(stats.policy);
+  if (stats.selection.has_value()) {
+    const SelectionStats& sel = *stats.selection;
+    v1::PolicySelection* ps = out->mutable_selection();
+    ps->set_active(sel.active);
+    for (const SelectionStats::Candidate& candidate : sel.candidates) {
+      v1::PolicySelection::Candidate* out_candidate = ps->add_candidates();
+      out_candidate->set_name(candidate.name);
+      out_candidate->set_shadow_hit_rate(candidate.hit_rate);
+    }
+    ps->set_switches(sel.switches);
+    ps->set_sampled_lookup_pages(sel.sampled_lookup_pages);
+    ps->set_sampled_store_pages(sel.sampled_store_pages);
+    ps->set_shadow_pages(sel.shadow_pages);
+    ps->set_pools(sel.pools);
+    ps->set_min_sample_rate(sel.min_sample_rate);
+  }
   v1::Limits* l = out->mutable_limits();
   l->set_max_tokens_per_request(limits.max_tokens_per_request);
   l->set_max_pages_per_request(limits.max_pages_per_request);

@@ -533,6 +533,36 @@ TEST_F(ProtoConvertTest, StatsToProto) {
   EXPECT_EQ(resp.tenants(0).pins(), 1u);
   EXPECT_EQ(resp.tenants(0).max_bytes(), 4000u);
   EXPECT_EQ(resp.tenants(0).max_pinned_bytes(), 1000u);
+  EXPECT_FALSE(resp.has_selection()) << "only policy \"select\" reports a selection";
+}
+
+TEST_F(ProtoConvertTest, StatsToProtoCarriesSelectsChoice) {
+  IndexStats stats;
+  stats.policy = "select";
+  stats.selection = SelectionStats{.active = "cost",
+                                   .candidates = {{"lru", 0.25}, {"cost", 0.5}},
+                                   .switches = 2,
+                                   .sampled_lookup_pages = 300,
+                                   .sampled_store_pages = 400,
+                                   .shadow_pages = 120,
+                                   .pools = 3,
+                                   .min_sample_rate = 0.0625};
+  v1::StatsResponse resp;
+  StatsToProto(stats, RequestLimits{}, &resp);
+  ASSERT_TRUE(resp.has_selection());
+  const v1::PolicySelection& sel = resp.selection();
+  EXPECT_EQ(sel.active(), "cost");
+  ASSERT_EQ(sel.candidates_size(), 2);
+  EXPECT_EQ(sel.candidates(0).name(), "lru");
+  EXPECT_EQ(sel.candidates(0).shadow_hit_rate(), 0.25);
+  EXPECT_EQ(sel.candidates(1).name(), "cost");
+  EXPECT_EQ(sel.candidates(1).shadow_hit_rate(), 0.5);
+  EXPECT_EQ(sel.switches(), 2u);
+  EXPECT_EQ(sel.sampled_lookup_pages(), 300u);
+  EXPECT_EQ(sel.sampled_store_pages(), 400u);
+  EXPECT_EQ(sel.shadow_pages(), 120u);
+  EXPECT_EQ(sel.pools(), 3u);
+  EXPECT_EQ(sel.min_sample_rate(), 0.0625);
 }
 
 TEST_F(ProtoConvertTest, WatchFilterAndEvents) {

@@ -24,6 +24,8 @@ from kvcm.types import (
     Namespace,
     NamespaceStats,
     PageReplica,
+    PolicyCandidate,
+    PolicySelection,
     PoolRef,
     PoolStats,
     RankedAgent,
@@ -251,6 +253,20 @@ def stats_from_proto(m: pb.StatsResponse) -> Stats:
             )
             for e in m.engines
         ],
+        selection=selection_from_proto(m.selection) if m.HasField("selection") else None,
+    )
+
+
+def selection_from_proto(m: pb.PolicySelection) -> PolicySelection:
+    return PolicySelection(
+        active=m.active,
+        candidates=[PolicyCandidate(c.name, c.shadow_hit_rate) for c in m.candidates],
+        switches=m.switches,
+        sampled_lookup_pages=m.sampled_lookup_pages,
+        sampled_store_pages=m.sampled_store_pages,
+        shadow_pages=m.shadow_pages,
+        pools=m.pools,
+        min_sample_rate=m.min_sample_rate,
     )
 
 

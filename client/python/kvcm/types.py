@@ -436,6 +436,31 @@ class TenantStats:
 
 
 @dataclass(frozen=True)
+class PolicyCandidate:
+    name: str  # a row of the manager's policy table ("lru", "cost", ...)
+    shadow_hit_rate: float  # of its miniature caches, 0..1, over a decaying window
+
+
+@dataclass(frozen=True)
+class PolicySelection:
+    """Eviction policy "select"'s choice. The hit rates are those of miniature caches fed a
+    sample of the pages (one per candidate and GPU pool), not the real pools'."""
+
+    active: str  # the candidate the index evicts in the order of
+    candidates: List[PolicyCandidate]  # the policy table's order
+    switches: int  # moves of the choice since the manager started
+    sampled_lookup_pages: int  # GPU pools' looked-up pages that fell in the sample
+    sampled_store_pages: int  # GPU pools' stored pages that fell in the sample
+    shadow_pages: int  # page-locations all miniature caches hold
+    pools: int  # GPU pools simulated
+    min_sample_rate: float  # 1: every page; 0 before the first prompt
+
+    def candidate(self, name: str) -> Optional[PolicyCandidate]:
+        """One candidate by name, or None."""
+        return next((c for c in self.candidates if c.name == name), None)
+
+
+@dataclass(frozen=True)
 class Stats:
     pools: List[PoolStats]
     namespaces: List[NamespaceStats]
@@ -446,6 +471,8 @@ class Stats:
     agents: List[AgentStats]
     tenants: List[TenantStats]
     engines: List[EngineStats] = field(default_factory=list)
+    # Set only when the manager's policy is "select".
+    selection: Optional[PolicySelection] = None
 
     def pool(self, pool: PoolLike) -> Optional[PoolStats]:
         """The stats of one pool, or None."""

@@ -366,6 +366,40 @@ def test_stats_limits_and_tenants(client: kvcm.Client) -> None:
     assert ns is not None and ns.bytes_per_page == 70272 * PAGE and ns.pages == 0
 
 
+def test_stats_report_the_policy_choice(manager_factory) -> None:
+    """The default policy "select": its choice, each candidate's miniature hit rate and its
+    sample, after prompts served as a worker would (a match by the pool's agent, then an
+    insert). A 64-page pool is simulated whole, so the figures are exact."""
+    page_bytes = 70272 * PAGE
+    manager = manager_factory(f"--default_pool_capacity_bytes={64 * page_bytes}").start()
+    with kvcm.Client(manager.address, insecure=True) as client:
+        register(client)
+        for _ in range(3):
+            for seed in range(4):
+                tokens = prompt(4 * PAGE, seed=seed)
+                client.match(NS, tokens, requester_agent_id=GPU0.agent_id)
+                client.insert(NS, tokens, GPU0, range(4 * seed, 4 * seed + 4))
+        stats = client.stats()
+    assert stats.policy == "select"
+    sel = stats.selection
+    assert sel is not None and sel.active == "lru" and sel.switches == 0
+    assert [c.name for c in sel.candidates] == ["lru", "cost", "adaptive", "density",
+                                                "conversation"]
+    # The first round's pages missed in every miniature cache, the next two rounds' hit.
+    assert all(0.5 < c.shadow_hit_rate <= 1 for c in sel.candidates), sel.candidates
+    assert sel.candidate("lru") == sel.candidates[0] and sel.candidate("opt") is None
+    # The first match came before the first insert made the pool: no pool's lookup.
+    assert (sel.sampled_lookup_pages, sel.sampled_store_pages) == (44, 48)
+    assert (sel.pools, sel.min_sample_rate, sel.shadow_pages) == (1, 1.0, 5 * 16)
+
+
+def test_stats_of_another_policy_have_no_selection(manager_factory) -> None:
+    manager = manager_factory("--policy=lru").start()
+    with kvcm.Client(manager.address, insecure=True) as client:
+        stats = client.stats()
+    assert stats.policy == "lru" and stats.selection is None
+
+
 def test_watch_events_streams_stored_pages(client: kvcm.Client) -> None:
     register(client)
     tokens = prompt(192)
