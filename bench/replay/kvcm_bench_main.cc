@@ -80,7 +80,7 @@ ABSL_FLAG(double, decode_ms_per_token, 20, "Decode time per output token (ms).")
 ABSL_FLAG(double, link_gbps, 400, "GPU-to-GPU transfer bandwidth (Gbit/s), global mode.");
 ABSL_FLAG(double, host_capacity, 0,
           "HOST-tier pool per GPU agent, as a fraction of the distinct pages like "
-          "--capacities (0: none). Only demoting policies (cost) use it.");
+          "--capacities (0: none). Only demoting policies (all but lru, lru-mha and opt) use it.");
 ABSL_FLAG(double, reuse_credit_s, 40,
           "cost policy: seconds of recency one reuse of a page is worth (CacheIndexOptions::"
           "reuse_credit).");

@@ -827,8 +827,11 @@ absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinI
 }
 
 IndexStats CacheIndex::Stats() const {
-  absl::ReaderMutexLock lock(&mu_);
   IndexStats stats;
+  // Outside the lock: select reads its miniature indexes under a lock of its own, and a
+  // scrape must not hold the index's writers up meanwhile.
+  stats.selection = policy_->selection();
+  absl::ReaderMutexLock lock(&mu_);
   stats.pools.reserve(budget_.size());
   const bool share = options_.default_tenant_pool_share_pct < 100 &&
                      options_.tenant_max_bytes == 0 && options_.tenant_max_pinned_bytes == 0;
@@ -881,7 +884,6 @@ IndexStats CacheIndex::Stats() const {
   stats.counters.eviction_regret_pages = match_counters_.eviction_regret_pages.load(kRelaxed);
   stats.active_pins = leases_.size();
   stats.policy = std::string(policy_->name());
-  stats.selection = policy_->selection();
   return stats;
 }
 

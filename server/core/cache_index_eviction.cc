@@ -217,6 +217,7 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
   // A fresh id even for an empty pool: an insert that began in the old incarnation
   // (InsertOptions::pool_generation) must not land in the new one.
   budget_.Replace(retired);
+  policy_->OnPoolRetired(retired);
   TenantDropPool(retired);
   if (result.dropped_pages == 0) return result;  // nothing to forget
   sweeping_.push_back(retired);

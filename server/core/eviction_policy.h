@@ -90,7 +90,7 @@ struct SelectParams {
   // is the largest power of two (at most 1) that keeps the pool's capacity, scaled by it,
   // within this. REQUIRES: >= 64.
   uint32_t shadow_pages = 4096;
-  // Hysteresis, in points of token hit rate: the choice moves to another candidate only when
+  // Hysteresis, in points of page hit rate: the choice moves to another candidate only when
   // its miniature caches hit more than this above the current one's over the window.
   // REQUIRES: finite, >= 0.
   double margin_points = 1;
@@ -148,12 +148,13 @@ struct PromptEvent {
 struct SelectionStats {
   struct Candidate {
     std::string name;
-    // Token hit rate of its miniature caches over the window (decayed), 0..1.
+    // Page hit rate of its miniature caches over the window (decayed), 0..1: the token hit
+    // rate where every namespace has the same page size.
     double hit_rate = 0;
   };
   std::string active;  // the candidate whose order the index evicts in
   std::vector<Candidate> candidates;
-  uint64_t switches = 0;
+  uint64_t switches = 0;  // moves made (a chosen move counts once the index applies it)
   // Pages the prompts looked up and stored that fell in the sample, since the start.
   uint64_t sampled_lookup_pages = 0;
   uint64_t sampled_store_pages = 0;
@@ -211,7 +212,11 @@ class EvictionPolicy {
   // a policy changes its order here ("select" moving to another candidate), never in
   // OnPrompt.
   virtual void Settle() {}
-  // What "select" knows of its choice; nullopt for every other policy.
+  // Pool `pool` was dropped (its agent's epoch ended): it gets no more prompts. Called with
+  // the index's lock held exclusively.
+  virtual void OnPoolRetired(PoolId /*pool*/) {}
+  // What "select" knows of its choice; nullopt for every other policy. Thread-safe, and
+  // called without the index's lock.
   virtual std::optional<SelectionStats> selection() const { return std::nullopt; }
 
  protected:

@@ -107,8 +107,9 @@ void SelectingPolicy::Touch(RadixNode* node, uint64_t stamp, double now_s, Acces
   if (node->last_access == stamp) return;
   // The others learn from the access first, as Touch lets the chosen one (before the node's
   // recency changes).
+  const size_t chosen = active_.load(std::memory_order_relaxed);
   for (size_t i = 0; i < candidates_.size(); ++i) {
-    if (i != active_) candidates_[i].live->OnTouch(*node, now_s, access);
+    if (i != chosen) candidates_[i].live->OnTouch(*node, now_s, access);
   }
   active().Touch(node, stamp, now_s, access);
   node->score_epoch = epoch_;
@@ -229,28 +230,37 @@ void SelectingPolicy::Decide(double pages) {
   if (best == current || gain_points <= params_.margin_points) return;
   pending_.store(best, std::memory_order_relaxed);
   since_move_ = 0;
-  ++switches_;
 }
 
 void SelectingPolicy::Settle() {
   const size_t next = pending_.load(std::memory_order_relaxed);
-  if (next == active_) return;
+  if (next == active_.load(std::memory_order_relaxed)) return;
   // The new choice orders every candidate the old one held, by its own scores.
   std::vector<RadixNode*> nodes = active().TakeCandidates();
-  active_ = next;
+  active_.store(next, std::memory_order_relaxed);
   ++epoch_;
   for (RadixNode* node : nodes) Rescore(node);
+  switches_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void SelectingPolicy::OnPoolRetired(PoolId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return;
+  for (Candidate& c : candidates_) (void)c.shadow->DropPool(it->second.key);
+  total_capacity_pages_ -= it->second.capacity_pages;
+  pools_.erase(it);
 }
 
 std::optional<SelectionStats> SelectingPolicy::selection() const {
   SelectionStats out;
-  out.active = candidates_[active_].name;
+  out.active = candidates_[active_.load(std::memory_order_relaxed)].name;
+  out.switches = switches_.load(std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   for (const Candidate& c : candidates_) {
     out.candidates.push_back({c.name, lookups_ > 0 ? c.hits / lookups_ : 0});
     for (const PoolStats& p : c.shadow->Stats().pools) out.shadow_pages += p.pages;
   }
-  out.switches = switches_;
   out.sampled_lookup_pages = sampled_lookup_pages_;
   out.sampled_store_pages = sampled_store_pages_;
   out.pools = static_cast<uint32_t>(pools_.size());

@@ -37,6 +37,10 @@
 // A move re-scores every candidate of the index under the new choice (O(n log n), under the
 // index's exclusive lock, at most once per half-life; docs/PERFORMANCE.md has its cost).
 //
+// Whatever the choice, select demotes a GPU victim to its agent's HOST pool when there is
+// one (the miniature caches have no HOST tier: they rank the candidates' GPU hits). A pool
+// that is dropped (OnPoolRetired) leaves the miniature indexes with its pages.
+//
 // Thread-safety: as every policy, called under the index's lock, except OnPrompt, which may
 // run under the shared lock on several threads and takes the policy's own mutex.
 #ifndef KVCM_SERVER_CORE_POLICIES_SELECT_H_
@@ -69,7 +73,9 @@ class SelectingPolicy final : public EvictionPolicy {
 
   absl::string_view name() const override { return "select"; }
   bool trims_nodes() const override { return active().trims_nodes(); }
-  bool demotes_to_host() const override { return active().demotes_to_host(); }
+  // Whatever the choice, a GPU victim moves to its agent's HOST pool when there is one:
+  // which page goes is the candidates' question, keeping a copy costs nothing of theirs.
+  bool demotes_to_host() const override { return true; }
 
   void Add(RadixNode* node, PoolId pool) override;
   void Remove(RadixNode* node, PoolId pool) override { active().Remove(node, pool); }
@@ -97,6 +103,7 @@ class SelectingPolicy final : public EvictionPolicy {
   bool observes_prompts() const override { return true; }
   void OnPrompt(const PromptEvent& prompt) override ABSL_LOCKS_EXCLUDED(mu_);
   void Settle() override ABSL_LOCKS_EXCLUDED(mu_);
+  void OnPoolRetired(PoolId pool) override ABSL_LOCKS_EXCLUDED(mu_);
   std::optional<SelectionStats> selection() const override ABSL_LOCKS_EXCLUDED(mu_);
 
   static constexpr size_t kMaxCandidates = 8;
@@ -121,7 +128,9 @@ class SelectingPolicy final : public EvictionPolicy {
 
   SelectingPolicy(const PolicyContext& context, std::vector<Candidate> candidates);
 
-  EvictionPolicy& active() const { return *candidates_[active_].live; }
+  EvictionPolicy& active() const {
+    return *candidates_[active_.load(std::memory_order_relaxed)].live;
+  }
   // The miniature pool of `prompt.pool`, made or resized for its capacity now.
   ShadowPool& PoolFor(const PromptEvent& prompt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Sampled(const PageHash& page, uint32_t shift) const;
@@ -134,8 +143,9 @@ class SelectingPolicy final : public EvictionPolicy {
   // Fixed at construction; each shadow and the hits are guarded by mu_, each live policy by
   // the index's lock.
   std::vector<Candidate> candidates_;
-  // Changed by Settle only (the index's exclusive lock); read under the index's lock.
-  size_t active_ = 0;
+  // Changed by Settle only (the index's exclusive lock); read under the index's lock, and
+  // by selection() without it.
+  std::atomic<size_t> active_{0};
   uint16_t epoch_ = 0;  // moves so far (wrapping): RadixNode::score_epoch of a fresh score
   std::atomic<size_t> pending_{0};  // what Decide chose; Settle applies it
 
@@ -146,7 +156,7 @@ class SelectingPolicy final : public EvictionPolicy {
   absl::flat_hash_set<NamespaceId> namespaces_ ABSL_GUARDED_BY(mu_);
   double lookups_ ABSL_GUARDED_BY(mu_) = 0;  // decayed, estimated pages of the index
   double since_move_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t switches_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> switches_{0};  // moves Settle applied
   uint64_t sampled_lookup_pages_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sampled_store_pages_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -183,6 +183,23 @@ TEST(SelectTest, MovesToTheBetterCandidateFromASample) {
   ExpectItMovesToTheBetterCandidate(/*scale=*/16, /*shadow_pages=*/64);
 }
 
+// A dropped pool (its agent's epoch ended) takes its miniature pools with it: agents that
+// come and go cannot grow the miniature indexes.
+TEST(SelectTest, ADroppedPoolLeavesTheMiniatureCaches) {
+  Arm select("select", 64);
+  ScanRounds(select, 1, 3, 0);
+  const SelectionStats before = *select.index->Stats().selection;
+  EXPECT_EQ(before.pools, 1u);
+  EXPECT_GT(before.shadow_pages, 0u);
+  ASSERT_TRUE(select.index->DropPool(select.gpu).ok());
+  const SelectionStats after = *select.index->Stats().selection;
+  EXPECT_EQ(after.pools, 0u);
+  EXPECT_EQ(after.shadow_pages, 0u);
+  // The pool's next incarnation is shadowed afresh.
+  ScanRounds(select, 1, 1, 0);
+  EXPECT_EQ(select.index->Stats().selection->pools, 1u);
+}
+
 // Matches that name no agent are not lookups of any pool: the sample sees none of them,
 // and the choice stays where it is.
 TEST(SelectTest, LookupsWithoutARequesterAreNotSampled) {
