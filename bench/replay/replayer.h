@@ -88,8 +88,8 @@ struct ReplayOptions {
   // CacheIndexOptions::regret_window, on simulated time.
   absl::Duration regret_window = absl::Minutes(5);
   // HOST-tier pool of each GPU's agent, as a fraction like capacity_fraction (0: none).
-  // Only policies that demote (all but lru, lru-mha and opt) put pages there; a page found in the requester's
-  // own HOST pool counts as a local hit (the host-to-GPU copy is not timed).
+  // Only policies that demote (all but lru, lru-mha and opt) put pages there; a page found in the
+  // requester's own HOST pool counts as a local hit (the host-to-GPU copy is not timed).
   double host_capacity_fraction = 0;
   // CacheIndexOptions::reuse_credit, for the "cost" policy.
   absl::Duration reuse_credit = absl::Seconds(40);
