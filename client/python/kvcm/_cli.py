@@ -123,8 +123,10 @@ def run_script(prog: str, extra: str, module: str, argv: Optional[List[str]] = N
     except ModuleNotFoundError as e:
         if _missing_extra(e) is None:
             raise
-        print(f"{prog} needs the '{extra}' extra: pip install 'kvcm[{extra}]' "
-              f"(no module {e.name!r})", file=sys.stderr)
+        # kvcm is installed from its source tree, not PyPI: name the path.
+        print(f"{prog} needs the '{extra}' extra: from kvcm's source tree, "
+              f"pip install './client/python[{extra}]' (no module {e.name!r})",
+              file=sys.stderr)
         return 2
     return main(argv, prog=prog)
 

@@ -5,6 +5,7 @@ building requests (kvcm._options has the options, credentials and retry schedule
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -108,6 +109,18 @@ def _token_ids(tokens: Any) -> Iterable[int]:
     return ids
 
 
+def _renamed(old: str, old_value: Optional[str], new: str,
+             new_value: Optional[str]) -> Optional[str]:
+    """`new`'s value, taking the deprecated keyword `old`'s when only it is given."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise InvalidArgument(f"{new}: given twice, also as its old name {old}")
+    warnings.warn(f"kvcm.Client({old}=...) is deprecated; use {new}=", DeprecationWarning,
+                  stacklevel=4)
+    return old_value
+
+
 class ClientCore:
     """State and request building shared by kvcm.Client and kvcm.aio.Client.
 
@@ -118,9 +131,9 @@ class ClientCore:
         address: Optional[str] = None,
         *,
         insecure: bool = False,
-        ca_file: Optional[str] = None,
-        cert_file: Optional[str] = None,
-        key_file: Optional[str] = None,
+        tls_ca_file: Optional[str] = None,
+        tls_cert_file: Optional[str] = None,
+        tls_key_file: Optional[str] = None,
         token: Optional[str] = None,
         token_file: Optional[str] = None,
         default_deadline_ms: int = ClientOptions.default_deadline_ms,
@@ -129,7 +142,15 @@ class ClientCore:
         max_backoff_ms: int = ClientOptions.max_backoff_ms,
         backoff_multiplier: float = ClientOptions.backoff_multiplier,
         non_idempotent_max_attempts: int = ClientOptions.non_idempotent_max_attempts,
+        ca_file: Optional[str] = None,
+        cert_file: Optional[str] = None,
+        key_file: Optional[str] = None,
     ) -> None:
+        # ca_file, cert_file and key_file: the names before the CLI's and the configs'
+        # tls_* vocabulary; still accepted, with a DeprecationWarning.
+        tls_ca_file = _renamed("ca_file", ca_file, "tls_ca_file", tls_ca_file)
+        tls_cert_file = _renamed("cert_file", cert_file, "tls_cert_file", tls_cert_file)
+        tls_key_file = _renamed("key_file", key_file, "tls_key_file", tls_key_file)
         self.options = ClientOptions(
             address=default_manager_address() if address is None else address,
             default_deadline_ms=default_deadline_ms,
@@ -138,9 +159,9 @@ class ClientCore:
             max_backoff_ms=max_backoff_ms,
             backoff_multiplier=backoff_multiplier,
             non_idempotent_max_attempts=non_idempotent_max_attempts,
-            ca_file=ca_file or "",
-            cert_file=cert_file or "",
-            key_file=key_file or "",
+            tls_ca_file=tls_ca_file or "",
+            tls_cert_file=tls_cert_file or "",
+            tls_key_file=tls_key_file or "",
             insecure=insecure,
             token=resolve_token(token, token_file),
         )

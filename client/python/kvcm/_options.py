@@ -48,12 +48,12 @@ class ClientOptions:
     # Attempts per non-idempotent call (Reserve, Unreserve, Evict), at most max_attempts.
     # 1..100.
     non_idempotent_max_attempts: int = 5
-    # TLS: ca_file (PEM) verifies the manager; cert_file and key_file (both or neither) are
+    # TLS: tls_ca_file (PEM) verifies the manager; tls_cert_file and tls_key_file (both or neither) are
     # this client's certificate for mutual TLS. insecure=True speaks plaintext and excludes
-    # them. One of ca_file or insecure is required. The files are read once, at connect.
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
+    # them. One of tls_ca_file or insecure is required. The files are read once, at connect.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     insecure: bool = False
     # Bearer token sent as "authorization: Bearer <token>" with every call; "" sends none.
     token: str = field(default="", repr=False)
@@ -74,16 +74,16 @@ class ClientOptions:
         if not self.backoff_multiplier >= 1.0:
             raise InvalidArgument("backoff_multiplier: must be >= 1")
         if self.insecure:
-            for name in ("cert_file", "key_file", "ca_file"):
+            for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
                 if getattr(self, name):
                     raise InvalidArgument(f"insecure: excludes {name}")
         else:
-            if not self.ca_file:
+            if not self.tls_ca_file:
                 raise InvalidArgument(
-                    "ca_file: is required to verify the manager (or insecure=True for plaintext)"
+                    "tls_ca_file: is required to verify the manager (or insecure=True for plaintext)"
                 )
-            if bool(self.cert_file) != bool(self.key_file):
-                missing = "key_file" if self.cert_file else "cert_file"
+            if bool(self.tls_cert_file) != bool(self.tls_key_file):
+                missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
                 raise InvalidArgument(
                     f"{missing}: is required with the other half of the client certificate"
                 )
@@ -166,11 +166,11 @@ def channel_credentials(options: ClientOptions) -> Optional[grpc.ChannelCredenti
     """TLS credentials from the options' PEM files; None for insecure."""
     if options.insecure:
         return None
-    ca = _read_pem(options.ca_file, "ca_file", b"CERTIFICATE-----")
+    ca = _read_pem(options.tls_ca_file, "tls_ca_file", b"CERTIFICATE-----")
     cert = key = None
-    if options.cert_file:
-        cert = _read_pem(options.cert_file, "cert_file", b"CERTIFICATE-----")
-        key = _read_pem(options.key_file, "key_file", b"PRIVATE KEY-----")
+    if options.tls_cert_file:
+        cert = _read_pem(options.tls_cert_file, "tls_cert_file", b"CERTIFICATE-----")
+        key = _read_pem(options.tls_key_file, "tls_key_file", b"PRIVATE KEY-----")
     return grpc.ssl_channel_credentials(
         root_certificates=ca, private_key=key, certificate_chain=cert
     )
@@ -216,7 +216,7 @@ def tls_mismatch_hint(details: str, insecure: bool) -> str:
     text = details.lower()
     if insecure:
         if any(sign in text for sign in ("socket closed", "ssl", "handshake", "tls")):
-            return ("; the server may require TLS: pass --tls_ca_file (ca_file=), "
+            return ("; the server may require TLS: pass --tls_ca_file (tls_ca_file=), "
                     "or --insecure if it is plaintext")
         return ""
     if "wrong_version_number" in text or "handshake" in text:
@@ -224,7 +224,7 @@ def tls_mismatch_hint(details: str, insecure: bool) -> str:
                 "or check --tls_ca_file and the server's certificate")
     if "socket closed" in text:
         return ("; the server may require a client certificate it trusts: pass "
-                "--tls_cert_file and --tls_key_file (cert_file=, key_file=)")
+                "--tls_cert_file and --tls_key_file (tls_cert_file=, tls_key_file=)")
     return ""
 
 

@@ -142,10 +142,10 @@ def _sync_method(cmd: Callable[..., Command[T]]) -> Callable[..., T]:
 class Client(Commands):
     """Synchronous client of the kvcm-manager's CacheManager service.
 
-        client = kvcm.Client("kvcm:50051", ca_file="ca.pem", token_file="worker.token")
+        client = kvcm.Client("kvcm:50051", tls_ca_file="ca.pem", token_file="worker.token")
 
-    Give insecure=True (plaintext) or ca_file (TLS; with cert_file and key_file for mutual
-    TLS). The address defaults to $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051; one without
+    Give insecure=True (plaintext) or tls_ca_file (TLS; with tls_cert_file and tls_key_file
+    for mutual TLS; ca_file, cert_file and key_file are their deprecated names). The address defaults to $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051; one without
     a port is refused. The bearer token comes from token, else token_file, else $KVCM_TOKEN.
     Bad options raise InvalidArgument naming the field. Connects lazily: the first call
     connects and is retried while the manager is unavailable. Its calls (register_model,

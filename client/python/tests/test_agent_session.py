@@ -274,9 +274,9 @@ def secured(workdir: Path) -> Iterator[dict]:
                                    f"--tokens_file={table}"), workdir / "gpu0.log")
 
         def client(who: str = "") -> kvcm.Client:
-            return kvcm.Client(manager.address, ca_file=str(certs / "ca.pem"),
-                               cert_file=str(certs / "client.pem"),
-                               key_file=str(certs / "client.key"),
+            return kvcm.Client(manager.address, tls_ca_file=str(certs / "ca.pem"),
+                               tls_cert_file=str(certs / "client.pem"),
+                               tls_key_file=str(certs / "client.key"),
                                token_file=str(workdir / f"{who}.token") if who else None)
 
         with client("ops") as ops:

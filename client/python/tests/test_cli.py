@@ -55,8 +55,9 @@ def test_a_script_without_its_extra_says_which_to_install(entry: str, extra: str
     prog = dict((e, p) for p, e in SCRIPTS)[entry]
     done = run_script(entry, "--insecure", block=block)
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.startswith(f"{prog} needs the '{extra}' extra: pip install "
-                                  f"'kvcm[{extra}]'"), done.stderr
+    assert done.stderr.startswith(f"{prog} needs the '{extra}' extra: from kvcm's source "
+                                  f"tree, pip install './client/python[{extra}]'"), done.stderr
+    assert "kvcm[" not in done.stderr  # kvcm is not on PyPI
     assert "Traceback" not in done.stderr
     # --version needs no extra.
     assert run_script(entry, "--version", block=block).returncode == 0

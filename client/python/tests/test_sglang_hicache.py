@@ -115,8 +115,8 @@ def start_secure_cluster(workdir: Path, manager_bin: str, agent_bin: str, procs:
         agents[agent_id] = f"127.0.0.1:{port}"
     tls_files = {"tls_ca_file": str(certs / "ca.pem"), "tls_cert_file": str(certs / "client.pem"),
                  "tls_key_file": str(certs / "client.key")}
-    admin = kvcm.Client(manager.address, ca_file=tls_files["tls_ca_file"],
-                        cert_file=tls_files["tls_cert_file"], key_file=tls_files["tls_key_file"],
+    admin = kvcm.Client(manager.address, tls_ca_file=tls_files["tls_ca_file"],
+                        tls_cert_file=tls_files["tls_cert_file"], tls_key_file=tls_files["tls_key_file"],
                         token_file=str(files["ops"]))
     wait_registered(admin, started)
     return {"config": {"manager": manager.address, "agents": agents, **tls_files,

@@ -56,9 +56,9 @@ def secured(manager_factory, workdir: Path) -> Iterator[Tuple[Manager, Path, Dic
 def tls_client(manager: Manager, certs: Path, **kwargs) -> kvcm.Client:
     return kvcm.Client(
         manager.address,
-        ca_file=str(certs / "ca.pem"),
-        cert_file=str(certs / "client.pem"),
-        key_file=str(certs / "client.key"),
+        tls_ca_file=str(certs / "ca.pem"),
+        tls_cert_file=str(certs / "client.pem"),
+        tls_key_file=str(certs / "client.key"),
         **kwargs,
     )
 
@@ -112,9 +112,9 @@ async def test_async_client_over_tls(secured) -> None:
     manager, certs, tokens = secured
     async with kvcm.aio.Client(
         manager.address,
-        ca_file=str(certs / "ca.pem"),
-        cert_file=str(certs / "client.pem"),
-        key_file=str(certs / "client.key"),
+        tls_ca_file=str(certs / "ca.pem"),
+        tls_cert_file=str(certs / "client.pem"),
+        tls_key_file=str(certs / "client.key"),
         token_file=str(tokens["acme"]),
     ) as acme:
         reply = await acme.register_model(NS, kvcm.ModelSpec.deepseek_v3())
@@ -130,18 +130,32 @@ def test_plaintext_and_certificate_less_clients_are_refused(secured) -> None:
             plain.stats(deadline_ms=2000)
     # Mutual TLS: a client without a certificate is refused in the handshake.
     with kvcm.Client(
-        manager.address, ca_file=str(certs / "ca.pem"), token_file=token, max_attempts=2
+        manager.address, tls_ca_file=str(certs / "ca.pem"), token_file=token, max_attempts=2
     ) as no_cert:
         with pytest.raises(kvcm.Unavailable):
             no_cert.stats(deadline_ms=2000)
     # A server certificate from a CA this client does not trust.
     with kvcm.Client(
         manager.address,
-        ca_file=str(certs / "untrusted-ca.pem"),
-        cert_file=str(certs / "client.pem"),
-        key_file=str(certs / "client.key"),
+        tls_ca_file=str(certs / "untrusted-ca.pem"),
+        tls_cert_file=str(certs / "client.pem"),
+        tls_key_file=str(certs / "client.key"),
         token_file=token,
         max_attempts=2,
     ) as wrong_ca:
         with pytest.raises(kvcm.Unavailable):
             wrong_ca.stats(deadline_ms=2000)
+
+
+def test_old_tls_keyword_names_still_work_with_a_warning(secured) -> None:
+    manager, certs, tokens = secured
+    with pytest.warns(DeprecationWarning, match="ca_file"):
+        old = kvcm.Client(manager.address, ca_file=str(certs / "ca.pem"),
+                          cert_file=str(certs / "client.pem"), key_file=str(certs / "client.key"),
+                          token_file=str(tokens["ops"]))
+    with old:
+        assert old.options.tls_ca_file.endswith("ca.pem")
+        old.stats()
+    # Both names at once is a mistake, named; nothing connects.
+    with pytest.raises(kvcm.InvalidArgument, match="tls_ca_file: given twice"):
+        kvcm.Client(manager.address, ca_file="a.pem", tls_ca_file="b.pem")

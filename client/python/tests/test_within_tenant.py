@@ -39,9 +39,9 @@ class Cluster:
         self.metrics, self.certs, self.tokens = metrics, certs, tokens
 
     def client(self, who: str) -> kvcm.Client:
-        return kvcm.Client(self.manager_address, ca_file=str(self.certs / "ca.pem"),
-                           cert_file=str(self.certs / "client.pem"),
-                           key_file=str(self.certs / "client.key"),
+        return kvcm.Client(self.manager_address, tls_ca_file=str(self.certs / "ca.pem"),
+                           tls_cert_file=str(self.certs / "client.pem"),
+                           tls_key_file=str(self.certs / "client.key"),
                            token_file=str(self.tokens[who]))
 
 
@@ -205,9 +205,9 @@ def test_an_unauthenticated_caller_cannot_name_blocks_at_all(cluster) -> None:
     _, sa = worker(cluster, "acme-a")
     epoch = sa.epoch()
     alloc = sa.allocate(NS, 1, epoch)
-    anonymous = kvcm.Client(cluster.manager_address, ca_file=str(cluster.certs / "ca.pem"),
-                            cert_file=str(cluster.certs / "client.pem"),
-                            key_file=str(cluster.certs / "client.key"), token="")
+    anonymous = kvcm.Client(cluster.manager_address, tls_ca_file=str(cluster.certs / "ca.pem"),
+                            tls_cert_file=str(cluster.certs / "client.pem"),
+                            tls_key_file=str(cluster.certs / "client.key"), token="")
     with pytest.raises((kvcm.Unauthenticated, grpc.RpcError)):
         anonymous.insert(NS, prompt(16, seed=404), POOL, alloc.block_ids, agent_epoch=epoch)
     anonymous.close()

@@ -559,8 +559,9 @@ class Bridge:
             for e in curve:
                 self.auth.configure_curve(domain=e.id, location=e.curve_publisher_keys_dir)
         self.manager = ManagerConnection(cfg.manager_address, insecure=cfg.insecure,
-                                         ca_file=cfg.tls_ca_file, cert_file=cfg.tls_cert_file,
-                                         key_file=cfg.tls_key_file, deadline_ms=cfg.deadline_ms)
+                                         tls_ca_file=cfg.tls_ca_file, tls_cert_file=cfg.tls_cert_file,
+                                         tls_key_file=cfg.tls_key_file,
+                                         deadline_ms=cfg.deadline_ms)
         self.engines = [EngineBridge(cfg, e, self.manager, self.ctx) for e in cfg.engines]
 
     async def run(self, stop: asyncio.Event) -> None:

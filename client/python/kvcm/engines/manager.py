@@ -46,8 +46,8 @@ def _read(path: str, what: str) -> bytes:
 class ManagerConnection:
     """One channel to the manager. Safe to share between the engines of one event loop."""
 
-    def __init__(self, address: str, *, insecure: bool = False, ca_file: str = "",
-                 cert_file: str = "", key_file: str = "", deadline_ms: int = 5000):
+    def __init__(self, address: str, *, insecure: bool = False, tls_ca_file: str = "",
+                 tls_cert_file: str = "", tls_key_file: str = "", deadline_ms: int = 5000):
         opts = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.initial_reconnect_backoff_ms", 100),
@@ -56,9 +56,9 @@ class ManagerConnection:
             self._channel = grpc.aio.insecure_channel(address, options=opts)
         else:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(ca_file, "ca_file"),
-                private_key=_read(key_file, "key_file") if key_file else None,
-                certificate_chain=_read(cert_file, "cert_file") if cert_file else None)
+                root_certificates=_read(tls_ca_file, "tls_ca_file"),
+                private_key=_read(tls_key_file, "tls_key_file") if tls_key_file else None,
+                certificate_chain=_read(tls_cert_file, "tls_cert_file") if tls_cert_file else None)
             self._channel = grpc.aio.secure_channel(address, creds, options=opts)
         self._stub = pb_grpc.CacheManagerStub(self._channel)
         self._timeout_s = deadline_ms / 1000

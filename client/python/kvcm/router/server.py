@@ -173,8 +173,8 @@ class RouterServer:
     def _manager_client(self, token: str, token_file: str) -> kvcm_aio.Client:
         c = self.cfg
         client = kvcm_aio.Client(
-            c.manager_address, insecure=c.insecure, ca_file=c.tls_ca_file or None,
-            cert_file=c.tls_cert_file or None, key_file=c.tls_key_file or None,
+            c.manager_address, insecure=c.insecure, tls_ca_file=c.tls_ca_file or None,
+            tls_cert_file=c.tls_cert_file or None, tls_key_file=c.tls_key_file or None,
             token=token or None,
             token_file=token_file or None, default_deadline_ms=c.route_deadline_ms,
             max_attempts=2)

@@ -173,9 +173,9 @@ class KvcmHiCacheStorage(HiCacheStorage):
         self._pool = kvcm.PoolRef(self._opts.agent_id, _TIERS[self._opts.tier])
         o = self._opts
         self._client = kvcm.Client(o.manager_address, insecure=not o.tls_ca_file,
-                                   ca_file=o.tls_ca_file or None,
-                                   cert_file=o.tls_cert_file or None,
-                                   key_file=o.tls_key_file or None,
+                                   tls_ca_file=o.tls_ca_file or None,
+                                   tls_cert_file=o.tls_cert_file or None,
+                                   tls_key_file=o.tls_key_file or None,
                                    token_file=o.token_file or None)
         # The local agent, with the client's TLS credentials and token.
         self.agent = AgentSession.of_client(self._client, o.agent_address,

@@ -106,9 +106,9 @@ class KvcmConnector(KVConnectorBase_V1):
             logger.warning("%s", warning)
         shards = shards_of(opts, vllm_config)
         self._client = kvcm.Client(opts.manager_address, insecure=not opts.tls_ca_file,
-                                   ca_file=opts.tls_ca_file or None,
-                                   cert_file=opts.tls_cert_file or None,
-                                   key_file=opts.tls_key_file or None,
+                                   tls_ca_file=opts.tls_ca_file or None,
+                                   tls_cert_file=opts.tls_cert_file or None,
+                                   tls_key_file=opts.tls_key_file or None,
                                    token_file=opts.token_file or None)
         self._scheduler: Optional[ConnectorScheduler] = None
         self._worker: Optional[ConnectorWorker] = None
