@@ -92,6 +92,10 @@ ABSL_FLAG(uint32_t, agent_heartbeat_timeout_ms, kDefaults.agent_heartbeat_timeou
 ABSL_FLAG(uint32_t, max_agent_epoch_ahead_s, kDefaults.max_agent_epoch_ahead_s,
           "How far ahead of this manager's clock an agent's Register epoch (its start time in "
           "microseconds) may be, in seconds; a later one is refused OUT_OF_RANGE. 1..86400.");
+ABSL_FLAG(uint32_t, gone_agent_memory_s, kDefaults.gone_agent_memory_s,
+          "How long an agent gone silent is remembered (Stats, kvcm_agents{state=\"gone\"}, "
+          "the KvcmAgentGone alert) before it and its pools are forgotten, in seconds; an "
+          "agent stopped on purpose is forgotten at once. 60..2592000.");
 ABSL_FLAG(uint32_t, engine_session_ttl_ms, kDefaults.engine_session_ttl_ms,
           "An engine session (PublishEngineEvents) silent for longer than this, in milliseconds, "
           "ends with its pools emptied (unless it asked for its own ttl).");

@@ -136,13 +136,14 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   EXPECT_EQ(bs.backend(), "host");
   EXPECT_TRUE(bs.registered());
 
-  // Once the agent stops, it is reported gone after the timeout.
+  // Stopped on purpose, the agent says so in a last heartbeat: the manager forgets it and
+  // its pool at once, instead of keeping a "gone" record that every rollout would add to.
   (*agent)->Shutdown();
-  s = WaitForStats(*cm, [](const v1::StatsResponse& r) { return !r.agents(0).alive(); });
-  EXPECT_FALSE(s.agents(0).alive());
-  EXPECT_GE(s.agents(0).last_heartbeat_age_ms(), 2'000u);
+  s = WaitForStats(*cm, [](const v1::StatsResponse& r) { return r.agents_size() == 0; });
+  EXPECT_EQ(s.agents_size(), 0);
+  EXPECT_EQ(s.pools_size(), 0);
   const std::string metrics = manager->metrics().RenderText();
-  EXPECT_THAT(metrics, HasSubstr("kvcm_agents{state=\"gone\"} 1"));
+  EXPECT_THAT(metrics, HasSubstr("kvcm_agents{state=\"gone\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("kvcm_agents{state=\"alive\"} 0"));
   EXPECT_THAT(metrics, HasSubstr("kvcm_agent_heartbeats_total"));
 }
@@ -174,6 +175,48 @@ grpc::Status Heartbeat(v1::AgentControl::Stub& stub, const std::string& id, uint
   req.set_epoch(epoch);
   v1::HeartbeatResponse resp;
   return stub.Heartbeat(&ctx, req, &resp);
+}
+
+grpc::Status Leave(v1::AgentControl::Stub& stub, const std::string& id, uint64_t epoch) {
+  grpc::ClientContext ctx;
+  v1::HeartbeatRequest req;
+  req.set_agent_id(id);
+  req.set_epoch(epoch);
+  req.set_leaving(true);
+  v1::HeartbeatResponse resp;
+  return stub.Heartbeat(&ctx, req, &resp);
+}
+
+// An agent that falls silent is reported gone after the heartbeat timeout (a crash: the
+// KvcmAgentGone alert's case); one that leaves is forgotten, and a leave with a stale epoch or
+// for an unknown agent changes nothing.
+TEST(AgentRpcTest, ASilentAgentIsGoneAndALeavingOneIsForgotten) {
+  std::unique_ptr<ManagerServer> manager = StartManager(500);
+  auto channel = MakeInsecureChannel(manager->address());
+  auto ac = v1::AgentControl::NewStub(channel);
+  auto cm = v1::CacheManager::NewStub(channel);
+  const uint64_t epoch = absl::ToUnixMicros(absl::Now());
+  ASSERT_TRUE(Register(*ac, GoodRegistration(epoch)).ok());
+
+  v1::StatsResponse s = WaitForStats(
+      *cm, [](const v1::StatsResponse& r) { return r.agents_size() == 1 && !r.agents(0).alive(); });
+  ASSERT_EQ(s.agents_size(), 1);
+  EXPECT_FALSE(s.agents(0).alive());
+  EXPECT_THAT(manager->metrics().RenderText(), HasSubstr("kvcm_agents{state=\"gone\"} 1"));
+
+  EXPECT_EQ(Leave(*ac, "a1", epoch - 1).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(Leave(*ac, "nobody", epoch).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Stats(*cm).agents_size(), 1) << "a refused leave forgets nothing";
+
+  ASSERT_TRUE(Leave(*ac, "a1", epoch).ok());
+  s = Stats(*cm);
+  EXPECT_EQ(s.agents_size(), 0);
+  EXPECT_EQ(s.pools_size(), 0) << "its pool left too";
+  EXPECT_THAT(manager->metrics().RenderText(), HasSubstr("kvcm_agents{state=\"gone\"} 0"));
+  EXPECT_EQ(Heartbeat(*ac, "a1", epoch).error_code(), grpc::StatusCode::NOT_FOUND);
+  // It may come back: a new registration is a new agent.
+  ASSERT_TRUE(Register(*ac, GoodRegistration(epoch + 1)).ok());
+  EXPECT_EQ(Stats(*cm).agents_size(), 1);
 }
 
 TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {

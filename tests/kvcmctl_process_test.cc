@@ -854,8 +854,8 @@ TEST_F(KvcmctlProcessTest, AManagerWithoutTransportSecurityOrWithAMissingFileDoe
   ASSERT_NE(none, nullptr);
   ProcessResult r = none->Finish(absl::Seconds(15));
   EXPECT_TRUE(r.exited && r.exit_code == 1) << r.Describe();
-  EXPECT_THAT(r.err, HasSubstr("set tls_cert_file and tls_key_file"));
-  EXPECT_THAT(r.err, HasSubstr("insecure = true"));
+  EXPECT_THAT(r.err, HasSubstr("pass --tls_cert_file and --tls_key_file"));
+  EXPECT_THAT(r.err, HasSubstr("or --insecure"));
 
   std::unique_ptr<Subprocess> missing =
       Subprocess::Start({KVCM_MANAGER_PATH, "--listen_address=127.0.0.1:0",

@@ -215,7 +215,8 @@ done
 # A pull from an agent that died fails (UNAVAILABLE), and the manager then declares it gone
 # and drops its pages.
 run insert "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-0
-kill "${agent_pid[gpu-0]}"
+# SIGKILL, a crash: an agent stopped with SIGTERM leaves, and the manager forgets it at once.
+kill -KILL "${agent_pid[gpu-0]}"
 wait "${agent_pid[gpu-0]}" 2>/dev/null || true
 dead_pull() {
   if run fetch "${acme[@]}" --random_tokens=300 --seed=15 --agent=gpu-1 --from=gpu-0 2>/dev/null; then

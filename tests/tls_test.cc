@@ -187,8 +187,8 @@ TEST(TlsManagerTest, OptionsThatCannotServeSecurelyDoNotStart) {
   none.tls_cert_file = none.tls_key_file = none.tls_ca_file = "";
   absl::Status s = ManagerServer::Start(none).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("tls_cert_file and tls_key_file"));
-  EXPECT_THAT(s.message(), HasSubstr("insecure = true"));
+  EXPECT_THAT(s.message(), HasSubstr("--tls_cert_file and --tls_key_file"));
+  EXPECT_THAT(s.message(), HasSubstr("--insecure"));
 
   ServerOptions missing = ManagerTls(certs);
   missing.tls_cert_file = certs.Path("nope.pem");

@@ -15,8 +15,11 @@ absl::Status StaleEpoch(absl::string_view agent_id, uint64_t epoch, uint64_t kno
 }  // namespace
 
 AgentRegistry::AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout,
-                             absl::Duration max_epoch_ahead)
-    : clock_(clock), heartbeat_timeout_(heartbeat_timeout), max_epoch_ahead_(max_epoch_ahead) {}
+                             absl::Duration max_epoch_ahead, absl::Duration gone_memory)
+    : clock_(clock),
+      heartbeat_timeout_(heartbeat_timeout),
+      max_epoch_ahead_(max_epoch_ahead),
+      gone_memory_(gone_memory) {}
 
 absl::StatusOr<RegisterOutcome> AgentRegistry::CheckRegister(const AgentRegistration& reg) const {
   const absl::Time now = clock_->Now();
@@ -128,9 +131,40 @@ std::vector<AgentRegistration> AgentRegistry::TakeGone() {
   for (auto& [id, e] : agents_) {
     if (e.dropped || Alive(e, now)) continue;
     e.dropped = true;
+    e.dropped_at = now;
     gone.push_back(e.registration);
   }
   return gone;
+}
+
+std::vector<AgentRegistration> AgentRegistry::TakeForgotten() {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  std::vector<AgentRegistration> forgotten;
+  for (auto it = agents_.begin(); it != agents_.end();) {
+    if (it->second.dropped && now - it->second.dropped_at >= gone_memory_) {
+      forgotten.push_back(std::move(it->second.registration));
+      it = agents_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return forgotten;
+}
+
+absl::StatusOr<AgentRegistration> AgentRegistry::Forget(absl::string_view agent_id,
+                                                        uint64_t epoch) {
+  absl::MutexLock lock(&mu_);
+  auto it = agents_.find(agent_id);
+  if (it == agents_.end()) {
+    return absl::NotFoundError(absl::StrCat("agent ", agent_id, " is not registered"));
+  }
+  if (it->second.registration.epoch != epoch) {
+    return StaleEpoch(agent_id, epoch, it->second.registration.epoch);
+  }
+  AgentRegistration r = std::move(it->second.registration);
+  agents_.erase(it);
+  return r;
 }
 
 std::vector<AgentInfo> AgentRegistry::Snapshot() const {

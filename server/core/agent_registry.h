@@ -9,6 +9,11 @@
 // NOT_FOUND, and it registers again (with the same epoch, if it kept its blocks: it then
 // reports its inventory, as it does to a restarted manager).
 //
+// A dropped agent is remembered for `gone_memory` (so that Stats, the metrics and the
+// KvcmAgentGone alert show it), then forgotten (TakeForgotten): a rollout that replaces
+// every agent pod leaves no record behind for ever. An agent that stops on purpose says so
+// (Forget, from its last heartbeat) and is forgotten at once.
+//
 // An epoch is the agent's start time in microseconds since the Unix epoch
 // (gpu/agent/pool/agent_state.h), so one more than `max_epoch_ahead` ahead of the clock is
 // refused (OUT_OF_RANGE): no caller, a bug or an impostor, can register an epoch that the
@@ -96,11 +101,14 @@ class AgentRegistry {
  public:
   // How far ahead of the clock an epoch may be unless the caller says otherwise.
   static constexpr absl::Duration kDefaultMaxEpochAhead = absl::Minutes(5);
+  // How long a dropped agent is remembered unless the caller says otherwise.
+  static constexpr absl::Duration kDefaultGoneMemory = absl::Hours(1);
 
   // `clock` (wall time: epochs are compared with it) is not owned and must outlive the
-  // registry. REQUIRES: heartbeat_timeout > 0, max_epoch_ahead >= 0.
+  // registry. REQUIRES: heartbeat_timeout > 0, max_epoch_ahead >= 0, gone_memory >= 0.
   AgentRegistry(const Clock* clock, absl::Duration heartbeat_timeout,
-                absl::Duration max_epoch_ahead = kDefaultMaxEpochAhead);
+                absl::Duration max_epoch_ahead = kDefaultMaxEpochAhead,
+                absl::Duration gone_memory = kDefaultGoneMemory);
   AgentRegistry(const AgentRegistry&) = delete;
   AgentRegistry& operator=(const AgentRegistry&) = delete;
 
@@ -135,6 +143,17 @@ class AgentRegistry {
   // dropped (see the class comment). The caller forgets their pools.
   std::vector<AgentRegistration> TakeGone() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The agents dropped more than gone_memory ago, in agent_id order, now forgotten: they
+  // leave Snapshot and Counts, and their heartbeats answer NOT_FOUND. The caller forgets
+  // their pools for good.
+  std::vector<AgentRegistration> TakeForgotten() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Agent `agent_id` stops on purpose: forgotten at once, as TakeForgotten would, and its
+  // registration returned (the caller forgets its pools). NOT_FOUND for an unknown agent;
+  // ABORTED (nothing changed) when `epoch` is not the registered one.
+  absl::StatusOr<AgentRegistration> Forget(absl::string_view agent_id, uint64_t epoch)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Every agent, in agent_id order, with liveness as of now.
   std::vector<AgentInfo> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   AgentCounts Counts() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -147,7 +166,8 @@ class AgentRegistry {
     absl::Time last_seen;
     AgentUsage usage;
     uint64_t heartbeats = 0;
-    bool dropped = false;  // by TakeGone; only a larger epoch revives it
+    bool dropped = false;   // by TakeGone; only a larger epoch revives it
+    absl::Time dropped_at;  // when TakeGone dropped it
   };
 
   // `e`: the agent's entry, null when unknown; `now`: the clock's time.
@@ -164,6 +184,7 @@ class AgentRegistry {
   const Clock* const clock_;
   const absl::Duration heartbeat_timeout_;
   const absl::Duration max_epoch_ahead_;
+  const absl::Duration gone_memory_;
   mutable absl::Mutex mu_;
   absl::btree_map<std::string, Entry> agents_ ABSL_GUARDED_BY(mu_);
   uint64_t heartbeats_total_ ABSL_GUARDED_BY(mu_) = 0;

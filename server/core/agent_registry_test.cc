@@ -154,6 +154,46 @@ TEST(AgentRegistryTest, TakeGoneDropsTheEpochOnce) {
   EXPECT_TRUE(registry.Register(Reg("a", 4))->new_epoch);
 }
 
+// A gone agent is remembered for gone_memory after TakeGone dropped it, then forgotten once;
+// one that comes back within the memory is not forgotten.
+TEST(AgentRegistryTest, GoneAgentsAreForgottenAfterTheMemory) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500), absl::Minutes(5), absl::Minutes(10));
+  ASSERT_TRUE(registry.Register(Reg("a", 3)).ok());
+  ASSERT_TRUE(registry.Register(Reg("b", 1)).ok());
+  clock.Advance(absl::Seconds(1));
+  ASSERT_EQ(registry.TakeGone().size(), 2u);
+  ASSERT_TRUE(registry.Register(Reg("b", 1)).ok());  // b comes back (kept its blocks)
+  clock.Advance(absl::Minutes(10) - absl::Milliseconds(1));
+  EXPECT_TRUE(registry.TakeForgotten().empty());
+  EXPECT_EQ(registry.Counts().gone, 2u) << "a, and b silent again since";
+
+  clock.Advance(absl::Milliseconds(1));
+  std::vector<AgentRegistration> forgotten = registry.TakeForgotten();
+  ASSERT_EQ(forgotten.size(), 1u);
+  EXPECT_EQ(forgotten[0].agent_id, "a");
+  EXPECT_TRUE(registry.TakeForgotten().empty()) << "once";
+  ASSERT_EQ(registry.Snapshot().size(), 1u);
+  EXPECT_EQ(registry.Snapshot()[0].registration.agent_id, "b");
+  EXPECT_EQ(registry.Heartbeat("a", 3, {}).code(), absl::StatusCode::kNotFound);
+}
+
+// An agent that leaves is forgotten at once; a stale epoch or an unknown id changes nothing.
+TEST(AgentRegistryTest, ForgetTakesTheRegisteredEpochOnly) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500));
+  ASSERT_TRUE(registry.Register(Reg("a", 3)).ok());
+  EXPECT_EQ(registry.Forget("a", 2).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(registry.Forget("z", 3).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Counts().alive, 1u);
+  absl::StatusOr<AgentRegistration> left = registry.Forget("a", 3);
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_EQ(left->agent_id, "a");
+  EXPECT_TRUE(registry.Snapshot().empty());
+  EXPECT_EQ(registry.Counts().alive + registry.Counts().gone, 0u);
+  EXPECT_FALSE(registry.FindPool(PoolKey{"a", Tier::kGpu}).has_value());
+}
+
 // An epoch is a start time in microseconds since the Unix epoch: one too far ahead of the
 // clock would lock the agent id's real process out (its restarts could never pass it).
 TEST(AgentRegistryTest, AnEpochFarAheadOfTheClockIsOutOfRangeAndChangesNothing) {

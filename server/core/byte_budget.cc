@@ -25,6 +25,12 @@ PoolId ByteBudget::Replace(PoolId id) {
   return fresh;
 }
 
+void ByteBudget::Retire(PoolId id) {
+  retired_[id] = 1;
+  pools_[id].reserved_bytes = 0;
+  ids_.erase(pools_[id].pool);
+}
+
 std::optional<PoolId> ByteBudget::Find(const PoolKey& pool) const {
   auto it = ids_.find(pool);
   if (it == ids_.end()) return std::nullopt;

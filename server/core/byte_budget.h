@@ -47,6 +47,9 @@ class ByteBudget {
   // it returns. The retired id keeps its usage (its pages leave as the index sweeps them)
   // and stays valid, but Find no longer returns it. REQUIRES: !retired(id).
   PoolId Replace(PoolId id);
+  // Retires `id` with no successor: Find no longer returns its key (an Intern makes it anew,
+  // empty), and its reservation is cleared. REQUIRES: !retired(id).
+  void Retire(PoolId id);
   bool retired(PoolId id) const { return retired_[id] != 0; }
   bool engine(PoolId id) const { return pools_[id].engine; }
 

@@ -517,8 +517,11 @@ class CacheIndex {
   // retired replicas leave the tree through SweepRetired (an empty pool gets a fresh id
   // too, so PoolGeneration changes); pins keep working (a pin on pages
   // only the dropped pool held just holds nothing). One kCleared event per namespace.
-  // NOT_FOUND for an unknown pool.
-  absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `forget`, the pool has no fresh incarnation: it leaves Stats (and the metrics),
+  // every tenant's reservation in it is released, and only a later SetPoolCapacity or
+  // Insert makes it anew (its agent left for good). NOT_FOUND for an unknown pool.
+  absl::StatusOr<DropPoolResult> DropPool(const PoolKey& pool, bool forget = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes namespace `ns` with everything it holds: its live pins are dropped (their ids
   // become unknown), every page-location leaves with a kRemoved event (so its agent frees

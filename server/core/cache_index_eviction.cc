@@ -208,17 +208,33 @@ absl::StatusOr<uint64_t> CacheIndex::AbandonPending(const NamespaceId& ns_id,
   return removed;
 }
 
-absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key) {
+absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key, bool forget) {
   WriterLock lock(this);
   absl::StatusOr<PoolId> found = FindPool(key);
   if (!found.ok()) return found.status();
   const PoolId retired = *found;
   const DropPoolResult result{budget_.stats(retired).pages, budget_.used(retired)};
-  // A fresh id even for an empty pool: an insert that began in the old incarnation
-  // (InsertOptions::pool_generation) must not land in the new one.
-  budget_.Replace(retired);
+  if (forget) {
+    budget_.Retire(retired);
+  } else {
+    // A fresh id even for an empty pool: an insert that began in the old incarnation
+    // (InsertOptions::pool_generation) must not land in the new one.
+    budget_.Replace(retired);
+  }
   policy_->OnPoolRetired(retired);
   TenantDropPool(retired);
+  if (forget) {
+    // No incarnation takes the reservations over.
+    std::vector<Tenant*> released;
+    for (auto& [name, tenant] : tenants_) {
+      auto it = tenant->reserved.find(key);
+      if (it == tenant->reserved.end()) continue;
+      tenant->reserved_bytes -= it->second;
+      tenant->reserved.erase(it);
+      released.push_back(tenant.get());
+    }
+    for (Tenant* tenant : released) MaybeForgetTenant(*tenant);
+  }
   if (result.dropped_pages == 0) return result;  // nothing to forget
   sweeping_.push_back(retired);
   counters_.dropped_pages += result.dropped_pages;

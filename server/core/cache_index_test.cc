@@ -979,6 +979,34 @@ TEST_F(CacheIndexTest, DropPoolForgetsThePoolAtOnceAndTheSweepFreesTheTree) {
   EXPECT_EQ(index_->DropPool({"nobody", Tier::kGpu}).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A pool whose agent left for good: no fresh incarnation, it leaves Stats, its reservations
+// are released, its pages go as with DropPool, and only a new Insert makes it again.
+TEST_F(CacheIndexTest, DropPoolForgettingThePoolTakesItOutOfStats) {
+  MustInsert(Prompt({1, 2}), gpu0_);
+  MustInsert(Prompt({1}), gpu1_);
+  ASSERT_TRUE(index_->Reserve(gpu0_, bpp_, ns_.tenant).ok());
+  ASSERT_EQ(index_->Stats().tenants[0].reserved_bytes, bpp_);
+
+  absl::StatusOr<DropPoolResult> r = index_->DropPool(gpu0_, /*forget=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->dropped_pages, 2u);
+  IndexStats s = index_->Stats();
+  ASSERT_EQ(s.pools.size(), 1u);
+  EXPECT_EQ(s.pools[0].pool, gpu1_);
+  EXPECT_EQ(s.tenants[0].reserved_bytes, 0u) << "nobody takes the reservation over";
+  EXPECT_FALSE(index_->HasPool(gpu0_));
+  EXPECT_EQ(index_->PoolGeneration(gpu0_).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MustMatch(Prompt({1, 2}), {.probe = true}).matched_pages, 1u);  // gpu1's page
+  while (index_->SweepRetired(100).removed_replicas > 0) {
+  }
+  EXPECT_EQ(index_->Stats().namespaces[0].page_locations, 1u);
+  EXPECT_TRUE(index_->CheckTenantAccounting().ok());
+  EXPECT_EQ(index_->DropPool(gpu0_, true).status().code(), absl::StatusCode::kNotFound);
+
+  MustInsert(Prompt({7}), gpu0_);  // an index-only pool may be made again
+  EXPECT_EQ(Pool(index_->Stats(), gpu0_).used_bytes, bpp_);
+}
+
 TEST_F(CacheIndexTest, RenewingAPinWhosePagesDiedWithTheirAgentIsAborted) {
   MustInsert(Prompt({1, 2}), gpu0_);
   MustInsert(Prompt({1}), gpu1_);

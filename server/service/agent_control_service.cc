@@ -156,14 +156,26 @@ absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequ
                        .nranks = 2};
 }
 
-uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r) {
+namespace {
+
+uint64_t DropPools(CacheIndex& index, const AgentRegistration& r, bool forget) {
   uint64_t pages = 0;
   for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
-    if (absl::StatusOr<DropPoolResult> dropped = index.DropPool(p); dropped.ok()) {
+    if (absl::StatusOr<DropPoolResult> dropped = index.DropPool(p, forget); dropped.ok()) {
       pages += dropped->dropped_pages;
     }
   }
   return pages;
+}
+
+}  // namespace
+
+uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r) {
+  return DropPools(index, r, /*forget=*/false);
+}
+
+uint64_t ForgetAgentPools(CacheIndex& index, const AgentRegistration& r) {
+  return DropPools(index, r, /*forget=*/true);
 }
 
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
@@ -237,6 +249,15 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
   return rpc_.Unary(ctx, Rpc::kHeartbeat, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_RETURN_IF_ERROR(ValidateHeartbeat(*req));
+    if (req->leaving()) {
+      KVCM_ASSIGN_OR_RETURN(AgentRegistration r, agents_->Forget(req->agent_id(), req->epoch()));
+      commands_->Forget(r.agent_id);
+      nccl_relay_->Forget(r.agent_id);
+      const uint64_t pages = ForgetAgentPools(*index_, r);
+      LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " left: forgot it and its ",
+                           pages, " pages"));
+      return absl::OkStatus();
+    }
     return agents_->Heartbeat(req->agent_id(), req->epoch(),
                               {.used_bytes = req->used_bytes(),
                                .free_blocks = req->free_blocks(),

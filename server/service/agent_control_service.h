@@ -62,6 +62,11 @@ absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequ
 // pool): its process restarted or is gone, and its blocks with it. Returns the pages.
 uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r);
 
+// As DropAgentPools, and the pools leave the index for good (CacheIndex::DropPool with
+// forget): agent `r` left (its last heartbeat said so) or was forgotten after
+// gone_agent_memory_s. Returns the pages.
+uint64_t ForgetAgentPools(CacheIndex& index, const AgentRegistration& r);
+
 // Appends one v1::AgentStats per agent to `out->agents`.
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 

@@ -98,9 +98,9 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
 
   s->hub_ = std::make_unique<EventHub>(opts.max_event_queue);
   EventHub* hub = s->hub_.get();
-  s->agents_ = std::make_unique<AgentRegistry>(RealClock::Get(),
-                                               absl::Milliseconds(opts.agent_heartbeat_timeout_ms),
-                                               absl::Seconds(opts.max_agent_epoch_ahead_s));
+  s->agents_ = std::make_unique<AgentRegistry>(
+      RealClock::Get(), absl::Milliseconds(opts.agent_heartbeat_timeout_ms),
+      absl::Seconds(opts.max_agent_epoch_ahead_s), absl::Seconds(opts.gone_agent_memory_s));
   s->engines_ = std::make_unique<EngineSessions>(s->index_.get(), RealClock::Get(),
                                                  absl::Milliseconds(opts.engine_session_ttl_ms));
   s->metrics_ =
@@ -236,6 +236,12 @@ void ManagerServer::SweepLeases() {
 }
 
 void ManagerServer::DropGoneAgents() {
+  for (const AgentRegistration& r : agents_->TakeForgotten()) {
+    ForgetAgentPools(*index_, r);
+    LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " forgotten: gone for ",
+                         absl::FormatDuration(absl::Seconds(options_.gone_agent_memory_s)),
+                         " (gone_agent_memory_s); its pools left the index"));
+  }
   for (const AgentRegistration& r : agents_->TakeGone()) {
     commands_->Forget(r.agent_id);
     nccl_relay_->Forget(r.agent_id);

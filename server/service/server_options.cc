@@ -51,6 +51,7 @@ const std::vector<Field>& Fields() {
       {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
       {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
       {"max_agent_epoch_ahead_s", &ServerOptions::max_agent_epoch_ahead_s},
+      {"gone_agent_memory_s", &ServerOptions::gone_agent_memory_s},
       {"engine_session_ttl_ms", &ServerOptions::engine_session_ttl_ms},
       {"max_namespaces", &ServerOptions::max_namespaces},
       {"max_namespaces_per_tenant", &ServerOptions::max_namespaces_per_tenant},
@@ -133,14 +134,15 @@ absl::Status ValidateTransportSecurity(const ServerOptions& o) {
       }
     }
     if (!o.agent_identity_dns_suffix.empty()) {
-      return Invalid("agent_identity_dns_suffix", "needs mutual TLS, not insecure = true");
+      return Invalid("agent_identity_dns_suffix", "needs mutual TLS, not --insecure");
     }
     return absl::OkStatus();
   }
   if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
     return absl::InvalidArgumentError(
-        "no transport security: set tls_cert_file and tls_key_file (and tls_ca_file for "
-        "mutual TLS), or insecure = true to serve plaintext on a trusted network");
+        "no transport security: pass --tls_cert_file and --tls_key_file (and --tls_ca_file for "
+        "mutual TLS), or --insecure to serve plaintext on a trusted network (in a --config "
+        "file: tls_cert_file = ..., insecure = true)");
   }
   if (o.tls_cert_file.empty()) return Invalid("tls_cert_file", "is required with tls_key_file");
   if (o.tls_key_file.empty()) return Invalid("tls_key_file", "is required with tls_cert_file");
@@ -239,6 +241,10 @@ absl::Status ServerOptions::Validate() const {
   }
   if (max_event_queue < 1) return Invalid("max_event_queue", "must be >= 1");
   if (agent_heartbeat_timeout_ms < 1) return Invalid("agent_heartbeat_timeout_ms", "must be >= 1");
+  if (gone_agent_memory_s < 60 || gone_agent_memory_s > 2'592'000) {
+    return Invalid("gone_agent_memory_s",
+                   absl::StrCat("must be in [60, 2592000], got ", gone_agent_memory_s));
+  }
   if (max_agent_epoch_ahead_s < 1 || max_agent_epoch_ahead_s > 86'400) {
     return Invalid("max_agent_epoch_ahead_s",
                    absl::StrCat("must be in [1, 86400], got ", max_agent_epoch_ahead_s));

@@ -80,6 +80,10 @@ struct ServerOptions {
   // so no caller can pick an epoch the real agent never exceeds (docs/SECURITY.md). Covers
   // clock skew between hosts. 1..86400.
   uint32_t max_agent_epoch_ahead_s = 300;
+  // How long an agent gone past agent_heartbeat_timeout_ms is remembered (in Stats,
+  // kvcm_agents{state="gone"} and the KvcmAgentGone alert) before it and its pools are
+  // forgotten; an agent stopped on purpose (SIGTERM) is forgotten at once. 60..2592000.
+  uint32_t gone_agent_memory_s = 3'600;
   // An engine session (PublishEngineEvents) with no request for longer than this, when it
   // asked for no ttl of its own, ends and its pools are emptied. 1..600000.
   uint32_t engine_session_ttl_ms = 30'000;

@@ -282,7 +282,7 @@ TEST(ServerOptionsTest, SetParsesEveryKind) {
 
 TEST(ServerOptionsTest, EveryNameCanBeSet) {
   std::vector<absl::string_view> names = ServerOptions::Names();
-  EXPECT_EQ(names.size(), 58u);
+  EXPECT_EQ(names.size(), 59u);
   for (absl::string_view name : names) {
     ServerOptions options;
     const bool is_text = name == "listen_address" || name == "metrics_address" ||
@@ -339,8 +339,8 @@ TEST(ServerOptionsTest, ConfigText) {
 TEST(ServerOptionsTest, TransportSecurity) {
   ServerOptions options;
   const absl::Status none = options.Validate();
-  ExpectInvalid(none, "set tls_cert_file and tls_key_file (and tls_ca_file for mutual TLS)");
-  ExpectInvalid(none, "or insecure = true");
+  ExpectInvalid(none, "pass --tls_cert_file and --tls_key_file (and --tls_ca_file for mutual TLS)");
+  ExpectInvalid(none, "or --insecure to serve plaintext");
 
   ASSERT_TRUE(options.Set("tls_cert_file", "/etc/kvcm/m.pem").ok());
   ASSERT_TRUE(options.Set("tls_key_file", "/etc/kvcm/m.key").ok());

@@ -178,6 +178,24 @@ absl::Status ControlLoop::Heartbeat() {
   return FromGrpcStatus(status);
 }
 
+void ControlLoop::Leave() {
+  v1::HeartbeatRequest req;
+  req.set_agent_id(options_.agent_id);
+  req.set_epoch(epoch_->current());
+  req.set_leaving(true);
+  v1::HeartbeatResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (const grpc::Status status = control_->Heartbeat(&ctx, req, &resp); status.ok()) {
+    LogInfo(absl::StrCat("left ", options_.manager_address, ": the manager forgot ",
+                         options_.agent_id, " epoch ", epoch_->current()));
+  } else {
+    LogWarning(
+        absl::StrCat("could not tell ", options_.manager_address,
+                     " that this agent leaves (it will report it gone): ", status.error_message()));
+  }
+}
+
 void ControlLoop::Run() {
   const absl::Duration interval = absl::Milliseconds(options_.heartbeat_interval_ms);
   // Whether the manager accepted this epoch and its inventory. It stays true while the

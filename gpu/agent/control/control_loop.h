@@ -63,6 +63,11 @@ class ControlLoop {
   void Start();
   // Cancels the call in flight and ends the thread.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Tells the manager this agent stops on purpose (a heartbeat with `leaving`), so that it
+  // forgets the agent and its pools at once instead of reporting it gone. Best effort,
+  // within a second: a manager that does not hear it declares the agent gone after its
+  // heartbeat timeout, as after a crash. REQUIRES: Stop() ran.
+  void Leave();
 
  private:
   void Run();

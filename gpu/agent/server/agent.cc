@@ -331,7 +331,11 @@ void Agent::Shutdown() {
   // does not wait for them.
   if (room_maker_ != nullptr) room_maker_->Stop();
   if (command_loop_ != nullptr) command_loop_->Stop();
-  if (control_loop_ != nullptr) control_loop_->Stop();
+  if (control_loop_ != nullptr) {
+    control_loop_->Stop();
+    // Stopping on purpose: the manager forgets this agent now, not after it is gone.
+    control_loop_->Leave();
+  }
   if (server_ != nullptr) {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   }
