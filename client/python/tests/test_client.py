@@ -516,23 +516,23 @@ def test_stale_caller_hashes_are_refused_not_resent(manager_factory) -> None:
 
 def test_options_are_validated_naming_the_field(tmp_path) -> None:
     cases = {
-        "ca_file: is required": dict(),
-        "insecure: excludes ca_file": dict(insecure=True, ca_file="ca.pem"),
-        "key_file: is required": dict(ca_file="ca.pem", cert_file="c.pem"),
+        "tls_ca_file: is required": dict(),
+        "insecure: excludes tls_ca_file": dict(insecure=True, tls_ca_file="ca.pem"),
+        "tls_key_file: is required": dict(tls_ca_file="ca.pem", tls_cert_file="c.pem"),
         "max_attempts: must be in 1..100": dict(insecure=True, max_attempts=0),
         "default_deadline_ms: must be > 0": dict(insecure=True, default_deadline_ms=0),
         "max_backoff_ms: must be >= initial_backoff_ms": dict(insecure=True, max_backoff_ms=1),
         "backoff_multiplier: must be >= 1": dict(insecure=True, backoff_multiplier=0.5),
         "token: bearer token must be visible ASCII": dict(insecure=True, token="a b"),
         "give token or token_file, not both": dict(insecure=True, token="t", token_file="f"),
-        'ca_file ".*missing.pem": cannot open': dict(ca_file=str(tmp_path / "missing.pem")),
+        'tls_ca_file ".*missing.pem": cannot open': dict(tls_ca_file=str(tmp_path / "missing.pem")),
     }
     for message, kwargs in cases.items():
         with pytest.raises(kvcm.InvalidArgument, match=message):
             kvcm.Client("127.0.0.1:1", **kwargs)
     (tmp_path / "notpem").write_text("hello")
     with pytest.raises(kvcm.InvalidArgument, match="holds no PEM certificate"):
-        kvcm.Client("127.0.0.1:1", ca_file=str(tmp_path / "notpem"))
+        kvcm.Client("127.0.0.1:1", tls_ca_file=str(tmp_path / "notpem"))
     (tmp_path / "tok").write_text("  secret-token-1234567890\n")
     c = kvcm.Client("127.0.0.1:1", insecure=True, token_file=str(tmp_path / "tok"))
     assert c.options.token == "secret-token-1234567890"

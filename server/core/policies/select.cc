@@ -197,6 +197,8 @@ void SelectingPolicy::OnPrompt(const PromptEvent& prompt) {
     sampled_store_pages_ += sampled.size();
     thread_local std::vector<BlockId> blocks;
     blocks.assign(sampled.size(), 0);
+    // A store without a lookup first (a worker that names no agent in its Match) still
+    // fills the miniature pool; after a lookup it finds its pages there and only touches them.
     for (Candidate& c : candidates_) {
       // RESOURCE_EXHAUSTED (a prompt larger than the miniature pool) stores nothing, as the
       // real pool would refuse a prompt larger than itself.
@@ -210,10 +212,16 @@ void SelectingPolicy::OnPrompt(const PromptEvent& prompt) {
       std::exp2(-pages / std::max(1.0, params_.window_capacities * total_capacity_pages_));
   lookups_ = lookups_ * decay + pages;
   MatchOptions match{.requester_agent_id = pool.key.agent_id};
+  thread_local std::vector<BlockId> blocks;
+  blocks.assign(sampled.size(), 0);
   for (Candidate& c : candidates_) {
     absl::StatusOr<MatchResult> hit = c.shadow->Match(prompt.ns, sampled, match);
     const double hits = hit.ok() ? weight * hit->local_pages : 0;
     c.hits = c.hits * decay + hits;
+    // The request runs where it looked, and its prompt is cached there after: the miniature
+    // pool stores it now, whether or not the real worker's Insert comes (a worker skips it
+    // when the real pool holds the whole prompt, which says nothing of the miniature one).
+    (void)c.shadow->Insert(prompt.ns, sampled, pool.key, blocks);
   }
   Decide(pages);
 }

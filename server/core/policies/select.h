@@ -15,8 +15,9 @@
 //     times that rate. A prompt's sampled pages keep their order, and page hashes are
 //     chained, so the miniature tree is the real one with the unsampled pages left out.
 //     A counting Match by the agent of a GPU pool looks the sampled pages up in every
-//     miniature pool of that pool (the hit is the leading sampled pages it holds); an
-//     Insert stores them there.
+//     miniature pool of that pool (the hit is the leading sampled pages it holds) and
+//     stores them there, as the request will in the real pool; an Insert stores them too
+//     (for workers whose Match names no agent).
 //
 // Each pool's rate is the largest power of two (at most 1) that keeps its miniature pool
 // within SelectParams::shadow_pages pages: small pools are simulated exactly, large ones by
