@@ -450,6 +450,22 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
     }
   }
 
+  // A candidate of the policy table with no grid here (a new one) runs with its defaults.
+  std::vector<std::string> candidates;
+  for (const PolicyEntry& row : PolicyTable()) {
+    if (row.candidate) candidates.emplace_back(row.name);
+  }
+  for (const std::string& policy : candidates) {
+    if (cells.empty() || cells[0].empty() || cells[0][0].hit.contains(policy)) continue;
+    for (size_t w = 0; w < workloads->size(); ++w) {
+      for (size_t c = 0; c < caps.size(); ++c) {
+        absl::StatusOr<double> hit = eval.Run((*workloads)[w], policy, caps[c], {});
+        if (!hit.ok()) return hit.status();
+        cells[w][c].hit[policy] = *hit;
+      }
+    }
+  }
+
   // select over the candidates as chosen, its own window and margin chosen the same way
   // (its shadow_pages is a bound on memory, not tuned).
   std::vector<Tuning> select_grid;
@@ -486,7 +502,9 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
   }
 
   // Per workload: hit rates, then the gap closed; "(below lru)" flags a cell.
-  const char* kPolicies[] = {"lru", "cost", "adaptive", "density", "conversation", "select", "opt"};
+  // The table's candidates, select, then the bound.
+  std::vector<std::string> shown = candidates;
+  shown.insert(shown.end(), {"select", "opt"});
   std::vector<std::string> header;
   for (double cap : caps) header.push_back(absl::StrCat(cap * 100, " %"));
   std::printf("\n## Token hit rate (%%) and share of the lru->opt gap closed\n\n");
@@ -497,7 +515,7 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
   std::map<std::tuple<bool, bool, std::string>, std::vector<Score>> by_cap;
   for (size_t w = 0; w < workloads->size(); ++w) {
     const CrossvalWorkload& wl = (*workloads)[w];
-    for (const char* policy : kPolicies) {
+    for (const std::string& policy : shown) {
       std::vector<std::string> out;
       std::vector<Score>& scores = by_cap[{wl.train, wl.real, policy}];
       scores.resize(caps.size());
@@ -506,15 +524,15 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
         const double hit = cell.hit.at(policy);
         Add(scores[c], hit, cell.lru, cell.opt);
         std::string text = Percent(hit);
-        if (std::string(policy) != "lru" && std::string(policy) != "opt") {
+        if (policy != "lru" && policy != "opt") {
           std::optional<double> g = GapClosed(hit, cell.lru, cell.opt);
           text += g.has_value() ? absl::StrFormat(" (%.0f %%)", 100 * *g) : " (n/a)";
           if (hit < cell.lru - 1e-9) text += " **below lru**";
         }
         out.push_back(text);
       }
-      std::printf("| %s | %s | %s | %s |\n", wl.train ? "train" : "test", wl.name.c_str(), policy,
-                  absl::StrJoin(out, " | ").c_str());
+      std::printf("| %s | %s | %s | %s |\n", wl.train ? "train" : "test", wl.name.c_str(),
+                  policy.c_str(), absl::StrJoin(out, " | ").c_str());
     }
   }
 
@@ -527,7 +545,9 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
       absl::StrJoin(std::vector<std::string>(caps.size(), "---|"), "").c_str());
   for (const auto& [train, real] : {std::pair{true, true}, std::pair{false, true},
                                     std::pair{true, false}, std::pair{false, false}}) {
-    for (const char* policy : {"cost", "adaptive", "density", "conversation", "select"}) {
+    std::vector<std::string> summarized(candidates.begin() + 1, candidates.end());  // not lru
+    summarized.push_back("select");
+    for (const std::string& policy : summarized) {
       const auto it = by_cap.find({train, real, policy});
       if (it == by_cap.end()) continue;
       const std::vector<Score>& scores = it->second;
@@ -540,8 +560,8 @@ absl::Status RunCrossval(const CrossvalOptions& options) {
         all.below += s.below;
       }
       std::printf("| %s | %s | %s | %s | %.1f %% | %d |\n", train ? "train" : "test",
-                  real ? "real traces" : "generators", policy, absl::StrJoin(out, " | ").c_str(),
-                  100 * all.mean(), all.below);
+                  real ? "real traces" : "generators", policy.c_str(),
+                  absl::StrJoin(out, " | ").c_str(), 100 * all.mean(), all.below);
     }
   }
   PrintSelectAgainstBest(*workloads, caps, cells);
