@@ -186,8 +186,8 @@ absl::Status PrintModelsJson(std::span<const KvDtype> dtypes, uint32_t page_size
           "\"kv_dtype\":\"%s\",\"bytes_per_token_per_layer\":%u,\"bytes_per_token\":%u,"
           "\"bytes_per_page\":%u,\"tokens_per_gib\":%u,\"mha_shaped_ratio\":%.3f}",
           m.name, m.family, AttentionName(spec->attention), spec->num_layers,
-          DtypeName(spec->dtype), f.bytes_per_token_per_layer, f.bytes_per_token,
-          f.bytes_per_page, f.tokens_per_gib, f.mha_shaped_ratio));
+          DtypeName(spec->dtype), f.bytes_per_token_per_layer, f.bytes_per_token, f.bytes_per_page,
+          f.tokens_per_gib, f.mha_shaped_ratio));
     }
   }
   absl::PrintF("{\"page_size_tokens\":%u,\"models\":[%s]}\n", page_size_tokens,
