@@ -41,6 +41,17 @@ std::string PromtoolFindings(const std::string& text) {
   return output;
 }
 
+// MLA, 1 layer, (128 + 64) * 2 B per token, 4-token pages: 1536 B/page.
+ModelSpec TinyMla() {
+  ModelSpec spec;
+  spec.num_layers = 1;
+  spec.num_heads = 1;
+  spec.kv_lora_rank = 128;
+  spec.rope_dim = 64;
+  spec.page_size_tokens = 4;
+  return spec;
+}
+
 class MetricsTest : public ::testing::Test {
  protected:
   MetricsTest() : hub_(8) {
@@ -48,13 +59,7 @@ class MetricsTest : public ::testing::Test {
     options.hash_secret = HashKey{1, 2};
     options.clock = &clock_;
     index_ = *CacheIndex::Create(options);
-    ModelSpec spec;  // MLA, 1 layer, (128 + 64) * 2 B per token, 4-token pages: 1536 B/page
-    spec.num_layers = 1;
-    spec.num_heads = 1;
-    spec.kv_lora_rank = 128;
-    spec.rope_dim = 64;
-    spec.page_size_tokens = 4;
-    EXPECT_TRUE(index_->RegisterModel(ns_, spec).ok());
+    EXPECT_TRUE(index_->RegisterModel(ns_, TinyMla()).ok());
     EXPECT_TRUE(index_->SetPoolCapacity(PoolKey{"gpu-0", Tier::kGpu}, 4 * 1536).ok());
   }
 
@@ -151,12 +156,7 @@ TEST_F(MetricsTest, NamespaceSeriesAreBoundedWhateverClientsRegister) {
   options.max_namespaces = 1000;
   options.max_namespaces_per_tenant = 1000;
   std::unique_ptr<CacheIndex> index = *CacheIndex::Create(options);
-  ModelSpec spec;
-  spec.num_layers = 1;
-  spec.num_heads = 1;
-  spec.kv_lora_rank = 128;
-  spec.rope_dim = 64;
-  spec.page_size_tokens = 4;
+  const ModelSpec spec = TinyMla();
   const PoolKey pool{"gpu-0", Tier::kGpu};
   ASSERT_TRUE(index->SetPoolCapacity(pool, 1 << 20).ok());
   // One namespace with pages (it must keep its own series), then many empty ones.
@@ -211,12 +211,7 @@ TEST_F(MetricsTest, SelectsChoiceAndItsMiniatureCaches) {
   options.clock = &clock_;
   options.policy = "select";
   std::unique_ptr<CacheIndex> index = *CacheIndex::Create(options);
-  ModelSpec spec;
-  spec.num_layers = 1;
-  spec.num_heads = 1;
-  spec.kv_lora_rank = 128;
-  spec.rope_dim = 64;
-  spec.page_size_tokens = 4;
+  const ModelSpec spec = TinyMla();
   ASSERT_TRUE(index->RegisterModel(ns_, spec).ok());
   const PoolKey gpu{"gpu-0", Tier::kGpu};
   ASSERT_TRUE(index->SetPoolCapacity(gpu, 64 * 1536).ok());

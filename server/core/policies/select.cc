@@ -148,13 +148,13 @@ bool SelectingPolicy::Sampled(const PageHash& page, uint32_t shift) const {
 
 SelectingPolicy::ShadowPool& SelectingPolicy::PoolFor(const PromptEvent& prompt) {
   const uint64_t capacity = prompt.pool_capacity_bytes;
-  const uint64_t pages = capacity / std::max<uint64_t>(prompt.bytes_per_page, 1);
-  uint32_t shift = 0;
-  while (shift < 63 && (pages >> shift) > params_.shadow_pages) ++shift;
-
   auto [it, added] = pools_.try_emplace(prompt.pool);
   ShadowPool& pool = it->second;
   if (!added && pool.capacity_bytes == capacity) return pool;
+
+  const uint64_t pages = capacity / std::max<uint64_t>(prompt.bytes_per_page, 1);
+  uint32_t shift = 0;
+  while (shift < 63 && (pages >> shift) > params_.shadow_pages) ++shift;
   if (!added) {
     total_capacity_pages_ -= pool.capacity_pages;
     if (pool.shift != shift) {

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/model_catalog.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/cache_index.h"
@@ -23,13 +24,11 @@ namespace {
 constexpr uint32_t kPage = 4;  // tokens per page
 const NamespaceId kNs{"acme", "deepseek-v3"};
 
+// DeepSeek-V3 from the catalogue, with small pages.
 ModelSpec Mla() {
-  return ModelSpec{.attention = AttentionKind::kMla,
-                   .num_layers = 61,
-                   .num_heads = 128,
-                   .kv_lora_rank = 512,
-                   .rope_dim = 64,
-                   .page_size_tokens = kPage};
+  ModelSpec spec = *FindModel("deepseek-v3");
+  spec.page_size_tokens = kPage;
+  return spec;
 }
 
 // A prompt of `pages` pages whose token ids start at `first_id`: prompts with different
