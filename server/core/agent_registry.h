@@ -160,6 +160,13 @@ class AgentRegistry {
 
   absl::Duration heartbeat_timeout() const { return heartbeat_timeout_; }
 
+  // Held by whoever changes an agent's life beyond this registry (Register with its pool
+  // changes, the end of an incarnation: a leave, gone, forgotten) across the registry call
+  // and the index's changes, so that a new incarnation's Register never interleaves with
+  // the end of the previous one (which would drop the new incarnation's pools). Rare calls:
+  // one mutex for every agent. Taken before mu_ and the index's lock, never inside them.
+  absl::Mutex& lifecycle_mu() const ABSL_LOCK_RETURNED(lifecycle_mu_) { return lifecycle_mu_; }
+
  private:
   struct Entry {
     AgentRegistration registration;
@@ -185,6 +192,7 @@ class AgentRegistry {
   const absl::Duration heartbeat_timeout_;
   const absl::Duration max_epoch_ahead_;
   const absl::Duration gone_memory_;
+  mutable absl::Mutex lifecycle_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   absl::btree_map<std::string, Entry> agents_ ABSL_GUARDED_BY(mu_);
   uint64_t heartbeats_total_ ABSL_GUARDED_BY(mu_) = 0;

@@ -156,9 +156,7 @@ absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequ
                        .nranks = 2};
 }
 
-namespace {
-
-uint64_t DropPools(CacheIndex& index, const AgentRegistration& r, bool forget) {
+uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r, bool forget) {
   uint64_t pages = 0;
   for (const PoolKey& p : {PoolKey{r.agent_id, r.tier}, PoolKey{r.agent_id, Tier::kHost}}) {
     if (absl::StatusOr<DropPoolResult> dropped = index.DropPool(p, forget); dropped.ok()) {
@@ -168,14 +166,11 @@ uint64_t DropPools(CacheIndex& index, const AgentRegistration& r, bool forget) {
   return pages;
 }
 
-}  // namespace
-
-uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r) {
-  return DropPools(index, r, /*forget=*/false);
-}
-
-uint64_t ForgetAgentPools(CacheIndex& index, const AgentRegistration& r) {
-  return DropPools(index, r, /*forget=*/true);
+uint64_t EndAgent(CacheIndex& index, AgentCommandBook& commands, NcclBootstrapRelay& nccl_relay,
+                  const AgentRegistration& r, bool forget) {
+  commands.Forget(r.agent_id);
+  nccl_relay.Forget(r.agent_id);
+  return DropAgentPools(index, r, forget);
 }
 
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
@@ -218,6 +213,7 @@ grpc::ServerUnaryReactor* AgentControlService::Register(grpc::CallbackServerCont
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_ASSIGN_OR_RETURN(RegisterAgentCall call, RegisterAgentFromProto(*req));
     const AgentRegistration& r = call.registration;
+    absl::MutexLock lifecycle(&agents_->lifecycle_mu());
     // A stale agent must not resize the pool of its successor.
     KVCM_ASSIGN_OR_RETURN(RegisterOutcome check, agents_->CheckRegister(r));
     const PoolKey pool{r.agent_id, r.tier};
@@ -250,10 +246,9 @@ grpc::ServerUnaryReactor* AgentControlService::Heartbeat(grpc::CallbackServerCon
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
     KVCM_RETURN_IF_ERROR(ValidateHeartbeat(*req));
     if (req->leaving()) {
+      absl::MutexLock lifecycle(&agents_->lifecycle_mu());
       KVCM_ASSIGN_OR_RETURN(AgentRegistration r, agents_->Forget(req->agent_id(), req->epoch()));
-      commands_->Forget(r.agent_id);
-      nccl_relay_->Forget(r.agent_id);
-      const uint64_t pages = ForgetAgentPools(*index_, r);
+      const uint64_t pages = EndAgent(*index_, *commands_, *nccl_relay_, r, /*forget=*/true);
       LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " left: forgot it and its ",
                            pages, " pages"));
       return absl::OkStatus();

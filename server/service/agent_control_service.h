@@ -59,13 +59,14 @@ absl::Status ValidateHeartbeat(const v1::HeartbeatRequest& req);
 absl::StatusOr<NcclLinkOffer> NcclLinkOfferFromProto(const v1::NcclBootstrapRequest& req);
 
 // Forgets the pages the index holds in the pools of agent `r` (its main pool and its HOST
-// pool): its process restarted or is gone, and its blocks with it. Returns the pages.
-uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r);
+// pool): its process restarted or is gone, and its blocks with it. With `forget`, the pools
+// leave the index for good (CacheIndex::DropPool with forget). Returns the pages.
+uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r, bool forget = false);
 
-// As DropAgentPools, and the pools leave the index for good (CacheIndex::DropPool with
-// forget): agent `r` left (its last heartbeat said so) or was forgotten after
-// gone_agent_memory_s. Returns the pages.
-uint64_t ForgetAgentPools(CacheIndex& index, const AgentRegistration& r);
+// Agent `r`'s process is gone, declared gone or it left: its queued commands and NCCL offers
+// end and its pools' pages are dropped (for good with `forget`). Returns the pages.
+uint64_t EndAgent(CacheIndex& index, AgentCommandBook& commands, NcclBootstrapRelay& nccl_relay,
+                  const AgentRegistration& r, bool forget);
 
 // Appends one v1::AgentStats per agent to `out->agents`.
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);

@@ -236,16 +236,15 @@ void ManagerServer::SweepLeases() {
 }
 
 void ManagerServer::DropGoneAgents() {
+  absl::MutexLock lifecycle(&agents_->lifecycle_mu());
   for (const AgentRegistration& r : agents_->TakeForgotten()) {
-    ForgetAgentPools(*index_, r);
+    EndAgent(*index_, *commands_, *nccl_relay_, r, /*forget=*/true);
     LogInfo(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " forgotten: gone for ",
                          absl::FormatDuration(absl::Seconds(options_.gone_agent_memory_s)),
                          " (gone_agent_memory_s); its pools left the index"));
   }
   for (const AgentRegistration& r : agents_->TakeGone()) {
-    commands_->Forget(r.agent_id);
-    nccl_relay_->Forget(r.agent_id);
-    const uint64_t pages = DropAgentPools(*index_, r);
+    const uint64_t pages = EndAgent(*index_, *commands_, *nccl_relay_, r, /*forget=*/false);
     LogWarning(absl::StrCat("agent ", r.agent_id, " epoch ", r.epoch, " is gone (no heartbeat for ",
                             absl::FormatDuration(agents_->heartbeat_timeout()), "): dropped its ",
                             pages, " pages from the index"));
