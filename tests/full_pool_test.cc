@@ -135,14 +135,14 @@ TEST_F(FullPoolTest, StoresIntoAFullPoolEvictTheShortfall) {
               HasSubstr(absl::StrCat("kvcm_agent_room_evicted_pages_total ", evicted)));
   EXPECT_THAT(agent_metrics,
               HasSubstr("kvcm_agent_allocation_failures_total{reason=\"pinned\"} 0"));
-  // The default policy, as the client reads it: "select", still on its first candidate (no
-  // Match here names a requester, so no window of lookups has passed), having seen the
-  // stores into the agent's GPU pool.
+  // The default policy, as the client reads it: "select", still on its starting candidate
+  // (SelectParams::initial; no Match here names a requester, so no dwell of lookups has
+  // passed), having seen the stores into the agent's GPU pool.
   absl::StatusOr<ManagerStats> stats = client_->Stats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->policy, "select");
   ASSERT_TRUE(stats->selection.has_value());
-  EXPECT_EQ(stats->selection->active, "lru");
+  EXPECT_EQ(stats->selection->active, "conversation");
   EXPECT_EQ(stats->selection->candidates.size(), 5u);
   EXPECT_EQ(stats->selection->switches, 0u);
   EXPECT_EQ(stats->selection->pools, 1u);

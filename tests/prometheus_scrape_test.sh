@@ -255,7 +255,7 @@ queries=(
   'kvcm_agent_rpc_requests_total{job="kvcm-agent"}'
   'kvcm_transfer_seconds_count{job="kvcm-agent"} > 0'
   'kvcm_transfer_failures_total{job="kvcm-agent", reason="UNAVAILABLE"} > 0'
-  'kvcm_policy_choice{job="kvcm-manager", candidate="lru"} == 1'
+  'sum(kvcm_policy_choice{job="kvcm-manager"}) == 1'
   'count(kvcm_policy_choice{job="kvcm-manager"}) == 5'
   'kvcm_policy_shadow_hit_ratio{job="kvcm-manager", candidate="lru"} > 0'
   'kvcm_policy_sampled_pages_total{job="kvcm-manager", kind="lookup"} > 0'

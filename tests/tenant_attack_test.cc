@@ -290,7 +290,7 @@ TEST_F(TenantAttackTest, StatsShowOnlyTheCallersOwnTenants) {
   EXPECT_EQ(evil_view.counters().matched_pages(), 0u) << "manager-wide counters are admin-only";
   // The default policy's choice, but not the other tenants' prompts it was made from.
   ASSERT_TRUE(evil_view.has_selection());
-  EXPECT_EQ(evil_view.selection().active(), "lru");
+  EXPECT_EQ(evil_view.selection().active(), "conversation");  // SelectParams::initial
   EXPECT_EQ(evil_view.selection().candidates_size(), 5);
   EXPECT_EQ(evil_view.selection().pools(), 0u);
   EXPECT_EQ(evil_view.selection().min_sample_rate(), 0);

@@ -101,6 +101,11 @@ ABSL_FLAG(double, select_margin_points, kvcm::SelectParams{}.margin_points,
 ABSL_FLAG(double, select_window_capacities, kvcm::SelectParams{}.window_capacities,
           "select policy: half-life of its window, in pool capacities of pages looked up "
           "(SelectParams).");
+ABSL_FLAG(double, select_dwell_capacities, kvcm::SelectParams{}.dwell_capacities,
+          "select policy: least lookups between two moves, and before the first, in pool "
+          "capacities of pages (SelectParams).");
+ABSL_FLAG(std::string, select_initial, kvcm::SelectParams{}.initial,
+          "select policy: the candidate it starts on (SelectParams).");
 ABSL_FLAG(double, adaptive_initial_credit, kvcm::AdaptiveParams{}.initial_credit,
           "adaptive policy: credit of one reuse at start, in mean reuse intervals "
           "(AdaptiveParams).");
@@ -504,6 +509,8 @@ int Main(int argc, char** argv) {
   base.select.shadow_pages = absl::GetFlag(FLAGS_select_shadow_pages);
   base.select.margin_points = absl::GetFlag(FLAGS_select_margin_points);
   base.select.window_capacities = absl::GetFlag(FLAGS_select_window_capacities);
+  base.select.initial = absl::GetFlag(FLAGS_select_initial);
+  base.select.dwell_capacities = absl::GetFlag(FLAGS_select_dwell_capacities);
   base.adaptive = AdaptiveParams{.initial_credit = absl::GetFlag(FLAGS_adaptive_initial_credit),
                                  .max_credit = absl::GetFlag(FLAGS_adaptive_max_credit),
                                  .step = absl::GetFlag(FLAGS_adaptive_step)};

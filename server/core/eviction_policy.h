@@ -95,11 +95,20 @@ struct SelectParams {
   // REQUIRES: finite, >= 0.
   double margin_points = 1;
   // Half-life of the window, in the pools' capacities of pages looked up: the counts are
-  // decayed so that what happened this many cache-fulls of lookups ago weighs half. The
-  // choice moves at most once per half-life. REQUIRES: finite, > 0.
-  // Both defaults are the point kvcm-bench --crossval chose on the bundled trace's first
-  // half (docs/EVICTION.md, "Selection by miniature simulation").
+  // decayed so that what happened this many cache-fulls of lookups ago weighs half.
+  // REQUIRES: finite, > 0.
   double window_capacities = 4;
+  // Least lookups, in the pools' capacities of pages, between two moves (and before the
+  // first): each move costs a transient in the real pools, so the choice does not chase
+  // noise. REQUIRES: finite, >= 0.
+  double dwell_capacities = 4;
+  // The candidate it starts on. A move off a learning candidate is cheap (what it kept,
+  // lru can use); a move onto one is not (it classes pages by what happened to them, so
+  // what lru evicted costs it while those pages live). REQUIRES: a candidate's name.
+  // The defaults are what kvcm-bench --crossval chose on its train part only: the margin
+  // and window on the bundled trace's first half, the dwell and the starting candidate on
+  // every train cell (docs/EVICTION.md, "Selection by miniature simulation").
+  std::string initial = "conversation";
   // Key of the hash that picks the sampled pages; 0: a random one per process, so that no
   // client can aim pages at the sample. The simulator sets one, to be reproducible.
   uint64_t sample_key = 0;

@@ -231,11 +231,12 @@ TEST_F(MetricsTest, SelectsChoiceAndItsMiniatureCaches) {
 
   const std::map<std::string, double> choice = Samples(text, "kvcm_policy_choice");
   EXPECT_THAT(choice, ::testing::ElementsAre(::testing::Pair("{candidate=\"adaptive\"}", 0),
-                                             ::testing::Pair("{candidate=\"conversation\"}", 0),
+                                             ::testing::Pair("{candidate=\"conversation\"}", 1),
                                              ::testing::Pair("{candidate=\"cost\"}", 0),
                                              ::testing::Pair("{candidate=\"density\"}", 0),
-                                             ::testing::Pair("{candidate=\"lru\"}", 1)))
-      << "exactly one candidate is chosen, lru until a window of lookups has passed";
+                                             ::testing::Pair("{candidate=\"lru\"}", 0)))
+      << "exactly one candidate is chosen: the starting one (SelectParams::initial) until a "
+         "dwell of lookups has passed";
   const std::map<std::string, double> hit = Samples(text, "kvcm_policy_shadow_hit_ratio");
   ASSERT_EQ(hit.size(), 5u);
   for (const auto& [labels, ratio] : hit) {

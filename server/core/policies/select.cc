@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/core/cache_index.h"
 #include "server/core/policies/registry.h"
 
@@ -53,6 +54,10 @@ absl::StatusOr<std::unique_ptr<SelectingPolicy>> SelectingPolicy::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "policy \"select\": window_capacities must be finite and > 0, not ", p.window_capacities));
   }
+  if (!(std::isfinite(p.dwell_capacities) && p.dwell_capacities >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy \"select\": dwell_capacities must be finite and >= 0, not ", p.dwell_capacities));
+  }
   std::vector<Candidate> candidates;
   for (const PolicyEntry& entry : PolicyTable()) {
     if (!entry.candidate) continue;
@@ -79,13 +84,26 @@ absl::StatusOr<std::unique_ptr<SelectingPolicy>> SelectingPolicy::Create(
                                             " candidates in the policy table; 1 to ",
                                             kMaxCandidates, " are supported"));
   }
-  return std::unique_ptr<SelectingPolicy>(new SelectingPolicy(context, std::move(candidates)));
+  auto initial = std::find_if(candidates.begin(), candidates.end(),
+                              [&](const Candidate& c) { return c.name == p.initial; });
+  if (initial == candidates.end()) {
+    std::vector<std::string> names;
+    for (const Candidate& c : candidates) names.push_back(c.name);
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy \"select\": initial must be one of its candidates (",
+                     absl::StrJoin(names, ", "), "), not \"", p.initial, "\""));
+  }
+  return std::unique_ptr<SelectingPolicy>(new SelectingPolicy(
+      context, std::move(candidates), static_cast<size_t>(initial - candidates.begin())));
 }
 
-SelectingPolicy::SelectingPolicy(const PolicyContext& context, std::vector<Candidate> candidates)
+SelectingPolicy::SelectingPolicy(const PolicyContext& context, std::vector<Candidate> candidates,
+                                 size_t initial)
     : params_(context.select),
       sample_key_(context.select.sample_key != 0 ? context.select.sample_key : RandomKey()),
-      candidates_(std::move(candidates)) {}
+      candidates_(std::move(candidates)),
+      active_(initial),
+      pending_(initial) {}
 
 SelectingPolicy::~SelectingPolicy() = default;
 
@@ -228,7 +246,7 @@ void SelectingPolicy::OnPrompt(const PromptEvent& prompt) {
 
 void SelectingPolicy::Decide(double pages) {
   since_move_ += pages;
-  if (since_move_ < params_.window_capacities * total_capacity_pages_ || lookups_ <= 0) return;
+  if (since_move_ < params_.dwell_capacities * total_capacity_pages_ || lookups_ <= 0) return;
   const size_t current = pending_.load(std::memory_order_relaxed);
   size_t best = current;
   for (size_t i = 0; i < candidates_.size(); ++i) {

@@ -25,18 +25,20 @@
 //
 // The choice: each candidate's miniature hit pages and the looked-up pages are counted,
 // weighted by the inverse sample rate and decayed with a half-life of window_capacities
-// times the pools' capacity in pages. Once a half-life of lookups has passed since the last
-// move (or the start, when the choice is lru, the first candidate), the choice moves to the
-// candidate with the highest windowed hit rate if it beats the current one by more than
-// margin_points. The guarantee is by construction: after each half-life, the chosen
-// candidate's miniature hit rate is within margin_points of the best candidate's over the
-// window, lru's included. What it does not promise: that the real index, whose contents the
-// previous choice shaped, realises the miniature figures at once; and for sampled (large)
-// pools, the sample's error. docs/EVICTION.md ("Selection by miniature simulation") has both
-// measured.
+// times the pools' capacity in pages. It starts on SelectParams::initial; once
+// dwell_capacities times the pools' capacity of pages have been looked up since the start
+// or the last move, the choice moves to the candidate with the highest windowed hit rate
+// if it beats the current one by more than margin_points. The guarantee is by
+// construction: from then on, the chosen candidate's miniature hit rate is within
+// margin_points of the best candidate's over the window, lru's included, except for at
+// most one dwell after each move. What it does not promise: that the real index, whose
+// contents the previous choice shaped, realises the miniature figures at once (a learning
+// candidate classes pages by what happened to them, so what another one evicted can cost
+// it for as long as those pages live); and for sampled (large) pools, the sample's error.
+// docs/EVICTION.md ("Selection by miniature simulation") has both measured.
 //
 // A move re-scores every candidate of the index under the new choice (O(n log n), under the
-// index's exclusive lock, at most once per half-life; docs/PERFORMANCE.md has its cost).
+// index's exclusive lock, at most once per dwell; docs/PERFORMANCE.md has its cost).
 //
 // Whatever the choice, select demotes a GPU victim to its agent's HOST pool when there is
 // one (the miniature caches have no HOST tier: they rank the candidates' GPU hits). A pool
@@ -127,7 +129,7 @@ class SelectingPolicy final : public EvictionPolicy {
     uint64_t capacity_pages = 0;
   };
 
-  SelectingPolicy(const PolicyContext& context, std::vector<Candidate> candidates);
+  SelectingPolicy(const PolicyContext& context, std::vector<Candidate> candidates, size_t initial);
 
   EvictionPolicy& active() const {
     return *candidates_[active_.load(std::memory_order_relaxed)].live;
@@ -146,9 +148,9 @@ class SelectingPolicy final : public EvictionPolicy {
   std::vector<Candidate> candidates_;
   // Changed by Settle only (the index's exclusive lock); read under the index's lock, and
   // by selection() without it.
-  std::atomic<size_t> active_{0};
-  uint16_t epoch_ = 0;  // moves so far (wrapping): RadixNode::score_epoch of a fresh score
-  std::atomic<size_t> pending_{0};  // what Decide chose; Settle applies it
+  std::atomic<size_t> active_;
+  uint16_t epoch_ = 0;           // moves so far (wrapping): RadixNode::score_epoch of a fresh score
+  std::atomic<size_t> pending_;  // what Decide chose; Settle applies it
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<PoolId, ShadowPool> pools_ ABSL_GUARDED_BY(mu_);

@@ -105,7 +105,9 @@ TEST(SelectTest, RefusesBadParametersNamingThem) {
   for (auto [field, params] : std::vector<std::pair<std::string, SelectParams>>{
            {"shadow_pages", {.shadow_pages = 10}},
            {"margin_points", {.margin_points = -1}},
-           {"window_capacities", {.window_capacities = 0}}}) {
+           {"window_capacities", {.window_capacities = 0}},
+           {"dwell_capacities", {.dwell_capacities = -1}},
+           {"initial", {.initial = "opt"}}}) {
     CacheIndexOptions options;
     options.policy = "select";
     options.select = params;
@@ -122,13 +124,19 @@ TEST(SelectTest, TakesItsCandidatesFromTheTable) {
   std::vector<std::string> names;
   for (const SelectionStats::Candidate& c : stats.candidates) names.push_back(c.name);
   EXPECT_THAT(names, ::testing::ElementsAre("lru", "cost", "adaptive", "density", "conversation"));
-  EXPECT_EQ((*p)->selection()->active, "lru");
+  EXPECT_EQ((*p)->selection()->active, SelectParams{}.initial);
+  for (const std::string& name : names) {
+    absl::StatusOr<std::unique_ptr<SelectingPolicy>> from =
+        SelectingPolicy::Create({.select = {.initial = name}});
+    ASSERT_TRUE(from.ok()) << from.status();
+    EXPECT_EQ((*from)->selection()->active, name);
+  }
 }
 
 // Held to a margin no candidate can pass, select never moves, and evicts exactly as lru:
 // every request hits the same pages in both.
 TEST(SelectTest, WithoutAMoveItEvictsExactlyAsLru) {
-  Arm select("select", 64, {.margin_points = 100}), lru("lru", 64);
+  Arm select("select", 64, {.margin_points = 100, .initial = "lru"}), lru("lru", 64);
   int32_t scan_id = 1'000'000;
   for (int r = 0; r < 30; ++r) {
     for (int32_t h = 0; h < 8; ++h) {
@@ -151,7 +159,8 @@ TEST(SelectTest, WithoutAMoveItEvictsExactlyAsLru) {
 // of the best candidate run alone, far above lru.
 void ExpectItMovesToTheBetterCandidate(uint32_t scale, uint32_t shadow_pages) {
   const uint64_t capacity = 64 * scale;
-  Arm select("select", capacity, {.shadow_pages = shadow_pages}, /*tenant_max_pages=*/capacity);
+  Arm select("select", capacity, {.shadow_pages = shadow_pages, .initial = "lru"},
+             /*tenant_max_pages=*/capacity);
   const Rounds chosen = ScanRounds(select, scale, 60, 30);
   double best = 0, lru = 0;
   std::string best_name;
@@ -202,7 +211,7 @@ TEST(SelectTest, ADroppedPoolLeavesTheMiniatureCaches) {
 // Matches that name no agent are not lookups of any pool: the sample sees none of them,
 // and the choice stays where it is.
 TEST(SelectTest, LookupsWithoutARequesterAreNotSampled) {
-  Arm select("select", 64);
+  Arm select("select", 64, {.initial = "lru"});
   int32_t scan_id = 1'000'000;
   for (int r = 0; r < 20; ++r) {
     for (int32_t h = 0; h < 8; ++h) select.Serve(Prompt(h * 1000, 4), /*with_requester=*/false);
