@@ -1,14 +1,21 @@
-// BlockAgent request handling on the agent: Allocate and Free through BlockAgentService's own
-// handler bodies (AllocateRequestOf, FreeBlocksAs: authorization, generations, the ledger), as
-// one of three callers chosen per call (the open dev-mode caller, and two workers of tenant
-// acme); RunAttention and Stats as the service's handler bodies do them, ReadBlocks through the
-// checks and the chunk reads its reactor makes, WriteBlocks message sequences (header, data chunks,
-// half-close) through the WriteBlocksStage its reactor uses, and Fetch through the real Fetcher up
-// to the pull (a transport that checks the pull it is given and refuses it), against an AgentWorld.
-// Records as in fuzz_input.h.
+// BlockAgent request handling on the agent, through BlockAgentService's own handler bodies
+// (block_agent_service.h: AllocateRequestOf, FreeBlocksAs, RunAttentionAs, FetchAs, StatsOf;
+// block_stream_reactors.h: WriteBlocksStage for WriteBlocks message sequences of header, data
+// chunks and half-close, ReadBlocksStage for ReadBlocks), so authorization, generations and the
+// ledger run as the service runs them. Each call is made by one of three callers chosen per
+// call (the open dev-mode caller, a worker of tenant acme and a worker of the AgentWorld's
+// tenant). Fetch runs the real Fetcher up to the pull (a transport that checks the pull it is
+// given and refuses it). Against an AgentWorld; records as in fuzz_input.h.
+//
+// Beyond the sanitizers, every call is checked against the pools' state before it: a call
+// naming a block of a generation that ended, or a worker's call naming a block that is not
+// its tenant's, must be refused, and a refused call (Fetch: one refused so) must change
+// nothing (no generation, namespace, commit or byte); ReadBlocks, RunAttention and Stats
+// never change anything.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -17,13 +24,10 @@
 #include "fuzz/agent_world.h"
 #include "fuzz/calls.h"
 #include "fuzz/fuzz_input.h"
-#include "gpu/agent/control/agent_proto.h"
-#include "gpu/agent/pool/pool_attention.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/block_agent_service.h"
 #include "gpu/agent/server/block_stream_reactors.h"
 #include "gpu/agent/server/fetcher.h"
-#include "proto/core_types.h"
 
 namespace kvcm::fuzz {
 namespace {
@@ -43,133 +47,218 @@ class RefusingTransport final : public Transport {
   }
 };
 
-std::shared_ptr<const Principal> Worker(std::string name) {
+std::shared_ptr<const Principal> Worker(std::string name, std::string tenant) {
   auto p = std::make_shared<Principal>();
   p->name = std::move(name);
   p->roles = static_cast<uint8_t>(Role::kWorker);
-  p->tenant = "acme";
+  p->tenant = std::move(tenant);
   return p;
+}
+
+bool IsWorkerOnly(const Principal& p) { return !p.Has(Role::kAgent) && !p.Has(Role::kAdmin); }
+
+// What a call may change in a pool.
+struct PoolState {
+  std::vector<uint64_t> generations;                   // per block; 0 while free
+  std::vector<std::optional<NamespaceId>> namespaces;  // per block; none: free or private
+  struct Committed {
+    BlockId block;
+    uint64_t owner_epoch;
+    PageHash page;
+    NamespaceId ns;
+    friend bool operator==(const Committed&, const Committed&) = default;
+  };
+  std::vector<Committed> committed;
+  uint64_t free_blocks = 0;
+  std::vector<std::byte> bytes;
+
+  friend bool operator==(const PoolState&, const PoolState&) = default;
+};
+
+PoolState StateOf(const BlockPool& pool) {
+  PoolState s;
+  std::vector<BlockId> ids(pool.Stats().num_blocks);
+  std::iota(ids.begin(), ids.end(), BlockId{0});
+  Require(pool.CheckNamespaces(
+                  ids,
+                  [&](BlockId, const NamespaceId* ns) {
+                    s.namespaces.push_back(ns != nullptr ? std::optional(*ns) : std::nullopt);
+                    return absl::OkStatus();
+                  },
+                  {}, &s.generations)
+              .ok(),
+          "pool state");
+  for (const CommittedBlock& c : pool.Inventory()) {
+    s.committed.push_back({c.block, c.owner_epoch, c.page, *c.ns});
+  }
+  s.free_blocks = pool.Stats().free_blocks;
+  s.bytes.resize(pool.backend().arena_bytes());
+  Require(pool.backend().CopyOut(0, s.bytes).ok(), "pool bytes");
+  return s;
+}
+
+// Whether `caller` naming `ids` of a pool in state `s`, with `generations` (parallel, or
+// empty), must be refused: a generation that is not the block's (0 names none), or, for a
+// worker, a block that is not allocated to a namespace of its tenant. Ids past the pool are
+// left to the pool.
+bool MustRefuse(const Principal& caller, const PoolState& s, std::span<const BlockId> ids,
+                std::span<const uint64_t> generations) {
+  const bool with_generations = !generations.empty() && generations.size() == ids.size();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= s.generations.size()) continue;
+    if (with_generations && generations[i] != 0 && generations[i] != s.generations[ids[i]]) {
+      return true;
+    }
+    const std::optional<NamespaceId>& ns = s.namespaces[ids[i]];
+    if (IsWorkerOnly(caller) && (!ns.has_value() || ns->tenant != caller.tenant)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+template <typename Ids, typename Gens>
+bool MustRefuse(const Principal& caller, const PoolState& s, const Ids& ids, const Gens& gens) {
+  return MustRefuse(caller, s, std::span<const BlockId>(ids.data(), ids.size()),
+                    std::span<const uint64_t>(gens.data(), gens.size()));
 }
 
 struct Session {
   AgentWorld world;
   // The caller of a call: callers[body size % 3].
-  const std::shared_ptr<const Principal> callers[3] = {OpenPrincipal(), Worker("acme-a"),
-                                                       Worker("acme-b")};
+  const std::shared_ptr<const Principal> callers[3] = {OpenPrincipal(), Worker("acme-a", "acme"),
+                                                       Worker("world-a", AgentNamespace().tenant)};
   AgentMetrics metrics{world.options.agent_id, world.pools, &world.epoch};
   RefusingTransport transport;
   Fetcher fetcher{world.options.agent_id, world.options.tier, world.pools, &world.epoch, &transport,
                   // Every source is known, at the refusing transport's address.
                   [](const std::string&, PeerAddressDone done) { done("127.0.0.1:1"); },
                   /*manager=*/nullptr, &metrics};
+  // The open WriteBlocks call, and whether it took its header.
   std::optional<WriteBlocksStage> write;
+  bool write_has_header = false;
 
-  // BlockAgentService::ReadBlocks and ReadBlocksReactor: the pool, the checks, the chunks.
-  absl::Status ReadBlocks(const v1::ReadBlocksRequest& req) {
-    BlockPool* pool = nullptr;
-    if (req.tier() == v1::TIER_UNSPECIFIED ||
-        req.tier() == static_cast<v1::Tier>(world.options.tier)) {
-      pool = world.pools.main;
-    } else if (req.tier() == v1::TIER_HOST) {
-      pool = world.pools.host;
-    }
-    if (absl::Status s = CheckReadBlocks(world.options, pool, req); !s.ok()) return s;
-    const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
-    const uint64_t total = ids.size() * pool->geometry().bytes_per_block();
-    std::string chunk;
-    for (uint64_t sent = 0; sent < total;) {
-      chunk.resize(std::min<uint64_t>(world.options.read_chunk_bytes, total - sent));
-      if (absl::Status s = ReadBlocksChunk(*pool, ids, {}, req.owner_epoch(), sent, chunk);
-          !s.ok()) {
-        return s;
-      }
-      sent += chunk.size();
-    }
-    return absl::OkStatus();
+  const std::shared_ptr<const Principal>& Caller(std::string_view body) const {
+    return callers[body.size() % 3];
+  }
+  BlockPool* PoolOf(v1::Tier tier) const {
+    return PoolOfTier(world.pools, world.options.tier, tier);
   }
 
-  // BlockAgentService::RunAttention's body.
-  absl::Status RunAttention(const v1::RunAttentionRequest& req) {
-    PoolAttentionRequest in;
-    in.block_table.reserve(req.block_table_size());
-    for (const v1::BlockList& row : req.block_table()) {
-      in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
-    }
-    in.seq_lens.assign(req.seq_lens().begin(), req.seq_lens().end());
-    in.query_bf16 = std::as_bytes(std::span<const char>(req.query()));
-    in.softmax_scale = req.softmax_scale();
-    in.num_heads = req.num_heads();
-    in.layer = req.layer();
-    in.owner_epoch = req.owner_epoch();
-    absl::StatusOr<PoolAttentionResult> out = RunMlaDecodeOnPool(*world.pools.main, in);
-    if (!out.ok()) return out.status();
-    v1::RunAttentionResponse resp;
-    resp.set_output(out->output.data(), out->output.size() * sizeof(float));
-    resp.mutable_lse()->Add(out->lse.begin(), out->lse.end());
-    return absl::OkStatus();
-  }
-
-  const Principal& Caller(std::string_view body) const { return *callers[body.size() % 3]; }
-
-  absl::Status Run(Call call, std::string_view body) {
+  // The call's answer; sets *must_refuse when the state before it says it must be refused.
+  absl::Status Handle(Call call, std::string_view body, const PoolState& main_before,
+                      bool* must_refuse) {
+    const Principal& caller = *Caller(body);
     switch (call) {
       case kAllocate: {
         v1::AllocateBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        absl::StatusOr<RoomMaker::Request> request = AllocateRequestOf(Caller(body), req);
+        absl::StatusOr<RoomMaker::Request> request = AllocateRequestOf(caller, req);
         if (!request.ok()) return request.status();
         return RoomMaker::AllocateNow(*world.pools.main, *request).status();
       }
       case kFree: {
         v1::FreeBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        return FreeBlocksAs(Caller(body), *world.pools.main, req);
+        *must_refuse = MustRefuse(caller, main_before, req.block_ids(), req.block_generations());
+        return FreeBlocksAs(caller, *world.pools.main, req);
       }
       case kWriteMessage: {
         v1::WriteBlocksRequest msg;
         if (!Parse(body, &msg)) return absl::InvalidArgumentError("unparsable");
-        if (!write.has_value()) write.emplace(&world.options, world.pools.main);
+        if (!write.has_value()) write.emplace(&world.options, world.pools.main, Caller(body));
+        if (!write_has_header && msg.has_header()) {
+          *must_refuse = MustRefuse(caller, main_before, msg.header().block_ids(),
+                                    msg.header().block_generations());
+        }
         absl::Status s = write->Take(msg);
-        if (!s.ok()) write.reset();  // a refused message ends the call
+        if (s.ok()) {
+          write_has_header = true;
+        } else {
+          write.reset();  // a refused message ends the call
+          write_has_header = false;
+        }
         return s;
       }
       case kWriteClose: {
-        if (!write.has_value()) write.emplace(&world.options, world.pools.main);
+        if (!write.has_value()) write.emplace(&world.options, world.pools.main, Caller(body));
         v1::WriteBlocksResponse resp;
         absl::Status s = write->Apply(&resp);
         write.reset();
+        write_has_header = false;
         return s;
       }
       case kReadBlocks: {
         v1::ReadBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        return ReadBlocks(req);
+        const BlockPool* pool = PoolOf(req.tier());
+        if (pool != nullptr) {
+          *must_refuse = MustRefuse(caller, pool == world.pools.main ? main_before : StateOf(*pool),
+                                    req.block_ids(), req.block_generations());
+        }
+        absl::StatusOr<ReadBlocksStage> read =
+            ReadBlocksStage::Open(&world.options, pool, caller, req);
+        if (!read.ok()) return read.status();
+        std::string chunk;
+        while (!read->done()) {
+          if (absl::Status s = read->Next(chunk); !s.ok()) return s;
+        }
+        return absl::OkStatus();
       }
       case kRunAttention: {
         v1::RunAttentionRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        return RunAttention(req);
+        for (const v1::BlockList& row : req.block_table()) {
+          *must_refuse = *must_refuse ||
+                         MustRefuse(caller, main_before, row.block_ids(), row.block_generations());
+        }
+        v1::RunAttentionResponse resp;
+        return RunAttentionAs(caller, *world.pools.main, req, &resp);
       }
       case kFetch: {
         v1::FetchRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+        BlockPool* pool = PoolOf(req.tier());
+        // Agents and admins name local blocks unchecked (AuthorizeFetch): the manager's
+        // Insert vouches for them.
+        if (pool != nullptr && IsWorkerOnly(caller)) {
+          *must_refuse = req.namespace_().tenant() != caller.tenant ||
+                         MustRefuse(caller, pool == world.pools.main ? main_before : StateOf(*pool),
+                                    req.local_block_ids(), req.local_block_generations());
+        }
+        v1::FetchResponse resp;
         absl::Status answer = absl::UnknownError("no answer");
-        fetcher.Fetch(req, [&](absl::StatusOr<FetchResult> r) { answer = r.status(); });
+        FetchAs(caller, pool, &fetcher, req, &resp, [&](const absl::Status& s) { answer = s; });
         Require(!answer.ok() && answer.message() != "no answer", "Fetch answers, refused");
         return answer;
       }
       case kStats: {
         v1::BlockAgentStatsResponse resp;
-        const BlockPoolStats s = world.pools.main->Stats();
-        PoolGeometryToProto(world.pools.main->geometry(), resp.mutable_geometry());
-        resp.set_used_bytes(s.used_bytes);
-        resp.set_free_blocks(s.free_blocks);
+        StatsOf(world.options, world.pools, world.epoch, &resp);
         return absl::OkStatus();
       }
       case kNumCalls:
         break;
     }
     return absl::OkStatus();
+  }
+
+  absl::Status Run(Call call, std::string_view body) {
+    const PoolState main_before = StateOf(*world.pools.main);
+    const PoolState host_before = StateOf(*world.pools.host);
+    bool must_refuse = false;
+    const absl::Status s = Handle(call, body, main_before, &must_refuse);
+    if (must_refuse) {
+      Require(!s.ok(), "a stale generation or another tenant's block is refused");
+    }
+    const bool changes_nothing = call == kReadBlocks || call == kRunAttention || call == kStats ||
+                                 (!s.ok() && (call != kFetch || must_refuse));
+    if (changes_nothing) {
+      Require(
+          StateOf(*world.pools.main) == main_before && StateOf(*world.pools.host) == host_before,
+          "a refused call, or one that only reads, changes nothing");
+    }
+    return s;
   }
 };
 

@@ -38,51 +38,49 @@ BlockAgentService::BlockAgentService(const AgentOptions* options, AgentPools poo
       authenticator_(authenticator != nullptr ? authenticator : OpenAuthenticator()),
       streams_(options->max_streams_per_principal) {}
 
-BlockPool* BlockAgentService::PoolOf(v1::Tier tier) const {
-  if (tier == v1::TIER_UNSPECIFIED || tier == TierToProto(options_.tier)) {
-    return pools_.main;
+BlockPool* PoolOfTier(const AgentPools& pools, Tier main_tier, v1::Tier tier) {
+  if (tier == v1::TIER_UNSPECIFIED || tier == TierToProto(main_tier)) return pools.main;
+  return tier == v1::TIER_HOST ? pools.host : nullptr;
+}
+
+void FetchAs(const Principal& caller, BlockPool* pool, Fetcher* fetcher,
+             const v1::FetchRequest& req, v1::FetchResponse* resp,
+             std::function<void(const absl::Status&)> finish) {
+  if (absl::Status s =
+          RequireGenerations(caller, req.local_block_ids_size(),
+                             std::span<const uint64_t>(req.local_block_generations().data(),
+                                                       req.local_block_generations_size()),
+                             "local_block_generations");
+      !s.ok() && req.local_block_generations_size() > 0) {
+    // Optional (FetchRequest): checked only when given.
+    return finish(s);
   }
-  return tier == v1::TIER_HOST ? pools_.host : nullptr;
+  if (absl::Status s = AuthorizeFetch(caller, pool, req); !s.ok()) return finish(s);
+  if (fetcher == nullptr) return finish(absl::UnimplementedError("this agent has no transport"));
+  fetcher->Fetch(req, [resp, finish = std::move(finish)](absl::StatusOr<FetchResult> r) {
+    if (r.ok()) {
+      resp->mutable_block_ids()->Add(r->block_ids.begin(), r->block_ids.end());
+      resp->set_fetched_pages(r->fetched_pages);
+      resp->set_bytes(r->bytes);
+    }
+    finish(r.status());
+  });
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::Fetch(grpc::CallbackServerContext* ctx,
                                                    const v1::FetchRequest* req,
                                                    v1::FetchResponse* resp) {
-  return rpc_.UnaryAsync(
-      ctx, AgentRpc::kFetch, [&](std::function<void(const absl::Status&)> finish) {
-        absl::StatusOr<std::shared_ptr<const Principal>> caller =
-            authenticator_->Authenticate(*ctx);
-        if (!caller.ok()) {
-          finish(caller.status());
-          return;
-        }
-        if (absl::Status s =
-                RequireGenerations(**caller, req->local_block_ids_size(),
-                                   std::span<const uint64_t>(req->local_block_generations().data(),
-                                                             req->local_block_generations_size()),
-                                   "local_block_generations");
-            !s.ok() && req->local_block_generations_size() > 0) {
-          // Optional (FetchRequest): checked only when given.
-          finish(s);
-          return;
-        }
-        if (absl::Status s = AuthorizeFetch(**caller, PoolOf(req->tier()), *req); !s.ok()) {
-          finish(s);
-          return;
-        }
-        if (fetcher_ == nullptr) {
-          finish(absl::UnimplementedError("this agent has no transport"));
-          return;
-        }
-        fetcher_->Fetch(*req, [resp, finish](absl::StatusOr<FetchResult> r) {
-          if (r.ok()) {
-            resp->mutable_block_ids()->Add(r->block_ids.begin(), r->block_ids.end());
-            resp->set_fetched_pages(r->fetched_pages);
-            resp->set_bytes(r->bytes);
-          }
-          finish(r.status());
-        });
-      });
+  return rpc_.UnaryAsync(ctx, AgentRpc::kFetch,
+                         [&](std::function<void(const absl::Status&)> finish) {
+                           absl::StatusOr<std::shared_ptr<const Principal>> caller =
+                               authenticator_->Authenticate(*ctx);
+                           if (!caller.ok()) {
+                             finish(caller.status());
+                             return;
+                           }
+                           FetchAs(**caller, PoolOfTier(pools_, options_.tier, req->tier()),
+                                   fetcher_, *req, resp, std::move(finish));
+                         });
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::Allocate(grpc::CallbackServerContext* ctx,
@@ -164,31 +162,50 @@ grpc::ServerReadReactor<v1::WriteBlocksRequest>* BlockAgentService::WriteBlocks(
 
 grpc::ServerWriteReactor<v1::ReadBlocksResponse>* BlockAgentService::ReadBlocks(
     grpc::CallbackServerContext* ctx, const v1::ReadBlocksRequest* req) {
-  BlockPool* pool = PoolOf(req->tier());
-  absl::Status access;
+  absl::StatusOr<ReadBlocksStage> stage = absl::UnknownError("unset");
   StreamLimiter::Slot slot;
-  std::vector<uint64_t> bound;
   if (absl::StatusOr<std::shared_ptr<const Principal>> caller = authenticator_->Authenticate(*ctx);
       !caller.ok()) {
-    access = caller.status();
+    stage = caller.status();
   } else if (absl::StatusOr<StreamLimiter::Slot> s = streams_.Acquire((*caller)->name); !s.ok()) {
-    access = s.status();
+    stage = s.status();
   } else {
     slot = *std::move(s);
-    // Optional: a Match's committed blocks come without generations. Bound either way.
-    const std::span<const uint64_t> gens(req->block_generations().data(),
-                                         req->block_generations_size());
-    if (!gens.empty()) {
-      access = RequireGenerations(**caller, req->block_ids_size(), gens, "block_generations");
-    }
-    if (access.ok()) {
-      access = AuthorizeBlocks(
-          **caller, pool, std::span<const BlockId>(req->block_ids().data(), req->block_ids_size()),
-          "read blocks", gens, &bound);
+    stage = ReadBlocksStage::Open(&options_, PoolOfTier(pools_, options_.tier, req->tier()),
+                                  **caller, *req);
+  }
+  return new ReadBlocksReactor(&rpc_, std::move(stage), std::move(slot));
+}
+
+absl::Status RunAttentionAs(const Principal& caller, BlockPool& pool,
+                            const v1::RunAttentionRequest& req, v1::RunAttentionResponse* resp) {
+  for (int i = 0; i < req.block_table_size(); ++i) {
+    const v1::BlockList& row = req.block_table(i);
+    if (row.block_generations_size() > 0) {
+      KVCM_RETURN_IF_ERROR(RequireGenerations(
+          caller, row.block_ids_size(),
+          std::span<const uint64_t>(row.block_generations().data(), row.block_generations_size()),
+          absl::StrCat("block_table[", i, "].block_generations")));
     }
   }
-  return new ReadBlocksReactor(&options_, pool, &rpc_, req, access, std::move(slot),
-                               std::move(bound));
+  PoolAttentionRequest in;
+  // Optional, as for ReadBlocks; the kernel runs in the generations bound here.
+  KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(caller, pool, req, &in.block_generations));
+  in.block_table.reserve(req.block_table_size());
+  for (const v1::BlockList& row : req.block_table()) {
+    in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
+  }
+  in.seq_lens.assign(req.seq_lens().begin(), req.seq_lens().end());
+  in.query_bf16 = std::as_bytes(std::span<const char>(req.query()));
+  in.softmax_scale = req.softmax_scale();
+  in.num_heads = req.num_heads();
+  in.layer = req.layer();
+  in.owner_epoch = req.owner_epoch();
+  KVCM_ASSIGN_OR_RETURN(PoolAttentionResult out, RunMlaDecodeOnPool(pool, in));
+  resp->set_output(out.output.data(), out.output.size() * sizeof(float));
+  resp->mutable_lse()->Add(out.lse.begin(), out.lse.end());
+  resp->set_backend(pool.backend().name());
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerContext* ctx,
@@ -197,34 +214,33 @@ grpc::ServerUnaryReactor* BlockAgentService::RunAttention(grpc::CallbackServerCo
   return rpc_.Unary(ctx, AgentRpc::kRunAttention, [&]() -> absl::Status {
     KVCM_ASSIGN_OR_RETURN(std::shared_ptr<const Principal> caller,
                           authenticator_->Authenticate(*ctx));
-    for (int i = 0; i < req->block_table_size(); ++i) {
-      const v1::BlockList& row = req->block_table(i);
-      if (row.block_generations_size() > 0) {
-        KVCM_RETURN_IF_ERROR(RequireGenerations(
-            *caller, row.block_ids_size(),
-            std::span<const uint64_t>(row.block_generations().data(), row.block_generations_size()),
-            absl::StrCat("block_table[", i, "].block_generations")));
-      }
-    }
-    PoolAttentionRequest in;
-    // Optional, as for ReadBlocks; the kernel runs in the generations bound here.
-    KVCM_RETURN_IF_ERROR(AuthorizeRunAttention(*caller, *pools_.main, *req, &in.block_generations));
-    in.block_table.reserve(req->block_table_size());
-    for (const v1::BlockList& row : req->block_table()) {
-      in.block_table.emplace_back(row.block_ids().begin(), row.block_ids().end());
-    }
-    in.seq_lens.assign(req->seq_lens().begin(), req->seq_lens().end());
-    in.query_bf16 = std::as_bytes(std::span<const char>(req->query()));
-    in.softmax_scale = req->softmax_scale();
-    in.num_heads = req->num_heads();
-    in.layer = req->layer();
-    in.owner_epoch = req->owner_epoch();
-    KVCM_ASSIGN_OR_RETURN(PoolAttentionResult out, RunMlaDecodeOnPool(*pools_.main, in));
-    resp->set_output(out.output.data(), out.output.size() * sizeof(float));
-    resp->mutable_lse()->Add(out.lse.begin(), out.lse.end());
-    resp->set_backend(pools_.main->backend().name());
-    return absl::OkStatus();
+    return RunAttentionAs(*caller, *pools_.main, *req, resp);
   });
+}
+
+void StatsOf(const AgentOptions& options, AgentPools pools, const AgentEpoch& epoch,
+             v1::BlockAgentStatsResponse* resp) {
+  const BlockPoolStats s = pools.main->Stats();
+  resp->set_agent_id(options.agent_id);
+  resp->set_epoch(epoch.current());
+  resp->set_backend(pools.main->backend().name());
+  PoolGeometryToProto(pools.main->geometry(), resp->mutable_geometry());
+  resp->set_capacity_bytes(s.capacity_bytes);
+  resp->set_used_bytes(s.used_bytes);
+  resp->set_free_blocks(s.free_blocks);
+  resp->set_registered(epoch.registered());
+  if (const BlockPool* host = pools.host; host != nullptr) {
+    const BlockPoolStats h = host->Stats();
+    v1::HostPoolStats* out = resp->mutable_host_pool();
+    out->set_num_blocks(h.num_blocks);
+    out->set_used_bytes(h.used_bytes);
+    out->set_free_blocks(h.free_blocks);
+  }
+  v1::BlockStreamLimits* limits = resp->mutable_stream_limits();
+  limits->set_max_streams_per_principal(options.max_streams_per_principal);
+  limits->set_max_message_bytes(options.max_message_bytes);
+  limits->set_read_chunk_bytes(options.read_chunk_bytes);
+  limits->set_max_blocks_per_call(options.max_blocks_per_call);
 }
 
 grpc::ServerUnaryReactor* BlockAgentService::Stats(grpc::CallbackServerContext* ctx,
@@ -233,27 +249,7 @@ grpc::ServerUnaryReactor* BlockAgentService::Stats(grpc::CallbackServerContext* 
   return rpc_.Unary(ctx, AgentRpc::kStats, [&]() -> absl::Status {
     // Any authenticated caller: the answer names no tenant.
     KVCM_RETURN_IF_ERROR(authenticator_->Authenticate(*ctx).status());
-    const BlockPoolStats s = pools_.main->Stats();
-    resp->set_agent_id(options_.agent_id);
-    resp->set_epoch(epoch_->current());
-    resp->set_backend(pools_.main->backend().name());
-    PoolGeometryToProto(pools_.main->geometry(), resp->mutable_geometry());
-    resp->set_capacity_bytes(s.capacity_bytes);
-    resp->set_used_bytes(s.used_bytes);
-    resp->set_free_blocks(s.free_blocks);
-    resp->set_registered(epoch_->registered());
-    if (const BlockPool* host = pools_.host; host != nullptr) {
-      const BlockPoolStats h = host->Stats();
-      v1::HostPoolStats* out = resp->mutable_host_pool();
-      out->set_num_blocks(h.num_blocks);
-      out->set_used_bytes(h.used_bytes);
-      out->set_free_blocks(h.free_blocks);
-    }
-    v1::BlockStreamLimits* limits = resp->mutable_stream_limits();
-    limits->set_max_streams_per_principal(options_.max_streams_per_principal);
-    limits->set_max_message_bytes(options_.max_message_bytes);
-    limits->set_read_chunk_bytes(options_.read_chunk_bytes);
-    limits->set_max_blocks_per_call(options_.max_blocks_per_call);
+    StatsOf(options_, pools_, *epoch_, resp);
     return absl::OkStatus();
   });
 }

@@ -4,11 +4,11 @@
 // which times the body, records the RPC metrics, logs failures at a bounded rate and finishes
 // with the body's status; WriteBlocks and ReadBlocks start the reactors of
 // block_stream_reactors.h, which record their outcome through the same runner. Every handler
-// first authenticates the caller (Authenticator) and authorizes the call (block_agent_access.h):
-// UNAUTHENTICATED or PERMISSION_DENIED, and nothing changed, otherwise. Allocate answers
-// each block's generation; the other calls take them back (block_agent_access.h) and the
-// pool checks them with the work. WriteBlocks and ReadBlocks streams count against
-// max_streams_per_principal.
+// first authenticates the caller (Authenticator), then runs its body (below, without gRPC),
+// which first authorizes the call (block_agent_access.h): UNAUTHENTICATED or PERMISSION_DENIED, and
+// nothing changed, otherwise. Allocate answers each block's generation; the other calls take them
+// back (block_agent_access.h) and the pool checks them with the work. WriteBlocks and ReadBlocks
+// streams count against max_streams_per_principal.
 //
 // Thread-safe: gRPC calls the handlers concurrently; the pools, the epoch and the metrics are
 // thread-safe.
@@ -16,6 +16,8 @@
 #define KVCM_GPU_AGENT_SERVER_BLOCK_AGENT_SERVICE_H_
 
 #include <grpcpp/grpcpp.h>
+
+#include <functional>
 
 #include "common/authenticator.h"
 #include "common/rpc_runner.h"
@@ -29,8 +31,11 @@
 
 namespace kvcm {
 
-// The bodies of BlockAgentService's Allocate and Free for an authenticated caller, shared with
+// The bodies of BlockAgentService's handlers for an authenticated caller, without gRPC (the
+// streams' are WriteBlocksStage and ReadBlocksStage, block_stream_reactors.h), shared with
 // the BlockAgent fuzzer (fuzz/block_agent_fuzzer.cc) so that it fuzzes these and no copy.
+// Each authorizes the caller (block_agent_access.h) before it validates or touches anything.
+//
 // AllocateRequestOf: authorized (AuthorizeAllocate) and converted, with the caller as the
 // blocks' allocator; the caller's deadline is the RPC's, set by the service.
 absl::StatusOr<RoomMaker::Request> AllocateRequestOf(const Principal& caller,
@@ -39,6 +44,25 @@ absl::StatusOr<RoomMaker::Request> AllocateRequestOf(const Principal& caller,
 // every block authorized (AuthorizeBlocks), then BlockPool::Free of the main pool.
 absl::Status FreeBlocksAs(const Principal& caller, BlockPool& pool,
                           const v1::FreeBlocksRequest& req);
+// RunAttentionAs: each row's generations, when given, required well-formed of workers, every
+// row authorized (AuthorizeRunAttention), then the MLA decode over `pool` (the main pool) in
+// the generations authorization bound.
+absl::Status RunAttentionAs(const Principal& caller, BlockPool& pool,
+                            const v1::RunAttentionRequest& req, v1::RunAttentionResponse* resp);
+// FetchAs: local_block_generations, when given, required well-formed of workers, the call
+// authorized into `pool` (AuthorizeFetch; the pool req.tier names, may be null), then
+// `fetcher`'s Fetch (UNIMPLEMENTED when null), filling `resp`. `finish` runs exactly once,
+// inline or on the fetch's thread; `resp` must live until it has.
+void FetchAs(const Principal& caller, BlockPool* pool, Fetcher* fetcher,
+             const v1::FetchRequest& req, v1::FetchResponse* resp,
+             std::function<void(const absl::Status&)> finish);
+// StatsOf: the pools' geometry and usage, the epoch and the stream limits (any caller).
+void StatsOf(const AgentOptions& options, AgentPools pools, const AgentEpoch& epoch,
+             v1::BlockAgentStatsResponse* resp);
+
+// The pool `tier` names on an agent whose main pool is of `main_tier`: the main pool for
+// TIER_UNSPECIFIED or its own tier, the host pool for TIER_HOST; null when the agent has none.
+BlockPool* PoolOfTier(const AgentPools& pools, Tier main_tier, v1::Tier tier);
 
 class BlockAgentService final : public v1::BlockAgent::CallbackService {
  public:
@@ -70,9 +94,6 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
                                   v1::FetchResponse* resp) override;
 
  private:
-  // The pool `tier` names: the main pool for TIER_UNSPECIFIED or its own tier, the host pool
-  // for TIER_HOST; null when the agent has none.
-  BlockPool* PoolOf(v1::Tier tier) const;
   // The authenticated, authorized and converted Allocate request.
   absl::StatusOr<RoomMaker::Request> AllocateRequest(const grpc::CallbackServerContext& ctx,
                                                      const v1::AllocateBlocksRequest& req) const;

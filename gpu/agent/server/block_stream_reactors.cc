@@ -23,18 +23,18 @@ WriteBlocksReactor::WriteBlocksReactor(const AgentOptions* options, BlockPool* p
                                        v1::WriteBlocksResponse* resp,
                                        absl::StatusOr<std::shared_ptr<const Principal>> caller,
                                        StreamLimiter* limiter)
-    : stage_(options, pool), pool_(pool), rpc_(rpc), ctx_(ctx), resp_(resp) {
+    : rpc_(rpc), ctx_(ctx), resp_(resp) {
   if (!caller.ok()) {
     End(caller.status());
     return;
   }
-  caller_ = *std::move(caller);
-  absl::StatusOr<StreamLimiter::Slot> slot = limiter->Acquire(caller_->name);
+  absl::StatusOr<StreamLimiter::Slot> slot = limiter->Acquire((*caller)->name);
   if (!slot.ok()) {
     End(slot.status());
     return;
   }
   slot_ = *std::move(slot);
+  stage_.emplace(options, pool, *std::move(caller));
   StartRead(&msg_);
 }
 
@@ -50,29 +50,7 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
     StartSendInitialMetadata();
     return;
   }
-  if (!authorized_ && msg_.has_header()) {
-    // Before the header is checked: a refused call learns nothing of the blocks.
-    const v1::WriteBlocksHeader& h = msg_.header();
-    const std::span<const uint64_t> gens(h.block_generations().data(), h.block_generations_size());
-    absl::Status s =
-        RequireGenerations(*caller_, h.block_ids_size(), gens, "header.block_generations");
-    std::vector<uint64_t> bound;
-    if (s.ok()) {
-      s = AuthorizeBlocks(*caller_, pool_,
-                          std::span<const BlockId>(h.block_ids().data(), h.block_ids_size()),
-                          "write blocks", gens, &bound);
-    }
-    // Every chunk is written in the generations bound here.
-    if (s.ok()) s = stage_.Take(msg_, bound);
-    if (!s.ok()) {
-      End(s);
-      return;
-    }
-    authorized_ = true;
-    StartRead(&msg_);
-    return;
-  }
-  if (absl::Status s = stage_.Take(msg_); !s.ok()) {
+  if (absl::Status s = stage_->Take(msg_); !s.ok()) {
     End(s);
     return;
   }
@@ -80,25 +58,32 @@ void WriteBlocksReactor::OnReadDone(bool ok) {
 }
 
 void WriteBlocksReactor::OnSendInitialMetadataDone(bool ok) {
-  End(ok ? stage_.Apply(resp_) : absl::CancelledError("WriteBlocks: the call failed"));
+  End(ok ? stage_->Apply(resp_) : absl::CancelledError("WriteBlocks: the call failed"));
 }
 
-WriteBlocksStage::WriteBlocksStage(const AgentOptions* options, BlockPool* pool)
-    : options_(*options), pool_(*pool) {}
+WriteBlocksStage::WriteBlocksStage(const AgentOptions* options, BlockPool* pool,
+                                   std::shared_ptr<const Principal> caller)
+    : options_(*options), pool_(*pool), caller_(std::move(caller)) {}
 
-absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg,
-                                    std::span<const uint64_t> generations) {
+absl::Status WriteBlocksStage::Take(const v1::WriteBlocksRequest& msg) {
   if (!have_header_) {
     if (!msg.has_header()) {
       return absl::InvalidArgumentError("header must be the stream's first message");
     }
     const v1::WriteBlocksHeader& h = msg.header();
+    const std::span<const BlockId> ids(h.block_ids().data(), h.block_ids_size());
+    const std::span<const uint64_t> gens(h.block_generations().data(), h.block_generations_size());
+    // Before the header is checked: a refused call learns nothing of the blocks. Every chunk
+    // is written in the generations bound here.
+    KVCM_RETURN_IF_ERROR(
+        RequireGenerations(*caller_, ids.size(), gens, "header.block_generations"));
+    KVCM_RETURN_IF_ERROR(
+        AuthorizeBlocks(*caller_, &pool_, ids, "write blocks", gens, &generations_));
     if (h.block_ids_size() > static_cast<int>(options_.max_blocks_per_call)) {
       return absl::InvalidArgumentError(absl::StrCat("header.block_ids must list at most ",
                                                      options_.max_blocks_per_call, " blocks"));
     }
-    ids_.assign(h.block_ids().begin(), h.block_ids().end());
-    generations_.assign(generations.begin(), generations.end());
+    ids_.assign(ids.begin(), ids.end());
     owner_epoch_ = h.owner_epoch();
     KVCM_RETURN_IF_ERROR(pool_.CheckOwned(ids_, owner_epoch_, "header.block_ids", generations_));
     expected_bytes_ = ids_.size() * pool_.geometry().bytes_per_block();
@@ -155,57 +140,67 @@ absl::StatusOr<std::optional<OwnedPageCheck>> DecodePageCheck(bool has_namespace
   return OwnedPageCheck{.ns = std::move(id), .pages = DecodePageHashes(page_hashes)};
 }
 
-absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
-                             const v1::ReadBlocksRequest& req) {
-  const uint32_t max_blocks = options.max_blocks_per_call;
+absl::StatusOr<ReadBlocksStage> ReadBlocksStage::Open(const AgentOptions* options,
+                                                      const BlockPool* pool,
+                                                      const Principal& caller,
+                                                      const v1::ReadBlocksRequest& req) {
+  const std::span<const BlockId> ids(req.block_ids().data(), req.block_ids_size());
+  // Optional: a Match's committed blocks come without generations. Bound either way.
+  const std::span<const uint64_t> gens(req.block_generations().data(),
+                                       req.block_generations_size());
+  if (!gens.empty()) {
+    KVCM_RETURN_IF_ERROR(RequireGenerations(caller, ids.size(), gens, "block_generations"));
+  }
+  std::vector<uint64_t> bound;
+  KVCM_RETURN_IF_ERROR(AuthorizeBlocks(caller, pool, ids, "read blocks", gens, &bound));
+  const uint32_t max_blocks = options->max_blocks_per_call;
   if (pool == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("tier ", static_cast<int>(req.tier()), " is not a pool of this agent"));
   }
-  if (static_cast<size_t>(req.block_ids_size()) > max_blocks) {
+  if (ids.size() > max_blocks) {
     return absl::InvalidArgumentError(
         absl::StrCat("block_ids must list at most ", max_blocks, " blocks"));
   }
-  KVCM_RETURN_IF_ERROR(DecodePageCheck(req.has_namespace_(), req.namespace_(), req.page_hashes(),
-                                       req.block_ids_size())
-                           .status());
-  const std::vector<BlockId> ids(req.block_ids().begin(), req.block_ids().end());
-  return pool->CheckOwned(
-      ids, req.owner_epoch(), "block_ids",
-      std::span<const uint64_t>(req.block_generations().data(), req.block_generations_size()));
+  KVCM_ASSIGN_OR_RETURN(
+      std::optional<OwnedPageCheck> pages,
+      DecodePageCheck(req.has_namespace_(), req.namespace_(), req.page_hashes(), ids.size()));
+  KVCM_RETURN_IF_ERROR(pool->CheckOwned(ids, req.owner_epoch(), "block_ids", gens));
+  return ReadBlocksStage(pool, options->read_chunk_bytes, req, std::move(bound), std::move(pages));
 }
 
-absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
-                             std::span<const uint64_t> generations, uint64_t owner_epoch,
-                             uint64_t offset, std::string& out, const PageCheck* pages) {
-  return pool.ReadRange(ids, generations, owner_epoch, offset,
-                        std::as_writable_bytes(std::span<char>(out)), "block_ids", pages);
-}
-
-ReadBlocksReactor::ReadBlocksReactor(const AgentOptions* options, BlockPool* pool,
-                                     RpcRunner<AgentRpc>* rpc, const v1::ReadBlocksRequest* req,
-                                     const absl::Status& access, StreamLimiter::Slot slot,
-                                     std::vector<uint64_t> generations)
+ReadBlocksStage::ReadBlocksStage(const BlockPool* pool, uint64_t chunk_bytes,
+                                 const v1::ReadBlocksRequest& req,
+                                 std::vector<uint64_t> generations,
+                                 std::optional<OwnedPageCheck> pages)
     : pool_(pool),
-      rpc_(rpc),
-      chunk_bytes_(options->read_chunk_bytes),
-      slot_(std::move(slot)),
-      ids_(req->block_ids().begin(), req->block_ids().end()),
+      chunk_bytes_(chunk_bytes),
+      ids_(req.block_ids().begin(), req.block_ids().end()),
       generations_(std::move(generations)),
-      owner_epoch_(req->owner_epoch()) {
-  if (!access.ok()) {
-    End(access);
+      owner_epoch_(req.owner_epoch()),
+      pages_(std::move(pages)),
+      total_bytes_(ids_.size() * pool->geometry().bytes_per_block()) {}
+
+absl::Status ReadBlocksStage::Next(std::string& chunk) {
+  chunk.resize(std::min(chunk_bytes_, total_bytes_ - sent_bytes_));
+  const std::optional<PageCheck> pages =
+      pages_.has_value() ? std::optional<PageCheck>(pages_->view()) : std::nullopt;
+  KVCM_RETURN_IF_ERROR(pool_->ReadRange(ids_, generations_, owner_epoch_, sent_bytes_,
+                                        std::as_writable_bytes(std::span<char>(chunk)), "block_ids",
+                                        pages ? &*pages : nullptr));
+  sent_bytes_ += chunk.size();
+  return absl::OkStatus();
+}
+
+ReadBlocksReactor::ReadBlocksReactor(RpcRunner<AgentRpc>* rpc,
+                                     absl::StatusOr<ReadBlocksStage> stage,
+                                     StreamLimiter::Slot slot)
+    : rpc_(rpc), slot_(std::move(slot)) {
+  if (!stage.ok()) {
+    End(stage.status());
     return;
   }
-  absl::Status s = CheckReadBlocks(*options, pool_, *req);
-  if (!s.ok()) {
-    End(s);
-    return;
-  }
-  // Valid: CheckReadBlocks decoded it.
-  pages_ =
-      *DecodePageCheck(req->has_namespace_(), req->namespace_(), req->page_hashes(), ids_.size());
-  total_bytes_ = ids_.size() * pool_->geometry().bytes_per_block();
+  stage_.emplace(*std::move(stage));
   WriteNext();
 }
 
@@ -218,22 +213,14 @@ void ReadBlocksReactor::OnWriteDone(bool ok) {
 }
 
 void ReadBlocksReactor::WriteNext() {
-  if (sent_bytes_ == total_bytes_) {
+  if (stage_->done()) {
     End(absl::OkStatus());
     return;
   }
-  const uint64_t n = std::min(chunk_bytes_, total_bytes_ - sent_bytes_);
-  std::string* buf = chunk_.mutable_data();
-  buf->resize(n);
-  const std::optional<PageCheck> pages =
-      pages_.has_value() ? std::optional<PageCheck>(pages_->view()) : std::nullopt;
-  if (absl::Status s = ReadBlocksChunk(*pool_, ids_, generations_, owner_epoch_, sent_bytes_, *buf,
-                                       pages ? &*pages : nullptr);
-      !s.ok()) {
+  if (absl::Status s = stage_->Next(*chunk_.mutable_data()); !s.ok()) {
     End(s);
     return;
   }
-  sent_bytes_ += n;
   StartWrite(&chunk_);
 }
 

@@ -5,8 +5,9 @@
 // chunk, both ways, checks the blocks' generations under the lock its copy holds: a block
 // freed (and reallocated) mid-stream ends the stream ABORTED, touching none of the new
 // allocation's bytes. Each stream holds a StreamLimiter slot of its caller until OnDone.
-// Both record their outcome through the RpcRunner when they finish and delete themselves in
-// OnDone.
+// What a stream does with its messages is a stage without gRPC (WriteBlocksStage,
+// ReadBlocksStage), which the BlockAgent fuzzer runs as they are. Both reactors record their
+// outcome through the RpcRunner when they finish and delete themselves in OnDone.
 //
 // Thread-safe: gRPC runs a reactor's callbacks one at a time.
 #ifndef KVCM_GPU_AGENT_SERVER_BLOCK_STREAM_REACTORS_H_
@@ -36,21 +37,25 @@
 
 namespace kvcm {
 
-// The checks and writes of one WriteBlocks call, without gRPC: Take each message as it
-// arrives, Apply when the client half-closes. Not thread-safe (one call's messages arrive
-// one at a time).
+// The body of one WriteBlocks call for an authenticated caller, without gRPC: Take each
+// message as it arrives, Apply when the client half-closes. The reactor and the BlockAgent
+// fuzzer both run it. Not thread-safe (one call's messages arrive one at a time).
 class WriteBlocksStage {
  public:
-  // Writes into `pool`. `options` and `pool` are not owned and must outlive the stage.
-  WriteBlocksStage(const AgentOptions* options, BlockPool* pool);
+  // Writes into `pool` for `caller`. `options` and `pool` are not owned and must outlive the
+  // stage.
+  WriteBlocksStage(const AgentOptions* options, BlockPool* pool,
+                   std::shared_ptr<const Principal> caller);
 
-  // Checks one message: the first must be the header (at most max_blocks_per_call blocks,
-  // each owned in its owner_epoch, in `generations`: those authorization bound, parallel to
-  // the header's ids, or empty: not checked), the others
-  // data chunks of 1..max_message_bytes bytes, together at most the header's blocks' bytes;
-  // INVALID_ARGUMENT (or the pool's error) otherwise. A data chunk is written into its
-  // blocks at once (BlockPool::WriteRange: ABORTED for a block whose allocation ended).
-  absl::Status Take(const v1::WriteBlocksRequest& msg, std::span<const uint64_t> generations = {});
+  // Checks one message. The first must be the header: its generations required of workers
+  // (RequireGenerations) and its blocks authorized (AuthorizeBlocks, which binds their
+  // generations) before anything else of it is looked at, so a refused caller learns nothing
+  // of the blocks; then at most max_blocks_per_call blocks, each owned in its owner_epoch in
+  // the bound generations. The others are data chunks of 1..max_message_bytes bytes,
+  // together at most the header's blocks' bytes; INVALID_ARGUMENT (or the pool's error)
+  // otherwise. A data chunk is written into its blocks at once, in the bound generations
+  // (BlockPool::WriteRange: ABORTED for a block whose allocation ended).
+  absl::Status Take(const v1::WriteBlocksRequest& msg);
   // At the end of the stream: INVALID_ARGUMENT unless every byte of the header's blocks
   // came; sets resp->bytes_written.
   absl::Status Apply(v1::WriteBlocksResponse* resp);
@@ -58,9 +63,10 @@ class WriteBlocksStage {
  private:
   const AgentOptions& options_;
   BlockPool& pool_;
+  const std::shared_ptr<const Principal> caller_;
   bool have_header_ = false;
   std::vector<BlockId> ids_;
-  std::vector<uint64_t> generations_;  // parallel to ids_, or empty (not checked)
+  std::vector<uint64_t> generations_;  // bound by authorization, parallel to ids_
   uint64_t owner_epoch_ = 0;
   uint64_t expected_bytes_ = 0;
   uint64_t written_bytes_ = 0;
@@ -83,25 +89,46 @@ absl::StatusOr<std::optional<OwnedPageCheck>> DecodePageCheck(bool has_namespace
                                                               const std::string& page_hashes,
                                                               size_t num_ids);
 
-// The checks of a ReadBlocks request read from `pool` (null when the agent has no pool of
-// req.tier): INVALID_ARGUMENT for no pool, more than max_blocks_per_call blocks or a bad page
-// check (DecodePageCheck), the pool's error for a block not owned in req.owner_epoch.
-absl::Status CheckReadBlocks(const AgentOptions& options, const BlockPool* pool,
-                             const v1::ReadBlocksRequest& req);
+// The body of one ReadBlocks call for an authenticated caller, without gRPC: Open checks the
+// request, Next fills its chunks in order. The reactor and the BlockAgent fuzzer both run it.
+// Not thread-safe (one call's chunks are read one at a time).
+class ReadBlocksStage {
+ public:
+  // Reads req's blocks from `pool` (the pool req.tier names; null when the agent has none)
+  // for `caller`: generations, when given, required well-formed of workers
+  // (RequireGenerations), every block authorized (AuthorizeBlocks, which binds their
+  // generations), then INVALID_ARGUMENT for no pool, more than max_blocks_per_call blocks or
+  // a bad page check (DecodePageCheck), the pool's error for a block not owned in
+  // req.owner_epoch. `pool` is not owned and must outlive the stage.
+  static absl::StatusOr<ReadBlocksStage> Open(const AgentOptions* options, const BlockPool* pool,
+                                              const Principal& caller,
+                                              const v1::ReadBlocksRequest& req);
 
-// Fills `out` (its size is the chunk's) with the bytes at `offset` of the blocks `ids`
-// read one after the other, each block holding its page of `pages` when given (ABORTED
-// otherwise, nothing of it copied). REQUIRES: CheckReadBlocks passed, offset + out.size()
-// within ids.size() blocks.
-absl::Status ReadBlocksChunk(const BlockPool& pool, std::span<const BlockId> ids,
-                             std::span<const uint64_t> generations, uint64_t owner_epoch,
-                             uint64_t offset, std::string& out, const PageCheck* pages = nullptr);
+  bool done() const { return sent_bytes_ == total_bytes_; }
+  // Sets `chunk` to the next read_chunk_bytes (or fewer, the last) of the blocks' bytes, read
+  // in the bound generations and, with a page check, from blocks still holding their pages:
+  // ABORTED otherwise, nothing of the block copied. REQUIRES: !done().
+  absl::Status Next(std::string& chunk);
+
+ private:
+  ReadBlocksStage(const BlockPool* pool, uint64_t chunk_bytes, const v1::ReadBlocksRequest& req,
+                  std::vector<uint64_t> generations, std::optional<OwnedPageCheck> pages);
+
+  const BlockPool* pool_;
+  uint64_t chunk_bytes_;
+  std::vector<BlockId> ids_;
+  std::vector<uint64_t> generations_;  // bound by authorization, parallel to ids_
+  uint64_t owner_epoch_;
+  std::optional<OwnedPageCheck> pages_;  // the request's page check, if it sent one
+  uint64_t total_bytes_;
+  uint64_t sent_bytes_ = 0;
+};
 
 class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksRequest> {
  public:
-  // Writes into `pool` for `caller` (or ends with its error, reading nothing), once the
-  // header's blocks pass AuthorizeBlocks, holding a slot of `limiter` for the caller (or
-  // ending with RESOURCE_EXHAUSTED). `options`, `pool`, `rpc` and `limiter` are not owned and
+  // Runs a WriteBlocksStage into `pool` for `caller` (or ends with its error, reading
+  // nothing), holding a slot of `limiter` for the caller (or ending with
+  // RESOURCE_EXHAUSTED). `options`, `pool`, `rpc` and `limiter` are not owned and
   // must outlive the call.
   WriteBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
                      grpc::CallbackServerContext* ctx, v1::WriteBlocksResponse* resp,
@@ -116,11 +143,9 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
   // Records the outcome and finishes. May run OnDone inline: touches nothing afterwards.
   void End(const absl::Status& status);
 
-  WriteBlocksStage stage_;
+  // Set once the caller holds a stream slot.
+  std::optional<WriteBlocksStage> stage_;
   StreamLimiter::Slot slot_;
-  BlockPool* const pool_;
-  std::shared_ptr<const Principal> caller_;
-  bool authorized_ = false;
   RpcRunner<AgentRpc>* const rpc_;
   grpc::CallbackServerContext* const ctx_;
   v1::WriteBlocksResponse* const resp_;
@@ -129,16 +154,11 @@ class WriteBlocksReactor final : public grpc::ServerReadReactor<v1::WriteBlocksR
 
 class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksResponse> {
  public:
-  // Reads from `pool`, the pool req->tier names, or null when the agent has no such pool (the
-  // call then fails with INVALID_ARGUMENT). A failed `access` (the caller's authentication
-  // or authorization, or its stream slot) ends the call with it before anything is read.
-  // `slot` is held until OnDone. `options`, `pool` and `rpc` are not owned and must outlive
-  // the call.
-  // Every chunk is read in `generations` (parallel to req->block_ids, as authorization bound
-  // them; empty: not checked).
-  ReadBlocksReactor(const AgentOptions* options, BlockPool* pool, RpcRunner<AgentRpc>* rpc,
-                    const v1::ReadBlocksRequest* req, const absl::Status& access = absl::OkStatus(),
-                    StreamLimiter::Slot slot = {}, std::vector<uint64_t> generations = {});
+  // Streams the chunks of `stage`, or ends with its error (the caller's authentication, its
+  // stream slot, or the stage's Open) before anything is read. `slot` is held until OnDone.
+  // `rpc` is not owned and must outlive the call.
+  ReadBlocksReactor(RpcRunner<AgentRpc>* rpc, absl::StatusOr<ReadBlocksStage> stage,
+                    StreamLimiter::Slot slot = {});
 
   void OnWriteDone(bool ok) override;
   void OnDone() override { delete this; }
@@ -149,16 +169,9 @@ class ReadBlocksReactor final : public grpc::ServerWriteReactor<v1::ReadBlocksRe
   // Records the outcome and finishes. May run OnDone inline: touches nothing afterwards.
   void End(const absl::Status& status);
 
-  BlockPool* const pool_;
   RpcRunner<AgentRpc>* const rpc_;
-  const uint64_t chunk_bytes_;
   StreamLimiter::Slot slot_;
-  const std::vector<BlockId> ids_;
-  const std::vector<uint64_t> generations_;  // parallel to ids_, or empty (not checked)
-  const uint64_t owner_epoch_;
-  std::optional<OwnedPageCheck> pages_;  // the request's page check, if it sent one
-  uint64_t total_bytes_ = 0;
-  uint64_t sent_bytes_ = 0;
+  std::optional<ReadBlocksStage> stage_;  // set unless the call ended at once
   v1::ReadBlocksResponse chunk_;
 };
 
