@@ -11,7 +11,8 @@
 // naming a block of a generation that ended, or a worker's call naming a block that is not
 // its tenant's, must be refused, and a refused call (Fetch: one refused so) must change
 // nothing (no generation, namespace, commit or byte); ReadBlocks, RunAttention and Stats
-// never change anything.
+// never change anything. Generation 1 in a request names the block's live allocation, so that
+// inputs reach a worker's own blocks too.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -117,6 +118,19 @@ bool MustRefuse(const Principal& caller, const PoolState& s, std::span<const Blo
   return false;
 }
 
+// Generation 1 in a request stands for the block's generation in `s` (no allocation has
+// generation 1: they start at the clock), so that inputs can name live allocations, which
+// workers must, as well as stale ones.
+void NameLiveGenerations(const PoolState& s, const google::protobuf::RepeatedField<BlockId>& ids,
+                         google::protobuf::RepeatedField<uint64_t>* generations) {
+  for (int i = 0; i < generations->size() && i < ids.size(); ++i) {
+    if (generations->Get(i) == 1 && ids.Get(i) < s.generations.size() &&
+        s.generations[ids.Get(i)] != 0) {
+      generations->Set(i, s.generations[ids.Get(i)]);
+    }
+  }
+}
+
 template <typename Ids, typename Gens>
 bool MustRefuse(const Principal& caller, const PoolState& s, const Ids& ids, const Gens& gens) {
   return MustRefuse(caller, s, std::span<const BlockId>(ids.data(), ids.size()),
@@ -160,6 +174,7 @@ struct Session {
       case kFree: {
         v1::FreeBlocksRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+        NameLiveGenerations(main_before, req.block_ids(), req.mutable_block_generations());
         *must_refuse = MustRefuse(caller, main_before, req.block_ids(), req.block_generations());
         return FreeBlocksAs(caller, *world.pools.main, req);
       }
@@ -168,6 +183,8 @@ struct Session {
         if (!Parse(body, &msg)) return absl::InvalidArgumentError("unparsable");
         if (!write.has_value()) write.emplace(&world.options, world.pools.main, Caller(body));
         if (!write_has_header && msg.has_header()) {
+          NameLiveGenerations(main_before, msg.header().block_ids(),
+                              msg.mutable_header()->mutable_block_generations());
           *must_refuse = MustRefuse(caller, main_before, msg.header().block_ids(),
                                     msg.header().block_generations());
         }
@@ -193,8 +210,9 @@ struct Session {
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
         const BlockPool* pool = PoolOf(req.tier());
         if (pool != nullptr) {
-          *must_refuse = MustRefuse(caller, pool == world.pools.main ? main_before : StateOf(*pool),
-                                    req.block_ids(), req.block_generations());
+          const PoolState before = pool == world.pools.main ? main_before : StateOf(*pool);
+          NameLiveGenerations(before, req.block_ids(), req.mutable_block_generations());
+          *must_refuse = MustRefuse(caller, before, req.block_ids(), req.block_generations());
         }
         absl::StatusOr<ReadBlocksStage> read =
             ReadBlocksStage::Open(&world.options, pool, caller, req);
@@ -208,7 +226,8 @@ struct Session {
       case kRunAttention: {
         v1::RunAttentionRequest req;
         if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
-        for (const v1::BlockList& row : req.block_table()) {
+        for (v1::BlockList& row : *req.mutable_block_table()) {
+          NameLiveGenerations(main_before, row.block_ids(), row.mutable_block_generations());
           *must_refuse = *must_refuse ||
                          MustRefuse(caller, main_before, row.block_ids(), row.block_generations());
         }
@@ -221,10 +240,12 @@ struct Session {
         BlockPool* pool = PoolOf(req.tier());
         // Agents and admins name local blocks unchecked (AuthorizeFetch): the manager's
         // Insert vouches for them.
-        if (pool != nullptr && IsWorkerOnly(caller)) {
-          *must_refuse = req.namespace_().tenant() != caller.tenant ||
-                         MustRefuse(caller, pool == world.pools.main ? main_before : StateOf(*pool),
-                                    req.local_block_ids(), req.local_block_generations());
+        if (pool != nullptr) {
+          const PoolState before = pool == world.pools.main ? main_before : StateOf(*pool);
+          NameLiveGenerations(before, req.local_block_ids(), req.mutable_local_block_generations());
+          *must_refuse = IsWorkerOnly(caller) && (req.namespace_().tenant() != caller.tenant ||
+                                                  MustRefuse(caller, before, req.local_block_ids(),
+                                                             req.local_block_generations()));
         }
         v1::FetchResponse resp;
         absl::Status answer = absl::UnknownError("no answer");
