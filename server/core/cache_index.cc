@@ -71,6 +71,11 @@ absl::Status CacheIndexOptions::Validate() const {
 CacheIndex::CacheIndex(CacheIndexOptions options)
     : options_(std::move(options)),
       clock_(options_.clock != nullptr ? options_.clock : RealClock::Get()),
+      ledger_(TenantQuotas{.max_bytes = options_.tenant_max_bytes,
+                           .max_pinned_bytes = options_.tenant_max_pinned_bytes,
+                           .max_pins = options_.max_pins_per_tenant,
+                           .pool_share_pct = options_.default_tenant_pool_share_pct},
+              budget_),
       policy_(*MakeEvictionPolicy(options_.policy, options_.policy_context())),
       leases_(options_.expired_pin_memory),
       history_(options_.regret_window) {
@@ -168,8 +173,8 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
         " is not registered (a router only reads an existing namespace; a worker or an "
         "engine of the tenant creates it)"));
   }
-  auto known = tenants_.find(ns.tenant);
-  const uint32_t tenant_count = known == tenants_.end() ? 0 : known->second->namespaces;
+  const Tenant* known = ledger_.Find(ns.tenant);
+  const uint32_t tenant_count = known == nullptr ? 0 : known->namespaces;
   if (source == NamespaceSource::kClient) {
     if (namespaces_.size() >= options_.max_namespaces) {
       return absl::ResourceExhaustedError(absl::StrCat("max_namespaces: the manager holds ",
@@ -182,7 +187,7 @@ absl::StatusOr<RegisterModelResult> CacheIndex::RegisterModel(const NamespaceId&
                        " namespaces already; ", ns.ToString(), " was not created"));
     }
   }
-  Tenant& tenant = InternTenant(ns.tenant);
+  Tenant& tenant = ledger_.Intern(ns.tenant);
   ++tenant.namespaces;
   HashKey key = DeriveNamespaceKey(options_.hash_secret, ns.tenant, ns.model);
   // The byte-blind arm charges what an MHA-shaped cache would hold for the same tokens.
@@ -262,7 +267,7 @@ void CacheIndex::PinPath(RadixNode* node) {
     const uint64_t bytes = NodeBytes(n);
     for (Replica& r : n->replicas) {
       budget_.Pin(r.pool, bytes);
-      TenantPin(n, r.pool, true);
+      ledger_.Pin(*OwnerOf(n)->tenant, r.pool, bytes, true);
       RefreshCandidate(n, r);
     }
   }
@@ -276,7 +281,7 @@ void CacheIndex::UnpinPath(RadixNode* node) {
       const uint64_t bytes = NodeBytes(n);
       for (Replica& r : n->replicas) {
         budget_.Unpin(r.pool, bytes);
-        TenantPin(n, r.pool, false);
+        ledger_.Pin(*OwnerOf(n)->tenant, r.pool, bytes, false);
         RefreshCandidate(n, r);
       }
       // A node an engine emptied while it was pinned (RemoveReplica) goes with its pin.
@@ -298,7 +303,7 @@ void CacheIndex::AddReplica(RadixNode* node, PoolId pool, std::span<const BlockI
   budget_.Charge(pool, node->size(), bytes);
   node->tree->AddPageLocations(node->size());
   if (node->pin_count > 0) budget_.Pin(pool, bytes);
-  TenantStore(node, pool);
+  ledger_.Store(*OwnerOf(node)->tenant, pool, node->size(), bytes, node->pin_count > 0);
   if (!node->parent->is_root()) {
     Replica* up = node->parent->FindReplica(pool);
     assert(up != nullptr);  // pools are prefix-closed
@@ -479,10 +484,8 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   if (!found.ok()) return found.status();
   Namespace& ns = **found;
   Tenant& tenant = *ns.tenant;
-  if (options.pin && tenant.pins >= options_.max_pins_per_tenant) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("max_pins_per_tenant: tenant ", ns.id.tenant, " holds ", tenant.pins,
-                     " live pins; release some (nothing was matched or pinned)"));
+  if (options.pin) {
+    if (absl::Status s = ledger_.CheckPins(tenant); !s.ok()) return s;
   }
 
   thread_local std::vector<PathStep> path;
@@ -517,15 +520,10 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
         }
       }
     }
-    if (tenant.pinned_bytes + adding > options_.tenant_max_pinned_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tenant_max_pinned_bytes: tenant ", ns.id.tenant, " has ", tenant.pinned_bytes,
-          " bytes pinned (", tenant.pins, " pins) of its ", options_.tenant_max_pinned_bytes,
-          "; this pin would add ", adding, "; release some (nothing was matched or pinned)"));
-    }
+    if (absl::Status s = ledger_.CheckPinnedBytes(tenant, adding); !s.ok()) return s;
   }
 
-  if (options.pin && ShareApplies(tenant)) {
+  if (options.pin && ledger_.ShareApplies(tenant)) {
     // What the pin would add to the tenant's claim on each pool: the matched pages no pin
     // holds yet. A path has few replicas per node, so a short list beats a map.
     absl::InlinedVector<std::pair<PoolId, uint64_t>, 4> adding;
@@ -544,7 +542,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       }
     }
     for (const auto& [pool, bytes] : adding) {
-      if (absl::Status s = CheckShare(tenant, pool, bytes, "this pin"); !s.ok()) {
+      if (absl::Status s = ledger_.CheckShare(tenant, pool, bytes, "this pin"); !s.ok()) {
         return s;
       }
     }
@@ -708,13 +706,11 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   // Bytes the tenant reserved earlier in this pool stop being headroom and become the new
   // pages.
   Tenant& tenant = *ns.tenant;
-  auto reservation = tenant.reserved.find(pool);
-  const uint64_t from_reserve = options.use_reservation && reservation != tenant.reserved.end()
-                                    ? std::min(need, reservation->second)
-                                    : 0;
+  const uint64_t from_reserve =
+      options.use_reservation ? std::min(need, ledger_.Reserved(tenant, pool)) : 0;
   const uint64_t adding = need - from_reserve;  // to the pool's and to the tenant's bytes
   const uint64_t shortfall = pool_id.has_value() ? budget_.Shortfall(*pool_id, adding) : 0;
-  if (shortfall > 0 || QuotaShortfall(tenant, adding) > 0) {
+  if (shortfall > 0 || ledger_.QuotaShortfall(tenant, adding) > 0) {
     // Pin the prompt's own path so eviction cannot take the pages being extended. Split a
     // partly matched last node first, so its unmatched rest stays evictable: an insert is
     // never refused while evictable bytes could cover it.
@@ -731,8 +727,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
   }
   if (from_reserve > 0) {
     budget_.Unreserve(*pool_id, from_reserve);
-    tenant.reserved_bytes -= from_reserve;
-    if ((reservation->second -= from_reserve) == 0) tenant.reserved.erase(reservation);
+    ledger_.Unreserve(tenant, pool, from_reserve);
   }
 
   // Phase 2: apply.
@@ -833,12 +828,11 @@ IndexStats CacheIndex::Stats() const {
   stats.selection = policy_->selection();
   absl::ReaderMutexLock lock(&mu_);
   stats.pools.reserve(budget_.size());
-  const bool share = options_.default_tenant_pool_share_pct < 100 &&
-                     options_.tenant_max_bytes == 0 && options_.tenant_max_pinned_bytes == 0;
+  const bool share = ledger_.ShareInForce();
   for (PoolId id = 0; id < budget_.size(); ++id) {
     if (budget_.retired(id)) continue;
     stats.pools.push_back(budget_.stats(id));
-    if (share && !budget_.engine(id)) stats.pools.back().tenant_share_bytes = ShareCap(id);
+    if (share && !budget_.engine(id)) stats.pools.back().tenant_share_bytes = ledger_.ShareCap(id);
   }
   stats.namespaces.reserve(namespaces_.size());
   for (const auto& [id, ns] : namespaces_) {
@@ -857,16 +851,16 @@ IndexStats CacheIndex::Stats() const {
   std::sort(stats.namespaces.begin(), stats.namespaces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.ns.tenant, a.ns.model) < std::tie(b.ns.tenant, b.ns.model);
   });
-  stats.tenants.reserve(tenants_.size());
-  for (const auto& [name, t] : tenants_) {
-    stats.tenants.push_back(TenantStats{.tenant = name,
-                                        .namespaces = t->namespaces,
-                                        .stored_bytes = t->stored_bytes,
-                                        .pinned_bytes = t->pinned_bytes,
-                                        .reserved_bytes = t->reserved_bytes,
-                                        .pins = t->pins,
-                                        .engine_pages = t->engine_pages});
-  }
+  stats.tenants.reserve(ledger_.size());
+  ledger_.ForEach([&](const Tenant& t) {
+    stats.tenants.push_back(TenantStats{.tenant = t.name,
+                                        .namespaces = t.namespaces,
+                                        .stored_bytes = t.stored_bytes,
+                                        .pinned_bytes = t.pinned_bytes,
+                                        .reserved_bytes = t.reserved_bytes,
+                                        .pins = t.pins,
+                                        .engine_pages = t.engine_pages});
+  });
   std::sort(stats.tenants.begin(), stats.tenants.end(),
             [](const auto& a, const auto& b) { return a.tenant < b.tenant; });
   stats.tenant_max_bytes = options_.tenant_max_bytes;

@@ -39,6 +39,7 @@
 #include "server/core/eviction_policy.h"
 #include "server/core/lease_table.h"
 #include "server/core/radix_tree.h"
+#include "server/core/tenant_ledger.h"
 
 namespace kvcm {
 
@@ -590,9 +591,8 @@ class CacheIndex {
 
   const CacheIndexOptions& options() const { return options_; }
 
-  // Internal records of one namespace and one tenant; defined in cache_index_internal.h.
+  // Internal record of one namespace; defined in cache_index_internal.h.
   struct Namespace;
-  struct Tenant;
 
  private:
   // mu_ held exclusively, the accesses readers recorded applied first (ApplyAccessesLocked);
@@ -634,39 +634,7 @@ class CacheIndex {
   // counts it off its tenant. lease.node may be gone when it returns.
   void EndPin(const Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Tenant quotas (cache_index_quota.cc). The record of tenant `name`, created if new.
-  Tenant& InternTenant(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Erases `tenant`'s record once it has neither a namespace nor a reservation.
-  void MaybeForgetTenant(Tenant& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Keep the tenant of `node` in step with its replica in `pool` entering / leaving the
-  // tree, and with `node` becoming pinned / unpinned there. Retired pools count for no one.
-  void TenantStore(const RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TenantUnstore(const RadixNode* node, PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TenantPin(const RadixNode* node, PoolId pool, bool pinned)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A pool was retired: its bytes stop counting for every tenant.
-  void TenantDropPool(PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bytes `tenant` must free before `adding` more fit within tenant_max_bytes (0 without a
-  // quota, or for the operators' tenant "").
-  uint64_t QuotaShortfall(const Tenant& tenant, uint64_t adding) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED naming tenant_max_bytes, for `what` ("the insert") needing `adding`.
-  absl::Status QuotaExhausted(const Tenant& tenant, uint64_t adding, absl::string_view what) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // default_tenant_pool_share_pct. Whether it applies to `tenant` (no quota set, share < 100,
-  // not the operators); the bytes it allows in live pool `pool`; and what `tenant` claims
-  // there: its reservation plus its pinned bytes.
-  bool ShareApplies(const Tenant& tenant) const;
-  uint64_t ShareCap(PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  uint64_t ShareClaim(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Whether another tenant holds pages or a reservation in live pool `pool` (the operators'
-  // reservations do not count), or more than one tenant is configured
-  // (SetConfiguredTenants): only then does the share limit `tenant` there.
-  bool SharedWithOthers(const Tenant& tenant, PoolId pool) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // OK when `adding` more bytes of reservation or pins keep `tenant` within its share of
-  // `pool`; else RESOURCE_EXHAUSTED naming default_tenant_pool_share_pct, for `what`.
-  absl::Status CheckShare(const Tenant& tenant, PoolId pool, uint64_t adding,
-                          absl::string_view what) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Tenant quotas (cache_index_quota.cc; the counts and checks are ledger_'s).
   // Evicts at least `bytes` of `tenant`'s unpinned pages in live pools, in the policy's
   // cross-pool order, without demoting them; retired replicas met on the way are swept.
   // REQUIRES: the tenant's evictable bytes >= `bytes`.
@@ -786,10 +754,9 @@ class CacheIndex {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<NamespaceId, std::unique_ptr<Namespace>> namespaces_ ABSL_GUARDED_BY(mu_);
-  // Tenants with a namespace or a reservation: their counts, usage and reservations.
-  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
-  uint32_t next_tenant_group_ ABSL_GUARDED_BY(mu_) = 1;
   ByteBudget budget_ ABSL_GUARDED_BY(mu_);
+  // Tenants with a namespace or a reservation: their counts, usage and reservations.
+  TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<EvictionPolicy> policy_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);
   IndexCounters counters_ ABSL_GUARDED_BY(mu_);
@@ -815,7 +782,6 @@ class CacheIndex {
   // earlier hit counts.
   EvictionHistory history_ ABSL_GUARDED_BY(mu_);
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
-  size_t configured_tenants_ ABSL_GUARDED_BY(mu_) = 0;
   // Retired pools (DropPool) with replicas left in the tree, oldest first.
   std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);
   // Namespaces with a retention limit (they keep an expiry queue), and the one SweepExpired

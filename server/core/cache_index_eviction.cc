@@ -25,8 +25,8 @@ std::vector<BlockId> CacheIndex::RemoveReplica(RadixNode* node, PoolId pool,
   UntrackExpiry(node, *it);
   std::vector<BlockId> block_ids = std::move(it->block_ids);
   node->replicas.erase(it);
-  TenantUnstore(node, pool);
   const uint64_t bytes = NodeBytes(node);
+  ledger_.Unstore(*ns->tenant, pool, node->size(), bytes, node->pin_count > 0);
   if (node->pin_count > 0) budget_.Unpin(pool, bytes);  // only an engine's replica is pinned
   budget_.Refund(pool, node->size(), bytes);
   ns->tree.AddPageLocations(-int64_t{node->size()});
@@ -92,10 +92,9 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu, const Incoming& incom
   if (chain.empty()) return true;  // already has a host copy
   if (need > budget_.capacity(*host)) return false;
   // The copies are the tenant's bytes too: a tenant at its quota loses the page instead.
-  if (const Tenant& tenant = *OwnerOf(node)->tenant;
-      QuotaShortfall(tenant, need + (incoming.tenant == &tenant ? incoming.bytes : 0)) > 0) {
-    return false;
-  }
+  const Tenant& tenant = *OwnerOf(node)->tenant;
+  const uint64_t incoming_bytes = incoming.tenant == &tenant ? incoming.bytes : 0;
+  if (ledger_.QuotaShortfall(tenant, need + incoming_bytes) > 0) return false;
   // A demoted copy keeps its age (it is the same data, moved): one already past it leaves.
   const int64_t cutoff_ms = ExpiryCutoffMs(*OwnerOf(node), clock_->Now());
   for (const RadixNode* n : chain) {
@@ -222,19 +221,9 @@ absl::StatusOr<DropPoolResult> CacheIndex::DropPool(const PoolKey& key, bool for
     budget_.Replace(retired);
   }
   policy_->OnPoolRetired(retired);
-  TenantDropPool(retired);
-  if (forget) {
-    // No incarnation takes the reservations over.
-    std::vector<Tenant*> released;
-    for (auto& [name, tenant] : tenants_) {
-      auto it = tenant->reserved.find(key);
-      if (it == tenant->reserved.end()) continue;
-      tenant->reserved_bytes -= it->second;
-      tenant->reserved.erase(it);
-      released.push_back(tenant.get());
-    }
-    for (Tenant* tenant : released) MaybeForgetTenant(*tenant);
-  }
+  ledger_.DropPool(retired);
+  // No incarnation takes the reservations over.
+  if (forget) ledger_.ReleasePool(key);
   if (result.dropped_pages == 0) return result;  // nothing to forget
   sweeping_.push_back(retired);
   counters_.dropped_pages += result.dropped_pages;
@@ -280,7 +269,7 @@ absl::StatusOr<DeleteNamespaceResult> CacheIndex::DeleteNamespace(const Namespac
   Tenant& tenant = *ns.tenant;
   --tenant.namespaces;
   namespaces_.erase(it);
-  MaybeForgetTenant(tenant);
+  ledger_.MaybeForget(tenant);
   return result;
 }
 
@@ -414,8 +403,8 @@ absl::StatusOr<EvictResult> CacheIndex::EvictForAllocation(const PoolKey& pool,
   if (absl::Status s = NotEnginePool(*id, pool, "evicted"); !s.ok()) return s;
   absl::StatusOr<Namespace*> ns = FindNamespace(ns_id);
   if (!ns.ok()) return ns.status();
-  if (absl::Status s = CheckShare(*(*ns)->tenant, *id, in_flight_bytes + allocation_bytes,
-                                  "its stores in flight and the allocation");
+  if (absl::Status s = ledger_.CheckShare(*(*ns)->tenant, *id, in_flight_bytes + allocation_bytes,
+                                          "its stores in flight and the allocation");
       !s.ok()) {
     ++counters_.allocation_room_refusals;
     return s;

@@ -1,7 +1,7 @@
 // Internals of CacheIndex shared by its .cc files (cache_index.cc: namespaces, matching,
 // inserting, pins; cache_index_eviction.cc: budgets, eviction, demotion;
-// cache_index_expiry.cc: retention; cache_index_quota.cc: tenant quotas and reservations).
-// Not a public API.
+// cache_index_expiry.cc: retention; cache_index_quota.cc: tenant quotas and reservations, over
+// TenantLedger). Not a public API.
 #ifndef KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 #define KVCM_SERVER_CORE_CACHE_INDEX_INTERNAL_H_
 
@@ -34,38 +34,6 @@ struct ExpiryEntry {
   }
 };
 
-// One tenant's counts and usage, kept in step as the index changes (the quotas of
-// CacheIndexOptions are checked against them in O(1)). A record lives while the tenant has
-// a namespace or a reservation.
-struct CacheIndex::Tenant {
-  Tenant(std::string name_in, uint32_t group_in) : name(std::move(name_in)), group(group_in) {}
-
-  const std::string name;
-  // The eviction policy's group of its trees (RadixTree::group).
-  const uint32_t group;
-  uint32_t namespaces = 0;
-  uint32_t pins = 0;  // live
-  // Its page-locations in live pools, and those of them a pin holds, in bytes; by pool
-  // too (no zero entries), so that a dropped pool's share leaves at once.
-  uint64_t stored_bytes = 0;
-  uint64_t pinned_bytes = 0;
-  struct PoolUse {
-    uint64_t stored = 0;
-    uint64_t pinned = 0;
-  };
-  absl::flat_hash_map<PoolId, PoolUse> by_pool;
-  // Headroom it reserved, in all and by pool (keyed by PoolKey: a reservation outlives a
-  // DropPool, as the pool's own count does). No zero entries.
-  uint64_t reserved_bytes = 0;
-  absl::flat_hash_map<PoolKey, uint64_t> reserved;
-  // Page-locations of its namespaces in engine pools, retired ones included until they are
-  // swept (max_engine_pages_per_tenant).
-  uint64_t engine_pages = 0;
-
-  // Unpinned bytes, all of which the policy can reach (pins cover whole root paths).
-  uint64_t evictable() const { return stored_bytes - pinned_bytes; }
-};
-
 struct CacheIndex::Namespace {
   Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in, uint64_t page_bytes)
       : id(std::move(id_in)), spec(spec_in), key(key_in), bytes_per_page(page_bytes), tree(this) {
@@ -79,7 +47,7 @@ struct CacheIndex::Namespace {
   const HashKey key;
   const uint64_t bytes_per_page;
   RadixTree tree;
-  // Its tenant's record (owned by CacheIndex::tenants_, which keeps it while this exists).
+  // Its tenant's record (owned by CacheIndex::ledger_, which keeps it while this exists).
   Tenant* tenant = nullptr;
 
   // Retention: the limit RegisterModel (or an inventory) gave (0: the manager's default),
