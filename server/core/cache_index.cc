@@ -343,26 +343,16 @@ void CacheIndex::ExpireLeases() {
   ExpireLeasesLocked(clock_->Now());
 }
 
-size_t CacheIndex::RecordAccess(RadixNode* node, uint32_t end_page, absl::Time at) {
-  absl::MutexLock lock(&access_mu_);
-  // The stamp is taken here, under access_mu_, so that pending_ is in stamp order.
-  pending_.push_back(
-      PendingAccess{.node = node,
-                    .end_page = end_page,
-                    .stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1,
-                    .at = at});
-  return pending_.size();
-}
-
 void CacheIndex::ApplyAccessesLocked() {
   // A policy changes its order only here, with every reader out ("select" moving to another
   // candidate).
   policy_->Settle();
-  // No reader holds mu_, so none appends meanwhile; access_mu_ is taken for the analysis.
-  absl::MutexLock lock(&access_mu_);
-  if (pending_.empty()) return;
+  // No reader holds mu_, so none records meanwhile and every node named is still there.
+  thread_local std::vector<RecencyBuffer::Entry> pending;
+  recency_.Take(pending);
+  if (pending.empty()) return;
   thread_local std::vector<RadixNode*> path;
-  for (const PendingAccess& a : pending_) {
+  for (const RecencyBuffer::Entry& a : pending) {
     // What the match would have done first and last, at its own time.
     ExpireLeasesLocked(a.at);
     if (options_.regret_window > absl::ZeroDuration()) ForgetOldEvictions(a.at);
@@ -389,7 +379,7 @@ void CacheIndex::ApplyAccessesLocked() {
       policy_->Touch(*it, a.stamp, at_s, Access::kMatch);
     }
   }
-  pending_.clear();
+  pending.clear();  // names nodes that may go
 }
 
 void CacheIndex::FlushAccesses() { WriterLock lock(this); }
@@ -560,13 +550,13 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
       if (!path.empty() && path.back().matched < path.back().node->size()) {
         path.back().node = SplitNode(path.back().node, path.back().matched);
       }
-      const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+      const uint64_t stamp = recency_.NextStamp();
       const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
       for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kMatch);
       if (options_.regret_window > absl::ZeroDuration()) ForgetOldEvictions(now);
     } else {
-      unlock.flush = RecordAccess(path.empty() ? nullptr : path.back().node, result.matched_pages,
-                                  now) >= kMaxPendingAccesses;
+      unlock.flush = recency_.Record(path.empty() ? nullptr : path.back().node,
+                                     result.matched_pages, now) >= RecencyBuffer::kMaxPending;
     }
     const uint64_t page_tokens = ns.spec.page_size_tokens;
     constexpr auto kRelaxed = std::memory_order_relaxed;
@@ -765,7 +755,7 @@ absl::StatusOr<InsertResult> CacheIndex::Insert(const NamespaceId& ns_id,
     AddReplica(leaf, pid, block_ids.subspan(in_tree), committed_ms);
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
-  const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const uint64_t stamp = recency_.NextStamp();
   const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
   for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kInsert);
 

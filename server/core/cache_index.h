@@ -39,6 +39,7 @@
 #include "server/core/eviction_policy.h"
 #include "server/core/lease_table.h"
 #include "server/core/radix_tree.h"
+#include "server/core/recency_buffer.h"
 #include "server/core/tenant_ledger.h"
 
 namespace kvcm {
@@ -599,29 +600,14 @@ class CacheIndex {
   // every exclusive section takes it. Defined in cache_index_internal.h.
   class WriterLock;
 
-  // A counting match's effect on the eviction order, recorded under the shared lock: the
-  // path from the root to `node` (null: nothing matched), cut after the prompt's first
-  // `end_page` pages, was matched with `stamp` at `at`.
-  struct PendingAccess {
-    RadixNode* node;
-    uint32_t end_page;
-    uint64_t stamp;
-    absl::Time at;
-  };
-  // Accesses buffered beyond this make the reader that recorded the last one apply them all
-  // (taking the lock exclusively), so a read-only load keeps the buffer small.
-  static constexpr size_t kMaxPendingAccesses = 256;
-  // Records an access to be applied later; returns the number now pending.
-  size_t RecordAccess(RadixNode* node, uint32_t end_page, absl::Time at)
-      ABSL_SHARED_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(access_mu_);
-  // Applies the pending accesses in the order they were recorded, each as the match that
-  // recorded it would have: lease expiry and the regret window's pruning at its time, the
+  // Applies the accesses in recency_, in the order recorded, each as the match that recorded
+  // it would have: lease expiry and the regret window's pruning at its time, the
   // split of a partly matched last node, the policy's Touch of the path with its stamp.
   // Nothing else changes the tree between recording and applying, so every node named is
   // still there.
-  void ApplyAccessesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) ABSL_LOCKS_EXCLUDED(access_mu_);
+  void ApplyAccessesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes mu_ exclusively to apply the pending accesses.
-  void FlushAccesses() ABSL_LOCKS_EXCLUDED(mu_, access_mu_);
+  void FlushAccesses() ABSL_LOCKS_EXCLUDED(mu_);
   // Reports a prompt to a policy that observes them once the lock is released.
   class PromptObserver;
   absl::StatusOr<Namespace*> FindNamespace(const NamespaceId& ns) const
@@ -739,9 +725,9 @@ class CacheIndex {
                           bool skip_pending = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the pages of a match's miss that were evicted within the regret window: the run
   // that starts at the first missed page, if one was evicted, capped by the pages asked.
-  // Marks the run counted under access_mu_, so matches sharing mu_ count it once.
+  // Marks the run counted under regret_mu_, so matches sharing mu_ count it once.
   void CountRegret(std::span<const PageHash> missed, absl::Time now) ABSL_SHARED_LOCKS_REQUIRED(mu_)
-      ABSL_LOCKS_EXCLUDED(access_mu_);
+      ABSL_LOCKS_EXCLUDED(regret_mu_);
   // Forgets the evicted runs that left the regret window by `now`.
   void ForgetOldEvictions(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(CacheEvent::Kind kind, const Namespace& ns, PoolId pool,
@@ -771,13 +757,11 @@ class CacheIndex {
     std::atomic<uint64_t> eviction_regret_pages{0};
   };
   MatchCounters match_counters_;
-  // Logical time of the last access; stamps nodes on matched and inserted paths. Taken
-  // with mu_ held exclusively, or shared with access_mu_ held (so pending_ is in stamp
-  // order).
-  std::atomic<uint64_t> access_clock_{0};
-  // Taken after mu_ (shared) by matches that record; never the other way round.
-  absl::Mutex access_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::vector<PendingAccess> pending_ ABSL_GUARDED_BY(access_mu_);
+  // The access stamps of matched and inserted paths, and the recency updates of matches
+  // that share mu_ (recorded under it, applied by the next exclusive section).
+  RecencyBuffer recency_;
+  // Taken after mu_ (shared) by matches that count regret; never the other way round.
+  absl::Mutex regret_mu_ ABSL_ACQUIRED_AFTER(mu_);
   // Runs of pages removed within regret_window: eviction regret, and re-inserted runs'
   // earlier hit counts.
   EvictionHistory history_ ABSL_GUARDED_BY(mu_);

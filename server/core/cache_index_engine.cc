@@ -130,7 +130,7 @@ absl::StatusOr<uint64_t> CacheIndex::StoreEnginePages(const NamespaceId& ns_id,
     path.push_back(PathStep{leaf, in_tree, n - in_tree});
   }
   // An engine storing a prefix is a use of it, as an insert is.
-  const uint64_t stamp = access_clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const uint64_t stamp = recency_.NextStamp();
   const double now_s = absl::ToDoubleSeconds(now - absl::UnixEpoch());
   for (const PathStep& step : path) policy_->Touch(step.node, stamp, now_s, Access::kInsert);
   Emit(CacheEvent::Kind::kStored, ns, *pid, pages.subspan(in_pool));

@@ -344,7 +344,7 @@ void CacheIndex::CountRegret(std::span<const PageHash> missed, absl::Time now) {
   // ApplyAccessesLocked): they do not count.
   const EvictionHistory::Run* run = history_.FindRecent(missed[0], now);
   if (run == nullptr) return;
-  absl::MutexLock lock(&access_mu_);
+  absl::MutexLock lock(&regret_mu_);
   if (run->regretted) return;
   run->regretted = true;  // count each eviction once
   match_counters_.eviction_regret_pages.fetch_add(std::min<uint64_t>(run->pages, missed.size()),
