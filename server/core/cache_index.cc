@@ -120,7 +120,7 @@ RegisterModelResult ResultOf(const CacheIndex::Namespace& ns, bool created) {
       .hash_key = ns.key,
       .created = created,
       .registered_max_page_age = ns.registered_max_age,
-      .max_page_age = ns.max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns.max_age};
+      .max_page_age = ns.retention.limited() ? ns.retention.max_age() : absl::ZeroDuration()};
 }
 
 }  // namespace
@@ -482,7 +482,7 @@ absl::StatusOr<MatchResult> CacheIndex::Match(const NamespaceId& ns_id,
   MatchResult result;
   result.prompt_pages = static_cast<uint32_t>(pages.size());
   result.matched_pages = ns.tree.Walk(pages, &path);
-  const int64_t cutoff_ms = ExpiryCutoffMs(ns, now);
+  const int64_t cutoff_ms = ns.retention.CutoffMs(now);
   // Pages no pool holds (a pinned node an engine emptied), pages only dropped pools still
   // hold and pages past their age are gone: the match ends before the first. A node that
   // holds an expired copy ends it even when another pool holds the pages younger: pinning
@@ -792,7 +792,7 @@ absl::StatusOr<absl::Time> CacheIndex::RenewLease(const NamespaceId& ns_id, PinI
   if (!ns.ok()) return ns.status();
   absl::StatusOr<Lease*> lease = leases_.Find(pin_id, &(*ns)->tree);
   if (!lease.ok()) return lease.status();
-  const int64_t cutoff_ms = ExpiryCutoffMs(**ns, now);
+  const int64_t cutoff_ms = (*ns)->retention.CutoffMs(now);
   for (const RadixNode* node = (*lease)->node; !node->is_root(); node = node->parent) {
     if (!HasLiveReplica(node)) {
       return absl::AbortedError(
@@ -832,8 +832,7 @@ IndexStats CacheIndex::Stats() const {
         .pages = ns->tree.pages(),
         .page_locations = ns->tree.page_locations(),
         .radix_nodes = ns->tree.nodes(),
-        .max_page_age =
-            ns->max_age == absl::InfiniteDuration() ? absl::ZeroDuration() : ns->max_age,
+        .max_page_age = ns->retention.limited() ? ns->retention.max_age() : absl::ZeroDuration(),
         .expired_pages = ns->expired_pages,
         .requested_tokens = ns->requested_tokens.load(std::memory_order_relaxed),
         .matched_tokens = ns->matched_tokens.load(std::memory_order_relaxed)});

@@ -685,16 +685,13 @@ class CacheIndex {
   // Retention (cache_index_expiry.cc). The limit in force for a namespace registered with
   // `registered` (0: the default); InfiniteDuration when none.
   absl::Duration MaxPageAgeFor(absl::Duration registered) const;
-  // Sets ns's registered limit and the one in force, starting its expiry queue when it
+  // Sets ns's registered limit and the one in force, filling its retention queue when it
   // gets a limit.
   void SetMaxPageAge(Namespace& ns, absl::Duration registered) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Commit times at or before this (Unix ms) are past ns's limit at `now`; INT64_MIN when
-  // it has none.
-  static int64_t ExpiryCutoffMs(const Namespace& ns, absl::Time now);
   // Whether `node` holds a replica, in a pool that is not retired, committed at or before
   // `cutoff_ms`.
   bool HoldsExpired(const RadixNode* node, int64_t cutoff_ms) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Keeps ns's expiry queue in step with (node, replica) entering or leaving the tree.
+  // Keeps ns's retention queue in step with (node, replica) entering or leaving the tree.
   void TrackExpiry(RadixNode* node, const Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UntrackExpiry(RadixNode* node, const Replica& replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One namespace's part of SweepExpired; false when `steps` reached `max_steps` first.
@@ -768,7 +765,7 @@ class CacheIndex {
   CacheEventListener listener_ ABSL_GUARDED_BY(mu_);
   // Retired pools (DropPool) with replicas left in the tree, oldest first.
   std::deque<PoolId> sweeping_ ABSL_GUARDED_BY(mu_);
-  // Namespaces with a retention limit (they keep an expiry queue), and the one SweepExpired
+  // Namespaces with a retention limit (they keep a retention queue), and the one SweepExpired
   // goes on with.
   std::vector<Namespace*> expiring_ ABSL_GUARDED_BY(mu_);
   size_t expiry_next_ ABSL_GUARDED_BY(mu_) = 0;

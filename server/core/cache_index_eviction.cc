@@ -96,7 +96,7 @@ bool CacheIndex::DemoteToHost(RadixNode* node, PoolId gpu, const Incoming& incom
   const uint64_t incoming_bytes = incoming.tenant == &tenant ? incoming.bytes : 0;
   if (ledger_.QuotaShortfall(tenant, need + incoming_bytes) > 0) return false;
   // A demoted copy keeps its age (it is the same data, moved): one already past it leaves.
-  const int64_t cutoff_ms = ExpiryCutoffMs(*OwnerOf(node), clock_->Now());
+  const int64_t cutoff_ms = OwnerOf(node)->retention.CutoffMs(clock_->Now());
   for (const RadixNode* n : chain) {
     if (n->FindReplica(gpu)->committed_ms <= cutoff_ms) return false;
   }

@@ -1,7 +1,7 @@
 // CacheIndex: retention. Every replica carries the time its pool committed it; a namespace
-// with a max page age keeps its replicas in an expiry queue by that time, and SweepExpired
-// removes those past the age, oldest first, in bounded steps. See cache_index.h and
-// docs/EVICTION.md ("Retention").
+// with a max page age keeps its replicas in its RetentionQueue (retention_queue.h) by that
+// time, and SweepExpired removes those past the age, oldest first, in bounded steps. See
+// cache_index.h and docs/EVICTION.md ("Retention").
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
@@ -22,10 +22,7 @@ absl::Duration CacheIndex::MaxPageAgeFor(absl::Duration registered) const {
 
 void CacheIndex::SetMaxPageAge(Namespace& ns, absl::Duration registered) {
   ns.registered_max_age = registered;
-  const absl::Duration limit = MaxPageAgeFor(registered);
-  const bool had_limit = ns.max_age != absl::InfiniteDuration();
-  ns.max_age = limit;
-  if (had_limit || limit == absl::InfiniteDuration()) return;
+  if (!ns.retention.SetMaxAge(MaxPageAgeFor(registered))) return;
   // The namespace gets a limit: queue every replica it holds (once per namespace; a limit,
   // once set, only tightens).
   std::vector<RadixNode*> stack = {ns.tree.root()};
@@ -33,17 +30,11 @@ void CacheIndex::SetMaxPageAge(Namespace& ns, absl::Duration registered) {
     RadixNode* node = stack.back();
     stack.pop_back();
     for (const Replica& r : node->replicas) {
-      ns.expiry.insert(ExpiryEntry{r.committed_ms, node, r.pool});
+      ns.retention.Add({r.committed_ms, node, r.pool});
     }
     node->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
   }
   expiring_.push_back(&ns);
-}
-
-int64_t CacheIndex::ExpiryCutoffMs(const Namespace& ns, absl::Time now) {
-  if (ns.max_age == absl::InfiniteDuration()) return INT64_MIN;
-  // Age >= limit is expired: committed <= now - limit.
-  return absl::ToUnixMillis(now - ns.max_age);
 }
 
 bool CacheIndex::HoldsExpired(const RadixNode* node, int64_t cutoff_ms) const {
@@ -57,16 +48,14 @@ bool CacheIndex::HoldsExpired(const RadixNode* node, int64_t cutoff_ms) const {
 }
 
 void CacheIndex::TrackExpiry(RadixNode* node, const Replica& replica) {
-  Namespace& ns = *OwnerOf(node);
   // An engine's pages stay as long as the engine keeps them: retention is the engine's.
-  if (ns.max_age == absl::InfiniteDuration() || budget_.engine(replica.pool)) return;
-  ns.expiry.insert(ExpiryEntry{replica.committed_ms, node, replica.pool});
+  if (budget_.engine(replica.pool)) return;
+  OwnerOf(node)->retention.Add({replica.committed_ms, node, replica.pool});
 }
 
 void CacheIndex::UntrackExpiry(RadixNode* node, const Replica& replica) {
-  Namespace& ns = *OwnerOf(node);
-  if (ns.max_age == absl::InfiniteDuration() || budget_.engine(replica.pool)) return;
-  ns.expiry.erase(ExpiryEntry{replica.committed_ms, node, replica.pool});
+  if (budget_.engine(replica.pool)) return;
+  OwnerOf(node)->retention.Remove({replica.committed_ms, node, replica.pool});
 }
 
 ExpirySweepResult CacheIndex::SweepExpired(size_t max_steps) {
@@ -89,30 +78,27 @@ ExpirySweepResult CacheIndex::SweepExpired(size_t max_steps) {
 
 bool CacheIndex::SweepNamespace(Namespace& ns, absl::Time now, size_t max_steps, size_t& steps,
                                 ExpirySweepResult& result) {
-  const int64_t cutoff_ms = ExpiryCutoffMs(ns, now);
-  auto it =
-      ns.expiry_resume.has_value() ? ns.expiry.lower_bound(*ns.expiry_resume) : ns.expiry.begin();
-  while (it != ns.expiry.end() && it->committed_ms <= cutoff_ms) {
+  RetentionQueue& queue = ns.retention;
+  const int64_t cutoff_ms = queue.CutoffMs(now);
+  for (std::optional<RetentionQueue::Entry> entry = queue.First(cutoff_ms); entry.has_value();
+       entry = queue.Next(*entry, cutoff_ms)) {
     if (steps >= max_steps) {
-      ns.expiry_resume = *it;
+      queue.Pause(*entry);
       return false;
     }
-    const ExpiryEntry entry = *it;
     // A dropped pool's replicas leave through SweepRetired; a pinned node's wait for its
     // pins (no new pin can reach it: Match ends before it, RenewLease refuses). Looking at
     // one is a step, as removing one is, so every call makes progress.
-    if (budget_.retired(entry.pool) || entry.node->pin_count > 0) {
+    if (budget_.retired(entry->pool) || entry->node->pin_count > 0) {
       ++steps;
-      ++it;
       continue;
     }
-    if (!ExpireSubtree(entry.node, entry.pool, max_steps, steps, result)) {
-      ns.expiry_resume = entry;  // the rest of this subtree first, next call
+    if (!ExpireSubtree(entry->node, entry->pool, max_steps, steps, result)) {
+      queue.Pause(*entry);  // the rest of this subtree first, next call
       return false;
     }
-    it = ns.expiry.upper_bound(entry);  // the removals changed the set
   }
-  ns.expiry_resume.reset();
+  queue.EndPass();
   return true;
 }
 

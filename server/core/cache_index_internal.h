@@ -13,26 +13,11 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "server/core/cache_index.h"
+#include "server/core/retention_queue.h"
 
 namespace kvcm {
-
-// One replica in a namespace's expiry queue, ordered oldest first. The node pointer is only
-// a key (and the way to the replica while it is in the queue): an entry leaves the queue
-// when its replica leaves the tree, so it never outlives its node.
-struct ExpiryEntry {
-  int64_t committed_ms = 0;
-  RadixNode* node = nullptr;
-  PoolId pool = 0;
-
-  friend bool operator<(const ExpiryEntry& a, const ExpiryEntry& b) {
-    if (a.committed_ms != b.committed_ms) return a.committed_ms < b.committed_ms;
-    if (a.node != b.node) return std::less<const RadixNode*>()(a.node, b.node);
-    return a.pool < b.pool;
-  }
-};
 
 struct CacheIndex::Namespace {
   Namespace(NamespaceId id_in, const ModelSpec& spec_in, HashKey key_in, uint64_t page_bytes)
@@ -50,15 +35,10 @@ struct CacheIndex::Namespace {
   // Its tenant's record (owned by CacheIndex::ledger_, which keeps it while this exists).
   Tenant* tenant = nullptr;
 
-  // Retention: the limit RegisterModel (or an inventory) gave (0: the manager's default),
-  // and the one in force (InfiniteDuration: none).
+  // Retention: the limit RegisterModel (or an inventory) gave (0: the manager's default);
+  // the one in force, with every replica of the tree by commit time while there is one.
   absl::Duration registered_max_age = absl::ZeroDuration();
-  absl::Duration max_age = absl::InfiniteDuration();
-  // Every replica of the tree by commit time, kept only while max_age is finite, and
-  // where SweepExpired stopped in it (a key, not an iterator: the set changes between
-  // calls).
-  absl::btree_set<ExpiryEntry> expiry;
-  std::optional<ExpiryEntry> expiry_resume;
+  RetentionQueue retention;
   uint64_t expired_pages = 0;
   // Non-probe matches of this namespace, in whole-page tokens (the per-namespace hit ratio).
   // Added to by matches that share CacheIndex::mu_.
