@@ -14,6 +14,7 @@
 #include "common/model_spec.h"
 #include "common/security_options.h"
 #include "common/server_limits.h"
+#include "common/transports.h"
 #include "common/types.h"
 #include "gpu/agent/pool/pool_geometry.h"
 
@@ -43,11 +44,11 @@ struct AgentOptions {
   // A peer silent for this long fails a transfer; over NCCL, a send or receive that does not
   // complete within it aborts the link. >= 1.
   uint32_t transfer_io_timeout_ms = 10'000;
-  // How this agent pulls and serves block bytes, by its registered name (transport/
-  // registry.h: "tcp", "nccl"); registered with the manager. "nccl" needs a build with NCCL
+  // How this agent pulls and serves block bytes, by its name in common/transports.h ("tcp",
+  // "nccl"); registered with the manager. "nccl" needs a build with NCCL
   // (KVCM_HAVE_NCCL) and the pool on a CUDA device: Agent::Start refuses it otherwise
   // (FAILED_PRECONDITION). Requests and acks still use the data port.
-  std::string transport = "tcp";
+  std::string transport = std::string(kDefaultTransport);
   // NCCL: bytes of the device staging buffer of each link end; a chunk of a pull is at most
   // this. At least one block.
   uint64_t nccl_staging_bytes = 64ull << 20;

@@ -29,6 +29,7 @@
 #include "common/enum_names.h"
 #include "common/log.h"
 #include "common/program_flags.h"
+#include "common/transports.h"
 #include "gpu/agent/server/agent.h"
 
 namespace {
@@ -44,9 +45,8 @@ ABSL_FLAG(std::string, data_listen_address, kDefaults.data_listen_address,
           "where peers pull this agent's blocks (TCP), a.b.c.d:port; port 0 picks one");
 ABSL_FLAG(uint32_t, transfer_io_timeout_ms, kDefaults.transfer_io_timeout_ms,
           "a peer silent this long fails a transfer");
-ABSL_FLAG(std::string, transport, "tcp",
-          "How block bytes move between agents: tcp, or nccl (NCCL links between GPUs, "
-          "bootstrapped through the manager; needs a build with NCCL and a CUDA device).");
+ABSL_FLAG(std::string, transport, kDefaults.transport,
+          absl::StrCat("How block bytes move between agents: ", kvcm::TransportHelp(), "."));
 ABSL_FLAG(uint64_t, nccl_staging_bytes, kDefaults.nccl_staging_bytes,
           "NCCL: bytes of each link's device staging buffer (the largest chunk of a pull).");
 ABSL_FLAG(uint32_t, nccl_max_links, kDefaults.nccl_max_links,

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status_macros.h"
+#include "common/transports.h"
 #include "proto/core_types.h"
 #include "server/service/cache_manager_service.h"
 #include "server/service/command_stream.h"
@@ -47,9 +48,7 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   if (req.data_address().size() > kMaxAddressBytes) {
     return Invalid("data_address", absl::StrCat("must be at most ", kMaxAddressBytes, " bytes"));
   }
-  if (req.transport() != "" && req.transport() != "tcp" && req.transport() != "nccl") {
-    return Invalid("transport", "must be \"tcp\", \"nccl\" or empty");
-  }
+  if (!req.transport().empty()) KVCM_RETURN_IF_ERROR(LookupTransport(req.transport()).status());
   if (!req.transport().empty() && req.data_address().empty()) {
     return Invalid("transport", "needs a data_address to pull from");
   }
@@ -117,7 +116,8 @@ absl::StatusOr<RegisterAgentCall> RegisterAgentFromProto(const v1::RegisterAgent
   r.capacity_bytes = req.capacity_bytes();
   r.block_agent_address = req.block_agent_address();
   r.data_address = req.data_address();
-  r.transport = req.transport().empty() && !r.data_address.empty() ? "tcp" : req.transport();
+  r.transport = req.transport().empty() && !r.data_address.empty() ? std::string(kDefaultTransport)
+                                                                   : req.transport();
   r.bytes_per_block = bytes_per_block;
   r.num_blocks = g.num_blocks();
   return call;

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/transports.h"
 
 namespace kvcm {
 
@@ -15,7 +16,7 @@ void NcclBootstrapRelay::OnRegistered(const std::string& agent_id, uint64_t epoc
   Agent& a = agents_[agent_id];
   if (a.epoch != epoch) a.offers.clear();
   a.epoch = epoch;
-  a.nccl = transport == "nccl";
+  a.nccl = UsesBootstrapRelay(transport);
 }
 
 void NcclBootstrapRelay::Forget(const std::string& agent_id) {

@@ -1,11 +1,12 @@
 // NcclBootstrapRelay: the manager's side of NCCL link bootstraps (AgentControl.NcclBootstrap).
 //
-// It remembers which agents registered transport "nccl" (per epoch) and which Commands stream
-// each agent has open, and holds the link offers (NcclConnect) waiting to be written on that
-// stream. An offer is not a numbered command: the agent never acknowledges it and it is never
-// resent, because an ncclUniqueId is good only while its maker waits in ncclCommInitRank. So
-// an offer for an agent with no open stream is refused to its maker (who retries later), and
-// offers still waiting when a stream ends are dropped with it.
+// It remembers which agents registered a transport that bootstraps its links through the
+// manager (common/transports.h: "nccl"), per epoch, and which Commands stream each agent has
+// open, and holds the link offers (NcclConnect) waiting to be written on that stream. An offer is
+// not a numbered command: the agent never acknowledges it and it is never resent, because an
+// ncclUniqueId is good only while its maker waits in ncclCommInitRank. So an offer for an agent
+// with no open stream is refused to its maker (who retries later), and offers still waiting when a
+// stream ends are dropped with it.
 //
 // Plain protocol state (no gRPC): the Commands reactor moves offers out (TakeNext), the
 // AgentControlService moves them in (Relay). It keeps its own record of each agent's
@@ -61,11 +62,12 @@ class NcclBootstrapRelay {
   // The agent was declared gone: forgets it and its offers.
   void Forget(const std::string& agent_id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Whether `agent_id` registered transport "nccl" in `epoch`.
+  // Whether `agent_id` registered a transport that uses this relay in `epoch`.
   bool IsNccl(const std::string& agent_id, uint64_t epoch) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Queues `offer` for `to` in `to_epoch` and wakes its stream. Errors queue nothing:
-  // FAILED_PRECONDITION ("peer_agent_id") when `to` did not register "nccl" in `to_epoch`,
+  // FAILED_PRECONDITION ("peer_agent_id") when `to` did not register such a transport in
+  // `to_epoch`,
   // UNAVAILABLE when it has no open stream of that epoch, RESOURCE_EXHAUSTED when
   // max_offers_per_agent offers wait for it already.
   absl::Status Relay(const std::string& to, uint64_t to_epoch, NcclLinkOffer offer)

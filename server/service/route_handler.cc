@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "common/transports.h"
 
 namespace kvcm {
 
@@ -31,10 +32,9 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
   for (const EngineSessionInfo& e : engines) engine_ids.insert(e.engine_id);
   auto candidate = [&](const AgentInfo& a) {
     const double measured = a.usage.pull_gbps;
-    const double by_transport =
-        a.registration.transport == "nccl" ? defaults_.nccl_link_gbps : defaults_.tcp_link_gbps;
-    return RouteCandidate{.agent_id = a.registration.agent_id,
-                          .link_gbps = measured > 0 ? measured : by_transport};
+    return RouteCandidate{
+        .agent_id = a.registration.agent_id,
+        .link_gbps = measured > 0 ? measured : UnmeasuredLinkGbps(a.registration.transport)};
   };
   std::vector<RouteCandidate> out;
   if (named.empty()) {
@@ -66,6 +66,14 @@ absl::StatusOr<std::vector<RouteCandidate>> RouteHandler::Candidates(
     out.push_back(std::move(c));
   }
   return out;
+}
+
+double RouteHandler::UnmeasuredLinkGbps(absl::string_view transport) const {
+  if (transport.empty()) transport = kDefaultTransport;
+  if (auto it = defaults_.link_gbps.find(transport); it != defaults_.link_gbps.end()) {
+    return it->second;
+  }
+  return DefaultLinkGbps(transport);
 }
 
 absl::Status RouteHandler::Route(const v1::RouteRequest& req, v1::RouteResponse* resp) {

@@ -10,10 +10,13 @@
 #include <atomic>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvcm/v1/cache_manager.pb.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
@@ -26,8 +29,9 @@ namespace kvcm {
 // Route's cost model where requests and agents say nothing (ServerOptions route_*).
 struct RouteDefaults {
   double prefill_tokens_per_s = 10'000;
-  double tcp_link_gbps = 25;
-  double nccl_link_gbps = 400;
+  // Link bandwidth, Gbit/s, of an agent that has not measured its pulls, by its transport's
+  // name; a transport not here costs its row's default_link_gbps (common/transports.h).
+  absl::flat_hash_map<std::string, double> link_gbps;
 };
 
 class RouteHandler {
@@ -49,6 +53,9 @@ class RouteHandler {
   // FAILED_PRECONDITION when none is live.
   absl::StatusOr<std::vector<RouteCandidate>> Candidates(
       std::span<const RouteCall::Candidate> named, absl::string_view tenant) const;
+  // The link bandwidth Route assumes for an agent of `transport` with no measurement; an
+  // agent with no transport (no data port) costs as the default transport.
+  double UnmeasuredLinkGbps(absl::string_view transport) const;
 
   CacheIndex* const index_;
   const AgentRegistry* const agents_;

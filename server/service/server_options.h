@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "common/security_options.h"
 #include "common/server_limits.h"
+#include "common/transports.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
@@ -97,9 +98,11 @@ struct ServerOptions {
   // RouteRequest sends none (the cost of recomputing an uncached token). >= 1.
   uint32_t route_prefill_tokens_per_s = 10'000;
   // Link bandwidth, Gbit/s, of an agent that has not measured its pulls yet, by its
-  // transport: TCP (a datacentre NIC) and NCCL (NVLink or InfiniBand). >= 1.
-  uint32_t route_tcp_link_gbps = 25;
-  uint32_t route_nccl_link_gbps = 400;
+  // transport: TCP (a datacentre NIC) and NCCL (NVLink or InfiniBand). Their defaults are
+  // the transports' rows in common/transports.h, which also cost a transport without an
+  // option here. >= 1.
+  uint32_t route_tcp_link_gbps = DefaultLinkGbps("tcp");
+  uint32_t route_nccl_link_gbps = DefaultLinkGbps("nccl");
   // Retention (docs/EVICTION.md): seconds a cached page may stay after it was committed,
   // for every namespace; RegisterModel's max_page_age_s may set a shorter one per
   // namespace. Expired pages leave at the lease sweep (and never match). 0: no limit.

@@ -1,10 +1,12 @@
-// The transports a kvcm-agent can run, by the name --transport takes ("tcp", "nccl"). A
-// transport lives in a folder of its own under gpu/agent/transport/ and exports a factory
-// and a check of the options it reads; registry.cc lists them, once. The agent creates its
-// transport by name and never names one in code.
+// The transports a kvcm-agent can run: the factory of each row of common/transports.h (its
+// name, help and what the manager assumes of it). A transport lives in a folder of its own
+// under gpu/agent/transport/ and exports a factory and a check of the options it reads;
+// registry.cc lists them, once, by the table's names. The agent creates its transport by
+// name and never names one in code.
 //
-// Adding a transport: its folder (header, source, CMakeLists.txt, tests), one
-// add_subdirectory in transport/CMakeLists.txt and one entry in registry.cc.
+// Adding a transport: its folder (header, source, CMakeLists.txt, tests), one row in
+// common/transports.h, one add_subdirectory in transport/CMakeLists.txt and one entry in
+// registry.cc.
 #ifndef KVCM_GPU_AGENT_TRANSPORT_REGISTRY_H_
 #define KVCM_GPU_AGENT_TRANSPORT_REGISTRY_H_
 
@@ -15,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/transports.h"
 #include "common/types.h"
 #include "gpu/agent/pool/agent_state.h"
 #include "gpu/agent/pool/pool_geometry.h"
@@ -42,8 +45,7 @@ struct TransportContext {
 };
 
 struct TransportEntry {
-  absl::string_view name;     // what --transport takes and RegisterAgentRequest.transport says
-  absl::string_view summary;  // for --help and errors
+  absl::string_view name;  // its row's name in kTransportDescriptions
   // Starts the transport (it listens at once). FAILED_PRECONDITION when this build or this
   // machine cannot run it, naming why and the alternative.
   absl::StatusOr<std::unique_ptr<Transport>> (*create)(const TransportContext& context);
@@ -52,10 +54,11 @@ struct TransportEntry {
   absl::Status (*validate)(const AgentOptions& options, const PoolGeometry& geometry);
 };
 
-// Every transport, in the order --help lists them.
+// Every transport, in the order of kTransportDescriptions (each row has exactly one entry;
+// registry.cc checks that when it compiles).
 std::span<const TransportEntry> RegisteredTransports();
 
-// The transport named `name`; INVALID_ARGUMENT naming `field` and the registered names.
+// The transport named `name`; INVALID_ARGUMENT naming `field` and the table's names.
 absl::StatusOr<const TransportEntry*> FindTransport(absl::string_view name,
                                                     absl::string_view field = "transport");
 
