@@ -123,11 +123,11 @@ ServerOptions ArmServerOptions(const Arm& arm, const TempDir& dir) {
   options.hash_secret_hex = "6b76636d2d62656e63682d7365637265";  // the same keys in every arm
   options.default_pool_capacity_bytes = ~uint64_t{0} / 2;        // nothing evicts
   if (arm.tls) {
-    options.tls_cert_file = dir.Path("manager.pem");
-    options.tls_key_file = dir.Path("manager.key");
-    options.tls_ca_file = dir.Path("ca.pem");  // mutual: client certificates required
+    options.tls.cert_file = dir.Path("manager.pem");
+    options.tls.key_file = dir.Path("manager.key");
+    options.tls.ca_file = dir.Path("ca.pem");  // mutual: client certificates required
   } else {
-    options.insecure = true;
+    options.tls.insecure = true;
   }
   if (arm.token) options.tokens_file = dir.Path("tokens");
   return options;

@@ -203,7 +203,7 @@ int Run() {
             : ChatWorkloadOptions{};
 
   ServerOptions options;
-  options.insecure = true;  // the gRPC cost alone, as the baseline server's
+  options.tls.insecure = true;  // the gRPC cost alone, as the baseline server's
   options.listen_address = "127.0.0.1:0";
   options.metrics_address = "";  // no exporter; the service still records its metrics
   options.hash_secret_hex = "6b76636d2d62656e63682d7365637265";

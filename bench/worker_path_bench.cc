@@ -316,7 +316,7 @@ int Run() {
               static_cast<unsigned long long>(spec.BytesPerPage()));
 
   ServerOptions mo;
-  mo.insecure = true;
+  mo.tls.insecure = true;
   mo.listen_address = "127.0.0.1:0";
   mo.metrics_address = "";
   mo.shutdown_grace_ms = 100;
@@ -335,7 +335,7 @@ int Run() {
           ? static_cast<uint64_t>(absl::GetFlag(FLAGS_pool_blocks))
           : requests_total * shape.new_pages() + max_workers * shape.prompt_pages + 64;
   AgentOptions ao;
-  ao.insecure = true;
+  ao.tls.insecure = true;
   ao.agent_id = kAgentId;
   ao.manager_address = manager->address();
   ao.use_device = false;

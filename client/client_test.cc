@@ -92,7 +92,7 @@ int UnusedPort() { return LoopbackSocket(/*listen_for_connections=*/false).port(
 
 ServerOptions TestServerOptions(int port, std::string secret_hex) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   options.listen_address = absl::StrCat("127.0.0.1:", port);
   options.metrics_address = "";
   options.hash_secret_hex = std::move(secret_hex);

@@ -58,7 +58,7 @@ inline std::unique_ptr<BlockPool> MakePool(uint64_t blocks) {
 }
 
 struct AgentWorld {
-  AgentOptions options{.insecure = true};
+  AgentOptions options{.tls = {.insecure = true}};
   std::unique_ptr<BlockPool> main = MakePool(kMainBlocks);
   std::unique_ptr<BlockPool> host = MakePool(kHostBlocks);
   AgentPools pools{main.get(), host.get()};

@@ -2,7 +2,8 @@
 //
 //   kvcm-manager [--config=path] [--<option>=value ...]
 //
-// Every kvcm::ServerOptions field is a flag of the same name. Precedence: built-in
+// Every kvcm::ServerOptions option is a flag of the same name; those of its connection limits
+// and TLS are defined in common/server_flags.cc, shared with kvcm-agent. Precedence: built-in
 // defaults < the config file (`name = value` lines) < flags given on the command line.
 // Transport security is required: --tls_cert_file and --tls_key_file (and --tls_ca_file for
 // mutual TLS), or --insecure for plaintext in development.
@@ -114,16 +115,6 @@ ABSL_FLAG(uint32_t, route_nccl_link_gbps, kDefaults.route_nccl_link_gbps,
 ABSL_FLAG(uint32_t, default_max_page_age_s, kDefaults.default_max_page_age_s,
           "Retention: seconds a cached page may stay after it was committed (0: no limit); "
           "RegisterModel's max_page_age_s may only shorten it per namespace.");
-ABSL_FLAG(std::string, tls_cert_file, kDefaults.tls_cert_file,
-          "PEM certificate chain the gRPC port presents (TLS; with tls_key_file).");
-ABSL_FLAG(std::string, tls_key_file, kDefaults.tls_key_file, "PEM private key of tls_cert_file.");
-ABSL_FLAG(std::string, tls_ca_file, kDefaults.tls_ca_file,
-          "PEM CA bundle: when set, every client (agents too) must present a certificate it "
-          "signed (mutual TLS).");
-ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
-          "How often the TLS files are re-read, so that rotating them needs no restart (s).");
-ABSL_FLAG(bool, insecure, kDefaults.insecure,
-          "Serve plaintext gRPC instead of TLS: development on a trusted machine only.");
 ABSL_FLAG(uint64_t, tenant_max_bytes, kDefaults.tenant_max_bytes,
           "Bytes one tenant may hold, cached pages in every pool plus reserved headroom (0: "
           "unlimited); beyond, its own unpinned pages are evicted, or the call is refused.");
@@ -157,32 +148,6 @@ ABSL_FLAG(uint64_t, max_engine_pages_per_engine, kDefaults.max_engine_pages_per_
           "Page-locations one engine's pools may hold (PublishEngineEvents beyond is refused).");
 ABSL_FLAG(uint64_t, max_engine_pages_per_tenant, kDefaults.max_engine_pages_per_tenant,
           "Page-locations the engine pools of one tenant may hold.");
-ABSL_FLAG(uint32_t, grpc_handshake_timeout_ms, kDefaults.grpc_handshake_timeout_ms,
-          "A gRPC connection that has not finished its TLS handshake and HTTP/2 preface "
-          "within this is closed (ms).");
-ABSL_FLAG(uint32_t, grpc_max_connection_idle_ms, kDefaults.grpc_max_connection_idle_ms,
-          "A gRPC connection with no call for this long gets GOAWAY (ms; 0: never).");
-ABSL_FLAG(uint32_t, grpc_keepalive_time_ms, kDefaults.grpc_keepalive_time_ms,
-          "The server pings a connection silent for this long (ms).");
-ABSL_FLAG(uint32_t, grpc_keepalive_timeout_ms, kDefaults.grpc_keepalive_timeout_ms,
-          "A connection that does not answer the server's ping within this is closed (ms).");
-ABSL_FLAG(uint32_t, grpc_min_client_ping_interval_ms, kDefaults.grpc_min_client_ping_interval_ms,
-          "Clients may ping no more often than this without data (ms).");
-ABSL_FLAG(uint32_t, grpc_max_ping_strikes, kDefaults.grpc_max_ping_strikes,
-          "Pings too early a client may send before it gets GOAWAY.");
-ABSL_FLAG(uint32_t, grpc_max_concurrent_streams, kDefaults.grpc_max_concurrent_streams,
-          "Calls one gRPC connection may have open at once.");
-ABSL_FLAG(uint64_t, grpc_memory_bytes, kDefaults.grpc_memory_bytes,
-          "Memory gRPC may use for connections and calls (its resource quota), bytes.");
-ABSL_FLAG(uint32_t, grpc_max_threads, kDefaults.grpc_max_threads,
-          "Threads gRPC's server may use (its resource quota).");
-ABSL_FLAG(uint32_t, grpc_max_connections, kDefaults.grpc_max_connections,
-          "TCP connections open at once on the gRPC port, all peers together (more are "
-          "closed as they are accepted; capped at RLIMIT_NOFILE - grpc_fd_reserve).");
-ABSL_FLAG(uint32_t, grpc_max_connections_per_peer, kDefaults.grpc_max_connections_per_peer,
-          "TCP connections open at once on the gRPC port from one IP address.");
-ABSL_FLAG(uint32_t, grpc_fd_reserve, kDefaults.grpc_fd_reserve,
-          "File descriptors kept free for everything but accepted gRPC connections.");
 ABSL_FLAG(uint32_t, max_streams_per_principal, kDefaults.max_streams_per_principal,
           "Long-lived streams (WatchEvents, Commands, ReportInventory) one principal may hold "
           "open at once.");
@@ -292,8 +257,8 @@ struct Election {
   // Exits on bad options: a standby checks now what the leader would only read at takeover
   // (TLS files, the hash secret).
   static std::unique_ptr<Election> Create(const kvcm::ServerOptions& options) {
-    if (!options.insecure) {
-      if (absl::Status s = options.Tls().CheckFiles(); !s.ok()) Fail(s.message());
+    if (!options.tls.insecure) {
+      if (absl::Status s = options.tls.CheckFiles(); !s.ok()) Fail(s.message());
     }
     if (absl::Status s = options.ToCacheIndexOptions().status(); !s.ok()) Fail(s.message());
     auto e = std::make_unique<Election>();
@@ -339,7 +304,7 @@ int main(int argc, char** argv) {
       {.name = "kvcm-manager",
        .usage = "kvcm-manager [--config=path] [--option=value ...]: the kvcm KV-cache prefix "
                 "manager.",
-       .flag_files = {"server/main.cc"}});
+       .flag_files = {"server/main.cc", "common/server_flags.cc"}});
   // Debian builds Abseil without NDEBUG, which makes every absl::Mutex lock run the deadlock
   // detector; that costs ~1 % of an RPC and buys nothing in production.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -394,8 +359,8 @@ int main(int argc, char** argv) {
       manager->metrics_address().empty()
           ? std::string("metrics disabled")
           : absl::StrCat("metrics on http://", manager->metrics_address(), "/metrics");
-  const char* security = options.insecure              ? "PLAINTEXT, insecure"
-                         : options.tls_ca_file.empty() ? "TLS"
+  const char* security = options.tls.insecure          ? "PLAINTEXT, insecure"
+                         : options.tls.ca_file.empty() ? "TLS"
                                                        : "mutual TLS";
   std::printf("kvcm-manager listening on %s (%s; %s%s)\n", manager->address().c_str(), security,
               metrics.c_str(), election != nullptr ? "; leader" : "");

@@ -256,7 +256,7 @@ TEST(AgentControlFuzzTest, RandomAcksAndRegistrationsNeverBreakTheManager) {
   std::mt19937_64 rng(seed);
 
   ServerOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;

@@ -46,7 +46,7 @@ constexpr char kSecret[] = "00112233445566778899aabbccddeeff";
 // to 5 s rather than failing the test.
 std::unique_ptr<ManagerServer> StartManagerOn(int port) {
   ServerOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.listen_address = absl::StrCat("127.0.0.1:", port);
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -106,7 +106,7 @@ class AgentEpochTest : public ::testing::Test {
     port_ = manager_->port();
 
     AgentOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     o.agent_id = kAgentId;
     o.manager_address = manager_->address();
     o.use_device = false;

@@ -87,10 +87,10 @@ class AgentIdentityTest : public ::testing::Test {
     o.listen_address = "127.0.0.1:0";
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;
-    o.tls_cert_file = certs_->Path("manager.pem");
-    o.tls_key_file = certs_->Path("manager.key");
-    o.tls_ca_file = certs_->Path("ca.pem");
-    o.tls_reload_interval_s = 1;
+    o.tls.cert_file = certs_->Path("manager.pem");
+    o.tls.key_file = certs_->Path("manager.key");
+    o.tls.ca_file = certs_->Path("ca.pem");
+    o.tls.reload_interval_s = 1;
     o.tokens_file = tokens_;
     o.agent_identity_dns_suffix = kSuffix;
     manager_ = StartManager(o);
@@ -116,10 +116,10 @@ class AgentIdentityTest : public ::testing::Test {
     o.use_device = false;
     o.capacity_bytes = kBlocks * kBlockBytes;
     o.heartbeat_interval_ms = 20;
-    o.tls_cert_file = certs_->Path(identity + ".pem");
-    o.tls_key_file = certs_->Path(identity + ".key");
-    o.tls_ca_file = certs_->Path("ca.pem");
-    o.tls_reload_interval_s = 1;
+    o.tls.cert_file = certs_->Path(identity + ".pem");
+    o.tls.key_file = certs_->Path(identity + ".key");
+    o.tls.ca_file = certs_->Path("ca.pem");
+    o.tls.reload_interval_s = 1;
     return o;
   }
 
@@ -349,15 +349,15 @@ TEST_F(AgentIdentityTest, AnEpochFarAheadOfTheClockIsRefusedAndChangesNothing) {
 
 TEST(AgentIdentityOptionsTest, TheSuffixNeedsTokensAndClientCertificates) {
   ServerOptions o;
-  o.tls_cert_file = "manager.pem";
-  o.tls_key_file = "manager.key";
-  o.tls_ca_file = "ca.pem";
+  o.tls.cert_file = "manager.pem";
+  o.tls.key_file = "manager.key";
+  o.tls.ca_file = "ca.pem";
   o.agent_identity_dns_suffix = kSuffix;
   EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("needs tokens_file"));
   o.tokens_file = "tokens";
-  o.tls_ca_file.clear();
+  o.tls.ca_file.clear();
   EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("needs tls_ca_file"));
-  o.tls_ca_file = "ca.pem";
+  o.tls.ca_file = "ca.pem";
   o.agent_identity_dns_suffix = "kvcm-agent.test.svc";
   EXPECT_THAT(std::string(o.Validate().message()), HasSubstr("must start with '.'"));
 }

@@ -39,7 +39,7 @@ using ::testing::HasSubstr;
 
 std::unique_ptr<ManagerServer> StartManager(uint32_t timeout_ms) {
   ServerOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.agent_heartbeat_timeout_ms = timeout_ms;
@@ -73,7 +73,7 @@ TEST(AgentRpcTest, AgentRegistersHeartbeatsWithUsageAndShowsInStats) {
   auto cm = v1::CacheManager::NewStub(MakeInsecureChannel(manager->address()));
 
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-7";
   o.manager_address = manager->address();
   o.use_device = false;
@@ -299,7 +299,7 @@ TEST(AgentRpcTest, BadStaleAndUnknownAreRefusedWithNothingChanged) {
 std::unique_ptr<Agent> StartMlaAgent(uint64_t read_chunk_bytes,
                                      const std::string& metrics_address = "") {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "mla-test";
   o.manager_address = "127.0.0.1:1";
   o.use_device = false;

@@ -149,7 +149,7 @@ Codes OwnershipErrors(const PoolModel& m, std::span<const BlockId> ids, uint64_t
 
 std::unique_ptr<Agent> StartAgent(bool with_host_pool) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "fuzz";
   o.manager_address = "127.0.0.1:1";  // unreachable; BlockAgent does not need the manager
   o.use_device = false;

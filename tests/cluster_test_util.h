@@ -26,7 +26,7 @@
 namespace kvcm::testing {
 
 inline std::unique_ptr<ManagerServer> StartManager(ServerOptions o = {}) {
-  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
+  o.tls.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
@@ -41,7 +41,7 @@ inline std::unique_ptr<Agent> StartAgent(const std::string& manager_address, uin
                                          uint64_t host_blocks = 0,
                                          const std::string& agent_id = "gpu-3") {
   AgentOptions o;
-  o.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
+  o.tls.insecure = true;  // plaintext in-process; tests/tls_test.cc covers TLS
   o.agent_id = agent_id;
   o.manager_address = manager_address;
   o.use_device = false;

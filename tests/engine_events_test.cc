@@ -54,7 +54,7 @@ class EngineEventsTest : public ::testing::Test {
                            Sha256Hex(kRouter), " edge roles=router tenants=acme\n",
                            Sha256Hex(kAdmin), " ops roles=admin\n"));
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";

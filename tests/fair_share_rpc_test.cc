@@ -54,7 +54,7 @@ class FairShareRpcTest : public ::testing::Test {
                                 << " globex-e1 roles=engine engine=vllm-g1 tenant=globex\n"
                                 << Sha256Hex(kAdminToken) << " ops roles=admin\n";
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";

@@ -297,7 +297,7 @@ TEST_F(FetchTest, AnUnreachableSourceAnswersTheSameWhetherItsPortRefusesOrStaysS
 
   // An agent that gives up on a silent peer quickly.
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-c";
   o.manager_address = manager_->address();
   o.use_device = false;

@@ -345,7 +345,7 @@ TEST_F(FullPoolTest, RacingWorkersNeverReadOtherBytesAndLeakNothing) {
 TEST(FullPoolTtlTest, AStoreAbandonedMidWayIsReaped) {
   std::unique_ptr<ManagerServer> manager = StartManager();
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-3";
   o.manager_address = manager->address();
   o.use_device = false;
@@ -392,7 +392,7 @@ TEST(FullPoolFuzzTest, RandomWorkersKeepTheLedgerAndTheIndexInStep) {
   std::unique_ptr<ManagerServer> manager = StartManager();
   constexpr uint32_t kPoolBlocks = 16;
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-3";
   o.manager_address = manager->address();
   o.use_device = false;

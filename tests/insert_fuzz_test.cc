@@ -239,14 +239,14 @@ TEST(InsertFuzzTest, NoSequenceOfCallsMakesTheIndexDisagreeWithTheLedger) {
   const int steps = static_cast<int>(EnvOr("KVCM_FUZZ_STEPS", 600));
   std::cout << "KVCM_FUZZ_SEED=" << seed << " KVCM_FUZZ_STEPS=" << steps << std::endl;
   ServerOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
   absl::StatusOr<std::unique_ptr<ManagerServer>> manager = ManagerServer::Start(o);
   ASSERT_TRUE(manager.ok()) << manager.status();
   AgentOptions a;
-  a.insecure = true;
+  a.tls.insecure = true;
   a.agent_id = "gpu-0";
   a.manager_address = (*manager)->address();
   a.use_device = false;

@@ -32,7 +32,7 @@ class InventoryRpcTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ServerOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     o.listen_address = "127.0.0.1:0";
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;

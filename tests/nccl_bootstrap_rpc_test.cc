@@ -114,7 +114,7 @@ class NcclBootstrapRpcTest : public ::testing::Test {
  protected:
   void StartManager(uint32_t heartbeat_timeout_ms = 10'000) {
     ServerOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     o.listen_address = "127.0.0.1:0";
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;

@@ -55,7 +55,7 @@ int DeviceCount() {
 std::unique_ptr<Agent> StartNcclAgent(const std::string& manager, const std::string& id,
                                       int device) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = id;
   o.manager_address = manager;
   o.device_index = device;

@@ -40,7 +40,7 @@ class QuotaRpcTest : public ::testing::Test {
                                 << " globex-vllm roles=worker tenant=globex\n"
                                 << Sha256Hex(kAdminToken) << " ops roles=admin\n";
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";

@@ -48,7 +48,7 @@ class RetentionTest : public ::testing::Test {
     port_ = manager_->port();
 
     AgentOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     o.agent_id = kAgentId;
     o.manager_address = manager_->address();
     o.use_device = false;
@@ -78,7 +78,7 @@ class RetentionTest : public ::testing::Test {
   // (with a test failure) if it never binds.
   std::unique_ptr<ManagerServer> StartManagerOn(int port) {
     ServerOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     o.listen_address = absl::StrCat("127.0.0.1:", port);
     o.metrics_address = "";
     o.shutdown_grace_ms = 100;

@@ -40,7 +40,7 @@ class ServiceRpcTest : public ::testing::Test {
 
   void SetUp() override {
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = ServeMetrics() ? "127.0.0.1:0" : "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";
@@ -535,7 +535,7 @@ TEST_F(ServiceRpcTest, LeaseSweeperExpiresIdlePins) {
 
 TEST_F(ServiceRpcTest, BusyPortIsUnavailable) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   options.listen_address = absl::StrCat("127.0.0.1:", server_->port());
   options.metrics_address = "";
   absl::StatusOr<std::unique_ptr<ManagerServer>> second = ManagerServer::Start(options);

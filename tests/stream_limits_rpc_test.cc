@@ -60,7 +60,7 @@ TEST(StreamLimitsRpcTest, StreamsBeyondThePrincipalCapAreRefusedNamingTheOption)
   std::ofstream(tokens) << Sha256Hex(kOps) << " ops roles=admin\n"
                         << Sha256Hex(kOps2) << " ops2 roles=admin\n";
   ServerOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.tokens_file = tokens;
@@ -99,11 +99,11 @@ TEST(StreamLimitsRpcTest, StreamsBeyondThePrincipalCapAreRefusedNamingTheOption)
   v1::StatsResponse stats;
   ASSERT_TRUE(stub->Stats(&ctx, req, &stats).ok());
   EXPECT_EQ(stats.limits().max_streams_per_principal(), 2u);
-  EXPECT_EQ(stats.limits().grpc_handshake_timeout_ms(), o.grpc_handshake_timeout_ms);
-  EXPECT_EQ(stats.limits().grpc_max_concurrent_streams(), o.grpc_max_concurrent_streams);
-  EXPECT_EQ(stats.limits().grpc_max_connections_per_peer(), o.grpc_max_connections_per_peer);
+  EXPECT_EQ(stats.limits().grpc_handshake_timeout_ms(), o.limits.handshake_timeout_ms);
+  EXPECT_EQ(stats.limits().grpc_max_concurrent_streams(), o.limits.max_concurrent_streams);
+  EXPECT_EQ(stats.limits().grpc_max_connections_per_peer(), o.limits.max_connections_per_peer);
   EXPECT_GT(stats.limits().grpc_max_connections(), 0u);
-  EXPECT_LE(stats.limits().grpc_max_connections(), o.grpc_max_connections);
+  EXPECT_LE(stats.limits().grpc_max_connections(), o.limits.max_connections);
   (*server)->Shutdown();
   std::remove(tokens.c_str());
 }

@@ -66,7 +66,7 @@ class TenantAttackTest : public ::testing::Test {
     tokens_path_ = absl::StrCat(::testing::TempDir(), "/kvcm_tokens_", getpid());
     WriteFile(tokens_path_, TokensFile());
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     options.listen_address = "127.0.0.1:0";
     options.metrics_address = "";
     options.hash_secret_hex = "000102030405060708090a0b0c0d0e0f";

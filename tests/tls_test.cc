@@ -74,10 +74,10 @@ ServerOptions ManagerTls(const TestCerts& certs, bool mtls = true) {
   o.listen_address = "127.0.0.1:0";
   o.metrics_address = "";
   o.shutdown_grace_ms = 100;
-  o.tls_cert_file = certs.Path("manager.pem");
-  o.tls_key_file = certs.Path("manager.key");
-  if (mtls) o.tls_ca_file = certs.Path("ca.pem");
-  o.tls_reload_interval_s = 1;
+  o.tls.cert_file = certs.Path("manager.pem");
+  o.tls.key_file = certs.Path("manager.key");
+  if (mtls) o.tls.ca_file = certs.Path("ca.pem");
+  o.tls.reload_interval_s = 1;
   return o;
 }
 
@@ -123,10 +123,10 @@ AgentOptions AgentTls(const TestCerts& certs, const std::string& identity,
   o.use_device = false;
   o.capacity_bytes = kBlocks * kBlockBytes;
   o.heartbeat_interval_ms = 20;
-  o.tls_cert_file = certs.Path(identity + ".pem");
-  o.tls_key_file = certs.Path(identity + ".key");
-  o.tls_ca_file = certs.Path("ca.pem");
-  o.tls_reload_interval_s = 1;
+  o.tls.cert_file = certs.Path(identity + ".pem");
+  o.tls.key_file = certs.Path(identity + ".key");
+  o.tls.ca_file = certs.Path("ca.pem");
+  o.tls.reload_interval_s = 1;
   return o;
 }
 
@@ -184,21 +184,21 @@ TEST(TlsManagerTest, ARotatedCertificateServesNewConnectionsWithoutARestart) {
 TEST(TlsManagerTest, OptionsThatCannotServeSecurelyDoNotStart) {
   TestCerts& certs = SharedCerts();
   ServerOptions none = ManagerTls(certs);
-  none.tls_cert_file = none.tls_key_file = none.tls_ca_file = "";
+  none.tls.cert_file = none.tls.key_file = none.tls.ca_file = "";
   absl::Status s = ManagerServer::Start(none).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("--tls_cert_file and --tls_key_file"));
   EXPECT_THAT(s.message(), HasSubstr("--insecure"));
 
   ServerOptions missing = ManagerTls(certs);
-  missing.tls_cert_file = certs.Path("nope.pem");
+  missing.tls.cert_file = certs.Path("nope.pem");
   s = ManagerServer::Start(missing).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("tls_cert_file \"", certs.Path("nope.pem"),
                                                   "\": cannot open: No such file")));
 
   ServerOptions mismatched = ManagerTls(certs);
-  mismatched.tls_key_file = certs.Path("client.key");
+  mismatched.tls.key_file = certs.Path("client.key");
   s = ManagerServer::Start(mismatched).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("tls_key_file"));
@@ -438,7 +438,7 @@ TEST_F(AgentTokenTest, TheTokenFileGoesWithEveryAgentControlCall) {
   const std::string path = absl::StrCat(::testing::TempDir(), "/agent_token_", getpid());
   std::ofstream(path) << "agent-secret-1\n";
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-t";
   o.manager_address = absl::StrCat("127.0.0.1:", port_);
   o.use_device = false;

@@ -26,17 +26,17 @@ bool IsAgentIdChar(char c) {
 
 // One of TLS (all three files) or insecure, and one token source at most.
 absl::Status ValidateSecurity(const AgentOptions& o) {
-  const std::pair<const char*, const std::string*> files[] = {{"tls_cert_file", &o.tls_cert_file},
-                                                              {"tls_key_file", &o.tls_key_file},
-                                                              {"tls_ca_file", &o.tls_ca_file}};
-  if (o.insecure) {
+  const std::pair<const char*, const std::string*> files[] = {{"tls_cert_file", &o.tls.cert_file},
+                                                              {"tls_key_file", &o.tls.key_file},
+                                                              {"tls_ca_file", &o.tls.ca_file}};
+  if (o.tls.insecure) {
     for (const auto& [name, value] : files) {
       if (!value->empty()) {
         return Invalid("insecure", absl::StrCat("= true excludes ", name, " (got both)"));
       }
     }
   } else {
-    if (o.tls_cert_file.empty() && o.tls_key_file.empty() && o.tls_ca_file.empty()) {
+    if (o.tls.cert_file.empty() && o.tls.key_file.empty() && o.tls.ca_file.empty()) {
       return absl::InvalidArgumentError(
           "no transport security: set tls_cert_file, tls_key_file and tls_ca_file (mutual "
           "TLS), or insecure = true for plaintext on a trusted network");
@@ -48,16 +48,16 @@ absl::Status ValidateSecurity(const AgentOptions& o) {
                        "tls_ca_file)");
       }
     }
-    if (o.tls_reload_interval_s < 1 || o.tls_reload_interval_s > 86'400) {
+    if (o.tls.reload_interval_s < 1 || o.tls.reload_interval_s > 86'400) {
       return Invalid("tls_reload_interval_s",
-                     absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
+                     absl::StrCat("must be in [1, 86400], got ", o.tls.reload_interval_s));
     }
   }
-  if (o.insecure && !o.agent_identity_dns_suffix.empty()) {
+  if (o.tls.insecure && !o.agent_identity_dns_suffix.empty()) {
     return Invalid("agent_identity_dns_suffix", "needs mutual TLS, not insecure = true");
   }
   if (absl::Status s =
-          ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls_ca_file);
+          ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls.ca_file);
       !s.ok()) {
     return s;
   }
@@ -159,7 +159,7 @@ absl::Status AgentOptions::Validate() const {
       !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("data_", s.message()));  // data_<field>
   }
-  if (absl::Status s = Limits().Validate("grpc_"); !s.ok()) return s;
+  if (absl::Status s = limits.Validate("grpc_"); !s.ok()) return s;
   if (device_index < 0) return Invalid("device_index", "must be >= 0");
   if (tier != Tier::kGpu && tier != Tier::kHost && tier != Tier::kDisk) {
     return Invalid("tier", "must be gpu, host or disk");
@@ -236,29 +236,6 @@ absl::Status AgentOptions::Validate() const {
     if (absl::Status s = (*transport_entry)->validate(*this, *geometry); !s.ok()) return s;
   }
   return ValidateSecurity(*this);
-}
-
-ServerLimitsOptions AgentOptions::Limits() const {
-  return ServerLimitsOptions{.handshake_timeout_ms = grpc_handshake_timeout_ms,
-                             .max_connection_idle_ms = grpc_max_connection_idle_ms,
-                             .keepalive_time_ms = grpc_keepalive_time_ms,
-                             .keepalive_timeout_ms = grpc_keepalive_timeout_ms,
-                             .min_client_ping_interval_ms = grpc_min_client_ping_interval_ms,
-                             .max_ping_strikes = grpc_max_ping_strikes,
-                             .max_concurrent_streams = grpc_max_concurrent_streams,
-                             .memory_bytes = grpc_memory_bytes,
-                             .max_threads = grpc_max_threads,
-                             .max_connections = grpc_max_connections,
-                             .max_connections_per_peer = grpc_max_connections_per_peer,
-                             .fd_reserve = grpc_fd_reserve};
-}
-
-TlsOptions AgentOptions::Tls() const {
-  return TlsOptions{.insecure = insecure,
-                    .cert_file = tls_cert_file,
-                    .key_file = tls_key_file,
-                    .ca_file = tls_ca_file,
-                    .reload_interval_s = tls_reload_interval_s};
 }
 
 }  // namespace kvcm

@@ -114,19 +114,17 @@ struct AgentOptions {
   uint32_t max_streams_per_principal = 16;
 
   // Transport security (common/security_options.h; README "TLS"): one of TLS or insecure is
-  // required. TLS takes all three PEM files and is mutual everywhere: tls_cert_file and
-  // tls_key_file are this agent's identity, which its BlockAgent server and data port present
-  // and which it presents to the manager and to peers; tls_ca_file verifies the manager, the
-  // peers and BlockAgent's clients (workers, kvcmctl), who must all present certificates it
-  // signed. The certificates must name the addresses they are reached at (subjectAltName),
-  // the data port excepted (it checks the CA only). The files are re-read every
+  // required. Each field of `tls` is the option tls_<field> (tls_cert_file, tls_key_file,
+  // tls_ca_file, tls_reload_interval_s), `insecure` excepted, which keeps its name. TLS takes
+  // all three PEM files and is mutual everywhere: tls_cert_file and tls_key_file are this
+  // agent's identity, which its BlockAgent server and data port present and which it
+  // presents to the manager and to peers; tls_ca_file verifies the manager, the peers and
+  // BlockAgent's clients (workers, kvcmctl), who must all present certificates it signed.
+  // The certificates must name the addresses they are reached at (subjectAltName), the data
+  // port excepted (it checks the CA only). The files are re-read every
   // tls_reload_interval_s (1..86400). insecure = true: plaintext everywhere, for development
   // on a trusted machine only; excludes the tls_* files.
-  std::string tls_cert_file;
-  std::string tls_key_file;
-  std::string tls_ca_file;
-  uint32_t tls_reload_interval_s = 60;
-  bool insecure = false;
+  TlsOptions tls;
   // The agent's bearer token, sent with every call to the manager (AgentControl, its streams,
   // and the Inserts of Fetch). Either token_file, read at Start, or token itself (kvcm-agent
   // sets it from $KVCM_AGENT_TOKEN; there is no flag, as a command line is visible in ps);
@@ -144,20 +142,9 @@ struct AgentOptions {
   std::string agent_identity_dns_suffix;
 
   // Connection limits of the BlockAgent port (docs/SECURITY.md "Connection limits"): each
-  // grpc_<name> is ServerLimitsOptions::<name> (common/server_limits.h), which documents it
-  // and its range.
-  uint32_t grpc_handshake_timeout_ms = ServerLimitsOptions{}.handshake_timeout_ms;
-  uint32_t grpc_max_connection_idle_ms = ServerLimitsOptions{}.max_connection_idle_ms;
-  uint32_t grpc_keepalive_time_ms = ServerLimitsOptions{}.keepalive_time_ms;
-  uint32_t grpc_keepalive_timeout_ms = ServerLimitsOptions{}.keepalive_timeout_ms;
-  uint32_t grpc_min_client_ping_interval_ms = ServerLimitsOptions{}.min_client_ping_interval_ms;
-  uint32_t grpc_max_ping_strikes = ServerLimitsOptions{}.max_ping_strikes;
-  uint32_t grpc_max_concurrent_streams = ServerLimitsOptions{}.max_concurrent_streams;
-  uint64_t grpc_memory_bytes = ServerLimitsOptions{}.memory_bytes;
-  uint32_t grpc_max_threads = ServerLimitsOptions{}.max_threads;
-  uint32_t grpc_max_connections = ServerLimitsOptions{}.max_connections;
-  uint32_t grpc_max_connections_per_peer = ServerLimitsOptions{}.max_connections_per_peer;
-  uint32_t grpc_fd_reserve = ServerLimitsOptions{}.fd_reserve;
+  // field <name> of `limits` is the option grpc_<name> (common/server_limits.h documents it
+  // and its range).
+  ServerLimitsOptions limits;
   // Connection limits of the data port (TcpTransportOptions, data_port.h): connections
   // served at once in all and per peer IP address, counted once their handshake completed
   // (one more is then closed, never queued); connections still in their handshake, in all
@@ -205,12 +192,6 @@ struct AgentOptions {
   // read_chunk_bytes). A value over a call's bytes copies each call in one section.
   // 1..2^40.
   uint64_t local_copy_chunk_bytes = 1ull << 20;
-
-  // The BlockAgent port's connection limits as common/server_limits.h takes them.
-  ServerLimitsOptions Limits() const;
-
-  // The transport security above as the credentials factory takes it.
-  TlsOptions Tls() const;
 
   // INVALID_ARGUMENT naming the first bad option (spec errors as "spec.<field>", a pool
   // that holds no block as "capacity_bytes"). Does not read the TLS or token files.

@@ -24,7 +24,7 @@ TEST(AgentOptionsTest, TransportsAreFoundByTheirRegisteredNameOnly) {
   EXPECT_EQ(FindTransport("NCCL").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AgentOptions().transport, "tcp");  // TCP stays the default
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.capacity_bytes = 1ull << 30;
   o.transport = "rdma";
   EXPECT_THAT(o.Validate().message(), HasSubstr("transport must be one of tcp, nccl"));
@@ -59,7 +59,7 @@ TEST(AgentOptionsTest, APresetAndExplicitGeometryAreNotMixed) {
 
 TEST(AgentOptionsTest, NcclOptionsAreValidated) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.capacity_bytes = 1ull << 30;
   ASSERT_TRUE(o.Validate().ok());
   AgentOptions links = o;
@@ -82,7 +82,7 @@ TEST(AgentOptionsTest, NcclOptionsAreValidated) {
 
 TEST(AgentOptionsTest, LocalSocketOptionsAreValidated) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   EXPECT_TRUE(o.local_socket.empty());  // off by default
   EXPECT_EQ(o.local_max_sessions, 64u);
   o.local_socket = "/tmp/kvcm-agent.sock";
@@ -130,10 +130,10 @@ TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
     const char* name;
   };
   const Case cases[] = {
-      {[](AgentOptions& o) { o.grpc_handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
-      {[](AgentOptions& o) { o.grpc_max_concurrent_streams = 0; }, "grpc_max_concurrent_streams"},
-      {[](AgentOptions& o) { o.grpc_max_connections = 0; }, "grpc_max_connections"},
-      {[](AgentOptions& o) { o.grpc_fd_reserve = 0; }, "grpc_fd_reserve"},
+      {[](AgentOptions& o) { o.limits.handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
+      {[](AgentOptions& o) { o.limits.max_concurrent_streams = 0; }, "grpc_max_concurrent_streams"},
+      {[](AgentOptions& o) { o.limits.max_connections = 0; }, "grpc_max_connections"},
+      {[](AgentOptions& o) { o.limits.fd_reserve = 0; }, "grpc_fd_reserve"},
       {[](AgentOptions& o) { o.data_max_connections = 0; }, "data_max_connections"},
       {[](AgentOptions& o) { o.data_max_connections_per_peer = 0; },
        "data_max_connections_per_peer"},
@@ -144,7 +144,7 @@ TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
   };
   for (const Case& c : cases) {
     AgentOptions o;
-    o.insecure = true;
+    o.tls.insecure = true;
     ASSERT_TRUE(o.Validate().ok());
     c.set(o);
     EXPECT_TRUE(absl::IsInvalidArgument(o.Validate())) << c.name;
@@ -154,7 +154,7 @@ TEST(AgentOptionsTest, ConnectionLimitsAreValidatedByName) {
 
 TEST(AgentOptionsTest, MaxStreamsPerPrincipalIsValidated) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   ASSERT_TRUE(o.Validate().ok());
   EXPECT_EQ(o.max_streams_per_principal, 16u);
   o.max_streams_per_principal = 0;
@@ -174,21 +174,21 @@ TEST(AgentOptionsTest, TransportSecurityIsRequired) {
   EXPECT_THAT(none.message(),
               HasSubstr("set tls_cert_file, tls_key_file and tls_ca_file (mutual TLS), or "
                         "insecure = true"));
-  o.tls_cert_file = "a.pem";
-  o.tls_key_file = "a.key";
+  o.tls.cert_file = "a.pem";
+  o.tls.key_file = "a.key";
   EXPECT_THAT(o.Validate().message(), HasSubstr("tls_ca_file is required"));
-  o.tls_ca_file = "ca.pem";
+  o.tls.ca_file = "ca.pem";
   EXPECT_TRUE(o.Validate().ok()) << "files are read at Start";
-  EXPECT_EQ(o.Tls().ca_file, "ca.pem");
-  EXPECT_FALSE(o.Tls().insecure);
-  o.tls_reload_interval_s = 0;
+  EXPECT_EQ(o.tls.ca_file, "ca.pem");
+  EXPECT_FALSE(o.tls.insecure);
+  o.tls.reload_interval_s = 0;
   EXPECT_THAT(o.Validate().message(), HasSubstr("tls_reload_interval_s"));
-  o.tls_reload_interval_s = 60;
-  o.insecure = true;
+  o.tls.reload_interval_s = 60;
+  o.tls.insecure = true;
   EXPECT_THAT(o.Validate().message(), HasSubstr("insecure = true excludes tls_cert_file"));
 
   AgentOptions plain;
-  plain.insecure = true;
+  plain.tls.insecure = true;
   plain.capacity_bytes = 1ull << 30;
   EXPECT_TRUE(plain.Validate().ok());
   plain.token = "t";
@@ -205,16 +205,16 @@ TEST(AgentTlsStartTest, UnreadableFilesAreNamedAtStart) {
   o.manager_address = "127.0.0.1:1";
   o.capacity_bytes = 64ull << 20;
   o.use_device = false;
-  o.tls_cert_file = "/nonexistent/agent.pem";
-  o.tls_key_file = "/nonexistent/agent.key";
-  o.tls_ca_file = "/nonexistent/ca.pem";
+  o.tls.cert_file = "/nonexistent/agent.pem";
+  o.tls.key_file = "/nonexistent/agent.key";
+  o.tls.ca_file = "/nonexistent/ca.pem";
   absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Start(o);
   EXPECT_EQ(agent.status().code(), absl::StatusCode::kInvalidArgument) << agent.status();
   EXPECT_THAT(agent.status().message(), HasSubstr("tls_ca_file \"/nonexistent/ca.pem\""));
 
   AgentOptions token = o;
-  token.tls_cert_file = token.tls_key_file = token.tls_ca_file = "";
-  token.insecure = true;
+  token.tls.cert_file = token.tls.key_file = token.tls.ca_file = "";
+  token.tls.insecure = true;
   token.token_file = "/nonexistent/token";
   agent = Agent::Start(token);
   EXPECT_EQ(agent.status().code(), absl::StatusCode::kInvalidArgument) << agent.status();
@@ -223,7 +223,7 @@ TEST(AgentTlsStartTest, UnreadableFilesAreNamedAtStart) {
 
 TEST(AgentNcclStartTest, NcclWithoutNcclOrWithoutADeviceIsRefusedCleanly) {
   AgentOptions o;
-  o.insecure = true;
+  o.tls.insecure = true;
   o.agent_id = "gpu-9";
   o.manager_address = "127.0.0.1:1";  // never reached: the start fails first
   o.capacity_bytes = 64ull << 20;

@@ -29,6 +29,7 @@
 #include "common/enum_names.h"
 #include "common/log.h"
 #include "common/program_flags.h"
+#include "common/server_flags.h"
 #include "common/transports.h"
 #include "gpu/agent/server/agent.h"
 
@@ -96,16 +97,6 @@ ABSL_FLAG(uint64_t, read_chunk_bytes, kDefaults.read_chunk_bytes,
           "Bytes per ReadBlocks response message.");
 ABSL_FLAG(uint32_t, max_streams_per_principal, kDefaults.max_streams_per_principal,
           "Most WriteBlocks + ReadBlocks streams one principal may have open at once.");
-ABSL_FLAG(std::string, tls_cert_file, kDefaults.tls_cert_file,
-          "PEM certificate of this agent: its BlockAgent and data ports, and its client "
-          "certificate to the manager and peers (mutual TLS, with tls_key_file, tls_ca_file).");
-ABSL_FLAG(std::string, tls_key_file, kDefaults.tls_key_file, "PEM private key of tls_cert_file.");
-ABSL_FLAG(std::string, tls_ca_file, kDefaults.tls_ca_file,
-          "PEM CA bundle that verifies the manager, peers and BlockAgent clients.");
-ABSL_FLAG(uint32_t, tls_reload_interval_s, kDefaults.tls_reload_interval_s,
-          "How often the TLS files are re-read, so that rotating them needs no restart (s).");
-ABSL_FLAG(bool, insecure, kDefaults.insecure,
-          "Plaintext everywhere instead of mutual TLS: development on a trusted machine only.");
 ABSL_FLAG(std::string, token_file, kDefaults.token_file,
           "File holding this agent's bearer token for the manager; default: $KVCM_TOKEN (or the "
           "deprecated $KVCM_AGENT_TOKEN) "
@@ -121,32 +112,6 @@ ABSL_FLAG(std::string, agent_identity_dns_suffix, kDefaults.agent_identity_dns_s
 ABSL_FLAG(std::string, tokens_file, kDefaults.tokens_file,
           "Tokens file (SHA-256 hashes and grants) of the callers BlockAgent accepts; re-read "
           "when it changes. Empty: every caller may do everything (dev mode only).");
-ABSL_FLAG(uint32_t, grpc_handshake_timeout_ms, kDefaults.grpc_handshake_timeout_ms,
-          "A BlockAgent connection that has not finished its TLS handshake and HTTP/2 preface "
-          "within this is closed (ms).");
-ABSL_FLAG(uint32_t, grpc_max_connection_idle_ms, kDefaults.grpc_max_connection_idle_ms,
-          "A BlockAgent connection with no call for this long gets GOAWAY (ms; 0: never).");
-ABSL_FLAG(uint32_t, grpc_keepalive_time_ms, kDefaults.grpc_keepalive_time_ms,
-          "BlockAgent pings a connection silent for this long (ms).");
-ABSL_FLAG(uint32_t, grpc_keepalive_timeout_ms, kDefaults.grpc_keepalive_timeout_ms,
-          "A connection that does not answer BlockAgent's ping within this is closed (ms).");
-ABSL_FLAG(uint32_t, grpc_min_client_ping_interval_ms, kDefaults.grpc_min_client_ping_interval_ms,
-          "Clients may ping no more often than this without data (ms).");
-ABSL_FLAG(uint32_t, grpc_max_ping_strikes, kDefaults.grpc_max_ping_strikes,
-          "Pings too early a client may send before it gets GOAWAY.");
-ABSL_FLAG(uint32_t, grpc_max_concurrent_streams, kDefaults.grpc_max_concurrent_streams,
-          "Calls one BlockAgent connection may have open at once.");
-ABSL_FLAG(uint64_t, grpc_memory_bytes, kDefaults.grpc_memory_bytes,
-          "Memory gRPC may use for BlockAgent connections and calls (its resource quota), bytes.");
-ABSL_FLAG(uint32_t, grpc_max_threads, kDefaults.grpc_max_threads,
-          "Threads gRPC's BlockAgent server may use (its resource quota).");
-ABSL_FLAG(uint32_t, grpc_max_connections, kDefaults.grpc_max_connections,
-          "TCP connections open at once on the BlockAgent port (more are closed as accepted; "
-          "capped at RLIMIT_NOFILE - grpc_fd_reserve).");
-ABSL_FLAG(uint32_t, grpc_max_connections_per_peer, kDefaults.grpc_max_connections_per_peer,
-          "TCP connections open at once on the BlockAgent port from one IP address.");
-ABSL_FLAG(uint32_t, grpc_fd_reserve, kDefaults.grpc_fd_reserve,
-          "File descriptors kept free for everything but accepted BlockAgent connections.");
 ABSL_FLAG(uint32_t, data_max_connections, kDefaults.data_max_connections,
           "Connections the data port serves at once, counted once their handshake completed; "
           "one more is then closed.");
@@ -246,27 +211,11 @@ kvcm::AgentOptions OptionsFromFlags() {
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   o.read_chunk_bytes = absl::GetFlag(FLAGS_read_chunk_bytes);
   o.max_streams_per_principal = absl::GetFlag(FLAGS_max_streams_per_principal);
-  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
-  o.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
-  o.tls_ca_file = absl::GetFlag(FLAGS_tls_ca_file);
-  o.tls_reload_interval_s = absl::GetFlag(FLAGS_tls_reload_interval_s);
-  o.insecure = absl::GetFlag(FLAGS_insecure);
+  kvcm::ReadServerFlags(&o.limits, &o.tls);
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.tokens_file = absl::GetFlag(FLAGS_tokens_file);
   o.advertise_host = absl::GetFlag(FLAGS_advertise_host);
   o.agent_identity_dns_suffix = absl::GetFlag(FLAGS_agent_identity_dns_suffix);
-  o.grpc_handshake_timeout_ms = absl::GetFlag(FLAGS_grpc_handshake_timeout_ms);
-  o.grpc_max_connection_idle_ms = absl::GetFlag(FLAGS_grpc_max_connection_idle_ms);
-  o.grpc_keepalive_time_ms = absl::GetFlag(FLAGS_grpc_keepalive_time_ms);
-  o.grpc_keepalive_timeout_ms = absl::GetFlag(FLAGS_grpc_keepalive_timeout_ms);
-  o.grpc_min_client_ping_interval_ms = absl::GetFlag(FLAGS_grpc_min_client_ping_interval_ms);
-  o.grpc_max_ping_strikes = absl::GetFlag(FLAGS_grpc_max_ping_strikes);
-  o.grpc_max_concurrent_streams = absl::GetFlag(FLAGS_grpc_max_concurrent_streams);
-  o.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
-  o.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
-  o.grpc_max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
-  o.grpc_max_connections_per_peer = absl::GetFlag(FLAGS_grpc_max_connections_per_peer);
-  o.grpc_fd_reserve = absl::GetFlag(FLAGS_grpc_fd_reserve);
   o.data_max_connections = absl::GetFlag(FLAGS_data_max_connections);
   o.data_max_connections_per_peer = absl::GetFlag(FLAGS_data_max_connections_per_peer);
   o.data_max_handshakes = absl::GetFlag(FLAGS_data_max_handshakes);
@@ -309,7 +258,7 @@ int main(int argc, char** argv) {
       {.name = "kvcm-agent",
        .usage = "kvcm-agent --agent_id=ID --manager_address=HOST:PORT [--option=value ...]: one "
                 "GPU's KV block pool, registered with kvcm-manager.",
-       .flag_files = {"gpu/agent/main.cc"}});
+       .flag_files = {"gpu/agent/main.cc", "common/server_flags.cc"}});
 
   // Block SIGINT/SIGTERM before any thread starts; only sigwait below takes them.
   sigset_t stop_signals;
@@ -324,7 +273,7 @@ int main(int argc, char** argv) {
   const kvcm::PoolGeometry& g = agent->pool().geometry();
   std::printf("kvcm-agent %s serving BlockAgent on %s (%s), epoch %llu\n",
               absl::GetFlag(FLAGS_agent_id).c_str(), agent->address().c_str(),
-              agent->options().insecure ? "PLAINTEXT, insecure" : "mutual TLS",
+              agent->options().tls.insecure ? "PLAINTEXT, insecure" : "mutual TLS",
               static_cast<unsigned long long>(agent->epoch()));
   std::fflush(stdout);
   kvcm::LogInfo(

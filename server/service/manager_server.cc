@@ -64,12 +64,12 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   index_options.clock = index_clock;
   // The certificate files are read now, so that a missing or mismatched one stops the start.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      MakeServerCredentials(options.Tls());
+      MakeServerCredentials(options.tls);
   if (!credentials.ok()) {  // "cert_file ..." -> "tls_cert_file ...", the option's name
     return absl::Status(credentials.status().code(),
                         absl::StrCat("tls_", credentials.status().message()));
   }
-  if (options.insecure) LogWarning(kInsecureWarning);
+  if (options.tls.insecure) LogWarning(kInsecureWarning);
   std::unique_ptr<ManagerServer> s(new ManagerServer(std::move(options)));
   const ServerOptions& opts = s->options_;
   KVCM_ASSIGN_OR_RETURN(s->index_, CacheIndex::Create(std::move(index_options)));
@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
     hub->Publish(event);
     block_commands->OnEvent(event);  // evicted blocks -> FreeBlocks to the agent holding them
   });
-  const ServerLimitsOptions conn_limits = opts.Limits();
+  const ServerLimitsOptions conn_limits = opts.limits;
   RateLimitGrpcLog();
   const uint64_t fd_limit = RaiseFileLimit();
   const uint32_t max_connections = InstallAcceptGuard(conn_limits, fd_limit);
@@ -156,7 +156,7 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   // Tokens are checked on a call's headers, before its request is read (TLS only: gRPC's
   // insecure credentials take no processor; the handlers check again either way).
   s->auth_processor_ =
-      InstallAuthProcessor(s->authenticator_.get(), !opts.insecure, credentials->get());
+      InstallAuthProcessor(s->authenticator_.get(), !opts.tls.insecure, credentials->get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -41,7 +41,7 @@ class ManagerServer {
  public:
   // Validates `options`, reads the TLS files, builds the index and starts serving.
   // INVALID_ARGUMENT for bad options or TLS files (naming the tls_* option and the path);
-  // UNAVAILABLE when an address cannot be bound. Logs a warning when options.insecure.
+  // UNAVAILABLE when an address cannot be bound. Logs a warning when options.tls.insecure.
   // `index_clock` (not owned; must outlive the server) replaces the real clock of the index
   // (leases, page ages): tests pass a FakeClock. Agents' heartbeats keep the real clock.
   // `exposer`, when given, is an exporter already serving options.metrics_address (a

@@ -20,76 +20,90 @@
 namespace kvcm {
 namespace {
 
-using Member = std::variant<std::string ServerOptions::*, uint32_t ServerOptions::*,
-                            uint64_t ServerOptions::*, bool ServerOptions::*>;
+// Where an option lives in a ServerOptions.
+using Value = std::variant<std::string*, uint32_t*, uint64_t*, bool*>;
 
 struct Field {
   absl::string_view name;
-  Member member;
+  Value (*get)(ServerOptions&);
 };
+
+template <auto kMember>
+Value Top(ServerOptions& o) {
+  return &(o.*kMember);
+}
+template <auto kMember>
+Value Tls(ServerOptions& o) {
+  return &(o.tls.*kMember);
+}
+template <auto kMember>
+Value Limit(ServerOptions& o) {
+  return &(o.limits.*kMember);
+}
 
 // Every option, in declaration order. Set, Names and DebugString go through this table.
 const std::vector<Field>& Fields() {
   static const auto* const kFields = new std::vector<Field>{
-      {"listen_address", &ServerOptions::listen_address},
-      {"metrics_address", &ServerOptions::metrics_address},
-      {"policy", &ServerOptions::policy},
-      {"default_pool_capacity_bytes", &ServerOptions::default_pool_capacity_bytes},
-      {"default_lease_ttl_ms", &ServerOptions::default_lease_ttl_ms},
-      {"max_lease_ttl_ms", &ServerOptions::max_lease_ttl_ms},
-      {"expired_pin_memory_ms", &ServerOptions::expired_pin_memory_ms},
-      {"regret_window_ms", &ServerOptions::regret_window_ms},
-      {"max_tokens_per_request", &ServerOptions::max_tokens_per_request},
-      {"max_pages_per_request", &ServerOptions::max_pages_per_request},
-      {"max_message_bytes", &ServerOptions::max_message_bytes},
-      {"lease_sweep_interval_ms", &ServerOptions::lease_sweep_interval_ms},
-      {"hash_secret_hex", &ServerOptions::hash_secret_hex},
-      {"hash_secret_file", &ServerOptions::hash_secret_file},
-      {"tokens_file", &ServerOptions::tokens_file},
-      {"agent_identity_dns_suffix", &ServerOptions::agent_identity_dns_suffix},
-      {"max_event_queue", &ServerOptions::max_event_queue},
-      {"shutdown_grace_ms", &ServerOptions::shutdown_grace_ms},
-      {"agent_heartbeat_timeout_ms", &ServerOptions::agent_heartbeat_timeout_ms},
-      {"max_agent_epoch_ahead_s", &ServerOptions::max_agent_epoch_ahead_s},
-      {"gone_agent_memory_s", &ServerOptions::gone_agent_memory_s},
-      {"engine_session_ttl_ms", &ServerOptions::engine_session_ttl_ms},
-      {"max_namespaces", &ServerOptions::max_namespaces},
-      {"max_namespaces_per_tenant", &ServerOptions::max_namespaces_per_tenant},
-      {"max_pins_per_tenant", &ServerOptions::max_pins_per_tenant},
-      {"route_prefill_tokens_per_s", &ServerOptions::route_prefill_tokens_per_s},
-      {"route_tcp_link_gbps", &ServerOptions::route_tcp_link_gbps},
-      {"route_nccl_link_gbps", &ServerOptions::route_nccl_link_gbps},
-      {"default_max_page_age_s", &ServerOptions::default_max_page_age_s},
-      {"tls_cert_file", &ServerOptions::tls_cert_file},
-      {"tls_key_file", &ServerOptions::tls_key_file},
-      {"tls_ca_file", &ServerOptions::tls_ca_file},
-      {"tls_reload_interval_s", &ServerOptions::tls_reload_interval_s},
-      {"insecure", &ServerOptions::insecure},
-      {"tenant_max_bytes", &ServerOptions::tenant_max_bytes},
-      {"tenant_max_pinned_bytes", &ServerOptions::tenant_max_pinned_bytes},
-      {"etcd_endpoints", &ServerOptions::etcd_endpoints},
-      {"etcd_election_key", &ServerOptions::etcd_election_key},
-      {"etcd_lease_ttl_s", &ServerOptions::etcd_lease_ttl_s},
-      {"advertise_address", &ServerOptions::advertise_address},
-      {"etcd_ca_file", &ServerOptions::etcd_ca_file},
-      {"etcd_cert_file", &ServerOptions::etcd_cert_file},
-      {"etcd_key_file", &ServerOptions::etcd_key_file},
-      {"default_tenant_pool_share_pct", &ServerOptions::default_tenant_pool_share_pct},
-      {"max_engine_pages_per_engine", &ServerOptions::max_engine_pages_per_engine},
-      {"max_engine_pages_per_tenant", &ServerOptions::max_engine_pages_per_tenant},
-      {"grpc_handshake_timeout_ms", &ServerOptions::grpc_handshake_timeout_ms},
-      {"grpc_max_connection_idle_ms", &ServerOptions::grpc_max_connection_idle_ms},
-      {"grpc_keepalive_time_ms", &ServerOptions::grpc_keepalive_time_ms},
-      {"grpc_keepalive_timeout_ms", &ServerOptions::grpc_keepalive_timeout_ms},
-      {"grpc_min_client_ping_interval_ms", &ServerOptions::grpc_min_client_ping_interval_ms},
-      {"grpc_max_ping_strikes", &ServerOptions::grpc_max_ping_strikes},
-      {"grpc_max_concurrent_streams", &ServerOptions::grpc_max_concurrent_streams},
-      {"grpc_memory_bytes", &ServerOptions::grpc_memory_bytes},
-      {"grpc_max_threads", &ServerOptions::grpc_max_threads},
-      {"grpc_max_connections", &ServerOptions::grpc_max_connections},
-      {"grpc_max_connections_per_peer", &ServerOptions::grpc_max_connections_per_peer},
-      {"grpc_fd_reserve", &ServerOptions::grpc_fd_reserve},
-      {"max_streams_per_principal", &ServerOptions::max_streams_per_principal},
+      {"listen_address", &Top<&ServerOptions::listen_address>},
+      {"metrics_address", &Top<&ServerOptions::metrics_address>},
+      {"policy", &Top<&ServerOptions::policy>},
+      {"default_pool_capacity_bytes", &Top<&ServerOptions::default_pool_capacity_bytes>},
+      {"default_lease_ttl_ms", &Top<&ServerOptions::default_lease_ttl_ms>},
+      {"max_lease_ttl_ms", &Top<&ServerOptions::max_lease_ttl_ms>},
+      {"expired_pin_memory_ms", &Top<&ServerOptions::expired_pin_memory_ms>},
+      {"regret_window_ms", &Top<&ServerOptions::regret_window_ms>},
+      {"max_tokens_per_request", &Top<&ServerOptions::max_tokens_per_request>},
+      {"max_pages_per_request", &Top<&ServerOptions::max_pages_per_request>},
+      {"max_message_bytes", &Top<&ServerOptions::max_message_bytes>},
+      {"lease_sweep_interval_ms", &Top<&ServerOptions::lease_sweep_interval_ms>},
+      {"hash_secret_hex", &Top<&ServerOptions::hash_secret_hex>},
+      {"hash_secret_file", &Top<&ServerOptions::hash_secret_file>},
+      {"tokens_file", &Top<&ServerOptions::tokens_file>},
+      {"agent_identity_dns_suffix", &Top<&ServerOptions::agent_identity_dns_suffix>},
+      {"max_event_queue", &Top<&ServerOptions::max_event_queue>},
+      {"shutdown_grace_ms", &Top<&ServerOptions::shutdown_grace_ms>},
+      {"agent_heartbeat_timeout_ms", &Top<&ServerOptions::agent_heartbeat_timeout_ms>},
+      {"max_agent_epoch_ahead_s", &Top<&ServerOptions::max_agent_epoch_ahead_s>},
+      {"gone_agent_memory_s", &Top<&ServerOptions::gone_agent_memory_s>},
+      {"engine_session_ttl_ms", &Top<&ServerOptions::engine_session_ttl_ms>},
+      {"max_namespaces", &Top<&ServerOptions::max_namespaces>},
+      {"max_namespaces_per_tenant", &Top<&ServerOptions::max_namespaces_per_tenant>},
+      {"max_pins_per_tenant", &Top<&ServerOptions::max_pins_per_tenant>},
+      {"route_prefill_tokens_per_s", &Top<&ServerOptions::route_prefill_tokens_per_s>},
+      {"route_tcp_link_gbps", &Top<&ServerOptions::route_tcp_link_gbps>},
+      {"route_nccl_link_gbps", &Top<&ServerOptions::route_nccl_link_gbps>},
+      {"default_max_page_age_s", &Top<&ServerOptions::default_max_page_age_s>},
+      {"tls_cert_file", &Tls<&TlsOptions::cert_file>},
+      {"tls_key_file", &Tls<&TlsOptions::key_file>},
+      {"tls_ca_file", &Tls<&TlsOptions::ca_file>},
+      {"tls_reload_interval_s", &Tls<&TlsOptions::reload_interval_s>},
+      {"insecure", &Tls<&TlsOptions::insecure>},
+      {"tenant_max_bytes", &Top<&ServerOptions::tenant_max_bytes>},
+      {"tenant_max_pinned_bytes", &Top<&ServerOptions::tenant_max_pinned_bytes>},
+      {"etcd_endpoints", &Top<&ServerOptions::etcd_endpoints>},
+      {"etcd_election_key", &Top<&ServerOptions::etcd_election_key>},
+      {"etcd_lease_ttl_s", &Top<&ServerOptions::etcd_lease_ttl_s>},
+      {"advertise_address", &Top<&ServerOptions::advertise_address>},
+      {"etcd_ca_file", &Top<&ServerOptions::etcd_ca_file>},
+      {"etcd_cert_file", &Top<&ServerOptions::etcd_cert_file>},
+      {"etcd_key_file", &Top<&ServerOptions::etcd_key_file>},
+      {"default_tenant_pool_share_pct", &Top<&ServerOptions::default_tenant_pool_share_pct>},
+      {"max_engine_pages_per_engine", &Top<&ServerOptions::max_engine_pages_per_engine>},
+      {"max_engine_pages_per_tenant", &Top<&ServerOptions::max_engine_pages_per_tenant>},
+      {"grpc_handshake_timeout_ms", &Limit<&ServerLimitsOptions::handshake_timeout_ms>},
+      {"grpc_max_connection_idle_ms", &Limit<&ServerLimitsOptions::max_connection_idle_ms>},
+      {"grpc_keepalive_time_ms", &Limit<&ServerLimitsOptions::keepalive_time_ms>},
+      {"grpc_keepalive_timeout_ms", &Limit<&ServerLimitsOptions::keepalive_timeout_ms>},
+      {"grpc_min_client_ping_interval_ms",
+       &Limit<&ServerLimitsOptions::min_client_ping_interval_ms>},
+      {"grpc_max_ping_strikes", &Limit<&ServerLimitsOptions::max_ping_strikes>},
+      {"grpc_max_concurrent_streams", &Limit<&ServerLimitsOptions::max_concurrent_streams>},
+      {"grpc_memory_bytes", &Limit<&ServerLimitsOptions::memory_bytes>},
+      {"grpc_max_threads", &Limit<&ServerLimitsOptions::max_threads>},
+      {"grpc_max_connections", &Limit<&ServerLimitsOptions::max_connections>},
+      {"grpc_max_connections_per_peer", &Limit<&ServerLimitsOptions::max_connections_per_peer>},
+      {"grpc_fd_reserve", &Limit<&ServerLimitsOptions::fd_reserve>},
+      {"max_streams_per_principal", &Top<&ServerOptions::max_streams_per_principal>},
   };
   return *kFields;
 }
@@ -125,10 +139,10 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 // One of TLS (certificate and key) or insecure; the files themselves are read at Start.
 // Agent identity by certificate is checked here too: it needs TLS.
 absl::Status ValidateTransportSecurity(const ServerOptions& o) {
-  if (o.insecure) {
+  if (o.tls.insecure) {
     for (const auto& [name, value] :
-         {std::pair{"tls_cert_file", &o.tls_cert_file}, std::pair{"tls_key_file", &o.tls_key_file},
-          std::pair{"tls_ca_file", &o.tls_ca_file}}) {
+         {std::pair{"tls_cert_file", &o.tls.cert_file}, std::pair{"tls_key_file", &o.tls.key_file},
+          std::pair{"tls_ca_file", &o.tls.ca_file}}) {
       if (!value->empty()) {
         return Invalid("insecure", absl::StrCat("= true excludes ", name, " (got both)"));
       }
@@ -138,19 +152,19 @@ absl::Status ValidateTransportSecurity(const ServerOptions& o) {
     }
     return absl::OkStatus();
   }
-  if (o.tls_cert_file.empty() && o.tls_key_file.empty()) {
+  if (o.tls.cert_file.empty() && o.tls.key_file.empty()) {
     return absl::InvalidArgumentError(
         "no transport security: pass --tls_cert_file and --tls_key_file (and --tls_ca_file for "
         "mutual TLS), or --insecure to serve plaintext on a trusted network (in a --config "
         "file: tls_cert_file = ..., insecure = true)");
   }
-  if (o.tls_cert_file.empty()) return Invalid("tls_cert_file", "is required with tls_key_file");
-  if (o.tls_key_file.empty()) return Invalid("tls_key_file", "is required with tls_cert_file");
-  if (o.tls_reload_interval_s < 1 || o.tls_reload_interval_s > 86'400) {
+  if (o.tls.cert_file.empty()) return Invalid("tls_cert_file", "is required with tls_key_file");
+  if (o.tls.key_file.empty()) return Invalid("tls_key_file", "is required with tls_cert_file");
+  if (o.tls.reload_interval_s < 1 || o.tls.reload_interval_s > 86'400) {
     return Invalid("tls_reload_interval_s",
-                   absl::StrCat("must be in [1, 86400], got ", o.tls_reload_interval_s));
+                   absl::StrCat("must be in [1, 86400], got ", o.tls.reload_interval_s));
   }
-  return ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls_ca_file);
+  return ValidateAgentIdentity(o.agent_identity_dns_suffix, o.tokens_file, o.tls.ca_file);
 }
 
 // The etcd_* options and advertise_address; all of them but the election key and lease
@@ -277,33 +291,10 @@ absl::Status ServerOptions::Validate() const {
     return Invalid("max_engine_pages_per_engine", "must be >= 1");
   if (max_engine_pages_per_tenant < 1)
     return Invalid("max_engine_pages_per_tenant", "must be >= 1");
-  if (absl::Status s = Limits().Validate("grpc_"); !s.ok()) return s;
+  if (absl::Status s = limits.Validate("grpc_"); !s.ok()) return s;
   if (max_streams_per_principal < 1) return Invalid("max_streams_per_principal", "must be >= 1");
   if (absl::Status s = ValidateHighAvailability(*this); !s.ok()) return s;
   return ValidateTransportSecurity(*this);
-}
-
-ServerLimitsOptions ServerOptions::Limits() const {
-  return ServerLimitsOptions{.handshake_timeout_ms = grpc_handshake_timeout_ms,
-                             .max_connection_idle_ms = grpc_max_connection_idle_ms,
-                             .keepalive_time_ms = grpc_keepalive_time_ms,
-                             .keepalive_timeout_ms = grpc_keepalive_timeout_ms,
-                             .min_client_ping_interval_ms = grpc_min_client_ping_interval_ms,
-                             .max_ping_strikes = grpc_max_ping_strikes,
-                             .max_concurrent_streams = grpc_max_concurrent_streams,
-                             .memory_bytes = grpc_memory_bytes,
-                             .max_threads = grpc_max_threads,
-                             .max_connections = grpc_max_connections,
-                             .max_connections_per_peer = grpc_max_connections_per_peer,
-                             .fd_reserve = grpc_fd_reserve};
-}
-
-TlsOptions ServerOptions::Tls() const {
-  return TlsOptions{.insecure = insecure,
-                    .cert_file = tls_cert_file,
-                    .key_file = tls_key_file,
-                    .ca_file = tls_ca_file,
-                    .reload_interval_s = tls_reload_interval_s};
 }
 
 TlsOptions ServerOptions::EtcdTls() const {
@@ -311,7 +302,7 @@ TlsOptions ServerOptions::EtcdTls() const {
                     .cert_file = etcd_cert_file,
                     .key_file = etcd_key_file,
                     .ca_file = etcd_ca_file,
-                    .reload_interval_s = tls_reload_interval_s};
+                    .reload_interval_s = tls.reload_interval_s};
 }
 
 std::vector<std::string> ServerOptions::EtcdEndpoints() const {
@@ -375,20 +366,21 @@ absl::Status ServerOptions::Set(absl::string_view name, absl::string_view value)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": \"", value, "\" is not a ", type, " decimal number"));
   };
-  if (auto* m = std::get_if<std::string ServerOptions::*>(&field->member)) {
-    this->*(*m) = std::string(value);
-  } else if (auto* m32 = std::get_if<uint32_t ServerOptions::*>(&field->member)) {
+  const Value target = field->get(*this);
+  if (auto* str = std::get_if<std::string*>(&target)) {
+    **str = std::string(value);
+  } else if (auto* u32 = std::get_if<uint32_t*>(&target)) {
     uint32_t v = 0;
     if (value.empty() || !absl::ascii_isdigit(value[0]) || !absl::SimpleAtoi(value, &v)) {
       return bad_number("32-bit unsigned");
     }
-    this->*(*m32) = v;
-  } else if (auto* m64 = std::get_if<uint64_t ServerOptions::*>(&field->member)) {
+    **u32 = v;
+  } else if (auto* u64 = std::get_if<uint64_t*>(&target)) {
     uint64_t v = 0;
     if (value.empty() || !absl::ascii_isdigit(value[0]) || !absl::SimpleAtoi(value, &v)) {
       return bad_number("64-bit unsigned");
     }
-    this->*(*m64) = v;
+    **u64 = v;
   } else {
     bool v = false;
     if (value == "true" || value == "1") {
@@ -397,7 +389,7 @@ absl::Status ServerOptions::Set(absl::string_view name, absl::string_view value)
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": \"", value, "\" is not true, false, 1 or 0"));
     }
-    this->*(*std::get_if<bool ServerOptions::*>(&field->member)) = v;
+    **std::get_if<bool*>(&target) = v;
   }
   return absl::OkStatus();
 }
@@ -444,16 +436,18 @@ absl::Status ServerOptions::MergeConfigFile(const std::string& path) {
 
 std::string ServerOptions::DebugString() const {
   std::string out;
+  ServerOptions copy = *this;  // Field::get hands out mutable pointers
   for (const Field& f : Fields()) {
     std::string value;
-    if (auto* m = std::get_if<std::string ServerOptions::*>(&f.member)) {
-      value = absl::StrCat("\"", this->*(*m), "\"");
-    } else if (auto* m32 = std::get_if<uint32_t ServerOptions::*>(&f.member)) {
-      value = absl::StrCat(this->*(*m32));
-    } else if (auto* m64 = std::get_if<uint64_t ServerOptions::*>(&f.member)) {
-      value = absl::StrCat(this->*(*m64));
+    const Value v = f.get(copy);
+    if (auto* str = std::get_if<std::string*>(&v)) {
+      value = absl::StrCat("\"", **str, "\"");
+    } else if (auto* u32 = std::get_if<uint32_t*>(&v)) {
+      value = absl::StrCat(**u32);
+    } else if (auto* u64 = std::get_if<uint64_t*>(&v)) {
+      value = absl::StrCat(**u64);
     } else {
-      value = this->*(*std::get_if<bool ServerOptions::*>(&f.member)) ? "true" : "false";
+      value = **std::get_if<bool*>(&v) ? "true" : "false";
     }
     // Where the secret comes from, never the secret.
     if (f.name == "hash_secret_hex") {

@@ -119,18 +119,15 @@ struct ServerOptions {
   uint64_t tenant_max_pinned_bytes = 0;
 
   // Transport security of the gRPC port (common/credentials.h; README "TLS"): one of TLS or
-  // insecure is required. TLS serves tls_cert_file with its key tls_key_file (PEM);
-  // tls_ca_file makes it mutual: every client, agents included, must then present a
-  // certificate that CA signed. The files are re-read every tls_reload_interval_s (1..86400),
-  // so rotating them needs no restart. insecure = true serves plaintext, for development on
-  // a trusted machine only, and excludes the tls_* files. /metrics stays plaintext HTTP
-  // either way (prometheus-cpp's exporter is not given TLS here): bind it to a trusted
-  // interface.
-  std::string tls_cert_file;
-  std::string tls_key_file;
-  std::string tls_ca_file;
-  uint32_t tls_reload_interval_s = 60;
-  bool insecure = false;
+  // insecure is required. Each field of `tls` is the option tls_<field> (tls_cert_file,
+  // tls_key_file, tls_ca_file, tls_reload_interval_s), `insecure` excepted, which keeps its
+  // name. TLS serves tls_cert_file with its key tls_key_file (PEM); tls_ca_file makes it
+  // mutual: every client, agents included, must then present a certificate that CA signed.
+  // The files are re-read every tls_reload_interval_s (1..86400), so rotating them needs no
+  // restart. insecure = true serves plaintext, for development on a trusted machine only,
+  // and excludes the tls_* files. /metrics stays plaintext HTTP either way (prometheus-cpp's
+  // exporter is not given TLS here): bind it to a trusted interface.
+  TlsOptions tls;
 
   // High availability (docs/OPERATIONS.md): with etcd_endpoints set, managers elect one
   // leader through etcd. A standby serves only /metrics and does not even listen on
@@ -160,37 +157,21 @@ struct ServerOptions {
   uint64_t max_engine_pages_per_engine = 1ULL << 20;
   uint64_t max_engine_pages_per_tenant = 4ULL << 20;
 
-  // Connection limits of the gRPC port (docs/SECURITY.md "Connection limits"): each
-  // grpc_<name> is ServerLimitsOptions::<name> (common/server_limits.h), which documents it
-  // and its range. Handshake and idle deadlines, keepalive policy, streams per connection and
-  // gRPC's resource quota are gRPC's own server options; the connection caps are kvcm's
-  // accept4 guard. RLIMIT_NOFILE is raised to its hard limit at start and grpc_fd_reserve of
-  // it kept for everything but accepted connections.
-  uint32_t grpc_handshake_timeout_ms = ServerLimitsOptions{}.handshake_timeout_ms;
-  uint32_t grpc_max_connection_idle_ms = ServerLimitsOptions{}.max_connection_idle_ms;
-  uint32_t grpc_keepalive_time_ms = ServerLimitsOptions{}.keepalive_time_ms;
-  uint32_t grpc_keepalive_timeout_ms = ServerLimitsOptions{}.keepalive_timeout_ms;
-  uint32_t grpc_min_client_ping_interval_ms = ServerLimitsOptions{}.min_client_ping_interval_ms;
-  uint32_t grpc_max_ping_strikes = ServerLimitsOptions{}.max_ping_strikes;
-  uint32_t grpc_max_concurrent_streams = ServerLimitsOptions{}.max_concurrent_streams;
-  uint64_t grpc_memory_bytes = ServerLimitsOptions{}.memory_bytes;
-  uint32_t grpc_max_threads = ServerLimitsOptions{}.max_threads;
-  uint32_t grpc_max_connections = ServerLimitsOptions{}.max_connections;
-  uint32_t grpc_max_connections_per_peer = ServerLimitsOptions{}.max_connections_per_peer;
-  uint32_t grpc_fd_reserve = ServerLimitsOptions{}.fd_reserve;
+  // Connection limits of the gRPC port (docs/SECURITY.md "Connection limits"): each field
+  // <name> of `limits` is the option grpc_<name> (common/server_limits.h documents it and its
+  // range). Handshake and idle deadlines, keepalive policy, streams per connection and gRPC's
+  // resource quota are gRPC's own server options; the connection caps are kvcm's accept4
+  // guard. RLIMIT_NOFILE is raised to its hard limit at start and grpc_fd_reserve of it kept
+  // for everything but accepted connections.
+  ServerLimitsOptions limits;
   // Long-lived streams (WatchEvents, Commands, ReportInventory) one principal may hold open
   // at once; one more is RESOURCE_EXHAUSTED naming this option. Not applied without a tokens
   // file (every caller is then the same principal). >= 1.
   uint32_t max_streams_per_principal = 64;
 
-  // The connection limits above as common/server_limits.h takes them.
-  ServerLimitsOptions Limits() const;
-
   // INVALID_ARGUMENT naming the first bad option.
   absl::Status Validate() const;
 
-  // The transport security these options ask for. REQUIRES nothing; see Validate.
-  TlsOptions Tls() const;
   // How this manager reaches etcd (plaintext unless etcd_ca_file is set).
   TlsOptions EtcdTls() const;
   // etcd_endpoints split at commas, surrounding spaces and empty entries dropped.

@@ -22,9 +22,9 @@ void ExpectInvalid(const absl::Status& status, const std::string& message_part) 
 
 TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
   ServerOptions options;
-  EXPECT_FALSE(options.insecure);
+  EXPECT_FALSE(options.tls.insecure);
   ExpectInvalid(options.Validate(), "no transport security");
-  options.insecure = true;
+  options.tls.insecure = true;
   EXPECT_TRUE(options.Validate().ok()) << options.Validate();
   EXPECT_EQ(options.listen_address, "127.0.0.1:50051");
   EXPECT_EQ(options.metrics_address, "127.0.0.1:9464");
@@ -37,7 +37,7 @@ TEST(ServerOptionsTest, DefaultsAreValidOnceTransportSecurityIsChosen) {
 
 TEST(ServerOptionsTest, TheEpochBoundIsASecondToADay) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   for (uint32_t bad : {0u, 86'401u}) {
     options.max_agent_epoch_ahead_s = bad;
     ExpectInvalid(options.Validate(), "max_agent_epoch_ahead_s must be in [1, 86400]");
@@ -56,7 +56,7 @@ void HaOptions(ServerOptions& o) {
 
 TEST(ServerOptionsTest, HighAvailabilityOptions) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   EXPECT_TRUE(options.EtcdEndpoints().empty());
   HaOptions(options);
   EXPECT_TRUE(options.Validate().ok()) << options.Validate();
@@ -93,12 +93,13 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.max_pages_per_request = 0; }, "max_pages_per_request"},
       {[](ServerOptions& o) { o.max_message_bytes = 100; }, "max_message_bytes"},
       {[](ServerOptions& o) { o.max_message_bytes = 0x80000000u; }, "max_message_bytes"},
-      {[](ServerOptions& o) { o.grpc_handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
-      {[](ServerOptions& o) { o.grpc_max_concurrent_streams = 0; }, "grpc_max_concurrent_streams"},
-      {[](ServerOptions& o) { o.grpc_memory_bytes = 1; }, "grpc_memory_bytes"},
-      {[](ServerOptions& o) { o.grpc_max_connections_per_peer = 0; },
+      {[](ServerOptions& o) { o.limits.handshake_timeout_ms = 0; }, "grpc_handshake_timeout_ms"},
+      {[](ServerOptions& o) { o.limits.max_concurrent_streams = 0; },
+       "grpc_max_concurrent_streams"},
+      {[](ServerOptions& o) { o.limits.memory_bytes = 1; }, "grpc_memory_bytes"},
+      {[](ServerOptions& o) { o.limits.max_connections_per_peer = 0; },
        "grpc_max_connections_per_peer"},
-      {[](ServerOptions& o) { o.grpc_fd_reserve = 1; }, "grpc_fd_reserve"},
+      {[](ServerOptions& o) { o.limits.fd_reserve = 1; }, "grpc_fd_reserve"},
       {[](ServerOptions& o) { o.max_streams_per_principal = 0; }, "max_streams_per_principal"},
       {[](ServerOptions& o) { o.lease_sweep_interval_ms = 0; }, "lease_sweep_interval_ms"},
       {[](ServerOptions& o) { o.hash_secret_hex = "abc"; }, "hash_secret_hex"},
@@ -112,23 +113,23 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
       {[](ServerOptions& o) { o.route_nccl_link_gbps = 0; }, "route_nccl_link_gbps"},
       {[](ServerOptions& o) { o.default_max_page_age_s = kMaxPageAgeS + 1; },
        "default_max_page_age_s"},
-      {[](ServerOptions& o) { o.tls_ca_file = "ca.pem"; }, "insecure"},
-      {[](ServerOptions& o) { o.tls_cert_file = "m.pem"; }, "insecure"},
+      {[](ServerOptions& o) { o.tls.ca_file = "ca.pem"; }, "insecure"},
+      {[](ServerOptions& o) { o.tls.cert_file = "m.pem"; }, "insecure"},
       {[](ServerOptions& o) {
-         o.insecure = false;
-         o.tls_key_file = "m.key";
+         o.tls.insecure = false;
+         o.tls.key_file = "m.key";
        },
        "tls_cert_file"},
       {[](ServerOptions& o) {
-         o.insecure = false;
-         o.tls_cert_file = "m.pem";
+         o.tls.insecure = false;
+         o.tls.cert_file = "m.pem";
        },
        "tls_key_file"},
       {[](ServerOptions& o) {
-         o.insecure = false;
-         o.tls_cert_file = "m.pem";
-         o.tls_key_file = "m.key";
-         o.tls_reload_interval_s = 0;
+         o.tls.insecure = false;
+         o.tls.cert_file = "m.pem";
+         o.tls.key_file = "m.key";
+         o.tls.reload_interval_s = 0;
        },
        "tls_reload_interval_s"},
       {[](ServerOptions& o) {
@@ -190,7 +191,7 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
   };
   for (const Case& c : cases) {
     ServerOptions options;
-    options.insecure = true;
+    options.tls.insecure = true;
     c.mutate(options);
     absl::Status status = options.Validate();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << status;
@@ -200,7 +201,7 @@ TEST(ServerOptionsTest, ValidateNamesTheBadField) {
 
 TEST(ServerOptionsTest, AcceptedAddressForms) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   for (const char* address : {"[::]:50051", "0.0.0.0:0", ":7000", "unix:/tmp/kvcm.sock"}) {
     options.listen_address = address;
     EXPECT_TRUE(options.Validate().ok()) << address;
@@ -211,7 +212,7 @@ TEST(ServerOptionsTest, AcceptedAddressForms) {
 
 TEST(ServerOptionsTest, ToCacheIndexOptions) {
   ServerOptions options;
-  options.insecure = true;
+  options.tls.insecure = true;
   options.hash_secret_hex = "00112233445566778899aabbccddeeff";
   options.default_lease_ttl_ms = 1500;
   options.max_lease_ttl_ms = 9000;
@@ -296,6 +297,22 @@ TEST(ServerOptionsTest, EveryNameCanBeSet) {
   }
 }
 
+// The connection-limit and TLS options keep their flat names (flags, config files) and land
+// in the structs the server takes.
+TEST(ServerOptionsTest, LimitAndTlsNamesSetTheNestedStructs) {
+  ServerOptions options;
+  ASSERT_TRUE(options.Set("grpc_fd_reserve", "128").ok());
+  ASSERT_TRUE(options.Set("grpc_memory_bytes", "33554432").ok());
+  ASSERT_TRUE(options.Set("tls_key_file", "/etc/kvcm/m.key").ok());
+  ASSERT_TRUE(options.Set("insecure", "true").ok());
+  EXPECT_EQ(options.limits.fd_reserve, 128u);
+  EXPECT_EQ(options.limits.memory_bytes, 33554432u);
+  EXPECT_EQ(options.tls.key_file, "/etc/kvcm/m.key");
+  EXPECT_TRUE(options.tls.insecure);
+  EXPECT_THAT(options.DebugString(), HasSubstr("grpc_fd_reserve = 128\n"));
+  EXPECT_THAT(options.DebugString(), HasSubstr("tls_key_file = \"/etc/kvcm/m.key\"\n"));
+}
+
 TEST(ServerOptionsTest, DebugStringRedactsTheSecret) {
   ServerOptions options;
   options.hash_secret_hex = "00112233445566778899aabbccddeeff";
@@ -348,7 +365,7 @@ TEST(ServerOptionsTest, TransportSecurity) {
   ASSERT_TRUE(options.Set("tls_ca_file", "/etc/kvcm/ca.pem").ok());
   ASSERT_TRUE(options.Set("tls_reload_interval_s", "5").ok());
   EXPECT_TRUE(options.Validate().ok());
-  const TlsOptions tls = options.Tls();
+  const TlsOptions tls = options.tls;
   EXPECT_FALSE(tls.insecure);
   EXPECT_EQ(tls.cert_file, "/etc/kvcm/m.pem");
   EXPECT_EQ(tls.key_file, "/etc/kvcm/m.key");
@@ -359,9 +376,9 @@ TEST(ServerOptionsTest, TransportSecurity) {
   ASSERT_TRUE(options.Set("insecure", "1").ok());
   ExpectInvalid(options.Validate(), "insecure = true excludes tls_cert_file");
   ExpectInvalid(options.Set("insecure", "yes"), "insecure: \"yes\" is not true, false, 1 or 0");
-  EXPECT_TRUE(options.insecure) << "a failed Set changes nothing";
+  EXPECT_TRUE(options.tls.insecure) << "a failed Set changes nothing";
   ASSERT_TRUE(options.Set("insecure", "false").ok());
-  EXPECT_FALSE(options.insecure);
+  EXPECT_FALSE(options.tls.insecure);
   EXPECT_THAT(options.DebugString(), HasSubstr("insecure = false\n"));
   EXPECT_THAT(options.DebugString(), HasSubstr("tls_ca_file = \"/etc/kvcm/ca.pem\"\n"));
 }

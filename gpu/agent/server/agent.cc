@@ -90,7 +90,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
         Authenticator::FromFile(options.tokens_file, options.agent_identity_dns_suffix));
   }
   // Every certificate file is read now, so that a missing or mismatched one stops the start.
-  const TlsOptions tls = options.Tls();
+  const TlsOptions tls = options.tls;
   auto tls_error = [](const absl::Status& s) {  // "cert_file ..." -> "tls_cert_file ..."
     return absl::Status(s.code(), absl::StrCat("tls_", s.message()));
   };
@@ -186,7 +186,7 @@ absl::StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Room for a full data chunk plus the message's framing.
   builder.SetMaxReceiveMessageSize(static_cast<int>(opts.max_message_bytes + 1024));
-  const ServerLimitsOptions conn_limits = opts.Limits();
+  const ServerLimitsOptions conn_limits = opts.limits;
   ApplyServerLimits(conn_limits, &builder);
   RateLimitGrpcLog();
   const uint64_t fd_limit = RaiseFileLimit();
