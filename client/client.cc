@@ -1,6 +1,8 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -10,6 +12,8 @@
 #include "client/wire.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
+#include "common/log.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 
@@ -31,7 +35,24 @@ void CopyReply(const CallOptions& call, const google::protobuf::Message& respons
   if (call.reply != nullptr) call.reply->CopyFrom(response);
 }
 
+// CacheManager's method `name`. REQUIRES: it exists (callers name their own RPC).
+const google::protobuf::MethodDescriptor& Method(absl::string_view name) {
+  static const google::protobuf::ServiceDescriptor* const service =
+      v1::MatchRequest::descriptor()->file()->FindServiceByName("CacheManager");
+  const google::protobuf::MethodDescriptor* m = service->FindMethodByName(std::string(name));
+  if (m == nullptr) {
+    LogError(absl::StrCat("kvcm client: CacheManager has no method ", name));
+    std::abort();
+  }
+  return *m;
+}
+
 }  // namespace
+
+bool RetriesFully(const google::protobuf::MethodDescriptor& method) {
+  return method.options().idempotency_level() !=
+         google::protobuf::MethodOptions::IDEMPOTENCY_UNKNOWN;
+}
 
 struct Client::Rpc {
   ChannelFactory channels;
@@ -197,13 +218,12 @@ absl::Time Client::DeadlineOf(const CallOptions& call) const {
   return absl::Now() + absl::Milliseconds(ms);
 }
 
-absl::Status Client::Invoke(absl::Time deadline,
-                            absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt,
-                            bool idempotent) {
+absl::Status Client::Invoke(const google::protobuf::MethodDescriptor& method, absl::Time deadline,
+                            absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
   calls_.fetch_add(1, std::memory_order_relaxed);
   const int max_attempts =
-      idempotent ? options_.max_attempts
-                 : std::min(options_.max_attempts, options_.non_idempotent_max_attempts);
+      RetriesFully(method) ? options_.max_attempts
+                           : std::min(options_.max_attempts, options_.non_idempotent_max_attempts);
   double backoff_ms = static_cast<double>(options_.initial_backoff_ms);
   grpc::Status status;
   int attempts = 0;
@@ -236,11 +256,6 @@ absl::Status Client::Invoke(absl::Time deadline,
   return WithTlsMismatchHint(std::move(result), options_.insecure, "the manager");
 }
 
-absl::Status Client::InvokeNonIdempotent(
-    absl::Time deadline, absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt) {
-  return Invoke(deadline, attempt, /*idempotent=*/false);
-}
-
 absl::StatusOr<RegisterModelReply> Client::RegisterModel(const NamespaceId& ns,
                                                          const ModelSpec& spec,
                                                          const RegisterModelParams& params,
@@ -256,9 +271,10 @@ absl::StatusOr<RegisterModelReply> Client::RegisterModelUntil(
   ModelSpecToProto(spec, request.mutable_spec());
   request.set_max_page_age_s(params.max_page_age_s);
   v1::RegisterModelResponse response;
-  absl::Status status = Invoke(deadline, [&](grpc::ClientContext* context) {
-    return rpc_->stub->RegisterModel(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("RegisterModel"), deadline, [&](grpc::ClientContext* context) {
+        return rpc_->stub->RegisterModel(context, request, &response);
+      });
   if (!status.ok()) {
     return status;
   }
@@ -372,7 +388,7 @@ absl::StatusOr<MatchReply> Client::Match(const NamespaceId& ns, std::span<const 
     v1::MatchRequest request;
     FillMatchRequest(ns, params, &request);
     FillPrompt(key, tokens, request.mutable_prompt());
-    return Invoke(deadline, [&](grpc::ClientContext* context) {
+    return Invoke(Method("Match"), deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Match(context, request, &response);
     });
   });
@@ -394,9 +410,9 @@ absl::StatusOr<MatchReply> Client::MatchHashes(const NamespaceId& ns,
   FillMatchRequest(ns, params, &request);
   wire::SetHashes(pages, key->page_size_tokens, key->fingerprint, request.mutable_prompt());
   v1::MatchResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Match(context, request, &response);
-  });
+  absl::Status status = Invoke(
+      Method("Match"), DeadlineOf(call),
+      [&](grpc::ClientContext* context) { return rpc_->stub->Match(context, request, &response); });
   if (!status.ok()) {
     return status;
   }
@@ -438,7 +454,7 @@ absl::StatusOr<RouteReply> Client::Route(const NamespaceId& ns, std::span<const 
     request.set_probe(params.probe);
     request.set_pin(params.pin);
     request.set_lease_ttl_ms(params.lease_ttl_ms);
-    return Invoke(deadline, [&](grpc::ClientContext* context) {
+    return Invoke(Method("Route"), deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Route(context, request, &response);
     });
   });
@@ -492,7 +508,7 @@ absl::StatusOr<InsertReply> Client::Insert(const NamespaceId& ns, std::span<cons
     v1::InsertRequest request;
     FillInsertRequest(ns, pool, block_ids, params, &request);
     FillPrompt(key, tokens, request.mutable_prompt());
-    return Invoke(deadline, [&](grpc::ClientContext* context) {
+    return Invoke(Method("Insert"), deadline, [&](grpc::ClientContext* context) {
       return rpc_->stub->Insert(context, request, &response);
     });
   });
@@ -522,9 +538,10 @@ absl::StatusOr<InsertReply> Client::InsertHashes(
   FillInsertRequest(ns, pool, block_ids, params, &request);
   wire::SetHashes(pages, key->page_size_tokens, key->fingerprint, request.mutable_prompt());
   v1::InsertResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Insert(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("Insert"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->Insert(context, request, &response);
+      });
   if (!status.ok()) {
     return status;
   }
@@ -537,9 +554,10 @@ absl::Status Client::Release(const NamespaceId& ns, uint64_t pin_id, const CallO
   NamespaceToProto(ns, request.mutable_namespace_());
   request.set_pin_id(pin_id);
   v1::ReleaseResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Release(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("Release"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->Release(context, request, &response);
+      });
   if (status.ok()) CopyReply(call, response);
   return status;
 }
@@ -551,9 +569,10 @@ absl::StatusOr<absl::Time> Client::RenewLease(const NamespaceId& ns, uint64_t pi
   request.set_pin_id(pin_id);
   request.set_lease_ttl_ms(ttl_ms);
   v1::RenewLeaseResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->RenewLease(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("RenewLease"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->RenewLease(context, request, &response);
+      });
   if (!status.ok()) {
     return status;
   }
@@ -573,9 +592,10 @@ absl::StatusOr<uint64_t> Client::Reserve(const PoolRef& pool, uint64_t bytes,
   request.set_bytes(bytes);
   request.set_tenant(params.tenant);
   v1::ReserveResponse response;
-  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Reserve(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("Reserve"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->Reserve(context, request, &response);
+      });
   if (!status.ok()) {
     return status;
   }
@@ -594,9 +614,10 @@ absl::Status Client::Unreserve(const PoolRef& pool, uint64_t bytes, const Reserv
   request.set_bytes(bytes);
   request.set_tenant(params.tenant);
   v1::UnreserveResponse response;
-  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Unreserve(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("Unreserve"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->Unreserve(context, request, &response);
+      });
   if (status.ok()) CopyReply(call, response);
   return status;
 }
@@ -607,9 +628,9 @@ absl::StatusOr<EvictReply> Client::EvictFromPool(const PoolRef& pool, uint64_t b
   PoolToProto(pool, request.mutable_pool());
   request.set_bytes(bytes);
   v1::EvictResponse response;
-  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Evict(context, request, &response);
-  });
+  absl::Status status = Invoke(
+      Method("Evict"), DeadlineOf(call),
+      [&](grpc::ClientContext* context) { return rpc_->stub->Evict(context, request, &response); });
   if (!status.ok()) {
     return status;
   }
@@ -623,9 +644,9 @@ absl::StatusOr<EvictReply> Client::EvictFromNamespace(const NamespaceId& ns, uin
   NamespaceToProto(ns, request.mutable_namespace_());
   request.set_bytes(bytes);
   v1::EvictResponse response;
-  absl::Status status = InvokeNonIdempotent(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Evict(context, request, &response);
-  });
+  absl::Status status = Invoke(
+      Method("Evict"), DeadlineOf(call),
+      [&](grpc::ClientContext* context) { return rpc_->stub->Evict(context, request, &response); });
   if (!status.ok()) {
     return status;
   }
@@ -638,9 +659,10 @@ absl::StatusOr<DeleteNamespaceReply> Client::DeleteNamespace(const NamespaceId& 
   v1::DeleteNamespaceRequest request;
   NamespaceToProto(ns, request.mutable_namespace_());
   v1::DeleteNamespaceResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->DeleteNamespace(context, request, &response);
-  });
+  absl::Status status =
+      Invoke(Method("DeleteNamespace"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->DeleteNamespace(context, request, &response);
+      });
   if (!status.ok()) return status;
   CopyReply(call, response);
   return DeleteNamespaceReply{.removed_pages = response.removed_pages(),
@@ -650,9 +672,9 @@ absl::StatusOr<DeleteNamespaceReply> Client::DeleteNamespace(const NamespaceId& 
 absl::StatusOr<ManagerStats> Client::Stats(const CallOptions& call) {
   v1::StatsRequest request;
   v1::StatsResponse response;
-  absl::Status status = Invoke(DeadlineOf(call), [&](grpc::ClientContext* context) {
-    return rpc_->stub->Stats(context, request, &response);
-  });
+  absl::Status status = Invoke(
+      Method("Stats"), DeadlineOf(call),
+      [&](grpc::ClientContext* context) { return rpc_->stub->Stats(context, request, &response); });
   if (!status.ok()) {
     return status;
   }

@@ -5,7 +5,8 @@
 // runs under a deadline (ClientOptions::default_deadline_ms unless CallOptions says
 // otherwise) and is retried with exponential backoff and jitter only when the answer is
 // UNAVAILABLE, at most ClientOptions::max_attempts times (non_idempotent_max_attempts for
-// Reserve, Unreserve and Evict*) and never past the deadline. The defaults ride out a
+// the calls the proto does not mark idempotent: Reserve, Unreserve, Evict*; RetriesFully)
+// and never past the deadline. The defaults ride out a
 // manager takeover (etcd lease ttl 5 s plus an election). An UNAVAILABLE whose text suggests
 // a TLS/plaintext mismatch gets a line naming the likely fix (client/tls_hint.h).
 // A retried call whose first reply was lost in transit may run twice on the manager: Insert
@@ -46,6 +47,7 @@
 
 namespace google::protobuf {
 class Message;
+class MethodDescriptor;
 }  // namespace google::protobuf
 
 namespace grpc {
@@ -64,6 +66,11 @@ class Prompt;
 // One pool (agent, tier); the client's name for the core's PoolKey.
 using PoolRef = PoolKey;
 
+// Whether Client retries a call of `method` for max_attempts: its proto marks it safe to
+// repeat (idempotency_level IDEMPOTENT or NO_SIDE_EFFECTS). Any other gets
+// non_idempotent_max_attempts.
+bool RetriesFully(const google::protobuf::MethodDescriptor& method);
+
 struct ClientOptions {
   // Manager address, "host:port" or any gRPC target ("dns:///kvcm:50051").
   std::string address = "127.0.0.1:50051";
@@ -80,8 +87,9 @@ struct ClientOptions {
   int64_t max_backoff_ms = 2000;
   // Growth of the backoff per retry. >= 1.
   double backoff_multiplier = 2.0;
-  // Attempts per call that is not idempotent (Reserve, Unreserve, EvictFromPool,
-  // EvictFromNamespace: a repeat takes more bytes), at most max_attempts. 1..100.
+  // Attempts per call that is not idempotent (no idempotency_level in the proto: Reserve,
+  // Unreserve, EvictFromPool, EvictFromNamespace, a repeat takes more bytes), at most
+  // max_attempts. 1..100.
   int non_idempotent_max_attempts = 5;
 
   // Transport security (common/credentials.h): one of ca_file or insecure is required.
@@ -558,15 +566,12 @@ class Client {
 
   // Absolute deadline of a call started now.
   absl::Time DeadlineOf(const CallOptions& call) const;
-  // Runs `attempt` until `deadline`, retrying UNAVAILABLE with backoff (at most
-  // max_attempts times, or non_idempotent_max_attempts unless `idempotent`), and converts
-  // the final grpc::Status. `attempt` gets a fresh context per try with the deadline set.
-  absl::Status Invoke(absl::Time deadline,
-                      absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt,
-                      bool idempotent = true);
-  // Invoke for a call a repeat would apply twice (Reserve, Unreserve, Evict).
-  absl::Status InvokeNonIdempotent(absl::Time deadline,
-                                   absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
+  // Runs `attempt`, a call of `method`, until `deadline`, retrying UNAVAILABLE with backoff
+  // (at most max_attempts times, or non_idempotent_max_attempts unless RetriesFully(method)),
+  // and converts the final grpc::Status. `attempt` gets a fresh context per try with the
+  // deadline set.
+  absl::Status Invoke(const google::protobuf::MethodDescriptor& method, absl::Time deadline,
+                      absl::FunctionRef<grpc::Status(grpc::ClientContext*)> attempt);
 
   // reply_copy: CallOptions::reply.
   absl::StatusOr<RegisterModelReply> RegisterModelUntil(

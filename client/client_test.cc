@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -15,7 +16,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
+#include "kvcm/v1/cache_manager.pb.h"
 #include "server/service/manager_server.h"
 
 namespace kvcm {
@@ -632,6 +635,19 @@ TEST(ClientRetryTest, NonIdempotentCallsMakeTheirOwnAttempts) {
   EXPECT_EQ(client->counters().attempts, 2u);
   options.non_idempotent_max_attempts = 0;
   EXPECT_THAT(options.Validate().message(), HasSubstr("non_idempotent_max_attempts"));
+}
+
+// The retry sets come from the proto's idempotency_level; this pins them: a repeat of any
+// of these would evict or reserve again, so it gets non_idempotent_max_attempts.
+TEST(ClientRetryTest, TheProtoSaysWhichCallsRetryFully) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::MatchRequest::descriptor()->file()->FindServiceByName("CacheManager");
+  ASSERT_NE(service, nullptr);
+  std::vector<std::string> not_fully;
+  for (int i = 0; i < service->method_count(); ++i) {
+    if (!RetriesFully(*service->method(i))) not_fully.push_back(service->method(i)->name());
+  }
+  EXPECT_THAT(not_fully, ::testing::UnorderedElementsAre("Evict", "Reserve", "Unreserve"));
 }
 
 TEST(ClientRetryTest, CallSucceedsOnceTheManagerStarts) {

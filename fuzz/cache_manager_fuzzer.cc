@@ -128,6 +128,14 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler
       watch = *filter;
       return absl::OkStatus();
     }
+    case kDeleteNamespace: {
+      v1::DeleteNamespaceRequest req;
+      if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+      absl::StatusOr<NamespaceId> ns =
+          NamespaceFromProto(req.has_namespace_() ? &req.namespace_() : nullptr, "namespace");
+      if (!ns.ok()) return ns.status();
+      return w.index->DeleteNamespace(*ns).status();
+    }
     case kAdvanceClock:
       w.clock.Advance(absl::Seconds(body.empty() ? 1 : static_cast<uint8_t>(body[0])));
       w.index->ExpireLeases();

@@ -1,9 +1,15 @@
 // The calls of each multi-call harness, by record tag (fuzz_input.h): what the harnesses
 // dispatch on and what make_seeds writes. A record's tag is taken modulo kNumCalls.
+//
+// Each harness's kRpcOf names the RPC each call drives (by the method's full name; "" for
+// what is not an RPC). tests/fuzz_calls_test.cc checks them against the services'
+// descriptors, so a new RPC fails there until a harness drives it.
 #ifndef KVCM_FUZZ_CALLS_H_
 #define KVCM_FUZZ_CALLS_H_
 
+#include <array>
 #include <cstdint>
+#include <string_view>
 
 namespace kvcm::fuzz {
 
@@ -23,7 +29,24 @@ enum Call : uint8_t {
   kWatchEvents,
   kAdvanceClock,  // not an RPC: time passes (body[0] seconds), so leases and sessions expire
   kPublishEngineEvents,
+  kDeleteNamespace,
   kNumCalls
+};
+inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
+    "kvcm.v1.CacheManager.RegisterModel",
+    "kvcm.v1.CacheManager.Match",
+    "kvcm.v1.CacheManager.Insert",
+    "kvcm.v1.CacheManager.Release",
+    "kvcm.v1.CacheManager.RenewLease",
+    "kvcm.v1.CacheManager.Evict",
+    "kvcm.v1.CacheManager.Reserve",
+    "kvcm.v1.CacheManager.Unreserve",
+    "kvcm.v1.CacheManager.Route",
+    "kvcm.v1.CacheManager.Stats",
+    "kvcm.v1.CacheManager.WatchEvents",
+    "",
+    "kvcm.v1.CacheManager.PublishEngineEvents",
+    "kvcm.v1.CacheManager.DeleteNamespace",
 };
 }  // namespace cache_manager_calls
 
@@ -41,6 +64,17 @@ enum Call : uint8_t {
   kAdvanceClock,     // body[0] seconds pass (agents go stale after 10)
   kNumCalls
 };
+inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
+    "kvcm.v1.AgentControl.Register",
+    "kvcm.v1.AgentControl.Heartbeat",
+    "kvcm.v1.AgentControl.ReportInventory",
+    "kvcm.v1.AgentControl.ReportInventory",
+    "kvcm.v1.AgentControl.Commands",
+    "kvcm.v1.AgentControl.Commands",
+    "kvcm.v1.AgentControl.NcclBootstrap",
+    "kvcm.v1.CacheManager.Insert",
+    "",
+};
 }  // namespace agent_control_calls
 
 // block_agent_fuzzer.
@@ -55,6 +89,12 @@ enum Call : uint8_t {
   kFetch,         // FetchRequest
   kStats,         // BlockAgentStatsRequest
   kNumCalls
+};
+inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
+    "kvcm.v1.BlockAgent.Allocate",    "kvcm.v1.BlockAgent.Free",
+    "kvcm.v1.BlockAgent.WriteBlocks", "kvcm.v1.BlockAgent.WriteBlocks",
+    "kvcm.v1.BlockAgent.ReadBlocks",  "kvcm.v1.BlockAgent.RunAttention",
+    "kvcm.v1.BlockAgent.Fetch",       "kvcm.v1.BlockAgent.Stats",
 };
 }  // namespace block_agent_calls
 

@@ -5,6 +5,8 @@
 
 #include "common/enum_names.h"
 #include "common/server_limits.h"
+#include "kvcm/v1/agent.pb.h"
+#include "kvcm/v1/cache_manager.pb.h"
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -47,48 +49,28 @@ MetricFamily Scalar(std::string name, std::string help, MetricType type, double 
 
 }  // namespace
 
+const std::vector<const google::protobuf::MethodDescriptor*>& LabelledMethods() {
+  static const auto* const methods = [] {
+    auto* out = new std::vector<const google::protobuf::MethodDescriptor*>;
+    for (const google::protobuf::ServiceDescriptor* service :
+         {v1::MatchRequest::descriptor()->file()->FindServiceByName("CacheManager"),
+          v1::HeartbeatRequest::descriptor()->file()->FindServiceByName("AgentControl")}) {
+      for (int i = 0; i < service->method_count(); ++i) {
+        const google::protobuf::MethodDescriptor* m = service->method(i);
+        if (m->full_name() != "kvcm.v1.AgentControl.Commands") out->push_back(m);
+      }
+    }
+    return out;
+  }();
+  return *methods;
+}
+
 absl::string_view RpcName(Rpc rpc) {
-  switch (rpc) {
-    case Rpc::kRegisterModel:
-      return "RegisterModel";
-    case Rpc::kMatch:
-      return "Match";
-    case Rpc::kInsert:
-      return "Insert";
-    case Rpc::kRelease:
-      return "Release";
-    case Rpc::kRenewLease:
-      return "RenewLease";
-    case Rpc::kEvict:
-      return "Evict";
-    case Rpc::kReserve:
-      return "Reserve";
-    case Rpc::kUnreserve:
-      return "Unreserve";
-    case Rpc::kStats:
-      return "Stats";
-    case Rpc::kWatchEvents:
-      return "WatchEvents";
-    case Rpc::kRoute:
-      return "Route";
-    case Rpc::kDeleteNamespace:
-      return "DeleteNamespace";
-    case Rpc::kPublishEngineEvents:
-      return "PublishEngineEvents";
-    case Rpc::kRegisterAgent:
-      return "RegisterAgent";
-    case Rpc::kHeartbeat:
-      return "Heartbeat";
-    case Rpc::kReportInventory:
-      return "ReportInventory";
-    case Rpc::kNcclBootstrap:
-      return "NcclBootstrap";
-    case Rpc::kLookupAgent:
-      return "LookupAgent";
-    case Rpc::kMakeRoom:
-      return "MakeRoom";
-  }
-  return "unknown";
+  const std::vector<const google::protobuf::MethodDescriptor*>& methods = LabelledMethods();
+  const size_t i = static_cast<size_t>(rpc);
+  if (i >= methods.size()) return "unknown";
+  if (methods[i]->full_name() == "kvcm.v1.AgentControl.Register") return "RegisterAgent";
+  return methods[i]->name();
 }
 
 absl::string_view KvcmVersion() { return KVCM_VERSION; }
@@ -443,8 +425,12 @@ ServiceMetrics::ServiceMetrics(const CacheIndex* index, const EventHub* hub,
     : registry_(std::make_shared<prometheus::Registry>()),
       index_collector_(std::make_shared<IndexCollector>(index, hub, agents, engines)),
       rpcs_(std::make_unique<PrometheusRpcRecorder<Rpc, kNumRpcs>>(
-          *registry_, "kvcm_rpc", "CacheManager and AgentControl",
-          [](Rpc rpc) { return rpc == Rpc::kWatchEvents || rpc == Rpc::kReportInventory; })) {
+          *registry_, "kvcm_rpc", "CacheManager and AgentControl", [](Rpc rpc) {
+            const size_t i = static_cast<size_t>(rpc);
+            if (i >= LabelledMethods().size()) return false;
+            const google::protobuf::MethodDescriptor* m = LabelledMethods()[i];
+            return m->client_streaming() || m->server_streaming();
+          })) {
   prometheus::Family<prometheus::Counter>& commands =
       prometheus::BuildCounter()
           .Name("kvcm_agent_commands_total")

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "common/rpc_metrics.h"
 #include "common/rpc_runner.h"
+#include "google/protobuf/descriptor.h"
 #include "prometheus/collectable.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -31,19 +32,22 @@
 
 namespace kvcm {
 
-// The CacheManager and AgentControl RPCs, as the `rpc` label of the RPC metrics.
+// The CacheManager and AgentControl RPCs, as the `rpc` label of the RPC metrics: every
+// method of the two services in their .proto order, but AgentControl.Commands (see
+// LabelledMethods). Labels and streaming come from the descriptors; metrics_test checks this
+// enum against them, so a new RPC fails there until it has its entry here.
 enum class Rpc : int {
   kRegisterModel,
   kMatch,
   kInsert,
   kRelease,
   kRenewLease,
+  kRoute,
   kEvict,
   kReserve,
   kUnreserve,
   kStats,
   kWatchEvents,
-  kRoute,
   kDeleteNamespace,
   kPublishEngineEvents,
   // AgentControl.
@@ -55,7 +59,13 @@ enum class Rpc : int {
   kMakeRoom,
 };
 inline constexpr int kNumRpcs = 19;
+// The method's name, but "RegisterAgent" for AgentControl.Register (the label dashboards
+// know); "unknown" past the described methods.
 absl::string_view RpcName(Rpc rpc);
+// The methods that have an `rpc` label, in Rpc order: those of CacheManager then
+// AgentControl, less AgentControl.Commands (a stream as long as its agent's epoch, whose
+// commands kvcm_agent_commands_total counts).
+const std::vector<const google::protobuf::MethodDescriptor*>& LabelledMethods();
 
 // Outcome of one manager -> agent command, as the `result` label of
 // kvcm_agent_commands_total.

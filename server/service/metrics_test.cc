@@ -7,6 +7,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -275,6 +276,39 @@ TEST_F(MetricsTest, RpcCountersByCode) {
   EXPECT_THAT(text, HasSubstr("kvcm_rpc_duration_seconds_bucket{rpc=\"Match\",le=\"2.5e-05\"} 2"));
   EXPECT_THAT(text,
               ::testing::Not(HasSubstr("kvcm_rpc_duration_seconds_count{rpc=\"WatchEvents\"")));
+}
+
+// The labels come from the services' descriptors; this pins them (dashboards and alerts use
+// them) and the enum's order, so a new method fails here until Rpc has its entry.
+TEST(RpcLabelsTest, EveryMethodHasItsLabel) {
+  const std::vector<std::pair<Rpc, std::string>> expected = {
+      {Rpc::kRegisterModel, "RegisterModel"},
+      {Rpc::kMatch, "Match"},
+      {Rpc::kInsert, "Insert"},
+      {Rpc::kRelease, "Release"},
+      {Rpc::kRenewLease, "RenewLease"},
+      {Rpc::kRoute, "Route"},
+      {Rpc::kEvict, "Evict"},
+      {Rpc::kReserve, "Reserve"},
+      {Rpc::kUnreserve, "Unreserve"},
+      {Rpc::kStats, "Stats"},
+      {Rpc::kWatchEvents, "WatchEvents"},
+      {Rpc::kDeleteNamespace, "DeleteNamespace"},
+      {Rpc::kPublishEngineEvents, "PublishEngineEvents"},
+      {Rpc::kRegisterAgent, "RegisterAgent"},
+      {Rpc::kHeartbeat, "Heartbeat"},
+      {Rpc::kReportInventory, "ReportInventory"},
+      {Rpc::kNcclBootstrap, "NcclBootstrap"},
+      {Rpc::kLookupAgent, "LookupAgent"},
+      {Rpc::kMakeRoom, "MakeRoom"},
+  };
+  ASSERT_EQ(LabelledMethods().size(), static_cast<size_t>(kNumRpcs))
+      << "a method was added to CacheManager or AgentControl: give it an Rpc entry";
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kNumRpcs));
+  for (const auto& [rpc, label] : expected) {
+    EXPECT_EQ(RpcName(rpc), label);
+  }
+  EXPECT_EQ(RpcName(static_cast<Rpc>(kNumRpcs)), "unknown");
 }
 
 // The exposition passes Prometheus' own linter when promtool is installed

@@ -45,6 +45,17 @@ from kvcm.types import (
 T = TypeVar("T")
 
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["CacheManager"]
+
+
+def retries_fully(method: str) -> bool:
+    """Whether CacheManager.<method> is retried for the full schedule (max_attempts): its
+    proto marks it safe to repeat (idempotency_level IDEMPOTENT or NO_SIDE_EFFECTS). Any
+    other call makes at most non_idempotent_max_attempts attempts."""
+    options = _SERVICE.methods_by_name[method].GetOptions()
+    return options.idempotency_level != options.IDEMPOTENCY_UNKNOWN
+
+
 @dataclass(frozen=True)
 class Rpc:
     """One unary call for the client to make: CacheManager.<method>(request)."""
@@ -52,8 +63,12 @@ class Rpc:
     method: str
     request: Any
     deadline: float  # time.monotonic() by which the call and its retries end
-    # Retried for the full schedule (max_attempts); otherwise non_idempotent_max_attempts.
-    idempotent: bool = True
+
+    @property
+    def idempotent(self) -> bool:
+        """Retried for the full schedule (max_attempts); otherwise
+        non_idempotent_max_attempts. From the proto (retries_fully)."""
+        return retries_fully(self.method)
 
 
 # A command: yields Rpcs, is sent their responses, returns the call's result.
@@ -88,8 +103,8 @@ def bind_commands(wrap: Callable[[Callable[..., Command[Any]]], Callable[..., An
 
 class Commands(ClientCore):
     """ClientCore with the manager's calls as commands. Retries: every call is retried on
-    UNAVAILABLE within its deadline; Reserve, Unreserve and Evict at most
-    non_idempotent_max_attempts times (see ClientOptions)."""
+    UNAVAILABLE within its deadline; those the proto does not mark idempotent (Reserve,
+    Unreserve, Evict) at most non_idempotent_max_attempts times (see ClientOptions)."""
 
     def _deadline(self, deadline_ms: Optional[int]) -> float:
         return time.monotonic() + self._deadline_s(deadline_ms)
@@ -261,7 +276,7 @@ class Commands(ClientCore):
         `tenant` (a worker: its own; "" an admin's operator reservation). Returns the bytes
         evicted. ResourceExhausted, nothing changed, when pins leave too little."""
         request = self._reserve_request(pool, nbytes, tenant)
-        response = yield Rpc("Reserve", request, self._deadline(deadline_ms), idempotent=False)
+        response = yield Rpc("Reserve", request, self._deadline(deadline_ms))
         return int(response.evicted_bytes)
 
     @command
@@ -270,7 +285,7 @@ class Commands(ClientCore):
     ) -> Command[None]:
         """Gives reserved headroom back. OutOfRange beyond what `tenant` reserved there."""
         request = self._reserve_request(pool, nbytes, tenant)
-        yield Rpc("Unreserve", request, self._deadline(deadline_ms), idempotent=False)
+        yield Rpc("Unreserve", request, self._deadline(deadline_ms))
 
     @command
     def evict_from_pool(
@@ -278,7 +293,7 @@ class Commands(ClientCore):
     ) -> Command[EvictResult]:
         """Evicts at least `nbytes` of unpinned pages from `pool`, all or nothing."""
         request = self._evict_pool_request(pool, nbytes)
-        response = yield Rpc("Evict", request, self._deadline(deadline_ms), idempotent=False)
+        response = yield Rpc("Evict", request, self._deadline(deadline_ms))
         return _convert.evict_from_proto(response)
 
     @command
@@ -287,7 +302,7 @@ class Commands(ClientCore):
     ) -> Command[EvictResult]:
         """Evicts at least `nbytes` of unpinned pages of `ns`, all or nothing."""
         request = self._evict_namespace_request(as_namespace(ns), nbytes)
-        response = yield Rpc("Evict", request, self._deadline(deadline_ms), idempotent=False)
+        response = yield Rpc("Evict", request, self._deadline(deadline_ms))
         return _convert.evict_from_proto(response)
 
     @command

@@ -137,6 +137,15 @@ def test_non_idempotent_calls_give_up_after_their_own_attempts(manager_factory) 
         kvcm.Client(address, insecure=True, non_idempotent_max_attempts=0)
 
 
+def test_the_proto_says_which_calls_retry_fully() -> None:
+    """The retry sets come from the proto's idempotency_level; this pins them (the C++
+    client's ClientRetryTest.TheProtoSaysWhichCallsRetryFully pins the same)."""
+    from kvcm._commands import _SERVICE, retries_fully
+
+    not_fully = {m.name for m in _SERVICE.methods if not retries_fully(m.name)}
+    assert not_fully == {"Evict", "Reserve", "Unreserve"}
+
+
 def test_bridge_logs_the_tls_hint(secured, tmp_path) -> None:
     pytest.importorskip("zmq")
     import subprocess
