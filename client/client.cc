@@ -669,6 +669,24 @@ absl::StatusOr<DeleteNamespaceReply> Client::DeleteNamespace(const NamespaceId& 
                               .dropped_pins = response.dropped_pins()};
 }
 
+absl::StatusOr<ForgetAgentReply> Client::ForgetAgent(const std::string& agent_id,
+                                                     const ForgetAgentParams& params,
+                                                     const CallOptions& call) {
+  v1::ForgetAgentRequest request;
+  request.set_agent_id(agent_id);
+  request.set_force(params.force);
+  v1::ForgetAgentResponse response;
+  absl::Status status =
+      Invoke(Method("ForgetAgent"), DeadlineOf(call), [&](grpc::ClientContext* context) {
+        return rpc_->stub->ForgetAgent(context, request, &response);
+      });
+  if (!status.ok()) return status;
+  CopyReply(call, response);
+  return ForgetAgentReply{.epoch = response.epoch(),
+                          .was_alive = response.was_alive(),
+                          .dropped_pages = response.dropped_pages()};
+}
+
 absl::StatusOr<ManagerStats> Client::Stats(const CallOptions& call) {
   v1::StatsRequest request;
   v1::StatsResponse response;

@@ -5,10 +5,10 @@
 // runs under a deadline (ClientOptions::default_deadline_ms unless CallOptions says
 // otherwise) and is retried with exponential backoff and jitter only when the answer is
 // UNAVAILABLE, at most ClientOptions::max_attempts times (non_idempotent_max_attempts for
-// the calls the proto does not mark idempotent: Reserve, Unreserve, Evict*; RetriesFully)
-// and never past the deadline. The defaults ride out a
-// manager takeover (etcd lease ttl 5 s plus an election). An UNAVAILABLE whose text suggests
-// a TLS/plaintext mismatch gets a line naming the likely fix (client/tls_hint.h).
+// the calls the proto does not mark idempotent, e.g. Reserve, Unreserve, Evict*;
+// RetriesFully) and never past the deadline. The defaults ride out a manager takeover
+// (etcd lease ttl 5 s plus an election). An UNAVAILABLE whose text suggests a TLS/plaintext
+// mismatch gets a line naming the likely fix (client/tls_hint.h).
 // A retried call whose first reply was lost in transit may run twice on the manager: Insert
 // is idempotent, a duplicated pin lapses with its lease, and a retried Release may answer
 // NOT_FOUND after the first one succeeded.
@@ -87,9 +87,9 @@ struct ClientOptions {
   int64_t max_backoff_ms = 2000;
   // Growth of the backoff per retry. >= 1.
   double backoff_multiplier = 2.0;
-  // Attempts per call that is not idempotent (no idempotency_level in the proto: Reserve,
-  // Unreserve, EvictFromPool, EvictFromNamespace, a repeat takes more bytes), at most
-  // max_attempts. 1..100.
+  // Attempts per call that is not idempotent (no idempotency_level in the proto, e.g.
+  // Reserve, Unreserve, EvictFromPool, EvictFromNamespace: a repeat takes more bytes), at
+  // most max_attempts. 1..100.
   int non_idempotent_max_attempts = 5;
 
   // Transport security (common/credentials.h): one of ca_file or insecure is required.
@@ -250,6 +250,17 @@ struct EvictReply {
 struct DeleteNamespaceReply {
   uint64_t removed_pages = 0;  // page-locations removed (their blocks are freed on agents)
   uint64_t dropped_pins = 0;
+};
+
+struct ForgetAgentParams {
+  // Forget the agent even when it is alive (FAILED_PRECONDITION otherwise).
+  bool force = false;
+};
+
+struct ForgetAgentReply {
+  uint64_t epoch = 0;      // the agent's registered epoch
+  bool was_alive = false;  // only with force
+  uint64_t dropped_pages = 0;
 };
 
 struct ManagerStats {
@@ -534,6 +545,11 @@ class Client {
   // Operator (role admin): removes a namespace with its pages and pins.
   absl::StatusOr<DeleteNamespaceReply> DeleteNamespace(const NamespaceId& ns,
                                                        const CallOptions& call = {});
+  // Operator (role admin): forgets an agent that is gone now, instead of after the
+  // manager's gone_agent_memory_s (kvcm.v1.CacheManager.ForgetAgent).
+  absl::StatusOr<ForgetAgentReply> ForgetAgent(const std::string& agent_id,
+                                               const ForgetAgentParams& params = {},
+                                               const CallOptions& call = {});
 
   absl::StatusOr<ManagerStats> Stats(const CallOptions& call = {});
 

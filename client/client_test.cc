@@ -647,7 +647,8 @@ TEST(ClientRetryTest, TheProtoSaysWhichCallsRetryFully) {
   for (int i = 0; i < service->method_count(); ++i) {
     if (!RetriesFully(*service->method(i))) not_fully.push_back(service->method(i)->name());
   }
-  EXPECT_THAT(not_fully, ::testing::UnorderedElementsAre("Evict", "Reserve", "Unreserve"));
+  EXPECT_THAT(not_fully,
+              ::testing::UnorderedElementsAre("Evict", "ForgetAgent", "Reserve", "Unreserve"));
 }
 
 TEST(ClientRetryTest, CallSucceedsOnceTheManagerStarts) {

@@ -179,6 +179,29 @@ int RunRenew(const Invocation& in) {
   return kExitOk;
 }
 
+// --- forget-agent -------------------------------------------------------------------------
+
+void DefineForgetAgent(cli::FlagSet& f) {
+  f.AddString("agent_id", "", "the agent to forget (required)");
+  f.AddBool("force", "forget it even when it is alive (it registers again)");
+}
+
+int RunForgetAgent(const Invocation& in) {
+  const std::string& id = in.flags.GetString("agent_id");
+  if (id.empty()) return in.Usage("--agent_id is required");
+  v1::ForgetAgentResponse reply;
+  absl::StatusOr<ForgetAgentReply> r =
+      in.client->ForgetAgent(id, {.force = in.flags.GetBool("force")}, in.Call(reply));
+  if (!r.ok()) {
+    return in.Failed(r.status());
+  }
+  if (in.json) return PrintJson(reply);
+  absl::PrintF("epoch: %d\n", r->epoch);
+  absl::PrintF("was_alive: %s\n", r->was_alive ? "true" : "false");
+  absl::PrintF("dropped_pages: %d\n", r->dropped_pages);
+  return kExitOk;
+}
+
 // --- delete-namespace ---------------------------------------------------------------------
 
 void DefineDeleteNamespace(cli::FlagSet& f) { cli::DefineNamespace(f); }
@@ -387,6 +410,8 @@ constexpr Command kCommands[] = {
     {"unreserve", "give back headroom taken by 'reserve'", cli::DefineUnreserve, cli::RunUnreserve},
     {"delete-namespace", "remove a namespace with its pages and pins (operator)",
      DefineDeleteNamespace, RunDeleteNamespace},
+    {"forget-agent", "forget a gone agent now, not after gone_agent_memory_s (operator)",
+     DefineForgetAgent, RunForgetAgent},
     {"watch", "print index change events as they happen", DefineWatch, RunWatch},
     {"agent-stats", "an agent's own pool, epoch and limits (BlockAgent.Stats)",
      cli::DefineAgentStats, cli::RunAgentStats},

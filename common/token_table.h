@@ -25,7 +25,8 @@
 //   agent   AgentControl only, as its own agent id (`agent=`, required);
 //   engine  PublishEngineEvents only, as its own engine id (`engine=`, required) into its
 //           tenant's namespaces (`tenant=`, required): a bridge mirroring that engine;
-//   admin   operator calls (Evict, Reserve of any pool, Stats of all tenants, DeleteNamespace).
+//   admin   operator calls (Evict, Reserve of any pool, Stats of all tenants, DeleteNamespace,
+//           ForgetAgent).
 // A principal may hold several roles (`roles=worker,router`).
 #ifndef KVCM_COMMON_TOKEN_TABLE_H_
 #define KVCM_COMMON_TOKEN_TABLE_H_

@@ -136,6 +136,17 @@ absl::Status Run(ManagerWorld& w, Call call, std::string_view body, RouteHandler
       if (!ns.ok()) return ns.status();
       return w.index->DeleteNamespace(*ns).status();
     }
+    case kForgetAgent: {
+      v1::ForgetAgentRequest req;
+      if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+      if (absl::Status s = ValidateAgentId(req.agent_id(), "agent_id"); !s.ok()) return s;
+      absl::StatusOr<ForgottenAgent> f =
+          ForgetAgentNow(*w.index, w.agents, w.commands, w.relay, req.agent_id(), req.force());
+      if (!f.ok()) return f.status();
+      Require(!w.agents.FindPool(PoolKey{req.agent_id(), Tier::kGpu}).has_value(),
+              "ForgetAgent: the agent's pool outlived it");
+      return absl::OkStatus();
+    }
     case kAdvanceClock:
       w.clock.Advance(absl::Seconds(body.empty() ? 1 : static_cast<uint8_t>(body[0])));
       w.index->ExpireLeases();

@@ -30,6 +30,7 @@ enum Call : uint8_t {
   kAdvanceClock,  // not an RPC: time passes (body[0] seconds), so leases and sessions expire
   kPublishEngineEvents,
   kDeleteNamespace,
+  kForgetAgent,
   kNumCalls
 };
 inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
@@ -47,6 +48,7 @@ inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
     "",
     "kvcm.v1.CacheManager.PublishEngineEvents",
     "kvcm.v1.CacheManager.DeleteNamespace",
+    "kvcm.v1.CacheManager.ForgetAgent",
 };
 }  // namespace cache_manager_calls
 

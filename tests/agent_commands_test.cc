@@ -515,6 +515,51 @@ TEST_F(FakeAgentTest, AGoneAgentsPagesAreDroppedAndItsEpochEnds) {
   EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 0u);
 }
 
+// An operator forgets an agent now (ForgetAgent) instead of waiting out gone_agent_memory_s:
+// an unknown id is NOT_FOUND and a live agent FAILED_PRECONDITION unless forced, each with
+// nothing changed; a gone one leaves Stats at once; a forced one's pages leave the index, and
+// it registers again.
+TEST_F(FakeAgentTest, AnOperatorForgetsAGoneAgentAndAForcedLiveOne) {
+  FakeAgent agent(manager_->address(), "fake-1");
+  ASSERT_TRUE(agent.Register(4).ok());
+  auto agents = [&] { return client_->Stats()->agents; };
+  EXPECT_EQ(client_->ForgetAgent("fake-9").status().code(), absl::StatusCode::kNotFound);
+  {
+    Heartbeats alive(&agent, 4);
+    std::unique_ptr<FakeAgent::Stream> s = agent.Open(4);
+    const std::vector<int32_t> tokens = InsertAndEvict(*s, 2, 0, 0);
+    const absl::StatusOr<ForgetAgentReply> live = client_->ForgetAgent("fake-1");
+    EXPECT_EQ(live.status().code(), absl::StatusCode::kFailedPrecondition) << live.status();
+    EXPECT_THAT(live.status().message(), HasSubstr("force"));
+    ASSERT_EQ(agents().size(), 1u);
+    EXPECT_TRUE(agents()[0].alive);
+    EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 2u);
+    EXPECT_TRUE(agent.Heartbeat(4).ok());
+  }
+
+  // No heartbeat for the 300 ms timeout: gone, and forgotten on request, not in an hour.
+  EXPECT_TRUE(WaitFor([&] { return !agents().empty() && !agents()[0].alive; }));
+  absl::StatusOr<ForgetAgentReply> gone = client_->ForgetAgent("fake-1");
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  EXPECT_EQ(gone->epoch, 4u);
+  EXPECT_FALSE(gone->was_alive);
+  EXPECT_TRUE(agents().empty());
+  EXPECT_EQ(client_->ForgetAgent("fake-1").status().code(), absl::StatusCode::kNotFound);
+
+  // Forced: a live agent's pages leave with it; its next heartbeat is NOT_FOUND.
+  ASSERT_TRUE(agent.Register(5).ok());
+  Heartbeats alive(&agent, 5);
+  std::unique_ptr<FakeAgent::Stream> s = agent.Open(5);
+  const std::vector<int32_t> tokens = InsertAndEvict(*s, 2, 0, 0);
+  absl::StatusOr<ForgetAgentReply> forced = client_->ForgetAgent("fake-1", {.force = true});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_TRUE(forced->was_alive);
+  EXPECT_EQ(forced->dropped_pages, 2u);
+  EXPECT_EQ(client_->Match(ns_, tokens, {.probe = true})->matched_pages, 0u);
+  EXPECT_EQ(agent.Heartbeat(5).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(agent.Register(5).ok());
+}
+
 // The manager's side of a demotion, with the agent's answers chosen by the test: blocks the
 // agent reports go into the index; a failed copy takes the pending host pages back out.
 TEST(AgentCommandsTest, DemoteAcksFillOrUndoTheHostCopies) {

@@ -497,7 +497,8 @@ TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
 
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"agent-stats", "--agent_id=nope"},
-        std::vector<std::string>{"lookup-agent", "--agent_id=nope"}}) {
+        std::vector<std::string>{"lookup-agent", "--agent_id=nope"},
+        std::vector<std::string>{"forget-agent", "--agent_id=nope"}}) {
     ProcessResult r = Ctl(args);
     EXPECT_EQ(r.exit_code, 1) << r.Describe();
     EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
@@ -519,6 +520,18 @@ TEST_F(KvcmctlProcessTest, AgentStatsAndLookupAgent) {
   EXPECT_EQ(JsonField(out, "agent"), "gpu1") << out;
   EXPECT_EQ(JsonField(out, "fetched_pages"), "4") << out;
   EXPECT_EQ(JsonField(out, "bytes"), std::to_string(4 * 70'272 * 64)) << out;
+  // forget-agent refuses a live agent unless forced, which changes nothing; forced, the agent
+  // is forgotten (its next heartbeat answers NOT_FOUND and it registers again).
+  ProcessResult live = Ctl({"forget-agent", "--agent_id=gpu1"});
+  EXPECT_EQ(live.exit_code, 1) << live.Describe();
+  EXPECT_THAT(live.err, HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_THAT(live.err, HasSubstr("force"));
+  EXPECT_THAT(CtlOk({"stats"}), testing::ContainsRegex("gpu1 +[^ ]+ +gpu +alive"));
+  out = CtlOk({"forget-agent", "--json", "--agent_id=gpu1", "--force"});
+  ExpectOneJsonObject(out);
+  EXPECT_EQ(JsonField(out, "was_alive"), "true") << out;
+  EXPECT_NE(JsonField(out, "epoch"), "0") << out;
+
   for (const auto& agent : agents) {
     agent->Signal(SIGKILL);
     agent->Finish(absl::Seconds(10));
@@ -716,9 +729,10 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
   port_ = FreePort();
   ProcessResult help = Ctl({"--help"});
   EXPECT_EQ(help.exit_code, 0) << help.Describe();
-  for (const char* command : {"stats", "register-model", "match", "insert", "release", "evict",
-                              "watch", "models", "reserve", "unreserve", "agent-stats",
-                              "lookup-agent", "route", "fetch", "renew", "delete-namespace"}) {
+  for (const char* command :
+       {"stats", "register-model", "match", "insert", "release", "evict", "watch", "models",
+        "reserve", "unreserve", "agent-stats", "lookup-agent", "route", "fetch", "renew",
+        "delete-namespace", "forget-agent"}) {
     EXPECT_THAT(help.out, HasSubstr(absl::StrCat("  ", command, " "))) << command;
     ProcessResult sub = Ctl({command, "--help"});
     EXPECT_EQ(sub.exit_code, 0) << sub.Describe();
@@ -761,6 +775,7 @@ TEST_F(KvcmctlProcessTest, UsageErrorsExitTwoWithAMessage) {
       {{"agent-stats", "--agent_address=gpu-0"},
        "--agent_address 'gpu-0' has no port; the agent listens on 50052 by default: gpu-0:50052"},
       {{"lookup-agent"}, "--agent_id is required"},
+      {{"forget-agent", "--force"}, "--agent_id is required"},
       {{"--manager_address=localhost", "stats"},
        "--manager_address 'localhost' has no port; the manager listens on 50051 by default: "
        "localhost:50051"},

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -508,6 +509,74 @@ TEST_F(TenantAttackTest, OnlyAnAdminDeletesANamespaceAndThenItIsGone) {
             grpc::StatusCode::NOT_FOUND);
   grpc::Status again = stub_->DeleteNamespace(Ctx(kAdmin).get(), del, &resp);
   EXPECT_EQ(again.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// Only an admin forgets an agent: a worker, a router, an engine or the agent itself is
+// denied and the agent stays as it was; the admin's refusals (a live agent without force,
+// an unknown id) change nothing either.
+TEST_F(TenantAttackTest, OnlyAnAdminForgetsAnAgent) {
+  v1::RegisterAgentRequest reg;
+  reg.set_agent_id("gpu-0");
+  reg.set_device("host");
+  reg.set_tier(v1::TIER_GPU);
+  reg.set_epoch(1);
+  v1::ModelSpec* spec = reg.mutable_geometry()->mutable_spec();
+  spec->set_attention(v1::ATTENTION_KIND_MLA);
+  spec->set_num_layers(61);
+  spec->set_num_heads(128);
+  spec->set_kv_lora_rank(512);
+  spec->set_rope_dim(64);
+  spec->set_dtype(v1::KV_DTYPE_BF16);
+  spec->set_page_size_tokens(kPageSize);
+  const uint64_t page_bytes = 61ull * (512 + 64) * 2 * kPageSize;
+  reg.mutable_geometry()->set_bytes_per_block(page_bytes);
+  reg.mutable_geometry()->set_num_blocks(8);
+  reg.set_capacity_bytes(8 * page_bytes);
+  v1::RegisterAgentResponse reg_resp;
+  const grpc::Status registered = agent_stub_->Register(Ctx(kAgent0).get(), reg, &reg_resp);
+  ASSERT_TRUE(registered.ok()) << registered.error_message();
+  // Stats with the agent as it is now; its heartbeat age changes, so it is compared apart.
+  v1::StatsResponse before = AdminStats();
+  ASSERT_EQ(before.agents_size(), 1);
+  before.clear_agents();
+  auto expect_unchanged = [&] {
+    v1::StatsResponse now = AdminStats();
+    ASSERT_EQ(now.agents_size(), 1);
+    EXPECT_EQ(now.agents(0).agent_id(), "gpu-0");
+    EXPECT_EQ(now.agents(0).epoch(), 1u);
+    EXPECT_TRUE(now.agents(0).alive());
+    now.clear_agents();
+    EXPECT_TRUE(MessageDifferencer::Equals(before, now)) << now.DebugString();
+  };
+
+  v1::ForgetAgentRequest req;
+  req.set_agent_id("gpu-0");
+  req.set_force(true);
+  v1::ForgetAgentResponse resp;
+  for (auto [token, principal] :
+       std::vector<std::pair<const char*, const char*>>{{kEvil, "evil-vllm"},
+                                                        {kAcme, "acme-vllm"},
+                                                        {kAcmeRouter, "edge"},
+                                                        {kAcmeEngine, "acme-sglang"},
+                                                        {kAgent0, "gpu-0"}}) {
+    ExpectDenied(stub_->ForgetAgent(Ctx(token).get(), req, &resp), principal, "forget agents");
+  }
+  expect_unchanged();
+
+  req.set_force(false);
+  grpc::Status s = stub_->ForgetAgent(Ctx(kAdmin).get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  req.set_agent_id("gpu-7");
+  s = stub_->ForgetAgent(Ctx(kAdmin).get(), req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  expect_unchanged();
+
+  req.set_agent_id("gpu-0");
+  req.set_force(true);
+  s = stub_->ForgetAgent(Ctx(kAdmin).get(), req, &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(resp.was_alive());
+  EXPECT_EQ(AdminStats().agents_size(), 0);
 }
 
 TEST_F(TenantAttackTest, AgentControlIsForAgentsAsThemselves) {

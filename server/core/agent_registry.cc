@@ -167,6 +167,28 @@ absl::StatusOr<AgentRegistration> AgentRegistry::Forget(absl::string_view agent_
   return r;
 }
 
+absl::StatusOr<AgentInfo> AgentRegistry::ForgetNow(absl::string_view agent_id, bool force) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock lock(&mu_);
+  auto it = agents_.find(agent_id);
+  if (it == agents_.end()) {
+    return absl::NotFoundError(absl::StrCat("agent ", agent_id, " is not registered"));
+  }
+  const Entry& e = it->second;
+  AgentInfo info{.registration = e.registration,
+                 .alive = Alive(e, now),
+                 .last_heartbeat_age = now - e.last_seen,
+                 .usage = e.usage,
+                 .heartbeats = e.heartbeats};
+  if (info.alive && !force) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "agent ", agent_id, " epoch ", e.registration.epoch, " is alive (last heartbeat ",
+        absl::FormatDuration(info.last_heartbeat_age), " ago): forget it with force"));
+  }
+  agents_.erase(it);
+  return info;
+}
+
 std::vector<AgentInfo> AgentRegistry::Snapshot() const {
   const absl::Time now = clock_->Now();
   absl::MutexLock lock(&mu_);

@@ -154,6 +154,13 @@ class AgentRegistry {
   absl::StatusOr<AgentRegistration> Forget(absl::string_view agent_id, uint64_t epoch)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // An operator forgets `agent_id` now (CacheManager.ForgetAgent), as TakeForgotten would
+  // once it had been gone for gone_memory; returns it as it was. NOT_FOUND for an unknown
+  // agent; FAILED_PRECONDITION (nothing changed) for a live one unless `force`. The caller
+  // forgets its pools.
+  absl::StatusOr<AgentInfo> ForgetNow(absl::string_view agent_id, bool force)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Every agent, in agent_id order, with liveness as of now.
   std::vector<AgentInfo> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   AgentCounts Counts() const ABSL_LOCKS_EXCLUDED(mu_);

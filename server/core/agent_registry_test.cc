@@ -194,6 +194,41 @@ TEST(AgentRegistryTest, ForgetTakesTheRegisteredEpochOnly) {
   EXPECT_FALSE(registry.FindPool(PoolKey{"a", Tier::kGpu}).has_value());
 }
 
+// An operator forgets a gone agent at once, whether or not TakeGone dropped it yet; a live
+// one only with force; each refusal changes nothing.
+TEST(AgentRegistryTest, ForgetNowTakesAGoneAgentOrALiveOneWithForce) {
+  FakeClock clock;
+  AgentRegistry registry(&clock, absl::Milliseconds(500));
+  ASSERT_TRUE(registry.Register(Reg("a", 3)).ok());
+  ASSERT_TRUE(registry.Register(Reg("b", 4)).ok());
+  ASSERT_TRUE(registry.Register(Reg("c", 5)).ok());
+  EXPECT_EQ(registry.ForgetNow("z", false).status().code(), absl::StatusCode::kNotFound);
+  const absl::Status live = registry.ForgetNow("a", false).status();
+  EXPECT_EQ(live.code(), absl::StatusCode::kFailedPrecondition) << live;
+  EXPECT_THAT(std::string(live.message()), ::testing::HasSubstr("force"));
+  EXPECT_EQ(registry.Counts().alive, 3u);
+  EXPECT_TRUE(registry.Heartbeat("a", 3, {}).ok());
+
+  absl::StatusOr<AgentInfo> forced = registry.ForgetNow("a", true);
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  EXPECT_TRUE(forced->alive);
+  EXPECT_EQ(forced->registration.epoch, 3u);
+  EXPECT_EQ(registry.Heartbeat("a", 3, {}).code(), absl::StatusCode::kNotFound);
+
+  // c is gone and dropped (TakeGone); b is gone too, but not dropped yet.
+  clock.Advance(absl::Seconds(1));
+  ASSERT_EQ(registry.TakeGone().size(), 2u);
+  ASSERT_TRUE(registry.Register(Reg("b", 6)).ok());
+  clock.Advance(absl::Seconds(1));
+  for (const char* id : {"b", "c"}) {
+    absl::StatusOr<AgentInfo> gone = registry.ForgetNow(id, false);
+    ASSERT_TRUE(gone.ok()) << id << ": " << gone.status();
+    EXPECT_FALSE(gone->alive);
+  }
+  EXPECT_TRUE(registry.Snapshot().empty());
+  EXPECT_EQ(registry.ForgetNow("c", true).status().code(), absl::StatusCode::kNotFound);
+}
+
 // An epoch is a start time in microseconds since the Unix epoch: one too far ahead of the
 // clock would lock the agent id's real process out (its restarts could never pass it).
 TEST(AgentRegistryTest, AnEpochFarAheadOfTheClockIsOutOfRangeAndChangesNothing) {

@@ -126,6 +126,10 @@ absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& /*r
   return NeedAdmin(p, "delete namespaces");
 }
 
+absl::Status Authorize(const Principal& p, const v1::ForgetAgentRequest& /*req*/) {
+  return NeedAdmin(p, "forget agents");
+}
+
 absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest& req) {
   if (p.IsEngineOf(req.engine_id(), req.namespace_().tenant())) return absl::OkStatus();
   return Denied(p, absl::StrCat("publish the events of engine \"", req.engine_id(),

@@ -57,6 +57,7 @@ std::string ReservationTenant(const Principal& p, const v1::ReserveRequest& req)
 absl::Status Authorize(const Principal& p, const v1::StatsRequest& req);
 absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req);
 absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& req);
+absl::Status Authorize(const Principal& p, const v1::ForgetAgentRequest& req);
 // Only the engine itself (role engine, its engine id, the namespace's tenant): what an
 // engine holds is its own word, which no worker, router or admin may speak for it.
 absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest& req);

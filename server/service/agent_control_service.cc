@@ -173,6 +173,16 @@ uint64_t EndAgent(CacheIndex& index, AgentCommandBook& commands, NcclBootstrapRe
   return DropAgentPools(index, r, forget);
 }
 
+absl::StatusOr<ForgottenAgent> ForgetAgentNow(CacheIndex& index, AgentRegistry& agents,
+                                              AgentCommandBook& commands,
+                                              NcclBootstrapRelay& nccl_relay,
+                                              absl::string_view agent_id, bool force) {
+  absl::MutexLock lifecycle(&agents.lifecycle_mu());
+  KVCM_ASSIGN_OR_RETURN(AgentInfo agent, agents.ForgetNow(agent_id, force));
+  const uint64_t pages = EndAgent(index, commands, nccl_relay, agent.registration, /*forget=*/true);
+  return ForgottenAgent{.agent = std::move(agent), .dropped_pages = pages};
+}
+
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
   for (const AgentInfo& a : agents) {
     v1::AgentStats* s = out->add_agents();

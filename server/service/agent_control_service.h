@@ -68,6 +68,21 @@ uint64_t DropAgentPools(CacheIndex& index, const AgentRegistration& r, bool forg
 uint64_t EndAgent(CacheIndex& index, AgentCommandBook& commands, NcclBootstrapRelay& nccl_relay,
                   const AgentRegistration& r, bool forget);
 
+// What CacheManager.ForgetAgent did: the agent as it was, and the pages its pools held.
+struct ForgottenAgent {
+  AgentInfo agent;
+  uint64_t dropped_pages = 0;
+};
+
+// An operator forgets agent `agent_id` now (CacheManager.ForgetAgent), as DropGoneAgents
+// forgets one gone for gone_agent_memory_s: AgentRegistry::ForgetNow, then EndAgent with
+// forget, under the registry's lifecycle_mu. NOT_FOUND for an unknown agent,
+// FAILED_PRECONDITION for a live one unless `force`; each with nothing changed.
+absl::StatusOr<ForgottenAgent> ForgetAgentNow(CacheIndex& index, AgentRegistry& agents,
+                                              AgentCommandBook& commands,
+                                              NcclBootstrapRelay& nccl_relay,
+                                              absl::string_view agent_id, bool force);
+
 // Appends one v1::AgentStats per agent to `out->agents`.
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 

@@ -149,8 +149,9 @@ class CacheManagerService::WatchEventsReactor final
 };
 
 CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                                         RequestLimits limits, const AgentRegistry* agents,
+                                         RequestLimits limits, AgentRegistry* agents,
                                          AgentInserter* inserter, EngineSessions* engines,
+                                         AgentCommandBook* commands, NcclBootstrapRelay* nccl_relay,
                                          const Authenticator* authenticator,
                                          RouteDefaults route_defaults)
     : index_(index),
@@ -160,6 +161,8 @@ CacheManagerService::CacheManagerService(CacheIndex* index, EventHub* hub, Servi
       agents_(agents),
       inserter_(inserter),
       engines_(engines),
+      commands_(commands),
+      nccl_relay_(nccl_relay),
       access_(authenticator),
       route_(index, agents, engines, limits, route_defaults) {}
 
@@ -337,6 +340,25 @@ grpc::ServerUnaryReactor* CacheManagerService::DeleteNamespace(
     resp->set_dropped_pins(result.dropped_pins);
     LogInfo(absl::StrCat("namespace ", ns.ToString(), " deleted: ", result.removed_pages,
                          " page-locations removed, ", result.dropped_pins, " pins dropped"));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* CacheManagerService::ForgetAgent(grpc::CallbackServerContext* ctx,
+                                                           const v1::ForgetAgentRequest* req,
+                                                           v1::ForgetAgentResponse* resp) {
+  return rpc_.Unary(ctx, Rpc::kForgetAgent, [&]() -> absl::Status {
+    KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
+    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
+    KVCM_ASSIGN_OR_RETURN(
+        ForgottenAgent f,
+        ForgetAgentNow(*index_, *agents_, *commands_, *nccl_relay_, req->agent_id(), req->force()));
+    resp->set_epoch(f.agent.registration.epoch);
+    resp->set_was_alive(f.agent.alive);
+    resp->set_dropped_pages(f.dropped_pages);
+    LogInfo(absl::StrCat("agent ", req->agent_id(), " epoch ", f.agent.registration.epoch,
+                         f.agent.alive ? " (alive, forced)" : "", " forgotten by an operator: its ",
+                         f.dropped_pages, " pages left the index"));
     return absl::OkStatus();
   });
 }

@@ -18,12 +18,14 @@
 #include "common/rpc_runner.h"
 #include "common/stream_slots.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
+#include "server/core/agent_command_book.h"
 #include "server/core/agent_inserter.h"
 #include "server/core/agent_registry.h"
 #include "server/core/cache_index.h"
 #include "server/service/access_control.h"
 #include "server/service/event_hub.h"
 #include "server/service/metrics.h"
+#include "server/service/nccl_bootstrap_relay.h"
 #include "server/service/proto_convert.h"
 #include "server/service/route_handler.h"
 
@@ -33,11 +35,13 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
  public:
   // None of the pointers is owned; all must outlive the service. Inserts go through
   // `inserter` (into agents' pools, through their ledgers); engines' events through
-  // `engines`; Stats lists `agents` and `engines`, Route chooses among them; every call's
-  // caller is checked against `authenticator`.
+  // `engines`; Stats lists `agents` and `engines`, Route chooses among them; ForgetAgent
+  // ends an agent in `agents`, `commands` and `nccl_relay`; every call's caller is checked
+  // against `authenticator`.
   CacheManagerService(CacheIndex* index, EventHub* hub, ServiceMetrics* metrics,
-                      RequestLimits limits, const AgentRegistry* agents, AgentInserter* inserter,
-                      EngineSessions* engines, const Authenticator* authenticator,
+                      RequestLimits limits, AgentRegistry* agents, AgentInserter* inserter,
+                      EngineSessions* engines, AgentCommandBook* commands,
+                      NcclBootstrapRelay* nccl_relay, const Authenticator* authenticator,
                       RouteDefaults route_defaults = {});
 
   grpc::ServerUnaryReactor* RegisterModel(grpc::CallbackServerContext* ctx,
@@ -66,6 +70,9 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   grpc::ServerUnaryReactor* DeleteNamespace(grpc::CallbackServerContext* ctx,
                                             const v1::DeleteNamespaceRequest* req,
                                             v1::DeleteNamespaceResponse* resp) override;
+  grpc::ServerUnaryReactor* ForgetAgent(grpc::CallbackServerContext* ctx,
+                                        const v1::ForgetAgentRequest* req,
+                                        v1::ForgetAgentResponse* resp) override;
   grpc::ServerUnaryReactor* PublishEngineEvents(grpc::CallbackServerContext* ctx,
                                                 const v1::PublishEngineEventsRequest* req,
                                                 v1::PublishEngineEventsResponse* resp) override;
@@ -83,9 +90,11 @@ class CacheManagerService final : public v1::CacheManager::CallbackService {
   EventHub* const hub_;
   RpcRunner<Rpc> rpc_;
   const RequestLimits limits_;
-  const AgentRegistry* const agents_;
+  AgentRegistry* const agents_;
   AgentInserter* const inserter_;
   EngineSessions* const engines_;
+  AgentCommandBook* const commands_;
+  NcclBootstrapRelay* const nccl_relay_;
   const AccessControl access_;
   RouteHandler route_;
   std::shared_ptr<StreamSlots> stream_slots_;

@@ -134,15 +134,15 @@ absl::StatusOr<std::unique_ptr<ManagerServer>> ManagerServer::Start(
   limits.default_lease_ttl_ms = opts.default_lease_ttl_ms;
   s->inserter_ =
       std::make_unique<AgentInserter>(s->index_.get(), s->commands_.get(), s->agents_.get());
+  s->nccl_relay_ = std::make_unique<NcclBootstrapRelay>();
   s->service_ = std::make_unique<CacheManagerService>(
       s->index_.get(), hub, s->metrics_.get(), limits, s->agents_.get(), s->inserter_.get(),
-      s->engines_.get(), s->authenticator_.get(),
+      s->engines_.get(), s->commands_.get(), s->nccl_relay_.get(), s->authenticator_.get(),
       RouteDefaults{
           .prefill_tokens_per_s = static_cast<double>(opts.route_prefill_tokens_per_s),
           .link_gbps = {{"tcp", opts.route_tcp_link_gbps}, {"nccl", opts.route_nccl_link_gbps}}});
   // Numbers this process's commands apart from a predecessor's in the same agent epochs.
   const uint64_t incarnation = absl::Uniform<uint64_t>(absl::BitGen(), 1, ~uint64_t{0});
-  s->nccl_relay_ = std::make_unique<NcclBootstrapRelay>();
   s->agent_service_ = std::make_unique<AgentControlService>(
       s->index_.get(), s->agents_.get(), s->metrics_.get(), s->commands_.get(),
       s->nccl_relay_.get(), incarnation, s->authenticator_.get());

@@ -50,6 +50,7 @@ enum class Rpc : int {
   kWatchEvents,
   kDeleteNamespace,
   kPublishEngineEvents,
+  kForgetAgent,
   // AgentControl.
   kRegisterAgent,
   kHeartbeat,
@@ -58,7 +59,7 @@ enum class Rpc : int {
   kLookupAgent,
   kMakeRoom,
 };
-inline constexpr int kNumRpcs = 19;
+inline constexpr int kNumRpcs = 20;
 // The method's name, but "RegisterAgent" for AgentControl.Register (the label dashboards
 // know); "unknown" past the described methods.
 absl::string_view RpcName(Rpc rpc);

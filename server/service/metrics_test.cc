@@ -295,6 +295,7 @@ TEST(RpcLabelsTest, EveryMethodHasItsLabel) {
       {Rpc::kWatchEvents, "WatchEvents"},
       {Rpc::kDeleteNamespace, "DeleteNamespace"},
       {Rpc::kPublishEngineEvents, "PublishEngineEvents"},
+      {Rpc::kForgetAgent, "ForgetAgent"},
       {Rpc::kRegisterAgent, "RegisterAgent"},
       {Rpc::kHeartbeat, "Heartbeat"},
       {Rpc::kReportInventory, "ReportInventory"},

@@ -28,6 +28,7 @@ from kvcm.errors import InvalidArgument, KvcmError
 from kvcm.types import (
     DeleteNamespaceResult,
     EvictResult,
+    ForgetAgentResult,
     InsertResult,
     MatchResult,
     ModelSpec,
@@ -316,6 +317,19 @@ class Commands(ClientCore):
         response = yield Rpc("DeleteNamespace", request, self._deadline(deadline_ms))
         self._forget_key(namespace)
         return DeleteNamespaceResult(response.removed_pages, response.dropped_pins)
+
+    @command
+    def forget_agent(
+        self, agent_id: str, *, force: bool = False, deadline_ms: Optional[int] = None
+    ) -> Command[ForgetAgentResult]:
+        """Operator (role admin): forgets a gone agent now instead of after the manager's
+        gone_agent_memory_s. NotFound for an unknown agent; FailedPrecondition for a live one
+        unless `force`."""
+        request = pb.ForgetAgentRequest(agent_id=agent_id, force=force)
+        response = yield Rpc("ForgetAgent", request, self._deadline(deadline_ms))
+        return ForgetAgentResult(
+            int(response.epoch), bool(response.was_alive), int(response.dropped_pages)
+        )
 
     @command
     def stats(self, *, deadline_ms: Optional[int] = None) -> Command[Stats]:

@@ -150,7 +150,8 @@ class Client(Commands):
     Bad options raise InvalidArgument naming the field. Connects lazily: the first call
     connects and is retried while the manager is unavailable. Its calls (register_model,
     match, route, insert, release, renew_lease, reserve, unreserve, evict_from_pool,
-    evict_from_namespace, delete_namespace, stats) are kvcm._commands.Commands.
+    evict_from_namespace, delete_namespace, forget_agent, stats) are
+    kvcm._commands.Commands.
     """
 
     def _open_channel(self, credentials: Any, options: Any) -> grpc.Channel:

@@ -343,6 +343,13 @@ class DeleteNamespaceResult:
 
 
 @dataclass(frozen=True)
+class ForgetAgentResult:
+    epoch: int  # the agent's registered epoch
+    was_alive: bool  # only with force
+    dropped_pages: int
+
+
+@dataclass(frozen=True)
 class PoolStats:
     pool: PoolRef
     capacity_bytes: int

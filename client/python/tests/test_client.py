@@ -299,6 +299,10 @@ def test_unknown_namespace_is_not_found(client: kvcm.Client) -> None:
         client.insert(other, prompt(64), GPU0, [0])
     with pytest.raises(kvcm.NotFound):
         client.delete_namespace(other)
+    with pytest.raises(kvcm.NotFound, match="not registered"):
+        client.forget_agent("never-registered", force=True)
+    with pytest.raises(kvcm.InvalidArgument, match="agent_id"):
+        client.forget_agent("")
     assert client.stats().namespaces == []
 
 

@@ -143,7 +143,7 @@ def test_the_proto_says_which_calls_retry_fully() -> None:
     from kvcm._commands import _SERVICE, retries_fully
 
     not_fully = {m.name for m in _SERVICE.methods if not retries_fully(m.name)}
-    assert not_fully == {"Evict", "Reserve", "Unreserve"}
+    assert not_fully == {"Evict", "ForgetAgent", "Reserve", "Unreserve"}
 
 
 def test_bridge_logs_the_tls_hint(secured, tmp_path) -> None:
