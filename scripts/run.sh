@@ -6,11 +6,22 @@
 # Every argument goes to kvcm-manager (see `kvcm-manager --help`). Dev mode: given no
 # --tls_*, --insecure or --config argument, the manager gets --insecure (plaintext, with a
 # warning in its log), so that it starts with no set-up; kvcmctl then needs --insecure too.
-# Environment: BUILD_DIR (default build/release), JOBS (default: nproc).
+# It installs only what building and serving need (install-deps.sh serve: no test packages),
+# and compiles the agent's CUDA kernels only where a GPU is visible (nvidia-smi lists one):
+# elsewhere the agent serves host-memory pools over TCP, as every CPU-only test does.
+# Environment: BUILD_DIR (default build/release), JOBS (default: nproc), KVCM_ENABLE_CUDA
+# (ON/OFF/AUTO; default AUTO with a visible GPU, OFF without one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-./scripts/install-deps.sh
+./scripts/install-deps.sh serve
+
+if [ -z "${KVCM_ENABLE_CUDA:-}" ]; then
+  KVCM_ENABLE_CUDA=OFF
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    KVCM_ENABLE_CUDA=AUTO
+  fi
+fi
 
 build_dir=${BUILD_DIR:-build/release}
 jobs=${JOBS:-$(nproc)}
@@ -19,6 +30,8 @@ export CCACHE_DIR=${CCACHE_DIR:-$PWD/.ccache}
 cmake -S . -B "$build_dir" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+  -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache \
+  -DKVCM_ENABLE_CUDA="$KVCM_ENABLE_CUDA" \
   -DKVCM_BUILD_TESTS=OFF \
   -DKVCM_BUILD_BENCH=OFF
 

@@ -170,6 +170,10 @@ class ModelSpec:
             raise KeyError(f"no model {name!r} in the catalogue; known: {', '.join(CATALOG)}")
         return replace(spec, dtype=KvDtype(dtype), page_size_tokens=page_size_tokens)
 
+    # Shortcuts, each the catalogue name with "-" as "_" and without the dash between family
+    # and version (llama3_8b is "llama-3-8b"). The catalogue name is the one vocabulary:
+    # from_catalog, kvcmctl --model, kvcm-agent --model and the C++ catalogue take it.
+
     @classmethod
     def deepseek_v3(cls, dtype: KvDtype = KvDtype.BF16, page_size_tokens: int = 64) -> "ModelSpec":
         return cls.from_catalog("deepseek-v3", dtype, page_size_tokens)
