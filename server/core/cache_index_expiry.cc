@@ -24,13 +24,14 @@ void CacheIndex::SetMaxPageAge(Namespace& ns, absl::Duration registered) {
   ns.registered_max_age = registered;
   if (!ns.retention.SetMaxAge(MaxPageAgeFor(registered))) return;
   // The namespace gets a limit: queue every replica it holds (once per namespace; a limit,
-  // once set, only tightens).
+  // once set, only tightens), as TrackExpiry would have. Not an engine's: UntrackExpiry
+  // leaves those out, so a queued one would outlive its node.
   std::vector<RadixNode*> stack = {ns.tree.root()};
   while (!stack.empty()) {
     RadixNode* node = stack.back();
     stack.pop_back();
     for (const Replica& r : node->replicas) {
-      ns.retention.Add({r.committed_ms, node, r.pool});
+      if (!budget_.engine(r.pool)) ns.retention.Add({r.committed_ms, node, r.pool});
     }
     node->children.ForEach([&](RadixNode* child) { stack.push_back(child); });
   }

@@ -273,6 +273,30 @@ TEST_F(CacheIndexExpiryTest, ALimitSetLaterAppliesToPagesAlreadyCached) {
   EXPECT_EQ(Matched(Prompt({4})), 1u);
 }
 
+// An engine's pages are the engine's to keep (TrackExpiry leaves them out), also when the
+// namespace gets its limit after they were published: the queue must not hold them, or a
+// node the engine's removal freed would be read by the next sweep.
+TEST_F(CacheIndexExpiryTest, ALimitSetLaterLeavesAnEnginesPagesToTheEngine) {
+  Reset({}, absl::ZeroDuration());
+  const PoolKey engine{"vllm-0", Tier::kGpu};
+  ASSERT_TRUE(index_->StoreEnginePages(ns_, Prompt({1, 2, 3}), engine).ok());
+  MustInsert(Prompt({7}), gpu0_, 0);
+  ASSERT_TRUE(
+      index_->RegisterModel(ns_, Mla(), CacheIndex::NamespaceSource::kClient, absl::Minutes(60))
+          .ok());
+  // The engine drops its pages; no agent holds them, so their nodes go.
+  absl::StatusOr<uint64_t> removed = index_->RemoveEnginePages(ns_, Prompt({1}), engine);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 3u);
+  clock_.Advance(absl::Hours(2));
+  EXPECT_EQ(Sweep(), 1u) << "only the agent's page expires";
+  EXPECT_EQ(Matched(Prompt({7}), {.probe = true}), 0u);
+  // A page the engine publishes again is the engine's, whatever its age.
+  ASSERT_TRUE(index_->StoreEnginePages(ns_, Prompt({1, 2}), engine).ok());
+  clock_.Advance(absl::Hours(2));
+  EXPECT_EQ(Sweep(), 0u);
+}
+
 TEST_F(CacheIndexExpiryTest, AnAbsurdMaxAgeIsInvalidArgumentAndChangesNothing) {
   const absl::Duration absurd = absl::Seconds(int64_t{kMaxPageAgeS} + 1);
   const NamespaceId other{"acme", "other"};
