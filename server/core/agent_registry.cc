@@ -174,15 +174,10 @@ absl::StatusOr<AgentInfo> AgentRegistry::ForgetNow(absl::string_view agent_id, b
   if (it == agents_.end()) {
     return absl::NotFoundError(absl::StrCat("agent ", agent_id, " is not registered"));
   }
-  const Entry& e = it->second;
-  AgentInfo info{.registration = e.registration,
-                 .alive = Alive(e, now),
-                 .last_heartbeat_age = now - e.last_seen,
-                 .usage = e.usage,
-                 .heartbeats = e.heartbeats};
+  AgentInfo info = InfoOf(it->second, now);
   if (info.alive && !force) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "agent ", agent_id, " epoch ", e.registration.epoch, " is alive (last heartbeat ",
+        "agent ", agent_id, " epoch ", info.registration.epoch, " is alive (last heartbeat ",
         absl::FormatDuration(info.last_heartbeat_age), " ago): forget it with force"));
   }
   agents_.erase(it);
@@ -194,14 +189,7 @@ std::vector<AgentInfo> AgentRegistry::Snapshot() const {
   absl::MutexLock lock(&mu_);
   std::vector<AgentInfo> out;
   out.reserve(agents_.size());
-  for (const auto& [id, e] : agents_) {
-    AgentInfo& info = out.emplace_back();
-    info.registration = e.registration;
-    info.alive = Alive(e, now);
-    info.last_heartbeat_age = now - e.last_seen;
-    info.usage = e.usage;
-    info.heartbeats = e.heartbeats;
-  }
+  for (const auto& [id, e] : agents_) out.push_back(InfoOf(e, now));
   return out;
 }
 

@@ -194,6 +194,13 @@ class AgentRegistry {
   bool Alive(const Entry& e, absl::Time now) const {
     return !e.dropped && now - e.last_seen <= heartbeat_timeout_;
   }
+  AgentInfo InfoOf(const Entry& e, absl::Time now) const {
+    return AgentInfo{.registration = e.registration,
+                     .alive = Alive(e, now),
+                     .last_heartbeat_age = now - e.last_seen,
+                     .usage = e.usage,
+                     .heartbeats = e.heartbeats};
+  }
 
   const Clock* const clock_;
   const absl::Duration heartbeat_timeout_;
