@@ -144,10 +144,12 @@ grpc::Status RunAttention(v1::BlockAgent::Stub& stub, const std::vector<BlockId>
 }
 
 grpc::Status Fetch(v1::BlockAgent::Stub& stub, const NamespaceId& ns,
-                   const std::vector<BlockId>& local) {
+                   const std::vector<BlockId>& local,
+                   const std::vector<uint64_t>& generations = {}) {
   v1::FetchRequest req;
   NamespaceToProto(ns, req.mutable_namespace_());
   req.mutable_local_block_ids()->Add(local.begin(), local.end());
+  req.mutable_local_block_generations()->Add(generations.begin(), generations.end());
   v1::FetchResponse resp;
   grpc::ClientContext ctx;
   return stub.Fetch(&ctx, req, &resp);
@@ -279,6 +281,35 @@ TEST_F(BlockAgentAccessTest, AFreedAndReallocatedBlockRefusesItsOldGenerationEve
   ASSERT_TRUE(still.ok()) << still.status();
   EXPECT_EQ(*still, evil_bytes);
   EXPECT_EQ(pool_->Stats().free_blocks, 0u);
+}
+
+TEST_F(BlockAgentAccessTest, AFetchsGenerationsBindAdminsAndPeersToo) {
+  // Acme frees its last block and evil gets it; an admin's Fetch into it, naming acme's old
+  // generation, is refused like a worker's: the allocation it names has ended.
+  const std::vector<BlockId> ids = AcmeBlocks(kBlocks);
+  const BlockId last = ids.back();
+  const uint64_t acme_gen = gens_.back();
+  ASSERT_TRUE(FreeAsWorker(*As(kAcme), {&last, 1}, kOwner, {&acme_gen, 1}).ok());
+  auto evil = As(kEvil);
+  std::vector<BlockId> got;
+  std::vector<uint64_t> evil_gens;
+  ASSERT_TRUE(AllocateTo(*evil, 1, kOwner, kEvilNs, &got, &evil_gens).ok());
+  ASSERT_EQ(got, std::vector<BlockId>{last});
+  const std::string evil_bytes(pool_->geometry().bytes_per_block(), 'E');
+  ASSERT_TRUE(WriteAll(*evil, got, kOwner, evil_bytes, evil_gens).ok());
+
+  for (const char* token : {kAdmin, kPeer}) {
+    const grpc::Status stale = Fetch(*As(token), kAcmeNs, {last}, {acme_gen});
+    EXPECT_EQ(stale.error_code(), grpc::StatusCode::ABORTED) << token;
+    EXPECT_THAT(stale.error_message(), HasSubstr("was freed and reallocated since generation"));
+    // The block's own generation passes the checks (then no transport: UNIMPLEMENTED).
+    EXPECT_EQ(Fetch(*As(token), kEvilNs, {last}, evil_gens).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED)
+        << token;
+  }
+  absl::StatusOr<std::string> still = ReadAll(*evil, got, kOwner, v1::TIER_UNSPECIFIED, evil_gens);
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_EQ(*still, evil_bytes);
 }
 
 TEST_F(BlockAgentAccessTest, AllocatingOutsideItsTenantIsDenied) {
