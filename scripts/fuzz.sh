@@ -5,6 +5,7 @@
 # leak, timeout or out-of-memory; the input that did it is under $FUZZ_OUT/crashes/.
 #   ./scripts/fuzz.sh            # 10 s per harness
 #   ./scripts/fuzz.sh 300        # 5 min per harness
+#   ./scripts/fuzz.sh --build    # only build them (scripts/test.sh, on idle CPU, during ctest)
 # Environment: BUILD_DIR (default build/fuzz), JOBS (default: nproc), FUZZERS (default:
 # every harness), FUZZ_OUT (new corpus entries, crashes and logs; default $BUILD_DIR/runs),
 # RSS_LIMIT_MB (default 2048).
@@ -12,12 +13,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=${1:-10}
+build_only=0
+[ "$seconds" = --build ] && build_only=1
 build_dir=${BUILD_DIR:-build/fuzz}
 jobs=${JOBS:-$(nproc)}
 out=${FUZZ_OUT:-$build_dir/runs}
 rss_limit_mb=${RSS_LIMIT_MB:-2048}
 fuzzers=${FUZZERS:-"cache_manager_fuzzer agent_control_fuzzer block_agent_fuzzer data_port_fuzzer trace_fuzzer page_hash_fuzzer"}
-export CCACHE_DIR=${CCACHE_DIR:-$PWD/.ccache}
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
 # Its own build directory: every object carries the sanitizers and libFuzzer's coverage.
 cmake -S . -B "$build_dir" -G Ninja \
@@ -30,6 +33,7 @@ cmake -S . -B "$build_dir" -G Ninja \
   -DKVCM_BUILD_BENCH=ON \
   -DKVCM_BUILD_FUZZERS=ON >/dev/null
 cmake --build "$build_dir" --target kvcm_fuzzers -j "$jobs"
+[ "$build_only" = 1 ] && exit 0
 
 mkdir -p "$out/crashes"
 summary=()

@@ -25,7 +25,8 @@ fi
 
 build_dir=${BUILD_DIR:-build/release}
 jobs=${JOBS:-$(nproc)}
-export CCACHE_DIR=${CCACHE_DIR:-$PWD/.ccache}
+# ccache's own directory (~/.cache/ccache unless CCACHE_DIR says otherwise), outside the clone.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 
 cmake -S . -B "$build_dir" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release \
