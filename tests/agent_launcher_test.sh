@@ -3,11 +3,13 @@
 # for nvidia-smi).
 #  1. A fake kvcm-agent that records its arguments: one agent per GPU with its device index,
 #     id, ports (stride 10) and pool (POOL_GPU_FRACTION of the GPU); SIGTERM reaches every
-#     agent; an agent that exits takes the others and the launcher down with its status;
-#     a node with fewer GPUs than GPUS_PER_NODE is refused.
+#     agent; an agent killed is restarted alone (the others keep their pids) and `--alive`
+#     covers it while it restarts; an agent that keeps exiting (KVCM_MAX_RESTARTS) takes the
+#     others and the launcher down with its status; a node with fewer GPUs than GPUS_PER_NODE
+#     is refused.
 #  2. The real kvcm-agent (host memory, plaintext) under the launcher against a real
 #     kvcm-manager on loopback: `--check` fails until both agents are registered, then
-#     passes, and kvcmctl stats lists both agent ids.
+#     passes, and kvcmctl stats lists both agent ids; an agent killed registers again.
 #   tests/agent_launcher_test.sh KVCM_MANAGER KVCMCTL KVCM_AGENT
 set -euo pipefail
 manager_bin=$1 ctl_bin=$2 agent_bin=$3
@@ -37,16 +39,19 @@ wait_for() {  # wait_for SECONDS COMMAND...
 # --- 1. the fake agent --------------------------------------------------------------------
 cat > "$work/fake-agent" <<'EOF'
 #!/usr/bin/env bash
-# Records its arguments in $FAKE_DIR/<agent id>.args, then waits; SIGTERM is recorded.
+# Records its arguments in $FAKE_DIR/<agent id>.args and its pid in <agent id>.pid (one
+# line per start), then waits; SIGTERM is recorded.
 id=unknown
 for a in "$@"; do case $a in --agent_id=*) id=${a#--agent_id=};; esac; done
 printf '%s\n' "$@" > "$FAKE_DIR/$id.args"
+echo $$ >> "$FAKE_DIR/$id.pid"
 trap 'echo term > "$FAKE_DIR/$id.term"; exit 0' TERM
 if [ "$id" = "${FAKE_EXIT_ID:-}" ]; then sleep 0.5; exit 3; fi
 while :; do sleep 0.1; done
 EOF
 chmod +x "$work/fake-agent"
 export FAKE_DIR=$work/fake KVCM_AGENT_BIN=$work/fake-agent KVCM_AGENT_NAME=kvcm-agent-x1y2z
+export KVCM_LAUNCHER_STATE_DIR=$work/state
 mkdir -p "$FAKE_DIR"
 
 KVCM_GPUS="0:81920,1:143771" HOST_CAPACITY_BYTES=1000 KVCM_ADVERTISE_HOST=kvcm-agent-x1y2z.kvcm-agent.kvcm.svc \
@@ -78,13 +83,49 @@ for i in 0 1; do
 done
 echo "ok: two agents, their flags, SIGTERM forwarded"
 
+# One agent killed: restarted alone after the backoff; the other keeps its process.
+rm -f "$FAKE_DIR"/*
+KVCM_GPUS="0:1024,1:1024" KVCM_RESTART_BACKOFF_S=0.2 "$launcher" > "$work/launcher2.log" 2>&1 &
+launcher_pid=$!
+pids+=("$launcher_pid")
+wait_for 10 test -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.pid" -a -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu1.pid" ||
+  fail "the launcher did not start two agents"
+gpu0_pid=$(cat "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.pid")
+gpu1_pid=$(cat "$FAKE_DIR/kvcm-agent-x1y2z-gpu1.pid")
+kill -KILL "$gpu1_pid"
+starts() { wc -l < "$FAKE_DIR/$1.pid"; }  # starts ID: how many times ID's agent started
+restarted() { [ "$(starts kvcm-agent-x1y2z-gpu1)" = 2 ]; }
+wait_for 10 restarted ||
+  fail "gpu1's agent was not restarted: $(cat "$work/launcher2.log")"
+new_gpu1_pid=$(tail -1 "$FAKE_DIR/kvcm-agent-x1y2z-gpu1.pid")
+[ "$new_gpu1_pid" != "$gpu1_pid" ] && kill -0 "$new_gpu1_pid" || fail "gpu1's agent is not running again"
+[ "$(cat "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.pid")" = "$gpu0_pid" ] && kill -0 "$gpu0_pid" ||
+  fail "gpu0's agent was restarted too: pids $(tr '\n' ' ' < "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.pid")"
+[ ! -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.term" ] || fail "gpu0's agent got SIGTERM"
+grep -q "GPU 1's agent exited (status 137); restarting it in 0.2s" "$work/launcher2.log" ||
+  fail "no restart logged: $(cat "$work/launcher2.log")"
+# The fake agents serve no /metrics: alive only within the grace of their (re)start.
+KVCM_GPUS="0:1024,1:1024" "$launcher" --alive || fail "--alive failed within the start grace"
+if KVCM_GPUS="0:1024,1:1024" KVCM_AGENT_START_GRACE_S=0 "$launcher" --alive > /dev/null; then
+  fail "--alive passed for agents that never answered"
+fi
+kill -TERM $launcher_pid
+status=0; wait $launcher_pid || status=$?
+[ $status = 0 ] || fail "launcher exited $status on SIGTERM after a restart"
+pids=()
+echo "ok: a killed agent is restarted alone, the other keeps its pid"
+
+# An agent that keeps exiting: after KVCM_MAX_RESTARTS restarts the launcher gives up.
 rm -f "$FAKE_DIR"/*
 status=0
-FAKE_EXIT_ID=kvcm-agent-x1y2z-gpu1 KVCM_GPUS="0:1024,1:1024" timeout 20 "$launcher" > "$work/launcher2.log" 2>&1 ||
-  status=$?
-[ $status = 3 ] || fail "launcher exited $status after an agent exited 3 (want 3)"
+FAKE_EXIT_ID=kvcm-agent-x1y2z-gpu1 KVCM_GPUS="0:1024,1:1024" KVCM_MAX_RESTARTS=2 \
+  KVCM_RESTART_BACKOFF_S=0.1 timeout 20 "$launcher" > "$work/launcher3.log" 2>&1 || status=$?
+[ $status = 3 ] || fail "launcher exited $status after a crash-looping agent exited 3 (want 3)"
+[ "$(starts kvcm-agent-x1y2z-gpu1)" = 3 ] ||
+  fail "gpu1's agent started $(starts kvcm-agent-x1y2z-gpu1) times (want 1 + 2 restarts)"
+[ "$(starts kvcm-agent-x1y2z-gpu0)" = 1 ] || fail "gpu0's agent was restarted"
 [ -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.term" ] || fail "the surviving agent was not stopped"
-echo "ok: one agent's exit stops the other and the launcher (status 3)"
+echo "ok: a crash-looping agent stops the other and the launcher (status 3) after 2 restarts"
 
 status=0
 out=$(GPUS_PER_NODE=8 KVCM_GPUS="0:1024,1:1024" "$launcher" 2>&1) || status=$?
@@ -119,7 +160,7 @@ base=$(free_base)
 KVCM_BLOCKAGENT_PORT=$base KVCM_DATA_PORT=$((base + 1)) KVCM_METRICS_PORT=$((base + 2))
 export KVCM_BLOCKAGENT_PORT KVCM_DATA_PORT KVCM_METRICS_PORT
 export KVCM_LISTEN_HOST=127.0.0.1 KVCM_METRICS_HOST=127.0.0.1 KVCM_AGENT_BIN=$agent_bin
-export KVCM_GPUS="0:256,1:256" KVCM_AGENT_NAME=launcher-test
+export KVCM_GPUS="0:256,1:256" KVCM_AGENT_NAME=launcher-test KVCM_RESTART_BACKOFF_S=0.2
 unset KVCM_ADVERTISE_HOST
 
 "$launcher" --manager_address=127.0.0.1:$manager_port --insecure --use_device=false \
@@ -144,7 +185,19 @@ for id in launcher-test-gpu0 launcher-test-gpu1; do
   grep -q "$id" <<< "$stats" || fail "kvcmctl stats lists no $id: $stats"
 done
 kill -0 $launcher_pid || fail "the launcher died"
+"$launcher" --alive || fail "--alive failed with both agents up"
 echo "ok: two real agents registered (--check passes, kvcmctl stats lists both)"
+
+# A real agent killed comes back and registers again; the other keeps running.
+agent_pid() { pgrep -P $launcher_pid -f -- "--agent_id=launcher-test-gpu$1"; }
+gpu0_pid=$(agent_pid 0) gpu1_pid=$(agent_pid 1)
+kill -KILL "$gpu1_pid"
+wait_for 60 bash -c "! kill -0 $gpu1_pid 2> /dev/null" || fail "agent 1 did not die"
+wait_for 60 "$launcher" --check > /dev/null 2>&1 ||
+  fail "--check never passed after agent 1's restart: $("$launcher" --check 2>&1)"
+[ "$(agent_pid 0)" = "$gpu0_pid" ] || fail "agent 0 was restarted too"
+[ -n "$(agent_pid 1)" ] || fail "agent 1 is not running"
+echo "ok: a killed real agent restarts and registers again, the other untouched"
 kill -TERM $launcher_pid
 status=0; wait $launcher_pid || status=$?
 [ $status = 0 ] || fail "launcher exited $status on SIGTERM with real agents"

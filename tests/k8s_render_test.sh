@@ -7,7 +7,8 @@
 # outside the dev overlay, and (issue 26):
 #   - agents: one per GPU (the launcher, GPUS_PER_NODE ports, no nvidia.com/gpu request), each
 #     pod able to read only its own credential (production: a csi-driver certificate naming
-#     ${POD_NAME}, no token Secret; dev: one dummy token), readiness = registered;
+#     ${POD_NAME}, no token Secret; dev: one dummy token), readiness = registered, liveness =
+#     the launcher's --alive;
 #   - NetworkPolicies: clients in this namespace or a labelled one admitted, others not;
 #   - monitors and the plain kubernetes-pods job: the job labels of every target, derived as
 #     prometheus-operator and Prometheus do, match the alert rules' selectors, and promtool's
@@ -98,6 +99,10 @@ def check_agents(overlay, objs):
           f"{overlay}: agent readiness must be registration (kvcm-agent-launcher --check)")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         check("tcpSocket" not in c.get(probe, {}), f"{overlay}: agent {probe} is a TCP probe")
+    # Liveness covers every agent and tolerates one being restarted by the launcher: a probe
+    # of one agent's port would restart the whole pod (every GPU's cache) with it.
+    check(c["livenessProbe"].get("exec", {}).get("command") == ["kvcm-agent-launcher", "--alive"],
+          f"{overlay}: agent liveness must be kvcm-agent-launcher --alive")
     # Credentials: no agent pod may read another's. The tokens file holds hashes only.
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     mounted = {m["name"] for m in c.get("volumeMounts", [])}
