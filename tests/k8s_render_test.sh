@@ -9,6 +9,8 @@
 #     pod able to read only its own credential (production: a csi-driver certificate naming
 #     ${POD_NAME}, no token Secret; dev: one dummy token), readiness = registered, liveness =
 #     the launcher's --alive;
+#   - managers and etcd members one per node (required anti-affinity; a preference in dev),
+#     the managers' rolling update one pod at a time in place;
 #   - NetworkPolicies: clients in this namespace or a labelled one admitted, others not;
 #   - monitors and the plain kubernetes-pods job: the job labels of every target, derived as
 #     prometheus-operator and Prometheus do, match the alert rules' selectors, and promtool's
@@ -245,7 +247,32 @@ for overlay, objs in docs.items():
         env = {e["name"]: e.get("value", "") for e in etcd["spec"]["template"]["spec"]["containers"][0]["env"]}
         check(env["ETCD_INITIAL_CLUSTER"].count("=http://") == members,
               f"{overlay}: ETCD_INITIAL_CLUSTER lists {members} member(s)")
+    # One manager (and one etcd member) per node, required outside dev: a preference lets a
+    # busy cluster put both on one node. Then a rolling update cannot surge (a third node free
+    # of managers may not exist): it replaces one pod at a time while the other serves. Dev
+    # (one kind node) keeps a preference, or its second manager would stay Pending.
+    for what, obj in (("manager", manager), ("etcd", etcd)):
+        if obj is None:
+            continue
+        anti = obj["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+        required = anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        on_hosts = [t for t in required if t.get("topologyKey") == "kubernetes.io/hostname"]
+        if overlay == "dev":
+            check(not required, f"dev: {what} anti-affinity required (one kind node)")
+        else:
+            check(len(on_hosts) == 1 and "preferredDuringSchedulingIgnoredDuringExecution" not in anti,
+                  f"{overlay}: {what} anti-affinity by node must be required, not preferred: {anti}")
     if manager is not None:
+        anti = manager["spec"]["template"]["spec"].get("affinity", {}).get("podAntiAffinity", {})
+        if overlay == "dev":
+            check("preferredDuringSchedulingIgnoredDuringExecution" in anti,
+                  "dev: manager anti-affinity should stay a preference")
+        rolling = manager["spec"]["strategy"].get("rollingUpdate", {})
+        check(rolling.get("maxSurge") == 0 and rolling.get("maxUnavailable") == 1,
+              f"{overlay}: manager rollingUpdate {rolling}, want maxSurge 0, maxUnavailable 1")
+        pdb = by_name.get(("PodDisruptionBudget", "kvcm-manager"))
+        check(pdb is not None and pdb["spec"].get("minAvailable") == 1,
+              f"{overlay}: manager PodDisruptionBudget must keep one manager")
         c = manager["spec"]["template"]["spec"]["containers"][0]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             check(c[probe].get("httpGet", {}).get("port") == "metrics",
