@@ -8,7 +8,8 @@
 #   - agents: one per GPU (the launcher, GPUS_PER_NODE ports, no nvidia.com/gpu request), each
 #     pod able to read only its own credential (production: a csi-driver certificate naming
 #     ${POD_NAME}, no token Secret; dev: one dummy token), readiness = registered, liveness =
-#     the launcher's --alive;
+#     the launcher's --alive; engines' node-local Service kvcm-agent-local (50052 + 10 i);
+#     dev runs on a plain kind cluster (no GPU, runtime class or node selector);
 #   - managers and etcd members one per node (required anti-affinity; a preference in dev),
 #     the managers' rolling update one pod at a time in place;
 #   - NetworkPolicies: clients in this namespace or a labelled one admitted, others not;
@@ -85,10 +86,19 @@ def check_agents(overlay, objs):
     check(gpus >= 1, f"{overlay}: GPUS_PER_NODE {config.get('GPUS_PER_NODE')}")
     check(0 < float(config.get("POOL_GPU_FRACTION", "0")) <= 0.9, f"{overlay}: POOL_GPU_FRACTION")
     check(c.get("command") == ["kvcm-agent-launcher"], f"{overlay}: agent command {c.get('command')}")
-    check(pod.get("runtimeClassName") == "nvidia", f"{overlay}: agent runtimeClassName")
-    check(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", f"{overlay}: NVIDIA_VISIBLE_DEVICES")
-    check("utility" in env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value", ""),
-          f"{overlay}: nvidia-smi needs NVIDIA_DRIVER_CAPABILITIES utility")
+    if overlay == "dev":
+        # A plain kind cluster: no GPU, no NVIDIA runtime, no node picked by name or GPU label;
+        # the launcher's stand-in GPU list and a host-memory pool instead.
+        check("runtimeClassName" not in pod, f"dev: agent runtimeClassName {pod.get('runtimeClassName')}")
+        check(not pod.get("nodeSelector") and "nodeName" not in pod,
+              f"dev: agent pinned to nodes {pod.get('nodeSelector') or pod.get('nodeName')}")
+        check(config.get("KVCM_GPUS") and "--use_device=false" in c.get("args", []),
+              "dev: agents need KVCM_GPUS and --use_device=false without a GPU")
+    else:
+        check(pod.get("runtimeClassName") == "nvidia", f"{overlay}: agent runtimeClassName")
+        check(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", f"{overlay}: NVIDIA_VISIBLE_DEVICES")
+        check("utility" in env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value", ""),
+              f"{overlay}: nvidia-smi needs NVIDIA_DRIVER_CAPABILITIES utility")
     # The launcher's ports: GPU i's agent on 50052/50053/9465 + 10 i, each declared.
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     want = {}
@@ -96,6 +106,18 @@ def check_agents(overlay, objs):
         want.update({f"blockagent-g{i}": 50052 + 10 * i, f"data-g{i}": 50053 + 10 * i,
                      f"metrics-g{i}": 9465 + 10 * i})
     check(ports == want, f"{overlay}: agent ports {ports}, want {want} (GPUS_PER_NODE={gpus})")
+    # Engines reach their node's agent of GPU i at kvcm-agent-local:50052 + 10 i, node-local.
+    local = next((o for o in objs if o["kind"] == "Service" and
+                  o["metadata"]["name"] == "kvcm-agent-local"), None)
+    check(local is not None, f"{overlay}: no Service kvcm-agent-local for engines")
+    if local is not None:
+        check(local["spec"].get("internalTrafficPolicy") == "Local",
+              f"{overlay}: kvcm-agent-local must be internalTrafficPolicy Local (node-local agents)")
+        check(local["spec"].get("selector") == ds["spec"]["selector"]["matchLabels"],
+              f"{overlay}: kvcm-agent-local selects {local['spec'].get('selector')}")
+        served = {p["port"]: p["targetPort"] for p in local["spec"]["ports"]}
+        check(served == {50052 + 10 * i: f"blockagent-g{i}" for i in range(gpus)},
+              f"{overlay}: kvcm-agent-local ports {served}, want 50052 + 10 i -> blockagent-g<i>")
     # Readiness is registration (the launcher's --check), never a bare TCP connect.
     check(c["readinessProbe"].get("exec", {}).get("command") == ["kvcm-agent-launcher", "--check"],
           f"{overlay}: agent readiness must be registration (kvcm-agent-launcher --check)")
@@ -131,7 +153,10 @@ def check_agents(overlay, objs):
         check(tls.get("driver") == "csi.cert-manager.io" and "tls" in mounted,
               f"{overlay}: agent TLS must be the pod's own csi.cert-manager.io certificate")
         names = attrs.get("csi.cert-manager.io/dns-names", "").split(",")
-        check(names == ["${POD_NAME}.kvcm-agent.${POD_NAMESPACE}.svc"],
+        # The pod's own name (its identity) and the node-local Service's, which is not under
+        # the identity suffix (.kvcm-agent.<namespace>.svc), so it names no agent.
+        check(names == ["${POD_NAME}.kvcm-agent.${POD_NAMESPACE}.svc",
+                        "kvcm-agent-local.${POD_NAMESPACE}.svc"],
               f"{overlay}: agent certificate names {names}")
         check(pod.get("subdomain") == "kvcm-agent", f"{overlay}: agent subdomain")
         check("server auth" in attrs.get("csi.cert-manager.io/key-usages", "") and

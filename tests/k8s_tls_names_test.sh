@@ -8,7 +8,8 @@
 #   - two agent pods' certificates as cert-manager's csi-driver issues them (the volume's
 #     csi.cert-manager.io/dns-names, ${POD_NAME} and ${POD_NAMESPACE} substituted), checked
 #     against the host each pod's agents advertise (KVCM_ADVERTISE_HOST, $(POD_NAME)
-#     substituted): each verifies for its own pod's name and not for the other pod's.
+#     substituted): each verifies for its own pod's name and not for the other pod's, and
+#     for kvcm-agent-local.<namespace>.svc, the node-local Service engines dial.
 # `openssl verify -verify_hostname` does the checking, as a TLS client does.
 #   tests/k8s_tls_names_test.sh README.md [VENV]   # VENV: default build/k8s-venv
 # Exit 77 (skip) without VENV's kubectl, unless KVCM_REQUIRE_K8S=1.
@@ -88,6 +89,10 @@ for pod in kvcm-agent-7xk2p kvcm-agent-q9d4m; do
   if verifies "$other" "$host"; then fail "$other's certificate verifies for $pod's $host"
   else echo "ok: $other's certificate does not verify for $host"; fi
   if verifies manager "$host"; then fail "the manager's certificate verifies for $host"; fi
+  # Engines dial their node's agent through the node-local Service.
+  if verifies "$pod" "kvcm-agent-local.$namespace.svc"; then
+    echo "ok: $pod's certificate verifies for kvcm-agent-local.$namespace.svc"
+  else fail "$pod's certificate does not name kvcm-agent-local.$namespace.svc (engines dial it)"; fi
 done
 echo "$failures failure(s)"
 [ $failures = 0 ]
