@@ -85,6 +85,12 @@ def check_agents(overlay, objs):
     gpus = int(config.get("GPUS_PER_NODE", "0"))
     check(gpus >= 1, f"{overlay}: GPUS_PER_NODE {config.get('GPUS_PER_NODE')}")
     check(0 < float(config.get("POOL_GPU_FRACTION", "0")) <= 0.9, f"{overlay}: POOL_GPU_FRACTION")
+    # The GPU share is one number: the agent ConfigMap's. Engines read the pool's size from
+    # their agent (deploy/README.md, "Engines"), so no other object may carry a copy to drift.
+    copies = [f"{o['kind']}/{o['metadata']['name']}" for o in objs
+              if "POOL_GPU_FRACTION" in yaml.safe_dump(o) and not (
+                  o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvcm-agent-config"))]
+    check(not copies, f"{overlay}: POOL_GPU_FRACTION outside kvcm-agent-config: {copies}")
     check(c.get("command") == ["kvcm-agent-launcher"], f"{overlay}: agent command {c.get('command')}")
     if overlay == "dev":
         # A plain kind cluster: no GPU, no NVIDIA runtime, no node picked by name or GPU label;
