@@ -80,6 +80,13 @@ absl::Status ValidateSecurity(const AgentOptions& o) {
 
 }  // namespace
 
+std::string HostMemoryTierNote(Tier tier, bool pool_on_device) {
+  if (pool_on_device || tier != Tier::kGpu) return "";
+  return "the pool is in host memory and registers as tier gpu: the tier is its "
+         "role (the engines' pool, demoting into a host pool and fetched into by the vLLM "
+         "connector), not its memory; --tier=host registers it as a host-tier pool instead";
+}
+
 absl::StatusOr<LocalPrincipalUids> ParseLocalPrincipalUids(absl::string_view text) {
   LocalPrincipalUids out;
   for (absl::string_view entry : absl::StrSplit(text, ',', absl::SkipWhitespace())) {

@@ -26,6 +26,11 @@ using LocalPrincipalUids = absl::flat_hash_map<std::string, std::vector<uint32_t
 // INVALID_ARGUMENT naming local_principal_uids for a malformed list (format on the option).
 absl::StatusOr<LocalPrincipalUids> ParseLocalPrincipalUids(absl::string_view text);
 
+// What kvcm-agent logs at start when its pool is in host memory yet registers as tier gpu,
+// the default (`kvcmctl stats` then shows device "host" beside tier "gpu"): the tier is the
+// pool's role, not its memory. Empty when there is nothing to explain.
+std::string HostMemoryTierNote(Tier tier, bool pool_on_device);
+
 struct AgentOptions {
   // Id of this agent, also its pool's agent_id at the manager. 1..128 bytes of
   // [A-Za-z0-9._:-].
@@ -63,7 +68,12 @@ struct AgentOptions {
   int device_index = 0;
   // False forces the host backend even on a machine with a GPU.
   bool use_device = true;
-  // Tier the pool is registered as.
+  // Tier the pool is registered as: its role, not its memory. gpu: the engines' pool, which
+  // the manager demotes into the host pool and the vLLM connector fetches into, also when it
+  // lives in host memory (no device, or use_device false: tests and CPU engines); host: a
+  // host-tier pool (SGLang's HiCache stores into one). A default by memory would turn every
+  // CPU agent into a host-tier pool, which the vLLM connector neither fetches into nor
+  // remembers blocks of, and which the select policy does not observe.
   Tier tier = Tier::kGpu;
   // Model preset from the catalogue (kvcm::FindModel), e.g. "deepseek-v3". Empty: use
   // `spec` as given (explicit geometry).

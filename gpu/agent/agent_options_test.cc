@@ -30,6 +30,18 @@ TEST(AgentOptionsTest, TransportsAreFoundByTheirRegisteredNameOnly) {
   EXPECT_THAT(o.Validate().message(), HasSubstr("transport must be one of tcp, nccl"));
 }
 
+// The default tier is gpu whatever the pool's memory (AgentOptions::tier says why); a gpu
+// pool in host memory is explained at start, not re-tiered.
+TEST(AgentOptionsTest, AHostMemoryPoolKeepsTheGpuTierAndIsExplained) {
+  EXPECT_EQ(AgentOptions{}.tier, Tier::kGpu);
+  EXPECT_THAT(
+      HostMemoryTierNote(Tier::kGpu, /*pool_on_device=*/false),
+      ::testing::AllOf(::testing::HasSubstr("host memory"), ::testing::HasSubstr("tier gpu"),
+                       ::testing::HasSubstr("--tier=host")));
+  EXPECT_EQ(HostMemoryTierNote(Tier::kGpu, /*pool_on_device=*/true), "");
+  EXPECT_EQ(HostMemoryTierNote(Tier::kHost, /*pool_on_device=*/false), "");
+}
+
 // A preset and explicit geometry together are refused, naming both; either alone works.
 TEST(AgentOptionsTest, APresetAndExplicitGeometryAreNotMixed) {
   AgentOptions o;

@@ -57,7 +57,9 @@ ABSL_FLAG(uint32_t, nccl_connect_timeout_ms, kDefaults.nccl_connect_timeout_ms,
 ABSL_FLAG(int, device_index, kDefaults.device_index, "CUDA device of the pool.");
 ABSL_FLAG(bool, use_device, kDefaults.use_device,
           "Use the GPU when present; false forces host DRAM.");
-ABSL_FLAG(std::string, tier, "gpu", "Tier the pool is registered as: gpu, host or disk.");
+ABSL_FLAG(std::string, tier, "gpu",
+          "Tier the pool is registered as: gpu, host or disk. The pool's role, not its memory: "
+          "gpu (the engines' pool, demoting into the host pool) also for a pool in host memory.");
 ABSL_FLAG(std::string, model, kDefaults.model,
           "Model preset from the catalogue (e.g. deepseek-v3, llama-3-70b); empty uses the "
           "explicit geometry flags (--num_layers ...), which a preset refuses.");
@@ -285,6 +287,11 @@ int main(int argc, char** argv) {
   if (const kvcm::BlockPool* host = agent->host_pool(); host != nullptr) {
     kvcm::LogInfo(absl::StrCat("host pool (demotion target): ", host->geometry().num_blocks,
                                " blocks in ", host->backend().name(), " memory"));
+  }
+  if (const std::string note =
+          kvcm::HostMemoryTierNote(agent->options().tier, agent->pool().backend().is_device());
+      !note.empty()) {
+    kvcm::LogInfo(note);
   }
 
   std::thread signal_waiter([&stop_signals, agent] {
