@@ -114,6 +114,12 @@ TEST(AgentIdentityCertificateTest, EveryDnsNameUnderTheSuffixMustNameTheSameAgen
   EXPECT_EQ(AgentOf({{GEN_DNS, "localhost"}, {GEN_DNS, "pod-a.kvcm-agent.kvcm.svc"}}), "pod-a");
   EXPECT_EQ(AgentOf({{GEN_DNS, "pod-a.kvcm-agent.kvcm.svc"}, {GEN_DNS, "pod-a.other.svc"}}),
             "pod-a");
+  // deploy/k8s's agent certificates also name the node-local Service engines dial: it shares
+  // "kvcm-agent" with the suffix but is not under it, so it names no agent.
+  EXPECT_EQ(
+      AgentOf({{GEN_DNS, "pod-a.kvcm-agent.kvcm.svc"}, {GEN_DNS, "kvcm-agent-local.kvcm.svc"}}),
+      "pod-a");
+  EXPECT_EQ(AgentOf({{GEN_DNS, "kvcm-agent-local.kvcm.svc"}}), std::nullopt);
   EXPECT_EQ(
       AgentOf({{GEN_DNS, "pod-a.kvcm-agent.kvcm.svc"}, {GEN_DNS, "pod-a.kvcm-agent.kvcm.svc"}}),
       "pod-a");
