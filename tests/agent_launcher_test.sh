@@ -125,6 +125,8 @@ FAKE_EXIT_ID=kvcm-agent-x1y2z-gpu1 KVCM_GPUS="0:1024,1:1024" KVCM_MAX_RESTARTS=2
   fail "gpu1's agent started $(starts kvcm-agent-x1y2z-gpu1) times (want 1 + 2 restarts)"
 [ "$(starts kvcm-agent-x1y2z-gpu0)" = 1 ] || fail "gpu0's agent was restarted"
 [ -f "$FAKE_DIR/kvcm-agent-x1y2z-gpu0.term" ] || fail "the surviving agent was not stopped"
+grep -q "GPU 1's agent exited 3 times in a row" "$work/launcher3.log" ||
+  fail "no crash loop logged: $(cat "$work/launcher3.log")"
 echo "ok: a crash-looping agent stops the other and the launcher (status 3) after 2 restarts"
 
 status=0
