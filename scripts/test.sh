@@ -28,12 +28,15 @@ mkdir -p "$build_dir"
 # - the fuzz harnesses' own clang build (scripts/fuzz.sh --build), under SCHED_IDLE, so that
 #   it takes only CPU time nothing else wants (mostly while ctest's tests wait on processes).
 # Each writes a log in BUILD_DIR; a failed one prints its log.
+# Job control gives each background job a process group of its own, so that an early exit
+# stops all of it (a ninja's compilers too). Not setsid: a session of its own would also be a
+# scheduler autogroup of its own, which shares the CPU with ours as an equal, SCHED_IDLE or not.
+set -m
 background=()
 in_background() { # NAME COMMAND...
   local name=$1
   shift
-  # Its own process group, so that an early exit stops all of it (a ninja's compilers too).
-  setsid "$@" > "$build_dir/$name.log" 2>&1 &
+  "$@" > "$build_dir/$name.log" 2>&1 &
   background+=("$name:$!")
 }
 wait_for() { # NAME
