@@ -8,7 +8,7 @@ request (hash + Route with pin + Release), all measured in one run.
         --manager_bin build/test/server/kvcm-manager --agent_bin build/test/gpu/agent/kvcm-agent \\
         --vllm_python build/test/vllm-venv/bin/python [--transport grpc|local] [--smoke]
 
-The model is kvcm.testing.tiny_llama's Llama with a larger shape (--layers, --hidden, ...)
+The model is client/python/tests/rigs/tiny_llama.py's Llama with a larger shape (--layers, --hidden, ...)
 and vLLM's dummy weights (timing does not depend on the values): big enough that prefill
 dominates a long prompt's TTFT on this CPU. Each sample sends a fresh prompt twice with
 max_tokens 1 (the request's latency is its TTFT): first a miss (vLLM computes the prompt,
@@ -34,9 +34,12 @@ from pathlib import Path
 import numpy as np
 
 import kvcm
-from kvcm.testing import tiny_llama
-from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.testing.vllm_engine import MODEL_NAME, VllmEngine, cached_tokens_of
+
+# The rigs are the repository's test helpers, not part of the installed kvcm package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client" / "python" / "tests"))
+from rigs import tiny_llama  # noqa: E402
+from rigs.manager import ManagerProcess, free_port  # noqa: E402
+from rigs.vllm_engine import MODEL_NAME, VllmEngine, cached_tokens_of  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU block size (multiple of 32)
 

@@ -25,13 +25,13 @@ counts the other vLLM servers running on the machine. At most 3 engines run at o
 default lengths end off a page boundary except 2048 (a hit on a prompt ending on a page
 boundary computes that last page and stores it again).
 
-Models (bench/vllm_e2e_rig.py, random real weights): kvcm.testing.tiny_deepseek (MLA,
-kv_lora_rank 512 + rope 64, 2 layers, hidden 256, 4 heads; vLLM's CPU_MLA, block 16, which
-turns vLLM's prefix cache off) and kvcm.testing.tiny_llama with the same layers, hidden, MLP
-and query heads (head_dim 64 = hidden / heads) and 2 KV heads (GQA) or 4 (MHA, as the tiny
-DeepSeek's num_key_value_heads); block 32 (vLLM's CPU attention refuses 16). Exits 77 when
-the vLLM python is missing, unless KVCM_REQUIRE_VLLM=1 or KVCM_REQUIRE_PYTHON=1 (as the
-tests' conftest decides).
+Models (bench/vllm_e2e_rig.py, random real weights; the tests' rigs.tiny_deepseek and
+rigs.tiny_llama): the tiny DeepSeek (MLA, kv_lora_rank 512 + rope 64, 2 layers, hidden 256, 4
+heads; vLLM's CPU_MLA, block 16, which turns vLLM's prefix cache off) and the tiny Llama with
+the same layers, hidden, MLP and query heads (head_dim 64 = hidden / heads) and 2 KV heads
+(GQA) or 4 (MHA, as the tiny DeepSeek's num_key_value_heads); block 32 (vLLM's CPU attention
+refuses 16). Exits 77 when the vLLM python is missing, unless KVCM_REQUIRE_VLLM=1 or
+KVCM_REQUIRE_PYTHON=1 (as the tests' conftest decides).
 """
 
 from __future__ import annotations

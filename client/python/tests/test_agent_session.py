@@ -22,7 +22,7 @@ import kvcm
 from conftest import REPO_ROOT, Process, binary, prompt, require_or_skip, wait_registered
 from kvcm.agent import AgentSession, local_writer
 from kvcm.agent_local import LocalRegion
-from kvcm.testing.manager import ManagerProcess, free_port
+from rigs.manager import ManagerProcess, free_port
 
 NS = kvcm.Namespace("acme", "tiny")
 PAGE = 4  # tokens per page

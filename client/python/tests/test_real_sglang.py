@@ -1,6 +1,6 @@
 """kvcm-bridge (kind "sglang") against SGLang's own code: SGLang 0.5.23's UnifiedRadixCache
 records KV events with its own hashing and its ZmqEventPublisher sends them over loopback
-(kvcm/testing/sglang_publisher.py, run by SGLang's Python), a kvcm-bridge process mirrors them
+(rigs/sglang_publisher.py, run by SGLang's Python), a kvcm-bridge process mirrors them
 into a kvcm-manager (TLS, an engine token). After every step the manager's engine pool must
 equal what SGLang published: for each prompt, the pages whose blocks SGLang still holds.
 
@@ -29,8 +29,8 @@ from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.engines.pagehash import hash_request
 from kvcm.sglang.pagehash import chain_hashes
-from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.testing.sglang_source import HeldBlocks, SglangSource, tokens
+from rigs.manager import ManagerProcess, free_port
+from rigs.sglang_source import HeldBlocks, SglangSource, tokens
 
 from conftest import binary, sglang_test_path
 

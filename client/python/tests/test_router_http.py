@@ -16,7 +16,7 @@ pytest.importorskip("kvcm.testing.fake_vllm")
 import aiohttp  # noqa: E402
 
 from conftest import free_port  # noqa: E402
-from router_rig import (  # noqa: E402
+from rigs.router import (  # noqa: E402
     metrics_text,
     post,
     sample,

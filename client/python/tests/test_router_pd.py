@@ -17,7 +17,7 @@ pytest.importorskip("kvcm.testing.fake_vllm")
 import aiohttp  # noqa: E402
 
 from conftest import free_port  # noqa: E402
-from router_rig import Served, metrics_text, post, sample, sse, start_engine  # noqa: E402
+from rigs.router import Served, metrics_text, post, sample, sse, start_engine  # noqa: E402
 
 from kvcm.router import ImbalanceGuard, LoadTracker, RoutingRequest  # noqa: E402
 from kvcm.router.config import (  # noqa: E402

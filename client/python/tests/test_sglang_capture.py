@@ -1,6 +1,6 @@
 """kvcm's SGLang decoder and mirror on frames SGLang 0.5.23 itself sent: its UnifiedRadixCache
-and ZmqEventPublisher, driven by kvcm/testing/sglang_publisher.py and captured by
-`python -m kvcm.testing.sglang_source SGLANG_PYTHON tests/data/sglang/0.5.23.json`."""
+and ZmqEventPublisher, driven by rigs/sglang_publisher.py and captured by
+`python -m rigs.sglang_source SGLANG_PYTHON tests/data/sglang/0.5.23.json`."""
 
 import json
 from pathlib import Path
@@ -15,7 +15,7 @@ from kvcm.engines.pagehash import hash_request
 from kvcm.engines.wire import parse_live
 from kvcm.sglang.events import decode_batch
 from kvcm.sglang.pagehash import chain_hashes
-from kvcm.testing.sglang_source import HeldBlocks
+from rigs.sglang_source import HeldBlocks
 
 KEY = bytes(range(16))
 CAPTURE = json.loads((Path(__file__).parent / "data" / "sglang" / "0.5.23.json").read_text())

@@ -7,7 +7,7 @@ that the full-pool scenario overfills) hold the pages; a second manager and two 
 "sb") serve mutual TLS and check bearer tokens, for the backend's TLS and token options.
 
 The scenarios run in SGLang's environment ($KVCM_SGLANG_PYTHON, which imports the kvcm package
-under test from a PYTHONPATH holding only it) as one process (sglang_hicache_driver.py; SGLang
+under test from a PYTHONPATH holding only it) as one process (rigs/sglang_hicache_driver.py; SGLang
 takes ~20 s to import); each test here checks one scenario's outcome and the cluster's state.
 Without $KVCM_SGLANG_PYTHON or the binaries the module skips, unless KVCM_REQUIRE_SGLANG=1.
 """
@@ -25,7 +25,7 @@ from typing import Iterator
 import pytest
 
 import kvcm
-from kvcm.testing.manager import ManagerProcess, free_port
+from rigs.manager import ManagerProcess, free_port
 
 from conftest import REPO_ROOT, Process, kvcm_pythonpath, wait_registered
 from conftest import scrape_metric as metric
@@ -165,7 +165,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
                   "secure": secure["config"]}
         (workdir / "config.json").write_text(json.dumps(config))
         env = dict(os.environ, PYTHONPATH=str(pythonpath))
-        run = subprocess.run([sglang_python, str(HERE / "sglang_hicache_driver.py"),
+        run = subprocess.run([sglang_python, str(HERE / "rigs" / "sglang_hicache_driver.py"),
                               str(workdir / "config.json"), str(workdir / "results.json")],
                              env=env, capture_output=True, text=True, timeout=500)
         if run.returncode != 0 or not (workdir / "results.json").exists():

@@ -20,9 +20,9 @@ from prometheus_client import generate_latest
 
 from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
-from kvcm.testing.bridge_rig import BridgeRig, FakeManagerView, RealManagerView
+from rigs.bridge import BridgeRig, FakeManagerView, RealManagerView
 from kvcm.testing.fake_manager import FakeEngineManager
-from kvcm.testing.manager import ManagerProcess
+from rigs.manager import ManagerProcess
 from kvcm.engines.metrics import registry_for
 
 BS = 16

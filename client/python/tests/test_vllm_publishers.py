@@ -1,7 +1,7 @@
 """The bridge against the frames of vLLM's own ZmqEventPublisher, release by release.
 
 tests/data/vllm_publishers/<version>.json holds what each release's unmodified publisher sent
-for `kvcm.testing.vllm_publishers.script` (made by that module from the release's wheel).
+for `rigs.vllm_publishers.script` (made by that module from the release's wheel).
 Each test serves those exact frames (live, and replay in the release's form) over loopback
 ZMQ to a bridge publishing into a real kvcm-manager, then checks with probe Matches that the
 manager holds exactly the pages the events say the engine holds. Where the wheel cache
@@ -21,10 +21,10 @@ import pytest
 import zmq
 
 from kvcm import hashing
-from kvcm.testing.bridge_rig import RealManagerView
+from rigs.bridge import RealManagerView
 from kvcm.testing.fake_vllm import FakeVllmPublisher
-from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.testing.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC,
+from rigs.manager import ManagerProcess, free_port
+from rigs.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC,
                                           RealPublisherThread, frames_of)
 from kvcm.engines.bridge import Bridge
 from kvcm.engines.config import BridgeConfig, EngineConfig, NamespaceConfig

@@ -24,7 +24,7 @@ import json, sys
 from pathlib import Path
 import torch
 from vllm.engine.arg_utils import EngineArgs
-from kvcm.testing import tiny_deepseek, tiny_llama
+from rigs import tiny_deepseek, tiny_llama
 from vllm.config import KVTransferConfig
 from kvcm.vllm.connector import (ConnectorOptions, load_failure_warning, model_spec_of,
                                  shards_of, unsupported_kv_cache, unsupported_reason)

@@ -6,7 +6,7 @@ checked, sessions that start at sequence 1 (emptying the engine's pools), sequen
 (the last one again is a duplicate, applied once), FAILED_PRECONDITION naming "sequence"
 otherwise, sessions lapsing after ttl_ms, close, and tokens scoped to an engine and tenant.
 It indexes chains as sets of page hashes with parents; `pages()` and `match()` read them.
-It is not the manager: real-manager tests run the binary (kvcm.testing.manager).
+It is not the manager: a test that needs the real one runs the kvcm-manager binary.
 """
 
 from __future__ import annotations

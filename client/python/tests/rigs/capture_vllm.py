@@ -1,6 +1,8 @@
 """Captures a real vLLM's KV-event wire traffic as golden test data:
 
-    KVCM_VLLM_PYTHON=/path/to/vllm-venv/bin/python python -m kvcm.testing.capture_vllm OUTDIR
+    KVCM_VLLM_PYTHON=/path/to/vllm-venv/bin/python python -m rigs.capture_vllm OUTDIR
+
+(from client/python/tests, with kvcm installed).
 
 Starts a VllmEngine with a small KV cache, subscribes a raw ZeroMQ SUB to its PUB endpoint,
 runs a scripted workload (prompts sharing prefixes, enough distinct prompts to evict, salted
@@ -33,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from kvcm.testing.vllm_engine import BLOCK_SIZE, VllmEngine
+from rigs.vllm_engine import BLOCK_SIZE, VllmEngine
 
 NUM_BLOCKS = 24
 END_OF_REPLAY_WAIT_S = 10.0
@@ -148,7 +150,7 @@ def engine_version(python: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvcm.testing.capture_vllm OUTDIR", file=sys.stderr)
+        print("usage: python -m rigs.capture_vllm OUTDIR", file=sys.stderr)
         return 2
     out = Path(args[0])
     out.mkdir(parents=True, exist_ok=True)

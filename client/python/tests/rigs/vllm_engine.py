@@ -1,5 +1,5 @@
 """A real vLLM OpenAI server (CPU build, scripts/vllm_env.sh) serving the tiny Llama of
-kvcm.testing.tiny_llama on loopback ports, with KV events over ZeroMQ, for tests:
+rigs.tiny_llama on loopback ports, with KV events over ZeroMQ, for tests:
 
     with VllmEngine(workdir, num_blocks=64) as engine:      # waits for /health
         body = engine.complete([1, 2, 3] * 30)              # prompt as token ids
@@ -9,7 +9,7 @@ kvcm.testing.tiny_llama on loopback ports, with KV events over ZeroMQ, for tests
 
 The server runs from the vLLM environment's python ($KVCM_VLLM_PYTHON, or `python`), in its
 own process group; its output goes to workdir/vllm-<port>.log. HTTP is urllib: this module
-needs only the standard library (and kvcm.testing.manager for ports).
+needs only the standard library (and rigs.manager for ports).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvcm.testing import tiny_llama
-from kvcm.testing.manager import free_port
+from rigs import tiny_llama
+from rigs.manager import free_port
 
 MODEL_NAME = "tiny-llama"
 # CPU attention needs block sizes that are multiples of 32.
@@ -56,7 +56,7 @@ class VllmEngine:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = Path(model_dir) if model_dir else tiny_llama.write(self.dir / "model")
         self.num_blocks, self.topic, self.buffer_steps = num_blocks, topic, buffer_steps
-        # Another model (kvcm.testing.tiny_deepseek) passes its own block size and bytes.
+        # Another model (rigs.tiny_deepseek) passes its own block size and bytes.
         self.block_size, self.block_bytes = block_size, block_bytes
         if num_blocks is not None:  # vLLM refuses a cache that cannot hold one longest request
             max_model_len = min(max_model_len, (num_blocks - 1) * block_size)

@@ -1,12 +1,12 @@
 """A tiny DeepSeek-V2 (MLA) model directory that a real vLLM (CPU build) can serve:
 
-    python -m kvcm.testing.tiny_deepseek DIR
+    python -m rigs.tiny_deepseek DIR      # from client/python/tests
 
 DeepSeek-V2's architecture at toy size: 2 layers, hidden 256, 4 heads, q_lora_rank null,
 qk_nope_head_dim 32, v_head_dim 32, and the latent widths of the real model (kv_lora_rank
 512, qk_rope_head_dim 64: vLLM's CPU MLA decode kernel exists only for 576 / 512), so one
 token of one layer caches a 576-wide latent. first_k_dense_replace is past the last layer:
-no MoE layer is built. The tokenizer is kvcm.testing.tiny_llama's ("0".."999" are token ids
+no MoE layer is built. The tokenizer is rigs.tiny_llama's ("0".."999" are token ids
 0..999). Without weights, serve it with `--load-format dummy`; write_with_weights adds
 random real ones (tiny_llama_weights.py) so the text depends on the KV. Standard library
 only.
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcm.testing import tiny_llama
+from rigs import tiny_llama
 
 NUM_LAYERS = 2
 KV_LORA_RANK = 512
@@ -85,7 +85,7 @@ def write_with_weights(directory: str | Path, python: str, timeout_s: float = 30
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvcm.testing.tiny_deepseek DIR", file=sys.stderr)
+        print("usage: python -m rigs.tiny_deepseek DIR", file=sys.stderr)
         return 2
     print(write(args[0]))
     return 0

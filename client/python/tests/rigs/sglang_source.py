@@ -1,7 +1,7 @@
-"""Drives kvcm/testing/sglang_publisher.py (SGLang's own radix cache and ZMQ publisher, run by
+"""Drives rigs/sglang_publisher.py (SGLang's own radix cache and ZMQ publisher, run by
 SGLang's Python) from a test, and captures its wire traffic as golden test data:
 
-    python -m kvcm.testing.sglang_source SGLANG_PYTHON OUT.json
+    python -m rigs.sglang_source SGLANG_PYTHON OUT.json     # from client/python/tests
 
 The capture holds the commands, SGLang's events as its structs encode to builtins, and every
 live frame a SUB received (hex), for tests/test_sglang_events.py.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcm.testing.manager import free_port
+from rigs.manager import free_port
 
 _DRIVER = Path(__file__).with_name("sglang_publisher.py")
 

@@ -1,4 +1,4 @@
-"""Random weights for a tiny model directory (kvcm.testing.tiny_llama's, or
+"""Random weights for a tiny model directory (rigs.tiny_llama's, or
 tiny_deepseek's: any architecture transformers knows from its config.json), large enough
 that the text it writes depends on its context (vLLM's --load-format dummy gives a uniform
 next-token distribution whatever the KV). Runs in the vLLM environment (torch,

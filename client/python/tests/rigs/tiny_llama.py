@@ -1,6 +1,6 @@
 """A tiny Llama model directory that a real vLLM can serve without a model hub:
 
-    python -m kvcm.testing.tiny_llama DIR
+    python tiny_llama.py DIR      # or python -m rigs.tiny_llama DIR from client/python/tests
 
 config.json (2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, vocab 1024),
 tokenizer.json (a `tokenizers` WordLevel model: the words "0".."999" are token ids 0..999, split
@@ -122,7 +122,7 @@ def add_weights(d: Path, python: str, timeout_s: float = 300) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kvcm.testing.tiny_llama DIR", file=sys.stderr)
+        print("usage: python tiny_llama.py DIR", file=sys.stderr)
         return 2
     print(write(args[0]))
     return 0

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import kvcm
-from kvcm.testing import tiny_deepseek
-from kvcm.testing.manager import ManagerProcess, free_port
-from kvcm.testing.vllm_engine import VllmEngine
+from rigs import tiny_deepseek
+from rigs.manager import ManagerProcess, free_port
+from rigs.vllm_engine import VllmEngine
 
 from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
