@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import kvcm_pythonpath, vllm_test_path
@@ -22,6 +23,7 @@ from conftest import kvcm_pythonpath, vllm_test_path
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
+sys.path.insert(0, sys.argv[2])  # the tests' folder, for the rigs (kvcm alone is on PYTHONPATH)
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from rigs import tiny_deepseek, tiny_llama
@@ -81,8 +83,8 @@ print("RESULT " + json.dumps(out))
 def test_unsupported_shapes_are_refused_before_anything_is_registered(tmp_path) -> None:
     python = vllm_test_path("KVCM_VLLM_PYTHON", "the vLLM environment's python")
     env = dict(os.environ, PYTHONPATH=str(kvcm_pythonpath(tmp_path)))
-    run = subprocess.run([python, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run([python, "-c", SCRIPT, str(tmp_path), str(Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=300)
     lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT "):])
