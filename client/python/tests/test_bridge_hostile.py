@@ -33,8 +33,8 @@ import zmq.auth  # noqa: E402
 from conftest import Process, binary, free_port  # noqa: E402
 from kvcm import hashing  # noqa: E402
 from kvcm.engines.pagehash import hash_request  # noqa: E402
-from rigs.bridge import RealManagerView  # noqa: E402
 from kvcm.testing.fake_vllm import FakeVllmEngine, FakeVllmPublisher  # noqa: E402
+from rigs.bridge import RealManagerView  # noqa: E402
 from rigs.manager import ManagerProcess  # noqa: E402
 
 BS = 16

@@ -29,10 +29,10 @@ from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.engines.pagehash import hash_request
 from kvcm.sglang.pagehash import chain_hashes
-from rigs.manager import ManagerProcess, free_port
-from rigs.sglang_source import HeldBlocks, SglangSource, tokens
 
 from conftest import binary, sglang_test_path
+from rigs.manager import ManagerProcess, free_port
+from rigs.sglang_source import HeldBlocks, SglangSource, tokens
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,11 +27,11 @@ import pytest
 from kvcm import hashing
 from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
-from rigs.manager import ManagerProcess
-from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 from kvcm.engines.pagehash import hash_request
 
 from conftest import vllm_test_path
+from rigs.manager import ManagerProcess
+from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -25,10 +25,10 @@ from typing import Iterator
 import pytest
 
 import kvcm
-from rigs.manager import ManagerProcess, free_port
 
 from conftest import REPO_ROOT, Process, kvcm_pythonpath, wait_registered
 from conftest import scrape_metric as metric
+from rigs.manager import ManagerProcess, free_port
 
 pytestmark = pytest.mark.timeout(600)
 

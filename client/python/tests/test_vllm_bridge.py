@@ -20,10 +20,10 @@ from prometheus_client import generate_latest
 
 from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
-from rigs.bridge import BridgeRig, FakeManagerView, RealManagerView
 from kvcm.testing.fake_manager import FakeEngineManager
-from rigs.manager import ManagerProcess
 from kvcm.engines.metrics import registry_for
+from rigs.bridge import BridgeRig, FakeManagerView, RealManagerView
+from rigs.manager import ManagerProcess
 
 BS = 16
 SECRET = bytes(range(16))

@@ -30,12 +30,12 @@ import pytest
 
 import kvcm
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
-from rigs import tiny_llama
-from rigs.manager import ManagerProcess, free_port
-from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 from conftest import scrape_metric as metric
+from rigs import tiny_llama
+from rigs.manager import ManagerProcess, free_port
+from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 pytestmark = pytest.mark.timeout(600)
 

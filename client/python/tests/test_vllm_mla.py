@@ -22,12 +22,12 @@ import pytest
 
 import kvcm
 from kvcm._proto.v1 import agent_pb2, agent_pb2_grpc
-from rigs import tiny_deepseek
-from rigs.vllm_engine import VllmEngine, cached_tokens_of
 
+from rigs import tiny_deepseek
 from rigs.connector import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
-                           text)
+                            text)
 from rigs.connector import prompt as rig_prompt
+from rigs.vllm_engine import VllmEngine, cached_tokens_of
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,11 +20,10 @@ from typing import Iterator
 import pytest
 
 from rigs import tiny_deepseek
-from rigs.vllm_engine import VllmEngine, cached_tokens_of
-
 from rigs.connector import (MLA_AGENT_FLAGS, MLA_BLOCK_BYTES, ConnectorCluster, logprobs,
-                           text)
+                            text)
 from rigs.connector import prompt as rig_prompt
+from rigs.vllm_engine import VllmEngine, cached_tokens_of
 
 pytestmark = pytest.mark.timeout(1200)
 

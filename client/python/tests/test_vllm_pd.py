@@ -21,11 +21,11 @@ from typing import Any, Iterator
 import pytest
 
 import kvcm
+
+from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 from rigs import tiny_llama
 from rigs.manager import ManagerProcess, free_port
 from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
-
-from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
 pytestmark = pytest.mark.timeout(600)
 

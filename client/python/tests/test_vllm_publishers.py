@@ -21,16 +21,16 @@ import pytest
 import zmq
 
 from kvcm import hashing
-from rigs.bridge import RealManagerView
 from kvcm.testing.fake_vllm import FakeVllmPublisher
-from rigs.manager import ManagerProcess, free_port
-from rigs.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC,
-                                          RealPublisherThread, frames_of)
 from kvcm.engines.bridge import Bridge
 from kvcm.engines.config import BridgeConfig, EngineConfig, NamespaceConfig
 from kvcm.vllm.events import decode_batch
 from kvcm.engines.pagehash import hash_request
 from kvcm.engines.wire import END_SEQ
+from rigs.bridge import RealManagerView
+from rigs.manager import ManagerProcess, free_port
+from rigs.vllm_publishers import (BLOCK_SIZE, KV_EVENTS, RELEASES, TOPIC, RealPublisherThread,
+                                  frames_of)
 
 DATA = Path(__file__).parent / "data" / "vllm_publishers"
 SECRET = bytes(range(16))

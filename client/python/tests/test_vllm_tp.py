@@ -18,11 +18,11 @@ from typing import Iterator
 import pytest
 
 import kvcm
-from rigs import tiny_llama
-from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
+from rigs import tiny_llama
 from rigs.connector import ConnectorCluster, logprobs, text
 from rigs.connector import prompt as rig_prompt
+from rigs.vllm_engine import BLOCK_SIZE, MODEL_NAME, VllmEngine, cached_tokens_of
 
 pytestmark = pytest.mark.timeout(900)
 

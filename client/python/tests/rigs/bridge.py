@@ -23,10 +23,10 @@ from kvcm._proto.v1 import cache_manager_pb2 as pb
 from kvcm._proto.v1 import cache_manager_pb2_grpc as pb_grpc
 from kvcm.testing.fake_manager import FakeEngineManager
 from kvcm.testing.fake_vllm import FakeVllmEngine, FakeVllmPublisher
-from rigs.manager import ManagerProcess, free_port
 from kvcm.engines.bridge import Bridge
 from kvcm.engines.config import BridgeConfig, EngineConfig, NamespaceConfig
 from kvcm.engines.pagehash import hash_request, page_hash
+from rigs.manager import ManagerProcess, free_port
 
 GPU = 1
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import kvcm
+
+from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 from rigs import tiny_deepseek
 from rigs.manager import ManagerProcess, free_port
 from rigs.vllm_engine import VllmEngine
-
-from conftest import Process, kvcm_pythonpath, vllm_test_path, wait_registered
 
 
 # kvcm-agent's flags for the tiny DeepSeek's MLA geometry, as a user sizes an agent for it
