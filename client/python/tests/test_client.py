@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 import time
-from typing import List
+from typing import List, Optional
 
 import grpc
 import pytest
@@ -408,33 +408,44 @@ def test_stats_of_another_policy_have_no_selection(manager_factory) -> None:
 def test_watch_events_streams_stored_pages(client: kvcm.Client) -> None:
     register(client)
     tokens = prompt(192)
+    hashes = client.hash_prompt(NS, tokens)
     events: List[kvcm.CacheEvent] = []
     stream = client.watch_events(NS)
-    done = threading.Event()
 
     def read() -> None:
         for event in stream:
             events.append(event)
-            if len(events) == 2:
-                done.set()
+
+    def stored() -> Optional[kvcm.CacheEvent]:
+        return next((e for e in list(events)
+                     if e.kind == kvcm.EventKind.STORED and e.page_hashes == hashes), None)
+
+    def removed_after(first: kvcm.CacheEvent) -> Optional[kvcm.CacheEvent]:
+        return next((e for e in list(events)
+                     if e.kind == kvcm.EventKind.REMOVED and e.sequence > first.sequence), None)
 
     reader = threading.Thread(target=read)
     reader.start()
+    # The subscription starts asynchronously, and pages stored before it are not stored again
+    # by the next insert: until the stream has seen them stored, evict them and insert again.
     deadline = time.monotonic() + 20  # a loaded CI machine subscribes slowly
-    # The subscription starts asynchronously: insert until the stream has seen an event.
-    while not events and time.monotonic() < deadline:
+    while stored() is None and time.monotonic() < deadline:
         client.insert(NS, tokens, GPU0, range(3))
         time.sleep(0.05)
+        if stored() is None:
+            client.evict_from_namespace(NS, 3)
+    first = stored()
+    assert first is not None, events
     client.evict_from_namespace(NS, 1)
-    assert done.wait(20), events
+    while removed_after(first) is None and time.monotonic() < deadline + 20:
+        time.sleep(0.02)
     stream.cancel()
     reader.join(5)
     assert not reader.is_alive()
-    stored, removed = events[0], events[1]
-    assert stored.kind == kvcm.EventKind.STORED and stored.pool == GPU0
-    assert stored.namespace == NS and stored.page_hashes == client.hash_prompt(NS, tokens)
-    assert removed.kind == kvcm.EventKind.REMOVED and removed.reason == kvcm.EventReason.EVICTED
-    assert removed.sequence > stored.sequence
+    removed = removed_after(first)
+    assert first.pool == GPU0 and first.namespace == NS
+    assert removed is not None, events
+    assert removed.reason == kvcm.EventReason.EVICTED
 
 
 def test_retries_until_a_late_manager_starts(manager_factory) -> None:
