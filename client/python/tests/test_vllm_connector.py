@@ -114,7 +114,10 @@ def engine(cluster: dict, name: str, *, agent: str | None, tenant: str = TENANT,
                  # beats its prefill at this rate; pulls measured while engines start on a
                  # loaded host can look slow enough that Route recomputes instead, and the
                  # tests that expect a fetch then see none. A low rate keeps hits fetches.
-                 "prefill_tokens_per_s": 10.0, **(options or {})}
+                 "prefill_tokens_per_s": 10.0,
+                 # The connector's 500 ms suits an idle host; engines share this one's cores
+                 # with other tests, where a late Match would turn a hit into a recompute.
+                 "request_deadline_ms": 5_000, **(options or {})}
         if gate is not None:
             extra["test_load_gate"] = str(gate)
         if local:

@@ -58,7 +58,9 @@ def cluster(tmp_path_factory) -> Iterator[ConnectorCluster]:
             if agent is not None:
                 extra = {"agent_id": agent, "agent_address": c.address[agent],
                          "tenant": TENANT, "model": MODEL,
-                         "agent_deadline_ms": AGENT_DEADLINE_MS}
+                         "agent_deadline_ms": AGENT_DEADLINE_MS,
+                         # The stall test bounds gaps by the connector's own default.
+                         "request_deadline_ms": 500}
                 if local:
                     extra["local_socket"] = c.socket(agent)
             return c.engine(name, model_dir, extra, block_size=BLOCK, block_bytes=BLOCK_BYTES)

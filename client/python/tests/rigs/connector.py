@@ -106,6 +106,12 @@ class ConnectorCluster:
                 "kv_connector_module_path": "kvcm.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"manager_address": self.manager.address,
+                                              # 500 ms by default, sized for an idle host;
+                                              # ctest runs engines side by side, where a
+                                              # Match can take longer and a hit would
+                                              # become a recompute. Tests of the deadline
+                                              # set their own.
+                                              "request_deadline_ms": 5_000,
                                               **extra}}))
         e = VllmEngine(self.workdir / name, python=self.python, extra_args=args,
                        model_dir=model_dir, extra_env={"PYTHONPATH": str(self.pythonpath)},
