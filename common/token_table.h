@@ -19,14 +19,14 @@
 // anyone call. A token is 16..4096 visible ASCII characters (no space);
 // `openssl rand -hex 32` makes a good one and `printf %s "$TOKEN" | sha256sum` its hash.
 //
-// Roles (docs/SECURITY.md says what each may do):
+// Roles (docs/SECURITY.md says what each may do; each method's `(kvcm.v1.access)` option in
+// the proto says which role may call it):
 //   worker  its own tenant's namespaces (`tenant=`, required);
 //   router  probe Match / Route across the granted tenants (`tenants=a,b` or `tenants=*`);
 //   agent   AgentControl only, as its own agent id (`agent=`, required);
 //   engine  PublishEngineEvents only, as its own engine id (`engine=`, required) into its
 //           tenant's namespaces (`tenant=`, required): a bridge mirroring that engine;
-//   admin   operator calls (Evict, Reserve of any pool, Stats of all tenants, DeleteNamespace,
-//           ForgetAgent).
+//   admin   operator calls (rule ACCESS_ADMIN), Reserve of any pool, Stats of all tenants.
 // A principal may hold several roles (`roles=worker,router`).
 #ifndef KVCM_COMMON_TOKEN_TABLE_H_
 #define KVCM_COMMON_TOKEN_TABLE_H_

@@ -427,7 +427,7 @@ TEST_F(TenantAttackTest, AnotherTenantsPinCanBeNeitherReleasedNorRenewed) {
   *rel.mutable_namespace_() = acme_;
   rel.set_pin_id(acme_pin_);
   v1::ReleaseResponse rel_resp;
-  ExpectDenied(stub_->Release(Ctx(kEvil).get(), rel, &rel_resp), "evil-vllm", "release pins");
+  ExpectDenied(stub_->Release(Ctx(kEvil).get(), rel, &rel_resp), "evil-vllm", "call Release");
   // Through its own namespace the id is simply unknown: pins are bound to their namespace.
   *rel.mutable_namespace_() = evil_;
   grpc::Status s = stub_->Release(Ctx(kEvil).get(), rel, &rel_resp);
@@ -436,7 +436,8 @@ TEST_F(TenantAttackTest, AnotherTenantsPinCanBeNeitherReleasedNorRenewed) {
   *renew.mutable_namespace_() = acme_;
   renew.set_pin_id(acme_pin_);
   v1::RenewLeaseResponse renewed;
-  ExpectDenied(stub_->RenewLease(Ctx(kEvil).get(), renew, &renewed), "evil-vllm", "renew");
+  ExpectDenied(stub_->RenewLease(Ctx(kEvil).get(), renew, &renewed), "evil-vllm",
+               "call RenewLease");
   ExpectVictimUnchanged();
 }
 
@@ -445,13 +446,13 @@ TEST_F(TenantAttackTest, OnlyAnAdminEvicts) {
   *by_ns.mutable_namespace_() = acme_;
   by_ns.set_bytes(1);
   v1::EvictResponse ev;
-  ExpectDenied(stub_->Evict(Ctx(kEvil).get(), by_ns, &ev), "evil-vllm", "evict");
+  ExpectDenied(stub_->Evict(Ctx(kEvil).get(), by_ns, &ev), "evil-vllm", "call Evict");
   ExpectDenied(stub_->Evict(Ctx(kAcme).get(), by_ns, &ev), "acme-vllm", "role admin only");
   v1::EvictRequest by_pool;
   by_pool.mutable_pool()->set_agent_id("pool-a");
   by_pool.mutable_pool()->set_tier(v1::TIER_GPU);
   by_pool.set_bytes(1);
-  ExpectDenied(stub_->Evict(Ctx(kEvil).get(), by_pool, &ev), "evil-vllm", "evict");
+  ExpectDenied(stub_->Evict(Ctx(kEvil).get(), by_pool, &ev), "evil-vllm", "call Evict");
   ExpectVictimUnchanged();
   // The admin may (acme's 4 pinned pages stay; its 5th and 6th do not exist, so this
   // evicts nothing pinned: RESOURCE_EXHAUSTED with nothing unpinned).
@@ -493,9 +494,9 @@ TEST_F(TenantAttackTest, OnlyAnAdminDeletesANamespaceAndThenItIsGone) {
   *del.mutable_namespace_() = acme_;
   v1::DeleteNamespaceResponse resp;
   ExpectDenied(stub_->DeleteNamespace(Ctx(kEvil).get(), del, &resp), "evil-vllm",
-               "delete namespaces");
+               "call DeleteNamespace");
   ExpectDenied(stub_->DeleteNamespace(Ctx(kAcme).get(), del, &resp), "acme-vllm",
-               "delete namespaces");
+               "call DeleteNamespace");
   ExpectVictimUnchanged();
 
   ASSERT_TRUE(stub_->DeleteNamespace(Ctx(kAdmin).get(), del, &resp).ok());
@@ -556,7 +557,7 @@ TEST_F(TenantAttackTest, OnlyAnAdminForgetsAnAgent) {
                                                         {kAcmeRouter, "edge"},
                                                         {kAcmeEngine, "acme-sglang"},
                                                         {kAgent0, "gpu-0"}}) {
-    ExpectDenied(stub_->ForgetAgent(Ctx(token).get(), req, &resp), principal, "forget agents");
+    ExpectDenied(stub_->ForgetAgent(Ctx(token).get(), req, &resp), principal, "call ForgetAgent");
   }
   expect_unchanged();
 

@@ -1,6 +1,12 @@
 #include "server/service/access_control.h"
 
+#include <optional>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "kvcm/v1/agent.grpc.pb.h"
+#include "kvcm/v1/cache_manager.grpc.pb.h"
 
 namespace kvcm {
 namespace {
@@ -28,9 +34,103 @@ absl::Status NeedAdmin(const Principal& p, absl::string_view what) {
   return Denied(p, absl::StrCat(what, " (role admin only)"));
 }
 
+// Each request type's rule and the method that states it, over the services the manager
+// serves. Types are keyed by descriptor: Reserve and Unreserve share theirs.
+struct StatedRule {
+  v1::Access access = v1::ACCESS_UNSPECIFIED;
+  std::string method;  // "Release"; the first, when several take the type
+};
+
+const absl::flat_hash_map<const google::protobuf::Descriptor*, StatedRule>& StatedRules() {
+  static const auto* const rules = [] {
+    auto* by_type = new absl::flat_hash_map<const google::protobuf::Descriptor*, StatedRule>;
+    for (const char* name :
+         {v1::CacheManager::service_full_name(), v1::AgentControl::service_full_name()}) {
+      const google::protobuf::ServiceDescriptor* service =
+          google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(name);
+      for (int i = 0; i < service->method_count(); ++i) {
+        const google::protobuf::MethodDescriptor* m = service->method(i);
+        const v1::Access stated = m->options().GetExtension(v1::access);
+        auto [it, inserted] = by_type->try_emplace(m->input_type(), StatedRule{stated, m->name()});
+        // Methods that share a type but not a rule: no rule holds for the type.
+        if (!inserted && it->second.access != stated) it->second.access = v1::ACCESS_UNSPECIFIED;
+      }
+    }
+    return by_type;
+  }();
+  return *rules;
+}
+
+StatedRule RuleOf(const google::protobuf::Descriptor* request) {
+  auto it = StatedRules().find(request);
+  return it == StatedRules().end() ? StatedRule{} : it->second;
+}
+
+// The request's string field `name`, or nullopt when the type has none.
+std::optional<std::string> StringField(const google::protobuf::Message& req,
+                                       absl::string_view name) {
+  const google::protobuf::FieldDescriptor* f =
+      req.GetDescriptor()->FindFieldByName(std::string(name));
+  if (f == nullptr || f->is_repeated() ||
+      f->type() != google::protobuf::FieldDescriptor::TYPE_STRING) {
+    return std::nullopt;
+  }
+  return req.GetReflection()->GetString(req, f);
+}
+
+// The request's Namespace field `namespace` (a default one when unset), or nullptr when
+// the type has none.
+const v1::Namespace* NamespaceField(const google::protobuf::Message& req) {
+  const google::protobuf::FieldDescriptor* f = req.GetDescriptor()->FindFieldByName("namespace");
+  if (f == nullptr || f->is_repeated() || f->message_type() != v1::Namespace::descriptor()) {
+    return nullptr;
+  }
+  return google::protobuf::DynamicCastToGenerated<v1::Namespace>(
+      &req.GetReflection()->GetMessage(req, f));
+}
+
 }  // namespace
 
-absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req) {
+v1::Access AccessRuleOf(const google::protobuf::Descriptor* request) {
+  return RuleOf(request).access;
+}
+
+absl::Status AuthorizeByRule(const Principal& p, const google::protobuf::Message& req) {
+  const StatedRule rule = RuleOf(req.GetDescriptor());
+  const std::string call =
+      absl::StrCat("call ", rule.method.empty() ? req.GetTypeName() : rule.method);
+  switch (rule.access) {
+    case v1::ACCESS_ANY:
+      return absl::OkStatus();
+    case v1::ACCESS_ADMIN:
+      return NeedAdmin(p, call);
+    case v1::ACCESS_AGENT:
+      if (std::optional<std::string> id = StringField(req, "agent_id"); id.has_value()) {
+        return AuthorizeAgent(p, *id);
+      }
+      break;
+    case v1::ACCESS_TENANT_WORKER:
+      if (const v1::Namespace* ns = NamespaceField(req); ns != nullptr) {
+        return NeedWorker(p, *ns, call);
+      }
+      break;
+    default:
+      break;
+  }
+  // No rule the descriptors can enforce: a stated rule whose field the request lacks,
+  // CUSTOM without its code, or none.
+  return Denied(p, absl::StrCat(call, " (its proto states no access rule kvcm enforces: ",
+                                v1::Access_Name(rule.access), ")"));
+}
+
+absl::Status CustomRuleNotStated(const Principal& p, const google::protobuf::Message& req) {
+  const StatedRule rule = RuleOf(req.GetDescriptor());
+  return Denied(p, absl::StrCat("call ", rule.method.empty() ? req.GetTypeName() : rule.method,
+                                " (a custom rule is written for it, but its proto states ",
+                                v1::Access_Name(rule.access), ")"));
+}
+
+absl::Status AuthorizeCustom(const Principal& p, const v1::RegisterModelRequest& req) {
   // The answer carries the namespace's hash key: only its own tenant may have it (its
   // engines' bridges too: they hash the engines' blocks with it).
   if (p.Has(Role::kEngine) && p.tenant == req.namespace_().tenant()) return absl::OkStatus();
@@ -45,12 +145,12 @@ CacheIndex::NamespaceSource RegisterModelSource(const Principal& p, const v1::Na
   return may_create ? CacheIndex::NamespaceSource::kClient : CacheIndex::NamespaceSource::kReader;
 }
 
-absl::Status Authorize(const Principal& p, const v1::MatchRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::MatchRequest& req) {
   return req.probe() ? NeedProbe(p, req.namespace_(), "probe")
                      : NeedWorker(p, req.namespace_(), "match (without probe)");
 }
 
-absl::Status Authorize(const Principal& p, const v1::InsertRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::InsertRequest& req) {
   if (p.IsWorkerOf(req.namespace_().tenant()) || p.Has(Role::kAdmin) || !p.Has(Role::kAgent)) {
     return NeedWorker(p, req.namespace_(), "insert");
   }
@@ -73,24 +173,12 @@ absl::Status Authorize(const Principal& p, const v1::InsertRequest& req) {
   return absl::OkStatus();
 }
 
-absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req) {
-  return NeedWorker(p, req.namespace_(), "release pins");
-}
-
-absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req) {
-  return NeedWorker(p, req.namespace_(), "renew pins");
-}
-
-absl::Status Authorize(const Principal& p, const v1::RouteRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::RouteRequest& req) {
   return req.probe() ? NeedProbe(p, req.namespace_(), "route")
                      : NeedWorker(p, req.namespace_(), "route without probe");
 }
 
-absl::Status Authorize(const Principal& p, const v1::EvictRequest& /*req*/) {
-  return NeedAdmin(p, "evict");
-}
-
-absl::Status Authorize(const Principal& p, const v1::ReserveRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::ReserveRequest& req) {
   // Workers reserve within their tenant's byte quota; the index charges the reservation to
   // the tenant ReservationTenant names.
   if (p.Has(Role::kAdmin)) return absl::OkStatus();
@@ -106,13 +194,7 @@ std::string ReservationTenant(const Principal& p, const v1::ReserveRequest& req)
   return "";
 }
 
-absl::Status Authorize(const Principal& p, const v1::StatsRequest& /*req*/) {
-  // Anyone authenticated; CacheManagerService::Stats shows each caller only its tenants.
-  (void)p;
-  return absl::OkStatus();
-}
-
-absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::WatchEventsRequest& req) {
   if (p.Has(Role::kAdmin)) return absl::OkStatus();
   if (!req.has_namespace_()) {
     // Unfiltered: the stream is cut down to the tenants the caller may probe.
@@ -122,15 +204,7 @@ absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req) {
   return NeedProbe(p, req.namespace_(), "watch events");
 }
 
-absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& /*req*/) {
-  return NeedAdmin(p, "delete namespaces");
-}
-
-absl::Status Authorize(const Principal& p, const v1::ForgetAgentRequest& /*req*/) {
-  return NeedAdmin(p, "forget agents");
-}
-
-absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest& req) {
+absl::Status AuthorizeCustom(const Principal& p, const v1::PublishEngineEventsRequest& req) {
   if (p.IsEngineOf(req.engine_id(), req.namespace_().tenant())) return absl::OkStatus();
   return Denied(p, absl::StrCat("publish the events of engine \"", req.engine_id(),
                                 "\" into tenant \"", req.namespace_().tenant(),
@@ -140,26 +214,6 @@ absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest&
 absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id) {
   if (p.IsAgent(agent_id)) return absl::OkStatus();
   return Denied(p, absl::StrCat("act as agent \"", agent_id, "\""));
-}
-
-absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req) {
-  return AuthorizeAgent(p, req.agent_id());
-}
-
-absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req) {
-  return AuthorizeAgent(p, req.agent_id());
-}
-
-absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req) {
-  return AuthorizeAgent(p, req.agent_id());
-}
-
-absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req) {
-  return AuthorizeAgent(p, req.agent_id());
-}
-
-absl::Status Authorize(const Principal& p, const v1::MakeRoomRequest& req) {
-  return AuthorizeAgent(p, req.agent_id());
 }
 
 }  // namespace kvcm

@@ -1,6 +1,6 @@
 // Access control of kvcm-manager: who is calling (Authenticator, common/authenticator.h) and
-// what that caller may do (the Authorize overloads, one per request type: the whole policy of
-// docs/SECURITY.md in one file).
+// what that caller may do (Authorize: the rule each method's proto states, and the custom
+// rules in access_control.cc; the whole policy of docs/SECURITY.md).
 //
 // Every handler of CacheManager and AgentControl, the streaming ones included, starts with
 // AccessControl::Check (unary) or Authenticate + Authorize (streams, whose agent id arrives
@@ -25,50 +25,74 @@
 #include "absl/status/statusor.h"
 #include "common/authenticator.h"
 #include "common/token_table.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "kvcm/v1/agent.pb.h"
 #include "kvcm/v1/cache_manager.pb.h"
+#include "kvcm/v1/common.pb.h"
 #include "server/core/cache_index.h"
 
 namespace kvcm {
 
-// The policy. Each returns OK or PERMISSION_DENIED naming the principal, and is called
-// before the request is validated (a malformed namespace in a request is then refused as a
-// namespace the caller does not hold; validation names the field afterwards for callers
-// that may use it).
-absl::Status Authorize(const Principal& p, const v1::RegisterModelRequest& req);
+// Who may call each method is the `(kvcm.v1.access)` option the proto gives it
+// (kvcm/v1/common.proto's Access): ANY, ADMIN, AGENT (as the request's agent_id) or
+// TENANT_WORKER (of the request's namespace) are enforced from the descriptors alone. A
+// method marked ACCESS_CUSTOM has its rule here, as an AuthorizeCustom overload for its
+// request type. Authorize(p, req) is the one entry: it returns OK or PERMISSION_DENIED
+// naming the principal, and is called before the request is validated (a malformed
+// namespace in a request is then refused as a namespace the caller does not hold; validation
+// names the field afterwards for callers that may use it).
+//
+// Fail closed: a method with no rule, a request type whose methods state different rules, a
+// CUSTOM method without its overload, or an overload for a method the proto does not mark
+// CUSTOM is refused to every caller (tests/access_rules_test checks the proto).
+
+// The rule the proto states for the methods taking requests of type `request`
+// (ACCESS_UNSPECIFIED when none, or when they disagree).
+v1::Access AccessRuleOf(const google::protobuf::Descriptor* request);
+// ACCESS_ANY, ADMIN, AGENT or TENANT_WORKER, as AccessRuleOf(req's type) states; any other
+// rule is PERMISSION_DENIED.
+absl::Status AuthorizeByRule(const Principal& p, const google::protobuf::Message& req);
+// PERMISSION_DENIED: `req`'s type has a custom rule the proto does not ask for.
+absl::Status CustomRuleNotStated(const Principal& p, const google::protobuf::Message& req);
+
+// The custom rules.
+absl::Status AuthorizeCustom(const Principal& p, const v1::RegisterModelRequest& req);
 // Whether RegisterModel by `p` may create `ns` (a worker or an engine of its tenant, an
 // admin) or only read an existing one (a router of the tenant: kReader).
 CacheIndex::NamespaceSource RegisterModelSource(const Principal& p, const v1::Namespace& ns);
-absl::Status Authorize(const Principal& p, const v1::MatchRequest& req);
+absl::Status AuthorizeCustom(const Principal& p, const v1::MatchRequest& req);
 // A worker of the namespace's tenant or an admin; or an agent indexing what its Fetch
 // pulled: into its own pool only (pool.agent_id its agent id), with agent_epoch set, a
 // prompt of page hashes, and no use_reservation.
-absl::Status Authorize(const Principal& p, const v1::InsertRequest& req);
-absl::Status Authorize(const Principal& p, const v1::ReleaseRequest& req);
-absl::Status Authorize(const Principal& p, const v1::RenewLeaseRequest& req);
-absl::Status Authorize(const Principal& p, const v1::RouteRequest& req);
-absl::Status Authorize(const Principal& p, const v1::EvictRequest& req);
+absl::Status AuthorizeCustom(const Principal& p, const v1::InsertRequest& req);
+absl::Status AuthorizeCustom(const Principal& p, const v1::RouteRequest& req);
 // Reserve and Unreserve (they share the request type): a worker for its own tenant only.
-absl::Status Authorize(const Principal& p, const v1::ReserveRequest& req);
+absl::Status AuthorizeCustom(const Principal& p, const v1::ReserveRequest& req);
 // Whose reservation an authorized Reserve or Unreserve is: the tenant the request names; when
 // it names none, a worker's own tenant, or "" (an operator's reservation) for an admin or the
 // open dev-mode caller, who are workers of no single tenant.
 std::string ReservationTenant(const Principal& p, const v1::ReserveRequest& req);
-absl::Status Authorize(const Principal& p, const v1::StatsRequest& req);
-absl::Status Authorize(const Principal& p, const v1::WatchEventsRequest& req);
-absl::Status Authorize(const Principal& p, const v1::DeleteNamespaceRequest& req);
-absl::Status Authorize(const Principal& p, const v1::ForgetAgentRequest& req);
+absl::Status AuthorizeCustom(const Principal& p, const v1::WatchEventsRequest& req);
 // Only the engine itself (role engine, its engine id, the namespace's tenant): what an
 // engine holds is its own word, which no worker, router or admin may speak for it.
-absl::Status Authorize(const Principal& p, const v1::PublishEngineEventsRequest& req);
-// AgentControl: the agent role, as the agent id the request names.
-absl::Status Authorize(const Principal& p, const v1::RegisterAgentRequest& req);
-absl::Status Authorize(const Principal& p, const v1::HeartbeatRequest& req);
-absl::Status Authorize(const Principal& p, const v1::NcclBootstrapRequest& req);
-absl::Status Authorize(const Principal& p, const v1::LookupAgentRequest& req);
-absl::Status Authorize(const Principal& p, const v1::MakeRoomRequest& req);
-// Streams of AgentControl (Commands, ReportInventory): the agent id of their messages.
+absl::Status AuthorizeCustom(const Principal& p, const v1::PublishEngineEventsRequest& req);
+// Rule AGENT, and the streams of AgentControl (Commands, ReportInventory), whose agent id
+// comes in their first message.
 absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id);
+
+// The access rule of `req`'s method, custom or stated.
+template <typename Request>
+absl::Status Authorize(const Principal& p, const Request& req) {
+  if constexpr (requires { AuthorizeCustom(p, req); }) {
+    if (AccessRuleOf(Request::descriptor()) != v1::ACCESS_CUSTOM) {
+      return CustomRuleNotStated(p, req);
+    }
+    return AuthorizeCustom(p, req);
+  } else {
+    return AuthorizeByRule(p, req);
+  }
+}
 
 // Authenticate then Authorize: the first line of every unary handler.
 class AccessControl {
