@@ -145,13 +145,11 @@ class Client(Commands):
         client = kvcm.Client("kvcm:50051", tls_ca_file="ca.pem", token_file="worker.token")
 
     Give insecure=True (plaintext) or tls_ca_file (TLS; with tls_cert_file and tls_key_file
-    for mutual TLS; ca_file, cert_file and key_file are their deprecated names). The address defaults to $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051; one without
-    a port is refused. The bearer token comes from token, else token_file, else $KVCM_TOKEN.
+    for mutual TLS; ca_file, cert_file and key_file are their deprecated names). The address
+    defaults to $KVCM_MANAGER_ADDRESS, else 127.0.0.1:50051; one without a port is refused. The bearer token comes from token, else token_file, else $KVCM_TOKEN.
     Bad options raise InvalidArgument naming the field. Connects lazily: the first call
-    connects and is retried while the manager is unavailable. Its calls (register_model,
-    match, route, insert, release, renew_lease, reserve, unreserve, evict_from_pool,
-    evict_from_namespace, delete_namespace, forget_agent, stats) are
-    kvcm._commands.Commands.
+    connects and is retried while the manager is unavailable. Its calls are the commands of
+    kvcm._commands.Commands (help(kvcm.Client) lists them).
     """
 
     def _open_channel(self, credentials: Any, options: Any) -> grpc.Channel:

@@ -11,6 +11,45 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+# What `import kvcm` exports of this module (kvcm/__init__.py takes the list from here).
+__all__ = [
+    "AgentStats",
+    "AttentionKind",
+    "CATALOG",
+    "CacheEvent",
+    "ClientCounters",
+    "Counters",
+    "DeleteNamespaceResult",
+    "EngineStats",
+    "EventKind",
+    "EventReason",
+    "EvictResult",
+    "ForgetAgentResult",
+    "InsertResult",
+    "KvDtype",
+    "Limits",
+    "MatchResult",
+    "ModelSpec",
+    "Namespace",
+    "NamespaceStats",
+    "PENDING_BLOCK_ID",
+    "PageReplica",
+    "PolicyCandidate",
+    "PolicySelection",
+    "PoolRef",
+    "PoolStats",
+    "RankedAgent",
+    "RegisterModelResult",
+    "Replica",
+    "RouteCandidate",
+    "RoutePolicy",
+    "RouteResult",
+    "Segment",
+    "Stats",
+    "TenantStats",
+    "Tier",
+]
+
 DEFAULT_PAGE_SIZE_TOKENS = 64
 
 

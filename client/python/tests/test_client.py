@@ -29,6 +29,28 @@ def register(client: kvcm.Client, ns: kvcm.Namespace = NS) -> kvcm.RegisterModel
     return client.register_model(ns, kvcm.ModelSpec.deepseek_v3())
 
 
+def test_every_public_type_is_exported() -> None:
+    """A result or spec type added to kvcm.types is `kvcm.<Name>` once it is in that
+    module's __all__ (kvcm/__init__.py takes the list from there): this fails if it is not."""
+    import enum
+    import inspect
+
+    from kvcm import types
+
+    public = {
+        name
+        for name, value in vars(types).items()
+        if not name.startswith("_")
+        and inspect.isclass(value)
+        and value.__module__ == types.__name__
+        and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+    }
+    assert public <= set(types.__all__), sorted(public - set(types.__all__))
+    for name in types.__all__:
+        assert getattr(kvcm, name) is getattr(types, name), name
+    assert set(types.__all__) <= set(kvcm.__all__)
+
+
 def test_register_model_caches_the_key_and_reports_bytes(client: kvcm.Client) -> None:
     assert not client.hashes_locally(NS)
     reply = register(client)
