@@ -2,8 +2,8 @@
 // registry calls, ReportInventory chunk sequences through the InventoryReceiver the stream
 // reactor uses, the Commands stream (the hello, then AgentCommandAcks into the command
 // book, with the commands the book hands out converted as the stream writes them), and
-// NcclBootstrap, against a ManagerWorld. CacheManager Inserts into the agents' pools queue
-// the CommitBlocks commands the acks complete. Records as in fuzz_input.h.
+// NcclBootstrap, LookupAgent and MakeRoom, against a ManagerWorld. CacheManager Inserts into the
+// agents' pools queue the CommitBlocks commands the acks complete. Records as in fuzz_input.h.
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -103,6 +103,20 @@ struct Session {
         v1::AgentCommandAck ack;
         if (!Parse(body, &ack)) return absl::InvalidArgumentError("unparsable");
         return CommandsMessage(ack);
+      }
+      case kLookupAgent: {
+        v1::LookupAgentRequest req;
+        if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+        v1::LookupAgentResponse resp;
+        absl::Status s = LookupAgentNow(world.agents, req, &resp);
+        Require(!s.ok() || !resp.data_address().empty(), "LookupAgent: an address when OK");
+        return s;
+      }
+      case kMakeRoom: {
+        v1::MakeRoomRequest req;
+        if (!Parse(body, &req)) return absl::InvalidArgumentError("unparsable");
+        v1::MakeRoomResponse resp;
+        return MakeRoomNow(*world.index, world.agents, req, &resp);
       }
       case kCommandsClose:
         if (stream_id != 0) world.commands.Detach(stream_id);

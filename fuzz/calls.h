@@ -64,6 +64,8 @@ enum Call : uint8_t {
   kNcclBootstrap,    // NcclBootstrapRequest
   kInsert,           // CacheManager InsertRequest (into an agent's pool: a CommitBlocks)
   kAdvanceClock,     // body[0] seconds pass (agents go stale after 10)
+  kLookupAgent,      // LookupAgentRequest
+  kMakeRoom,         // MakeRoomRequest
   kNumCalls
 };
 inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
@@ -76,6 +78,8 @@ inline constexpr std::array<std::string_view, kNumCalls> kRpcOf = {
     "kvcm.v1.AgentControl.NcclBootstrap",
     "kvcm.v1.CacheManager.Insert",
     "",
+    "kvcm.v1.AgentControl.LookupAgent",
+    "kvcm.v1.AgentControl.MakeRoom",
 };
 }  // namespace agent_control_calls
 

@@ -119,6 +119,40 @@ void CacheManagerSeeds(const fs::path& dir) {
     Write(dir, "cache_manager_fuzzer", std::string("insert_evict_reserve_") + agent, s);
   }
 
+  // A namespace deleted under a pin, and agents forgotten: one live without force (refused),
+  // one live with force, one gone after the clock passes the registry's stale time.
+  s.clear();
+  {
+    v1::InsertRequest insert;
+    NamespaceToProto(SeedNamespace(), insert.mutable_namespace_());
+    insert.mutable_pool()->set_agent_id(kAgents[0]);
+    insert.mutable_pool()->set_tier(v1::TIER_GPU);
+    Tokens(SeedTokens(0), insert.mutable_prompt());
+    for (BlockId b : {30, 31, 32, 33}) insert.add_block_ids(b);
+    insert.set_agent_epoch(1);
+    AppendRecord(&s, kInsert, insert);
+    v1::MatchRequest match;
+    NamespaceToProto(SeedNamespace(), match.mutable_namespace_());
+    Tokens(SeedTokens(0), match.mutable_prompt());
+    match.set_pin(true);
+    AppendRecord(&s, kMatch, match);
+    v1::DeleteNamespaceRequest del;
+    NamespaceToProto(SeedNamespace(), del.mutable_namespace_());
+    AppendRecord(&s, kDeleteNamespace, del);
+    AppendRecord(&s, kDeleteNamespace, del);
+    v1::ForgetAgentRequest forget;
+    forget.set_agent_id(kAgents[0]);
+    AppendRecord(&s, kForgetAgent, forget);
+    forget.set_force(true);
+    AppendRecord(&s, kForgetAgent, forget);
+    AppendRecord(&s, kAdvanceClock, std::string(1, '\xff'));
+    forget.set_agent_id(kAgents[1]);
+    forget.set_force(false);
+    AppendRecord(&s, kForgetAgent, forget);
+    AppendRecord(&s, kStats, "");
+  }
+  Write(dir, "cache_manager_fuzzer", "delete_namespace_forget_agent", s);
+
   for (int policy = 0; policy <= 4; ++policy) {
     s.clear();
     v1::RouteRequest route;
@@ -254,6 +288,29 @@ void AgentControlSeeds(const fs::path& dir) {
   nccl.set_unique_id(std::string(kNcclUniqueIdBytes, 'u'));
   AppendRecord(&s, kNcclBootstrap, nccl);
   Write(dir, "agent_control_fuzzer", "nccl_bootstrap", s);
+
+  // A peer's data port, then room made in a pool the Insert filled (the eviction a
+  // worker's Allocate asks for), and in a tier the agent did not register.
+  s.clear();
+  v1::LookupAgentRequest lookup;
+  lookup.set_agent_id(kAgents[0]);
+  lookup.set_peer_agent_id(kAgents[1]);
+  AppendRecord(&s, kLookupAgent, lookup);
+  lookup.set_peer_agent_id("agent-9");
+  AppendRecord(&s, kLookupAgent, lookup);
+  AppendRecord(&s, kInsert, insert);
+  v1::MakeRoomRequest room;
+  room.set_agent_id(kAgents[0]);
+  room.set_epoch(1);
+  NamespaceToProto(SeedNamespace(), room.mutable_namespace_());
+  room.set_tier(v1::TIER_GPU);
+  room.set_blocks(2);
+  room.set_allocation_blocks(4);
+  room.set_tenant_allocated_blocks(4);
+  AppendRecord(&s, kMakeRoom, room);
+  room.set_tier(v1::TIER_DISK);
+  AppendRecord(&s, kMakeRoom, room);
+  Write(dir, "agent_control_fuzzer", "lookup_make_room", s);
 }
 
 void BlockAgentSeeds(const fs::path& dir) {

@@ -183,6 +183,56 @@ absl::StatusOr<ForgottenAgent> ForgetAgentNow(CacheIndex& index, AgentRegistry& 
   return ForgottenAgent{.agent = std::move(agent), .dropped_pages = pages};
 }
 
+absl::Status LookupAgentNow(const AgentRegistry& agents, const v1::LookupAgentRequest& req,
+                            v1::LookupAgentResponse* resp) {
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.peer_agent_id(), "peer_agent_id"));
+  for (const AgentInfo& a : agents.Snapshot()) {
+    if (a.registration.agent_id != req.peer_agent_id()) continue;
+    if (!a.alive || a.registration.data_address.empty()) break;
+    resp->set_data_address(a.registration.data_address);
+    resp->set_transport(a.registration.transport);
+    return absl::OkStatus();
+  }
+  // One answer for unknown, gone and port-less agents: the caller learns no more.
+  return absl::NotFoundError(absl::StrCat("peer_agent_id \"", req.peer_agent_id(),
+                                          "\" is not a live agent with a data port"));
+}
+
+absl::Status MakeRoomNow(CacheIndex& index, const AgentRegistry& agents,
+                         const v1::MakeRoomRequest& req, v1::MakeRoomResponse* resp) {
+  KVCM_RETURN_IF_ERROR(ValidateAgentId(req.agent_id(), "agent_id"));
+  if (req.epoch() == 0) return Invalid("epoch", "must be >= 1");
+  if (req.blocks() == 0) return Invalid("blocks", "must be >= 1");
+  if (req.allocation_blocks() < req.blocks()) {
+    return Invalid("allocation_blocks", absl::StrCat("must be >= blocks (", req.blocks(), "), got ",
+                                                     req.allocation_blocks()));
+  }
+  KVCM_ASSIGN_OR_RETURN(
+      NamespaceId ns,
+      NamespaceFromProto(req.has_namespace_() ? &req.namespace_() : nullptr, "namespace"));
+  if (req.tier() != v1::TIER_GPU && req.tier() != v1::TIER_HOST && req.tier() != v1::TIER_DISK) {
+    return Invalid("tier", "must be the agent's pool tier (TIER_GPU, TIER_HOST or TIER_DISK)");
+  }
+  KVCM_RETURN_IF_ERROR(agents.CheckLive(req.agent_id(), req.epoch()));
+  const PoolKey pool{.agent_id = req.agent_id(), .tier = TierFromProto(req.tier())};
+  std::optional<AgentPool> agent_pool = agents.FindPool(pool);
+  if (!agent_pool.has_value()) {
+    return absl::NotFoundError(absl::StrCat(
+        "tier: agent ", req.agent_id(), " registered no pool of tier ", v1::Tier_Name(req.tier())));
+  }
+  const uint64_t block_bytes = agent_pool->bytes_per_block;
+  KVCM_ASSIGN_OR_RETURN(
+      EvictResult evicted,
+      index.EvictForAllocation(pool, ns, uint64_t{req.blocks()} * block_bytes,
+                               uint64_t{req.allocation_blocks()} * block_bytes,
+                               SaturatingMul(req.tenant_allocated_blocks(), block_bytes)));
+  resp->set_evicted_pages(evicted.evicted_pages);
+  resp->set_evicted_bytes(evicted.evicted_bytes);
+  resp->set_demoted_pages(evicted.demoted_pages);
+  return absl::OkStatus();
+}
+
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out) {
   for (const AgentInfo& a : agents) {
     v1::AgentStats* s = out->add_agents();
@@ -329,18 +379,7 @@ grpc::ServerUnaryReactor* AgentControlService::LookupAgent(grpc::CallbackServerC
                                                            v1::LookupAgentResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kLookupAgent, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
-    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
-    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->peer_agent_id(), "peer_agent_id"));
-    for (const AgentInfo& a : agents_->Snapshot()) {
-      if (a.registration.agent_id != req->peer_agent_id()) continue;
-      if (!a.alive || a.registration.data_address.empty()) break;
-      resp->set_data_address(a.registration.data_address);
-      resp->set_transport(a.registration.transport);
-      return absl::OkStatus();
-    }
-    // One answer for unknown, gone and port-less agents: the caller learns no more.
-    return absl::NotFoundError(absl::StrCat("peer_agent_id \"", req->peer_agent_id(),
-                                            "\" is not a live agent with a data port"));
+    return LookupAgentNow(*agents_, *req, resp);
   });
 }
 
@@ -349,38 +388,7 @@ grpc::ServerUnaryReactor* AgentControlService::MakeRoom(grpc::CallbackServerCont
                                                         v1::MakeRoomResponse* resp) {
   return rpc_.Unary(ctx, Rpc::kMakeRoom, [&]() -> absl::Status {
     KVCM_RETURN_IF_ERROR(access_.Check(*ctx, *req).status());
-    KVCM_RETURN_IF_ERROR(ValidateAgentId(req->agent_id(), "agent_id"));
-    if (req->epoch() == 0) return Invalid("epoch", "must be >= 1");
-    if (req->blocks() == 0) return Invalid("blocks", "must be >= 1");
-    if (req->allocation_blocks() < req->blocks()) {
-      return Invalid("allocation_blocks", absl::StrCat("must be >= blocks (", req->blocks(),
-                                                       "), got ", req->allocation_blocks()));
-    }
-    KVCM_ASSIGN_OR_RETURN(
-        NamespaceId ns,
-        NamespaceFromProto(req->has_namespace_() ? &req->namespace_() : nullptr, "namespace"));
-    if (req->tier() != v1::TIER_GPU && req->tier() != v1::TIER_HOST &&
-        req->tier() != v1::TIER_DISK) {
-      return Invalid("tier", "must be the agent's pool tier (TIER_GPU, TIER_HOST or TIER_DISK)");
-    }
-    KVCM_RETURN_IF_ERROR(agents_->CheckLive(req->agent_id(), req->epoch()));
-    const PoolKey pool{.agent_id = req->agent_id(), .tier = TierFromProto(req->tier())};
-    std::optional<AgentPool> agent_pool = agents_->FindPool(pool);
-    if (!agent_pool.has_value()) {
-      return absl::NotFoundError(absl::StrCat("tier: agent ", req->agent_id(),
-                                              " registered no pool of tier ",
-                                              v1::Tier_Name(req->tier())));
-    }
-    const uint64_t block_bytes = agent_pool->bytes_per_block;
-    KVCM_ASSIGN_OR_RETURN(
-        EvictResult evicted,
-        index_->EvictForAllocation(pool, ns, uint64_t{req->blocks()} * block_bytes,
-                                   uint64_t{req->allocation_blocks()} * block_bytes,
-                                   SaturatingMul(req->tenant_allocated_blocks(), block_bytes)));
-    resp->set_evicted_pages(evicted.evicted_pages);
-    resp->set_evicted_bytes(evicted.evicted_bytes);
-    resp->set_demoted_pages(evicted.demoted_pages);
-    return absl::OkStatus();
+    return MakeRoomNow(*index_, *agents_, *req, resp);
   });
 }
 

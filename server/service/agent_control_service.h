@@ -83,6 +83,13 @@ absl::StatusOr<ForgottenAgent> ForgetAgentNow(CacheIndex& index, AgentRegistry& 
                                               NcclBootstrapRelay& nccl_relay,
                                               absl::string_view agent_id, bool force);
 
+// The bodies of LookupAgent and MakeRoom after access control: validation, then the
+// registry's or the index's answer, exactly as the handlers run them (and the fuzzer).
+absl::Status LookupAgentNow(const AgentRegistry& agents, const v1::LookupAgentRequest& req,
+                            v1::LookupAgentResponse* resp);
+absl::Status MakeRoomNow(CacheIndex& index, const AgentRegistry& agents,
+                         const v1::MakeRoomRequest& req, v1::MakeRoomResponse* resp);
+
 // Appends one v1::AgentStats per agent to `out->agents`.
 void AgentsToProto(std::span<const AgentInfo> agents, v1::StatsResponse* out);
 
