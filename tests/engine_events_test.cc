@@ -84,6 +84,7 @@ class EngineEventsTest : public ::testing::Test {
     ASSERT_TRUE(s.ok()) << s.error_message();
     key_ = HashKey::FromBytes(resp.hash_key());
     scheme_ = resp.scheme();
+    registration_ = reg;
   }
 
   void TearDown() override {
@@ -173,7 +174,36 @@ class EngineEventsTest : public ::testing::Test {
   v1::Namespace ns_;
   HashKey key_;
   v1::HashScheme scheme_;
+  v1::RegisterModelRequest registration_;
 };
+
+// A worker of the tenant gives the namespace an age limit after the engine published: the
+// engine's pages are the engine's whatever their age, and the sweeps that follow (every 10
+// ms here) must neither expire them nor touch pages the engine has since removed. Before
+// 33e3752 the removed pages' expiry entries outlived their nodes and the next sweep read
+// freed memory: a tenant's RegisterModel could crash the manager.
+TEST_F(EngineEventsTest, AnAgeLimitSetLaterLeavesTheEnginesPagesToTheEngine) {
+  v1::PublishEngineEventsResponse resp;
+  ASSERT_TRUE(
+      Publish(kEngine0, Request("vllm-0", 5, 1, {Change(v1::EngineChange::KIND_STORED, {1, 2, 3})}))
+          .ok());
+  v1::RegisterModelRequest limited = registration_;
+  limited.set_max_page_age_s(1);
+  v1::RegisterModelResponse registered;
+  grpc::Status s = stub_->RegisterModel(Ctx(kWorker).get(), limited, &registered);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  s = Publish(kEngine0, Request("vllm-0", 5, 2, {Change(v1::EngineChange::KIND_REMOVED, {1})}),
+              &resp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.removed_pages(), 3u);
+  s = Publish(kEngine0, Request("vllm-0", 5, 3, {Change(v1::EngineChange::KIND_STORED, {1, 2})}));
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  absl::SleepFor(absl::Milliseconds(2500));  // past the limit: a couple of hundred sweeps
+  s = Publish(kEngine0, Request("vllm-0", 5, 4, {}), &resp);  // a heartbeat
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(resp.pages(), 2u) << "the sweep expired an engine's pages";
+  EXPECT_EQ(Probe({1, 2}).matched_pages(), 2u);
+}
 
 TEST_F(EngineEventsTest, StoredChainsMatchInTheEnginesPool) {
   v1::PublishEngineEventsResponse resp;
