@@ -19,10 +19,21 @@
 #   bench           BUILD_DIR/bench/kvcm-bench (KVCM_BUILD_BENCH)
 #   fuzz            the source tree's build/fuzz (scripts/fuzz.sh, after ctest in test.sh),
 #                   linked as build/fuzz; fuzz/ is a copy, for blocks that write into it
+# With --elsewhere the block runs as README's walkthroughs advise: from an empty scratch
+# folder, with REPO, B, VLLM and SGLANG naming the copy absolutely; it then fails if the
+# block wrote anything into the copy (a token, a key or a log left in the user's clone).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 needs=()
-while [[ ${1:-} == --needs=* ]]; do needs+=("${1#--needs=}"); shift; done
+elsewhere=false
+while [[ ${1:-} == --* ]]; do
+  case $1 in
+    --needs=*) needs+=("${1#--needs=}") ;;
+    --elsewhere) elsewhere=true ;;
+    *) echo "doc_block_test: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 file=$1 name=$2 build=$(cd "$3" && pwd)
 repo=$(cd "$here/.." && pwd)
 
@@ -61,7 +72,11 @@ cleanup() {
     kill -KILL -- "-$g" 2>/dev/null || true
     wait "$g" 2>/dev/null || true
   done
-  if [ "${KVCM_DOC_KEEP:-0}" = 1 ]; then echo "kept $scratch"; else rm -rf "$scratch"; fi
+  if [ "${KVCM_DOC_KEEP:-0}" = 1 ]; then
+    echo "kept $scratch ${work:-}"
+  else
+    rm -rf "$scratch" ${work:+"$work"}
+  fi
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT  # (ctest's own timeout) so that cleanup runs
@@ -104,8 +119,15 @@ EOF
   done
 fi
 
+if $elsewhere; then
+  before=$(ls -A "$scratch")
+  work=$(mktemp -d)
+  cd "$work"
+  export REPO=$scratch B=$scratch/build/release VLLM=$scratch/build/test/vllm-venv \
+    SGLANG=$scratch/build/test/sglang-venv
+fi
 port=$(python3 "$here/free_port.py")
-PORT=$port bash -euo pipefail .block.sh &
+PORT=$port bash -euo pipefail "$scratch/.block.sh" &
 block_pid=$!
 groups+=($block_pid)
 ( sleep "${DEMO_TIMEOUT_S:-120}"; echo "doc_block_test: $name: timed out" >&2
@@ -117,4 +139,9 @@ if [ $status != 0 ]; then
   for log in *.log; do [ -f "$log" ] && { echo "--- $log ---"; tail -n 100 "$log"; }; done
   echo "FAIL: $file, block $name: exit status $status" >&2
   exit $status
+fi
+if $elsewhere && [ "$(ls -A "$scratch")" != "$before" ]; then
+  echo "FAIL: $file, block $name, run from a scratch folder, wrote into the repository:" >&2
+  comm -13 <(printf '%s\n' "$before") <(ls -A "$scratch") >&2
+  exit 1
 fi
