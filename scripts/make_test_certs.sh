@@ -16,7 +16,7 @@
 #                                   a second CA nobody trusts, and a certificate it signed
 # Server certificates (manager, agents, untrusted) are valid for localhost and 127.0.0.1
 # (subjectAltName) and for both server and client use; client.pem for client use only.
-# tests/test_certs.h runs this script.
+# tests/util/test_certs.h runs this script.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

@@ -37,8 +37,8 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/cluster_test_util.h"
+#include "tests/util/agent_rpc.h"
+#include "tests/util/in_process_cluster.h"
 
 namespace kvcm {
 namespace {

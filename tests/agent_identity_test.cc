@@ -25,9 +25,9 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/cluster_test_util.h"
-#include "tests/test_certs.h"
+#include "tests/util/agent_rpc.h"
+#include "tests/util/in_process_cluster.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
-#include "tests/process_util.h"
+#include "tests/util/child_process.h"
 
 namespace kvcm {
 namespace {

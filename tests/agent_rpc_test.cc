@@ -2,6 +2,8 @@
 // in-process Agent (host backend) that registers, heartbeats and shows in Stats; bad and
 // stale registrations through the AgentControl stub; WriteBlocks / ReadBlocks round trips and
 // refusals that change nothing; RunAttention against MlaDecodeCpu on the same latents.
+#include "tests/util/agent_rpc.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <cmath>
@@ -26,8 +28,7 @@
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/http_get.h"
+#include "tests/util/http_get.h"
 
 namespace kvcm {
 namespace {

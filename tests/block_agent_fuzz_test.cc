@@ -46,13 +46,13 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/credentials.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/server/agent.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/agent_test_util.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/agent_rpc.h"
 
 namespace kvcm {
 namespace {

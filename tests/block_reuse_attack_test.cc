@@ -23,9 +23,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/block_agent_calls.h"
-#include "tests/process_util.h"
-#include "tests/test_certs.h"
+#include "tests/util/block_agent_calls.h"
+#include "tests/util/child_process.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

@@ -1,5 +1,5 @@
 // One kvcm-manager and three kvcm-agents as processes (host pools, TCP transport) driven by
-// the worker simulator (tests/worker_sim.h), as an engine's workers would drive them:
+// the worker simulator (tests/util/worker_sim.h), as an engine's workers would drive them:
 //   - a prefix computed on the agent Route picked is fetched by another when that one is the
 //     only candidate or the first has a long queue; the copy reads back byte for byte, and
 //     RunAttention over it gives exactly the original's output;
@@ -30,9 +30,9 @@
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/block_agent_calls.h"
-#include "tests/process_cluster.h"
-#include "tests/worker_sim.h"
+#include "tests/util/block_agent_calls.h"
+#include "tests/util/process_cluster.h"
+#include "tests/util/worker_sim.h"
 
 namespace kvcm {
 namespace {

@@ -17,7 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
-#include "tests/test_certs.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

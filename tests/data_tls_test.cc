@@ -24,15 +24,15 @@
 #include "absl/time/clock.h"
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/transport/block_stream.h"
 #include "gpu/agent/transport/data_socket.h"
 #include "gpu/agent/transport/link_transfer.h"
 #include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
-#include "tests/connection_flood.h"
-#include "tests/test_certs.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/connection_flood.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

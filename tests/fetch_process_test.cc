@@ -23,8 +23,8 @@
 #include "common/page_hash.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/block_agent_calls.h"
-#include "tests/process_cluster.h"
+#include "tests/util/block_agent_calls.h"
+#include "tests/util/process_cluster.h"
 
 namespace kvcm {
 namespace {

@@ -18,8 +18,8 @@
 #include "common/token_table.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/process_util.h"
-#include "tests/test_certs.h"
+#include "tests/util/child_process.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

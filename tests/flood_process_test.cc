@@ -35,9 +35,9 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
-#include "tests/http_get.h"
-#include "tests/process_util.h"
-#include "tests/test_certs.h"
+#include "tests/util/child_process.h"
+#include "tests/util/http_get.h"
+#include "tests/util/test_certs.h"
 
 namespace kvcm {
 namespace {

@@ -3,7 +3,7 @@
 
 Below Linux's ephemeral range (32768-60999), where the kernel also picks the local ports of
 outgoing connections: a port bound to 0 and closed could be taken by any client's connect()
-before the test's server binds it. The shell tests' twin of tests/process_util.h's FreePort.
+before the test's server binds it. The shell tests' twin of tests/util/child_process.h's FreePort.
 """
 import random
 import socket

@@ -30,9 +30,9 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/http_get.h"
-#include "tests/process_util.h"
-#include "tests/test_certs.h"
+#include "tests/util/child_process.h"
+#include "tests/util/http_get.h"
+#include "tests/util/test_certs.h"
 
 namespace {
 

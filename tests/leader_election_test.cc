@@ -12,8 +12,8 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/ha/etcd_client.h"
-#include "tests/etcd_process.h"
-#include "tests/process_util.h"
+#include "tests/util/child_process.h"
+#include "tests/util/etcd_process.h"
 
 namespace kvcm {
 namespace {

@@ -1,6 +1,6 @@
 // Manager high availability, as separate processes on loopback: a real etcd, two
 // kvcm-managers campaigning for the same key, two kvcm-agents and a worker simulator
-// (tests/worker_sim.h) that reach the managers through one gRPC target naming both
+// (tests/util/worker_sim.h) that reach the managers through one gRPC target naming both
 // ("ipv4:A,B"): the standby does not listen, so the channel connects to whichever leads.
 //
 //   - kill -9 of the leader mid-load: the standby leads within the lease ttl, rebuilds the
@@ -32,9 +32,9 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
-#include "tests/etcd_process.h"
-#include "tests/process_util.h"
-#include "tests/worker_sim.h"
+#include "tests/util/child_process.h"
+#include "tests/util/etcd_process.h"
+#include "tests/util/worker_sim.h"
 
 namespace kvcm {
 namespace {

@@ -31,7 +31,7 @@
 #include "common/credentials.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/process_util.h"
+#include "tests/util/child_process.h"
 
 namespace kvcm {
 namespace {

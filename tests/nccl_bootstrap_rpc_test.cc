@@ -19,7 +19,7 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "proto/core_types.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
+#include "tests/util/agent_rpc.h"
 
 namespace kvcm {
 namespace {

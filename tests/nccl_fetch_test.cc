@@ -22,8 +22,8 @@
 #include "gpu/agent/server/agent.h"
 #include "gtest/gtest.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/cluster_test_util.h"
+#include "tests/util/agent_rpc.h"
+#include "tests/util/in_process_cluster.h"
 
 namespace kvcm {
 namespace {

@@ -24,8 +24,8 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/core/clock.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/agent_rpc.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm {
 namespace {

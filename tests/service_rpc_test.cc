@@ -19,7 +19,7 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
-#include "tests/http_get.h"
+#include "tests/util/http_get.h"
 
 namespace kvcm {
 namespace {

@@ -6,7 +6,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/core/cache_index.h"
-#include "server/core/match_testing.h"
+#include "tests/util/match_replicas.h"
 
 namespace kvcm {
 namespace {

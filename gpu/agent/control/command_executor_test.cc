@@ -7,9 +7,9 @@
 
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

@@ -14,8 +14,8 @@
 #include "absl/time/clock.h"
 #include "common/page_hash.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

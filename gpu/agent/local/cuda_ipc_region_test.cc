@@ -23,9 +23,9 @@
 #include "gmock/gmock.h"
 #include "gpu/agent/local/local_client.h"
 #include "gpu/agent/local/local_session.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/pool/device_backend.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 extern char** environ;
 

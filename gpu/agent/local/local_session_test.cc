@@ -22,12 +22,12 @@
 #include "gmock/gmock.h"
 #include "gpu/agent/local/local_client.h"
 #include "gpu/agent/local/local_socket_server.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/block_agent_service.h"
 #include "gtest/gtest.h"
 #include "proto/core_types.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm {
 namespace {

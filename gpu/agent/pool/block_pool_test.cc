@@ -9,11 +9,11 @@
 
 #include "common/model_catalog.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/pool/pool_attention.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

@@ -7,13 +7,13 @@
 #include <vector>
 
 #include "common/model_catalog.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/pool/block_pool.h"
 #include "gpu/agent/pool/device_backend.h"
 #include "gpu/agent/pool/pool_attention.h"
 #include "gpu/kernels/cuda_runner.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

@@ -15,11 +15,11 @@
 #include "common/authenticator.h"
 #include "common/credentials.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/block_agent_service.h"
 #include "gtest/gtest.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm {
 namespace {

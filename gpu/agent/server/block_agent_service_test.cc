@@ -10,11 +10,11 @@
 
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/stream_limiter.h"
 #include "gtest/gtest.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm {
 namespace {

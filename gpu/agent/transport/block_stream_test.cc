@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
 
 namespace kvcm {
 namespace {

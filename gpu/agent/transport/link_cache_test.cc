@@ -7,8 +7,8 @@
 
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/transport/fake_block_link.h"
 #include "gtest/gtest.h"
+#include "tests/util/fake_block_link.h"
 
 namespace kvcm {
 namespace {

@@ -22,12 +22,12 @@
 #include "absl/base/internal/endian.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/transport/data_socket.h"
-#include "gpu/agent/transport/fake_block_link.h"
 #include "gpu/agent/transport/link_cache.h"
 #include "gpu/agent/transport/tcp/tcp_transport.h"
 #include "gtest/gtest.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/fake_block_link.h"
 
 namespace kvcm {
 namespace {

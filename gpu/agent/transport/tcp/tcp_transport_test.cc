@@ -21,11 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
-#include "gpu/agent/pool/agent_test_util.h"
 #include "gpu/agent/transport/data_socket.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.pb.h"
-#include "tests/connection_flood.h"
+#include "tests/util/agent_pools.h"
+#include "tests/util/connection_flood.h"
 
 namespace kvcm {
 namespace {

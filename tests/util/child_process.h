@@ -1,7 +1,7 @@
 // Child processes for multi-process tests: posix_spawn (no shell), output captured through
 // pipes or sent to a log file, and a free loopback port. Header-only, test code.
-#ifndef KVCM_TESTS_PROCESS_UTIL_H_
-#define KVCM_TESTS_PROCESS_UTIL_H_
+#ifndef KVCM_TESTS_UTIL_CHILD_PROCESS_H_
+#define KVCM_TESTS_UTIL_CHILD_PROCESS_H_
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -279,4 +279,4 @@ bool WaitUntil(Pred pred, absl::Duration timeout) {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_PROCESS_UTIL_H_
+#endif  // KVCM_TESTS_UTIL_CHILD_PROCESS_H_

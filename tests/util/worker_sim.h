@@ -8,8 +8,8 @@
 //
 // Every block of page p holds PageBytes(p), so any replica of any page can be checked.
 // Not thread-safe: one request at a time.
-#ifndef KVCM_TESTS_WORKER_SIM_H_
-#define KVCM_TESTS_WORKER_SIM_H_
+#ifndef KVCM_TESTS_UTIL_WORKER_SIM_H_
+#define KVCM_TESTS_UTIL_WORKER_SIM_H_
 
 #include <cstdint>
 #include <map>
@@ -93,4 +93,4 @@ class WorkerSim {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_WORKER_SIM_H_
+#endif  // KVCM_TESTS_UTIL_WORKER_SIM_H_

@@ -1,4 +1,4 @@
-#include "tests/test_certs.h"
+#include "tests/util/test_certs.h"
 
 #include <stdlib.h>
 

@@ -1,4 +1,4 @@
-#include "gpu/kernels/mla_decode_test_util.h"
+#include "tests/util/mla_decode_reference.h"
 
 #include <math.h>
 

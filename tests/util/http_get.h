@@ -1,7 +1,7 @@
 // HttpGet: one plain HTTP/1.0 GET over a loopback socket, for tests that scrape /metrics.
 // Header-only, test code.
-#ifndef KVCM_TESTS_HTTP_GET_H_
-#define KVCM_TESTS_HTTP_GET_H_
+#ifndef KVCM_TESTS_UTIL_HTTP_GET_H_
+#define KVCM_TESTS_UTIL_HTTP_GET_H_
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -42,4 +42,4 @@ inline std::string HttpGet(int port, const std::string& path) {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_HTTP_GET_H_
+#endif  // KVCM_TESTS_UTIL_HTTP_GET_H_

@@ -1,7 +1,7 @@
 // Helpers of the tests that run a ManagerServer and in-process Agents (host backend) and talk
 // to them through the real client and stubs: agent_commands_test and agent_insert_test.
-#ifndef KVCM_TESTS_CLUSTER_TEST_UTIL_H_
-#define KVCM_TESTS_CLUSTER_TEST_UTIL_H_
+#ifndef KVCM_TESTS_UTIL_IN_PROCESS_CLUSTER_H_
+#define KVCM_TESTS_UTIL_IN_PROCESS_CLUSTER_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -20,8 +20,8 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "server/service/manager_server.h"
-#include "tests/agent_test_util.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/agent_rpc.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm::testing {
 
@@ -137,4 +137,4 @@ inline std::string Bytes(size_t n, int seed) {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_CLUSTER_TEST_UTIL_H_
+#endif  // KVCM_TESTS_UTIL_IN_PROCESS_CLUSTER_H_

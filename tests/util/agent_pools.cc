@@ -1,4 +1,4 @@
-#include "gpu/agent/pool/agent_test_util.h"
+#include "tests/util/agent_pools.h"
 
 #include <cmath>
 #include <cstring>

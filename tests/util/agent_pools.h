@@ -3,8 +3,8 @@
 // tests, host (block_pool_test.cc) and CUDA (pool_attention_cuda_test.cc): the same bytes
 // can be written to a pool on any backend, and the attended layer can be taken out alone
 // for an independent reference.
-#ifndef KVCM_GPU_AGENT_POOL_AGENT_TEST_UTIL_H_
-#define KVCM_GPU_AGENT_POOL_AGENT_TEST_UTIL_H_
+#ifndef KVCM_TESTS_UTIL_AGENT_POOLS_H_
+#define KVCM_TESTS_UTIL_AGENT_POOLS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -64,4 +64,4 @@ inline constexpr uint32_t kScatteredHeads = 16;
 
 }  // namespace kvcm
 
-#endif  // KVCM_GPU_AGENT_POOL_AGENT_TEST_UTIL_H_
+#endif  // KVCM_TESTS_UTIL_AGENT_POOLS_H_

@@ -2,8 +2,8 @@
 // listener from several loopback source addresses (127.0.0.2, 127.0.0.3, ...: all loopback on
 // Linux), never sends a byte, and reopens each connection as soon as the server closes it,
 // on a thread of its own until destroyed. Thread-safe: opened() may be read meanwhile.
-#ifndef KVCM_TESTS_CONNECTION_FLOOD_H_
-#define KVCM_TESTS_CONNECTION_FLOOD_H_
+#ifndef KVCM_TESTS_UTIL_CONNECTION_FLOOD_H_
+#define KVCM_TESTS_UTIL_CONNECTION_FLOOD_H_
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -125,4 +125,4 @@ class ConnectionFlood {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_CONNECTION_FLOOD_H_
+#endif  // KVCM_TESTS_UTIL_CONNECTION_FLOOD_H_

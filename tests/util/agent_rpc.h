@@ -1,8 +1,8 @@
 // In-process agent tests (an Agent and a ManagerServer in the test binary): polling for a
 // condition and BlockAgent calls through a stub. Header-only, test code. Child processes are
-// process_util.h.
-#ifndef KVCM_TESTS_AGENT_TEST_UTIL_H_
-#define KVCM_TESTS_AGENT_TEST_UTIL_H_
+// child_process.h.
+#ifndef KVCM_TESTS_UTIL_AGENT_RPC_H_
+#define KVCM_TESTS_UTIL_AGENT_RPC_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -53,4 +53,4 @@ inline std::vector<BlockId> AllocateBlocks(v1::BlockAgent::Stub& agent, uint32_t
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_AGENT_TEST_UTIL_H_
+#endif  // KVCM_TESTS_UTIL_AGENT_RPC_H_

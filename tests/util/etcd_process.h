@@ -3,8 +3,8 @@
 //
 // EtcdProcess::StartOrSkip() returns null when there is no etcd binary: the caller skips,
 // unless KVCM_REQUIRE_ETCD=1 (scripts/test.sh), which makes that a failure.
-#ifndef KVCM_TESTS_ETCD_PROCESS_H_
-#define KVCM_TESTS_ETCD_PROCESS_H_
+#ifndef KVCM_TESTS_UTIL_ETCD_PROCESS_H_
+#define KVCM_TESTS_UTIL_ETCD_PROCESS_H_
 
 #include <signal.h>
 #include <unistd.h>
@@ -19,7 +19,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "server/ha/etcd_client.h"
-#include "tests/process_util.h"
+#include "tests/util/child_process.h"
 
 namespace kvcm::testing {
 
@@ -114,4 +114,4 @@ class EtcdProcess {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_ETCD_PROCESS_H_
+#endif  // KVCM_TESTS_UTIL_ETCD_PROCESS_H_

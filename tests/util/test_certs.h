@@ -2,8 +2,8 @@
 // run into a fresh temporary directory that is removed with the TestCerts. Nothing is
 // checked in. See the script for the files: ca, manager, one per agent id, client, and
 // untrusted (signed by untrusted-ca, which nobody trusts). Test code; not thread-safe.
-#ifndef KVCM_TESTS_TEST_CERTS_H_
-#define KVCM_TESTS_TEST_CERTS_H_
+#ifndef KVCM_TESTS_UTIL_TEST_CERTS_H_
+#define KVCM_TESTS_UTIL_TEST_CERTS_H_
 
 #include <memory>
 #include <string>
@@ -48,4 +48,4 @@ class TestCerts {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_TEST_CERTS_H_
+#endif  // KVCM_TESTS_UTIL_TEST_CERTS_H_

@@ -1,4 +1,4 @@
-#include "tests/worker_sim.h"
+#include "tests/util/worker_sim.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,7 +11,7 @@
 #include "client/fetch_plan.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
-#include "tests/block_agent_calls.h"
+#include "tests/util/block_agent_calls.h"
 
 namespace kvcm::testing {
 

@@ -2,8 +2,8 @@
 // started together, each logging to its own file (printed when the test failed), every one
 // SIGKILLed and reaped when the cluster dies, whatever path the test left by. Header-only,
 // test code. REQUIRES: the test target defines KVCM_MANAGER_PATH and KVCM_AGENT_PATH.
-#ifndef KVCM_TESTS_PROCESS_CLUSTER_H_
-#define KVCM_TESTS_PROCESS_CLUSTER_H_
+#ifndef KVCM_TESTS_UTIL_PROCESS_CLUSTER_H_
+#define KVCM_TESTS_UTIL_PROCESS_CLUSTER_H_
 
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -24,7 +24,7 @@
 #include "common/credentials.h"
 #include "gtest/gtest.h"
 #include "kvcm/v1/agent.grpc.pb.h"
-#include "tests/process_util.h"
+#include "tests/util/child_process.h"
 
 namespace kvcm::testing {
 
@@ -190,4 +190,4 @@ class ProcessCluster {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_PROCESS_CLUSTER_H_
+#endif  // KVCM_TESTS_UTIL_PROCESS_CLUSTER_H_

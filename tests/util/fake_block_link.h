@@ -1,8 +1,8 @@
 // Test-only BlockLinks in host memory: a pair whose Send delivers the sender's staging bytes
 // to the peer's Recv, as one NCCL communicator of two ranks would, with knobs to stall or
 // lose a send. Header-only; used by link_cache_test.cc and link_transfer_test.cc.
-#ifndef KVCM_GPU_AGENT_TRANSPORT_FAKE_BLOCK_LINK_H_
-#define KVCM_GPU_AGENT_TRANSPORT_FAKE_BLOCK_LINK_H_
+#ifndef KVCM_TESTS_UTIL_FAKE_BLOCK_LINK_H_
+#define KVCM_TESTS_UTIL_FAKE_BLOCK_LINK_H_
 
 #include <atomic>
 #include <cstring>
@@ -113,4 +113,4 @@ class FakeBlockLink final : public BlockLink {
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_GPU_AGENT_TRANSPORT_FAKE_BLOCK_LINK_H_
+#endif  // KVCM_TESTS_UTIL_FAKE_BLOCK_LINK_H_

@@ -1,8 +1,8 @@
 // BlockAgent calls through a stub, as a worker makes them: allocate blocks for a namespace,
 // free them, write and read their bytes. For the in-process and the multi-process tests
 // alike (nothing here starts a server). Header-only, test code.
-#ifndef KVCM_TESTS_BLOCK_AGENT_CALLS_H_
-#define KVCM_TESTS_BLOCK_AGENT_CALLS_H_
+#ifndef KVCM_TESTS_UTIL_BLOCK_AGENT_CALLS_H_
+#define KVCM_TESTS_UTIL_BLOCK_AGENT_CALLS_H_
 
 #include <grpcpp/grpcpp.h>
 
@@ -149,4 +149,4 @@ inline v1::FetchRequest FetchRequestFor(const NamespaceId& ns, std::span<const P
 
 }  // namespace kvcm::testing
 
-#endif  // KVCM_TESTS_BLOCK_AGENT_CALLS_H_
+#endif  // KVCM_TESTS_UTIL_BLOCK_AGENT_CALLS_H_

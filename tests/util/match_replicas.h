@@ -1,6 +1,6 @@
 // Test helpers: a MatchResult's replicas as plain values, for comparing with gmock.
-#ifndef KVCM_SERVER_CORE_MATCH_TESTING_H_
-#define KVCM_SERVER_CORE_MATCH_TESTING_H_
+#ifndef KVCM_TESTS_UTIL_MATCH_REPLICAS_H_
+#define KVCM_TESTS_UTIL_MATCH_REPLICAS_H_
 
 #include <span>
 #include <vector>
@@ -28,4 +28,4 @@ inline std::vector<TestReplica> ReplicasOf(const MatchResult& m, const MatchedSe
 
 }  // namespace kvcm
 
-#endif  // KVCM_SERVER_CORE_MATCH_TESTING_H_
+#endif  // KVCM_TESTS_UTIL_MATCH_REPLICAS_H_
