@@ -21,11 +21,13 @@
 #include "gtest/gtest.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
+#include "tests/util/mla_spec.h"
 
 namespace kvcm {
 namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
+using ::kvcm::testing::MlaSpecProto;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kPageSize = 16;
@@ -72,14 +74,7 @@ class FairShareRpcTest : public ::testing::Test {
     for (const char* tenant : {"acme", "globex"}) {
       v1::RegisterModelRequest req;
       *req.mutable_namespace_() = Ns(tenant);
-      v1::ModelSpec* spec = req.mutable_spec();
-      spec->set_attention(v1::ATTENTION_KIND_MLA);
-      spec->set_num_layers(61);
-      spec->set_num_heads(128);
-      spec->set_kv_lora_rank(512);
-      spec->set_rope_dim(64);
-      spec->set_dtype(v1::KV_DTYPE_BF16);
-      spec->set_page_size_tokens(kPageSize);
+      *req.mutable_spec() = MlaSpecProto(kPageSize);
       v1::RegisterModelResponse resp;
       grpc::Status s = stub_->RegisterModel(Ctx(kAdminToken).get(), req, &resp);
       ASSERT_TRUE(s.ok()) << s.error_message();

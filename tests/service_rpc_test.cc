@@ -20,12 +20,14 @@
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
 #include "tests/util/http_get.h"
+#include "tests/util/mla_spec.h"
 
 namespace kvcm {
 namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
 using ::kvcm::testing::HttpGet;
+using ::kvcm::testing::MlaSpecProto;
 using ::testing::HasSubstr;
 
 constexpr uint32_t kPageSize = 16;
@@ -76,15 +78,8 @@ class ServiceRpcTest : public ::testing::Test {
   grpc::Status TryRegister(v1::RegisterModelResponse* resp, const std::string& kv_layout = "") {
     v1::RegisterModelRequest req;
     *req.mutable_namespace_() = ns_;
-    v1::ModelSpec* spec = req.mutable_spec();
-    spec->set_attention(v1::ATTENTION_KIND_MLA);
-    spec->set_num_layers(61);
-    spec->set_num_heads(128);
-    spec->set_kv_lora_rank(512);
-    spec->set_rope_dim(64);
-    spec->set_dtype(v1::KV_DTYPE_BF16);
-    spec->set_page_size_tokens(kPageSize);
-    spec->set_kv_layout(kv_layout);
+    *req.mutable_spec() = MlaSpecProto(kPageSize);
+    req.mutable_spec()->set_kv_layout(kv_layout);
     grpc::ClientContext ctx;
     return stub_->RegisterModel(&ctx, req, resp);
   }

@@ -24,26 +24,17 @@
 #include "kvcm/v1/agent.grpc.pb.h"
 #include "kvcm/v1/cache_manager.grpc.pb.h"
 #include "server/service/manager_server.h"
+#include "tests/util/mla_spec.h"
 
 namespace kvcm {
 namespace {
 
 using ::google::protobuf::util::MessageDifferencer;
+using ::kvcm::testing::MlaSpecProto;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
 constexpr uint32_t kPageSize = 16;
-
-// DeepSeek-V3's latent (61 layers of 512 + 64, bf16) in kPageSize-token pages.
-void FillMla(v1::ModelSpec* spec) {
-  spec->set_attention(v1::ATTENTION_KIND_MLA);
-  spec->set_num_layers(61);
-  spec->set_num_heads(128);
-  spec->set_kv_lora_rank(512);
-  spec->set_rope_dim(64);
-  spec->set_dtype(v1::KV_DTYPE_BF16);
-  spec->set_page_size_tokens(kPageSize);
-}
 
 // Bearer tokens (the file holds only their SHA-256).
 constexpr char kAcme[] = "acme-worker-token-5d1c0f";
@@ -137,7 +128,7 @@ class TenantAttackTest : public ::testing::Test {
                         v1::RegisterModelResponse* resp = nullptr) {
     v1::RegisterModelRequest req;
     *req.mutable_namespace_() = ns;
-    FillMla(req.mutable_spec());
+    *req.mutable_spec() = MlaSpecProto(kPageSize);
     v1::RegisterModelResponse local;
     return stub_->RegisterModel(Ctx(token).get(), req, resp != nullptr ? resp : &local);
   }
@@ -525,7 +516,7 @@ TEST_F(TenantAttackTest, OnlyAnAdminForgetsAnAgent) {
   reg.set_device("host");
   reg.set_tier(v1::TIER_GPU);
   reg.set_epoch(1);
-  FillMla(reg.mutable_geometry()->mutable_spec());
+  *reg.mutable_geometry()->mutable_spec() = MlaSpecProto(kPageSize);
   const uint64_t page_bytes = 61ull * (512 + 64) * 2 * kPageSize;
   reg.mutable_geometry()->set_bytes_per_block(page_bytes);
   reg.mutable_geometry()->set_num_blocks(8);
