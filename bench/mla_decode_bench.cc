@@ -21,7 +21,7 @@
 #include "benchmark/benchmark.h"
 #include "common/program_flags.h"
 #include "gpu/kernels/mla_decode_cpu.h"
-#include "tests/util/mla_decode_reference.h"
+#include "gpu/kernels/mla_decode_reference.h"
 
 namespace kvcm::bench {
 namespace {

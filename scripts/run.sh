@@ -38,8 +38,11 @@ cmake -S . -B "$build_dir" -G Ninja \
 
 targets=(kvcm-manager)
 # kvcmctl and kvcm-agent (README's walk-throughs use them); build them when the tree has them.
+# The target list goes into a variable first: `cmake ... | grep -q` under pipefail fails when
+# grep stops reading early and cmake dies of SIGPIPE, which left both unbuilt.
+known=$(cmake --build "$build_dir" --target help)
 for extra in kvcmctl kvcm-agent; do
-  if cmake --build "$build_dir" --target help | grep -q "^$extra:"; then
+  if grep -q "^$extra:" <<<"$known"; then
     targets+=("$extra")
   fi
 done

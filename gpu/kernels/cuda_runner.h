@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "tests/util/mla_decode_reference.h"
+#include "gpu/kernels/mla_decode_reference.h"
 
 namespace kvcm::gpu {
 

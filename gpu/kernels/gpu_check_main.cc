@@ -20,7 +20,7 @@
 #include "gpu/kernels/fp8_latent_cpu.h"
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
-#include "tests/util/mla_decode_reference.h"
+#include "gpu/kernels/mla_decode_reference.h"
 
 namespace kvcm::gpu {
 namespace {

@@ -14,7 +14,7 @@
 #include "gpu/kernels/mla_decode_cpu.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
-#include "tests/util/mla_decode_reference.h"
+#include "gpu/kernels/mla_decode_reference.h"
 
 namespace kvcm::gpu {
 namespace {

@@ -1,4 +1,4 @@
-#include "tests/util/mla_decode_reference.h"
+#include "gpu/kernels/mla_decode_reference.h"
 
 #include <math.h>
 

@@ -1,8 +1,8 @@
 // Random MLA decode problems for the tests, kvcm-gpu-check and the benchmark: a paged latent
 // pool in shuffled block order with garbage in every slot no sequence owns, the un-absorbed
 // query and the W_uk / W_uv projections, and the naive (MHA-shaped) reference.
-#ifndef KVCM_TESTS_UTIL_MLA_DECODE_REFERENCE_H_
-#define KVCM_TESTS_UTIL_MLA_DECODE_REFERENCE_H_
+#ifndef KVCM_GPU_KERNELS_MLA_DECODE_REFERENCE_H_
+#define KVCM_GPU_KERNELS_MLA_DECODE_REFERENCE_H_
 
 #include <stdint.h>
 
@@ -54,4 +54,4 @@ std::vector<double> ProjectLatentOutput(const MlaTestProblem& prob, int b, int h
 
 }  // namespace kvcm::gpu
 
-#endif  // KVCM_TESTS_UTIL_MLA_DECODE_REFERENCE_H_
+#endif  // KVCM_GPU_KERNELS_MLA_DECODE_REFERENCE_H_
