@@ -45,7 +45,7 @@ namespace kvcm {
 //
 // Fail closed: a method with no rule, a request type whose methods state different rules, a
 // CUSTOM method without its overload, or an overload for a method the proto does not mark
-// CUSTOM is refused to every caller (tests/access_rules_test checks the proto).
+// CUSTOM is refused to every caller (access_control_test checks the proto).
 
 // The rule the proto states for the methods taking requests of type `request`
 // (ACCESS_UNSPECIFIED when none, or when they disagree).
