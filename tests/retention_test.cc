@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -172,6 +173,12 @@ TEST_F(RetentionTest, ExpiredPagesAreFreedOnTheirAgent) {
     absl::MutexLock lock(&mu);
     events.push_back(e);
   });
+  // The stream is live before anything expires: WatchEvents returns before the manager has
+  // subscribed it, and an event published before that never reaches it (the watcher thread
+  // can lag that long on a loaded machine).
+  ASSERT_TRUE(WaitFor([&] {
+    return absl::StrContains(manager_->metrics().RenderText(), "\nkvcm_watch_subscribers 1\n");
+  }));
   auto expired_events = [&] {
     absl::MutexLock lock(&mu);
     size_t n = 0;
