@@ -93,6 +93,11 @@ class BlockAgentService final : public v1::BlockAgent::CallbackService {
   grpc::ServerUnaryReactor* Fetch(grpc::CallbackServerContext* ctx, const v1::FetchRequest* req,
                                   v1::FetchResponse* resp) override;
 
+  // WriteBlocks and ReadBlocks streams `principal` (its name) holds open now, as
+  // max_streams_per_principal counts them: a stream counts from the moment its reactor
+  // starts until the reactor ends, which is after its client has seen it finish.
+  uint32_t open_streams(const std::string& principal) const { return streams_.open(principal); }
+
  private:
   // The authenticated, authorized and converted Allocate request.
   absl::StatusOr<RoomMaker::Request> AllocateRequest(const grpc::CallbackServerContext& ctx,

@@ -9,11 +9,13 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/token_table.h"
 #include "gmock/gmock.h"
 #include "gpu/agent/server/agent_metrics.h"
 #include "gpu/agent/server/stream_limiter.h"
 #include "gtest/gtest.h"
 #include "tests/util/agent_pools.h"
+#include "tests/util/agent_rpc.h"
 #include "tests/util/block_agent_calls.h"
 
 namespace kvcm {
@@ -173,10 +175,16 @@ TEST(BlockAgentStreamCapTest, TheNextStreamOverTheCapIsRefusedUntilOneEnds) {
   EXPECT_EQ(stats.stream_limits().max_message_bytes(), options.max_message_bytes);
   EXPECT_EQ(stats.stream_limits().read_chunk_bytes(), options.read_chunk_bytes);
 
+  // Each held stream is counted before the next one opens: a stream still ending (the
+  // Allocate and WriteAll above) or a third opened too early could otherwise take the slot
+  // `second` was meant to have, and `second` would be the one refused.
+  const std::string caller = OpenPrincipal()->name;
+  ASSERT_TRUE(testing::WaitFor([&] { return service.open_streams(caller) == 0; }));
   std::unique_ptr<HeldWrite> first = OpenWrite(*stub, ids[1]);
+  ASSERT_TRUE(testing::WaitFor([&] { return service.open_streams(caller) == 1; }));
   std::unique_ptr<HeldWrite> second = OpenWrite(*stub, ids[1]);
-  // The two are open once the server has read their headers; a third is refused, whether
-  // it writes or reads, and changes nothing.
+  ASSERT_TRUE(testing::WaitFor([&] { return service.open_streams(caller) == 2; }));
+  // With both open, a third is refused, whether it writes or reads, and changes nothing.
   grpc::Status third;
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   do {
