@@ -200,7 +200,11 @@ def test_a_stalled_manager_does_not_stall_decoding(cluster) -> None:
     gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
     print(f"unstalled max gap {normal_gap:.3f} s; stalled manager: max gap {max(gaps):.3f} s, "
           f"new request admitted in {admitted - stopped:.3f} s")
-    assert max(gaps) < normal_gap + 1.5, gaps
+    # A scheduler step may wait out several bounded calls (the new request's Route, a
+    # finished request's pin release: measured gaps of 1.51 and 1.70 s, about three 500 ms
+    # deadlines plus the step on a loaded 2-core machine); the bound allows three and 1 s for
+    # the step, a quarter of the client's 10 s default that an unbounded call would wait.
+    assert max(gaps) < normal_gap + 3 * 0.5 + 1.0, gaps
     log = e["A"].log_path.read_text(errors="replace")
     assert "match failed, recomputing" in log, e["A"].log_tail()
 
