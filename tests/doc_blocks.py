@@ -28,8 +28,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 COMMAND_LANGS = {"sh", "bash", "shell", "console"}
 
@@ -181,9 +183,19 @@ def all_blocks(root):
 
 
 def registered(root, build, ctest):
-    """{(file, id): [test names]} of the doc blocks BUILD's tests run."""
-    out = subprocess.run([ctest, "--test-dir", build, "--show-only=json-v1"], check=True,
-                         capture_output=True, text=True).stdout
+    """{(file, id): [test names]} of the doc blocks BUILD's tests run.
+
+    ctest lists them from a copy of BUILD's CTestTestfile.cmake tree: any ctest run in BUILD,
+    even --show-only, rewrites BUILD/Testing/Temporary/LastTest.log, which would erase the
+    output of the ctest run this check is part of."""
+    with tempfile.TemporaryDirectory() as copy:
+        for dirpath, _, files in os.walk(build):
+            if "CTestTestfile.cmake" in files:
+                target = os.path.join(copy, os.path.relpath(dirpath, build))
+                os.makedirs(target, exist_ok=True)
+                shutil.copy(os.path.join(dirpath, "CTestTestfile.cmake"), target)
+        out = subprocess.run([ctest, "--test-dir", copy, "--show-only=json-v1"], check=True,
+                             capture_output=True, text=True).stdout
     runs = {}
     for test in json.loads(out).get("tests", []):
         cmd = test.get("command") or []
