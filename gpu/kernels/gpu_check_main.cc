@@ -19,8 +19,8 @@
 #include "gpu/kernels/fp8_latent.h"
 #include "gpu/kernels/fp8_latent_cpu.h"
 #include "gpu/kernels/mla_decode_cpu.h"
-#include "gpu/kernels/mla_math.h"
 #include "gpu/kernels/mla_decode_reference.h"
+#include "gpu/kernels/mla_math.h"
 
 namespace kvcm::gpu {
 namespace {

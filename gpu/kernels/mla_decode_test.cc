@@ -12,9 +12,9 @@
 #include "gpu/kernels/fp8_latent.h"
 #include "gpu/kernels/fp8_latent_cpu.h"
 #include "gpu/kernels/mla_decode_cpu.h"
+#include "gpu/kernels/mla_decode_reference.h"
 #include "gpu/kernels/mla_math.h"
 #include "gtest/gtest.h"
-#include "gpu/kernels/mla_decode_reference.h"
 
 namespace kvcm::gpu {
 namespace {
