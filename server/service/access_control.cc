@@ -1,6 +1,5 @@
 #include "server/service/access_control.h"
 
-#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -35,11 +34,27 @@ absl::Status NeedAdmin(const Principal& p, absl::string_view what) {
 }
 
 // Each request type's rule and the method that states it, over the services the manager
-// serves. Types are keyed by descriptor: Reserve and Unreserve share theirs.
+// serves, resolved once. Types are keyed by descriptor: Reserve and Unreserve share theirs.
 struct StatedRule {
   v1::Access access = v1::ACCESS_UNSPECIFIED;
   std::string method;  // "Release"; the first, when several take the type
+  // What the rule reads: the string agent_id (AGENT) or the Namespace namespace
+  // (TENANT_WORKER); null for other rules, and when the request has no such field.
+  const google::protobuf::FieldDescriptor* field = nullptr;
 };
+
+const google::protobuf::FieldDescriptor* RuleField(const google::protobuf::Descriptor* request,
+                                                   v1::Access access) {
+  const google::protobuf::FieldDescriptor* f = nullptr;
+  if (access == v1::ACCESS_AGENT) {
+    f = request->FindFieldByName("agent_id");
+    if (f != nullptr && f->type() != google::protobuf::FieldDescriptor::TYPE_STRING) f = nullptr;
+  } else if (access == v1::ACCESS_TENANT_WORKER) {
+    f = request->FindFieldByName("namespace");
+    if (f != nullptr && f->message_type() != v1::Namespace::descriptor()) f = nullptr;
+  }
+  return f != nullptr && !f->is_repeated() ? f : nullptr;
+}
 
 const absl::flat_hash_map<const google::protobuf::Descriptor*, StatedRule>& StatedRules() {
   static const auto* const rules = [] {
@@ -51,9 +66,13 @@ const absl::flat_hash_map<const google::protobuf::Descriptor*, StatedRule>& Stat
       for (int i = 0; i < service->method_count(); ++i) {
         const google::protobuf::MethodDescriptor* m = service->method(i);
         const v1::Access stated = m->options().GetExtension(v1::access);
-        auto [it, inserted] = by_type->try_emplace(m->input_type(), StatedRule{stated, m->name()});
+        auto [it, inserted] = by_type->try_emplace(
+            m->input_type(), StatedRule{stated, m->name(), RuleField(m->input_type(), stated)});
         // Methods that share a type but not a rule: no rule holds for the type.
-        if (!inserted && it->second.access != stated) it->second.access = v1::ACCESS_UNSPECIFIED;
+        if (!inserted && it->second.access != stated) {
+          it->second.access = v1::ACCESS_UNSPECIFIED;
+          it->second.field = nullptr;
+        }
       }
     }
     return by_type;
@@ -61,32 +80,14 @@ const absl::flat_hash_map<const google::protobuf::Descriptor*, StatedRule>& Stat
   return *rules;
 }
 
-StatedRule RuleOf(const google::protobuf::Descriptor* request) {
+const StatedRule& RuleOf(const google::protobuf::Descriptor* request) {
+  static const StatedRule kNone;
   auto it = StatedRules().find(request);
-  return it == StatedRules().end() ? StatedRule{} : it->second;
+  return it == StatedRules().end() ? kNone : it->second;
 }
 
-// The request's string field `name`, or nullopt when the type has none.
-std::optional<std::string> StringField(const google::protobuf::Message& req,
-                                       absl::string_view name) {
-  const google::protobuf::FieldDescriptor* f =
-      req.GetDescriptor()->FindFieldByName(std::string(name));
-  if (f == nullptr || f->is_repeated() ||
-      f->type() != google::protobuf::FieldDescriptor::TYPE_STRING) {
-    return std::nullopt;
-  }
-  return req.GetReflection()->GetString(req, f);
-}
-
-// The request's Namespace field `namespace` (a default one when unset), or nullptr when
-// the type has none.
-const v1::Namespace* NamespaceField(const google::protobuf::Message& req) {
-  const google::protobuf::FieldDescriptor* f = req.GetDescriptor()->FindFieldByName("namespace");
-  if (f == nullptr || f->is_repeated() || f->message_type() != v1::Namespace::descriptor()) {
-    return nullptr;
-  }
-  return google::protobuf::DynamicCastToGenerated<v1::Namespace>(
-      &req.GetReflection()->GetMessage(req, f));
+std::string CallName(const StatedRule& rule, const google::protobuf::Message& req) {
+  return absl::StrCat("call ", rule.method.empty() ? req.GetTypeName() : rule.method);
 }
 
 }  // namespace
@@ -96,22 +97,23 @@ v1::Access AccessRuleOf(const google::protobuf::Descriptor* request) {
 }
 
 absl::Status AuthorizeByRule(const Principal& p, const google::protobuf::Message& req) {
-  const StatedRule rule = RuleOf(req.GetDescriptor());
-  const std::string call =
-      absl::StrCat("call ", rule.method.empty() ? req.GetTypeName() : rule.method);
+  const StatedRule& rule = RuleOf(req.GetDescriptor());
+  const google::protobuf::Reflection& reflection = *req.GetReflection();
   switch (rule.access) {
     case v1::ACCESS_ANY:
       return absl::OkStatus();
     case v1::ACCESS_ADMIN:
-      return NeedAdmin(p, call);
+      return NeedAdmin(p, CallName(rule, req));
     case v1::ACCESS_AGENT:
-      if (std::optional<std::string> id = StringField(req, "agent_id"); id.has_value()) {
-        return AuthorizeAgent(p, *id);
+      if (rule.field != nullptr) {
+        std::string scratch;
+        return AuthorizeAgent(p, reflection.GetStringReference(req, rule.field, &scratch));
       }
       break;
     case v1::ACCESS_TENANT_WORKER:
-      if (const v1::Namespace* ns = NamespaceField(req); ns != nullptr) {
-        return NeedWorker(p, *ns, call);
+      if (rule.field != nullptr) {
+        const auto& ns = static_cast<const v1::Namespace&>(reflection.GetMessage(req, rule.field));
+        return NeedWorker(p, ns, CallName(rule, req));
       }
       break;
     default:
@@ -119,13 +121,14 @@ absl::Status AuthorizeByRule(const Principal& p, const google::protobuf::Message
   }
   // No rule the descriptors can enforce: a stated rule whose field the request lacks,
   // CUSTOM without its code, or none.
-  return Denied(p, absl::StrCat(call, " (its proto states no access rule kvcm enforces: ",
-                                v1::Access_Name(rule.access), ")"));
+  return Denied(
+      p, absl::StrCat(CallName(rule, req), " (its proto states no access rule kvcm enforces: ",
+                      v1::Access_Name(rule.access), ")"));
 }
 
 absl::Status CustomRuleNotStated(const Principal& p, const google::protobuf::Message& req) {
-  const StatedRule rule = RuleOf(req.GetDescriptor());
-  return Denied(p, absl::StrCat("call ", rule.method.empty() ? req.GetTypeName() : rule.method,
+  const StatedRule& rule = RuleOf(req.GetDescriptor());
+  return Denied(p, absl::StrCat(CallName(rule, req),
                                 " (a custom rule is written for it, but its proto states ",
                                 v1::Access_Name(rule.access), ")"));
 }

@@ -85,10 +85,8 @@ absl::Status AuthorizeAgent(const Principal& p, absl::string_view agent_id);
 template <typename Request>
 absl::Status Authorize(const Principal& p, const Request& req) {
   if constexpr (requires { AuthorizeCustom(p, req); }) {
-    if (AccessRuleOf(Request::descriptor()) != v1::ACCESS_CUSTOM) {
-      return CustomRuleNotStated(p, req);
-    }
-    return AuthorizeCustom(p, req);
+    static const bool stated = AccessRuleOf(Request::descriptor()) == v1::ACCESS_CUSTOM;
+    return stated ? AuthorizeCustom(p, req) : CustomRuleNotStated(p, req);
   } else {
     return AuthorizeByRule(p, req);
   }
