@@ -46,6 +46,20 @@ void Hashes(const ManagerWorld& w, int prompt, v1::Prompt* out) {
   *out->mutable_scheme() = SeedScheme(w);
 }
 
+// An Insert of seed prompt `prompt` (as tokens) into `agent`'s pool of `tier`, its four pages
+// in blocks first_block.., of agent epoch `epoch` (0: an index-only pool).
+v1::InsertRequest InsertOf(const std::string& agent, v1::Tier tier, int prompt, BlockId first_block,
+                           uint64_t epoch) {
+  v1::InsertRequest insert;
+  NamespaceToProto(SeedNamespace(), insert.mutable_namespace_());
+  insert.mutable_pool()->set_agent_id(agent);
+  insert.mutable_pool()->set_tier(tier);
+  Tokens(SeedTokens(prompt), insert.mutable_prompt());
+  for (BlockId b = first_block; b < first_block + 4; ++b) insert.add_block_ids(b);
+  insert.set_agent_epoch(epoch);
+  return insert;
+}
+
 void CacheManagerSeeds(const fs::path& dir) {
   const ManagerWorld w;
   using namespace cache_manager_calls;  // NOLINT: the tags
@@ -91,13 +105,9 @@ void CacheManagerSeeds(const fs::path& dir) {
     s.clear();
     v1::WatchEventsRequest watch;
     AppendRecord(&s, kWatchEvents, watch);
-    v1::InsertRequest insert;
-    NamespaceToProto(SeedNamespace(), insert.mutable_namespace_());
-    insert.mutable_pool()->set_agent_id(agent);
-    insert.mutable_pool()->set_tier(agent == kAgents[0] ? v1::TIER_GPU : v1::TIER_HOST);
-    Tokens(SeedTokens(2), insert.mutable_prompt());
-    for (BlockId b : {20, 21, 22, 23}) insert.add_block_ids(b);
-    insert.set_agent_epoch(agent == kAgents[0] ? 1 : 0);
+    const bool live = agent == std::string(kAgents[0]);
+    v1::InsertRequest insert =
+        InsertOf(agent, live ? v1::TIER_GPU : v1::TIER_HOST, 2, 20, live ? 1 : 0);
     AppendRecord(&s, kInsert, insert);
     v1::EvictRequest evict;
     evict.mutable_pool()->set_agent_id(agent);
@@ -123,14 +133,7 @@ void CacheManagerSeeds(const fs::path& dir) {
   // one live with force, one gone after the clock passes the registry's stale time.
   s.clear();
   {
-    v1::InsertRequest insert;
-    NamespaceToProto(SeedNamespace(), insert.mutable_namespace_());
-    insert.mutable_pool()->set_agent_id(kAgents[0]);
-    insert.mutable_pool()->set_tier(v1::TIER_GPU);
-    Tokens(SeedTokens(0), insert.mutable_prompt());
-    for (BlockId b : {30, 31, 32, 33}) insert.add_block_ids(b);
-    insert.set_agent_epoch(1);
-    AppendRecord(&s, kInsert, insert);
+    AppendRecord(&s, kInsert, InsertOf(kAgents[0], v1::TIER_GPU, 0, 30, 1));
     v1::MatchRequest match;
     NamespaceToProto(SeedNamespace(), match.mutable_namespace_());
     Tokens(SeedTokens(0), match.mutable_prompt());
@@ -255,13 +258,7 @@ void AgentControlSeeds(const fs::path& dir) {
   hello.set_agent_id(kAgents[0]);
   hello.set_epoch(1);
   AppendRecord(&s, kCommandsMessage, hello);
-  v1::InsertRequest insert;
-  NamespaceToProto(SeedNamespace(), insert.mutable_namespace_());
-  insert.mutable_pool()->set_agent_id(kAgents[0]);
-  insert.mutable_pool()->set_tier(v1::TIER_GPU);
-  Tokens(SeedTokens(2), insert.mutable_prompt());
-  for (BlockId b : {20, 21, 22, 23}) insert.add_block_ids(b);
-  insert.set_agent_epoch(1);
+  const v1::InsertRequest insert = InsertOf(kAgents[0], v1::TIER_GPU, 2, 20, 1);
   AppendRecord(&s, kInsert, insert);
   v1::AgentCommandAck ack;
   ack.set_sequence(1);
